@@ -1,0 +1,26 @@
+# Two commands do all the set-up (see README):
+#   make train   -> installs, then trains the tiny GPT-2 on the embedded corpus (CPU is fine)
+#   make test    -> installs, then runs the test suite
+PYTHON ?= python3
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install train test bench-kernels clean
+
+install: .install.stamp
+
+.install.stamp: requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
+	$(PYTHON) -m pip install -q -r requirements.txt
+	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+	touch .install.stamp
+
+train: install
+	$(PYTHON) -m dilocox.cli train configs/tiny.yaml
+
+test: install
+	$(PYTHON) -m pytest -q tests
+
+bench-kernels: install
+	$(PYTHON) -m dilocox.cli bench kernels
+
+clean:
+	rm -rf build .install.stamp dilocox/*.so runs

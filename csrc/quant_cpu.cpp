@@ -1,0 +1,329 @@
+// dilocox: CPU cores of the int4/int8 group quantizer with fused error feedback.
+// See quant_core.h for the format (DiLoCoX int4 pseudo-gradient compression; error
+// feedback as in CocktailSGD). One pass over memory: each group is read twice while it
+// sits in L1 (absmax, then quantize), x/e are read once from DRAM and e/packed/scales
+// are written once. OpenMP-parallel over groups; results do not depend on the thread
+// count (each group is independent and written by exactly one thread).
+//
+// Build with -O3 -ffp-contract=off (no FMA contraction: e = v - s*q must round the
+// product first, exactly like the two separate torch ops of the reference).
+#include "quant_core.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define DILOCOX_X86_DISPATCH 1
+#else
+#define DILOCOX_X86_DISPATCH 0
+#endif
+// Bodies are force-inlined into the per-ISA range kernels so that they get vectorized
+// with that kernel's target ISA.
+#if defined(__GNUC__) || defined(__clang__)
+#define DILOCOX_INLINE inline __attribute__((always_inline))
+#else
+#define DILOCOX_INLINE inline
+#endif
+
+namespace dilocox {
+namespace {
+
+constexpr int64_t kChunk = 64;  // elements quantized per inner (vectorizable) loop
+// 1.5 * 2^23: (y + M) - M == rint(y) (round-half-even, default FP environment) for
+// |y| < 2^22 without needing SSE4.1 roundps. Always yields +0.0 for a zero result.
+constexpr float kRoundMagic = 12582912.0f;
+
+inline int resolve_threads(int num_threads) {
+#ifdef _OPENMP
+  return num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  (void)num_threads;
+  return 1;
+#endif
+}
+
+// Threads only pay off once there is enough work (fork/join costs a few microseconds).
+inline bool worth_parallel(int64_t n) { return n >= (int64_t(1) << 15); }
+
+inline void store_scale(uint8_t* scales, int64_t g, uint16_t bits) {
+  scales[2 * g] = static_cast<uint8_t>(bits & 0xff);
+  scales[2 * g + 1] = static_cast<uint8_t>(bits >> 8);
+}
+
+inline float load_scale(const uint8_t* scales, int64_t g) {
+  const uint16_t bits = static_cast<uint16_t>(scales[2 * g] | (uint16_t(scales[2 * g + 1]) << 8));
+  return bf16_bits_to_f32(bits);
+}
+
+// Quantize one group [x, x+len) (element offset `start` in the tensor). LEVELS = 7 (int4)
+// or 127 (int8). Writes the packed bytes of the group to `out`, its scale to scales[g] and
+// (EF) the new residual to e. Returns false, writing nothing, if v has a NaN/inf.
+template <int LEVELS, bool SR, bool EF>
+DILOCOX_INLINE bool quantize_group(const float* __restrict x, float* __restrict e, int64_t len, int64_t start,
+                           uint64_t sr_base, uint8_t* __restrict out, uint8_t* scales, int64_t g) {
+  // Pass 1: absmax of v = x + e, plus a NaN/inf detector (v - v is NaN iff v is not finite).
+  // (v - v is +0 for finite v and NaN otherwise; OR-ing its bits is a cheap integer reduction.)
+  float amax = 0.0f;
+  uint32_t chk = 0;
+#pragma omp simd reduction(max : amax) reduction(| : chk)
+  for (int64_t j = 0; j < len; ++j) {
+    const float v = EF ? x[j] + e[j] : x[j];
+    const float a = std::fabs(v);
+    amax = a > amax ? a : amax;
+    chk |= f32_bits(v - v);
+  }
+  if (chk != 0) return false;
+
+  const uint16_t sbits = f32_to_bf16_bits(amax / static_cast<float>(LEVELS));
+  const float s = bf16_bits_to_f32(sbits);
+  store_scale(scales, g, sbits);
+  const float lo = -static_cast<float>(LEVELS), hi = static_cast<float>(LEVELS);
+
+  alignas(64) int32_t qbuf[kChunk];
+  for (int64_t c0 = 0; c0 < len; c0 += kChunk) {
+    const int64_t m = std::min<int64_t>(kChunk, len - c0);
+    const float* xc = x + c0;
+    float* ec = EF ? e + c0 : nullptr;
+    if (s > 0.0f) {
+      alignas(64) float ubuf[SR ? kChunk : 1];
+      if (SR) {  // the hash in its own (integer-only) loop so both loops vectorize
+        const uint64_t i0 = static_cast<uint64_t>(start + c0);
+#pragma omp simd
+        for (int64_t j = 0; j < m; ++j) ubuf[j] = sr_uniform(sr_base, i0 + static_cast<uint64_t>(j));
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < m; ++j) {
+        const float v = EF ? xc[j] + ec[j] : xc[j];
+        float y = v / s;  // true IEEE division, like the reference's tensor division
+        float r;
+        if (SR) {
+          y = y + ubuf[j];
+          y = std::min(std::max(y, lo), hi);  // clamp first: floor is monotone, bounds integral
+          const float t = (y + kRoundMagic) - kRoundMagic;  // rint(y) ...
+          r = t > y ? t - 1.0f : t;                          // ... -> floor(y)
+        } else {
+          y = std::min(std::max(y, lo), hi);
+          r = (y + kRoundMagic) - kRoundMagic;  // rint, half to even
+        }
+        qbuf[j] = static_cast<int32_t>(r);
+        if (EF) ec[j] = v - s * r;  // s*r exact (8-bit x 7-bit mantissas), then one rounding
+      }
+    } else {  // all-zero group (or absmax/L underflows bf16): q = 0, residual keeps v
+      for (int64_t j = 0; j < m; ++j) {
+        qbuf[j] = 0;
+        if (EF) ec[j] = xc[j] + ec[j];
+      }
+    }
+    if (LEVELS == 7) {
+      uint8_t* pc = out + c0 / 2;  // c0 and the group start are even
+      const int64_t pairs = m / 2;
+#pragma omp simd
+      for (int64_t k = 0; k < pairs; ++k)
+        pc[k] = static_cast<uint8_t>((qbuf[2 * k] & 15) | ((qbuf[2 * k + 1] & 15) << 4));
+      if (m & 1) pc[pairs] = static_cast<uint8_t>(qbuf[m - 1] & 15);  // odd tail: high nibble 0
+    } else {
+      int8_t* qc = reinterpret_cast<int8_t*>(out) + c0;
+#pragma omp simd
+      for (int64_t j = 0; j < m; ++j) qc[j] = static_cast<int8_t>(qbuf[j]);
+    }
+  }
+  return true;
+}
+
+// Group bodies for the other two ops, written once and instantiated per ISA below.
+template <bool ACC>
+DILOCOX_INLINE void dequant_int4_group(const uint8_t* __restrict pg, float s, float* __restrict og,
+                                       int64_t len) {
+  const int64_t pairs = len / 2;
+#pragma omp simd
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int32_t b = pg[k];
+    const float q0 = static_cast<float>(((b & 15) ^ 8) - 8);  // sign-extend the nibbles
+    const float q1 = static_cast<float>(((b >> 4) ^ 8) - 8);
+    og[2 * k] = ACC ? og[2 * k] + s * q0 : s * q0;
+    og[2 * k + 1] = ACC ? og[2 * k + 1] + s * q1 : s * q1;
+  }
+  if (len & 1) {
+    const float q0 = static_cast<float>(((pg[pairs] & 15) ^ 8) - 8);
+    og[len - 1] = ACC ? og[len - 1] + s * q0 : s * q0;
+  }
+}
+
+template <bool ACC>
+DILOCOX_INLINE void dequant_int8_group(const int8_t* __restrict qg, float s, float* __restrict og,
+                                       int64_t len) {
+#pragma omp simd
+  for (int64_t j = 0; j < len; ++j) {
+    const float d = s * static_cast<float>(qg[j]);
+    og[j] = ACC ? og[j] + d : d;
+  }
+}
+
+struct Args {
+  const float* x;
+  float* e;
+  uint8_t* out;          // packed int4 / int8 bytes
+  const uint8_t* in;     // same, for dequantize
+  uint8_t* scales;       // 2 bytes per group, little-endian bf16
+  float* dst;            // dequantize output
+  int64_t n, G;
+  uint64_t sr_base;
+};
+
+// Serial kernels over a range of groups [g0, g1). The same source is compiled for the
+// baseline ISA and, on x86 with GCC/Clang, for AVX2 and AVX-512 via function-level
+// target attributes (runtime dispatch, no -march: the binary still runs on any x86-64).
+// All variants are bit-identical: only exact IEEE ops, no FMA (-ffp-contract=off).
+#define DILOCOX_RANGE_KERNELS(SUF, ATTR)                                                          \
+  template <int LEVELS, bool SR, bool EF>                                                         \
+  ATTR int64_t quant_range_##SUF(const Args& a, int64_t g0, int64_t g1) {                         \
+    int64_t bad = 0;                                                                              \
+    for (int64_t g = g0; g < g1; ++g) {                                                           \
+      const int64_t st = g * a.G, len = std::min(a.G, a.n - st);                                  \
+      bad += quantize_group<LEVELS, SR, EF>(a.x + st, EF ? a.e + st : nullptr, len, st,           \
+                                            a.sr_base, a.out + (LEVELS == 7 ? st / 2 : st),       \
+                                            a.scales, g)                                          \
+                 ? 0                                                                              \
+                 : 1;                                                                             \
+    }                                                                                             \
+    return bad;                                                                                   \
+  }                                                                                               \
+  template <int BITS, bool ACC>                                                                   \
+  ATTR int64_t deq_range_##SUF(const Args& a, int64_t g0, int64_t g1) {                           \
+    for (int64_t g = g0; g < g1; ++g) {                                                           \
+      const int64_t st = g * a.G, len = std::min(a.G, a.n - st);                                  \
+      const float s = load_scale(a.scales, g);                                                    \
+      if (BITS == 4)                                                                              \
+        dequant_int4_group<ACC>(a.in + st / 2, s, a.dst + st, len);                               \
+      else                                                                                        \
+        dequant_int8_group<ACC>(reinterpret_cast<const int8_t*>(a.in) + st, s, a.dst + st, len);  \
+    }                                                                                             \
+    return 0;                                                                                     \
+  }
+
+DILOCOX_RANGE_KERNELS(base, )
+#if DILOCOX_X86_DISPATCH
+DILOCOX_RANGE_KERNELS(avx2, __attribute__((target("avx2"))))
+DILOCOX_RANGE_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))))
+#endif
+
+using RangeFn = int64_t (*)(const Args&, int64_t, int64_t);
+
+int detect_isa() {
+#if DILOCOX_X86_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return kIsaAvx512;
+  if (__builtin_cpu_supports("avx2")) return kIsaAvx2;
+#endif
+  return kIsaBaseline;
+}
+
+std::atomic<int> g_isa_override{-1};
+
+int active_isa() {
+  static const int detected = detect_isa();
+  const int o = g_isa_override.load(std::memory_order_relaxed);
+  return (o >= 0 && o <= detected) ? o : detected;
+}
+
+#if DILOCOX_X86_DISPATCH
+#define DILOCOX_PICK(NAME, ...)                                  \
+  (active_isa() == kIsaAvx512 ? &NAME##_avx512<__VA_ARGS__>      \
+   : active_isa() == kIsaAvx2 ? &NAME##_avx2<__VA_ARGS__>        \
+                              : &NAME##_base<__VA_ARGS__>)
+#else
+#define DILOCOX_PICK(NAME, ...) (&NAME##_base<__VA_ARGS__>)
+#endif
+
+// Static partition of the groups over threads; each group is touched by one thread, so
+// the result is independent of the thread count.
+int64_t run_groups(RangeFn fn, const Args& a, int num_threads) {
+  if (a.n <= 0) return 0;
+  const int64_t ng = num_groups(a.n, a.G);
+  const int nt = resolve_threads(num_threads);
+  if (nt <= 1 || !worth_parallel(a.n)) return fn(a, 0, ng);
+  int64_t bad = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : bad)
+  {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+#else
+    const int64_t t = 0, T = 1;
+#endif
+    const int64_t per = (ng + T - 1) / T;
+    const int64_t g0 = std::min(ng, t * per), g1 = std::min(ng, g0 + per);
+    if (g0 < g1) bad += fn(a, g0, g1);
+  }
+  return bad;
+}
+
+template <int LEVELS, bool SR>
+int64_t quantize_impl(const float* x, float* e, uint8_t* out, uint8_t* scales, int64_t n, int64_t G,
+                      uint64_t seed, uint64_t step, int num_threads) {
+  Args a{};
+  a.x = x, a.e = e, a.out = out, a.scales = scales, a.n = n, a.G = G;
+  a.sr_base = SR ? sr_stream_base(seed, step) : 0;
+  const RangeFn fn = e ? DILOCOX_PICK(quant_range, LEVELS, SR, true)
+                       : DILOCOX_PICK(quant_range, LEVELS, SR, false);
+  return run_groups(fn, a, num_threads);
+}
+
+template <int BITS, bool ACC>
+void dequant_impl(const uint8_t* in, const uint8_t* scales, float* dst, int64_t n, int64_t G,
+                  int num_threads) {
+  Args a{};
+  a.in = in, a.scales = const_cast<uint8_t*>(scales), a.dst = dst, a.n = n, a.G = G;
+  run_groups(DILOCOX_PICK(deq_range, BITS, ACC), a, num_threads);
+}
+
+}  // namespace
+
+int select_cpu_isa(int isa) {
+  g_isa_override.store(isa, std::memory_order_relaxed);
+  return active_isa();
+}
+
+int64_t ef_quantize_pack_int4(const float* x, float* e, uint8_t* packed, uint8_t* scales, int64_t n,
+                              int64_t G, int num_threads) {
+  return quantize_impl<7, false>(x, e, packed, scales, n, G, 0, 0, num_threads);
+}
+int64_t ef_quantize_pack_int8(const float* x, float* e, int8_t* q, uint8_t* scales, int64_t n,
+                              int64_t G, int num_threads) {
+  return quantize_impl<127, false>(x, e, reinterpret_cast<uint8_t*>(q), scales, n, G, 0, 0,
+                                   num_threads);
+}
+int64_t ef_quantize_pack_sr_int4(const float* x, float* e, uint8_t* packed, uint8_t* scales,
+                                 int64_t n, int64_t G, uint64_t seed, uint64_t step, int num_threads) {
+  return quantize_impl<7, true>(x, e, packed, scales, n, G, seed, step, num_threads);
+}
+int64_t ef_quantize_pack_sr_int8(const float* x, float* e, int8_t* q, uint8_t* scales, int64_t n,
+                                 int64_t G, uint64_t seed, uint64_t step, int num_threads) {
+  return quantize_impl<127, true>(x, e, reinterpret_cast<uint8_t*>(q), scales, n, G, seed, step,
+                                  num_threads);
+}
+
+void dequantize_int4(const uint8_t* packed, const uint8_t* scales, float* out, int64_t n, int64_t G,
+                     int num_threads) {
+  dequant_impl<4, false>(packed, scales, out, n, G, num_threads);
+}
+void dequantize_accumulate_int4(const uint8_t* packed, const uint8_t* scales, float* out, int64_t n,
+                                int64_t G, int num_threads) {
+  dequant_impl<4, true>(packed, scales, out, n, G, num_threads);
+}
+void dequantize_int8(const int8_t* q, const uint8_t* scales, float* out, int64_t n, int64_t G,
+                     int num_threads) {
+  dequant_impl<8, false>(reinterpret_cast<const uint8_t*>(q), scales, out, n, G, num_threads);
+}
+void dequantize_accumulate_int8(const int8_t* q, const uint8_t* scales, float* out, int64_t n,
+                                int64_t G, int num_threads) {
+  dequant_impl<8, true>(reinterpret_cast<const uint8_t*>(q), scales, out, n, G, num_threads);
+}
+
+}  // namespace dilocox

@@ -1,0 +1,187 @@
+"""The one compression interface the outer optimizer uses: ``build_compressor(...).allreduce_mean``.
+
+Per outer sync, for the tensors of this rank's shard (fp32 pseudo-gradients Δ_i):
+
+    M_i = Δ_i + e_i                                  error feedback (per tensor, kept here)
+    factored i (low-rank on, eligible matrix):  PowerSGD P round (sum) → P̂ → Q_i
+    collective 1: quantized all-reduce SUM of [P_iᵀ ...]                 (only with low-rank)
+    collective 2: quantized all-reduce MEAN of [Q_iᵀ ... | pad | M_j ... (the rest, flat)]
+    e_i = M_i − sent_i                                sent = what was actually put on the wire
+
+So a sync is one collective without low-rank and two with it, whatever the number of
+tensors. The Q part of collective 2 is padded to whole quantization groups so the rest
+starts on a group boundary. With ``quant="none"`` and no low-rank this is an exact fp32
+all-reduce mean (e stays zero and is not allocated).
+
+``group=None`` is a one-rank group: the same compression is applied locally, nothing is sent.
+The result is bit-identical on every rank of the group (see ``collectives``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dilocox.compress.collectives import CommStats, group_world, mix_seed, nbytes, quantized_allreduce, resolve_mode, wire_bytes
+from dilocox.compress.lowrank import PowerSGD
+
+
+class Compressor:
+    """Error feedback + optional PowerSGD + quantization + the collective, for one shard."""
+
+    def __init__(self, shapes: list[torch.Size], quant: str = "none", group_size: int = 128, collective: str = "auto",
+                 error_feedback: bool = True, lowrank_rank: int | None = None, min_compression: float = 1.0, seed: int = 0):
+        if quant not in ("none", "fp16", "int8", "int4"):
+            raise ValueError(f"compress.quant={quant!r} is not one of ['none', 'fp16', 'int8', 'int4']")
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"compress.group_size={group_size} must be an even number >= 2 (int4 packs two values per byte)")
+        resolve_mode(collective, 1)  # validates the name
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.kind = quant
+        self.group_size = int(group_size)
+        self.collective = collective
+        self.error_feedback = bool(error_feedback)
+        self.seed = int(seed)
+        self.lowrank = PowerSGD(self.shapes, lowrank_rank, seed, min_compression) if lowrank_rank else None
+        self.errors: list[torch.Tensor] | None = None  # allocated on first use (device of the inputs)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        """Current low-rank rank (0 without low-rank)."""
+        return self.lowrank.rank if self.lowrank is not None else 0
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "none" or self.lowrank is not None
+
+    def sigmas(self) -> list[torch.Tensor]:
+        return self.lowrank.sigmas() if self.lowrank is not None else []
+
+    def set_rank(self, r: int) -> None:
+        """Change the low-rank rank (no-op without low-rank: an adaptive run may tune H only)."""
+        if self.lowrank is not None:
+            self.lowrank.set_rank(int(r))
+
+    def _layout(self, rank: int | None) -> tuple[int, int, int]:
+        """(elements in collective 1, Q elements incl. padding, rest elements) at ``rank``."""
+        if self.lowrank is None:
+            return 0, 0, sum(s.numel() for s in self.shapes)
+        r = self.lowrank.rank if rank is None else rank
+        fact = set(self.lowrank.factored_for(r))
+        n_p, n_q = self.lowrank.numel_p(r), self.lowrank.numel_q(r)
+        n_rest = sum(s.numel() for i, s in enumerate(self.shapes) if i not in fact)
+        if n_q and n_rest:
+            n_q = math.ceil(n_q / self.group_size) * self.group_size
+        return n_p, n_q, n_rest
+
+    def payload_bytes(self, rank: int | None = None) -> int:
+        """Bytes of this rank's compressed message per sync (R-independent; fp32 is 4/element)."""
+        n_p, n_q, n_rest = self._layout(rank)
+        return nbytes(self.kind, n_p, self.group_size) + nbytes(self.kind, n_q + n_rest, self.group_size)
+
+    def wire_bytes(self, world: int, rank: int | None = None) -> int:
+        """Bytes one rank sends per sync among ``world`` ranks (what CommStats counts)."""
+        n_p, n_q, n_rest = self._layout(rank)
+        mode = resolve_mode(self.collective, world)
+        return wire_bytes(n_p, world, self.kind, self.group_size, mode) + wire_bytes(n_q + n_rest, world, self.kind, self.group_size, mode)
+
+    # ------------------------------------------------------------------ the sync
+
+    def allreduce_mean(self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None) -> list[torch.Tensor]:
+        """Compressed mean of ``tensors`` over ``group`` (blocking). Bit-identical on every rank."""
+        if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
+            got = [tuple(t.shape) for t in tensors]
+            raise ValueError(f"allreduce_mean got tensors of shapes {got}, the compressor was built for {[tuple(s) for s in self.shapes]}")
+        if not tensors:
+            return []
+        world = group_world(group)
+        mode = resolve_mode(self.collective, world)
+        device = tensors[0].device
+        use_ef = self.error_feedback and self.lossy
+        if use_ef and self.errors is None:
+            self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
+        if self.errors is not None and self.errors[0].device != device:  # e.g. loaded from a checkpoint
+            self.errors = [e.to(device) for e in self.errors]
+        ms = [t.detach().float() + e if use_ef else t.detach().float() for t, e in zip(tensors, self.errors or [None] * len(tensors))]
+
+        lr = self.lowrank
+        fact = lr.factored if lr is not None else []
+        fact_set = set(fact)
+        rest = [i for i in range(len(ms)) if i not in fact_set]
+        q_local = torch.zeros(0, dtype=torch.float32, device=device)
+        if fact:
+            p = quantized_allreduce(lr.p_step(ms), group, self.kind, self.group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, step, 1), step=step)
+            q_local = lr.q_step(ms, p)
+        n_q = q_local.numel()
+        if n_q and rest:
+            n_q = math.ceil(n_q / self.group_size) * self.group_size
+        buf = torch.zeros(n_q + sum(ms[i].numel() for i in rest), dtype=torch.float32, device=device)
+        buf[: q_local.numel()] = q_local
+        off = n_q
+        for i in rest:
+            buf[off: off + ms[i].numel()] = ms[i].reshape(-1)
+            off += ms[i].numel()
+        scratch = torch.zeros_like(buf)  # after the call: buf - sent (the quantization residual)
+        res = quantized_allreduce(buf, group, self.kind, self.group_size, mode, op="mean", error=scratch, stats=stats, seed=mix_seed(self.seed, step, 2), step=step)
+
+        outs: list[torch.Tensor | None] = [None] * len(ms)
+        if fact:
+            nq = q_local.numel()
+            for i, m_hat in lr.finish(res[:nq]).items():
+                outs[i] = m_hat.to(tensors[i].dtype)
+            if use_ef:
+                sent = lr.expand(q_local - scratch[:nq])
+                for i in fact:
+                    self.errors[i] = ms[i] - sent[i]
+        off = n_q
+        for i in rest:
+            k = ms[i].numel()
+            outs[i] = res[off: off + k].view(self.shapes[i]).to(tensors[i].dtype)
+            if use_ef:
+                self.errors[i] = scratch[off: off + k].view(self.shapes[i]).clone()
+            off += k
+        return outs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """Error-feedback buffers, low-rank Q warm starts and rank (plain tensors/ints/str keys)."""
+        sd: dict = {"rank": self.rank, "errors": {}}
+        if self.errors is not None:
+            sd["errors"] = {str(i): e.clone() for i, e in enumerate(self.errors)}
+        if self.lowrank is not None:
+            sd["q"] = self.lowrank.state_dict()["q"]
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if self.lowrank is not None:
+            self.lowrank.load_state_dict({"rank": sd["rank"], "q": sd.get("q", {})})
+        errs = sd.get("errors") or {}
+        if errs:
+            if len(errs) != len(self.shapes):
+                raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(self.shapes)} tensors")
+            self.errors = []
+            for i, s in enumerate(self.shapes):
+                e = errs[str(i)]
+                if e.shape != s:
+                    raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
+                self.errors.append(e.detach().clone().float())
+        else:
+            self.errors = None
+
+
+def build_compressor(ccfg, shapes: list[torch.Size], seed: int) -> Compressor:
+    """Build the shard's compressor from a ``CompressConfig``. ``seed`` must be the same on every
+    replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding)."""
+    lr = ccfg.lowrank
+    rank = lr.rank
+    if lr.enabled and ccfg.adaptive.enabled:
+        rank = max(ccfg.adaptive.rank_min, min(ccfg.adaptive.rank_max, rank))
+    return Compressor(
+        shapes, quant=ccfg.quant, group_size=ccfg.group_size, collective=ccfg.collective,
+        error_feedback=ccfg.error_feedback, lowrank_rank=rank if lr.enabled else None,
+        min_compression=lr.min_compression, seed=seed,
+    )

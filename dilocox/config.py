@@ -1,0 +1,565 @@
+"""Configuration: dataclasses validated on load, YAML files, ``--a.b=value`` overrides.
+
+Every field has a default so that a YAML file only states what differs. A config file may
+``include:`` other YAML files (paths relative to the including file); later keys win.
+Validation happens at load time and names the field, the value and the constraint, e.g.::
+
+    ConfigError: model.n_heads=6 is not divisible by parallel.tensor=4
+                 (each tensor-parallel rank must own whole attention heads)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed or impossible. The message names the field."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"  # gpt2 | opt | qwen (qwen also covers llama-style blocks)
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads (no GQA)
+    d_model: int = 128
+    d_ff: int | None = None  # None = 4 * d_model
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu | relu | swiglu
+    pos_emb: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
+    qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    attn_backend: str = "sdpa"  # sdpa | flash_attn | te
+    linear_backend: str = "torch"  # torch | fp8 | te
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the model this config builds (used by plan and MFU)."""
+        d, f, L, V = self.d_model, self.ffn_dim, self.n_layers, self.vocab_size
+        hd, kv = self.head_dim, self.kv_heads
+        qkv_out = d + 2 * kv * hd
+        qkv_b = self.qkv_bias if self.qkv_bias is not None else self.bias
+        attn = d * qkv_out + (qkv_out if qkv_b else 0) + d * d + (d if self.bias else 0)
+        n_in = 2 if self.activation == "swiglu" else 1
+        mlp = n_in * d * f + f * d + ((n_in * f + d) if self.bias else 0)
+        norm_p = d if self.norm == "rmsnorm" else 2 * d
+        per_layer = attn + mlp + 2 * norm_p
+        total = L * per_layer + norm_p
+        if include_embedding:
+            total += V * d  # token embedding
+            if self.pos_emb == "learned":
+                total += self.max_seq_len * d
+            if not self.tie_embeddings:
+                total += V * d  # lm head
+        return total
+
+
+@dataclass
+class ParallelConfig:
+    replicas: int = 1  # R: DiLoCo workers ("clusters"), joined by slow links
+    data: int = 1  # D: inner data parallel ranks inside a replica (fast links)
+    pipeline: int = 1  # P: pipeline stages
+    tensor: int = 1  # T: tensor-parallel ranks
+    schedule: str = "1f1b"  # gpipe | 1f1b | reference (the small hand-written oracle)
+    microbatches: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.data * self.pipeline * self.tensor
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text | memmap | hf
+    path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: dataset name or local files
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+    tokenizer: str = "byte"  # byte | bpe
+    bpe_vocab_size: int = 4096
+    cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
+    val_fraction: float = 0.02
+    max_bytes: int | None = 8_000_000  # cap on the raw corpus read (None = all)
+
+
+@dataclass
+class OptimConfig:
+    """Inner optimizer (AdamW) and its schedule."""
+
+    lr: float = 4e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant | linear
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping across TP and PP ranks; 0 = off
+    name: str = "adamw"  # adamw | sgd (sgd only for equivalence tests)
+
+
+@dataclass
+class StreamingConfig:
+    fragments: int = 1  # K; 1 = plain (non-streaming) DiLoCo
+    tau: int = 0  # overlap in inner steps
+    alpha: float = 0.5  # mixing of local and global fragment params
+    pattern: str = "sequential"  # sequential | strided
+
+
+@dataclass
+class OuterConfig:
+    """The outer loop (DiLoCo family). method=none means a single replica, no outer loop."""
+
+    method: str = "none"  # none | allreduce | diloco | cocktailsgd
+    sync_every: int = 100  # H inner steps per outer step
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    overlap: str = "none"  # none | delayed | eager
+    state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
+    blocking: bool = False  # true: wait for the outer all-reduce on the critical path
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+
+
+@dataclass
+class LowRankConfig:
+    enabled: bool = False
+    rank: int = 16
+    min_compression: float = 1.0  # only factor a matrix when (n+m)*r*2 < n*m / min_compression
+
+
+@dataclass
+class AdaptiveConfig:
+    enabled: bool = False
+    energy_eps: float = 0.05
+    window: int = 5
+    rank_min: int = 2
+    rank_max: int = 64
+    h_min: int = 10
+    h_max: int = 1000
+
+
+@dataclass
+class CompressConfig:
+    quant: str = "none"  # none | fp16 | int8 | int4
+    group_size: int = 128
+    collective: str = "auto"  # auto | allgather | reduce_scatter
+    error_feedback: bool = True
+    lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    # CocktailSGD (ALGORITHMS §8)
+    random_fraction: float = 0.1
+    topk_fraction: float = 0.08
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8  # sequences per replica per step (split into microbatches)
+    seq_len: int = 128
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    eval_every: int = 50
+    eval_batches: int = 4
+    compile: bool = False
+    max_tokens: int | None = None  # stop once this many tokens per replica were trained
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None = <run_dir>/checkpoints
+    every: int = 0  # 0 = only at the end
+    keep: int = 2
+    resume: str = "auto"  # auto (latest in dir if any) | none | <path to a step dir>
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/default"
+    every: int = 10
+    jsonl: bool = True
+    tensorboard: bool = True  # when the tensorboard package is installed
+    progress: bool = True  # progress bar on a TTY
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- validation
+
+_CHOICES = {
+    "model.arch": ("gpt2", "opt", "qwen"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "relu", "swiglu"),
+    "model.pos_emb": ("learned", "rope"),
+    "model.attn_backend": ("sdpa", "flash_attn", "te"),
+    "model.linear_backend": ("torch", "fp8", "te"),
+    "parallel.schedule": ("gpipe", "1f1b", "reference"),
+    "data.source": ("stdlib", "text", "memmap", "hf"),
+    "data.tokenizer": ("byte", "bpe"),
+    "optim.schedule": ("cosine", "constant", "linear"),
+    "optim.name": ("adamw", "sgd"),
+    "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
+    "outer.overlap": ("none", "delayed", "eager"),
+    "outer.state_device": ("host", "device"),
+    "outer.streaming.pattern": ("sequential", "strided"),
+    "compress.quant": ("none", "fp16", "int8", "int4"),
+    "compress.collective": ("auto", "allgather", "reduce_scatter"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+}
+
+
+def _fail(name: str, value: Any, constraint: str) -> None:
+    raise ConfigError(f"{name}={value!r} {constraint}")
+
+
+def _positive(cfg: Config, *names: str) -> None:
+    for name in names:
+        v = _get(cfg, name)
+        if v is not None and v <= 0:
+            _fail(name, v, "must be > 0")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> None:
+    """Check every cross-field constraint; raise ConfigError naming field, value and rule."""
+    for name, choices in _CHOICES.items():
+        v = _get(cfg, name)
+        if v not in choices:
+            _fail(name, v, f"is not one of {list(choices)}")
+    _positive(
+        cfg, "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.d_ff",
+        "model.vocab_size", "model.max_seq_len", "parallel.replicas", "parallel.data",
+        "parallel.pipeline", "parallel.tensor", "parallel.microbatches", "train.steps",
+        "train.batch_size", "train.seq_len", "outer.sync_every", "compress.group_size",
+        "outer.streaming.fragments", "compress.lowrank.rank", "compress.adaptive.window",
+    )
+    m, p = cfg.model, cfg.parallel
+    if m.d_model % m.n_heads:
+        _fail("model.d_model", m.d_model, f"is not divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % m.kv_heads:
+        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads} (GQA groups)")
+    if m.pos_emb == "rope" and m.head_dim % 2:
+        _fail("model.d_model", m.d_model, "gives an odd head_dim; RoPE needs an even head_dim")
+    t = p.tensor
+    if m.n_heads % t:
+        _fail("model.n_heads", m.n_heads, f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole attention heads)")
+    if m.kv_heads % t:
+        _fail("model.n_kv_heads", m.kv_heads, f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole key/value heads)")
+    if m.ffn_dim % t:
+        _fail("model.d_ff", m.ffn_dim, f"is not divisible by parallel.tensor={t}")
+    if m.vocab_size % t:
+        _fail("model.vocab_size", m.vocab_size, f"is not divisible by parallel.tensor={t} (vocab-parallel embedding and cross-entropy); pad the vocabulary")
+    if m.n_layers % p.pipeline:
+        _fail("model.n_layers", m.n_layers, f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns the same number of layers)")
+    if m.tie_embeddings and p.pipeline > 1:
+        _fail("model.tie_embeddings", True, f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding and head live on different stages)")
+    if p.microbatches < p.pipeline and p.schedule != "reference":
+        _fail("parallel.microbatches", p.microbatches, f"must be >= parallel.pipeline={p.pipeline} so that every stage has work in the pipeline")
+    if cfg.train.batch_size % (p.microbatches * p.data):
+        _fail("train.batch_size", cfg.train.batch_size, f"must be divisible by parallel.microbatches*parallel.data={p.microbatches * p.data}")
+    if cfg.train.seq_len > m.max_seq_len:
+        _fail("train.seq_len", cfg.train.seq_len, f"exceeds model.max_seq_len={m.max_seq_len}")
+    if cfg.data.tokenizer == "byte" and cfg.data.source != "memmap" and m.vocab_size < 256:
+        _fail("model.vocab_size", m.vocab_size, "is smaller than 256, the byte tokenizer's vocabulary")
+    if cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size > m.vocab_size:
+        _fail("data.bpe_vocab_size", cfg.data.bpe_vocab_size, f"exceeds model.vocab_size={m.vocab_size}")
+    if not 0.0 < cfg.data.val_fraction < 0.5:
+        _fail("data.val_fraction", cfg.data.val_fraction, "must be in (0, 0.5)")
+    if cfg.data.source in ("text", "memmap") and not cfg.data.path:
+        _fail("data.path", cfg.data.path, f"must be set when data.source={cfg.data.source!r}")
+    o = cfg.outer
+    if o.method == "none" and p.replicas > 1:
+        _fail("outer.method", o.method, f"must name an outer method when parallel.replicas={p.replicas} > 1 (e.g. diloco, allreduce)")
+    s = o.streaming
+    if s.fragments > 1:
+        if o.sync_every % s.fragments:
+            _fail("outer.streaming.fragments", s.fragments, f"must divide outer.sync_every={o.sync_every}")
+        if not 0 <= s.tau < o.sync_every // s.fragments:
+            _fail("outer.streaming.tau", s.tau, f"must be in [0, sync_every/fragments={o.sync_every // s.fragments})")
+        if m.n_layers // p.pipeline < s.fragments:
+            _fail("outer.streaming.fragments", s.fragments, f"exceeds the {m.n_layers // p.pipeline} layers of a stage")
+    if not 0.0 <= s.alpha <= 1.0:
+        _fail("outer.streaming.alpha", s.alpha, "must be in [0, 1]")
+    if not 0.0 <= o.momentum < 1.0:
+        _fail("outer.momentum", o.momentum, "must be in [0, 1)")
+    if o.lr <= 0:
+        _fail("outer.lr", o.lr, "must be > 0")
+    a = cfg.compress.adaptive
+    if a.rank_min > a.rank_max:
+        _fail("compress.adaptive.rank_min", a.rank_min, f"exceeds compress.adaptive.rank_max={a.rank_max}")
+    if a.h_min > a.h_max:
+        _fail("compress.adaptive.h_min", a.h_min, f"exceeds compress.adaptive.h_max={a.h_max}")
+    if not 0.0 < a.energy_eps < 1.0:
+        _fail("compress.adaptive.energy_eps", a.energy_eps, "must be in (0, 1)")
+    for name in ("compress.random_fraction", "compress.topk_fraction"):
+        v = _get(cfg, name)
+        if not 0.0 < v <= 1.0:
+            _fail(name, v, "must be in (0, 1]")
+    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
+        _fail("optim.lr", cfg.optim.lr, "must be a finite number > 0")
+    if cfg.optim.warmup_steps < 0:
+        _fail("optim.warmup_steps", cfg.optim.warmup_steps, "must be >= 0")
+    if cfg.train.eval_every < 0:
+        _fail("train.eval_every", cfg.train.eval_every, "must be >= 0 (0 = never)")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{name}={value!r} must be a list of {len(args)} numbers")
+        return tuple(_coerce(f"{name}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}={value!r} must be a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be an integer, not a boolean")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be a number, not a boolean")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}={value!r} must be a string")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            close = [k for k in known if k.startswith(str(key)[:3])]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {prefix}{key!r} (known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}")
+        tp = hints[key]
+        if is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, tp)
+    if cls is Config:
+        obj = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(obj, f.name, kwargs.get(f.name, f.default_factory()))  # type: ignore[misc]
+        return obj
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    path = os.path.abspath(path)
+    if path in seen:
+        raise ConfigError(f"include cycle: {' -> '.join(seen + (path,))}")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"malformed YAML in {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        merged = _deep_merge(merged, _read_yaml(os.path.join(os.path.dirname(path), inc), seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``["--train.steps=10", "--model.arch", "qwen"]`` -> nested dict (values parsed as YAML)."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or a == "--":
+            raise ConfigError(f"override {a!r} must look like --section.key=value")
+        body = a[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a!r} has no value; write --{body}=VALUE")
+            key, raw = body, args[i + 1]
+            i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+        i += 1
+    return out
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Load a YAML config (with includes), apply overrides, validate."""
+    data = _read_yaml(path) if path else {}
+    if overrides:
+        ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _deep_merge(data, ov)
+    return from_dict(data)
+
+
+def to_yaml(cfg: Config) -> str:
+    def conv(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return list(x)
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return yaml.safe_dump(conv(cfg.to_dict()), sort_keys=False)
+
+
+def reference_markdown() -> str:
+    """The config reference (docs/CONFIG.md), generated from the dataclasses and their comments."""
+    import inspect
+    import re
+
+    line_re = re.compile(r"^\s+(\w+):\s*([^=]+?)\s*=\s*(.+?)(?:\s+#\s*(.*))?$")
+    out = ["# Config reference", "", "Generated by `python -m dilocox.config` from `dilocox/config.py`; do not edit by hand.",
+           "Every key can be set in YAML (`section:` / `key: value`) or on the command line as `--section.key=value`.", ""]
+
+    def section(cls: type, prefix: str) -> None:
+        rows = []
+        nested = []
+        for src_line in inspect.getsource(cls).splitlines():
+            m = line_re.match(src_line)
+            if not m or m.group(1) not in {f.name for f in fields(cls)}:
+                continue
+            name, tp, default, comment = m.groups()
+            if default.startswith("field(default_factory="):
+                nested.append((name, typing.get_type_hints(cls)[name]))
+                continue
+            cell = lambda x: (x or "").replace("|", "\\|")  # noqa: E731 - escape pipes in table cells
+            rows.append(f"| `{prefix}{name}` | `{cell(tp)}` | `{cell(default)}` | {cell(comment)} |")
+        if rows:
+            raw = cls.__doc__ or ""
+            doc = "" if raw.startswith(cls.__name__ + "(") else inspect.cleandoc(raw).split("\n")[0]
+            out.extend([f"## `{prefix.rstrip('.')}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
+        for name, sub in nested:
+            section(sub, f"{prefix}{name}.")
+
+    for f in fields(Config):
+        section(typing.get_type_hints(Config)[f.name], f"{f.name}.")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

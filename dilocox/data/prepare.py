@@ -1,0 +1,289 @@
+"""Prepare: corpus -> tokens -> ``train.bin`` / ``val.bin`` memmap files + ``meta.json``.
+
+The prepared directory (default ``<cache_dir>/prepared/<source>-<tokenizer>-<key>``) holds
+
+- ``train.bin``, ``val.bin``  raw token ids, uint16 when the vocabulary fits, else uint32;
+                              every document is followed by the tokenizer's ``eot_id``
+- ``tokenizer.json``          the BPE (bpe only), so the directory is self-contained
+- ``meta.json``               tokenizer kind, vocab size, dtype, token and document counts,
+                              source description, a content hash and the cache ``key``
+
+``key`` hashes everything the tokens depend on (source, path, split/field, tokenizer, vocab,
+val_fraction, max_bytes, and the names/sizes/mtimes of the source files), so a second call
+with the same config is a cache hit that reads nothing but ``meta.json``.
+
+Concurrency: ``prepare`` is race-free without any coordination from the caller. Concurrent
+callers on one host serialize on an ``fcntl`` lock next to the output directory (the first
+builds, the others then find a cache hit); the directory is built under a temporary name and
+published with one atomic ``rename``, so a reader never sees a half-written directory, even on
+a shared filesystem where the lock does not reach across hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from dilocox.config import DataConfig
+from dilocox.data.sampler import val_batches as _val_batches
+from dilocox.data.sources import fingerprint, read_corpus, split_documents
+from dilocox.data.tokenizer import ByteTokenizer, load_or_train_bpe, load_tokenizer
+
+FORMAT = 1  # bump when the on-disk layout or tokenization changes: invalidates every cache
+
+
+@dataclass
+class PreparedData:
+    """A prepared directory: token memmaps, tokenizer and meta."""
+
+    dir: str
+    meta: dict
+    cache_hit: bool = False
+    seconds: float = 0.0  # wall time of this prepare() call
+
+    @property
+    def train_path(self) -> str:
+        return os.path.join(self.dir, "train.bin")
+
+    @property
+    def val_path(self) -> str:
+        return os.path.join(self.dir, "val.bin")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.meta["dtype"])
+
+    def _map(self, path: str, n: int) -> np.ndarray:
+        if n == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
+
+    def train_tokens(self) -> np.ndarray:
+        return self._map(self.train_path, int(self.meta["train_tokens"]))
+
+    def val_tokens(self) -> np.ndarray:
+        return self._map(self.val_path, int(self.meta["val_tokens"]))
+
+    def tokenizer(self):
+        path = self.meta.get("tokenizer_file")
+        return load_tokenizer(self.meta["tokenizer"], os.path.join(self.dir, path) if path else None)
+
+    def val_batches(self, n_batches: int, batch_size: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1):
+        """Fixed validation windows (same for every replica and call); see sampler.val_batches."""
+        return _val_batches(self.val_tokens(), n_batches, batch_size, seq_len, dp_rank, dp_size)
+
+
+# --------------------------------------------------------------------------- keys and paths
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _identity(cfg: DataConfig) -> dict:
+    """What the raw corpus and its split depend on (shared by the tokenizer and data keys)."""
+    path = cfg.path
+    if path and cfg.source in ("text", "hf") and os.path.exists(os.path.expanduser(path)):
+        path = os.path.abspath(os.path.expanduser(path))
+    ident = {"format": FORMAT, "source": cfg.source, "path": path, "max_bytes": cfg.max_bytes,
+             "val_fraction": cfg.val_fraction, "files": fingerprint(cfg)}
+    if cfg.source == "hf":
+        ident.update(hf_split=cfg.hf_split, hf_text_field=cfg.hf_text_field)
+    return ident
+
+
+def tokenizer_key(cfg: DataConfig) -> str:
+    return _hash({**_identity(cfg), "bpe_vocab_size": cfg.bpe_vocab_size})
+
+
+def data_key(cfg: DataConfig) -> str:
+    ident = {**_identity(cfg), "tokenizer": cfg.tokenizer}
+    if cfg.tokenizer == "bpe":
+        ident["bpe_vocab_size"] = cfg.bpe_vocab_size
+    return _hash(ident)
+
+
+def default_out_dir(cfg: DataConfig, key: str | None = None) -> str:
+    key = key or data_key(cfg)
+    tok = f"bpe{cfg.bpe_vocab_size}" if cfg.tokenizer == "bpe" else "byte"
+    return os.path.join(os.path.abspath(os.path.expanduser(cfg.cache_dir)), "prepared", f"{cfg.source}-{tok}-{key[:16]}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_prepared(path: str, field: str = "data.path") -> PreparedData:
+    """Open a prepared directory (the ``memmap`` source), checking the files match meta.json."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{field}={path!r} does not exist (resolved to {os.path.abspath(path)!r}); "
+                                "data.source='memmap' needs a directory written by `dilocox data prepare`")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{field}={path!r} has no meta.json; it is not a directory written by `dilocox data prepare`")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    p = PreparedData(os.path.abspath(path), meta)
+    for split in ("train", "val"):
+        fpath = os.path.join(path, f"{split}.bin")
+        want = int(meta[f"{split}_tokens"]) * p.dtype.itemsize
+        have = os.path.getsize(fpath) if os.path.exists(fpath) else -1
+        if have != want:
+            raise ValueError(f"{fpath} has {have} bytes but meta.json says {want} "
+                             f"({meta[f'{split}_tokens']} x {p.dtype}); re-run `dilocox data prepare`")
+    return p
+
+
+def _try_cached(out_dir: str, key: str) -> PreparedData | None:
+    try:
+        p = load_prepared(out_dir, "out_dir")
+    except (FileNotFoundError, ValueError, KeyError, json.JSONDecodeError):
+        return None
+    return p if p.meta.get("key") == key else None
+
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _write(tmp: str, name: str, arr: np.ndarray) -> None:
+    with open(os.path.join(tmp, name), "wb") as f:
+        arr.tofile(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
+    """Read, split, tokenize and write into ``tmp``; return the meta dict (not yet written)."""
+    t0 = time.perf_counter()
+    corpus = read_corpus(cfg)
+    train_docs, val_docs = split_documents(corpus.docs, cfg.val_fraction)
+    t_read = time.perf_counter()
+    if cfg.tokenizer == "bpe":
+        cache = os.path.join(os.path.abspath(os.path.expanduser(cfg.cache_dir)), "tokenizers",
+                             f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json")
+        tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache)
+        shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
+    else:
+        tok = ByteTokenizer()
+    t_tok = time.perf_counter()
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
+    train, val = (tok.encode_docs(d).astype(dtype, copy=False) for d in (train_docs, val_docs))
+    _write(tmp, "train.bin", train)
+    _write(tmp, "val.bin", val)
+    content = hashlib.sha256()
+    for d in corpus.docs:
+        content.update(d.encode("utf-8") + b"\0")
+    n_tokens = len(train) + len(val)
+    seconds = time.perf_counter() - t0
+    return {
+        "format": FORMAT, "key": key, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id, "dtype": dtype.name, "train_tokens": len(train), "val_tokens": len(val),
+        "train_docs": len(train_docs), "val_docs": len(val_docs),
+        "bytes": sum(len(d.encode("utf-8")) for d in corpus.docs), "source": corpus.description,
+        "content_sha256": content.hexdigest(), "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
+        "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},
+        "tokens_per_sec": n_tokens / max(seconds, 1e-9), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def _publish(tmp: str, out_dir: str, key: str) -> None:
+    """Atomically move ``tmp`` to ``out_dir`` (replacing a stale prepared dir, never other data)."""
+    if _try_cached(out_dir, key) is not None:  # another host published the same data meanwhile
+        return
+    if os.path.exists(out_dir):
+        if os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json")):
+            raise FileExistsError(f"out_dir {out_dir!r} exists and is not a prepared data directory; refusing to replace it")
+        old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(out_dir))
+        os.rename(out_dir, os.path.join(old, "d"))
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if not os.path.exists(os.path.join(out_dir, "meta.json")):  # another host won the race: keep theirs
+            raise
+
+
+def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
+    """Tokenize the configured corpus into memmap files (cached; safe to call from every rank).
+
+    ``data.source='memmap'`` opens ``data.path`` as an already-prepared directory instead.
+    Returns a :class:`PreparedData`; ``.cache_hit`` says whether it was built by this call.
+    """
+    t0 = time.perf_counter()
+    if cfg.source == "memmap":
+        p = load_prepared(os.path.expanduser(cfg.path or ""))
+        p.cache_hit, p.seconds = True, time.perf_counter() - t0
+        return p
+    key = data_key(cfg)
+    out_dir = os.path.abspath(out_dir or default_out_dir(cfg, key))
+    parent = os.path.dirname(out_dir)
+    if (p := _try_cached(out_dir, key)) is None:
+        os.makedirs(parent, exist_ok=True)
+        with _file_lock(out_dir + ".lock"):
+            if (p := _try_cached(out_dir, key)) is None:
+                tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+                try:
+                    meta = _build(cfg, key, tmp)
+                    with open(os.path.join(tmp, "meta.json"), "w") as f:
+                        json.dump(meta, f, indent=2)
+                    _publish(tmp, out_dir, key)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                p = load_prepared(out_dir, "out_dir")
+                p.seconds = time.perf_counter() - t0
+                return p
+    p.cache_hit, p.seconds = True, time.perf_counter() - t0
+    return p
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def prepare_main(argv: list[str] | None = None) -> int:
+    """``dilocox data prepare [CONFIG] [--out DIR] [--a.b=v ...]``: prepare and print a summary."""
+    from dilocox.config import load_config
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    out = None
+    for i, a in enumerate(args):
+        if a == "--out" or a.startswith("--out="):
+            out = a.split("=", 1)[1] if "=" in a else args[i + 1]
+            del args[i : i + (1 if "=" in a else 2)]
+            break
+    config = args.pop(0) if args and not args[0].startswith("--") else None
+    cfg = load_config(config, args)
+    p = prepare(cfg.data, out_dir=out)
+    m = p.meta
+    n = m["train_tokens"] + m["val_tokens"]
+    built = m["seconds"]["total"]
+    print(f"prepared   {p.dir}  ({'cache hit' if p.cache_hit else 'built'} in {p.seconds:.2f}s)")
+    print(f"source     {m['source']}")
+    print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}")
+    print(f"train      {p.train_path}  {m['train_tokens']:,} tokens  ({m['train_docs']} documents)")
+    print(f"val        {p.val_path}  {m['val_tokens']:,} tokens  ({m['val_docs']} documents)")
+    print(f"speed      {n:,} tokens in {built:.2f}s = {n / max(built, 1e-9):,.0f} tokens/s "
+          f"(read {m['seconds']['read']:.2f}s, tokenizer {m['seconds']['tokenizer']:.2f}s)")
+    return 0

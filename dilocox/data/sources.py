@@ -1,0 +1,263 @@
+"""Corpus sources: where the raw text comes from, as an ordered list of documents.
+
+Four sources (``data.source``):
+
+- ``stdlib``  the embedded default corpus: the ``.py`` files of the running Python's standard
+              library (``sysconfig.get_paths()["stdlib"]``), sorted walk, ``site-packages`` and
+              test directories skipped, one file = one document. Always present, no download.
+- ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden and
+              binary files skipped) or a glob; one file = one document.
+- ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension) or a hub
+              dataset name (needs a network). ``datasets`` is imported only here.
+- ``memmap``  an already-prepared directory; handled by ``prepare.load_prepared``.
+
+Every source is capped at ``data.max_bytes`` UTF-8 bytes (the last document is truncated at
+the cap) and is deterministic. ``split_documents`` makes the held-out validation split: the
+last documents, about ``val_fraction`` of the bytes, never a document cut in two.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+
+from dilocox.config import DataConfig
+
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+TEST_DIRS = {"test", "tests", "idle_test"}
+HF_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+               ".ndjson": "json", ".parquet": "parquet", ".csv": "csv"}
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+@dataclass
+class Corpus:
+    docs: list[str]  # in corpus order; empty documents dropped
+    description: str  # human-readable: where the text came from
+
+
+# --------------------------------------------------------------------------- file listing
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(root: str | None = None, include_tests: bool = False) -> list[str]:
+    """The standard library's ``.py`` files in a deterministic (sorted, top-down) order."""
+    root = root or stdlib_root()
+    skip = SKIP_DIRS | (set() if include_tests else TEST_DIRS)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        out += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
+    if not out:
+        raise FileNotFoundError(
+            f"data.source='stdlib' found no .py files under {root!r} (this Python ships its "
+            "standard library compiled or zipped); use data.source=text with data.path=DIR")
+    return out
+
+
+def _is_binary(path: str) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def _walk(root: str) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+    return out
+
+
+def local_files(path: str | None, source: str, skip_binary: bool = True) -> list[str]:
+    """Resolve ``data.path`` (file, directory or glob) to a sorted list of files, or raise."""
+    if not path:
+        raise FileNotFoundError(f"data.path is not set; data.source={source!r} needs a file, a directory or a glob")
+    expanded = os.path.expanduser(path)
+    if os.path.isfile(expanded):
+        return [os.path.abspath(expanded)]
+    if os.path.isdir(expanded):
+        files = _walk(expanded)
+    else:
+        files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise FileNotFoundError(
+                f"data.path={path!r} does not exist (resolved to {os.path.abspath(expanded)!r}, "
+                f"no file, directory or glob match); data.source={source!r} needs a file, a directory or a glob")
+    files = [os.path.abspath(f) for f in files if not (skip_binary and _is_binary(f))]
+    if not files:
+        raise FileNotFoundError(f"data.path={path!r} matched no text files")
+    return files
+
+
+def _stat_digest(files: list[str]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _hf_local(path: str | None) -> list[str] | None:
+    """Local files for an hf source, or None when ``path`` names a hub dataset."""
+    if not path:
+        raise FileNotFoundError("data.path is not set; data.source='hf' needs a hub dataset name or local data files")
+    expanded = os.path.expanduser(path)
+    if os.path.exists(expanded) or glob.glob(expanded, recursive=True):
+        return local_files(path, "hf", skip_binary=False)
+    return None
+
+
+def fingerprint(cfg: DataConfig) -> str:
+    """A cheap identity of the raw source (file names, sizes, mtimes; no reading).
+
+    Keys the tokenizer and prepared-data caches, so an edited file invalidates them. A hub
+    dataset cannot be fingerprinted offline: its name, split and field stand for it.
+    """
+    if cfg.source == "stdlib":
+        return _stat_digest(stdlib_files()) + f"|python {sys.version}"
+    if cfg.source == "text":
+        return _stat_digest(local_files(cfg.path, "text"))
+    if cfg.source == "hf":
+        files = _hf_local(cfg.path)
+        where = _stat_digest(files) if files else f"hub:{cfg.path}"
+        return f"{where}|{cfg.hf_split}|{cfg.hf_text_field}"
+    raise ValueError(f"data.source={cfg.source!r} has no raw corpus to fingerprint")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Capped:
+    """Accumulates documents until ``max_bytes`` UTF-8 bytes; truncates the last one."""
+
+    def __init__(self, max_bytes: int | None):
+        self.max_bytes, self.total, self.docs = max_bytes, 0, []
+
+    @property
+    def full(self) -> bool:
+        return self.max_bytes is not None and self.total >= self.max_bytes
+
+    def add(self, raw: bytes) -> None:
+        cut = self.max_bytes is not None and self.total + len(raw) > self.max_bytes
+        if cut:
+            raw = raw[: self.max_bytes - self.total]
+        if raw:
+            self.total += len(raw)
+            self.docs.append(raw.decode("utf-8", errors="ignore" if cut else "replace"))
+
+
+def _read_files(files: list[str], max_bytes: int | None) -> list[str]:
+    acc = _Capped(max_bytes)
+    for f in files:
+        if acc.full:
+            break
+        with open(f, "rb") as fh:
+            acc.add(fh.read())
+    return acc.docs
+
+
+def _read_hf(cfg: DataConfig) -> Corpus:
+    try:
+        import datasets  # noqa: F401 - optional, only for this source
+    except ImportError:
+        raise ImportError("data.source='hf' needs the datasets package: pip install datasets") from None
+    files = _hf_local(cfg.path)
+    if files is not None:
+        exts = set()
+        for f in files:
+            name = f[: -len(c)] if (c := next((c for c in _COMPRESSED if f.endswith(c)), "")) else f
+            exts.add(os.path.splitext(name)[1].lower())
+        builders = {HF_BUILDERS.get(e) for e in exts}
+        if None in builders or len(builders) != 1:
+            raise ValueError(f"data.path={cfg.path!r} has files of types {sorted(exts)}; data.source='hf' reads one "
+                             f"kind at a time out of {sorted(HF_BUILDERS)}")
+        builder = builders.pop()
+        extra = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files={cfg.hf_split: files}, split=cfg.hf_split,
+                                   streaming=True, **extra)
+        where = f"{builder} files {cfg.path}"
+    else:
+        try:
+            ds = datasets.load_dataset(cfg.path, split=cfg.hf_split, streaming=True)
+        except Exception as e:  # noqa: BLE001 - offline hosts fail here with many error types
+            raise RuntimeError(f"data.path={cfg.path!r} is not a local file, directory or glob, and loading it as a "
+                               f"hub dataset (split data.hf_split={cfg.hf_split!r}) failed: {e}") from e
+        where = f"hub {cfg.path}[{cfg.hf_split}]"
+    acc = _Capped(cfg.max_bytes)
+    for row in ds:
+        if acc.full:
+            break
+        if cfg.hf_text_field not in row:
+            raise KeyError(f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; "
+                           f"columns: {sorted(row)}")
+        acc.add(str(row[cfg.hf_text_field]).encode("utf-8"))
+    return Corpus(acc.docs, f"hf {where}, field {cfg.hf_text_field!r}")
+
+
+def read_corpus(cfg: DataConfig) -> Corpus:
+    """Read the configured source into documents (deterministic, capped at data.max_bytes)."""
+    if cfg.source == "stdlib":
+        root = stdlib_root()
+        docs = _read_files(stdlib_files(root), cfg.max_bytes)
+        desc = f"stdlib {root} (Python {sys.version.split()[0]})"
+    elif cfg.source == "text":
+        docs = _read_files(local_files(cfg.path, "text"), cfg.max_bytes)
+        desc = f"text {cfg.path}"
+    elif cfg.source == "hf":
+        corpus = _read_hf(cfg)
+        docs, desc = corpus.docs, corpus.description
+    else:
+        raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
+    if not docs:
+        raise ValueError(f"data.source={cfg.source!r} data.path={cfg.path!r} produced an empty corpus")
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    return Corpus(docs, f"{desc}: {len(docs)} documents, {nbytes / 1e6:.2f} MB")
+
+
+# --------------------------------------------------------------------------- train/val split
+
+
+def _cut_at_line(doc: str, head_bytes: int) -> tuple[str, str]:
+    """Cut ``doc`` at the first line end after ``head_bytes`` UTF-8 bytes (or exactly there)."""
+    k = len(doc.encode("utf-8")[:head_bytes].decode("utf-8", errors="ignore"))
+    nl = doc.find("\n", max(k - 1, 0))
+    cut = nl + 1 if 0 <= nl < len(doc) - 1 else k
+    return doc[:cut], doc[cut:]
+
+
+def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Held-out split: validation = the last documents, ~val_fraction of the bytes.
+
+    The split is document-level at the boundary that brings the validation share closest to
+    ``val_fraction``. Only when no boundary is within a factor 2 of it (a document bigger than
+    the whole validation target straddles it, or the corpus is one file) is that one document
+    cut at a line end: its head stays in train and its tail starts validation. Either way no
+    text is in both splits, and both are non-empty.
+    """
+    sizes = [len(d.encode("utf-8")) for d in docs]
+    total = sum(sizes)
+    if total < 2:
+        raise ValueError("the corpus is too small for a train/validation split; raise data.max_bytes")
+    want = val_fraction * total
+    suffix = np.cumsum(sizes[::-1])[::-1].tolist() + [0]  # suffix[c] = bytes of docs[c:]
+    if len(docs) > 1:
+        best = min(range(1, len(docs)), key=lambda c: (abs(suffix[c] - want), -c))
+        if want / 2 <= suffix[best] <= 2 * want:
+            return docs[:best], docs[best:]
+    i = max(c for c in range(len(docs)) if suffix[c] >= want)  # the document holding the target
+    head, tail = _cut_at_line(docs[i], max(1, sizes[i] - int(want - suffix[i + 1])))
+    if not tail:
+        head, tail = docs[i][:-1], docs[i][-1:]
+    train, val = docs[:i] + ([head] if head else []), [tail] + docs[i + 1 :]
+    if not train:
+        raise ValueError("the corpus is too small for a train/validation split; raise data.max_bytes")
+    return train, val

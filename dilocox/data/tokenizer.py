@@ -1,0 +1,121 @@
+"""Tokenizers: bytes (vocab 256) or a byte-level BPE trained on the corpus with ``tokenizers``.
+
+Common interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``,
+``eot_id`` (the end-of-document token appended after every document) and
+``encode_docs(docs) -> np.ndarray`` (all documents, each followed by ``eot_id``).
+
+The BPE is GPT-2 style (ByteLevel pre-tokenizer and decoder, so any text round-trips exactly),
+with one special token ``<|endoftext|>`` (id 0). It is trained on the training split only and
+cached as JSON; ``load_or_train_bpe`` reuses the cached file when it exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Iterable
+
+import numpy as np
+
+EOT = "<|endoftext|>"
+
+
+class ByteTokenizer:
+    """ids = the UTF-8 bytes of the text. Documents are separated by byte 0 (NUL)."""
+
+    kind = "byte"
+    vocab_size = 256
+    eot_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def encode_docs(self, docs: list[str]) -> np.ndarray:
+        sep = bytes([self.eot_id])
+        return np.frombuffer(sep.join(d.encode("utf-8") for d in docs) + sep, dtype=np.uint8).copy()
+
+
+class BPETokenizer:
+    """A ``tokenizers.Tokenizer`` (byte-level BPE) behind the common interface."""
+
+    kind = "bpe"
+
+    def __init__(self, tok, path: str | None = None):
+        self.tok, self.path = tok, path
+        self.vocab_size = tok.get_vocab_size()
+        eot = tok.token_to_id(EOT)
+        if eot is None:
+            raise ValueError(f"tokenizer {path or ''} has no {EOT} token; it was not trained by dilocox")
+        self.eot_id = eot
+
+    @classmethod
+    def from_file(cls, path: str) -> "BPETokenizer":
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(path), path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_docs(self, docs: list[str]) -> np.ndarray:
+        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+        parts = []
+        for enc in self.tok.encode_batch(docs, add_special_tokens=False):
+            parts += [np.asarray(enc.ids, dtype=dtype), np.array([self.eot_id], dtype=dtype)]
+        return np.concatenate(parts)
+
+    def save(self, path: str) -> None:
+        """Write the tokenizer JSON atomically (temp file + rename)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
+        os.close(fd)
+        try:
+            self.tok.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        self.path = path
+
+
+def train_bpe(docs: list[str], vocab_size: int) -> BPETokenizer:
+    """Train a byte-level BPE with ``vocab_size`` entries (256 bytes + EOT + merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"data.bpe_vocab_size={vocab_size} must be >= 257 (256 byte symbols + {EOT})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    return BPETokenizer(tok)
+
+
+def load_or_train_bpe(train_docs: list[str], vocab_size: int, cache_path: str) -> BPETokenizer:
+    """The BPE cached at ``cache_path`` if present, else train it on ``train_docs`` and cache it."""
+    if os.path.exists(cache_path):
+        tok = BPETokenizer.from_file(cache_path)
+        if tok.vocab_size <= vocab_size:
+            return tok
+    tok = train_bpe(train_docs, vocab_size)
+    tok.save(cache_path)
+    return tok
+
+
+def load_tokenizer(kind: str, path: str | None = None) -> ByteTokenizer | BPETokenizer:
+    """Rebuild a tokenizer from a prepared directory's meta (``kind``, tokenizer file)."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        if not path or not os.path.exists(path):
+            raise FileNotFoundError(f"BPE tokenizer file {path!r} is missing; re-run `dilocox data prepare`")
+        return BPETokenizer.from_file(path)
+    raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'byte' or 'bpe')")

@@ -1,0 +1,1 @@
+"""Rank grid, process groups and the outer-communication transport."""

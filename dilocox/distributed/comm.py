@@ -1,0 +1,161 @@
+"""Asynchronous outer communication: one background thread per rank that runs collectives.
+
+The outer all-reduce of DiLoCo (ALGORITHMS §2–§4) must run *while* the next inner phase
+trains. ``AsyncComm`` owns one worker thread; the caller submits a callable (typically the
+compressor's blocking ``allreduce_mean`` on the dedicated ``outer`` process group) and gets a
+``CommHandle`` back. ``handle.wait()`` returns the callable's result (or re-raises its
+exception) and records how long the *caller* was blocked, which is the number the overlap
+modes are judged by.
+
+Tasks run one at a time, in submission order (FIFO), so a compressor's error-feedback state
+is updated in the same order on every rank. The outer process group must be used only by
+this thread while tasks are pending (topology.py creates a fresh communicator for it).
+
+Link emulation (for tests and single-host benchmarks without ``tc``/netns):
+
+- ``delay_s``: a sleep on the comm thread after every task (a slow or distant link);
+- ``bandwidth``: a token-bucket cap in bytes/s. After a task that sent ``b`` bytes (read from
+  the ``sent_bytes`` counter given at construction), the thread sleeps until the link would
+  have been free: ``free_at = max(free_at, start) + b / bandwidth``. Cumulative bytes sent
+  over elapsed link time therefore never exceed the cap. Less faithful than ``tc tbf``
+  (the transfer itself is not slowed, only its completion), but enough to reproduce the
+  timing of an outer step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+
+class CommHandle:
+    """The future of one submitted task. ``wait()`` may be called more than once."""
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.submitted_at = time.perf_counter()
+        self.comm_s = 0.0  # seconds the task occupied the comm thread (incl. emulated delay/cap)
+        self.blocked_s = 0.0  # seconds the caller spent inside wait()
+
+    def _finish(self, result: Any = None, error: BaseException | None = None, comm_s: float = 0.0) -> None:
+        self._result, self._error, self.comm_s = result, error, comm_s
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the task finished; return its result or re-raise its exception."""
+        t0 = time.perf_counter()
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"communication task {self.name!r} did not finish within {timeout} s")
+        self.blocked_s += time.perf_counter() - t0
+        if self._error is not None:
+            raise RuntimeError(f"communication task {self.name!r} failed on the comm thread") from self._error
+        return self._result
+
+
+class DoneHandle(CommHandle):
+    """A handle whose result is already known (an in-flight all-reduce restored from a checkpoint)."""
+
+    def __init__(self, result: Any, name: str = "restored") -> None:
+        super().__init__(name)
+        self._finish(result)
+
+
+class AsyncComm:
+    """A FIFO worker thread for blocking collectives, with optional delay and bandwidth cap.
+
+    Args:
+        delay_s: seconds slept on the comm thread after each task (emulated latency).
+        bandwidth: cap in bytes/s (None = uncapped); needs ``sent_bytes``.
+        sent_bytes: zero-argument callable returning the cumulative bytes sent so far
+            (e.g. ``lambda: stats.bytes_sent``); read before and after each task.
+        name: thread name (shows up in stack dumps).
+
+    The thread starts on the first ``submit`` and stops in ``shutdown()`` (after draining
+    the queue); a later ``submit`` starts it again.
+    """
+
+    def __init__(self, delay_s: float = 0.0, bandwidth: float | None = None,
+                 sent_bytes: Callable[[], int] | None = None, name: str = "outer-comm") -> None:
+        if delay_s < 0:
+            raise ValueError(f"AsyncComm delay_s={delay_s} must be >= 0")
+        if bandwidth is not None and bandwidth <= 0:
+            raise ValueError(f"AsyncComm bandwidth={bandwidth} must be > 0 bytes/s (or None for no cap)")
+        if bandwidth is not None and sent_bytes is None:
+            raise ValueError("AsyncComm bandwidth cap needs sent_bytes=<callable returning cumulative bytes sent>")
+        self.delay_s = delay_s
+        self.bandwidth = bandwidth
+        self._sent_bytes = sent_bytes
+        self.name = name
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._link_free_at = 0.0
+        self.busy_s = 0.0  # cumulative seconds the thread spent on tasks
+
+    # ------------------------------------------------------------------ public API
+    def submit(self, fn: Callable[..., Any], *args: Any, name: str = "", **kwargs: Any) -> CommHandle:
+        """Queue ``fn(*args, **kwargs)`` on the comm thread; return its handle at once."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        handle = CommHandle(name or getattr(fn, "__name__", "task"))
+        self._queue.put((handle, fn, args, kwargs))
+        return handle
+
+    def run(self, fn: Callable[..., Any], *args: Any, name: str = "", **kwargs: Any) -> tuple[Any, CommHandle]:
+        """Submit and wait at once (the blocking path); returns (result, handle)."""
+        h = self.submit(fn, *args, name=name, **kwargs)
+        return h.wait(), h
+
+    def pending(self) -> int:
+        return self._queue.unfinished_tasks
+
+    def drain(self) -> None:
+        """Block until every submitted task has finished (results stay in their handles)."""
+        self._queue.join()
+
+    def shutdown(self) -> None:
+        """Finish the queued tasks, then stop the thread. Safe to call twice."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self._thread = None
+
+    # ------------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            handle, fn, args, kwargs = item
+            t0 = time.perf_counter()
+            before = self._sent_bytes() if self._sent_bytes is not None else 0
+            result, error = None, None
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                error = e
+            if error is None:
+                self._emulate_link(t0, before)
+            dt = time.perf_counter() - t0
+            self.busy_s += dt
+            handle._finish(result, error, dt)
+            self._queue.task_done()
+
+    def _emulate_link(self, t0: float, bytes_before: int) -> None:
+        if self.bandwidth is not None and self._sent_bytes is not None:
+            sent = self._sent_bytes() - bytes_before
+            self._link_free_at = max(self._link_free_at, t0) + sent / self.bandwidth
+            wait = self._link_free_at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)

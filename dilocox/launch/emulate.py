@@ -1,0 +1,164 @@
+"""Launch ``dilocox train`` as R emulated clusters on one host (``dilocox launch``).
+
+Each replica is one torchrun node in its own network namespace (``dilocox.launch.netns``), all
+nodes joined by a *static* rendezvous at replica 0's address (``--rdzv_backend c10d`` inside
+namespaces failed to elect its store host on the dev machine), ``GLOO_SOCKET_IFNAME`` set to the
+namespace's veth. Replica r is node r: global ranks r*N .. r*N+N-1, the contiguous block that
+``dilocox.distributed.topology`` assigns to a replica.
+
+Without root or ``ip netns`` it falls back to ONE local torchrun of R*N ranks and exports the
+cap as ``DILOCOX_EMULATED_BANDWIDTH_BPS`` (bits/s) for the outer comm layer's token bucket
+(``AsyncComm(bandwidth=bytes/s)``), printing ``emulation: token-bucket`` and why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from dilocox.config import ConfigError, load_config
+from dilocox.launch.netns import SUBNET, Cluster, kill_group, cleanup_stale, netns_available
+from dilocox.plan import fmt_bandwidth, parse_bandwidth
+
+__all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available", "torchrun_argv", "BANDWIDTH_ENV"]
+
+BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"
+
+
+def torchrun_argv(nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
+                  entry: Sequence[str]) -> list[str]:
+    """One node of a static rendezvous (c10d rendezvous failed to elect its host across namespaces)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
+            f"--nproc_per_node={nproc}", f"--master_addr={master_addr}", f"--master_port={master_port}", *entry]
+
+
+def launch(config: str | None, replicas: int, per_replica_nproc: int, rate: str | float | None = None,
+           overrides: Sequence[str] = (), *, entry: Sequence[str] | None = None, master_port: int = 29500,
+           emulation: str = "auto", grace_s: float = 30.0, log=print) -> list[int]:
+    """Run ``dilocox train CONFIG`` as R emulated clusters of N ranks each; return exit codes.
+
+    Replica r is torchrun node r (global ranks r*N .. r*N+N-1, the contiguous block topology.py
+    gives a replica). ``entry`` replaces ``-m dilocox.cli train CONFIG overrides`` (tests).
+    ``emulation``: auto | netns | token-bucket. After the first failing node the others get
+    ``grace_s`` seconds to exit before they are killed (they may be stuck in a collective).
+    """
+    if replicas < 1 or per_replica_nproc < 1:
+        raise ValueError(f"replicas={replicas} and per_replica_nproc={per_replica_nproc} must be >= 1")
+    if emulation not in ("auto", "netns", "token-bucket"):
+        raise ValueError(f"emulation={emulation!r} is not one of auto, netns, token-bucket")
+    overrides = [*overrides, f"--parallel.replicas={replicas}"]
+    if config is not None:
+        pc = load_config(config, list(overrides)).parallel
+        inner = pc.data * pc.pipeline * pc.tensor
+        if inner != per_replica_nproc:
+            raise ConfigError(f"--nproc-per-replica {per_replica_nproc} does not match parallel.data*pipeline*tensor = "
+                              f"{pc.data}*{pc.pipeline}*{pc.tensor} = {inner} in {config}; pass --nproc-per-replica {inner}")
+    if entry is None:
+        if config is None:
+            raise ValueError("launch needs a config (or an explicit entry)")
+        entry = ["-m", "dilocox.cli", "train", config, *overrides]
+    rate_bps = None if rate is None else parse_bandwidth(rate)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # the ranks import dilocox from the same checkout as this process, installed or not
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    ok, why = netns_available()
+    if emulation == "netns" and not ok:
+        raise RuntimeError(f"emulation=netns requested but unavailable: {why}")
+    if emulation == "token-bucket" or not ok:
+        reason = why or "requested"
+        cap = f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
+        log(f"emulation: token-bucket ({reason}); one local torchrun with {replicas * per_replica_nproc} ranks, "
+            f"{cap}; less faithful than netns: only the outer all-reduce is paced")
+        if rate_bps:
+            env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={replicas * per_replica_nproc}", *entry]
+        return [subprocess.call(argv, env=env)]
+    log(f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
+        f"each way per replica, addresses {SUBNET}.1-{replicas})")
+    with Cluster(replicas, None if rate_bps is None else rate_bps / 1e6) as c:
+        procs = []
+        for r in range(replicas):
+            renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), NCCL_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
+            argv = torchrun_argv(replicas, r, per_replica_nproc, c.addr(0), master_port, entry)
+            procs.append(c.exec(r, argv, env=renv))
+        codes = _wait_all(procs, grace_s)
+        for r in range(replicas):
+            log(f"replica {r} ({c.addr(r)}): sent {c.tx_bytes(r) / 1e6:.2f} MB, received {c.rx_bytes(r) / 1e6:.2f} MB, exit {codes[r]}")
+    return codes
+
+
+def _wait_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes  # type: ignore[return-value]
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
+            for p in procs:
+                if p.poll() is None:
+                    kill_group(p.pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+_FLAGS = {"--replicas": int, "--nproc-per-replica": int, "--bandwidth": str, "--master-port": int,
+          "--emulation": str, "--grace": float}
+
+
+def launch_main(argv: Sequence[str] | None = None) -> int:
+    """``dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [--a.b=v ...]``."""
+    usage = ("usage: dilocox launch --replicas R --nproc-per-replica N [--bandwidth 100mbit] "
+             "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]")
+    args = list(sys.argv[1:] if argv is None else argv)
+    opts: dict[str, object] = {}
+    config, overrides = None, []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        key, _, val = a.partition("=")
+        if key in ("-h", "--help"):
+            print(usage)
+            return 0
+        if key in _FLAGS:
+            if not val:
+                if i + 1 >= len(args):
+                    print(f"dilocox launch: {key} needs a value\n{usage}", file=sys.stderr)
+                    return 2
+                i += 1
+                val = args[i]
+            try:
+                opts[key] = _FLAGS[key](val)
+            except ValueError:
+                print(f"dilocox launch: {key}={val!r} is not a valid {_FLAGS[key].__name__}", file=sys.stderr)
+                return 2
+        elif config is None and not a.startswith("-"):
+            config = a
+        else:
+            overrides.append(a)
+            if "=" not in a and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                overrides.append(args[i + 1])
+                i += 1
+        i += 1
+    if config is None or "--replicas" not in opts or "--nproc-per-replica" not in opts:
+        print(f"dilocox launch: CONFIG, --replicas and --nproc-per-replica are required\n{usage}", file=sys.stderr)
+        return 2
+    try:
+        codes = launch(config, opts["--replicas"], opts["--nproc-per-replica"], opts.get("--bandwidth"), overrides,
+                       master_port=opts.get("--master-port", 29500), emulation=opts.get("--emulation", "auto"),
+                       grace_s=opts.get("--grace", 30.0))
+    except (ConfigError, ValueError, RuntimeError) as e:
+        print(f"dilocox launch: error: {e}", file=sys.stderr)
+        return 2
+    return next((c for c in codes if c != 0), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(launch_main())

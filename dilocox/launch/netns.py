@@ -1,0 +1,262 @@
+"""Emulate R clusters on one host: a network namespace per replica, a bandwidth cap per link.
+
+Topology (DESIGN.md, "Emulating clusters on one host"; what worked on the dev machine)::
+
+    ns <tag>-r0: dxv0 198.18.0.1/24 ──veth── dxs0 ┐
+    ns <tag>-r1: dxv1 198.18.0.2/24 ──veth── dxs1 ┼─ bridge dxbr in ns <tag>-sw ("the switch")
+    ...                                           ┘
+    tc tbf on dxv<r> (replica r's upload) and on dxs<r> (its download): rate X each way
+
+Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and exist only inside namespaces
+this module creates; links are created directly inside them, so nothing appears on the host's
+interfaces. Namespace names carry the pid and a counter, so concurrent runs do not clash.
+Traffic between ranks of ONE replica goes to a local address and stays uncapped (as inside a
+real cluster); only traffic that crosses the bridge passes the tbf caps.
+
+Cleanup runs on every exit path: ``with`` exit (normal or exception), SIGINT/SIGTERM (handler,
+then the previous handler), interpreter exit (atexit), and even SIGKILL of this process: a tiny
+shell "reaper" in its own session holds a pipe from us and tears everything down when the pipe
+closes. Processes left in a namespace (a killed rank's children, say) are killed first.
+
+netem is not available on the dev machine, so the links add no propagation delay.
+``cleanup_stale()`` removes namespaces left by runs whose process no longer exists.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import Sequence
+
+SUBNET = "198.18.0"  # first /24 of 198.18.0.0/15
+_counter = itertools.count()
+_probe: tuple[bool, str] | None = None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run one iproute2 command (``ip`` or ``tc``); raise with its stderr on failure."""
+    p = subprocess.run(list(args), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def netns_available() -> tuple[bool, str]:
+    """(True, "") when namespaces + veth + tbf can be created here, else (False, why). Cached."""
+    global _probe
+    if _probe is None:
+        if os.name != "posix" or os.geteuid() != 0:
+            _probe = (False, "not running as root (network namespaces need CAP_NET_ADMIN)")
+        elif not shutil.which("ip") or not shutil.which("tc"):
+            _probe = (False, "iproute2's `ip`/`tc` not found")
+        else:
+            name = f"dilocox-{os.getpid()}-probe"
+            p = _ip("ip", "netns", "add", name, check=False)
+            if p.returncode == 0:
+                _ip("ip", "netns", "del", name, check=False)
+                _probe = (True, "")
+            else:
+                _probe = (False, f"`ip netns add` failed: {p.stderr.strip()}")
+    return _probe
+
+
+class Cluster:
+    """R emulated clusters joined by capped links. Use as a context manager.
+
+    ``rate_mbit`` caps each replica's link in each direction (None = uncapped); ``burst_bytes``
+    defaults to max(64 KiB, 2 ms at the rate); ``latency_ms`` bounds the tbf queue.
+    """
+
+    def __init__(self, n_replicas: int, rate_mbit: float | None = None, *, burst_bytes: int | None = None,
+                 latency_ms: float = 100.0) -> None:
+        if not 1 <= n_replicas <= 250:
+            raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
+        if rate_mbit is not None and not rate_mbit > 0:
+            raise ValueError(f"rate_mbit={rate_mbit} must be > 0 (or None for no cap)")
+        self.n = n_replicas
+        self.rate_bps = None if rate_mbit is None else float(rate_mbit) * 1e6
+        self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
+        self.latency_ms = latency_ms
+        self.tag = f"dilocox-{os.getpid()}-{next(_counter)}"
+        self.switch = f"{self.tag}-sw"
+        self._procs: list[subprocess.Popen] = []
+        self._reaper: subprocess.Popen | None = None
+        self._prev_handlers: dict[int, object] = {}
+        self._up = False
+
+    # names and addresses ----------------------------------------------------------------
+    def ns(self, r: int) -> str:
+        return f"{self.tag}-r{self._check(r)}"
+
+    def addr(self, r: int) -> str:
+        return f"{SUBNET}.{self._check(r) + 1}"
+
+    def ifname(self, r: int) -> str:
+        """The replica's veth inside its namespace (set GLOO_SOCKET_IFNAME to this)."""
+        return f"dxv{self._check(r)}"
+
+    def namespaces(self) -> list[str]:
+        return [self.ns(r) for r in range(self.n)] + [self.switch]
+
+    def _check(self, r: int) -> int:
+        if not 0 <= r < self.n:
+            raise IndexError(f"replica {r} out of range [0, {self.n})")
+        return r
+
+    # lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._up or self._reaper is not None:
+            raise RuntimeError(f"Cluster {self.tag} was already started; create a new Cluster")
+        ok, why = netns_available()
+        if not ok:
+            raise RuntimeError(f"cannot emulate clusters with network namespaces: {why}")
+        self._start_reaper()
+        self._install_handlers()
+        atexit.register(self.close)
+        self._up = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        sw = self.switch
+        _ip("ip", "netns", "add", sw)
+        _ip("ip", "-n", sw, "link", "set", "lo", "up")
+        _ip("ip", "-n", sw, "link", "add", "dxbr", "type", "bridge")
+        _ip("ip", "-n", sw, "link", "set", "dxbr", "up")
+        for r in range(self.n):
+            ns, inner, outer = self.ns(r), self.ifname(r), f"dxs{r}"
+            _ip("ip", "netns", "add", ns)
+            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _ip("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", sw)
+            _ip("ip", "-n", sw, "link", "set", outer, "master", "dxbr", "up")
+            _ip("ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", inner)
+            _ip("ip", "-n", ns, "link", "set", inner, "up")
+            if self.rate_bps:
+                for where, dev in ((ns, inner), (sw, outer)):
+                    _ip("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(self.rate_bps)}bit",
+                        "burst", str(self.burst), "latency", f"{self.latency_ms:g}ms")
+
+    def _teardown_script(self) -> str:
+        """Shell commands that kill every process in our namespaces and delete them (idempotent)."""
+        lines = []
+        for ns in self.namespaces():
+            lines.append(f"for p in $(ip netns pids {ns} 2>/dev/null); do kill -9 $p 2>/dev/null; done")
+        lines += [f"ip -n {self.switch} link del dxs{r} 2>/dev/null" for r in range(self.n)]
+        lines += [f"ip netns del {ns} 2>/dev/null" for ns in self.namespaces()]
+        return "\n".join(lines) + "\ntrue\n"
+
+    def _start_reaper(self) -> None:
+        # Reads its stdin until EOF (our exit, however it happens), then tears everything down.
+        script = "cat >/dev/null 2>&1\n" + self._teardown_script()
+        self._reaper = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; atexit + reaper still apply
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._prev_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self.close()
+        if callable(prev):
+            prev(signum, frame)  # e.g. Python's default SIGINT handler raises KeyboardInterrupt
+        elif prev != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def close(self) -> None:
+        """Kill our processes, delete namespaces, links and qdiscs. Safe to call repeatedly."""
+        up, self._up = self._up, False
+        if not up:
+            return
+        main = threading.current_thread() is threading.main_thread()
+        if main:  # a second Ctrl-C must not interrupt the teardown; it is delivered afterwards
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            self._teardown()
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    def _teardown(self) -> None:
+        for p in self._procs:  # ask politely first (torchrun forwards SIGTERM to its workers)
+            if p.poll() is None:
+                kill_group(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 3.0
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_group(p.pid, signal.SIGKILL)
+                p.wait()
+        subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True)
+        if self._reaper is not None:
+            self._reaper.stdin.close()  # the reaper re-runs the (now empty) teardown and exits
+            self._reaper.wait()
+        for sig, prev in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, prev)
+        self._prev_handlers.clear()
+        atexit.unregister(self.close)
+
+    # use --------------------------------------------------------------------------------
+    def exec(self, r: int, argv: Sequence[str], **popen_kw: object) -> subprocess.Popen:
+        """Start ``argv`` inside replica r's namespace, in its own session (killed on close)."""
+        if not self._up:
+            raise RuntimeError("Cluster is not running: use it inside `with Cluster(...) as c:`")
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(r), *argv], start_new_session=True, **popen_kw)
+        self._procs.append(p)
+        return p
+
+    def _stat(self, r: int, which: str) -> int:
+        path = f"/sys/class/net/{self.ifname(r)}/statistics/{which}"
+        return int(_ip("ip", "netns", "exec", self.ns(r), "cat", path).stdout)
+
+    def tx_bytes(self, r: int) -> int:
+        """Bytes replica r has sent over its link (its veth's tx counter, L2 headers included)."""
+        return self._stat(r, "tx_bytes")
+
+    def rx_bytes(self, r: int) -> int:
+        return self._stat(r, "rx_bytes")
+
+
+def kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cleanup_stale() -> list[str]:
+    """Delete ``dilocox-<pid>-*`` namespaces whose creating process is gone; return their names."""
+    listed = _ip("ip", "netns", "list", check=False).stdout.split("\n")
+    stale = []
+    for line in listed:
+        name = line.split(" ")[0]
+        m = re.fullmatch(r"dilocox-(\d+)-(?:\d+-(?:r\d+|sw)|probe)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            stale.append(name)
+    script = "".join(f"for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}\n" for ns in stale)
+    if script:
+        subprocess.run(["sh", "-c", script], capture_output=True)
+    return stale

@@ -1,0 +1,137 @@
+"""What a person running training wants to see, and the files a script wants to read.
+
+One :class:`MetricsLogger` per rank; only the logging rank prints and writes. Each step's
+record goes to ``<run_dir>/metrics.jsonl`` (one JSON object per line), to TensorBoard when
+the package is installed, and to stdout as one line::
+
+    step   120/400 | loss 2.3141 | lr 3.9e-04 | 5,321 tok/s | mfu  - | outer 3 H 40 sent 1.2 MB blocked 0.00s | eta 1m02s
+
+On a TTY the line is redrawn in place (a progress bar) between full log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+# Dense bf16 peak of the accelerators we report MFU against (vendor datasheets).
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: Any) -> float | None:
+    """Peak dense bf16 FLOP/s of a CUDA device by name; None on CPU (MFU is not reported)."""
+    try:
+        import torch
+
+        if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(device)
+    except Exception:  # noqa: BLE001
+        return None
+    for key, val in PEAK_FLOPS.items():
+        if key in name:
+            return val
+    return None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+def fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(round(s))
+    if s >= 3600:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, enabled: bool, total_steps: int, jsonl: bool = True, tensorboard: bool = True, progress: bool = True):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.jsonl = None
+        self.tb = None
+        self.tty = enabled and progress and sys.stdout.isatty()
+        self.t0 = time.time()
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if jsonl:
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            except Exception:  # noqa: BLE001 - optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        """Append one record (any keys) to the jsonl file and TensorBoard."""
+        if not self.enabled:
+            return
+        record = {"time": round(time.time() - self.t0, 3), **record}
+        if self.jsonl:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None and "step" in record:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time") and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def line(self, rec: dict) -> str:
+        step = rec["step"]
+        parts = [f"step {step:>6}/{self.total_steps}", f"loss {rec['loss']:.4f}"]
+        if "lr" in rec:
+            parts.append(f"lr {rec['lr']:.1e}")
+        parts.append(f"{rec.get('tokens_per_s', 0):,.0f} tok/s")
+        mfu = rec.get("mfu")
+        parts.append(f"mfu {mfu * 100:4.1f}%" if mfu is not None else "mfu -")
+        if "outer_step" in rec:
+            parts.append(
+                f"outer {rec['outer_step']} H {rec.get('H', '-')}"
+                + (f" r {rec['rank']}" if rec.get("rank") else "")
+                + f" sent {fmt_bytes(rec.get('bytes_sent', 0))} blocked {rec.get('blocked_s', 0.0):.2f}s"
+            )
+        if "val_loss" in rec:
+            parts.append(f"val {rec['val_loss']:.4f} (ppl {math.exp(min(rec['val_loss'], 50)):.1f})")
+        parts.append(f"eta {fmt_time(rec.get('eta_s', float('nan')))}")
+        return " | ".join(parts)
+
+    def log(self, rec: dict, printed: bool = True) -> None:
+        if not self.enabled:
+            return
+        self.write(rec)
+        if printed:
+            if self.tty:
+                sys.stdout.write("\r\033[K")
+            print(self.line(rec), flush=True)
+        elif self.tty:
+            frac = rec["step"] / max(1, self.total_steps)
+            bar = "#" * int(30 * frac)
+            sys.stdout.write(f"\r[{bar:<30}] {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} eta {fmt_time(rec.get('eta_s', float('nan')))}")
+            sys.stdout.flush()
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            if self.tty:
+                sys.stdout.write("\r\033[K")
+            print(msg, flush=True)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

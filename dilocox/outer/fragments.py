@@ -1,0 +1,95 @@
+"""Streaming DiLoCo fragments (ALGORITHMS §4): which parameters sync together, and when.
+
+Assignment. The rank's shard holds some transformer layers (its pipeline stage) plus, on the
+first/last stage, parameters that belong to no layer (embedding, final norm, lm head). With
+``L`` local layers sorted by global layer id and local index ``i = 0..L-1``:
+
+- ``sequential``: layer ``i`` goes to fragment ``floor(i * K / L)`` (contiguous blocks whose
+  sizes differ by at most one);
+- ``strided``: layer ``i`` goes to fragment ``i mod K``.
+
+A parameter with no layer (``layer_of(name) is None``) joins the fragment of the nearest
+*preceding* layered parameter in the shard's parameter order, or of the first layered
+parameter if none precedes it. For the usual order (embedding, blocks, final norm, head)
+the embedding travels with the first local layer and the final norm and head with the last.
+
+Schedule. Inner steps are counted ``n = step + 1`` (the number of finished inner steps).
+Fragment ``p`` syncs at every ``n > 0`` with ``n ≡ p·H/K (mod H)``: fragment 0 at H, 2H, ...;
+fragment ``p ≥ 1`` first after ``p·H/K`` steps, then every ``H``. Its all-reduce is
+launched ``tau`` steps before each sync point. The schedule keeps the next sync step per
+fragment, so a changed ``H`` (adaptive controller) takes effect from the next sync on:
+``next = this sync + H``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from dilocox.config import ConfigError
+
+
+def assign_fragments(names: Sequence[str], layer_of: Callable[[str], int | None], k: int,
+                     pattern: str) -> list[list[int]]:
+    """Return ``k`` lists of parameter indices (into ``names``), in parameter order."""
+    if k < 1:
+        raise ConfigError(f"outer.streaming.fragments={k} must be >= 1")
+    if k == 1:
+        return [list(range(len(names)))]
+    if pattern not in ("sequential", "strided"):
+        raise ConfigError(f"outer.streaming.pattern={pattern!r} is not one of ['sequential', 'strided']")
+    layers = [layer_of(n) for n in names]
+    local = sorted({lid for lid in layers if lid is not None})
+    if len(local) < k:
+        raise ConfigError(
+            f"outer.streaming.fragments={k} exceeds the {len(local)} layers of this rank's shard "
+            f"(layer ids {local}); use at most {len(local)} fragments"
+        )
+    index = {lid: i for i, lid in enumerate(local)}
+    n_local = len(local)
+
+    def frag_of_layer(lid: int) -> int:
+        i = index[lid]
+        return i * k // n_local if pattern == "sequential" else i % k
+
+    first_layered = next(lid for lid in layers if lid is not None)
+    frags: list[list[int]] = [[] for _ in range(k)]
+    last: int | None = None
+    for i, lid in enumerate(layers):
+        if lid is not None:
+            last = lid
+        frags[frag_of_layer(last if last is not None else first_layered)].append(i)
+    return frags
+
+
+class SyncSchedule:
+    """Next sync step of every fragment, and the launch step ``tau`` before it."""
+
+    def __init__(self, k: int, h: int, tau: int) -> None:
+        if h % k:
+            raise ConfigError(f"outer.sync_every={h} must be divisible by outer.streaming.fragments={k}")
+        if not 0 <= tau < max(h // k, 1):
+            raise ConfigError(f"outer.streaming.tau={tau} must be in [0, sync_every/fragments={h // k})")
+        self.k, self.tau = k, tau
+        self.next_sync = [p * h // k if p > 0 else h for p in range(k)]
+
+    def launches_at(self, n: int) -> list[int]:
+        """Fragments whose all-reduce is launched after inner step count ``n``."""
+        return [p for p in range(self.k) if self.next_sync[p] - self.tau == n]
+
+    def syncs_at(self, n: int) -> list[int]:
+        """Fragments whose outer step happens after inner step count ``n``."""
+        return [p for p in range(self.k) if self.next_sync[p] == n]
+
+    def advance(self, p: int, h: int) -> None:
+        """Fragment ``p`` just synced; its next sync is ``h`` steps later."""
+        if h <= self.tau:
+            raise ConfigError(f"sync interval H={h} must exceed outer.streaming.tau={self.tau}")
+        self.next_sync[p] += h
+
+    def state_dict(self) -> dict:
+        return {"next_sync": list(self.next_sync), "tau": self.tau}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if len(sd["next_sync"]) != self.k:
+            raise ValueError(f"checkpoint has {len(sd['next_sync'])} fragments, this run has outer.streaming.fragments={self.k}")
+        self.next_sync = [int(x) for x in sd["next_sync"]]

@@ -1,0 +1,106 @@
+"""Outer state of one rank's shard: global params θ and Nesterov momentum v, flat fp32.
+
+Only this rank's shard is stored (no rank-0 copy of the model): the dual-optimizer policy of
+DiLoCoX §2.2. The two flat buffers live on the host (pinned when the params are on CUDA) or
+on the params' device (``outer.state_device``). They are laid out fragment by fragment, so
+fragment ``p`` is one contiguous slice and its outer step is a handful of vector ops.
+
+OuterOpt (ALGORITHMS §1, torch.optim.SGD semantics without weight decay/dampening):
+
+    v ← μ v + g
+    θ ← θ − η (g + μ v)     nesterov
+    θ ← θ − η v             otherwise
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class OuterState:
+    """Flat θ and v of the params ``params`` (a rank's shard), grouped by ``fragments``."""
+
+    def __init__(self, params: list[Tensor], fragments: list[list[int]], state_device: str = "host") -> None:
+        if state_device not in ("host", "device"):
+            raise ValueError(f"outer.state_device={state_device!r} is not one of ['host', 'device']")
+        self.params = params
+        self.fragments = fragments
+        param_device = params[0].device if params else torch.device("cpu")
+        self.device = torch.device("cpu") if state_device == "host" else param_device
+        pin = state_device == "host" and param_device.type == "cuda"
+        self.offsets: dict[int, tuple[int, int]] = {}  # param index -> (start, numel)
+        self.bounds: list[tuple[int, int]] = []  # fragment -> [start, end)
+        pos = 0
+        for frag in fragments:
+            start = pos
+            for i in frag:
+                self.offsets[i] = (pos, params[i].numel())
+                pos += params[i].numel()
+            self.bounds.append((start, pos))
+        self.numel = pos
+        self.theta = torch.empty(pos, dtype=torch.float32, device=self.device, pin_memory=pin)
+        self.momentum = torch.zeros(pos, dtype=torch.float32, device=self.device, pin_memory=pin)
+        with torch.no_grad():
+            for i, (s, n) in self.offsets.items():
+                self.theta[s:s + n].copy_(params[i].detach().reshape(-1))
+
+    # ------------------------------------------------------------------ views
+    def view(self, buf: Tensor, i: int) -> Tensor:
+        s, n = self.offsets[i]
+        return buf[s:s + n].view(self.params[i].shape)
+
+    def frag(self, buf: Tensor, p: int) -> Tensor:
+        s, e = self.bounds[p]
+        return buf[s:e]
+
+    def shapes(self, p: int) -> list[torch.Size]:
+        return [self.params[i].shape for i in self.fragments[p]]
+
+    # ------------------------------------------------------------------ the rules
+    @torch.no_grad()
+    def pseudo_gradient(self, p: int) -> list[Tensor]:
+        """Δ_p = θ_p − θ_{m,p}: fresh fp32 tensors on the params' device, one per parameter."""
+        out = []
+        for i in self.fragments[p]:
+            w = self.params[i]
+            out.append(self.view(self.theta, i).to(w.device, non_blocking=True) - w.detach().float())
+        return out
+
+    def flatten(self, tensors: list[Tensor]) -> Tensor:
+        """Concatenate per-parameter tensors of one fragment into one flat fp32 state-device tensor."""
+        return torch.cat([t.reshape(-1).float() for t in tensors]).to(self.device)
+
+    @torch.no_grad()
+    def outer_step(self, p: int, grad: Tensor, lr: float, momentum: float, nesterov: bool) -> None:
+        """θ_p ← OuterOpt(θ_p, grad) with grad flat fp32 on the state device."""
+        theta, v = self.frag(self.theta, p), self.frag(self.momentum, p)
+        v.mul_(momentum).add_(grad)
+        if nesterov:
+            theta.sub_(grad.add(v, alpha=momentum), alpha=lr)
+        else:
+            theta.sub_(v, alpha=lr)
+
+    @torch.no_grad()
+    def load_params(self, p: int, alpha: float = 0.0) -> None:
+        """θ_{m,p} ← α θ_{m,p} + (1 − α) θ_p (α = 0: plain reset to the outer params)."""
+        for i in self.fragments[p]:
+            w, theta = self.params[i], self.view(self.theta, i)
+            if alpha == 0.0:
+                w.copy_(theta)
+            else:
+                w.mul_(alpha).add_(theta.to(w.device, w.dtype), alpha=1.0 - alpha)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        return {"theta": self.theta.detach().cpu().clone(), "momentum": self.momentum.detach().cpu().clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("theta", "momentum"):
+            t = sd[key]
+            if t.numel() != self.numel:
+                raise ValueError(
+                    f"outer state {key!r} in the checkpoint has {t.numel()} elements, this shard has "
+                    f"{self.numel}: the checkpoint was written for a different model or parallel layout"
+                )
+            getattr(self, key).copy_(t)

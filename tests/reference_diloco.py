@@ -1,0 +1,177 @@
+"""Test oracle: DiLoCo §1–§4 of ALGORITHMS.md in one process, written from the equations.
+
+R replicas are R model copies trained in turn on the same per-replica data as the
+distributed run. Nothing here uses dilocox.outer: parameters are kept per name in plain
+dicts, the outer optimizer is ``torch.optim.SGD(nesterov=True)`` itself (one instance per
+fragment, and per replica in eager mode), and averages are ``torch.stack(...).mean(0)``.
+
+Conventions shared with the implementation (they are part of the spec, not of the code):
+inner steps are counted n = 1, 2, ...; fragment p syncs at every n > 0 with
+n ≡ p·H/K (mod H) and launches its all-reduce τ steps earlier; layers of a shard are split
+``sequential`` (local layer i → ⌊i·K/L⌋) or ``strided`` (i mod K); a parameter with no layer
+follows the nearest preceding layered parameter (or the first one). At the end (finish)
+every in-flight average is applied with the mode's rule and the replica's params are set
+to the outer params.
+
+Also holds the tiny model and the deterministic per-replica data the tests share.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# ---------------------------------------------------------------------------- test fixtures
+
+
+class TinyNet(nn.Module):
+    """Embedding-like input projection, 4 residual "layers", a head: names like a transformer."""
+
+    def __init__(self, d_in: int = 8, d: int = 16, d_out: int = 4, n_layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n_layers))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h)
+
+
+def layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def make_model(seed: int) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def make_inner_opt(model: nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def batch(seed: int, replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + replica * 10_007 + step)
+    x = torch.randn(16, 8, generator=g)
+    y = torch.sin(x[:, :4] * (1.0 + replica)) + 0.1 * torch.randn(16, 4, generator=g)
+    return x, y
+
+
+def forward_backward(model: nn.Module, seed: int, replica: int, step: int) -> None:
+    """Loss of replica ``replica``'s batch of ``step``; gradients accumulate into ``.grad``."""
+    x, y = batch(seed, replica, step)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+
+
+# ---------------------------------------------------------------------------- the oracle
+
+
+def fragment_names(names: list[str], K: int, pattern: str) -> list[list[str]]:
+    if K == 1:
+        return [list(names)]
+    ids = [layer_of(n) for n in names]
+    local = sorted({i for i in ids if i is not None})
+    L = len(local)
+    frag_of = {lid: (j * K // L if pattern == "sequential" else j % K) for j, lid in enumerate(local)}
+    out: list[list[str]] = [[] for _ in range(K)]
+    current = next(i for i in ids if i is not None)
+    for name, lid in zip(names, ids):
+        if lid is not None:
+            current = lid
+        out[frag_of[current]].append(name)
+    return out
+
+
+def _sgd(tensors: list[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
+    return torch.optim.SGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+def _outer_update(opt: torch.optim.SGD, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+
+
+def run_reference(R: int, steps: int, seed: int, H: int, overlap: str = "none", K: int = 1, tau: int = 0,
+                  alpha: float = 0.5, pattern: str = "sequential", lr: float = 0.7, momentum: float = 0.9,
+                  nesterov: bool = True, inner: str = "adamw") -> list[dict[str, torch.Tensor]]:
+    """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica."""
+    models = [make_model(seed) for _ in range(R)]
+    opts = [make_inner_opt(m, inner) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    frags = fragment_names(names, K, pattern)
+    streaming = K > 1 or tau > 0
+    mix = alpha if (streaming and overlap == "none") else 0.0
+    w = [dict(m.named_parameters()) for m in models]  # live replica params θ_m
+    n_outer = R if overlap == "eager" else 1  # eager: θ and v per replica
+    theta = [{n: w[0][n].detach().clone() for n in names} for _ in range(n_outer)]
+    outer_opt = [[_sgd([theta[r][n] for n in frags[p]], lr, momentum, nesterov) for p in range(K)] for r in range(n_outer)]
+    pending: list[list[torch.Tensor] | None] = [None] * K  # none: launched average; delayed/eager: Δ̄^{t−1}
+    own_prev: list[list[list[torch.Tensor] | None]] = [[None] * K for _ in range(R)]
+
+    def is_sync(p: int, n: int) -> bool:
+        return n > 0 and n % H == (p * H // K) % H
+
+    def deltas(p: int) -> list[list[torch.Tensor]]:
+        return [[theta[m if n_outer > 1 else 0][n] - w[m][n].detach() for n in frags[p]] for m in range(R)]
+
+    def mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        return [torch.stack([ds[m][j] for m in range(R)]).mean(0) for j in range(len(ds[0]))]
+
+    def load(p: int, m: int, a: float) -> None:
+        th = theta[m if n_outer > 1 else 0]
+        with torch.no_grad():
+            for n in frags[p]:
+                w[m][n].copy_(a * w[m][n] + (1 - a) * th[n])
+
+    with torch.no_grad():
+        for step in range(steps):
+            with torch.enable_grad():
+                for m in range(R):
+                    forward_backward(models[m], seed, m, step)
+                    opts[m].step()
+                    opts[m].zero_grad()
+            n = step + 1
+            for p in range(K):
+                if overlap == "none":
+                    if is_sync(p, n + tau):
+                        pending[p] = mean(deltas(p))
+                    if is_sync(p, n):
+                        _outer_update(outer_opt[0][p], [theta[0][x] for x in frags[p]], pending[p])
+                        pending[p] = None
+                        for m in range(R):
+                            load(p, m, mix)
+                elif is_sync(p, n):
+                    ds = deltas(p)
+                    prev = pending[p] if pending[p] is not None else [torch.zeros_like(d) for d in ds[0]]
+                    pending[p] = mean(ds)
+                    for m in range(n_outer):
+                        if overlap == "eager":
+                            own = own_prev[m][p] or [torch.zeros_like(d) for d in ds[m]]
+                            g = [pv + (d - o) / R for pv, d, o in zip(prev, ds[m], own)]
+                            own_prev[m][p] = ds[m]
+                        else:
+                            g = prev
+                        _outer_update(outer_opt[m][p], [theta[m][x] for x in frags[p]], g)
+                    for m in range(R):
+                        load(p, m, 0.0)
+        # finish: apply what is in flight, then every replica takes the outer params
+        for p in range(K):
+            if pending[p] is None:
+                continue
+            for m in range(n_outer):
+                g = pending[p]
+                if overlap == "eager":
+                    g = [a - o / R for a, o in zip(g, own_prev[m][p])]
+                _outer_update(outer_opt[m][p], [theta[m][x] for x in frags[p]], g)
+        for p in range(K):
+            for m in range(R):
+                load(p, m, 0.0)
+    return [{n: t.detach().clone() for n, t in w[m].items()} for m in range(R)]

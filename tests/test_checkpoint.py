@@ -1,0 +1,73 @@
+"""Checkpoint files: atomic, complete-or-ignored, corrupt shards give a clear error."""
+
+import os
+
+import pytest
+import torch
+
+from dilocox import checkpoint as ckpt
+
+
+def _state(v):
+    return {"w": torch.full((3,), float(v)), "step": v, "nested": {"lst": [1, 2], "none": None}}
+
+
+def test_save_load_roundtrip_and_latest(tmp_path):
+    d = str(tmp_path)
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(d, step, 0, 1, _state(step), meta={"layout": "R1"}, keep=2)
+    latest = ckpt.find_latest(d)
+    assert latest.endswith("step_00000030")
+    sd = ckpt.load_checkpoint(latest, 0, 1, expect={"layout": "R1"})
+    assert sd["step"] == 30 and torch.equal(sd["w"], torch.full((3,), 30.0))
+    # keep=2: the oldest complete checkpoint was removed
+    assert [os.path.basename(p) for p in ckpt.complete_steps(d)] == ["step_00000020", "step_00000030"]
+
+
+def test_interrupted_save_never_becomes_latest(tmp_path):
+    d = str(tmp_path)
+    # a 2-rank checkpoint at step 10 (both shards), then a crash after rank 0 wrote step 20
+    ckpt.save_checkpoint(d, 10, 1, 2, _state(10))
+    ckpt.save_checkpoint(d, 10, 0, 2, _state(10))
+    step20 = os.path.join(d, "step_00000020")
+    os.makedirs(step20)
+    torch.save(_state(20), ckpt.shard_path(step20, 0))  # no COMPLETE.json: interrupted
+    assert ckpt.find_latest(d).endswith("step_00000010")
+    with pytest.raises(ckpt.CheckpointError, match="interrupted"):
+        ckpt.load_checkpoint(step20, 0)
+
+
+def test_missing_rank_shard_is_not_marked_complete(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match=r"ranks \[1\]"):
+        ckpt.save_checkpoint(str(tmp_path), 5, 0, 2, _state(5))
+    assert ckpt.find_latest(str(tmp_path)) is None
+
+
+def test_truncated_shard_clear_error_and_nothing_overwritten(tmp_path):
+    d = str(tmp_path)
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
+    ckpt.save_checkpoint(d, 20, 0, 1, _state(20))
+    bad = ckpt.shard_path(os.path.join(d, "step_00000020"), 0)
+    data = open(bad, "rb").read()
+    open(bad, "wb").write(data[: len(data) // 2])
+    good_before = open(ckpt.shard_path(os.path.join(d, "step_00000010"), 0), "rb").read()
+    with pytest.raises(ckpt.CheckpointError, match="corrupt or truncated") as ei:
+        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)
+    assert "rank_00000.pt" in str(ei.value) and "resume" in str(ei.value)
+    assert open(ckpt.shard_path(os.path.join(d, "step_00000010"), 0), "rb").read() == good_before
+
+
+def test_layout_mismatch_is_refused(tmp_path):
+    d = str(tmp_path)
+    ckpt.save_checkpoint(d, 1, 0, 1, _state(1), meta={"layout": "R1xD1xP1xT1"})
+    with pytest.raises(ckpt.CheckpointError, match="world_size|ranks"):
+        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 4)
+    with pytest.raises(ckpt.CheckpointError, match="layout"):
+        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1, expect={"layout": "R2xD1xP1xT1"})
+
+
+def test_rng_state_roundtrip():
+    st = ckpt.rng_state()
+    a = torch.rand(4)
+    ckpt.set_rng_state(st)
+    assert torch.equal(a, torch.rand(4))

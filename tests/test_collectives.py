@@ -1,0 +1,232 @@
+"""Quantized all-reduce (allgather / reduce_scatter / none / fp16) and the CocktailSGD baseline."""
+
+import io
+import math
+
+import torch
+import torch.distributed as dist
+
+from dilocox.compress.collectives import CommStats, quantized_allreduce
+from dilocox.compress.quant import dequantize, quantize
+from dilocox.config import CompressConfig
+from dilocox.distributed.spawn import run_ranks
+
+LEVELS = {"int4": 7, "int8": 127}
+
+
+def _to_bytes(obj):
+    """Results cross the process boundary as bytes (many tensors via fd sharing can fail)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _run(world, fn, *args):
+    return [torch.load(io.BytesIO(b), weights_only=True) for b in run_ranks(world, fn, *args)]
+
+
+
+def _inputs(rank, n, t=0):
+    g = torch.Generator().manual_seed(7919 * t + 31 * rank + n)
+    x = torch.randn(n, generator=g) * torch.linspace(0.1, 3.0, n)  # groups of different magnitude
+    e = torch.randn(n, generator=g) * 0.01  # a non-zero starting error-feedback buffer
+    return x, e
+
+
+def _payload(kind, n, G):
+    """ALGORITHMS §6 layout, written out independently: [packed values | bf16 scales]."""
+    if kind == "int4":
+        return (n + 1) // 2 + 2 * math.ceil(n / G)
+    if kind == "int8":
+        return n + 2 * math.ceil(n / G)
+    return {"fp16": 2, "none": 4}[kind] * n
+
+
+def _reference(world, kind, n, G, t=0):
+    """(Σ_r deq(q(x_r + e_r)), new error buffers) computed rank by rank in one process."""
+    total = torch.zeros(n)
+    errs = []
+    for r in range(world):
+        x, e = _inputs(r, n, t)
+        if kind == "fp16":
+            v = x + e
+            sent = v.half().float()
+            e = v - sent
+        else:
+            sent = dequantize(quantize(x, kind, G, error=e))
+        total += sent
+        errs.append(e)
+    return total, errs
+
+
+# cases: (kind, mode, op, n, G)
+CASES = {
+    2: [("int4", "allgather", "mean", 1000, 32), ("int8", "allgather", "sum", 777, 64), ("int4", "reduce_scatter", "mean", 1000, 32),
+        ("fp16", "allgather", "mean", 500, 32), ("none", "allgather", "mean", 1000, 32)],
+    3: [("int4", "allgather", "mean", 1001, 32), ("int4", "reduce_scatter", "mean", 200, 128), ("int8", "reduce_scatter", "mean", 999, 32),
+        ("fp16", "reduce_scatter", "mean", 300, 32), ("none", "reduce_scatter", "mean", 999, 32)],
+    4: [("int4", "reduce_scatter", "mean", 4096, 64)],
+}
+
+
+def _run_cases(rank, world, cases):
+    out = []
+    for kind, mode, op, n, G in cases:
+        x, e = _inputs(rank, n)
+        st = CommStats()
+        y = quantized_allreduce(x, dist.group.WORLD, kind, G, mode=mode, op=op, error=e, stats=st, seed=5, step=3)
+        out.append((y, e, st.as_dict()))
+    return _to_bytes(out)
+
+
+def _check_world(world):
+    res = _run(world, _run_cases, CASES[world])
+    for c, (kind, mode, op, n, G) in enumerate(CASES[world]):
+        ys = [res[r][c][0] for r in range(world)]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0]), f"{kind}/{mode}: result differs between ranks"
+        total, errs = _reference(world, kind, n, G)
+        want = total / world if op == "mean" else total
+        if kind == "none":
+            xs = [sum(_inputs(r, n)) for r in range(world)]
+            torch.testing.assert_close(ys[0], sum(xs) / world, rtol=1e-6, atol=1e-6)
+            for r in range(world):
+                assert torch.count_nonzero(res[r][c][1]) == 0  # error consumed
+        elif mode == "allgather":
+            assert torch.equal(ys[0], want), f"{kind}/{mode}: not the dequantize-sum of the gathered inputs"
+        elif kind == "fp16":
+            torch.testing.assert_close(ys[0], want.half().float(), rtol=0, atol=0)
+        else:  # reduce_scatter: one stochastic requantization of the exact mean, per group
+            err = (ys[0] - want).abs()
+            for lo in range(0, n, G):
+                bound = want[lo:lo + G].abs().max() / LEVELS[kind] * 1.02 + 1e-12
+                assert err[lo:lo + G].max() <= bound, f"{kind}/{mode}: group at {lo} off by {err[lo:lo + G].max()} > {bound}"
+            assert err.max() > 0  # it did requantize
+        if kind != "none":
+            for r in range(world):
+                assert torch.equal(res[r][c][1], errs[r]), f"{kind}/{mode}: error feedback of rank {r}"
+        # bytes: what one rank puts on the wire under the algorithm
+        if kind == "none":
+            expect = math.ceil(2 * (world - 1) * 4 * n / world)
+        elif mode == "allgather":
+            expect = (world - 1) * _payload(kind, n, G)
+        else:
+            chunk = math.ceil(math.ceil(n / world) / G) * G
+            expect = 2 * (world - 1) * _payload(kind, chunk, G)
+        for r in range(world):
+            st = res[r][c][2]
+            assert st["bytes_sent"] == expect and st["bytes_received"] == expect and st["n_calls"] == 1, (kind, mode, st, expect)
+
+
+def test_two_ranks():
+    _check_world(2)
+
+
+def test_three_ranks():
+    _check_world(3)
+
+
+def test_four_ranks_reduce_scatter():
+    _check_world(4)
+
+
+def _telescope(rank, world, steps, n, G):
+    e = torch.zeros(n)
+    outs = []
+    for t in range(steps):
+        x, _ = _inputs(rank, n, t)
+        outs.append(quantized_allreduce(x, dist.group.WORLD, "int4", G, error=e, step=t))
+    return _to_bytes((outs, e))
+
+
+def test_error_feedback_telescopes():
+    world, steps, n, G = 2, 6, 640, 32
+    res = _run(world, _telescope, steps, n, G)
+    sent_total = world * sum(res[0][0])  # Σ_t Σ_r sent_{r,t}
+    x_total = sum(_inputs(r, n, t)[0] for r in range(world) for t in range(steps))
+    e_final = sum(res[r][1] for r in range(world))
+    torch.testing.assert_close(sent_total, x_total - e_final, rtol=0, atol=1e-4)
+    # the residual stays bounded by one quantization step instead of growing with t
+    assert e_final.abs().max() < 0.5 * max(_inputs(0, n, 0)[0].abs().max(), 1.0)
+
+
+def test_single_rank_group_quantizes_locally():
+    x, e = _inputs(0, 300)
+    e0 = e.clone()
+    st = CommStats()
+    y = quantized_allreduce(x, None, "int4", 32, error=e, stats=st)
+    assert torch.equal(y, dequantize(quantize(x, "int4", 32, error=e0)))
+    assert torch.equal(e, e0) and st.bytes_sent == 0 and st.n_calls == 1
+
+
+# ----------------------------------------------------------------------------- CocktailSGD
+
+
+def _cocktail(rank, world, cfgs, n, steps):
+    from dilocox.compress.cocktail import cocktail_allreduce
+
+    out = []
+    for cfg in cfgs:
+        e = _inputs(rank, n)[1]
+        per = []
+        for t in range(steps):
+            g = _inputs(rank, n, t + 1)[0]
+            st = CommStats()
+            y = cocktail_allreduce(g, dist.group.WORLD, e, cfg, t, st, seed=9)
+            per.append((y, e.clone(), st.as_dict()))
+        out.append(per)
+    return _to_bytes(out)
+
+
+def _cocktail_reference(world, cfg, n, steps):
+    from dilocox.compress.cocktail import shared_mask
+
+    errs = [_inputs(r, n)[1] for r in range(world)]
+    outs = []
+    for t in range(steps):
+        mask = shared_mask(n, cfg.random_fraction, 9, t, torch.device("cpu"))
+        K = math.ceil(cfg.random_fraction * n)
+        assert mask.numel() == K and torch.all(mask[1:] > mask[:-1])  # sorted, unique
+        # stratified: exactly one kept index in each of the K strata
+        assert torch.equal(torch.div(mask * K, n, rounding_mode="floor"), torch.arange(K))
+        k = math.ceil(cfg.topk_fraction * K)
+        total = torch.zeros(n)
+        for r in range(world):
+            v = _inputs(r, n, t + 1)[0] + errs[r]
+            surv = v[mask]
+            top = torch.sort(torch.topk(surv.abs(), k).indices).values
+            vals = surv[top]
+            sent = vals if cfg.quant == "none" else dequantize(quantize(vals.contiguous(), cfg.quant, cfg.group_size))
+            dense = torch.zeros(n)
+            dense[mask[top]] = sent
+            total += dense
+            errs[r] = v - dense
+        outs.append((total / world, [e.clone() for e in errs], K, k))
+    return outs
+
+
+def test_cocktail_matches_reference_and_counts_bytes():
+    from dilocox.compress.cocktail import cocktail_payload_bytes
+
+    n, steps, world = 20000, 3, 2
+    cfgs = [CompressConfig(quant="int4", random_fraction=0.1, topk_fraction=0.08),  # bitmap indices
+            CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01)]  # int32 indices
+    res = _run(world, _cocktail, cfgs, n, steps)
+    for c, cfg in enumerate(cfgs):
+        ref = _cocktail_reference(world, cfg, n, steps)
+        for t in range(steps):
+            want, errs, K, k = ref[t]
+            for r in range(world):
+                y, e, st = res[r][c][t]
+                assert torch.equal(y, res[0][c][t][0])
+                torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
+                torch.testing.assert_close(e, errs[r], rtol=0, atol=1e-6)
+                idx_bytes = min(math.ceil(K / 8), 4 * k)
+                payload = idx_bytes + _payload("int4", k, cfg.group_size)
+                assert st["bytes_sent"] == (world - 1) * payload == (world - 1) * cocktail_payload_bytes(n, cfg.random_fraction, cfg.topk_fraction, "int4", cfg.group_size)
+    # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G)
+    cfg = cfgs[0]
+    ratio = 4 * n / cocktail_payload_bytes(n, cfg.random_fraction, cfg.topk_fraction, "int4", cfg.group_size)
+    analytic = 32 / (cfg.random_fraction * (1 + cfg.topk_fraction * (4 + 16 / cfg.group_size)))
+    assert abs(ratio / analytic - 1) < 0.02, (ratio, analytic)
+    assert ratio > 200

@@ -1,0 +1,311 @@
+"""Data layer: sources, tokenizers, prepared memmaps, samplers (fast: small corpora)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import dilocox.data.tokenizer as tokmod
+from dilocox.config import ConfigError, DataConfig, load_config
+from dilocox.data import (
+    ByteTokenizer, TokenSampler, build_data, load_or_train_bpe, prepare, prepare_main, read_corpus,
+    split_documents, stdlib_files, unigram_entropy, val_batches,
+)
+from dilocox.distributed.spawn import run_ranks
+
+SMALL = 300_000
+
+
+def _cfg(tmp_path, **kw) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path / "cache"), max_bytes=kw.pop("max_bytes", SMALL), **kw)
+
+
+def _expected_stdlib_docs(max_bytes: int) -> list[bytes]:
+    """Independent re-reading of the stdlib corpus: sorted walk, capped, empty files dropped."""
+    out, total = [], 0
+    for f in stdlib_files():
+        raw = open(f, "rb").read()[: max_bytes - total]
+        total += len(raw)
+        if raw:
+            out.append(raw)
+        if total >= max_bytes:
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def test_stdlib_corpus_found_and_deterministic(tmp_path):
+    files = stdlib_files()
+    assert files and all(f.endswith(".py") for f in files)
+    assert not any(f"{os.sep}site-packages{os.sep}" in f or f"{os.sep}test{os.sep}" in f for f in files)
+    assert files == stdlib_files()
+    a, b = read_corpus(_cfg(tmp_path)), read_corpus(_cfg(tmp_path))
+    assert a.docs == b.docs
+    assert sum(len(d.encode()) for d in a.docs) == SMALL  # capped exactly at max_bytes
+    want = _expected_stdlib_docs(SMALL)
+    assert len(a.docs) == len(want)
+    assert [d.encode() for d in a.docs[:-1]] == want[:-1]  # last one may be cut mid-character
+
+
+def test_split_is_document_level_suffix():
+    docs = [f"doc{i} " * (i + 1) for i in range(50)]
+    train, val = split_documents(docs, 0.1)
+    assert train + val == docs and train and val
+    nbytes = [len(d) for d in docs]
+    val_share = sum(nbytes[len(train):]) / sum(nbytes)
+    assert 0.1 <= val_share <= 0.1 + max(nbytes) / sum(nbytes)
+    one_train, one_val = split_documents(["line\n" * 1000], 0.05)  # one file: cut at a line end
+    assert one_train == ["line\n" * 950] and one_val == ["line\n" * 50]
+    big = ["a\n" * 100, "b\n" * 100, "c\n" * 2000]  # the last document alone is 83% of the bytes
+    train, val = split_documents(big, 0.1)
+    assert train == big[:2] + ["c\n" * 1780] and val == ["c\n" * 220]  # 10% of 4400 bytes
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def test_byte_tokenizer_roundtrip():
+    tok, text = ByteTokenizer(), "def f(x):\n    return 'héllo ✓ 日本'\n"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and max(ids) < tok.vocab_size == 256
+    assert tok.decode(ids) == text
+    assert tok.encode_docs(["ab", "c"]).tolist() == [97, 98, 0, 99, 0]
+
+
+def test_bpe_trains_roundtrips_and_is_cached(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, tokenizer="bpe", bpe_vocab_size=512)
+    p = prepare(cfg)
+    tok = p.tokenizer()
+    assert tok.vocab_size == 512 == p.vocab_size
+    for text in (read_corpus(cfg).docs[-1], "x = 'héllo ✓ 日本'\n\tpass  # trailing  "):
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and max(ids) < 512
+    doc = read_corpus(cfg).docs[0]
+    assert len(tok.encode(doc)) < 0.6 * len(doc.encode())  # it learned merges
+    # tokens on disk are exactly the tokenizer's encoding of the documents
+    train = p.train_tokens()
+    first = tok.encode(doc)
+    assert train[: len(first)].tolist() == first and train[len(first)] == tok.eot_id
+
+    cache_files = os.listdir(tmp_path / "cache" / "tokenizers")
+    assert len(cache_files) == 1
+    cache = str(tmp_path / "cache" / "tokenizers" / cache_files[0])
+    mtime = os.stat(cache).st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("BPE retrained although a cached tokenizer exists")
+
+    monkeypatch.setattr(tokmod, "train_bpe", boom)
+
+    shutil.rmtree(p.dir)  # force a rebuild of the token files: the tokenizer must come from cache
+    p2 = prepare(cfg)
+    assert not p2.cache_hit and os.stat(cache).st_mtime_ns == mtime
+    assert np.array_equal(p2.train_tokens(), train)
+    assert load_or_train_bpe([], 512, cache).vocab_size == 512
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def test_prepare_byte_memmap_split_and_cache(tmp_path):
+    cfg = _cfg(tmp_path, val_fraction=0.05)
+    p = prepare(cfg)
+    assert not p.cache_hit
+    meta = json.load(open(os.path.join(p.dir, "meta.json")))
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
+    train, val = p.train_tokens(), p.val_tokens()
+    assert train.dtype == np.uint16 and len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
+    assert os.path.getsize(p.train_path) == 2 * len(train) and os.path.getsize(p.val_path) == 2 * len(val)
+    # the token stream is the documents, each followed by EOT=0; validation is a suffix of it
+    docs = _expected_stdlib_docs(SMALL)
+    expected = b"\0".join(docs) + b"\0"
+    tb, vb = train.astype(np.uint8).tobytes(), val.astype(np.uint8).tobytes()
+    assert tb.endswith(b"\0") and expected.endswith(vb)
+    at_boundary = tb + vb == expected  # document-level split
+    assert at_boundary or tb[:-1] + vb == expected  # else one big document cut at a line end
+    assert meta["train_docs"] + meta["val_docs"] == len(docs) + (0 if at_boundary else 1)
+    assert tb.count(b"\0") == meta["train_docs"] and vb.count(b"\0") == meta["val_docs"] >= 1
+    assert 0.025 <= len(vb) / len(expected) <= 0.1
+    # second call: cache hit, nothing rewritten; a different split is a different directory
+    mtime = os.stat(p.train_path).st_mtime_ns
+    p2 = prepare(cfg)
+    assert p2.cache_hit and p2.dir == p.dir and p2.meta == p.meta and os.stat(p.train_path).st_mtime_ns == mtime
+    p3 = prepare(_cfg(tmp_path, val_fraction=0.1))
+    assert p3.dir != p.dir and p3.meta["val_tokens"] > len(val)
+
+
+def test_missing_paths_name_data_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"data\.path='.*nope\.txt'"):
+        prepare(_cfg(tmp_path, source="text", path=str(tmp_path / "nope.txt")))
+    with pytest.raises(FileNotFoundError, match=r"data\.path='.*no_dir'"):
+        prepare(_cfg(tmp_path, source="memmap", path=str(tmp_path / "no_dir")))
+
+
+def test_text_source_and_memmap_reuse(tmp_path):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    texts = {"b.txt": "bravo " * 300, "a.txt": "alpha " * 300, "sub/c.md": "charlie " * 50}
+    for name, t in texts.items():
+        (d / name).write_text(t)
+    (d / "blob.bin").write_bytes(b"\0\1\2binary")
+    p = prepare(_cfg(tmp_path, source="text", path=str(d), val_fraction=0.1))
+    stream = np.concatenate([p.train_tokens(), p.val_tokens()]).astype(np.uint8).tobytes()
+    want = [texts["a.txt"], texts["b.txt"], texts["sub/c.md"]]  # sorted walk, binary skipped
+    assert stream == b"\0".join(t.encode() for t in want) + b"\0"
+    assert p.meta["val_docs"] == 1 and p.meta["val_tokens"] == len(texts["sub/c.md"]) + 1
+    m = prepare(_cfg(tmp_path, source="memmap", path=p.dir))
+    assert m.dir == p.dir and np.array_equal(m.train_tokens(), p.train_tokens())
+    one = tmp_path / "one.txt"  # a single file is cut at a line end into train head / val tail
+    one.write_text("".join(f"line {i}\n" for i in range(2000)))
+    q = prepare(_cfg(tmp_path, source="text", path=str(one)))
+    head, tail = ByteTokenizer().decode(q.train_tokens()), ByteTokenizer().decode(q.val_tokens())
+    assert head.endswith("\n\0") and tail.startswith("line ") and head[:-1] + tail[:-1] == one.read_text()
+    assert q.meta["train_docs"] == q.meta["val_docs"] == 1
+
+
+def _prepare_rank(rank, world, cache_dir):
+    p = prepare(DataConfig(cache_dir=cache_dir, max_bytes=100_000))
+    return p.dir, p.cache_hit, p.meta["content_sha256"], p.train_tokens()[:64].tolist()
+
+
+def test_concurrent_prepare_builds_once(tmp_path):
+    res = run_ranks(2, _prepare_rank, str(tmp_path / "cache"))
+    assert len({r[0] for r in res}) == 1 and len({r[2] for r in res}) == 1 and res[0][3] == res[1][3]
+    assert sorted(r[1] for r in res) == [False, True]  # exactly one rank built it
+    assert not [f for f in os.listdir(os.path.dirname(res[0][0])) if f.startswith(".tmp-")]
+
+
+def test_prepare_main_prints_summary(tmp_path, capsys):
+    assert prepare_main([f"--data.cache_dir={tmp_path}", "--data.max_bytes=50000"]) == 0
+    out = capsys.readouterr().out
+    assert "train.bin" in out and "val.bin" in out and "tokens/s" in out and "built" in out
+
+
+# --------------------------------------------------------------------------- hf
+
+
+def test_hf_missing_datasets_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # simulate the GPU image: not installed
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"text": "hi"}\n')
+    with pytest.raises(ImportError, match=r"data.source='hf' needs the datasets package: pip install datasets"):
+        prepare(_cfg(tmp_path, source="hf", path=str(f)))
+
+
+def test_hf_local_jsonl(tmp_path):
+    pytest.importorskip("datasets", reason="the datasets package is not installed")
+    rows = [f"document {i}: " + "word " * (10 + i) for i in range(20)]
+    f = tmp_path / "tiny.jsonl"
+    f.write_text("".join(json.dumps({"content": r, "id": i}) + "\n" for i, r in enumerate(rows)))
+    p = prepare(_cfg(tmp_path, source="hf", path=str(f), hf_text_field="content", val_fraction=0.1))
+    stream = np.concatenate([p.train_tokens(), p.val_tokens()]).astype(np.uint8).tobytes()
+    assert stream == b"\0".join(r.encode() for r in rows) + b"\0"
+    with pytest.raises(KeyError, match="hf_text_field='text'"):
+        prepare(_cfg(tmp_path, source="hf", path=str(f)))
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+def _arange_tokens(n=5000):
+    return np.arange(n, dtype=np.uint16)
+
+
+def test_sampler_deterministic_shifted_and_replica_distinct():
+    toks = _arange_tokens()
+    a = TokenSampler(toks, seq_len=16, batch_size=4, seed=7, replica=0, n_replicas=2)
+    b = TokenSampler(toks, seq_len=16, batch_size=4, seed=7, replica=0, n_replicas=2)
+    x, y = a.batch_at(5)
+    assert x.dtype == torch.long and x.shape == (4, 16) == y.shape
+    assert torch.equal(x, b.batch_at(5)[0]) and torch.equal(y, b.batch_at(5)[1])
+    assert torch.equal(y, x + 1)  # y is x shifted by one (tokens are 0..n-1)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    r1 = TokenSampler(toks, 16, 4, seed=7, replica=1, n_replicas=2)
+    assert not torch.equal(x, r1.batch_at(5)[0])
+    assert not torch.equal(x, a.batch_at(6)[0])
+    assert not torch.equal(x, TokenSampler(toks, 16, 4, seed=8).batch_at(5)[0])
+    starts = np.concatenate([a.starts(s) for s in range(500)])
+    assert starts.min() >= 0 and starts.max() <= len(toks) - 16 - 1 and starts.max() > len(toks) - 200
+
+
+def test_sampler_resume_is_exact():
+    toks = _arange_tokens()
+    ref = TokenSampler(toks, 8, 4, seed=3, replica=1, n_replicas=3)
+    batches = [ref.next_batch() for _ in range(7)]
+    s = TokenSampler(toks, 8, 4, seed=3, replica=1, n_replicas=3)
+    for _ in range(3):
+        s.next_batch()
+    state = s.state_dict()
+    assert state["step"] == 3
+    resumed = TokenSampler(toks, 8, 4, seed=3, replica=1, n_replicas=3)
+    resumed.load_state_dict(state)
+    for want in batches[3:]:
+        got = resumed.next_batch()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="seed"):
+        TokenSampler(toks, 8, 4, seed=4).load_state_dict(state)
+
+
+def test_sampler_dp_ranks_split_the_replica_batch():
+    toks = _arange_tokens()
+    full = TokenSampler(toks, 8, 4, seed=1).batch_at(2)[0]
+    parts = [TokenSampler(toks, 8, 4, seed=1, dp_rank=r, dp_size=2).batch_at(2)[0] for r in range(2)]
+    assert torch.equal(torch.cat(parts), full)
+
+
+def test_epoch_mode_windows_do_not_overlap():
+    toks = _arange_tokens(1000)
+    samplers = [TokenSampler(toks, 10, 3, seed=0, replica=r, n_replicas=2, mode="epoch") for r in range(2)]
+    spe = samplers[0].steps_per_epoch
+    assert spe == (999 // 10) // 6
+    starts = np.concatenate([s.starts(k) for s in samplers for k in range(spe)])
+    assert len(set(starts.tolist())) == len(starts) and (starts % 10 == 0).all()
+    assert not np.array_equal(samplers[0].starts(0), samplers[0].starts(spe))  # reshuffled next epoch
+
+
+def test_val_batches_fixed_and_spread():
+    toks = _arange_tokens(1000)
+    a, b = val_batches(toks, 3, 4, 16), val_batches(toks, 3, 4, 16)
+    assert len(a) == 3 and all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+    first = torch.stack([x[:, 0] for x, _ in a]).flatten().tolist()
+    assert first[0] == 0 and first[-1] == 1000 - 16 - 1 and first == sorted(first)
+    halves = [val_batches(toks, 3, 4, 16, dp_rank=r, dp_size=2)[1][0] for r in range(2)]
+    assert torch.equal(torch.cat(halves), a[1][0])
+    with pytest.raises(ValueError, match="val_fraction"):
+        val_batches(toks[:10], 1, 1, 16)
+
+
+def test_unigram_entropy_matches_counter():
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 300, 5000).astype(np.uint16)
+    c = Counter(toks.tolist())
+    want = -sum(n / 5000 * math.log(n / 5000) for n in c.values())
+    assert unigram_entropy(toks) == pytest.approx(want, rel=1e-12)
+    assert unigram_entropy(toks, chunk=777) == pytest.approx(want, rel=1e-12)
+    assert unigram_entropy(np.array([0, 1, 2, 3] * 10, dtype=np.uint16)) == pytest.approx(math.log(4))
+
+
+def test_build_data(tmp_path):
+    cfg = load_config(None, {"data": {"cache_dir": str(tmp_path), "max_bytes": 100_000},
+                             "train": {"batch_size": 4, "seq_len": 32, "eval_batches": 2},
+                             "parallel": {"data": 2, "microbatches": 1}, "model": {"max_seq_len": 32}})
+    d = build_data(cfg, replica=0, dp_rank=1)
+    x, y = d.train.next_batch()
+    assert x.shape == (2, 32) and d.vocab_size == 256 and len(d.val) == 2 and d.val[0][0].shape == (2, 32)
+    assert 0 < d.unigram_entropy() < math.log(256)
+    p = d.prepared
+    bpe_dir = prepare(DataConfig(cache_dir=str(tmp_path), max_bytes=100_000, tokenizer="bpe", bpe_vocab_size=300)).dir
+    small = load_config(None, {"data": {"source": "memmap", "path": bpe_dir}, "model": {"vocab_size": 256}})
+    with pytest.raises(ConfigError, match="model.vocab_size=256"):
+        build_data(small)
+    assert p.vocab_size == 256
