@@ -64,10 +64,11 @@ inline float load_scale(const uint8_t* scales, int64_t g) {
 // or 127 (int8). Writes the packed bytes of the group to `out`, its scale to scales[g] and
 // (EF) the new residual to e. Returns false, writing nothing, if v has a NaN/inf.
 template <int LEVELS, bool SR, bool EF>
-DILOCOX_INLINE bool quantize_group(const float* __restrict x, float* __restrict e, int64_t len, int64_t start,
-                           uint64_t sr_base, uint8_t* __restrict out, uint8_t* scales, int64_t g) {
-  // Pass 1: absmax of v = x + e, plus a NaN/inf detector (v - v is NaN iff v is not finite).
-  // (v - v is +0 for finite v and NaN otherwise; OR-ing its bits is a cheap integer reduction.)
+DILOCOX_INLINE bool quantize_group(const float* __restrict x, float* __restrict e, int64_t len,
+                                   int64_t start, uint64_t sr_base, uint8_t* __restrict out,
+                                   uint8_t* scales, int64_t g) {
+  // Pass 1: absmax of v = x + e, plus a NaN/inf detector: v - v is +0 for finite v and NaN
+  // otherwise, so OR-ing its bits (a cheap integer reduction) is non-zero iff some v is bad.
   float amax = 0.0f;
   uint32_t chk = 0;
 #pragma omp simd reduction(max : amax) reduction(| : chk)

@@ -218,6 +218,55 @@ static void test_sr_unbiased() {
   CHECK(worst < 0.01, "stochastic rounding biased: worst |mean - x| = %g", worst);
 }
 
+#ifdef DILOCOX_WITH_CUDA
+// CUDA core vs CPU core (bit-exact), when built with -DDILOCOX_CUDA=ON and a GPU is present.
+#include <cuda_runtime.h>
+static void test_cuda_vs_cpu() {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("no CUDA device: CUDA comparison skipped\n");
+    return;
+  }
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (int bits : {4, 8})
+    for (int64_t G : {6, 32, 128, 130})
+      for (int64_t n : {1, 129, 1000, 4097, 100003})
+        for (int mode = 0; mode < 4; ++mode) {  // bit 0: error feedback, bit 1: stochastic
+          const bool ef = mode & 1, sr = mode & 2;
+          std::vector<float> x(n), e(n);
+          for (int64_t i = 0; i < n; ++i) x[i] = nd(rng), e[i] = 0.01f * nd(rng);
+          if (n > 3 * G) for (int64_t i = G; i < 2 * G; ++i) x[i] = e[i] = 0.f;
+          std::vector<float> ec = e;
+          std::vector<uint8_t> pc;
+          run_quant(x, ef ? &ec : nullptr, pc, G, bits, sr, 77, 3, 2);
+          const int64_t pb = payload_bytes(n, G, bits);
+          float *dx, *de, *dout;
+          uint8_t* dp;
+          unsigned long long* dbad;
+          cudaMalloc(&dx, n * 4), cudaMalloc(&de, n * 4), cudaMalloc(&dout, n * 4);
+          cudaMalloc(&dp, pb), cudaMalloc(&dbad, 8);
+          cudaMemcpy(dx, x.data(), n * 4, cudaMemcpyHostToDevice);
+          cudaMemcpy(de, e.data(), n * 4, cudaMemcpyHostToDevice);
+          int err = cuda::ef_quantize_pack(dx, ef ? de : nullptr, dp, n, G, bits, sr, 77, 3, dbad, nullptr);
+          std::vector<uint8_t> pg(pb);
+          std::vector<float> eg(n), dg(n), dc = run_dequant(pc, n, G, bits, nullptr, 1);
+          unsigned long long bad = 1;
+          cudaMemcpy(pg.data(), dp, pb, cudaMemcpyDeviceToHost);
+          cudaMemcpy(eg.data(), de, n * 4, cudaMemcpyDeviceToHost);
+          cudaMemcpy(&bad, dbad, 8, cudaMemcpyDeviceToHost);
+          err |= cuda::dequantize(dp, dout, n, G, bits, false, nullptr);
+          cudaMemcpy(dg.data(), dout, n * 4, cudaMemcpyDeviceToHost);
+          CHECK(err == 0 && bad == 0, "cuda error %d / nonfinite %llu", err, bad);
+          CHECK(pg == pc, "cuda payload mismatch n=%lld G=%lld bits=%d mode=%d", (long long)n, (long long)G, bits, mode);
+          if (ef) CHECK(same_bits(eg, ec), "cuda residual mismatch n=%lld G=%lld", (long long)n, (long long)G);
+          CHECK(same_bits(dg, dc), "cuda dequantize mismatch n=%lld G=%lld", (long long)n, (long long)G);
+          cudaFree(dx), cudaFree(de), cudaFree(dout), cudaFree(dp), cudaFree(dbad);
+        }
+  std::printf("CUDA core matches the CPU core\n");
+}
+#endif
+
 int main() {
   const int64_t lengths[] = {1, 2, 3, 31, 127, 128, 129, 255, 1000, 4097, 70001};
   // Every runtime-dispatched code path (baseline / AVX2 / AVX-512) the CPU supports.
@@ -237,6 +286,9 @@ int main() {
     test_sr_unbiased();
   }
   select_cpu_isa(-1);
+#ifdef DILOCOX_WITH_CUDA
+  test_cuda_vs_cpu();
+#endif
   if (g_failures) {
     std::printf("%d failure(s)\n", g_failures);
     return 1;

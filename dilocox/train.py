@@ -70,6 +70,13 @@ def build_inner_optimizer(cfg: Config, model: torch.nn.Module, device: torch.dev
     return torch.optim.AdamW(groups, **kw)
 
 
+def emulated_bandwidth_bytes() -> float | None:
+    """Token-bucket cap (bytes/s) on the outer link, set by ``dilocox launch`` when it cannot use
+    network namespaces + tc (no root): DILOCOX_EMULATED_BANDWIDTH_BPS is in bits per second."""
+    bps = os.environ.get("DILOCOX_EMULATED_BANDWIDTH_BPS")
+    return float(bps) / 8.0 if bps else None
+
+
 class Trainer:
     """Everything one rank holds during training. ``run()`` trains; attributes are for tests."""
 
@@ -109,6 +116,7 @@ class Trainer:
             self.outer = OuterLoop(
                 list(self.model.named_parameters()), t, cfg.outer, cfg.compress, seed=cfg.train.seed,
                 layer_of=self.model.param_layer_id, n_layers_total=cfg.model.n_layers, inner_optimizer=self.optimizer,
+                comm_bandwidth=emulated_bandwidth_bytes(),
             )
         self.step = 0
         self.tokens_seen = 0

@@ -101,6 +101,7 @@ def test_no_ext_env_forces_reference(monkeypatch):
 
 
 def test_missing_extension_logs_once(monkeypatch, caplog):
+    monkeypatch.delenv("DILOCOX_NO_EXT", raising=False)
     monkeypatch.setattr(kernels, "_EXT_LOADED", {"cpu": False, "cuda": False})
     monkeypatch.setattr(kernels, "_WARNED", set())
     with caplog.at_level(logging.WARNING, logger="dilocox"):

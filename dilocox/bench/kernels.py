@@ -40,23 +40,29 @@ def parse_size(text: str) -> int:
     return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
-def _timeit(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds per call of fn() over `repeats` runs, after one warm-up call."""
+def _time_once(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
     fn()
-    times = []
+    return time.perf_counter() - t0
+
+
+def _timeit(fns, repeats: int, device: torch.device) -> list[float]:
+    """Median seconds per call of each fn, after one warm-up call each. The fns are run
+    round-robin so that a noisy machine slows all of them alike (ratios stay meaningful)."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
     for _ in range(max(1, repeats)):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for i, fn in enumerate(fns):
+            times[i].append(_time_once(fn, device))
+    return [statistics.median(t) for t in times]
 
 
 def run(sizes=None, group_size: int = 128, repeats: int = 10, device="cpu", threads: int | None = None,
@@ -78,8 +84,6 @@ def run(sizes=None, group_size: int = 128, repeats: int = 10, device="cpu", thre
             out = torch.zeros_like(x)
             payload = torch.empty(payload_nbytes("int4", n, group_size), dtype=torch.uint8, device=dev)
             pbytes = payload.numel()
-            t_copy = _timeit(lambda: dst.copy_(x), repeats, dev)
-            bw_copy = 8.0 * n / t_copy / 1e9
 
             def quant(sr, use_kernel):
                 return lambda: kernels.ef_quantize_pack(x, e, payload, group_size, 4, sr, 1, 2, use_kernel=use_kernel)
@@ -90,12 +94,13 @@ def run(sizes=None, group_size: int = 128, repeats: int = 10, device="cpu", thre
             ops = [("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + pbytes),
                    ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + pbytes),
                    ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes)]
+            t_copy, *t_ops = _timeit([lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev)
+            bw_copy = 8.0 * n / t_copy / 1e9
             base = dict(numel=n, device=str(dev), threads=torch.get_num_threads(), group_size=group_size)
             rows.append(dict(base, op="copy (fp32)", ms=t_copy * 1e3, gbps=bw_copy, pct_of_copy=100.0,
                              ref_ms=None, speedup_vs_ref=None, compiled=None))
-            for name, fn, ref_fn, nbytes in ops:
-                t = _timeit(fn, repeats, dev)
-                t_ref = _timeit(ref_fn, ref_repeats, dev) if reference else None
+            for (name, _, ref_fn, nbytes), t in zip(ops, t_ops):
+                t_ref = _timeit([ref_fn], ref_repeats, dev)[0] if reference else None
                 rows.append(dict(base, op=name, ms=t * 1e3, gbps=nbytes / t / 1e9,
                                  pct_of_copy=100.0 * (nbytes / t) / (8.0 * n / t_copy),
                                  ref_ms=None if t_ref is None else t_ref * 1e3,

@@ -52,7 +52,11 @@ AUTO_ALLGATHER_MAX_RANKS = 4  # auto: all-gather up to this many ranks, reduce-s
 
 @dataclass
 class CommStats:
-    """Per-rank communication counters (see the module docstring for the byte convention)."""
+    """Per-rank communication counters (see the module docstring for the byte convention).
+
+    ``seconds`` is the wall time of the whole call (quantize + wire + dequantize-sum), on the
+    thread that ran it; ``n_calls`` counts collective calls (a low-rank sync makes two).
+    """
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -222,8 +226,8 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
     send = torch.zeros(world * pb, dtype=torch.uint8, device=x.device)
     for j, (lo, hi) in enumerate(bounds):
         if hi > lo:
-            p = quantize(x[lo:hi], kind, group_size, error=None if error is None else error[lo:hi])
-            send[j * pb: j * pb + p.data.numel()] = p.data
+            size = nbytes(kind, hi - lo, group_size)
+            quantize(x[lo:hi], kind, group_size, error=None if error is None else error[lo:hi], out=send[j * pb: j * pb + size])
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
 
@@ -238,13 +242,12 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
         if mean:
             acc.div_(world)
         stochastic = kind in ("int4", "int8")
-        q = quantize(acc, kind, group_size, stochastic=stochastic, seed=mix_seed(seed, me), step=step)
-        mine[:size] = q.data
+        quantize(acc, kind, group_size, stochastic=stochastic, seed=mix_seed(seed, me), step=step, out=mine[:size])
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     for j, (lo, hi) in enumerate(bounds):
         if hi > lo:
             size = nbytes(kind, hi - lo, group_size)
-            out[lo:hi] = dequantize(Packed(kind, hi - lo, group_size, gathered[j][:size]))
+            dequantize(Packed(kind, hi - lo, group_size, gathered[j][:size]), out=out[lo:hi])
     return out

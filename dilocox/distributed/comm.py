@@ -63,9 +63,9 @@ class CommHandle:
 class DoneHandle(CommHandle):
     """A handle whose result is already known (an in-flight all-reduce restored from a checkpoint)."""
 
-    def __init__(self, result: Any, name: str = "restored") -> None:
+    def __init__(self, result: Any, comm_s: float = 0.0, name: str = "restored") -> None:
         super().__init__(name)
-        self._finish(result)
+        self._finish(result, comm_s=comm_s)
 
 
 class AsyncComm:

@@ -173,8 +173,7 @@ class OuterLoop:
         blocked = h.blocked_s - before
         self._blocked_now += blocked
         self._counters["blocked_total_s"] += blocked
-        if not isinstance(h, DoneHandle):
-            self._counters["comm_s"] = h.comm_s
+        self._counters["comm_s"] = h.comm_s
         return out
 
     # ------------------------------------------------------------------ per-step methods
@@ -309,8 +308,8 @@ class OuterLoop:
     def stats(self) -> dict:
         if self.method == "none":
             return {}
-        comp = self.compressors[0] if self.compressors else None
-        out = {"outer_step": self.outer_step, "H": self.H, "rank": int(getattr(comp, "rank", 0) or 0) if comp is not None else 0,
+        rank = self.compressors[0].rank if self.compressors else 0  # 0: no low-rank compression
+        out = {"outer_step": self.outer_step, "H": self.H, "rank": int(rank),
                "bytes_sent": int(self.comm_stats.bytes_sent), "bytes_received": int(self.comm_stats.bytes_received)}
         out.update(self._counters)
         out["comm_total_s"] = self._comm_total_before + self.comm.busy_s
@@ -320,18 +319,16 @@ class OuterLoop:
         """The whole dual state; in-flight all-reduces are waited for and their RESULTS stored."""
         if self.method == "none":
             return {"method": "none"}
-        sd: dict = {"version": 1, "method": self.method, "H": self.H, "outer_step": self.outer_step,
-                    "counters": dict(self._counters)}  # filled in after the waits below
+        sd: dict = {"version": 1, "method": self.method, "H": self.H, "outer_step": self.outer_step}
         if self.method in FAMILY:
-            pend = []
+            pend, pend_s = [], []
             for p, h in enumerate(self.pending):
-                if h is None:
-                    pend.append(None)
-                    continue
-                res = self._wait(h)
-                self.pending[p] = DoneHandle(res)
-                pend.append([t.detach().cpu().clone() for t in res])
-            sd.update(overlap=self.overlap, fragments=self.K, state=self.state.state_dict(), pending=pend,
+                res = self._wait(h) if h is not None else None
+                if h is not None:
+                    self.pending[p] = DoneHandle(res, h.comm_s)
+                pend.append([t.detach().cpu().clone() for t in res] if res is not None else None)
+                pend_s.append(h.comm_s if h is not None else 0.0)
+            sd.update(overlap=self.overlap, fragments=self.K, state=self.state.state_dict(), pending=pend, pending_comm_s=pend_s,
                       own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
                       schedule=self.schedule.state_dict(),
                       controller=self.controller.state_dict() if self.controller is not None else None)
@@ -339,7 +336,8 @@ class OuterLoop:
             self.comm.drain()
             sd["cocktail_error"] = self.cocktail_error.detach().cpu().clone() if self.cocktail_error is not None else None
         sd["compressors"] = [c.state_dict() for c in self.compressors]
-        sd["counters"] = dict(self._counters, comm_total_s=self.stats["comm_total_s"])
+        sd["counters"] = dict(self._counters, comm_total_s=self.stats["comm_total_s"])  # after the waits above
+        sd["comm_stats"] = {k: getattr(self.comm_stats, k) for k in ("bytes_sent", "bytes_received", "n_calls", "seconds")}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -351,6 +349,8 @@ class OuterLoop:
         counters = dict(sd["counters"])
         self._comm_total_before = float(counters.pop("comm_total_s", 0.0)) - self.comm.busy_s
         self._counters.update(counters)
+        for k, v in sd["comm_stats"].items():
+            setattr(self.comm_stats, k, v)
         if len(sd["compressors"]) != len(self.compressors):
             raise ValueError(f"checkpoint has {len(sd['compressors'])} compressors, this run {len(self.compressors)}")
         for c, csd in zip(self.compressors, sd["compressors"]):
@@ -364,7 +364,8 @@ class OuterLoop:
             self.state.load_state_dict(sd["state"])
             self.schedule.load_state_dict(sd["schedule"])
             dev = self.params[0].device if self.params else torch.device("cpu")
-            self.pending = [DoneHandle([t.to(dev) for t in r]) if r is not None else None for r in sd["pending"]]
+            self.pending = [DoneHandle([t.to(dev) for t in r], s) if r is not None else None
+                            for r, s in zip(sd["pending"], sd["pending_comm_s"])]
             self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
             if self.controller is not None and sd.get("controller") is not None:
                 self.controller.load_state_dict(sd["controller"])

@@ -1,0 +1,109 @@
+"""``dilocox bench methods``: every method preset at equal tokens, R=2 replicas x PP=2 (4 ranks).
+
+Same model (tiny GPT-2), data, seed and token budget for all presets; reports the final
+validation loss and its curve (PNG), bytes sent between replicas (the framework's counters,
+summed over the ranks of a replica) and the compression ratio against ``allreduce``.
+
+    dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--out docs/bench/methods]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+from dilocox.bench.runner import machine_line, run_train, write_config
+
+METHODS = ["allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox"]
+LAYOUT = """parallel: {replicas: 2, pipeline: 2, microbatches: 2}
+"""
+
+
+def method_body(method: str, H: int) -> str:
+    """Per-method settings scaled to a short CPU run (the papers' H=100..500 are for 4k-step runs)."""
+    extra = {
+        "opendiloco": "",
+        "streaming": "",
+        "dilocox": f"compress: {{lowrank: {{rank: 8}}, adaptive: {{h_min: {max(2, H // 2)}, h_max: {2 * H}, rank_max: 16}}}}\n",
+    }.get(method, "")
+    sync = "" if method in ("allreduce", "cocktailsgd") else f"outer: {{sync_every: {H}}}\n"
+    return LAYOUT + sync + extra
+
+
+def run(methods: list[str], steps: int, H: int, run_root: str) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in methods:
+            cfg = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
+            res = run_train(cfg, 4, os.path.join(run_root, m), [f"--train.steps={steps}", "--train.eval_every=50"])
+            s = res["summary"]
+            # bytes sent to the other replica by the 2 ranks (stages) of replica 0
+            sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
+            blocked = max((r.get("outer_blocked_total_s", 0.0) for r in res["ranks"]), default=0.0)
+            rows.append({
+                "method": m, "final_val_loss": s["final_val_loss"], "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
+                "bytes_sent_per_replica": sent, "blocked_s": blocked, "tokens_per_replica": s["tokens_per_replica"],
+                "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r] + [(s["steps"], s["final_val_loss"])],
+            })
+    base = next((r for r in rows if r["method"] == "allreduce"), None)
+    for r in rows:
+        if base:
+            r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
+            r["bytes_ratio_vs_allreduce"] = base["bytes_sent_per_replica"] / max(1, r["bytes_sent_per_replica"])
+    return rows
+
+
+def markdown(rows: list[dict], steps: int, H: int) -> str:
+    lines = [f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
+             f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods.", "",
+             "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce | blocked on outer (s) | tokens/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['final_val_loss']:.4f} | {r.get('loss_vs_allreduce_pct', 0):+.1f} % | "
+            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | {r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for r in rows:
+        xs, ys = zip(*r["val_curve"])
+        ax.plot(xs, ys, "o-", ms=3, label=r["method"])
+    ax.set_xlabel("step (equal tokens per replica)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("methods at equal tokens, 2 replicas x PP=2")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dilocox bench methods", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--H", type=int, default=20)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--out", default="docs/bench/methods")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    rows = run(a.methods.split(","), a.steps, a.H, os.path.join("runs", "bench-methods"))
+    md = markdown(rows, a.steps, a.H)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    plot(rows, os.path.join(a.out, "val_loss.png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Run ``dilocox train`` as a subprocess and collect what it wrote (shared by the benches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(ROOT, "configs")
+
+
+def write_config(path: str, includes: list[str], body: str = "") -> str:
+    """A run config that includes files from configs/ (absolute paths) plus extra YAML."""
+    inc = ", ".join(os.path.join(CONFIGS, i) for i in includes)
+    with open(path, "w") as f:
+        f.write(f"include: [{inc}]\n{body}")
+    return path
+
+
+def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), env: dict | None = None, timeout: float = 3600) -> dict:
+    """Train ``config`` on ``nproc`` local ranks into ``run_dir``; return its records.
+
+    Returns ``{"steps": [per-step records], "summary": {...}, "ranks": [per-rank summaries], "wall_s"}``.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):  # a bench run always starts fresh
+        if name == "metrics.jsonl" or name.startswith("rank_"):
+            os.remove(os.path.join(run_dir, name))
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", config, "--nproc", str(nproc), f"--log.run_dir={run_dir}",
+           "--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", *overrides]
+    e = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env or {})
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"training failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    steps, summary = [], {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "summary" in rec:
+                summary = rec["summary"]
+            elif "step" in rec:
+                steps.append(rec)
+    ranks = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("rank_") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                ranks.append(json.load(f))
+    return {"steps": steps, "summary": summary, "ranks": ranks, "wall_s": wall, "stdout": proc.stdout}
+
+
+def machine_line() -> str:
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}"
