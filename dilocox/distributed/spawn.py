@@ -8,6 +8,7 @@ rank's traceback, so a failing multi-rank test reads like a single-process one.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -32,7 +33,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         out = fn(rank, world, *args)
-        queue.put((rank, "ok", out))
+        # Serialise to bytes: torch's queue would share tensors through file descriptors that
+        # vanish when this process exits (ConnectionResetError in the parent for many tensors).
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         queue.put((rank, "err", traceback.format_exc()))
     finally:
@@ -57,7 +62,9 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> l
         for _ in range(world):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break
