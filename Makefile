@@ -11,6 +11,9 @@ install: .install.stamp
 .install.stamp: requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
+	# the compiled kernels, in place (an editable install does not build them); a failed build
+	# leaves the package on its pure-torch reference path, which it says once at run time
+	$(PYTHON) setup.py -q build_ext --inplace
 	touch .install.stamp
 
 train: install

@@ -200,7 +200,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox bench compression", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gpt2-small")
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return rows
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

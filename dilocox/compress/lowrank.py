@@ -25,6 +25,9 @@ Choices where the algorithm is silent:
   of Q_m is in ``e_m`` because it subtracts the Q_m that was *sent* (after quantization).
 - ``set_rank`` truncates Q, or appends random columns orthonormal to the current ones
   from a generator seeded by ``(seed, index, old rank, new rank)``.
+- ``missed`` measures, per factored matrix, the fraction of ‖M_m‖² outside span(P̂),
+  ``1 − ‖Q_m‖²/‖M_m‖²`` (exact since P̂ is orthonormal, before quantization): the energy a
+  rank-r basis leaves in the error buffer, which the adaptive rank rule needs (§7).
 
 The staged methods (``p_step`` → collective → ``q_step`` → collective → ``finish``) let
 the Compressor fuse other tensors into the Q collective; ``allreduce`` runs the whole
@@ -159,6 +162,25 @@ class PowerSGD:
             self._p_hat[i] = p_hat
             parts.append((p_hat.t() @ self._matrix(i, ms[i])).reshape(-1))
         return _cat(parts, ms)
+
+    def missed(self, ms: list[torch.Tensor], q_flat: torch.Tensor) -> torch.Tensor:
+        """Per factored matrix (ascending index), ``1 − ‖Q_i‖²/‖M_i‖²`` in [0, 1] (0 for M_i = 0).
+
+        ``q_flat`` is this replica's ``q_step`` output for the same ``ms``, i.e. Q_iᵀ = P̂ᵀ M_i
+        before quantization, so the value is ‖M_i − P̂ Q_iᵀ‖²/‖M_i‖², the fraction of the
+        error-fed matrix that the rank-r basis P̂ does not capture.
+        """
+        m2, q2, off = [], [], 0
+        for i in self.factored:
+            _, m = as_matrix_shape(self.shapes[i])
+            m2.append(torch.linalg.vector_norm(self._matrix(i, ms[i])))
+            q2.append(torch.linalg.vector_norm(q_flat[off: off + self.rank * m]))
+            off += self.rank * m
+        if not m2:
+            return torch.zeros(0, dtype=torch.float32, device=q_flat.device)
+        m2_, q2_ = torch.stack(m2).double().square(), torch.stack(q2).double().square()
+        frac = torch.where(m2_ > 0, 1.0 - q2_ / torch.where(m2_ > 0, m2_, 1.0), 0.0)
+        return frac.clamp(0.0, 1.0).float()
 
     def expand(self, q_flat: torch.Tensor) -> dict[int, torch.Tensor]:
         """P̂ Qᵀ (in each tensor's shape) for a flat [Q_iᵀ] buffer, e.g. the averaged or the sent Q."""

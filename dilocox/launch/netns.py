@@ -239,6 +239,10 @@ class Cluster:
     def rx_bytes(self, r: int) -> int:
         return self._stat(r, "rx_bytes")
 
+    def tx_packets(self, r: int) -> int:
+        """Frames replica r has sent (a GSO frame counts once and carries one set of headers)."""
+        return self._stat(r, "tx_packets")
+
 
 def kill_group(pid: int, sig: int) -> None:
     try:

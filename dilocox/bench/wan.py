@@ -1,0 +1,450 @@
+"""``dilocox bench wan``: the method presets over capped inter-cluster links, measured vs planned.
+
+Every method runs the same model (tiny GPT-2), data, seed and per-step token budget with
+2 replicas x 2 pipeline stages (4 ranks; the per-method settings of ``bench methods``), once
+per bandwidth cap and once uncapped. Each replica is one torchrun node in its own network
+namespace joined to the other by veth links with ``tc tbf`` caps (``dilocox.launch``); without
+root or netns the caps fall back to the outer comm layer's token bucket (said in the output).
+
+    dilocox bench wan [--bandwidth 10mbit 100mbit 1gbit] [--methods allreduce,...,dilocox]
+                      [--steps 100] [--loss-steps 300] [--H 20] [--out docs/bench/wan]
+
+Definitions (per run; "replica" = the 2 ranks in one namespace, which share one link):
+
+- tokens/s: tokens of both replicas trained in steps 1..N over the loop's wall time to step N,
+  rebuilt from rank 0's per-step log (the final drain of an in-flight all-reduce, final
+  validation and checkpoint are outside). The uncapped reference is measured over the same
+  first N steps of its (longer) run, so "% of uncapped" compares equal windows.
+- blocked: max over ranks of the time the training thread waited for a cross-replica
+  collective (``outer_blocked_total_s``); compute utilization = 1 - blocked / wall.
+- bytes: per replica (mean of the two), framework = sum of ``outer_bytes_sent`` of its ranks;
+  veth = ``tx_bytes`` of its veth; veth payload = tx_bytes - 66 B x tx_packets (Ethernet 14 +
+  IPv4 20 + TCP 20 + timestamps 12 per frame; a GSO frame counts once and carries one header)
+  minus the payload of a no-sync baseline run (torchrun's store, gloo connection setup, the
+  checkpoint barrier: everything but the outer collectives).
+- plan: ``dilocox.plan.plan`` for the run's own settings (H, quant, rank, fragments, overlap),
+  2 replicas, the cap, latency 0 (tbf adds none) and the step time measured uncapped
+  (compute time per step = (wall - blocked) / steps of the method's uncapped run).
+
+Slow combinations are shortened: a run's step count is cut so that its predicted
+communication time stays under ``--max-comm-s`` (allreduce at 10 Mbit/s: ~3 s per step);
+its loss is then at fewer tokens (the table says so). Loss at equal tokens comes from the
+uncapped runs (``--loss-steps``): the update rules do not depend on the bandwidth, except
+DiLoCoX's adaptive H and rank, which read measured times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from dilocox.bench.methods import method_body
+from dilocox.bench.runner import ROOT, machine_line, run_train, write_config
+from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
+from dilocox.plan import PRESETS, Compression, fmt_bandwidth, parse_bandwidth, plan
+
+METHODS = ["allreduce", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox"]
+CAPS = ["10mbit", "100mbit", "1gbit"]
+REPLICAS, PER_REPLICA = 2, 2
+FRAME_HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps option 12
+TRAIN_FLAGS = ["--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", "--train.eval_every=0", "--log.every=1"]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def read_run(run_dir: str) -> dict:
+    """Rank 0's per-step records and summary, and every rank's ``rank_*.json``."""
+    steps, summary = [], {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "summary" in rec:
+                summary = rec["summary"]
+            elif "step" in rec:
+                steps.append(rec)
+    ranks = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("rank_") and name.endswith(".json"):
+            with open(os.path.join(run_dir, name)) as f:
+                ranks.append(json.load(f))
+    return {"steps": steps, "summary": summary, "ranks": ranks}
+
+
+def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[str], timeout: float = 900) -> dict:
+    """One torchrun node per replica namespace; returns ``read_run`` plus the veth counters."""
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        if name == "metrics.jsonl" or name.startswith("rank_"):
+            os.remove(os.path.join(run_dir, name))
+    entry = ["-m", "dilocox.cli", "train", config, f"--log.run_dir={os.path.abspath(run_dir)}", *overrides]
+    env = {k: v for k, v in os.environ.items() if k != BANDWIDTH_ENV}
+    env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
+    log_path = os.path.join(run_dir, "train.log")
+    t0 = time.time()
+    with open(log_path, "w") as log, Cluster(REPLICAS, None if cap_bps is None else cap_bps / 1e6) as c:
+        procs = []
+        for r in range(REPLICAS):
+            renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
+            argv = torchrun_argv(REPLICAS, r, PER_REPLICA, c.addr(0), 29500, entry)
+            procs.append(c.exec(r, argv, env=renv, stdout=log, stderr=subprocess.STDOUT))
+        codes = [None] * REPLICAS
+        while any(x is None for x in codes):
+            codes = [p.poll() for p in procs]
+            if any(x not in (None, 0) for x in codes) or time.time() - t0 > timeout:
+                break  # leaving the `with` kills the rest
+            time.sleep(0.2)
+        veth = [{"tx_bytes": c.tx_bytes(r), "tx_packets": c.tx_packets(r)} for r in range(REPLICAS)]
+    if codes != [0] * REPLICAS:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        why = f"timed out after {timeout:.0f} s" if None in codes else f"exit codes {codes}"
+        raise RuntimeError(f"training in namespaces failed ({why}; log {log_path}):\n{tail}")
+    return {**read_run(run_dir), "veth": veth, "wall_total_s": time.time() - t0}
+
+
+def run_token_bucket(config: str, cap_bps: float | None, run_dir: str, overrides: list[str]) -> dict:
+    """The fallback: one local torchrun; each rank's outer comm thread paced at cap / ranks per
+    replica (the replica's ranks share one link). Only the outer collectives are paced."""
+    env = {BANDWIDTH_ENV: f"{cap_bps / PER_REPLICA:.0f}" if cap_bps else ""}  # "" = no cap
+    t0 = time.time()
+    res = run_train(config, REPLICAS * PER_REPLICA, run_dir, overrides, env=env)
+    return {**res, "veth": None, "wall_total_s": time.time() - t0}
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def elapsed_at_steps(records: list[dict], tokens_per_step: int) -> list[float]:
+    """Loop seconds at each record. Runs log every step (``--log.every=1``), so each record's
+    ``tokens_per_s`` covers exactly its own step: elapsed is the running sum of step times."""
+    out, t, last = [], 0.0, 0
+    for rec in records:
+        t += tokens_per_step * (rec["step"] - last) / max(rec["tokens_per_s"], 1e-9)
+        out.append(t)
+        last = rec["step"]
+    return out
+
+
+def summarize(run: dict, window: int, tokens_per_step: int, baseline: list[int] | None = None) -> dict:
+    """The measured numbers of one run (pure: reads only ``run``, see ``read_run``).
+
+    ``window``: tokens/s over steps 1..window; ``tokens_per_step``: both replicas together;
+    ``baseline``: per-replica veth payload bytes of the no-sync run (None: not subtracted).
+    """
+    recs, s, ranks = run["steps"], run["summary"], run["ranks"]
+    if not recs or not ranks:
+        raise ValueError("the run left no per-step records or no rank_*.json: did it finish?")
+    el = elapsed_at_steps(recs, tokens_per_step)
+    n = min(window, len(recs))
+    sent: dict[int, int] = {}
+    for r in ranks:
+        rep = int(re.search(r"replica (\d+)", r["coord"]).group(1))
+        sent[rep] = sent.get(rep, 0) + int(r.get("outer_bytes_sent", 0))
+    fw = [sent[k] for k in sorted(sent)]
+    wall = max(r["wall_s"] for r in ranks)
+    blocked = max(r.get("outer_blocked_total_s", 0.0) for r in ranks)
+    out = {
+        "steps": s["steps"], "window_steps": recs[n - 1]["step"], "tokens_per_s": tokens_per_step * recs[n - 1]["step"] / el[n - 1],
+        "tokens_per_s_run": s["tokens_per_s"], "wall_s": wall, "blocked_s": blocked, "utilization": 1.0 - blocked / wall,
+        "final_val_loss": s["final_val_loss"], "H_final": s.get("outer_H"), "rank_final": s.get("outer_rank"),
+        "n_syncs": s.get("outer_n_syncs"), "bytes_framework": sum(fw) / len(fw), "bytes_framework_by_replica": fw,
+        "loss_vs_time": [[round(t, 3), round(rec["loss"], 4)] for t, rec in zip(el, recs)],
+    }
+    veth = run.get("veth")
+    if veth:
+        tx = [v["tx_bytes"] for v in veth]
+        payload = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] - (baseline[i] if baseline else 0) for i, v in enumerate(veth)]
+        out.update(veth_tx_bytes=tx, veth_payload_bytes=payload, bytes_veth=sum(tx) / len(tx), bytes_veth_payload=sum(payload) / len(payload))
+        if out["bytes_framework"] > 0:
+            out["veth_diff_raw_pct"] = 100.0 * (out["bytes_veth"] / out["bytes_framework"] - 1.0)
+            out["veth_diff_pct"] = 100.0 * (out["bytes_veth_payload"] / out["bytes_framework"] - 1.0)
+    return out
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def plan_inputs(cfg) -> dict:
+    """``dilocox.plan.plan`` keyword arguments describing a loaded run config's method."""
+    from dilocox.compress.cocktail import index_encoding, mask_count, topk_count
+
+    o, c = cfg.outer, cfg.compress
+    if o.method in ("allreduce", "cocktailsgd"):
+        H, overlap, K, tau = 1, "none", 1, 0
+    else:
+        H, K, tau = o.sync_every, o.streaming.fragments, o.streaming.tau
+        overlap = "none" if o.blocking else o.overlap
+    rank = c.lowrank.rank if c.lowrank.enabled else None
+    comp = Compression(c.quant, c.group_size, rank, min_compression=c.lowrank.min_compression)
+    if o.method == "cocktailsgd":  # indices as the framework encodes them (bitmap or int32), per kept element
+        n = cfg.model.num_params()
+        survivors = mask_count(n, c.random_fraction)
+        k = topk_count(survivors, c.topk_fraction)
+        comp = Compression(c.quant, c.group_size, density=k / n, index_bytes=index_encoding(survivors, k)[1] / k)
+    return {"H": H, "compression": comp, "overlap": overlap, "fragments": K, "tau": tau}
+
+
+def predict(cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0) -> dict:
+    """The plan for this config at this cap (2 replicas, latency 0: tbf adds none); every method
+    setting comes from the config, the preset name only labels the row."""
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    return plan(cfg.model, REPLICAS, math.inf if cap_bps is None else cap_bps, method=method if method in PRESETS else "opendiloco",
+                tokens_per_step=tokens, latency_s=0.0, step_time_s=step_time_s, **plan_inputs(cfg))
+
+
+def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> int:
+    """``steps``, cut so the predicted communication time stays under ``max_comm_s`` (whole phases)."""
+    p = predict(cfg, cfg.outer.method, cap_bps)
+    per_step = p["t_comm_s"] / p["H"]
+    if per_step * steps <= max_comm_s:
+        return steps
+    cut = max(1, int(max_comm_s / per_step))
+    return max(p["H"], cut // p["H"] * p["H"])
+
+
+def join(rows: list[dict]) -> list[dict]:
+    """Add "% of uncapped" and the plan-vs-measured errors to measured rows (pure).
+
+    Each row has ``method``, ``cap_bps`` (None = uncapped), the ``summarize`` fields, and
+    ``plan`` (``predict`` at the method's measured uncapped step time). Errors are
+    (plan - measured) / measured; utilization errors are in percentage points.
+    """
+    ref = {r["method"]: r for r in rows if r["cap_bps"] is None}
+    for r in rows:
+        u = ref.get(r["method"])
+        r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
+        p = r.get("plan")
+        if not p:
+            continue
+        r["plan_tokens_per_s"] = p["tokens_per_s"]
+        r["plan_utilization"] = p["utilization"]
+        r["plan_bytes"] = p["wire_bytes_per_replica"] * r["steps"] / p["H"]
+        r["err_tokens_per_s_pct"] = 100.0 * (p["tokens_per_s"] / r["tokens_per_s"] - 1.0)
+        r["err_utilization_pp"] = 100.0 * (p["utilization"] - r["utilization"])
+        r["err_bytes_pct"] = 100.0 * (r["plan_bytes"] / r["bytes_framework"] - 1.0) if r["bytes_framework"] else None
+    return rows
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H: int, run_root: str,
+          max_comm_s: float = 60.0, emulation: str = "auto", log=print) -> dict:
+    """Run every (method, cap) and the uncapped references; return ``{"meta", "rows"}``."""
+    from dilocox.config import load_config
+
+    ok, why = netns_available()
+    if emulation == "netns" and not ok:
+        raise RuntimeError(f"--emulation netns requested but unavailable: {why}")
+    mode = "netns" if ok and emulation != "token-bucket" else "token-bucket"
+    runner = run_netns if mode == "netns" else run_token_bucket
+    log(f"emulation: {mode}" + ("" if mode == "netns" else f" ({why or 'requested'}; veth byte counters unavailable)"))
+    loss_steps = max(loss_steps, steps)
+    rows, t0 = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = None
+        if mode == "netns":  # everything that crosses the link except the outer collectives
+            cfg = write_config(os.path.join(tmp, "baseline.yaml"), ["tiny.yaml", "methods/diloco.yaml"], method_body("diloco", steps + 1))
+            run = runner(cfg, None, os.path.join(run_root, "baseline"), [f"--train.steps={steps}", *TRAIN_FLAGS])
+            baseline = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] for v in run["veth"]]
+            log(f"baseline (no outer sync, {steps} steps): veth payload {baseline} bytes per replica")
+        for m in methods:
+            path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
+            cfg = load_config(path)
+            tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
+            t_step = None
+            for cap in [None, *caps]:
+                n = loss_steps if cap is None else steps_within(cfg, cap, steps, max_comm_s)
+                name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
+                run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS])
+                row = {"method": m, "cap_bps": cap, **summarize(run, steps, tokens, baseline)}
+                if cap is None:
+                    t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
+                row["plan"] = {k: v for k, v in predict(cfg, m, cap, t_step).items() if k != "bandwidth_for"}
+                row["plan_step_time_s"] = t_step
+                rows.append(row)
+                log(f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
+                    f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
+                    f"[{time.time() - t0:.0f} s]")
+    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "emulation": mode, "why": why,
+            "methods": methods, "caps_bps": caps, "steps": steps, "loss_steps": loss_steps, "H": H, "max_comm_s": max_comm_s,
+            "replicas": REPLICAS, "ranks_per_replica": PER_REPLICA, "baseline_payload_bytes": baseline,
+            "frame_header_bytes": FRAME_HEADER_BYTES, "bench_wall_s": time.time() - t0, "load_avg": os.getloadavg()}
+    return {"meta": meta, "rows": join(rows)}
+
+
+def _cap(bps: float | None) -> str:
+    return "uncapped" if bps is None else fmt_bandwidth(bps)
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def targets(rows: list[dict], caps: list[float]) -> list[str]:
+    """The issue's targets for dilocox, as measured (pass/fail)."""
+    get = {(r["method"], r["cap_bps"]): r for r in rows}
+    out = []
+    dx = [get.get(("dilocox", c)) for c in caps]
+    if all(dx) and get.get(("dilocox", None)):
+        worst = min(r["pct_of_uncapped"] for r in dx)
+        out.append(f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> {'met' if worst >= 95 else 'NOT met'}")
+    slow = min(caps) if caps else None
+    a, d = get.get(("allreduce", slow)), get.get(("dilocox", slow))
+    if a and d:
+        x = d["tokens_per_s"] / a["tokens_per_s"]
+        out.append(f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> {'met' if x >= 10 else 'NOT met'}")
+    a, d = get.get(("allreduce", None)), get.get(("dilocox", None))
+    if a and d:
+        x = 100.0 * (d["final_val_loss"] / a["final_val_loss"] - 1.0)
+        out.append(f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> {'met' if abs(x) <= 5 else 'NOT met'}")
+    return out
+
+
+def markdown(res: dict) -> str:
+    m, rows = res["meta"], res["rows"]
+    bl = m["baseline_payload_bytes"]
+    lines = [
+        f"Machine: {m['machine']}; date {m['date']}; load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
+        f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
+        + (f" ({m['why']})" if m["emulation"] != "netns" else " (one network namespace per replica, veth + tc tbf each way)") + ".",
+        f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), 8 x 128 tokens "
+        f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
+        f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
+        f"uncapped runs: {m['loss_steps']} steps. tokens/s over steps 1..{m['steps']} of every run. Bench wall {m['bench_wall_s'] / 60:.1f} min.",
+        "", "### Throughput, utilization and the plan", "",
+        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err | plan util | err (pp) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['steps']} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f')} % | "
+                     f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
+                     f"{_f(r.get('err_tokens_per_s_pct'), '+.1f')} % | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} |")
+    lines += ["", "### Bytes sent between replicas (per replica, whole run)", "",
+              f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
+              f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).", "",
+              "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | plan | plan err |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(r.get('bytes_veth') and r['bytes_veth'] / 1e6, '.3f')} MB | "
+                     f"{_f(r.get('veth_diff_raw_pct'), '+.2f')} % | {_f(r.get('bytes_veth_payload') and r['bytes_veth_payload'] / 1e6, '.3f')} MB | "
+                     f"{_f(r.get('veth_diff_pct'), '+.2f')} % | {_f(r.get('plan_bytes') and r['plan_bytes'] / 1e6, '.3f')} MB | {_f(r.get('err_bytes_pct'), '+.1f')} % |")
+    ref = [r for r in rows if r["cap_bps"] is None]
+    base = next((r for r in ref if r["method"] == "allreduce"), None)
+    lines += ["", f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)", "",
+              "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |", "|---|---|---|---|---|---|"]
+    for r in ref:
+        vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
+        lines.append(f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | {_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |")
+    t = targets(rows, m["caps_bps"])
+    if t:
+        lines += ["", "### Targets (as measured)", ""] + [f"- {x}" for x in t]
+    return "\n".join(lines)
+
+
+def plot(res: dict, out_dir: str) -> list[str]:
+    """throughput.png (tokens/s vs cap, measured and planned) and loss_vs_time.png (one panel per cap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, caps = res["rows"], res["meta"]["caps_bps"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    top = max(caps) * 10 if caps else 1e10  # where "uncapped" is drawn
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    for i, m in enumerate(methods):
+        mr = sorted((r for r in rows if r["method"] == m), key=lambda r: r["cap_bps"] or top)
+        xs = [r["cap_bps"] or top for r in mr]
+        line, = ax.plot(xs, [r["tokens_per_s"] for r in mr], "o-", label=m)
+        ax.plot(xs, [r.get("plan_tokens_per_s") for r in mr], "x--", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([*caps, top], [*(_cap(c) for c in caps), "uncapped"])
+    ax.set_xlabel("inter-replica link cap (each way)")
+    ax.set_ylabel("tokens/s (both replicas)")
+    ax.set_title("throughput vs bandwidth (solid: measured, dashed: plan)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [os.path.join(out_dir, "throughput.png")]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+    panels = [*caps, None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, cap in zip(axes[0], panels):
+        for m in methods:
+            r = next((r for r in rows if r["method"] == m and r["cap_bps"] == cap), None)
+            if r:
+                t, loss = zip(*r["loss_vs_time"])
+                k = 10  # moving average over 10 steps: the per-step training loss is noisy
+                sm = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
+                ax.plot(t, sm, label=m)
+        ax.set_title(_cap(cap))
+        ax.set_xlabel("wall time (s)")
+    axes[0][0].set_ylabel("training loss (replica 0, 10-step mean)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "loss_vs_time.png"))
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_outputs(res: dict, out_dir: str, plots: bool = True) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(_json_safe(res), f, indent=1)
+    md = markdown(res)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(md + "\n")
+    if plots:
+        plot(res, out_dir)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dilocox bench wan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bandwidth", nargs="+", default=CAPS, help="caps per replica link, each way (e.g. 10mbit 100mbit 1gbit)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=100, help="steps of the capped runs (tokens/s window of every run)")
+    ap.add_argument("--loss-steps", type=int, default=300, help="steps of the uncapped runs (loss at equal tokens)")
+    ap.add_argument("--H", type=int, default=20, help="inner steps per outer step of the local-step methods")
+    ap.add_argument("--max-comm-s", type=float, default=60.0, help="cut a capped run's steps to keep its predicted communication under this")
+    ap.add_argument("--emulation", choices=("auto", "netns", "token-bucket"), default="auto")
+    ap.add_argument("--out", default="docs/bench/wan")
+    ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
+    a = ap.parse_args(argv)
+    try:
+        caps = sorted(parse_bandwidth(b) for b in a.bandwidth)
+        methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        bad = [m for m in methods if not os.path.exists(os.path.join(ROOT, "configs", "methods", f"{m}.yaml"))]
+        if bad:
+            raise ValueError(f"--methods: no preset configs/methods/<name>.yaml for {bad}; choose from {METHODS + ['diloco']}")
+        if a.steps < 1 or a.H < 1:
+            raise ValueError(f"--steps={a.steps} and --H={a.H} must be >= 1")
+        res = bench(methods, caps, a.steps, a.loss_steps, a.H, a.run_root, a.max_comm_s, a.emulation)
+    except (ValueError, RuntimeError) as e:
+        print(f"dilocox bench wan: error: {e}", file=sys.stderr)
+        return 2
+    print(write_outputs(res, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
