@@ -51,7 +51,11 @@ def _train(argv: list[str]) -> int:
             return _launch_local(nproc, ["train", path, *overrides])
     from dilocox.train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:  # found at start-up: e.g. the layout needs more ranks than were launched
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

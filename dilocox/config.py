@@ -284,7 +284,11 @@ def validate(cfg: Config) -> None:
         "parallel.pipeline", "parallel.tensor", "parallel.microbatches", "train.steps",
         "train.batch_size", "train.seq_len", "outer.sync_every", "compress.group_size",
         "outer.streaming.fragments", "compress.lowrank.rank", "compress.adaptive.window",
+        "log.every", "train.max_tokens",
     )
+    for name in ("train.eval_batches", "checkpoint.every", "checkpoint.keep"):
+        if _get(cfg, name) < 0:
+            _fail(name, _get(cfg, name), "must be >= 0")
     m, p = cfg.model, cfg.parallel
     if m.d_model % m.n_heads:
         _fail("model.d_model", m.d_model, f"is not divisible by model.n_heads={m.n_heads}")
@@ -330,6 +334,13 @@ def validate(cfg: Config) -> None:
             _fail("outer.streaming.tau", s.tau, f"must be in [0, sync_every/fragments={o.sync_every // s.fragments})")
         if m.n_layers // p.pipeline < s.fragments:
             _fail("outer.streaming.fragments", s.fragments, f"exceeds the {m.n_layers // p.pipeline} layers of a stage")
+    if o.method == "diloco":  # checked again by the outer loop; here so that they fail at load time
+        if not 0 <= s.tau < max(o.sync_every // s.fragments, 1):
+            _fail("outer.streaming.tau", s.tau, f"must be in [0, sync_every/fragments={o.sync_every // s.fragments})")
+        if s.tau > 0 and o.overlap != "none":
+            _fail("outer.streaming.tau", s.tau, f"cannot be combined with outer.overlap={o.overlap!r} (the one-outer-step overlap already hides the all-reduce); set tau: 0 or overlap: none")
+        if cfg.compress.adaptive.enabled and s.fragments > 1:
+            _fail("compress.adaptive.enabled", True, f"is not supported with outer.streaming.fragments={s.fragments} (one controller sets one H); use fragments: 1")
     if not 0.0 <= s.alpha <= 1.0:
         _fail("outer.streaming.alpha", s.alpha, "must be in [0, 1]")
     if not 0.0 <= o.momentum < 1.0:
@@ -349,6 +360,8 @@ def validate(cfg: Config) -> None:
             _fail(name, v, "must be in (0, 1]")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         _fail("optim.lr", cfg.optim.lr, "must be a finite number > 0")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        _fail("optim.min_lr_ratio", cfg.optim.min_lr_ratio, "must be in [0, 1] (the final lr is lr * min_lr_ratio; below 0 the schedule turns negative)")
     if cfg.optim.warmup_steps < 0:
         _fail("optim.warmup_steps", cfg.optim.warmup_steps, "must be >= 0")
     if cfg.train.eval_every < 0:

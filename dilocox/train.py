@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dilocox import checkpoint as ckpt
 from dilocox.config import Config, ConfigError, to_yaml
-from dilocox.distributed.topology import build_topology, init_distributed
+from dilocox.distributed.topology import build_topology, env_rank_world, init_distributed
 from dilocox.metrics import MetricsLogger, peak_flops
 
 
@@ -86,7 +86,8 @@ class Trainer:
         from dilocox.model.transformer import build_stage_model
 
         self.cfg = cfg
-        rank, world, local = init_distributed()
+        # gloo for train.device=cpu even where CUDA exists (NCCL cannot move CPU tensors)
+        rank, world, local = init_distributed("gloo" if cfg.train.device == "cpu" else None)
         self.topo = build_topology(cfg.parallel, rank, world)
         self.device = pick_device(cfg, local)
         self.world_barrier = dist.barrier if dist.is_initialized() else None
@@ -175,6 +176,9 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
     def validate(self) -> float:
+        """Mean validation loss of this replica's current params; NaN without val batches."""
+        if not self.val_batches:  # train.eval_batches=0: no validation (not a loss of 0)
+            return float("nan")
         self.model.eval()
         losses = [self.engine.evaluate(x.to(self.device), y.to(self.device)) for x, y in self.val_batches]
         self.model.train()
@@ -220,7 +224,7 @@ class Trainer:
                 break
             loss = self.train_step()
             rec: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, cfg)}
-            do_eval = cfg.train.eval_every and self.step % cfg.train.eval_every == 0
+            do_eval = bool(cfg.train.eval_every and self.val_batches and self.step % cfg.train.eval_every == 0)
             if do_eval:
                 val_loss = self.validate()
                 rec["val_loss"] = val_loss
@@ -267,12 +271,18 @@ class Trainer:
 
 def train(cfg: Config) -> dict:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if env_rank_world()[0] == 0:  # RANK under torchrun, SLURM_PROCID under plain srun
         with open(os.path.join(cfg.log.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
     trainer = Trainer(cfg)
     try:
         return trainer.run()
     finally:
+        comm = getattr(trainer.outer, "comm", None)
+        if comm is not None:
+            # After an exception the comm thread is still alive (run() stops it through
+            # outer.finish() only on success); left running, the failing rank was seen to die
+            # with SIGABRT at interpreter exit. Bounded: a collective whose peer died may hang.
+            comm.shutdown(timeout=30.0)
         if dist.is_initialized():
             dist.destroy_process_group()

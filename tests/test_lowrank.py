@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dilocox.compress.collectives import CommStats
+from dilocox.compress.collectives import CommStats, nbytes, wire_bytes
 from dilocox.compress.compressor import Compressor, build_compressor
 from dilocox.compress.lowrank import PowerSGD, factorable
 from dilocox.compress.quant import dequantize, quantize
@@ -246,6 +246,64 @@ def test_state_dict_round_trip_gives_identical_next_step():
         assert torch.equal(x, y)
     for x, y in zip(a.errors, b.errors):
         assert torch.equal(x, y)
+
+
+def test_tail_sketch_is_linear_and_unbiased():
+    """‖S‖² estimates ‖(I − P̂P̂ᵀ) M‖² without bias over fresh probes; S is linear in M."""
+    from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS
+
+    m1, m2 = _decaying(96, 80, seed=4, decay=0.9), _decaying(96, 80, seed=5, decay=0.9)
+    p = PowerSGD([m1.shape], rank=4, seed=2)
+    q1 = p.q_step([m1], p.p_step([m1]))  # fixes P̂ (from m1) for the rest of the test
+    q2 = p.p_hat()[0].t().matmul(m2).reshape(-1)
+    s1, s2 = p.tail_sketch([m1], q1, step=0), p.tail_sketch([m2], q2, step=0)
+    assert s1.shape == (SKETCH_ROWS * SKETCH_COLS,)
+    torch.testing.assert_close(p.tail_sketch([m1 + m2], q1 + q2, step=0), s1 + s2, rtol=0, atol=1e-5)
+    ph = p.p_hat()[0]
+    outside = float((m1 - ph @ (ph.t() @ m1)).double().square().sum())
+    draws = torch.tensor([float(p.tail_sketch([m1], q1, step=t).double().square().sum()) for t in range(300)])
+    assert abs(float(draws.mean()) / outside - 1) < 0.05, (float(draws.mean()), outside)
+    assert float(draws.std()) / outside > 0.05  # fresh probes every step: the draws differ
+    assert torch.equal(p.tail_sketch([m1], q1, step=7), p.tail_sketch([m1], q1, step=7))  # same step: same probes
+
+
+def test_tail_sketch_layout_payload_and_no_effect_on_the_result():
+    shapes = [torch.Size([96]), torch.Size([64, 96]), torch.Size([48, 80])]
+    g = torch.Generator().manual_seed(6)
+    steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
+    k = 2  # factored matrices at rank 4
+    q_el, p_el, rest = 4 * (96 + 80), 4 * (64 + 48), 96
+    for kind, G in (("int4", 32), ("int4", 256), ("int8", 64), ("none", 32), ("fp16", 32)):
+        plain = Compressor(shapes, quant=kind, group_size=G, lowrank_rank=4, seed=9)
+        sk = Compressor(shapes, quant=kind, group_size=G, lowrank_rank=4, seed=9, tail_sketch=True)
+        up = lambda x, g: math.ceil(x / g) * g  # noqa: E731
+        if kind in ("int4", "int8"):
+            head = up(q_el, G) + k * up(128, G)
+        else:
+            head = q_el + k * 128
+        n2 = up(head, G) + rest
+        assert sk.payload_bytes() == nbytes(kind, p_el, G) + nbytes(kind, n2, G), kind
+        assert plain.payload_bytes() == nbytes(kind, p_el, G) + nbytes(kind, up(q_el, G) + rest, G)
+        assert sk.wire_bytes(3) == wire_bytes(p_el, 3, kind, G) + wire_bytes(n2, 3, kind, G)
+        for t, ts in enumerate(steps):
+            fed = [x + e for x, e in zip(ts, sk.errors)] if sk.errors is not None else ts
+            a, b = plain.allreduce_mean(ts, None, t), sk.allreduce_mean(ts, None, t)
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), kind  # the sketch changes nothing else
+            if plain.errors is not None:
+                assert all(torch.equal(x, y) for x, y in zip(plain.errors, sk.errors))
+        assert plain.tail_energy() is None and sk.tail_energy().shape == (k,)
+        # one replica: T̂ = ‖S‖² of its own error-fed matrices, up to the wire format
+        lr = sk.lowrank
+        q_local = torch.cat([(lr.p_hat()[i].t() @ fed[i].reshape(s[0], -1)).reshape(-1) for i, s in zip(lr.factored, [shapes[1], shapes[2]])])
+        want = lr.tail_sketch(fed, q_local, len(steps) - 1).view(k, -1).double().square().sum(1)
+        tol = {"none": 1e-5, "fp16": 2e-3}.get(kind, 0.1)
+        torch.testing.assert_close(sk.tail_energy(), want, rtol=tol, atol=0)
+        c = _roundtrip(sk.state_dict())
+        other = Compressor(shapes, quant=kind, group_size=G, lowrank_rank=4, seed=9, tail_sketch=True)
+        other.load_state_dict(c)
+        assert torch.equal(other.tail_energy(), sk.tail_energy())
+        sk.set_rank(3)
+        assert sk.tail_energy() is None  # measured for the old basis
 
 
 def test_bad_inputs_name_the_problem():

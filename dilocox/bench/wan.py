@@ -7,7 +7,7 @@ namespace joined to the other by veth links with ``tc tbf`` caps (``dilocox.laun
 root or netns the caps fall back to the outer comm layer's token bucket (said in the output).
 
     dilocox bench wan [--bandwidth 10mbit 100mbit 1gbit] [--methods allreduce,...,dilocox]
-                      [--steps 100] [--loss-steps 300] [--H 20] [--out docs/bench/wan]
+                      [--steps 100] [--loss-steps 200] [--H 20] [--out docs/bench/wan]
 
 Definitions (per run; "replica" = the 2 ranks in one namespace, which share one link):
 
@@ -237,8 +237,14 @@ def join(rows: list[dict]) -> list[dict]:
 
 
 def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H: int, run_root: str,
-          max_comm_s: float = 60.0, emulation: str = "auto", log=print) -> dict:
-    """Run every (method, cap) and the uncapped references; return ``{"meta", "rows"}``."""
+          max_comm_s: float = 60.0, emulation: str = "auto", reference: bool = True, baseline_run: bool = True,
+          log=print) -> dict:
+    """Run every (method, cap) and the uncapped references; return ``{"meta", "rows"}``.
+
+    ``reference=False`` skips the uncapped runs ("% of uncapped" stays empty and the plan takes
+    the step time of each run itself); ``baseline_run=False`` skips the no-sync run (its few kB
+    are then left in the veth payload). Both only to make quick checks quicker.
+    """
     from dilocox.config import load_config
 
     ok, why = netns_available()
@@ -251,7 +257,7 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = None
-        if mode == "netns":  # everything that crosses the link except the outer collectives
+        if mode == "netns" and baseline_run:  # everything that crosses the link except the outer collectives
             cfg = write_config(os.path.join(tmp, "baseline.yaml"), ["tiny.yaml", "methods/diloco.yaml"], method_body("diloco", steps + 1))
             run = runner(cfg, None, os.path.join(run_root, "baseline"), [f"--train.steps={steps}", *TRAIN_FLAGS])
             baseline = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] for v in run["veth"]]
@@ -261,12 +267,14 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
             cfg = load_config(path)
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
-            for cap in [None, *caps]:
+            for cap in [None, *caps] if reference else caps:
                 n = loss_steps if cap is None else steps_within(cfg, cap, steps, max_comm_s)
                 name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS])
-                row = {"method": m, "cap_bps": cap, **summarize(run, steps, tokens, baseline)}
-                if cap is None:
+                row = {"method": m, "cap_bps": cap, "load_avg_1min": os.getloadavg()[0], **summarize(run, steps, tokens, baseline)}
+                if m in ("allreduce", "cocktailsgd"):
+                    row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
+                if cap is None or not reference:
                     t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
                 row["plan"] = {k: v for k, v in predict(cfg, m, cap, t_step).items() if k != "bandwidth_for"}
                 row["plan_step_time_s"] = t_step
@@ -274,9 +282,9 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
                 log(f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
                     f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
                     f"[{time.time() - t0:.0f} s]")
-    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "emulation": mode, "why": why,
+    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "emulation": mode, "why": why or "requested",
             "methods": methods, "caps_bps": caps, "steps": steps, "loss_steps": loss_steps, "H": H, "max_comm_s": max_comm_s,
-            "replicas": REPLICAS, "ranks_per_replica": PER_REPLICA, "baseline_payload_bytes": baseline,
+            "reference": reference, "replicas": REPLICAS, "ranks_per_replica": PER_REPLICA, "baseline_payload_bytes": baseline,
             "frame_header_bytes": FRAME_HEADER_BYTES, "bench_wall_s": time.time() - t0, "load_avg": os.getloadavg()}
     return {"meta": meta, "rows": join(rows)}
 
@@ -285,8 +293,12 @@ def _cap(bps: float | None) -> str:
     return "uncapped" if bps is None else fmt_bandwidth(bps)
 
 
-def _f(x, fmt: str, none: str = "-") -> str:
-    return none if x is None else format(x, fmt)
+def _mb(x: float | None) -> float | None:
+    return None if x is None else x / 1e6
+
+
+def _f(x, fmt: str, unit: str = "") -> str:
+    return "-" if x is None else format(x, fmt) + unit
 
 
 def targets(rows: list[dict], caps: list[float]) -> list[str]:
@@ -319,33 +331,55 @@ def markdown(res: dict) -> str:
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), 8 x 128 tokens "
         f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
-        f"uncapped runs: {m['loss_steps']} steps. tokens/s over steps 1..{m['steps']} of every run. Bench wall {m['bench_wall_s'] / 60:.1f} min.",
+        + (f"uncapped runs: {m['loss_steps']} steps. " if m["reference"] else "no uncapped runs. ") + f"tokens/s over steps 1..{m['steps']} of every run. Bench wall {m['bench_wall_s'] / 60:.1f} min.",
         "", "### Throughput, utilization and the plan", "",
-        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err | plan util | err (pp) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err | plan util | err (pp) | val loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['steps']} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f')} % | "
+        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['steps']} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f', ' %')} | "
                      f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
-                     f"{_f(r.get('err_tokens_per_s_pct'), '+.1f')} % | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} |")
+                     f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} | "
+                     f"{r['final_val_loss']:.4f} |")
     lines += ["", "### Bytes sent between replicas (per replica, whole run)", "",
               f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
               f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).", "",
               "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | plan | plan err |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(r.get('bytes_veth') and r['bytes_veth'] / 1e6, '.3f')} MB | "
-                     f"{_f(r.get('veth_diff_raw_pct'), '+.2f')} % | {_f(r.get('bytes_veth_payload') and r['bytes_veth_payload'] / 1e6, '.3f')} MB | "
-                     f"{_f(r.get('veth_diff_pct'), '+.2f')} % | {_f(r.get('plan_bytes') and r['plan_bytes'] / 1e6, '.3f')} MB | {_f(r.get('err_bytes_pct'), '+.1f')} % |")
+        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(_mb(r.get('bytes_veth')), '.3f', ' MB')} | "
+                     f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(_mb(r.get('bytes_veth_payload')), '.3f', ' MB')} | "
+                     f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {_f(_mb(r.get('plan_bytes')), '.3f', ' MB')} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} |")
     ref = [r for r in rows if r["cap_bps"] is None]
     base = next((r for r in ref if r["method"] == "allreduce"), None)
-    lines += ["", f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)", "",
-              "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |", "|---|---|---|---|---|---|"]
+    if ref:
+        lines += ["", f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)", "",
+                  "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |", "|---|---|---|---|---|---|"]
     for r in ref:
         vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
         lines.append(f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | {_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |")
     t = targets(rows, m["caps_bps"])
     if t:
         lines += ["", "### Targets (as measured)", ""] + [f"- {x}" for x in t]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", NOTES])
+
+
+NOTES = """### Notes
+
+- **compute util** = 1 - blocked / wall, blocked = the largest time any rank's training thread waited for a
+  cross-replica collective. A stage that waits in the pipeline for the other stage (whose collective is
+  still running) is not "blocked", so at low caps this overstates utilization; tokens/s is end-to-end.
+- **tokens/s is noisy**: the 2 cores are shared with other jobs (each row's 1-min load average is in
+  results.json, `load_avg_1min`), so a capped run can beat its uncapped one. Utilization depends little on
+  CPU speed; "% of uncapped" does.
+- **plan**: `dilocox.plan.plan` with the run's settings (configured H and rank, not the adaptive ones
+  dilocox ends with), latency 0 and the method's uncapped compute time per step. It ignores the CPU time
+  of the collectives (gloo reductions, compression) and the skew between replicas, both inside the
+  measured blocked time even uncapped, and the TCP/IP headers (goodput is ~96 % of a tbf cap).
+- **loss**: the update rules do not read the bandwidth, so a method's capped runs of equal length end at
+  the same loss; DiLoCoX's adaptive H and rank read measured times, so its loss varies between runs.
+  Shortened runs (allreduce at the lowest cap) are at fewer tokens; compare losses in the uncapped table.
+- **bytes**: the framework counts the outer collectives only. The veth counters also see the frame
+  headers (a GSO frame counts once: +0.3 % uncapped; tbf sends 1448-byte segments: +4-5 %), the ACKs
+  of the other replica's stream, the baseline, and dilocox's 8-byte "agree on H" all-reduce per outer step."""
 
 
 def plot(res: dict, out_dir: str) -> list[str]:
@@ -388,7 +422,8 @@ def plot(res: dict, out_dir: str) -> list[str]:
         ax.set_title(_cap(cap))
         ax.set_xlabel("wall time (s)")
     axes[0][0].set_ylabel("training loss (replica 0, 10-step mean)")
-    axes[0][-1].legend(fontsize=7)
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "loss_vs_time.png"))
     fig.savefig(paths[1], dpi=110)
@@ -423,13 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", nargs="+", default=CAPS, help="caps per replica link, each way (e.g. 10mbit 100mbit 1gbit)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=100, help="steps of the capped runs (tokens/s window of every run)")
-    ap.add_argument("--loss-steps", type=int, default=300, help="steps of the uncapped runs (loss at equal tokens)")
+    ap.add_argument("--loss-steps", type=int, default=200, help="steps of the uncapped runs (loss at equal tokens)")
     ap.add_argument("--H", type=int, default=20, help="inner steps per outer step of the local-step methods")
     ap.add_argument("--max-comm-s", type=float, default=60.0, help="cut a capped run's steps to keep its predicted communication under this")
     ap.add_argument("--emulation", choices=("auto", "netns", "token-bucket"), default="auto")
+    ap.add_argument("--no-uncapped", action="store_true", help="skip the uncapped reference runs (quick checks)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the no-sync baseline run (quick checks)")
+    ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-write results.md and the plots from a results.json")
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
+    if a.render:
+        with open(a.render) as f:
+            print(write_outputs(json.load(f), a.out))
+        return 0
     try:
         caps = sorted(parse_bandwidth(b) for b in a.bandwidth)
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -438,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--methods: no preset configs/methods/<name>.yaml for {bad}; choose from {METHODS + ['diloco']}")
         if a.steps < 1 or a.H < 1:
             raise ValueError(f"--steps={a.steps} and --H={a.H} must be >= 1")
-        res = bench(methods, caps, a.steps, a.loss_steps, a.H, a.run_root, a.max_comm_s, a.emulation)
+        res = bench(methods, caps, a.steps, a.loss_steps, a.H, a.run_root, a.max_comm_s, a.emulation,
+                    reference=not a.no_uncapped, baseline_run=not a.no_baseline)
     except (ValueError, RuntimeError) as e:
         print(f"dilocox bench wan: error: {e}", file=sys.stderr)
         return 2

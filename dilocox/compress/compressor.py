@@ -5,7 +5,7 @@ Per outer sync, for the tensors of this rank's shard (fp32 pseudo-gradients Δ_i
     M_i = Δ_i + e_i                                  error feedback (per tensor, kept here)
     factored i (low-rank on, eligible matrix):  PowerSGD P round (sum) → P̂ → Q_i
     collective 1: quantized all-reduce SUM of [P_iᵀ ...]                 (only with low-rank)
-    collective 2: quantized all-reduce MEAN of [Q_iᵀ ... | pad | μ block | pad | M_j ... (the rest, flat)]
+    collective 2: quantized all-reduce MEAN of [Q_iᵀ ... | pad | tail sketch | pad | M_j ... (the rest, flat)]
     e_i = M_i − sent_i                                sent = what was actually put on the wire
 
 So a sync is one collective without low-rank and two with it, whatever the number of
@@ -13,16 +13,16 @@ tensors. The Q part of collective 2 is padded to whole quantization groups so th
 starts on a group boundary. With ``quant="none"`` and no low-rank this is an exact fp32
 all-reduce mean (e stays zero and is not allocated).
 
-μ block (only with ``missed_energy=True``, which ``build_compressor`` sets when the adaptive
-controller is on, ALGORITHMS §7): one value per factored matrix, this replica's fraction
-μ_i = 1 − ‖Q_i‖²/‖M_i‖² of the error-fed matrix outside span(P̂) (``PowerSGD.missed``);
-the collective averages it, so every replica reads the same bits (``missed()``). It rides
-on collective 2 (no extra round trip) in the payload's own format: for ``none``/``fp16``
-k consecutive elements (exact fp32 / fp16; μ ∈ [0, 1] cannot overflow); for ``int4``/``int8``
-each value alone in a whole quantization group starting on a group boundary (k·G elements,
-k·(G/2 + 2) bytes for int4), so the group scale carries it with bf16 precision (relative
-error ≤ 2⁻⁸ after quantization, never mixed with a value of another magnitude). The
-block is not error-fed. ``payload_bytes``/``wire_bytes`` count it.
+Tail sketch (only with ``tail_sketch=True``, which ``build_compressor`` sets when the
+adaptive controller is on, ALGORITHMS §7): per factored matrix, this replica's a·b = 128
+sketch values ``S_i = Gᵀ (I − P̂P̂ᵀ) M_i Z / √(ab)`` (``PowerSGD.tail_sketch``) ride on
+collective 2 (no extra round trip). The mean is the sketch of the averaged matrix, so
+``tail_energy()[i] = ‖mean S_i‖²`` is an unbiased estimate of the energy of M̄_i outside the
+rank-r basis, the same bits on every replica. Layout: for ``int4``/``int8`` the block starts
+on a group boundary and each matrix's 128 values fill whole groups (``ceil(128/G)·G``
+elements), so a group never mixes two matrices' tails; for ``none``/``fp16`` 128
+consecutive elements per matrix. The block is not error-fed; ``payload_bytes``/
+``wire_bytes`` count it (int4, G = 128: 66 bytes per factored matrix).
 
 ``group=None`` is a one-rank group: the same compression is applied locally, nothing is sent.
 The result is bit-identical on every rank of the group (see ``collectives``).
@@ -35,7 +35,7 @@ import math
 import torch
 
 from dilocox.compress.collectives import CommStats, group_world, mix_seed, nbytes, quantized_allreduce, resolve_mode, wire_bytes
-from dilocox.compress.lowrank import PowerSGD
+from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD
 
 
 class Compressor:
@@ -43,7 +43,7 @@ class Compressor:
 
     def __init__(self, shapes: list[torch.Size], quant: str = "none", group_size: int = 128, collective: str = "auto",
                  error_feedback: bool = True, lowrank_rank: int | None = None, min_compression: float = 1.0, seed: int = 0,
-                 missed_energy: bool = False):
+                 tail_sketch: bool = False):
         if quant not in ("none", "fp16", "int8", "int4"):
             raise ValueError(f"compress.quant={quant!r} is not one of ['none', 'fp16', 'int8', 'int4']")
         if group_size < 2 or group_size % 2:
@@ -57,8 +57,8 @@ class Compressor:
         self.seed = int(seed)
         self.lowrank = PowerSGD(self.shapes, lowrank_rank, seed, min_compression) if lowrank_rank else None
         self.errors: list[torch.Tensor] | None = None  # allocated on first use (device of the inputs)
-        self.missed_energy = bool(missed_energy) and self.lowrank is not None
-        self._missed: torch.Tensor | None = None  # outer-group mean μ of the last sync, per factored matrix
+        self.tail_sketch = bool(tail_sketch) and self.lowrank is not None
+        self._tail: torch.Tensor | None = None  # tail-energy estimates of the last sync, per factored matrix
 
     # ------------------------------------------------------------------ properties
 
@@ -74,43 +74,50 @@ class Compressor:
     def sigmas(self) -> list[torch.Tensor]:
         return self.lowrank.sigmas() if self.lowrank is not None else []
 
-    def missed(self) -> torch.Tensor | None:
-        """Outer-group mean of μ_i (module docstring) from the last sync, one per ``sigmas()``
-        entry; None before the first sync, after a rank change, or with ``missed_energy`` off."""
-        return self._missed
+    def max_rank(self) -> int:
+        """Largest rank at which some matrix of the shard is still factored (0 without low-rank);
+        above it nothing is factored and the adaptive rule would have no σ's to measure."""
+        return self.lowrank.max_rank() if self.lowrank is not None else 0
+
+    def tail_energy(self) -> torch.Tensor | None:
+        """Estimated ‖(I − P̂P̂ᵀ) M̄_i‖² (module docstring) of the last sync, float64, one per
+        ``sigmas()`` entry; None before the first sync, after a rank change, or with
+        ``tail_sketch`` off. Bit-identical on every replica of the group."""
+        return self._tail
 
     def set_rank(self, r: int) -> None:
         """Change the low-rank rank (no-op without low-rank: an adaptive run may tune H only)."""
         if self.lowrank is not None:
             if int(r) != self.lowrank.rank:
-                self._missed = None  # measured for the old basis (and maybe other matrices)
+                self._tail = None  # measured for the old basis (and maybe other matrices)
             self.lowrank.set_rank(int(r))
 
     @property
-    def _mu_slot(self) -> int:
-        """Elements per μ value in collective 2: a whole group for int kinds, else one."""
-        return self.group_size if self.kind in ("int4", "int8") else 1
+    def _sketch_slot(self) -> int:
+        """Elements per matrix in the tail-sketch block: whole groups for int kinds."""
+        ab = SKETCH_ROWS * SKETCH_COLS
+        return math.ceil(ab / self.group_size) * self.group_size if self.kind in ("int4", "int8") else ab
 
-    def _head(self, n_q: int, n_missed: int, n_rest: int) -> tuple[int, int]:
-        """Collective 2 layout: (offset of the μ block, offset of the rest) for n_q Q elements."""
+    def _head(self, n_q: int, n_sketched: int, n_rest: int) -> tuple[int, int]:
+        """Collective 2 layout: (offset of the sketch block, offset of the rest) for n_q Q elements."""
         g = self.group_size
         q_end = n_q
-        if n_missed and self._mu_slot > 1:
+        if n_sketched and self.kind in ("int4", "int8"):
             q_end = math.ceil(q_end / g) * g
-        head = q_end + n_missed * self._mu_slot
+        head = q_end + n_sketched * self._sketch_slot
         if head and n_rest:
             head = math.ceil(head / g) * g
         return q_end, head
 
     def _layout(self, rank: int | None) -> tuple[int, int, int]:
-        """(elements in collective 1, Q + μ elements incl. padding, rest elements) at ``rank``."""
+        """(elements in collective 1, Q + sketch elements incl. padding, rest elements) at ``rank``."""
         if self.lowrank is None:
             return 0, 0, sum(s.numel() for s in self.shapes)
         r = self.lowrank.rank if rank is None else rank
         fact = self.lowrank.factored_for(r)
         n_p, n_q = self.lowrank.numel_p(r), self.lowrank.numel_q(r)
         n_rest = sum(s.numel() for i, s in enumerate(self.shapes) if i not in set(fact))
-        _, head = self._head(n_q, len(fact) if self.missed_energy else 0, n_rest)
+        _, head = self._head(n_q, len(fact) if self.tail_sketch else 0, n_rest)
         return n_p, head, n_rest
 
     def payload_bytes(self, rank: int | None = None) -> int:
@@ -148,20 +155,20 @@ class Compressor:
         fact_set = set(fact)
         rest = [i for i in range(len(ms)) if i not in fact_set]
         q_local = torch.zeros(0, dtype=torch.float32, device=device)
-        missed = None
+        sketch = None
         if fact:
             p = quantized_allreduce(lr.p_step(ms), group, self.kind, self.group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, step, 1), step=step)
             q_local = lr.q_step(ms, p)
-            if self.missed_energy:
-                missed = lr.missed(ms, q_local)
+            if self.tail_sketch:
+                sketch = lr.tail_sketch(ms, q_local, step).view(len(fact), -1)
         n_rest = sum(ms[i].numel() for i in rest)
-        n_mu = missed.numel() if missed is not None else 0
-        mu_at, n_q = self._head(q_local.numel(), n_mu, n_rest)
-        mu_idx = slice(mu_at, mu_at + n_mu * self._mu_slot, self._mu_slot)
+        n_sk = len(fact) if sketch is not None else 0
+        sk_at, n_q = self._head(q_local.numel(), n_sk, n_rest)
+        ab, slot = SKETCH_ROWS * SKETCH_COLS, self._sketch_slot
         buf = torch.zeros(n_q + n_rest, dtype=torch.float32, device=device)
         buf[: q_local.numel()] = q_local
-        if missed is not None:
-            buf[mu_idx] = missed
+        if sketch is not None:
+            buf[sk_at: sk_at + n_sk * slot].view(n_sk, slot)[:, :ab] = sketch
         off = n_q
         for i in rest:
             buf[off: off + ms[i].numel()] = ms[i].reshape(-1)
@@ -170,7 +177,9 @@ class Compressor:
         res = quantized_allreduce(buf, group, self.kind, self.group_size, mode, op="mean", error=scratch, stats=stats, seed=mix_seed(self.seed, step, 2), step=step)
 
         outs: list[torch.Tensor | None] = [None] * len(ms)
-        self._missed = res[mu_idx].clone() if missed is not None else None
+        self._tail = None
+        if sketch is not None:  # ‖mean_m S_m‖² per matrix, in float64
+            self._tail = res[sk_at: sk_at + n_sk * slot].view(n_sk, slot)[:, :ab].double().square().sum(1)
         if fact:
             nq = q_local.numel()
             for i, m_hat in lr.finish(res[:nq]).items():
@@ -191,21 +200,21 @@ class Compressor:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
-        """Error-feedback buffers, low-rank Q warm starts, rank and the last μ (plain tensors/ints/str keys)."""
+        """Error-feedback buffers, low-rank Q warm starts, rank, last tail energies (plain tensors/ints/str keys)."""
         sd: dict = {"rank": self.rank, "errors": {}}
         if self.errors is not None:
             sd["errors"] = {str(i): e.clone() for i, e in enumerate(self.errors)}
         if self.lowrank is not None:
             sd["q"] = self.lowrank.state_dict()["q"]
-        if self._missed is not None:
-            sd["missed"] = self._missed.detach().clone()
+        if self._tail is not None:
+            sd["tail_energy"] = self._tail.detach().clone()
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if self.lowrank is not None:
             self.lowrank.load_state_dict({"rank": sd["rank"], "q": sd.get("q", {})})
-        mu = sd.get("missed")
-        self._missed = mu.detach().clone().float() if mu is not None and self.missed_energy else None
+        tail = sd.get("tail_energy")
+        self._tail = tail.detach().clone().double() if tail is not None and self.tail_sketch else None
         errs = sd.get("errors") or {}
         if errs:
             if len(errs) != len(self.shapes):
@@ -230,5 +239,5 @@ def build_compressor(ccfg, shapes: list[torch.Size], seed: int) -> Compressor:
     return Compressor(
         shapes, quant=ccfg.quant, group_size=ccfg.group_size, collective=ccfg.collective,
         error_feedback=ccfg.error_feedback, lowrank_rank=rank if lr.enabled else None,
-        min_compression=lr.min_compression, seed=seed, missed_energy=lr.enabled and ccfg.adaptive.enabled,
+        min_compression=lr.min_compression, seed=seed, tail_sketch=lr.enabled and ccfg.adaptive.enabled,
     )

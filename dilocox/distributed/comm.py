@@ -121,12 +121,18 @@ class AsyncComm:
         """Block until every submitted task has finished (results stay in their handles)."""
         self._queue.join()
 
-    def shutdown(self) -> None:
-        """Finish the queued tasks, then stop the thread. Safe to call twice."""
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Finish the queued tasks, then stop the thread. Safe to call twice.
+
+        ``timeout`` bounds the wait (the error path of the training loop: a collective whose
+        peer died may never finish); returns False if the thread is still busy after it."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
         self._thread = None
+        return True
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:

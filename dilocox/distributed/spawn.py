@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue as pyqueue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -58,9 +60,26 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> l
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except pyqueue.Empty:
+                # A rank killed by a signal (segfault, OOM, abort) never reports: name it now
+                # instead of waiting for the timeout. One more read first, in case its result
+                # arrived just before it exited.
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                if dead:
+                    try:
+                        rank, status, payload = queue.get(timeout=2.0)
+                    except pyqueue.Empty:
+                        errors.append(f"--- rank {dead[0]} ---\nexited with code {procs[dead[0]].exitcode} without reporting a result")
+                        break
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"run_ranks: ranks {sorted(set(range(world)) - set(results))} did not finish within {timeout} s") from None
+                else:
+                    continue
             if status == "ok":
                 import torch
 

@@ -260,7 +260,7 @@ class OuterLoop:
         comp = self.compressors[p]
         times = self._step_times[-self.H:] or [0.0]
         t_step = sum(times) / len(times)
-        rank, H = self.controller.update(comp.sigmas(), h.comm_s, comp.payload_bytes(), comp.payload_bytes, t_step, missed=comp.missed())
+        rank, H = self.controller.update(comp.sigmas(), h.comm_s, comp.payload_bytes(), comp.payload_bytes, t_step, tail=comp.tail_energy(), rank_cap=comp.max_rank())
         if comp.rank > 0 and rank != comp.rank:  # σ's are bit-identical across the outer group: so is rank
             comp.set_rank(rank)
         self.H = max(self._agree_max(int(H)), self.tau + 1)
