@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from dilocox.bench.methods import method_body
 from dilocox.bench.runner import ROOT, machine_line, run_train, write_config
@@ -101,13 +102,22 @@ def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[
             if any(x not in (None, 0) for x in codes) or time.time() - t0 > timeout:
                 break  # leaving the `with` kills the rest
             time.sleep(0.2)
-        veth = [{"tx_bytes": c.tx_bytes(r), "tx_packets": c.tx_packets(r)} for r in range(REPLICAS)]
+        veth = [{"tx_bytes": c.tx_bytes(r), "tx_packets": c.tx_packets(r), "retrans_segs": tcp_retrans_segs(c.ns(r))}
+                for r in range(REPLICAS)]
     if codes != [0] * REPLICAS:
         with open(log_path) as f:
             tail = f.read()[-3000:]
         why = f"timed out after {timeout:.0f} s" if None in codes else f"exit codes {codes}"
         raise RuntimeError(f"training in namespaces failed ({why}; log {log_path}):\n{tail}")
     return {**read_run(run_dir), "veth": veth, "wall_total_s": time.time() - t0}
+
+
+def tcp_retrans_segs(ns: str) -> int:
+    """TCP segments retransmitted inside a namespace (its own /proc/net/snmp): sent twice on the
+    wire, counted once by the framework."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True).stdout
+    head, vals = [line.split()[1:] for line in out.splitlines() if line.startswith("Tcp:")][:2]
+    return int(vals[head.index("RetransSegs")])
 
 
 def run_token_bucket(config: str, cap_bps: float | None, run_dir: str, overrides: list[str]) -> dict:
@@ -133,17 +143,16 @@ def elapsed_at_steps(records: list[dict], tokens_per_step: int) -> list[float]:
     return out
 
 
-def summarize(run: dict, window: int, tokens_per_step: int, baseline: list[int] | None = None) -> dict:
+def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None) -> dict:
     """The measured numbers of one run (pure: reads only ``run``, see ``read_run``).
 
-    ``window``: tokens/s over steps 1..window; ``tokens_per_step``: both replicas together;
-    ``baseline``: per-replica veth payload bytes of the no-sync run (None: not subtracted).
+    ``tokens_per_step``: both replicas together; ``baseline``: per-replica veth payload bytes of
+    the no-sync run (None: not subtracted).
     """
     recs, s, ranks = run["steps"], run["summary"], run["ranks"]
-    if not recs or not ranks:
-        raise ValueError("the run left no per-step records or no rank_*.json: did it finish?")
+    if len(recs) < 2 or not ranks:
+        raise ValueError("the run left fewer than 2 per-step records or no rank_*.json: did it finish?")
     el = elapsed_at_steps(recs, tokens_per_step)
-    n = min(window, len(recs))
     sent: dict[int, int] = {}
     for r in ranks:
         rep = int(re.search(r"replica (\d+)", r["coord"]).group(1))
@@ -152,8 +161,8 @@ def summarize(run: dict, window: int, tokens_per_step: int, baseline: list[int] 
     wall = max(r["wall_s"] for r in ranks)
     blocked = max(r.get("outer_blocked_total_s", 0.0) for r in ranks)
     out = {
-        "steps": s["steps"], "window_steps": recs[n - 1]["step"], "tokens_per_s": tokens_per_step * recs[n - 1]["step"] / el[n - 1],
-        "tokens_per_s_run": s["tokens_per_s"], "wall_s": wall, "blocked_s": blocked, "utilization": 1.0 - blocked / wall,
+        "steps": s["steps"], "tokens_per_s": tokens_per_step * (s["steps"] - 1) / (wall - el[0]), "first_step_s": el[0],
+        "wall_s": wall, "blocked_s": blocked, "utilization": 1.0 - blocked / wall,
         "final_val_loss": s["final_val_loss"], "H_final": s.get("outer_H"), "rank_final": s.get("outer_rank"),
         "n_syncs": s.get("outer_n_syncs"), "bytes_framework": sum(fw) / len(fw), "bytes_framework_by_replica": fw,
         "loss_vs_time": [[round(t, 3), round(rec["loss"], 4)] for t, rec in zip(el, recs)],
@@ -162,7 +171,8 @@ def summarize(run: dict, window: int, tokens_per_step: int, baseline: list[int] 
     if veth:
         tx = [v["tx_bytes"] for v in veth]
         payload = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] - (baseline[i] if baseline else 0) for i, v in enumerate(veth)]
-        out.update(veth_tx_bytes=tx, veth_payload_bytes=payload, bytes_veth=sum(tx) / len(tx), bytes_veth_payload=sum(payload) / len(payload))
+        out.update(veth_tx_bytes=tx, veth_payload_bytes=payload, bytes_veth=sum(tx) / len(tx), bytes_veth_payload=sum(payload) / len(payload),
+                   retrans_segs=[v.get("retrans_segs") for v in veth])
         if out["bytes_framework"] > 0:
             out["veth_diff_raw_pct"] = 100.0 * (out["bytes_veth"] / out["bytes_framework"] - 1.0)
             out["veth_diff_pct"] = 100.0 * (out["bytes_veth_payload"] / out["bytes_framework"] - 1.0)
@@ -192,12 +202,17 @@ def plan_inputs(cfg) -> dict:
     return {"H": H, "compression": comp, "overlap": overlap, "fragments": K, "tau": tau}
 
 
-def predict(cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0) -> dict:
+def predict(cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0, H: int | None = None, rank: int | None = None) -> dict:
     """The plan for this config at this cap (2 replicas, latency 0: tbf adds none); every method
-    setting comes from the config, the preset name only labels the row."""
+    setting comes from the config (``H``/``rank`` override it), the preset name only labels the row."""
+    kw = plan_inputs(cfg)
+    if H is not None and kw["H"] > 1:
+        kw["H"] = H
+    if rank and kw["compression"].rank:
+        kw["compression"] = replace(kw["compression"], rank=rank)
     tokens = cfg.train.batch_size * cfg.train.seq_len
     return plan(cfg.model, REPLICAS, math.inf if cap_bps is None else cap_bps, method=method if method in PRESETS else "opendiloco",
-                tokens_per_step=tokens, latency_s=0.0, step_time_s=step_time_s, **plan_inputs(cfg))
+                tokens_per_step=tokens, latency_s=0.0, step_time_s=step_time_s, **kw)
 
 
 def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> int:
@@ -230,6 +245,10 @@ def join(rows: list[dict]) -> list[dict]:
         r["err_tokens_per_s_pct"] = 100.0 * (p["tokens_per_s"] / r["tokens_per_s"] - 1.0)
         r["err_utilization_pp"] = 100.0 * (p["utilization"] - r["utilization"])
         r["err_bytes_pct"] = 100.0 * (r["plan_bytes"] / r["bytes_framework"] - 1.0) if r["bytes_framework"] else None
+        q = r.get("plan_as_run")
+        if q and r["bytes_framework"]:
+            r["plan_as_run_bytes"] = q["wire_bytes_per_replica"] * r["steps"] / q["H"]
+            r["err_as_run_bytes_pct"] = 100.0 * (r["plan_as_run_bytes"] / r["bytes_framework"] - 1.0)
     return rows
 
 
@@ -271,12 +290,16 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
                 n = loss_steps if cap is None else steps_within(cfg, cap, steps, max_comm_s)
                 name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS])
-                row = {"method": m, "cap_bps": cap, "load_avg_1min": os.getloadavg()[0], **summarize(run, steps, tokens, baseline)}
+                row = {"method": m, "cap_bps": cap, "load_avg_1min": os.getloadavg()[0], **summarize(run, tokens, baseline)}
                 if m in ("allreduce", "cocktailsgd"):
                     row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
                 if cap is None or not reference:
                     t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
                 row["plan"] = {k: v for k, v in predict(cfg, m, cap, t_step).items() if k != "bandwidth_for"}
+                if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs
+                    H_run = max(1, round(row["steps"] * row["plan"]["fragments"] / row["n_syncs"]))
+                    p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"])
+                    row["plan_as_run"] = {k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")}
                 row["plan_step_time_s"] = t_step
                 rows.append(row)
                 log(f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
@@ -343,11 +366,16 @@ def markdown(res: dict) -> str:
     lines += ["", "### Bytes sent between replicas (per replica, whole run)", "",
               f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
               f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).", "",
-              "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | plan | plan err |", "|---|---|---|---|---|---|---|---|---|"]
+              "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err | plan at run's H, rank | err |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        q = r.get("plan_as_run") or {}
         lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(_mb(r.get('bytes_veth')), '.3f', ' MB')} | "
                      f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(_mb(r.get('bytes_veth_payload')), '.3f', ' MB')} | "
-                     f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {_f(_mb(r.get('plan_bytes')), '.3f', ' MB')} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} |")
+                     f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {'/'.join(str(x) for x in r.get('retrans_segs') or []) or '-'} | "
+                     f"{_f(_mb(r.get('plan_bytes')), '.3f', ' MB')} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} | "
+                     f"{_f(_mb(r.get('plan_as_run_bytes')), '.3f', ' MB')} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
+                     f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |")
     ref = [r for r in rows if r["cap_bps"] is None]
     base = next((r for r in ref if r["method"] == "allreduce"), None)
     if ref:
