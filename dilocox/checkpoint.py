@@ -94,6 +94,12 @@ def save_checkpoint(
     half-written directory). Returns the step directory.
     """
     step_dir = os.path.join(ckpt_dir, step_dir_name(step))
+    if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
+        # Already saved at this step (e.g. a run resumed at its last step saves again): never
+        # rewrite shards inside a directory that is marked complete.
+        if barrier is not None:
+            barrier()
+        return step_dir
     os.makedirs(step_dir, exist_ok=True)
     _atomic_write_bytes(shard_path(step_dir, rank), lambda f: torch.save(state, f))
     if barrier is not None:

@@ -189,7 +189,6 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     eval_every: int = 50
     eval_batches: int = 4
-    compile: bool = False
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
 
 

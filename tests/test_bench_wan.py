@@ -11,7 +11,6 @@ tx_bytes are 0.3-5 % higher (headers: few GSO frames uncapped, 1448-byte frames 
 
 import json
 import math
-import os
 
 import pytest
 
@@ -45,19 +44,20 @@ def test_summarize_window_bytes_and_veth_payload():
     tokens = 2048
     veth = [{"tx_bytes": 1_000_000, "tx_packets": 1000}, {"tx_bytes": 2_000_000, "tx_packets": 500}]
     run = _run([0.5, 0.25, 0.25, 1.0], tokens, {0: [300_000, 600_000], 1: [400_000, 700_000]}, [0.1, 0.7, 0.2, 0.3], veth)
-    s = wan.summarize(run, window=3, tokens_per_step=tokens, baseline=[4_000, 6_000])
-    assert s["window_steps"] == 3
-    assert s["tokens_per_s"] == pytest.approx(3 * tokens / 1.0)  # steps 1..3 took 0.5 + 0.25 + 0.25 s
+    run["ranks"][2]["wall_s"] = 3.0  # the slowest rank ends the run
+    s = wan.summarize(run, tokens_per_step=tokens, baseline=[4_000, 6_000])
+    assert s["first_step_s"] == pytest.approx(0.5)
+    assert s["tokens_per_s"] == pytest.approx(3 * tokens / (3.0 - 0.5))  # steps 2..4, after step 1, to the slowest end
     assert [t for t, _ in s["loss_vs_time"]] == pytest.approx([0.5, 0.75, 1.0, 2.0])
     assert s["bytes_framework_by_replica"] == [900_000, 1_100_000]
     assert s["bytes_framework"] == 1_000_000
-    assert s["blocked_s"] == 0.7 and s["utilization"] == pytest.approx(1 - 0.7 / 2.5)
+    assert s["blocked_s"] == 0.7 and s["utilization"] == pytest.approx(1 - 0.7 / 3.0)
     payload = [1_000_000 - 66_000 - 4_000, 2_000_000 - 33_000 - 6_000]
     assert s["veth_payload_bytes"] == payload
     assert s["veth_diff_raw_pct"] == pytest.approx(100 * (1_500_000 / 1_000_000 - 1))
     assert s["veth_diff_pct"] == pytest.approx(100 * (sum(payload) / 2 / 1_000_000 - 1))
-    no_veth = wan.summarize(dict(run, veth=None), window=10, tokens_per_step=tokens)
-    assert "bytes_veth" not in no_veth and no_veth["window_steps"] == 4
+    no_veth = wan.summarize(dict(run, veth=None), tokens_per_step=tokens)
+    assert "bytes_veth" not in no_veth and no_veth["steps"] == 4
 
 
 def test_plan_inputs_follow_the_run_config(tmp_path):
@@ -92,12 +92,14 @@ def test_join_markdown_and_targets():
                 "final_val_loss": loss, "bytes_framework": fw, "H_final": H, "rank_final": 0, "n_syncs": 100 // H,
                 "loss_vs_time": [[1.0, 5.0], [2.0, 4.0]],
                 "plan": {"tokens_per_s": plan_tps, "utilization": plan_util, "wire_bytes_per_replica": wire, "H": H}}
-    rows = wan.join([
+    rows = [
         row("allreduce", None, 10_000.0, 0.9, 3.0, 400e6, 11_000.0, 1.0, 4e6, 1),
         row("allreduce", 1e7, 500.0, 0.05, 3.0, 80e6, 600.0, 0.06, 4e6, 1),
         row("dilocox", None, 20_000.0, 0.99, 3.1, 4e6, 20_000.0, 1.0, 8e5, 20),
         row("dilocox", 1e7, 19_500.0, 0.98, 3.1, 4e6, 20_000.0, 1.0, 8e5, 20),
-    ])
+    ]
+    rows[3]["plan_as_run"] = {"H": 10, "rank": 16, "wire_bytes_per_replica": 4e5}  # adaptive: H 20 -> 10, rank 8 -> 16
+    rows = wan.join(rows)
     by = {(r["method"], r["cap_bps"]): r for r in rows}
     assert by[("dilocox", 1e7)]["pct_of_uncapped"] == pytest.approx(97.5)
     assert by[("allreduce", 1e7)]["pct_of_uncapped"] == pytest.approx(5.0)
@@ -106,8 +108,10 @@ def test_join_markdown_and_targets():
     assert by[("allreduce", 1e7)]["plan_bytes"] == pytest.approx(4e8)  # 100 steps x 4 MB
     assert by[("allreduce", 1e7)]["err_bytes_pct"] == pytest.approx(400.0)
     assert by[("dilocox", None)]["plan_bytes"] == pytest.approx(4e6) and by[("dilocox", None)]["err_bytes_pct"] == pytest.approx(0.0)
+    assert by[("dilocox", 1e7)]["plan_as_run_bytes"] == pytest.approx(4e6) and by[("dilocox", 1e7)]["err_as_run_bytes_pct"] == pytest.approx(0.0)
+    assert "plan_as_run_bytes" not in by[("dilocox", None)]
     t = wan.targets(rows, [1e7])
-    assert "worst 97.5 %" in t[0] and t[0].endswith("met")
+    assert "worst 97.5 % -> met" in t[0] and "worst 99.0 %)" in t[0]  # utilization 0.98 / 0.99
     assert "39.0x" in t[1] and t[1].endswith("met")
     assert "+3.3 %" in t[2] and t[2].endswith("met")
     res = {"meta": {"machine": "m", "date": "d", "load_avg": (1.0, 1.0, 1.0), "emulation": "netns", "why": "", "replicas": 2,
@@ -118,6 +122,7 @@ def test_join_markdown_and_targets():
     assert "| dilocox | 10 Mbit/s | 100 | 19,500 | 97.5 % | 98.0% |" in md
     assert "| dilocox | 3.1000 | +3.3 % | 20 | 0 | 5 |" in md
     assert "6.0 kB, 8.0 kB per replica" in md
+    assert "| 4.000 MB (H 10, r 16) | +0.0 % |" in md
 
 
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")

@@ -71,3 +71,12 @@ def test_rng_state_roundtrip():
     a = torch.rand(4)
     ckpt.set_rng_state(st)
     assert torch.equal(a, torch.rand(4))
+
+
+def test_saving_an_already_complete_step_leaves_it_untouched(tmp_path):
+    d = str(tmp_path)
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
+    path = ckpt.shard_path(os.path.join(d, "step_00000010"), 0)
+    before = open(path, "rb").read()
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(99))
+    assert open(path, "rb").read() == before

@@ -162,70 +162,86 @@ def test_single_rank_group_quantizes_locally():
 # ----------------------------------------------------------------------------- CocktailSGD
 
 
-def _cocktail(rank, world, cfgs, n, steps):
+def _cocktail(rank, world, cases, steps):
     from dilocox.compress.cocktail import cocktail_allreduce
 
     out = []
-    for cfg in cfgs:
+    for cfg, sizes in cases:
+        n = sum(sizes)
         e = _inputs(rank, n)[1]
         per = []
         for t in range(steps):
             g = _inputs(rank, n, t + 1)[0]
             st = CommStats()
-            y = cocktail_allreduce(g, dist.group.WORLD, e, cfg, t, st, seed=9)
+            y = cocktail_allreduce(g, dist.group.WORLD, e, cfg, t, st, seed=9, sizes=sizes if len(sizes) > 1 else None)
             per.append((y, e.clone(), st.as_dict()))
         out.append(per)
     return _to_bytes(out)
 
 
-def _cocktail_reference(world, cfg, n, steps):
+def _cocktail_reference(world, cfg, sizes, steps):
+    """Per tensor (segment) s: K_s mask survivors, top-k_s of them, int4 of those k_s values alone."""
     from dilocox.compress.cocktail import shared_mask
 
+    n = sum(sizes)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     errs = [_inputs(r, n)[1] for r in range(world)]
     outs = []
     for t in range(steps):
-        mask = shared_mask(n, cfg.random_fraction, 9, t, torch.device("cpu"))
-        K = math.ceil(cfg.random_fraction * n)
-        assert mask.numel() == K and torch.all(mask[1:] > mask[:-1])  # sorted, unique
-        # stratified: exactly one kept index in each of the K strata
-        assert torch.equal(torch.div(mask * K, n, rounding_mode="floor"), torch.arange(K))
-        k = math.ceil(cfg.topk_fraction * K)
+        mask = shared_mask(n, cfg.random_fraction, 9, t, torch.device("cpu"), sizes if len(sizes) > 1 else None)
+        assert torch.all(mask[1:] > mask[:-1])  # sorted, unique
+        segs = []  # (start, kept indices inside the segment, k_s)
+        for s0, ns in zip(starts, sizes):
+            m = mask[(mask >= s0) & (mask < s0 + ns)] - s0
+            K = max(1, math.ceil(cfg.random_fraction * ns))
+            # stratified: exactly one kept index in each of the segment's K strata [⌊jn/K⌋, ⌊(j+1)n/K⌋)
+            j = torch.arange(K)
+            assert m.numel() == K and torch.all(m >= j * ns // K) and torch.all(m < (j + 1) * ns // K)
+            segs.append((s0, m, math.ceil(cfg.topk_fraction * K)))
+        assert mask.numel() == sum(m.numel() for _, m, _ in segs)
         total = torch.zeros(n)
         for r in range(world):
             v = _inputs(r, n, t + 1)[0] + errs[r]
-            surv = v[mask]
-            top = torch.sort(torch.topk(surv.abs(), k).indices).values
-            vals = surv[top]
-            sent = vals if cfg.quant == "none" else dequantize(quantize(vals.contiguous(), cfg.quant, cfg.group_size))
             dense = torch.zeros(n)
-            dense[mask[top]] = sent
+            for s0, m, k in segs:
+                surv = v[s0 + m]
+                top = torch.sort(torch.topk(surv.abs(), k).indices).values
+                vals = surv[top]
+                dense[s0 + m[top]] = vals if cfg.quant == "none" else dequantize(quantize(vals.contiguous(), cfg.quant, cfg.group_size))
             total += dense
             errs[r] = v - dense
-        outs.append((total / world, [e.clone() for e in errs], K, k))
+        K, ks = mask.numel(), [k for _, _, k in segs]
+        outs.append((total / world, [e.clone() for e in errs], K, ks))
     return outs
 
 
 def test_cocktail_matches_reference_and_counts_bytes():
     from dilocox.compress.cocktail import cocktail_payload_bytes
 
-    n, steps, world = 20000, 3, 2
-    cfgs = [CompressConfig(quant="int4", random_fraction=0.1, topk_fraction=0.08),  # bitmap indices
-            CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01)]  # int32 indices
-    res = _run(world, _cocktail, cfgs, n, steps)
-    for c, cfg in enumerate(cfgs):
-        ref = _cocktail_reference(world, cfg, n, steps)
+    steps, world = 3, 2
+    tensors = [3000, 40, 1, 517, 12000, 64]  # per-tensor masks, top-k and quantization groups
+    cases = [(CompressConfig(quant="int4", random_fraction=0.1, topk_fraction=0.08), [20000]),  # bitmap indices
+             (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01), [20000]),  # int32 indices
+             (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.08), tensors),
+             (CompressConfig(quant="none", random_fraction=0.1, topk_fraction=0.08), tensors)]
+    res = _run(world, _cocktail, cases, steps)
+    for c, (cfg, sizes) in enumerate(cases):
+        ref = _cocktail_reference(world, cfg, sizes, steps)
         for t in range(steps):
-            want, errs, K, k = ref[t]
+            want, errs, K, ks = ref[t]
             for r in range(world):
                 y, e, st = res[r][c][t]
                 assert torch.equal(y, res[0][c][t][0])
                 torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
                 torch.testing.assert_close(e, errs[r], rtol=0, atol=1e-6)
-                idx_bytes = min(math.ceil(K / 8), 4 * k)
-                payload = idx_bytes + _payload("int4", k, cfg.group_size)
-                assert st["bytes_sent"] == (world - 1) * payload == (world - 1) * cocktail_payload_bytes(n, cfg.random_fraction, cfg.topk_fraction, "int4", cfg.group_size)
-    # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G)
-    cfg = cfgs[0]
+                idx_bytes = min(math.ceil(K / 8), 4 * sum(ks))
+                G = cfg.group_size  # int kinds: each tensor's values fill whole groups (zero-padded)
+                vals = _payload(cfg.quant, sum(math.ceil(k / G) * G if cfg.quant == "int4" else k for k in ks), G)
+                payload = cocktail_payload_bytes(sizes if len(sizes) > 1 else sizes[0], cfg.random_fraction, cfg.topk_fraction, cfg.quant, G)
+                assert st["bytes_sent"] == (world - 1) * (idx_bytes + vals) == (world - 1) * payload
+    # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G) (a large
+    # tensor, where the padding of the values to whole groups is negligible)
+    cfg, n = cases[0][0], 1 << 22
     ratio = 4 * n / cocktail_payload_bytes(n, cfg.random_fraction, cfg.topk_fraction, "int4", cfg.group_size)
     analytic = 32 / (cfg.random_fraction * (1 + cfg.topk_fraction * (4 + 16 / cfg.group_size)))
     assert abs(ratio / analytic - 1) < 0.02, (ratio, analytic)

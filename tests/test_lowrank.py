@@ -272,18 +272,15 @@ def test_tail_sketch_layout_payload_and_no_effect_on_the_result():
     g = torch.Generator().manual_seed(6)
     steps = [[torch.randn(s, generator=g) for s in shapes] for _ in range(2)]
     k = 2  # factored matrices at rank 4
-    q_el, p_el, rest = 4 * (96 + 80), 4 * (64 + 48), 96
     for kind, G in (("int4", 32), ("int4", 256), ("int8", 64), ("none", 32), ("fp16", 32)):
         plain = Compressor(shapes, quant=kind, group_size=G, lowrank_rank=4, seed=9)
         sk = Compressor(shapes, quant=kind, group_size=G, lowrank_rank=4, seed=9, tail_sketch=True)
-        up = lambda x, g: math.ceil(x / g) * g  # noqa: E731
-        if kind in ("int4", "int8"):
-            head = up(q_el, G) + k * up(128, G)
-        else:
-            head = q_el + k * 128
-        n2 = up(head, G) + rest
+        # int kinds: every segment (each P_iᵀ, Q_iᵀ, sketch block, rest tensor) in whole groups
+        seg = (lambda x: math.ceil(x / G) * G) if kind in ("int4", "int8") else (lambda x: x)  # noqa: E731
+        p_el, q_el, rest = seg(4 * 64) + seg(4 * 48), seg(4 * 96) + seg(4 * 80), seg(96)
+        n2 = q_el + k * seg(128) + rest
         assert sk.payload_bytes() == nbytes(kind, p_el, G) + nbytes(kind, n2, G), kind
-        assert plain.payload_bytes() == nbytes(kind, p_el, G) + nbytes(kind, up(q_el, G) + rest, G)
+        assert plain.payload_bytes() == nbytes(kind, p_el, G) + nbytes(kind, q_el + rest, G)
         assert sk.wire_bytes(3) == wire_bytes(p_el, 3, kind, G) + wire_bytes(n2, 3, kind, G)
         for t, ts in enumerate(steps):
             fed = [x + e for x, e in zip(ts, sk.errors)] if sk.errors is not None else ts

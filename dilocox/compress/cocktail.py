@@ -1,21 +1,31 @@
 """CocktailSGD-style per-step gradient compression (ALGORITHMS §8; the baseline of DiLoCoX).
 
-Per inner step, on the flat gradient g of a shard, with the worker's error buffer e:
+Per inner step, on the gradient of a shard (its tensors g_i, flattened and concatenated:
+``sizes`` gives their numels) with the worker's error buffer e:
 
     v    = g + e
-    mask = shared random subset of the indices, fraction p (``random_fraction``), from
-           (seed, step): identical on every replica, so it costs nothing on the wire
-    top  = top-k by |v| among the K mask survivors, k = ceil(topk_fraction · K)
+    mask = shared random subset of each tensor's indices, fraction p (``random_fraction``),
+           from (seed, step): identical on every replica, so it costs nothing on the wire
+    top  = per tensor i: top-k_i by |v| among its K_i mask survivors, k_i = ceil(topk_fraction · K_i)
     send = (positions of ``top`` inside the mask, quantized values)   (§6, ``cfg.quant``)
     e    = v − dense(sent)                                             error feedback
     out  = (1/R) Σ_r dense(sent_r)      all-gather of the payloads, summed in rank order
 
-The mask is *stratified*: the index range is cut into K equal strata and one uniformly
-random index is drawn in each, so K = ceil(p·n) exactly, indices come out sorted and
-unique, and every element is kept with probability ≈ p — at the cost of K random numbers
-instead of n. Top-k positions differ per rank, so they are sent: as a bitmap over the K
-survivors (ceil(K/8) bytes) or as int32 positions (4k bytes), whichever is smaller (the
-bitmap for k/K > 1/32; e.g. the paper's 0.08 and 0.04). Both are counted.
+Everything is per tensor, so a tensor's result depends on that tensor alone: the mask of
+tensor i is stratified inside it (its range cut into K_i = ceil(p·n_i) equal strata, one
+uniformly random index drawn in each, so indices come out sorted and unique and every
+element is kept with probability ≈ p, at the cost of K random numbers instead of n), its
+top-k competes only with its own survivors, and for ``int4``/``int8`` its k_i values fill
+whole quantization groups of their own (``ceil(k_i/G)·G`` slots, zero-padded), so a group
+never mixes two tensors. A parameter replicated over the tensor-parallel ranks (norms,
+row-parallel biases), with the same gradient on every TP rank, therefore gets the same
+update on every TP rank although the ranks' sharded tensors differ. With one segment
+(``sizes=None``) this is plain CocktailSGD on the flat vector.
+
+Top-k positions differ per rank, so they are sent: as a bitmap over the K = Σ K_i survivors
+(ceil(K/8) bytes) or as int32 positions (4k bytes, k = Σ k_i), whichever is smaller (the
+bitmap for k/K > 1/32; e.g. the paper's 0.08 and 0.04). Both, and the value padding, are
+counted (``cocktail_payload_bytes``).
 
 Values are quantized with ``cfg.quant`` (the CocktailSGD/DiLoCoX setting is int4; ``none``
 sends fp32 values). No per-value error feedback inside the quantizer: the single error
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,21 +59,64 @@ def index_encoding(survivors: int, k: int) -> tuple[str, int]:
     return ("bitmap", bitmap) if bitmap <= ints else ("int32", ints)
 
 
-def cocktail_payload_bytes(numel: int, random_fraction: float, topk_fraction: float, kind: str = "int4", group_size: int = 128) -> int:
-    """Bytes one rank's message takes (indices + values); the same on every rank and step."""
-    K = mask_count(numel, random_fraction)
-    k = topk_count(K, topk_fraction)
-    return index_encoding(K, k)[1] + nbytes(kind, k, group_size)
+def _segment_sizes(numel: int, sizes: Sequence[int] | None) -> list[int]:
+    """The tensors' numels (one segment of ``numel`` when None); they must add up to ``numel``."""
+    if sizes is None:
+        return [int(numel)]
+    sizes = [int(x) for x in sizes]
+    if any(x < 0 for x in sizes) or sum(sizes) != numel:
+        raise ValueError(f"cocktail segment sizes must be >= 0 and add up to the gradient's numel={numel}, "
+                         f"got {len(sizes)} sizes summing to {sum(sizes)} (pass the numels of the concatenated tensors)")
+    return sizes
 
 
-def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device: torch.device) -> torch.Tensor:
-    """Sorted int64 indices of the stratified random mask for (seed, step); same on every rank."""
-    K = mask_count(numel, random_fraction)
+def _counts(sizes: list[int], random_fraction: float, topk_fraction: float) -> tuple[list[int], list[int]]:
+    """(K_i mask survivors, k_i kept values) per segment."""
+    Ks = [mask_count(n, random_fraction) for n in sizes]
+    return Ks, [topk_count(K, topk_fraction) for K in Ks]
+
+
+def _value_slots(ks: list[int], kind: str, group_size: int) -> list[int]:
+    """Elements each segment's values take in the value buffer: whole groups for int kinds."""
+    if kind in ("int4", "int8"):
+        return [-(-k // group_size) * group_size for k in ks]
+    return list(ks)
+
+
+def cocktail_payload_bytes(sizes: int | Sequence[int], random_fraction: float, topk_fraction: float, kind: str = "int4",
+                           group_size: int = 128) -> int:
+    """Bytes one rank's message takes (indices + values, padding included) for tensors of
+    numels ``sizes`` (an int: one tensor); the same on every rank and step."""
+    sizes = [int(sizes)] if isinstance(sizes, int) else [int(x) for x in sizes]
+    Ks, ks = _counts(sizes, random_fraction, topk_fraction)
+    return index_encoding(sum(Ks), sum(ks))[1] + nbytes(kind, sum(_value_slots(ks, kind, group_size)), group_size)
+
+
+def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device: torch.device,
+                sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sorted int64 indices of the mask for (seed, step), stratified inside each segment of
+    ``sizes`` (default: one segment); the same on every rank."""
+    sizes = _segment_sizes(numel, sizes)
+    Ks = [mask_count(n, random_fraction) for n in sizes]
+    K = sum(Ks)
     g = torch.Generator(device=device).manual_seed(mix_seed(seed, step))
     u = torch.rand(K, generator=g, device=device, dtype=torch.float64)
-    bounds = torch.arange(K + 1, device=device, dtype=torch.int64) * numel // K
-    width = bounds[1:] - bounds[:-1]
-    return bounds[:-1] + torch.clamp((u * width).long(), max=width - 1)
+    seg = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(Ks, device=device))
+    n_seg = torch.tensor(sizes, device=device, dtype=torch.int64)[seg]
+    K_seg = torch.tensor(Ks, device=device, dtype=torch.int64)[seg]
+    start = (torch.tensor([0] + sizes[:-1], device=device, dtype=torch.int64).cumsum(0))[seg]
+    j = torch.arange(K, device=device, dtype=torch.int64) - torch.tensor([0] + Ks[:-1], device=device, dtype=torch.int64).cumsum(0)[seg]
+    lo, hi = j * n_seg // K_seg, (j + 1) * n_seg // K_seg
+    return start + lo + torch.clamp((u * (hi - lo)).long(), max=hi - lo - 1)
+
+
+def _value_index(ks: list[int], slots: list[int], device: torch.device) -> torch.Tensor:
+    """Index in the value buffer of each kept value (kept values ordered by segment, then position)."""
+    counts = torch.tensor(ks, device=device, dtype=torch.int64)
+    k_first = torch.cumsum(counts, 0) - counts
+    slot_first = torch.tensor([0] + slots[:-1], device=device, dtype=torch.int64).cumsum(0)
+    seg = torch.repeat_interleave(torch.arange(len(ks), device=device), counts)
+    return slot_first[seg] + torch.arange(int(counts.sum()), device=device) - k_first[seg]
 
 
 def _encode_positions(pos: torch.Tensor, survivors: int, enc: str) -> torch.Tensor:
@@ -94,28 +148,41 @@ def _unpack_values(raw: torch.Tensor, k: int, kind: str, group_size: int) -> tor
     return dequantize(Packed(kind, k, group_size, raw))
 
 
-def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cfg, step: int, stats: CommStats | None = None, seed: int = 0) -> torch.Tensor:
+def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cfg, step: int, stats: CommStats | None = None,
+                       seed: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
     """Mean over ``group`` of the compressed ``grad`` (flat fp32); ``error`` is updated in place.
 
-    ``cfg`` is a ``CompressConfig`` (random_fraction, topk_fraction, quant, group_size).
+    ``cfg`` is a ``CompressConfig`` (random_fraction, topk_fraction, quant, group_size);
+    ``sizes`` the numels of the tensors concatenated in ``grad`` (None: one tensor).
     """
     if grad.dtype != torch.float32 or grad.dim() != 1:
         raise ValueError(f"cocktail_allreduce needs a flat fp32 gradient, got {grad.dtype} {tuple(grad.shape)}")
     t0 = time.perf_counter()
     n, kind, G = grad.numel(), cfg.quant, cfg.group_size
+    sizes = _segment_sizes(n, sizes)
     world = group_world(group)
     v = grad + error if error is not None else grad
-    mask = shared_mask(n, cfg.random_fraction, seed, step, grad.device)
-    K = mask.numel()
-    k = topk_count(K, cfg.topk_fraction)
+    mask = shared_mask(n, cfg.random_fraction, seed, step, grad.device, sizes)
+    Ks, ks = _counts(sizes, cfg.random_fraction, cfg.topk_fraction)
+    K, k = sum(Ks), sum(ks)
     enc, idx_bytes = index_encoding(K, k)
+    slots = _value_slots(ks, kind, G)
+    n_vals, at = sum(slots), _value_index(ks, slots, grad.device)
     surv = v[mask]
-    pos = torch.sort(torch.topk(surv.abs(), k, sorted=False).indices).values
-    vals_raw = _pack_values(surv[pos], kind, G)
+    pos_parts, lo = [], 0
+    for K_i, k_i in zip(Ks, ks):  # top-k inside each tensor's own survivors
+        if k_i:
+            top = torch.topk(surv[lo: lo + K_i].abs(), k_i, sorted=False).indices
+            pos_parts.append(torch.sort(top).values + lo)
+        lo += K_i
+    pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64, device=grad.device)
+    vals = torch.zeros(n_vals, dtype=torch.float32, device=grad.device)
+    vals[at] = surv[pos]
+    vals_raw = _pack_values(vals, kind, G)
     payload = torch.cat([_encode_positions(pos, K, enc), vals_raw])
     if error is not None:
         error.copy_(v)
-        error[mask[pos]] -= _unpack_values(vals_raw, k, kind, G)
+        error[mask[pos]] -= _unpack_values(vals_raw, n_vals, kind, G)[at]
 
     bufs = [payload]
     if world > 1:
@@ -123,8 +190,8 @@ def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cf
         dist.all_gather(bufs, payload, group=group)
     out = torch.zeros(n, dtype=torch.float32, device=grad.device)
     for b in bufs:  # rank order: bit-identical on every rank
-        p = _decode_positions(b[:idx_bytes], K, enc)
-        out.index_add_(0, mask[p], _unpack_values(b[idx_bytes:], k, kind, G))
+        p = _decode_positions(b[:idx_bytes], K, enc)  # sorted, so segment by segment like ``at``
+        out.index_add_(0, mask[p], _unpack_values(b[idx_bytes:], n_vals, kind, G)[at])
     if world > 1:
         out.div_(world)
     if stats is not None:

@@ -4,25 +4,33 @@ Per outer sync, for the tensors of this rank's shard (fp32 pseudo-gradients Δ_i
 
     M_i = Δ_i + e_i                                  error feedback (per tensor, kept here)
     factored i (low-rank on, eligible matrix):  PowerSGD P round (sum) → P̂ → Q_i
-    collective 1: quantized all-reduce SUM of [P_iᵀ ...]                 (only with low-rank)
-    collective 2: quantized all-reduce MEAN of [Q_iᵀ ... | pad | tail sketch | pad | M_j ... (the rest, flat)]
+    collective 1: quantized all-reduce SUM of [P_iᵀ | ...]                 (only with low-rank)
+    collective 2: quantized all-reduce MEAN of [Q_iᵀ | ... | tail sketch_i | ... | M_j | ...]
     e_i = M_i − sent_i                                sent = what was actually put on the wire
 
 So a sync is one collective without low-rank and two with it, whatever the number of
-tensors. The Q part of collective 2 is padded to whole quantization groups so the rest
-starts on a group boundary. With ``quant="none"`` and no low-rank this is an exact fp32
-all-reduce mean (e stays zero and is not allocated).
+tensors. With ``quant="none"`` and no low-rank this is an exact fp32 all-reduce mean (e
+stays zero and is not allocated).
+
+Layout: for ``int4``/``int8`` every segment (one P_iᵀ, Q_iᵀ, sketch block or M_j) starts on
+a quantization-group boundary and is zero-padded to whole groups (``ceil(k/G)·G``
+elements), so a group never mixes two tensors. A tensor's scales, quantized values and
+error feedback then depend on that tensor alone: a parameter replicated across the
+tensor-parallel ranks (norms, row-parallel biases, position embeddings), whose Δ is
+identical on every TP rank, gets a bit-identical result on every TP rank, although the
+ranks' sharded tensors (and so their other groups) differ. The padding is on the wire and
+counted by ``payload_bytes``/``wire_bytes``. (The ``reduce_scatter`` collective cuts its
+chunks on group boundaries, so the owner's requantization keeps the groups too.)
+``none``/``fp16`` have no groups: segments are packed back to back.
 
 Tail sketch (only with ``tail_sketch=True``, which ``build_compressor`` sets when the
 adaptive controller is on, ALGORITHMS §7): per factored matrix, this replica's a·b = 128
 sketch values ``S_i = Gᵀ (I − P̂P̂ᵀ) M_i Z / √(ab)`` (``PowerSGD.tail_sketch``) ride on
-collective 2 (no extra round trip). The mean is the sketch of the averaged matrix, so
-``tail_energy()[i] = ‖mean S_i‖²`` is an unbiased estimate of the energy of M̄_i outside the
-rank-r basis, the same bits on every replica. Layout: for ``int4``/``int8`` the block starts
-on a group boundary and each matrix's 128 values fill whole groups (``ceil(128/G)·G``
-elements), so a group never mixes two matrices' tails; for ``none``/``fp16`` 128
-consecutive elements per matrix. The block is not error-fed; ``payload_bytes``/
-``wire_bytes`` count it (int4, G = 128: 66 bytes per factored matrix).
+collective 2 (no extra round trip), one segment per matrix after the Q segments. The mean
+is the sketch of the averaged matrix, so ``tail_energy()[i] = ‖mean S_i‖²`` is an unbiased
+estimate of the energy of M̄_i outside the rank-r basis, the same bits on every replica. The
+block is not error-fed; the byte counts include it (int4, G = 128: 66 bytes per factored
+matrix).
 
 ``group=None`` is a one-rank group: the same compression is applied locally, nothing is sent.
 The result is bit-identical on every rank of the group (see ``collectives``).
@@ -30,12 +38,10 @@ The result is bit-identical on every rank of the group (see ``collectives``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dilocox.compress.collectives import CommStats, group_world, mix_seed, nbytes, quantized_allreduce, resolve_mode, wire_bytes
-from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD
+from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD, as_matrix_shape
 
 
 class Compressor:
@@ -92,44 +98,65 @@ class Compressor:
                 self._tail = None  # measured for the old basis (and maybe other matrices)
             self.lowrank.set_rank(int(r))
 
-    @property
-    def _sketch_slot(self) -> int:
-        """Elements per matrix in the tail-sketch block: whole groups for int kinds."""
-        ab = SKETCH_ROWS * SKETCH_COLS
-        return math.ceil(ab / self.group_size) * self.group_size if self.kind in ("int4", "int8") else ab
+    def _slot(self, k: int) -> int:
+        """Elements a segment of k values takes in a buffer: whole groups for the int kinds."""
+        if self.kind in ("int4", "int8"):
+            return -(-k // self.group_size) * self.group_size
+        return k
 
-    def _head(self, n_q: int, n_sketched: int, n_rest: int) -> tuple[int, int]:
-        """Collective 2 layout: (offset of the sketch block, offset of the rest) for n_q Q elements."""
-        g = self.group_size
-        q_end = n_q
-        if n_sketched and self.kind in ("int4", "int8"):
-            q_end = math.ceil(q_end / g) * g
-        head = q_end + n_sketched * self._sketch_slot
-        if head and n_rest:
-            head = math.ceil(head / g) * g
-        return q_end, head
+    def _segments(self, rank: int | None) -> tuple[list[int], list[int], list[int]]:
+        """Segment sizes (unpadded) at ``rank``: (collective 1, collective 2, rest indices).
 
-    def _layout(self, rank: int | None) -> tuple[int, int, int]:
-        """(elements in collective 1, Q + sketch elements incl. padding, rest elements) at ``rank``."""
+        Collective 2 holds the Q_iᵀ, then the tail sketches, then the M_j of ``rest``.
+        """
+        n_all = [s.numel() for s in self.shapes]
         if self.lowrank is None:
-            return 0, 0, sum(s.numel() for s in self.shapes)
+            return [], n_all, list(range(len(self.shapes)))
         r = self.lowrank.rank if rank is None else rank
         fact = self.lowrank.factored_for(r)
-        n_p, n_q = self.lowrank.numel_p(r), self.lowrank.numel_q(r)
-        n_rest = sum(s.numel() for i, s in enumerate(self.shapes) if i not in set(fact))
-        _, head = self._head(n_q, len(fact) if self.tail_sketch else 0, n_rest)
-        return n_p, head, n_rest
+        dims = [as_matrix_shape(self.shapes[i]) for i in fact]
+        rest = [i for i in range(len(self.shapes)) if i not in set(fact)]
+        sketch = [SKETCH_ROWS * SKETCH_COLS] * len(fact) if self.tail_sketch else []
+        return [r * n for n, _ in dims], [r * m for _, m in dims] + sketch + [n_all[i] for i in rest], rest
+
+    def _offsets(self, sizes: list[int]) -> tuple[list[int], int]:
+        """Start of each segment and the buffer length (each segment padded by ``_slot``)."""
+        offs, pos = [], 0
+        for k in sizes:
+            offs.append(pos)
+            pos += self._slot(k)
+        return offs, pos
+
+    def _layout(self, rank: int | None) -> tuple[int, int]:
+        """Elements (padding included) of collective 1 and collective 2 at ``rank``."""
+        p_sizes, sizes, _ = self._segments(rank)
+        return self._offsets(p_sizes)[1], self._offsets(sizes)[1]
 
     def payload_bytes(self, rank: int | None = None) -> int:
         """Bytes of this rank's compressed message per sync (R-independent; fp32 is 4/element)."""
-        n_p, n_q, n_rest = self._layout(rank)
-        return nbytes(self.kind, n_p, self.group_size) + nbytes(self.kind, n_q + n_rest, self.group_size)
+        n1, n2 = self._layout(rank)
+        return nbytes(self.kind, n1, self.group_size) + nbytes(self.kind, n2, self.group_size)
 
     def wire_bytes(self, world: int, rank: int | None = None) -> int:
         """Bytes one rank sends per sync among ``world`` ranks (what CommStats counts)."""
-        n_p, n_q, n_rest = self._layout(rank)
+        n1, n2 = self._layout(rank)
         mode = resolve_mode(self.collective, world)
-        return wire_bytes(n_p, world, self.kind, self.group_size, mode) + wire_bytes(n_q + n_rest, world, self.kind, self.group_size, mode)
+        return wire_bytes(n1, world, self.kind, self.group_size, mode) + wire_bytes(n2, world, self.kind, self.group_size, mode)
+
+    def _pack(self, parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+        """One zero-initialised buffer holding ``parts`` (flattened) at group-aligned offsets."""
+        offs, total = self._offsets([t.numel() for t in parts])
+        buf = torch.zeros(total, dtype=torch.float32, device=device)
+        for o, t in zip(offs, parts):
+            buf[o: o + t.numel()] = t.reshape(-1)
+        return buf, offs
+
+    @staticmethod
+    def _unpack(buf: torch.Tensor, offs: list[int], sizes: list[int]) -> torch.Tensor:
+        """The segments of ``buf`` (padding dropped), concatenated."""
+        if not sizes:
+            return buf[:0]
+        return torch.cat([buf[o: o + k] for o, k in zip(offs, sizes)])
 
     # ------------------------------------------------------------------ the sync
 
@@ -151,50 +178,42 @@ class Compressor:
         ms = [t.detach().float() + e if use_ef else t.detach().float() for t, e in zip(tensors, self.errors or [None] * len(tensors))]
 
         lr = self.lowrank
-        fact = lr.factored if lr is not None else []
-        fact_set = set(fact)
-        rest = [i for i in range(len(ms)) if i not in fact_set]
+        p_sizes, sizes, rest = self._segments(None)
+        nf = len(p_sizes)  # factored matrices, in lr.factored order
+        q_sizes = sizes[:nf]
         q_local = torch.zeros(0, dtype=torch.float32, device=device)
+        parts: list[torch.Tensor] = []
         sketch = None
-        if fact:
-            p = quantized_allreduce(lr.p_step(ms), group, self.kind, self.group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, step, 1), step=step)
-            q_local = lr.q_step(ms, p)
+        if nf:
+            p_buf, p_offs = self._pack(list(lr.p_step(ms).split(p_sizes)), device)
+            p_sum = quantized_allreduce(p_buf, group, self.kind, self.group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, step, 1), step=step)
+            q_local = lr.q_step(ms, self._unpack(p_sum, p_offs, p_sizes))
+            parts = list(q_local.split(q_sizes))
             if self.tail_sketch:
-                sketch = lr.tail_sketch(ms, q_local, step).view(len(fact), -1)
-        n_rest = sum(ms[i].numel() for i in rest)
-        n_sk = len(fact) if sketch is not None else 0
-        sk_at, n_q = self._head(q_local.numel(), n_sk, n_rest)
-        ab, slot = SKETCH_ROWS * SKETCH_COLS, self._sketch_slot
-        buf = torch.zeros(n_q + n_rest, dtype=torch.float32, device=device)
-        buf[: q_local.numel()] = q_local
-        if sketch is not None:
-            buf[sk_at: sk_at + n_sk * slot].view(n_sk, slot)[:, :ab] = sketch
-        off = n_q
-        for i in rest:
-            buf[off: off + ms[i].numel()] = ms[i].reshape(-1)
-            off += ms[i].numel()
+                sketch = lr.tail_sketch(ms, q_local, step).view(nf, -1)
+                parts += list(sketch.unbind(0))
+        parts += [ms[i] for i in rest]
+        buf, offs = self._pack(parts, device)
         scratch = torch.zeros_like(buf)  # after the call: buf - sent (the quantization residual)
         res = quantized_allreduce(buf, group, self.kind, self.group_size, mode, op="mean", error=scratch, stats=stats, seed=mix_seed(self.seed, step, 2), step=step)
 
         outs: list[torch.Tensor | None] = [None] * len(ms)
         self._tail = None
         if sketch is not None:  # ‖mean_m S_m‖² per matrix, in float64
-            self._tail = res[sk_at: sk_at + n_sk * slot].view(n_sk, slot)[:, :ab].double().square().sum(1)
-        if fact:
-            nq = q_local.numel()
-            for i, m_hat in lr.finish(res[:nq]).items():
+            self._tail = torch.stack([res[o: o + k] for o, k in zip(offs[nf: 2 * nf], sizes[nf: 2 * nf])]).double().square().sum(1)
+        if nf:
+            for i, m_hat in lr.finish(self._unpack(res, offs[:nf], q_sizes)).items():
                 outs[i] = m_hat.to(tensors[i].dtype)
             if use_ef:
-                sent = lr.expand(q_local - scratch[:nq])
-                for i in fact:
+                sent = lr.expand(q_local - self._unpack(scratch, offs[:nf], q_sizes))
+                for i in lr.factored:
                     self.errors[i] = ms[i] - sent[i]
-        off = n_q
-        for i in rest:
+        first = len(parts) - len(rest)
+        for i, o in zip(rest, offs[first:]):
             k = ms[i].numel()
-            outs[i] = res[off: off + k].view(self.shapes[i]).to(tensors[i].dtype)
+            outs[i] = res[o: o + k].view(self.shapes[i]).to(tensors[i].dtype)
             if use_ef:
-                self.errors[i] = scratch[off: off + k].view(self.shapes[i]).clone()
-            off += k
+                self.errors[i] = scratch[o: o + k].view(self.shapes[i]).clone()
         return outs  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ checkpoint

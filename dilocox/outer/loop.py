@@ -195,7 +195,8 @@ class OuterLoop:
             from dilocox.compress.cocktail import cocktail_allreduce
 
             flat = torch.cat([g.reshape(-1).float() for g in grads])
-            h = self._submit(cocktail_allreduce, flat, self.group, self.cocktail_error, self.ccfg, step, self.comm_stats, self.seed)
+            h = self._submit(cocktail_allreduce, flat, self.group, self.cocktail_error, self.ccfg, step, self.comm_stats, self.seed,
+                             [g.numel() for g in grads])  # per-tensor top-k and groups
             out = self._wait(h)
             avg, pos = [], 0
             for g in grads:
