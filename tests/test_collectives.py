@@ -235,13 +235,11 @@ def test_cocktail_matches_reference_and_counts_bytes():
                 torch.testing.assert_close(y, want, rtol=0, atol=1e-6)
                 torch.testing.assert_close(e, errs[r], rtol=0, atol=1e-6)
                 idx_bytes = min(math.ceil(K / 8), 4 * sum(ks))
-                G = cfg.group_size  # int kinds: each tensor's values fill whole groups (zero-padded)
-                vals = _payload(cfg.quant, sum(math.ceil(k / G) * G if cfg.quant == "int4" else k for k in ks), G)
-                payload = cocktail_payload_bytes(sizes if len(sizes) > 1 else sizes[0], cfg.random_fraction, cfg.topk_fraction, cfg.quant, G)
+                vals = sum(_payload(cfg.quant, k, cfg.group_size) for k in ks)  # each tensor's values quantized alone
+                payload = cocktail_payload_bytes(sizes if len(sizes) > 1 else sizes[0], cfg.random_fraction, cfg.topk_fraction, cfg.quant, cfg.group_size)
                 assert st["bytes_sent"] == (world - 1) * (idx_bytes + vals) == (world - 1) * payload
-    # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G) (a large
-    # tensor, where the padding of the values to whole groups is negligible)
-    cfg, n = cases[0][0], 1 << 22
+    # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G)
+    cfg, n = cases[0][0], 20000
     ratio = 4 * n / cocktail_payload_bytes(n, cfg.random_fraction, cfg.topk_fraction, "int4", cfg.group_size)
     analytic = 32 / (cfg.random_fraction * (1 + cfg.topk_fraction * (4 + 16 / cfg.group_size)))
     assert abs(ratio / analytic - 1) < 0.02, (ratio, analytic)

@@ -30,7 +30,7 @@ def _configs(c: dict) -> tuple[OuterConfig, CompressConfig]:
     s = StreamingConfig(fragments=c.get("K", 1), tau=c.get("tau", 0), alpha=c.get("alpha", 0.5), pattern=c.get("pattern", "sequential"))
     o = OuterConfig(method=c.get("method", "diloco"), sync_every=c["H"], lr=c.get("lr", 0.7), momentum=c.get("momentum", 0.9),
                     nesterov=c.get("nesterov", True), overlap=c["overlap"], blocking=c.get("blocking", False), streaming=s)
-    cc = CompressConfig(quant=c.get("quant", "none"))
+    cc = CompressConfig(quant=c.get("quant", "none"), group_size=c.get("G", 128))
     cc.lowrank.enabled = c.get("lowrank", False)
     cc.lowrank.rank = c.get("rank", 2)
     cc.lowrank.min_compression = c.get("min_compression", 1.0)
@@ -192,10 +192,12 @@ def test_resume_is_exact():
 
 def test_compressed_runs_close_and_identical():
     cases = {
-        "int4": dict(H=3, steps=12, overlap="delayed", quant="int4"),
+        # groups of G = 16 (the net's width): each tensor (and each P_i, Q_i) is quantized in whole
+        # groups of its own, so with G = 128 a 16-vector or a rank-2 factor would be mostly padding
+        "int4": dict(H=3, steps=12, overlap="delayed", quant="int4", G=16),
         # 16x16 blocks: factored at rank 2; rank 6 needs min_compression < 1 to be factored
-        "lowrank": dict(H=3, steps=12, overlap="none", quant="int4", lowrank=True, rank=6, min_compression=0.5),
-        "lowrank2": dict(H=3, steps=12, overlap="none", quant="int4", lowrank=True, rank=2),
+        "lowrank": dict(H=3, steps=12, overlap="none", quant="int4", G=16, lowrank=True, rank=6, min_compression=0.5),
+        "lowrank2": dict(H=3, steps=12, overlap="none", quant="int4", G=16, lowrank=True, rank=2),
         "plain": dict(H=3, steps=12, overlap="delayed"),
         "plain_none": dict(H=3, steps=12, overlap="none"),
         "ar_plain": dict(method="allreduce", H=1, steps=6, overlap="none", inner="sgd"),

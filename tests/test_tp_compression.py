@@ -53,11 +53,11 @@ def test_compressor_result_of_a_tensor_depends_on_it_alone():
             if step == 0 and rank is None:  # a plain-quantized tensor is quantized exactly as on its own
                 for i in range(len(SHAPES)):
                     assert torch.equal(outs[0][i].reshape(-1), dequantize(quantize(ins[0][i].reshape(-1), kind, G))), (kind, i)
-        # bytes: every segment padded to whole groups (P_i; Q_i, 128 sketch values each, rest)
         fact = [i for i, s in enumerate(SHAPES) if rank and len(s) == 2 and (s[0] + s[1]) * rank * 2 < s.numel()]
         if rank is not None:  # the replicated matrix goes through PowerSGD; its tail estimate agrees too
             j = fact.index(3)
             assert torch.equal(comps[0].tail_energy()[j], comps[1].tail_energy()[j])
+        # bytes: every segment padded to whole groups (each P_i; each Q_i, 128 sketch values, rest tensor)
         rest = [i for i in range(len(SHAPES)) if i not in fact]
         n1 = sum(_up(rank * SHAPES[i][0], G) for i in fact)
         n2 = sum(_up(rank * SHAPES[i][1], G) + _up(128, G) for i in fact) + sum(_up(SHAPES[i].numel(), G) for i in rest)
@@ -76,22 +76,25 @@ def test_cocktail_result_of_a_tensor_depends_on_it_alone():
             for a, b in parts:
                 assert torch.equal(a[i], b[i]), (step, i)
         assert not torch.equal(parts[0][0][0], parts[0][1][0])
-    # per tensor: K_i = ceil(0.3 n_i) survivors, k_i = ceil(0.25 K_i) values in whole groups of 32
+    # per tensor: K_i = ceil(0.3 n_i) survivors, k_i = ceil(0.25 K_i) values quantized on their own
     Ks = [math.ceil(0.3 * n) for n in sizes]
     ks = [math.ceil(0.25 * K) for K in Ks]
-    want = min(math.ceil(sum(Ks) / 8), 4 * sum(ks)) + nbytes("int4", sum(_up(k, 32) for k in ks), 32)
+    want = min(math.ceil(sum(Ks) / 8), 4 * sum(ks)) + sum((k + 1) // 2 + 2 * math.ceil(k / 32) for k in ks)
     assert cocktail_payload_bytes(sizes, 0.3, 0.25, "int4", 32) == want
 
 
 # ----------------------------------------------------------------------------- R=2 x T=2 training
 
-MODEL = ModelConfig(n_layers=2, n_heads=4, d_model=48, vocab_size=64, max_seq_len=16)
+MODEL = ModelConfig(n_layers=2, n_heads=4, d_model=48, vocab_size=64, max_seq_len=64)  # pos_embed 64x48: factored up to rank 13
 CASES = {
     "diloco_int4": dict(method="diloco", quant="int4"),
     "diloco_int4_reduce_scatter": dict(method="diloco", quant="int4", collective="reduce_scatter"),
     "lowrank_int4": dict(method="diloco", quant="int4", lowrank=2, overlap="delayed"),
     "cocktailsgd_int4": dict(method="cocktailsgd", quant="int4"),
     "allreduce_int4": dict(method="allreduce", quant="int4"),
+    # DiLoCoX: the rank moves with the σ's, which differ between the TP shards; the TP ranks must
+    # still agree on it (a replicated matrix compressed at two ranks would drift)
+    "adaptive_lowrank_int4": dict(method="diloco", quant="int4", lowrank=4, overlap="delayed", adaptive=(1, 12, 2, 3), eps=0.4, steps=14),
 }
 STEPS, H, SEED = 6, 2, 17
 
@@ -107,9 +110,13 @@ def _train(rank: int, world: int, cases: dict) -> dict:
         ccfg = CompressConfig(quant=c["quant"], group_size=32, collective=c.get("collective", "auto"),
                               random_fraction=0.3, topk_fraction=0.25,
                               lowrank=LowRankConfig(enabled="lowrank" in c, rank=c.get("lowrank", 4)))
+        if "adaptive" in c:  # (rank_min, rank_max, h_min, h_max); window 1: the rank follows each step
+            a = ccfg.adaptive
+            a.enabled, a.window, (a.rank_min, a.rank_max, a.h_min, a.h_max) = True, 1, c["adaptive"]
+            a.energy_eps = c.get("eps", a.energy_eps)
         loop = OuterLoop(list(model.named_parameters()), topo, ocfg, ccfg, seed=SEED, layer_of=param_layer_id,
                          n_layers_total=MODEL.n_layers, inner_optimizer=opt)
-        for step in range(STEPS):
+        for step in range(c.get("steps", STEPS)):
             x = torch.randint(0, MODEL.vocab_size, (2, 16), generator=torch.Generator().manual_seed(50 * topo.replica + step))
             model.loss(model(x)[:, :-1], x[:, 1:]).backward()
             loop.on_gradients(step)
@@ -119,12 +126,16 @@ def _train(rank: int, world: int, cases: dict) -> dict:
         loop.finish()
         out[name] = {n: (p.detach().clone(), is_tensor_parallel(p), float((p.detach() - start[n]).abs().max()))
                      for n, p in model.named_parameters()}
+        out[name]["rank"] = loop.stats["rank"]
     return out
 
 
 def test_replicated_params_stay_identical_across_tp_ranks():
     res = run_ranks(4, _train, CASES)  # rank = replica * 2 + tp_rank
+    assert res[0]["adaptive_lowrank_int4"]["rank"] != 4  # the adaptive rule really moved the rank
     for name in CASES:
+        for r in range(4):
+            res[r][name].pop("rank")
         replicated = [n for n, (_, tp, _) in res[0][name].items() if not tp]
         assert {"pos_embed.weight", "norm_f.weight", "layers.0.attn.o_proj.bias"} <= set(replicated), replicated
         for n in replicated:

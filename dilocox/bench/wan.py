@@ -304,11 +304,22 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
                 log(f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
                     f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
                     f"[{time.time() - t0:.0f} s]")
-    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "emulation": mode, "why": why or "requested",
+    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "git": git_state(), "emulation": mode, "why": why or "requested",
             "methods": methods, "caps_bps": caps, "steps": steps, "loss_steps": loss_steps, "H": H, "max_comm_s": max_comm_s,
             "reference": reference, "replicas": REPLICAS, "ranks_per_replica": PER_REPLICA, "baseline_payload_bytes": baseline,
             "frame_header_bytes": FRAME_HEADER_BYTES, "bench_wall_s": time.time() - t0, "load_avg": os.getloadavg()}
     return {"meta": meta, "rows": join(rows)}
+
+
+def git_state() -> str | None:
+    """The commit the bench ran on, and the files that differed from it (None outside git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    files = [line[3:] for line in dirty.splitlines() if line[3:].endswith(".py") or line[3:].endswith(".yaml")]
+    return head + (f" + uncommitted changes to {', '.join(files)}" if files else "")
 
 
 def _cap(bps: float | None) -> str:
@@ -346,7 +357,7 @@ def markdown(res: dict) -> str:
     m, rows = res["meta"], res["rows"]
     bl = m["baseline_payload_bytes"]
     lines = [
-        f"Machine: {m['machine']}; date {m['date']}; load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
+        f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
         f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
         + (f" ({m['why']})" if m["emulation"] != "netns" else " (one network namespace per replica, veth + tc tbf each way)") + ".",
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), 8 x 128 tokens "
@@ -412,7 +423,9 @@ NOTES = """### Notes
   the ACKs of the other replica's stream and the baseline, all removed in "veth payload", and what is
   left: gloo's own messages (measured on the dev machine: ~290 B per rank per 2-rank all_gather,
   ~580 B per all_reduce, i.e. +4 % for CocktailSGD's 7 kB all-gather every step), dilocox's 8-byte
-  "agree on H" all-reduce per outer step, and TCP retransmissions (counted in the table)."""
+  "agree on H" all-reduce per outer step. "TCP retransmits" are the namespace's RetransSegs: at the
+  lowest cap most are segments the sender's own tbf queue dropped before the veth, so they never reach
+  tx_bytes (thousands of them, yet the payload is within 0.4 %)."""
 
 
 def plot(res: dict, out_dir: str) -> list[str]:

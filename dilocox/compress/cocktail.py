@@ -15,17 +15,17 @@ Everything is per tensor, so a tensor's result depends on that tensor alone: the
 tensor i is stratified inside it (its range cut into K_i = ceil(p·n_i) equal strata, one
 uniformly random index drawn in each, so indices come out sorted and unique and every
 element is kept with probability ≈ p, at the cost of K random numbers instead of n), its
-top-k competes only with its own survivors, and for ``int4``/``int8`` its k_i values fill
-whole quantization groups of their own (``ceil(k_i/G)·G`` slots, zero-padded), so a group
-never mixes two tensors. A parameter replicated over the tensor-parallel ranks (norms,
+top-k competes only with its own survivors, and its k_i values are quantized on their own
+(for ``int4``/``int8``: groups of G inside the tensor's values, the last one partial, so a
+group never mixes two tensors; the per-tensor payloads go back to back, no padding). A parameter replicated over the tensor-parallel ranks (norms,
 row-parallel biases), with the same gradient on every TP rank, therefore gets the same
 update on every TP rank although the ranks' sharded tensors differ. With one segment
 (``sizes=None``) this is plain CocktailSGD on the flat vector.
 
 Top-k positions differ per rank, so they are sent: as a bitmap over the K = Σ K_i survivors
 (ceil(K/8) bytes) or as int32 positions (4k bytes, k = Σ k_i), whichever is smaller (the
-bitmap for k/K > 1/32; e.g. the paper's 0.08 and 0.04). Both, and the value padding, are
-counted (``cocktail_payload_bytes``).
+bitmap for k/K > 1/32; e.g. the paper's 0.08 and 0.04). Both are counted
+(``cocktail_payload_bytes``: index bytes + Σ_i bytes of k_i quantized values).
 
 Values are quantized with ``cfg.quant`` (the CocktailSGD/DiLoCoX setting is int4; ``none``
 sends fp32 values). No per-value error feedback inside the quantizer: the single error
@@ -76,20 +76,13 @@ def _counts(sizes: list[int], random_fraction: float, topk_fraction: float) -> t
     return Ks, [topk_count(K, topk_fraction) for K in Ks]
 
 
-def _value_slots(ks: list[int], kind: str, group_size: int) -> list[int]:
-    """Elements each segment's values take in the value buffer: whole groups for int kinds."""
-    if kind in ("int4", "int8"):
-        return [-(-k // group_size) * group_size for k in ks]
-    return list(ks)
-
-
 def cocktail_payload_bytes(sizes: int | Sequence[int], random_fraction: float, topk_fraction: float, kind: str = "int4",
                            group_size: int = 128) -> int:
-    """Bytes one rank's message takes (indices + values, padding included) for tensors of
-    numels ``sizes`` (an int: one tensor); the same on every rank and step."""
+    """Bytes one rank's message takes (indices + values) for tensors of numels ``sizes``
+    (an int: one tensor); the same on every rank and step."""
     sizes = [int(sizes)] if isinstance(sizes, int) else [int(x) for x in sizes]
     Ks, ks = _counts(sizes, random_fraction, topk_fraction)
-    return index_encoding(sum(Ks), sum(ks))[1] + nbytes(kind, sum(_value_slots(ks, kind, group_size)), group_size)
+    return index_encoding(sum(Ks), sum(ks))[1] + sum(nbytes(kind, k, group_size) for k in ks)
 
 
 def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device: torch.device,
@@ -110,15 +103,6 @@ def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device
     return start + lo + torch.clamp((u * (hi - lo)).long(), max=hi - lo - 1)
 
 
-def _value_index(ks: list[int], slots: list[int], device: torch.device) -> torch.Tensor:
-    """Index in the value buffer of each kept value (kept values ordered by segment, then position)."""
-    counts = torch.tensor(ks, device=device, dtype=torch.int64)
-    k_first = torch.cumsum(counts, 0) - counts
-    slot_first = torch.tensor([0] + slots[:-1], device=device, dtype=torch.int64).cumsum(0)
-    seg = torch.repeat_interleave(torch.arange(len(ks), device=device), counts)
-    return slot_first[seg] + torch.arange(int(counts.sum()), device=device) - k_first[seg]
-
-
 def _encode_positions(pos: torch.Tensor, survivors: int, enc: str) -> torch.Tensor:
     if enc == "int32":
         return pos.to(torch.int32).view(torch.uint8)
@@ -136,16 +120,25 @@ def _decode_positions(raw: torch.Tensor, survivors: int, enc: str) -> torch.Tens
     return torch.nonzero(bits, as_tuple=False).reshape(-1)
 
 
-def _pack_values(vals: torch.Tensor, kind: str, group_size: int) -> torch.Tensor:
-    if kind == "none":
-        return vals.contiguous().view(torch.uint8)
-    return quantize(vals.contiguous(), kind, group_size).data
+def _pack_values(vals: torch.Tensor, ks: list[int], kind: str, group_size: int) -> torch.Tensor:
+    """Each tensor's k_i values (consecutive in ``vals``) quantized on their own, back to back."""
+    sizes = [nbytes(kind, k, group_size) for k in ks]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=vals.device)
+    lo = 0
+    for v, b in zip(vals.split(ks), sizes):
+        if b:
+            quantize(v.contiguous(), kind, group_size, out=out[lo: lo + b], check_finite=kind != "none")
+        lo += b
+    return out
 
 
-def _unpack_values(raw: torch.Tensor, k: int, kind: str, group_size: int) -> torch.Tensor:
-    if kind == "none":
-        return raw.clone().view(torch.float32)
-    return dequantize(Packed(kind, k, group_size, raw))
+def _unpack_values(raw: torch.Tensor, ks: list[int], kind: str, group_size: int) -> torch.Tensor:
+    parts, lo = [], 0
+    for k in ks:
+        b = nbytes(kind, k, group_size)
+        parts.append(dequantize(Packed(kind, k, group_size, raw[lo: lo + b])))
+        lo += b
+    return torch.cat(parts) if parts else raw.new_zeros(0, dtype=torch.float32)
 
 
 def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cfg, step: int, stats: CommStats | None = None,
@@ -166,8 +159,6 @@ def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cf
     Ks, ks = _counts(sizes, cfg.random_fraction, cfg.topk_fraction)
     K, k = sum(Ks), sum(ks)
     enc, idx_bytes = index_encoding(K, k)
-    slots = _value_slots(ks, kind, G)
-    n_vals, at = sum(slots), _value_index(ks, slots, grad.device)
     surv = v[mask]
     pos_parts, lo = [], 0
     for K_i, k_i in zip(Ks, ks):  # top-k inside each tensor's own survivors
@@ -176,13 +167,11 @@ def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cf
             pos_parts.append(torch.sort(top).values + lo)
         lo += K_i
     pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64, device=grad.device)
-    vals = torch.zeros(n_vals, dtype=torch.float32, device=grad.device)
-    vals[at] = surv[pos]
-    vals_raw = _pack_values(vals, kind, G)
+    vals_raw = _pack_values(surv[pos], ks, kind, G)
     payload = torch.cat([_encode_positions(pos, K, enc), vals_raw])
     if error is not None:
         error.copy_(v)
-        error[mask[pos]] -= _unpack_values(vals_raw, n_vals, kind, G)[at]
+        error[mask[pos]] -= _unpack_values(vals_raw, ks, kind, G)
 
     bufs = [payload]
     if world > 1:
@@ -190,8 +179,8 @@ def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cf
         dist.all_gather(bufs, payload, group=group)
     out = torch.zeros(n, dtype=torch.float32, device=grad.device)
     for b in bufs:  # rank order: bit-identical on every rank
-        p = _decode_positions(b[:idx_bytes], K, enc)  # sorted, so segment by segment like ``at``
-        out.index_add_(0, mask[p], _unpack_values(b[idx_bytes:], n_vals, kind, G)[at])
+        p = _decode_positions(b[:idx_bytes], K, enc)  # sorted: tensor by tensor, like the values
+        out.index_add_(0, mask[p], _unpack_values(b[idx_bytes:], ks, kind, G))
     if world > 1:
         out.div_(world)
     if stats is not None:

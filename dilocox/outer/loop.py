@@ -85,6 +85,7 @@ class OuterLoop:
         self.inner_optimizer = inner_optimizer
         self.group = topo.group("outer") if topo is not None else None
         self.replica_group = topo.group("replica") if topo is not None else None
+        self.tp_group = topo.group("tp") if topo is not None else None
         self.R = len(topo.ranks["outer"]) if topo is not None else 1
         self.H = ocfg.sync_every
         self.outer_step = 0
@@ -262,6 +263,12 @@ class OuterLoop:
         times = self._step_times[-self.H:] or [0.0]
         t_step = sum(times) / len(times)
         rank, H = self.controller.update(comp.sigmas(), h.comm_s, comp.payload_bytes(), comp.payload_bytes, t_step, tail=comp.tail_energy(), rank_cap=comp.max_rank())
+        if self.tp_group is not None and comp.rank > 0:
+            # the σ's of TP shards differ, but a replicated matrix (position embedding) must be
+            # compressed at the same rank on every TP rank, or its copies drift apart: take the max
+            t = torch.tensor([rank], dtype=torch.int64, device=self.params[0].device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+            rank = int(t.item())
         if comp.rank > 0 and rank != comp.rank:  # σ's are bit-identical across the outer group: so is rank
             comp.set_rank(rank)
         self.H = max(self._agree_max(int(H)), self.tau + 1)
