@@ -5,6 +5,10 @@ validation loss and its curve (PNG), bytes sent between replicas (the framework'
 summed over the ranks of a replica) and the compression ratio against ``allreduce``.
 
     dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--out docs/bench/methods]
+    dilocox bench methods --ablation [--out docs/bench/ablation]
+
+``--ablation`` runs ``allreduce`` and ``dilocox`` with its parts switched off one at a time
+(``ABLATION``), to show which of them costs loss at this scale.
 """
 
 from __future__ import annotations
@@ -33,18 +37,36 @@ def method_body(method: str, H: int) -> str:
     return LAYOUT + sync + extra
 
 
-def run(methods: list[str], steps: int, H: int, run_root: str) -> list[dict]:
+# (label, preset, overrides): DiLoCoX with one part at a time switched off or changed
+ABLATION = [
+    ("allreduce", "allreduce", []),
+    ("dilocox", "dilocox", []),
+    ("dilocox, no adaptive (rank 8, H fixed)", "dilocox", ["--compress.adaptive.enabled=false"]),
+    ("dilocox, no low rank (int4 only)", "dilocox", ["--compress.lowrank.enabled=false"]),
+    ("dilocox, no compression", "dilocox", ["--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]),
+    ("dilocox, no delay (blocking)", "dilocox", ["--outer.overlap=none"]),
+    ("dilocox, no delay, no compression", "dilocox",
+     ["--outer.overlap=none", "--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]),
+    ("dilocox, no delay, no compression, outer 0.7/0.9", "dilocox",
+     ["--outer.overlap=none", "--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false",
+      "--outer.lr=0.7", "--outer.momentum=0.9"]),
+]
+
+
+def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str) -> list[dict]:
+    """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for m in methods:
-            cfg = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
-            res = run_train(cfg, 4, os.path.join(run_root, m), [f"--train.steps={steps}", "--train.eval_every=50"])
+        for i, entry in enumerate(methods):
+            label, m, extra = (entry, entry, []) if isinstance(entry, str) else entry
+            cfg = write_config(os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
+            res = run_train(cfg, 4, os.path.join(run_root, f"{i}-{m}"), [f"--train.steps={steps}", "--train.eval_every=50", *extra])
             s = res["summary"]
             # bytes sent to the other replica by the 2 ranks (stages) of replica 0
             sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
             blocked = max((r.get("outer_blocked_total_s", 0.0) for r in res["ranks"]), default=0.0)
             rows.append({
-                "method": m, "final_val_loss": s["final_val_loss"], "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
+                "method": label, "preset": m, "overrides": list(extra), "final_val_loss": s["final_val_loss"], "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
                 "bytes_sent_per_replica": sent, "blocked_s": blocked, "tokens_per_replica": s["tokens_per_replica"],
                 "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r] + [(s["steps"], s["final_val_loss"])],
             })
@@ -91,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--out", default="docs/bench/methods")
+    ap.add_argument("--ablation", action="store_true", help="dilocox with its parts switched off one at a time (ABLATION)")
+    ap.add_argument("--out", default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)")
     a = ap.parse_args(argv)
+    a.out = a.out or os.path.join("docs", "bench", "ablation" if a.ablation else "methods")
     os.makedirs(a.out, exist_ok=True)
-    rows = run(a.methods.split(","), a.steps, a.H, os.path.join("runs", "bench-methods"))
+    entries = ABLATION if a.ablation else a.methods.split(",")
+    rows = run(entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"))
     md = markdown(rows, a.steps, a.H)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -38,6 +38,11 @@ def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), 
     wall = time.time() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"training failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return dict(read_run(run_dir), wall_s=wall, stdout=proc.stdout)
+
+
+def read_run(run_dir: str) -> dict:
+    """Rank 0's per-step records and summary (``metrics.jsonl``), and every rank's ``rank_*.json``."""
     steps, summary = [], {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -51,7 +56,7 @@ def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), 
         if name.startswith("rank_") and name.endswith(".json"):
             with open(os.path.join(run_dir, name)) as f:
                 ranks.append(json.load(f))
-    return {"steps": steps, "summary": summary, "ranks": ranks, "wall_s": wall, "stdout": proc.stdout}
+    return {"steps": steps, "summary": summary, "ranks": ranks}
 
 
 def machine_line() -> str:

@@ -48,7 +48,7 @@ import time
 from dataclasses import replace
 
 from dilocox.bench.methods import method_body
-from dilocox.bench.runner import ROOT, machine_line, run_train, write_config
+from dilocox.bench.runner import ROOT, machine_line, read_run, run_train, write_config
 from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
 from dilocox.plan import PRESETS, Compression, fmt_bandwidth, parse_bandwidth, plan
 
@@ -60,24 +60,6 @@ TRAIN_FLAGS = ["--checkpoint.resume=none", "--log.progress=false", "--log.tensor
 
 
 # --------------------------------------------------------------------------- running
-
-
-def read_run(run_dir: str) -> dict:
-    """Rank 0's per-step records and summary, and every rank's ``rank_*.json``."""
-    steps, summary = [], {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            if "summary" in rec:
-                summary = rec["summary"]
-            elif "step" in rec:
-                steps.append(rec)
-    ranks = []
-    for name in sorted(os.listdir(run_dir)):
-        if name.startswith("rank_") and name.endswith(".json"):
-            with open(os.path.join(run_dir, name)) as f:
-                ranks.append(json.load(f))
-    return {"steps": steps, "summary": summary, "ranks": ranks}
 
 
 def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[str], timeout: float = 900) -> dict:
