@@ -84,39 +84,60 @@ def save_checkpoint(
     world_size: int,
     state: dict,
     meta: dict | None = None,
-    barrier: Callable[[], None] | None = None,
+    agree: Callable[[bool], bool] | None = None,
     keep: int = 2,
 ) -> str:
     """Write this rank's shard; rank 0 marks the step complete and moves ``latest``.
 
-    ``barrier`` must synchronise all ranks (e.g. ``dist.barrier``); it is called twice: after
-    the shards are written and after ``latest`` moved (so no rank races ahead and reads a
-    half-written directory). Returns the step directory.
+    ``agree(flag)`` must be a collective over all ranks that returns whether ``flag`` is true
+    on every rank (``all_ranks_agree``); it also synchronises them. Every decision that could
+    differ between ranks goes through it, so all ranks take the same branch and raise the
+    same error instead of one rank raising while the others wait in a barrier forever (e.g.
+    ``checkpoint.dir`` on node-local disks, where rank 0 cannot see the other nodes' shards).
+    Returns the step directory.
     """
+    agree = agree or (lambda flag: flag)
     step_dir = os.path.join(ckpt_dir, step_dir_name(step))
-    if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
-        # Already saved at this step (e.g. a run resumed at its last step saves again): never
-        # rewrite shards inside a directory that is marked complete.
-        if barrier is not None:
-            barrier()
+    # Already saved at this step (e.g. a run resumed at its last step saves again): never
+    # rewrite shards inside a directory that is marked complete.
+    if not agree(not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
         return step_dir
-    os.makedirs(step_dir, exist_ok=True)
-    _atomic_write_bytes(shard_path(step_dir, rank), lambda f: torch.save(state, f))
-    if barrier is not None:
-        barrier()
+    err = ""
+    try:
+        os.makedirs(step_dir, exist_ok=True)
+        _atomic_write_bytes(shard_path(step_dir, rank), lambda f: torch.save(state, f))
+    except OSError as e:
+        err = f"rank {rank} could not write its shard in {step_dir}: {e}"
+    if not agree(not err):
+        raise CheckpointError(err or f"another rank could not write its shard in {step_dir} (see its log); checkpoint not marked complete")
     if rank == 0:
         missing = [r for r in range(world_size) if not os.path.exists(shard_path(step_dir, r))]
         if missing:
-            raise CheckpointError(f"ranks {missing} did not write their shard in {step_dir}; checkpoint not marked complete")
-        info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {})}
-        _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
-        _atomic_write_text(os.path.join(ckpt_dir, "latest"), step_dir_name(step) + "\n")
-        for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
-            if os.path.abspath(old) != os.path.abspath(step_dir):
-                shutil.rmtree(old, ignore_errors=True)
-    if barrier is not None:
-        barrier()
+            err = (f"rank 0 cannot see the shards of ranks {missing} in {step_dir}; checkpoint not marked complete. "
+                   "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)")
+        else:
+            info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {})}
+            _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
+            _atomic_write_text(os.path.join(ckpt_dir, "latest"), step_dir_name(step) + "\n")
+            for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+                if os.path.abspath(old) != os.path.abspath(step_dir):
+                    shutil.rmtree(old, ignore_errors=True)
+    if not agree(not err):
+        raise CheckpointError(err or f"rank 0 could not mark {step_dir} complete: it cannot see every rank's shard. "
+                              "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)")
     return step_dir
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """True iff ``flag`` is true on every rank of the default group (a MIN all-reduce; also a barrier)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def read_meta(step_dir: str) -> dict:

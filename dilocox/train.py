@@ -90,7 +90,6 @@ class Trainer:
         rank, world, local = init_distributed("gloo" if cfg.train.device == "cpu" else None)
         self.topo = build_topology(cfg.parallel, rank, world)
         self.device = pick_device(cfg, local)
-        self.world_barrier = dist.barrier if dist.is_initialized() else None
         torch.manual_seed(cfg.train.seed)
         # Every rank of a replica draws the replica's full batch (a pure function of seed,
         # replica and step); the pipeline engine takes this rank's inner-DP rows.
@@ -170,7 +169,7 @@ class Trainer:
     def save(self) -> str:
         return ckpt.save_checkpoint(
             self.ckpt_dir, self.step, self.topo.rank, self.topo.world_size, self.state_dict(),
-            meta=self._layout(), barrier=self.world_barrier, keep=self.cfg.checkpoint.keep,
+            meta=self._layout(), agree=ckpt.all_ranks_agree, keep=self.cfg.checkpoint.keep,
         )
 
     # ------------------------------------------------------------------ loop

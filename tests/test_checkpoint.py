@@ -80,3 +80,30 @@ def test_saving_an_already_complete_step_leaves_it_untouched(tmp_path):
     before = open(path, "rb").read()
     ckpt.save_checkpoint(d, 10, 0, 1, _state(99))
     assert open(path, "rb").read() == before
+
+
+def _save_per_node_dirs(rank, world, root, shared):
+    """Each rank saves into its own directory (node-local disks) or into one shared one."""
+    d = os.path.join(root, "shared" if shared else f"node{rank}")
+    out = []
+    for step in (1, 1):  # the second save at the same step must be a no-op on every rank
+        try:
+            ckpt.save_checkpoint(d, step, rank, world, _state(step), agree=ckpt.all_ranks_agree)
+            out.append("ok")
+        except ckpt.CheckpointError as e:
+            out.append(str(e))
+    return out, sorted(os.listdir(d))
+
+
+def test_node_local_checkpoint_dirs_fail_on_every_rank_without_hanging(tmp_path):
+    from dilocox.distributed.spawn import run_ranks
+
+    res = run_ranks(2, _save_per_node_dirs, str(tmp_path), False, timeout=120)
+    for out, listing in res:
+        assert all("shared by all ranks" in m for m in out), out  # a clear error on both ranks, no deadlock
+        assert "latest" not in listing
+    assert ckpt.find_latest(str(tmp_path / "node0")) is None
+
+    res = run_ranks(2, _save_per_node_dirs, str(tmp_path), True, timeout=120)
+    assert [out for out, _ in res] == [["ok", "ok"], ["ok", "ok"]]
+    assert ckpt.find_latest(str(tmp_path / "shared")).endswith(ckpt.step_dir_name(1))
