@@ -1,6 +1,5 @@
 """Quantized all-reduce (allgather / reduce_scatter / none / fp16) and the CocktailSGD baseline."""
 
-import io
 import math
 
 import torch
@@ -12,18 +11,6 @@ from dilocox.config import CompressConfig
 from dilocox.distributed.spawn import run_ranks
 
 LEVELS = {"int4": 7, "int8": 127}
-
-
-def _to_bytes(obj):
-    """Results cross the process boundary as bytes (many tensors via fd sharing can fail)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _run(world, fn, *args):
-    return [torch.load(io.BytesIO(b), weights_only=True) for b in run_ranks(world, fn, *args)]
-
 
 
 def _inputs(rank, n, t=0):
@@ -76,11 +63,11 @@ def _run_cases(rank, world, cases):
         st = CommStats()
         y = quantized_allreduce(x, dist.group.WORLD, kind, G, mode=mode, op=op, error=e, stats=st, seed=5, step=3)
         out.append((y, e, st.as_dict()))
-    return _to_bytes(out)
+    return out
 
 
 def _check_world(world):
-    res = _run(world, _run_cases, CASES[world])
+    res = run_ranks(world, _run_cases, CASES[world])
     for c, (kind, mode, op, n, G) in enumerate(CASES[world]):
         ys = [res[r][c][0] for r in range(world)]
         for y in ys[1:]:
@@ -136,12 +123,12 @@ def _telescope(rank, world, steps, n, G):
     for t in range(steps):
         x, _ = _inputs(rank, n, t)
         outs.append(quantized_allreduce(x, dist.group.WORLD, "int4", G, error=e, step=t))
-    return _to_bytes((outs, e))
+    return (outs, e)
 
 
 def test_error_feedback_telescopes():
     world, steps, n, G = 2, 6, 640, 32
-    res = _run(world, _telescope, steps, n, G)
+    res = run_ranks(world, _telescope, steps, n, G)
     sent_total = world * sum(res[0][0])  # Σ_t Σ_r sent_{r,t}
     x_total = sum(_inputs(r, n, t)[0] for r in range(world) for t in range(steps))
     e_final = sum(res[r][1] for r in range(world))
@@ -176,7 +163,7 @@ def _cocktail(rank, world, cases, steps):
             y = cocktail_allreduce(g, dist.group.WORLD, e, cfg, t, st, seed=9, sizes=sizes if len(sizes) > 1 else None)
             per.append((y, e.clone(), st.as_dict()))
         out.append(per)
-    return _to_bytes(out)
+    return out
 
 
 def _cocktail_reference(world, cfg, sizes, steps):
@@ -224,7 +211,7 @@ def test_cocktail_matches_reference_and_counts_bytes():
              (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01), [20000]),  # int32 indices
              (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.08), tensors),
              (CompressConfig(quant="none", random_fraction=0.1, topk_fraction=0.08), tensors)]
-    res = _run(world, _cocktail, cases, steps)
+    res = run_ranks(world, _cocktail, cases, steps)
     for c, (cfg, sizes) in enumerate(cases):
         ref = _cocktail_reference(world, cfg, sizes, steps)
         for t in range(steps):

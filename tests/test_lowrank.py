@@ -15,18 +15,6 @@ from dilocox.config import CompressConfig, LowRankConfig
 from dilocox.distributed.spawn import run_ranks
 
 
-def _to_bytes(obj):
-    """Results cross the process boundary as bytes (many tensors via fd sharing can fail)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _run(world, fn, *args):
-    return [torch.load(io.BytesIO(b), weights_only=True) for b in run_ranks(world, fn, *args)]
-
-
-
 def _low_rank(n, m, r, seed, shared_left=None):
     g = torch.Generator().manual_seed(seed)
     a = shared_left if shared_left is not None else torch.randn(n, r, generator=g)
@@ -114,7 +102,7 @@ def _powersgd_ranks(rank, world, n, m, r, kinds, G):
         st = CommStats()
         m_hat, residual = p.allreduce([mat], dist.group.WORLD, kind=kind, group_size=G, stats=st)
         out[kind] = {"m_hat": m_hat[0], "p_hat": p.p_hat()[0], "q0": q0, "residual": residual[0], "mat": mat, "bytes": st.bytes_sent}
-    return _to_bytes(out)
+    return out
 
 
 def _reference_powersgd(mats, q0, kind, G):
@@ -139,7 +127,7 @@ def _reference_powersgd(mats, q0, kind, G):
 def test_compressed_allreduce_identical_and_matches_reference(world):
     n, m, r, G = 64, 96, 4, 32
     kinds = ("int4", "none")
-    by_rank = _run(world, _powersgd_ranks, n, m, r, kinds, G)
+    by_rank = run_ranks(world, _powersgd_ranks, n, m, r, kinds, G)
     for kind in kinds:
         res = [x[kind] for x in by_rank]
         for x in res[1:]:
@@ -176,7 +164,7 @@ def _compressor_ranks(rank, world, ccfgs, shapes, steps):
             ts[0] = ts[0] * 0.1 + _matrices(rank, *shapes[0], 4)
             outs.append((ts, comp.allreduce_mean(ts, dist.group.WORLD, t, st)))
         runs.append({"outs": outs, "bytes": st.bytes_sent, "calls": st.n_calls, "wire": comp.wire_bytes(world), "errors": comp.errors})
-    return _to_bytes(runs)
+    return runs
 
 
 SHAPES = [torch.Size([64, 96]), torch.Size([96]), torch.Size([3, 200]), torch.Size([40, 128])]
@@ -188,7 +176,7 @@ def test_compressor_on_two_ranks():
     ccfgs = [CompressConfig(),  # no compression: exact fp32 mean
              CompressConfig(quant="int4", group_size=32, collective="allgather", lowrank=lowrank),
              CompressConfig(quant="int4", group_size=32, collective="reduce_scatter", lowrank=lowrank)]
-    by_rank = _run(2, _compressor_ranks, ccfgs, SHAPES, steps)
+    by_rank = run_ranks(2, _compressor_ranks, ccfgs, SHAPES, steps)
     exact = [x[0] for x in by_rank]
     for t in range(steps):
         ins = [exact[r]["outs"][t][0] for r in range(2)]

@@ -14,12 +14,11 @@ summed over the ranks of a replica) and the compression ratio against ``allreduc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 
-from dilocox.bench.runner import machine_line, run_train, write_config
+from dilocox.bench.runner import line_plot, machine_line, run_train, write_config, write_results
 
 METHODS = ["allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox"]
 LAYOUT = """parallel: {replicas: 2, pipeline: 2, microbatches: 2}
@@ -91,21 +90,8 @@ def markdown(rows: list[dict], steps: int, H: int) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for r in rows:
-        xs, ys = zip(*r["val_curve"])
-        ax.plot(xs, ys, "o-", ms=3, label=r["method"])
-    ax.set_xlabel("step (equal tokens per replica)")
-    ax.set_ylabel("validation loss")
-    ax.set_title("methods at equal tokens, 2 replicas x PP=2")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    line_plot(path, [(r["method"], *zip(*r["val_curve"]), "o-") for r in rows], "step (equal tokens per replica)",
+              "validation loss", "methods at equal tokens, 2 replicas x PP=2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     entries = ABLATION if a.ablation else a.methods.split(",")
     rows = run(entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"))
     md = markdown(rows, a.steps, a.H)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write(md + "\n")
+    write_results(a.out, rows, md)
     plot(rows, os.path.join(a.out, "val_loss.png"))
     print(md)
     return 0

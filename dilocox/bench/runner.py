@@ -59,6 +59,35 @@ def read_run(run_dir: str) -> dict:
     return {"steps": steps, "summary": summary, "ranks": ranks}
 
 
+def write_results(out_dir: str, rows, md: str) -> None:
+    """``results.json`` (the rows) and ``results.md`` (the table ``dilocox.bench.report`` pastes into the docs)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(md + "\n")
+
+
+def line_plot(path: str, series: list[tuple[str, list, list, str]], xlabel: str, ylabel: str, title: str,
+              figsize: tuple[float, float] = (6.4, 3.8)) -> None:
+    """One PNG of ``(label, xs, ys, matplotlib format)`` lines (matplotlib imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=figsize)
+    for label, xs, ys, fmt in series:
+        ax.plot(xs, ys, fmt, ms=3, label=label, alpha=0.85)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def machine_line() -> str:
     import platform
 

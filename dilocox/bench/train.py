@@ -9,11 +9,10 @@ loss and the loss curves (PNG). Same model, data, seed and steps for both layout
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
-from dilocox.bench.runner import CONFIGS, machine_line, run_train
+from dilocox.bench.runner import CONFIGS, line_plot, machine_line, run_train, write_results
 
 LAYOUTS = [("1 rank", "tiny.yaml", 1), ("PP=2 x TP=2 (4 ranks)", "tiny-pp2-tp2.yaml", 4)]
 
@@ -43,24 +42,12 @@ def markdown(rows: list[dict], steps: int) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    series = []
     for r in rows:
-        xs, ys = zip(*r["curve"])
-        ax.plot(xs, ys, label=f"{r['layout']} (train)", alpha=0.8)
+        series.append((f"{r['layout']} (train)", *zip(*r["curve"]), "-"))
         if r["val_curve"]:
-            vx, vy = zip(*r["val_curve"])
-            ax.plot(vx, vy, "o--", label=f"{r['layout']} (val)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("tiny GPT-2 on the stdlib corpus")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            series.append((f"{r['layout']} (val)", *zip(*r["val_curve"]), "o--"))
+    line_plot(path, series, "step", "loss (nats/token)", "tiny GPT-2 on the stdlib corpus", figsize=(6, 3.6))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     rows = run(a.steps, a.out)
     md = markdown(rows, a.steps)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write(md + "\n")
+    write_results(a.out, rows, md)
     plot(rows, os.path.join(a.out, "loss.png"))
     print(md)
     return 0
