@@ -30,7 +30,7 @@ def _knobs(cfg):
 
 def test_ablation_variants_switch_off_what_they_name(tmp_path):
     full = _knobs(_load(tmp_path, "dilocox"))
-    assert full == {"overlap": "delayed", "lr": 0.5, "momentum": 0.5, "quant": "int4", "lowrank": True, "adaptive": True}
+    assert full == {"overlap": "delayed", "lr": 0.5, "momentum": 0.0, "quant": "int4", "lowrank": True, "adaptive": True}
     labels = [label for label, _, _ in ABLATION]
     assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox" in labels
     for label, preset, extra in ABLATION:
@@ -39,9 +39,12 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
         got = _knobs(_load(tmp_path, preset, extra))
         changed = {k for k in full if got[k] != full[k]}
         expect = set()
-        if "no delay" in label:
+        if "no delay" in label or "eager" in label:
             expect.add("overlap")
-            assert got["overlap"] == "none"
+            assert got["overlap"] == ("eager" if "eager" in label else "none")
+        if "momentum 0.5" in label:
+            expect.add("momentum")
+            assert got["momentum"] == 0.5
         if "no compression" in label:
             expect |= {"quant", "lowrank", "adaptive"}
             assert got["quant"] == "none" and not got["lowrank"]

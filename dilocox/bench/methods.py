@@ -37,18 +37,19 @@ def method_body(method: str, H: int) -> str:
 
 
 # (label, preset, overrides): DiLoCoX with one part at a time switched off or changed
+_OFF = ["--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]
 ABLATION = [
     ("allreduce", "allreduce", []),
     ("dilocox", "dilocox", []),
     ("dilocox, no adaptive (rank 8, H fixed)", "dilocox", ["--compress.adaptive.enabled=false"]),
     ("dilocox, no low rank (int4 only)", "dilocox", ["--compress.lowrank.enabled=false"]),
-    ("dilocox, no compression", "dilocox", ["--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]),
+    ("dilocox, no compression", "dilocox", _OFF),
+    ("dilocox, outer momentum 0.5", "dilocox", ["--outer.momentum=0.5"]),
+    ("dilocox, eager instead of delay", "dilocox", ["--outer.overlap=eager"]),
     ("dilocox, no delay (blocking)", "dilocox", ["--outer.overlap=none"]),
-    ("dilocox, no delay, no compression", "dilocox",
-     ["--outer.overlap=none", "--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]),
-    ("dilocox, no delay, no compression, outer 0.7/0.9", "dilocox",
-     ["--outer.overlap=none", "--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false",
-      "--outer.lr=0.7", "--outer.momentum=0.9"]),
+    ("dilocox, no delay, outer momentum 0.5", "dilocox", ["--outer.overlap=none", "--outer.momentum=0.5"]),
+    ("dilocox, no delay, no compression, outer 0.7/0.9 (= diloco)", "dilocox",
+     ["--outer.overlap=none", *_OFF, "--outer.lr=0.7", "--outer.momentum=0.9"]),
 ]
 
 
