@@ -215,6 +215,12 @@ class Trainer:
         start_step = self.step
         self.logger.info(f"dilocox: {self.topo.describe()} | device {self.device} | method {cfg.outer.method} | "
                          f"{cfg.model.arch} {cfg.model.num_params() / 1e6:.2f}M params | {tokens_per_step} tokens/step")
+        o = cfg.outer
+        if (o.method == "diloco" and not cfg.compress.adaptive.enabled and o.streaming.fragments == 1
+                and cfg.train.steps % o.sync_every):
+            self.logger.info(f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every={o.sync_every}: the last "
+                             f"{cfg.train.steps % o.sync_every} local steps are never synchronised and the final model (the outer "
+                             f"params) leaves them out; set train.steps to a multiple of {o.sync_every}")
         t_start = time.time()
         t_last, step_last = t_start, self.step
         val_loss = None

@@ -95,3 +95,13 @@ def test_short_training_beats_unigram_entropy(tmp_path):
     steps = [r for r in lines if "step" in r]
     assert steps[-1]["step"] == cfg.train.steps and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+
+
+@pytest.mark.parametrize("steps,warns", [(7, True), (10, False)])
+def test_warns_when_the_last_phase_would_be_dropped(tmp_path, capsys, steps, warns):
+    from dilocox.train import Trainer
+
+    cfg = tiny_cfg(str(tmp_path), "--outer.method=diloco", "--outer.sync_every=5", "--checkpoint.resume=none", steps=steps)
+    Trainer(cfg).run()
+    out = capsys.readouterr().out
+    assert ("train.steps=7 is not a multiple of outer.sync_every=5: the last 2 local steps" in out) == warns, out[-2000:]
