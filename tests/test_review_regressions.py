@@ -25,21 +25,16 @@ import pytest
 
 from dilocox.config import ConfigError, load_config
 from dilocox.distributed.spawn import run_ranks
+from test_train import tiny_cfg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
 def small_cfg(tmp, *extra, steps=4):
-    return load_config(
-        os.path.join(ROOT, "configs", "tiny.yaml"),
-        [
-            f"--log.run_dir={tmp}", f"--data.cache_dir={tmp}/cache", "--data.max_bytes=200000",
-            f"--train.steps={steps}", "--train.batch_size=4", "--train.seq_len=32", "--train.eval_every=0",
-            "--train.eval_batches=1", "--log.tensorboard=false", "--log.progress=false", "--optim.warmup_steps=1",
-            "--model.n_layers=2", "--model.d_model=64", "--checkpoint.resume=none", *extra,
-        ],
-    )
+    """``test_train.tiny_cfg`` made smaller still (2 layers x 64, 32-token sequences)."""
+    return tiny_cfg(tmp, "--data.max_bytes=200000", "--train.seq_len=32", "--train.eval_batches=1", "--optim.warmup_steps=1",
+                    "--model.n_layers=2", "--model.d_model=64", "--checkpoint.resume=none", *extra, steps=steps)
 
 
 # ----------------------------------------------------------------------------- config
