@@ -4,7 +4,7 @@ Same model (tiny GPT-2), data, seed and token budget for all presets; reports th
 validation loss and its curve (PNG), bytes sent between replicas (the framework's counters,
 summed over the ranks of a replica) and the compression ratio against ``allreduce``.
 
-    dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--out docs/bench/methods]
+    dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--set=--train.seed=1] [--out docs/bench/methods]
     dilocox bench methods --ablation [--out docs/bench/ablation]
 
 ``--ablation`` runs ``allreduce`` and ``dilocox`` with its parts switched off one at a time
@@ -53,14 +53,16 @@ ABLATION = [
 ]
 
 
-def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str) -> list[dict]:
-    """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens."""
+def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str,
+        common: list[str] = ()) -> list[dict]:
+    """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens;
+    ``common`` overrides (e.g. ``--train.seed=1``) apply to every run."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(methods):
             label, m, extra = (entry, entry, []) if isinstance(entry, str) else entry
             cfg = write_config(os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
-            res = run_train(cfg, 4, os.path.join(run_root, f"{i}-{m}"), [f"--train.steps={steps}", "--train.eval_every=50", *extra])
+            res = run_train(cfg, 4, os.path.join(run_root, f"{i}-{m}"), [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra])
             s = res["summary"]
             # bytes sent to the other replica by the 2 ranks (stages) of replica 0
             sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
@@ -78,9 +80,10 @@ def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: in
     return rows
 
 
-def markdown(rows: list[dict], steps: int, H: int) -> str:
+def markdown(rows: list[dict], steps: int, H: int, common: list[str] = ()) -> str:
+    extra = f"; every run with {' '.join(common)}" if common else ""
     lines = [f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
-             f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods.", "",
+             f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods{extra}.", "",
              "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce | blocked on outer (s) | tokens/s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -100,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--set", dest="common", action="append", default=[], metavar="--KEY=VALUE",
+                    help="a config override for every run, e.g. --set=--train.seed=1 (repeatable)")
     ap.add_argument("--ablation", action="store_true", help="dilocox with its parts switched off one at a time (ABLATION)")
     ap.add_argument("--out", default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join("docs", "bench", "ablation" if a.ablation else "methods")
     os.makedirs(a.out, exist_ok=True)
     entries = ABLATION if a.ablation else a.methods.split(",")
-    rows = run(entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"))
-    md = markdown(rows, a.steps, a.H)
+    rows = run(entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"), a.common)
+    md = markdown(rows, a.steps, a.H, a.common)
     write_results(a.out, rows, md)
     plot(rows, os.path.join(a.out, "val_loss.png"))
     print(md)
