@@ -145,6 +145,7 @@ class OuterConfig:
     overlap: str = "none"  # none | delayed | eager
     state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
+    shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs all (D x the bytes)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
 
 

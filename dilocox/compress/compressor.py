@@ -49,7 +49,7 @@ class Compressor:
 
     def __init__(self, shapes: list[torch.Size], quant: str = "none", group_size: int = 128, collective: str = "auto",
                  error_feedback: bool = True, lowrank_rank: int | None = None, min_compression: float = 1.0, seed: int = 0,
-                 tail_sketch: bool = False):
+                 tail_sketch: bool = False, ids: list[int] | None = None):
         if quant not in ("none", "fp16", "int8", "int4"):
             raise ValueError(f"compress.quant={quant!r} is not one of ['none', 'fp16', 'int8', 'int4']")
         if group_size < 2 or group_size % 2:
@@ -61,7 +61,7 @@ class Compressor:
         self.collective = collective
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
-        self.lowrank = PowerSGD(self.shapes, lowrank_rank, seed, min_compression) if lowrank_rank else None
+        self.lowrank = PowerSGD(self.shapes, lowrank_rank, seed, min_compression, ids) if lowrank_rank else None
         self.errors: list[torch.Tensor] | None = None  # allocated on first use (device of the inputs)
         self.tail_sketch = bool(tail_sketch) and self.lowrank is not None
         self._tail: torch.Tensor | None = None  # tail-energy estimates of the last sync, per factored matrix
@@ -248,9 +248,10 @@ class Compressor:
             self.errors = None
 
 
-def build_compressor(ccfg, shapes: list[torch.Size], seed: int) -> Compressor:
+def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None) -> Compressor:
     """Build the shard's compressor from a ``CompressConfig``. ``seed`` must be the same on every
-    replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding)."""
+    replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding);
+    ``ids`` are stable per-tensor ids for the shared draws (see ``PowerSGD``)."""
     lr = ccfg.lowrank
     rank = lr.rank
     if lr.enabled and ccfg.adaptive.enabled:
@@ -258,5 +259,5 @@ def build_compressor(ccfg, shapes: list[torch.Size], seed: int) -> Compressor:
     return Compressor(
         shapes, quant=ccfg.quant, group_size=ccfg.group_size, collective=ccfg.collective,
         error_feedback=ccfg.error_feedback, lowrank_rank=rank if lr.enabled else None,
-        min_compression=lr.min_compression, seed=seed, tail_sketch=lr.enabled and ccfg.adaptive.enabled,
+        min_compression=lr.min_compression, seed=seed, tail_sketch=lr.enabled and ccfg.adaptive.enabled, ids=ids,
     )

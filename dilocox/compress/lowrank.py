@@ -81,18 +81,24 @@ class PowerSGD:
     ones are factored (``factored``), the others are ignored by this class.
     """
 
-    def __init__(self, shapes: list[torch.Size], rank: int, seed: int = 0, min_compression: float = 1.0):
+    def __init__(self, shapes: list[torch.Size], rank: int, seed: int = 0, min_compression: float = 1.0,
+                 ids: list[int] | None = None):
+        """``ids``: a stable id per tensor for the shared random draws (default: its index), so a
+        tensor draws the same Q and sketches whichever subset of tensors this instance holds."""
         if rank < 1:
             raise ValueError(f"compress.lowrank.rank={rank} must be >= 1")
         self.shapes = [torch.Size(s) for s in shapes]
         self.seed = int(seed)
+        self.ids = list(ids) if ids is not None else list(range(len(self.shapes)))
+        if len(self.ids) != len(self.shapes):
+            raise ValueError(f"{len(self.ids)} tensor ids for {len(self.shapes)} shapes")
         self.min_compression = float(min_compression)
         self.rank = int(rank)
         self.q: dict[int, torch.Tensor] = {}  # warm-start Q (m×r), identical on every replica
         self._p_hat: dict[int, torch.Tensor] = {}  # P̂ (n×r) of the step in flight
         for i in self.factored_for(self.rank):
             n, m = as_matrix_shape(self.shapes[i])
-            self.q[i] = orthonormal_random(m, self.rank, mix_seed(self.seed, i))
+            self.q[i] = orthonormal_random(m, self.rank, mix_seed(self.seed, self.ids[i]))
 
     # ------------------------------------------------------------------ structure
 
@@ -134,11 +140,11 @@ class PowerSGD:
             n, m = as_matrix_shape(self.shapes[i])
             old = self.q.get(i)
             if old is None:
-                q = orthonormal_random(m, rank, mix_seed(self.seed, i))
+                q = orthonormal_random(m, rank, mix_seed(self.seed, self.ids[i]))
             elif rank <= old.shape[1]:
                 q = old[:, :rank].contiguous()
             else:
-                extra = orthonormal_random(m, rank - old.shape[1], mix_seed(self.seed, i, old.shape[1], rank), basis=old)
+                extra = orthonormal_random(m, rank - old.shape[1], mix_seed(self.seed, self.ids[i], old.shape[1], rank), basis=old)
                 q = torch.cat([old, extra.to(old.device)], dim=1).contiguous()
             new[i] = q
         self.q = new
@@ -197,7 +203,7 @@ class PowerSGD:
             mat = self._matrix(i, ms[i])
             qt = q_flat[off: off + self.rank * m].view(self.rank, m)
             off += self.rank * m
-            gen = torch.Generator(device="cpu").manual_seed(mix_seed(self.seed, i, step, 0x7A11))
+            gen = torch.Generator(device="cpu").manual_seed(mix_seed(self.seed, self.ids[i], step, 0x7A11))
             g = torch.randn(n, a, generator=gen, dtype=torch.float32).to(mat.device)
             z = torch.randn(m, b, generator=gen, dtype=torch.float32).to(mat.device)
             resid = mat @ z - self._p_hat[i] @ (qt @ z)

@@ -37,6 +37,9 @@ local progress; none/streaming: the pending fragment's outer step), then sets ev
 parameter to the outer params θ. So the final model is the global model with every
 communicated update applied; local progress since a fragment's last sync point that was
 never communicated is dropped (choose train.steps as a multiple of H to lose nothing).
+With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
+1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
+outer step (``_shard_over_data``): same parameters, 1/D of the slow-link bytes.
 With a single replica (outer group None) nothing is sent and the "all-reduce" is the
 compressor's local round trip (the identity for quant none): one replica sees the same
 compression error as many.
@@ -83,6 +86,7 @@ class OuterLoop:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.inner_optimizer = inner_optimizer
+        self.topo = topo
         self.group = topo.group("outer") if topo is not None else None
         self.replica_group = topo.group("replica") if topo is not None else None
         self.tp_group = topo.group("tp") if topo is not None else None
@@ -139,11 +143,13 @@ class OuterLoop:
                 if lid is not None and not 0 <= lid < n_layers_total:
                     raise ValueError(f"layer_of({name!r}) = {lid} is outside [0, n_layers_total={n_layers_total})")
         fragments = assign_fragments(self.names, layer_of, s.fragments, s.pattern)
+        fragments = self._shard_over_data(fragments)
         self.state = OuterState([p.data for p in self.params], fragments, o.state_device)
         self.schedule = SyncSchedule(self.K, self.H, self.tau)
         from dilocox.compress.compressor import build_compressor
 
-        self.compressors = [build_compressor(self.ccfg, self.state.shapes(p), seed + p) for p in range(self.K)]
+        self.compressors = [build_compressor(self.ccfg, self.state.shapes(p), seed + p, self._frag_ids[p] if self._frag_ids else None)
+                            for p in range(self.K)]
         self.pending: list[CommHandle | None] = [None] * self.K
         self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
         self.controller = None
@@ -152,6 +158,56 @@ class OuterLoop:
 
             a = self.ccfg.adaptive
             self.controller = AdaptiveController(a.energy_eps, a.window, a.rank_min, a.rank_max, a.h_min, a.h_max)
+
+    def _shard_over_data(self, fragments: list[list[int]]) -> list[list[int]]:
+        """Inner-DP sharding of the outer work (``outer.shard_over_data``, parallel.data = D > 1).
+
+        The D ranks of one (replica, stage, tp) hold identical parameters (inner DP all-reduces
+        the gradients), so syncing the whole shard from each of them sends D copies over the
+        slow link. Instead every tensor gets one owner among them (per fragment, largest tensor
+        first to the least loaded rank: the same assignment on every rank, from the shapes
+        alone); a rank keeps outer state, compressor and outer all-reduce for its own tensors
+        only, and after each outer step every tensor is broadcast from its owner over the DP
+        group. Per tensor the math is unchanged (compression, groups and error feedback are per
+        tensor), so the parameters equal the unsharded run's; slow-link bytes drop D×.
+        Returns the fragments as indices into the (now owned-only) ``self.params``.
+        """
+        self.dp_group, self._bcast, self._frag_ids = None, None, None
+        topo = self.topo
+        if topo is None or getattr(topo, "D", 1) == 1 or not self.ocfg.shard_over_data:
+            return fragments
+        from dilocox.distributed.topology import Coord, rank_of
+
+        D, c = topo.D, topo.coord
+        owner = [0] * len(self.params)
+        for p, frag in enumerate(fragments):
+            load = [0] * D
+            for i in sorted(frag, key=lambda i: (-self.params[i].numel(), i)):
+                d = min(range(D), key=lambda d: (load[d], d))
+                owner[i], load[d] = d, load[d] + self.params[i].numel()
+            if sum(1 for i in frag if owner[i] == c.data) == 0:
+                raise ConfigError(
+                    f"outer.shard_over_data=true: fragment {p} of this stage has {len(frag)} tensors, fewer than "
+                    f"parallel.data={D} ranks to share them; set outer.shard_over_data=false or use fewer fragments"
+                )
+        src = [rank_of(Coord(c.replica, d, c.stage, c.tp), topo.R, D, topo.P, topo.T) for d in range(D)]
+        self.dp_group = topo.group("dp")
+        self._bcast = [[(self.params[i], src[owner[i]]) for i in frag] for frag in fragments]
+        mine = [i for i in range(len(self.params)) if owner[i] == c.data]
+        pos = {i: k for k, i in enumerate(mine)}
+        self.names = [self.names[i] for i in mine]
+        self.params = [self.params[i] for i in mine]
+        # a tensor's id for the compressor's shared random draws: its place in the unsharded fragment
+        self._frag_ids = [[k for k, i in enumerate(frag) if owner[i] == c.data] for frag in fragments]
+        return [[pos[i] for i in frag if owner[i] == c.data] for frag in fragments]
+
+    def _dp_broadcast(self, frags) -> None:
+        """Every tensor of the given fragments from its owner to the other inner-DP ranks."""
+        if self.dp_group is None:
+            return
+        for p in frags:
+            for t, src in self._bcast[p]:
+                dist.broadcast(t.data, src=src, group=self.dp_group)
 
     # ------------------------------------------------------------------ communication
     def _allreduce(self, comp, tensors: list[Tensor], step: int) -> list[Tensor]:
@@ -224,6 +280,7 @@ class OuterLoop:
                 self.pending[p] = self._submit(self._allreduce, self.compressors[p], self.state.pseudo_gradient(p), n)
         for p in syncing:
             self._sync(p, n)
+        self._dp_broadcast(syncing)
         if syncing:
             self._counters["blocked_s"] = self._blocked_now
         self._t_end = time.perf_counter()
@@ -309,6 +366,7 @@ class OuterLoop:
                 self.outer_step += 1
             for p in range(self.K):
                 st.load_params(p, 0.0)
+            self._dp_broadcast(range(self.K))
         self.comm.shutdown()
 
     # ------------------------------------------------------------------ logs and checkpoints
