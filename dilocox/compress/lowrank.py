@@ -249,7 +249,9 @@ class PowerSGD:
         """Compressed mean of the factored ``ms`` over ``group``.
 
         Returns ``(m_hat, residual)``: the averaged approximation and ``M_m − P̂ Q_m,sentᵀ``
-        (the new error-feedback value) per factored index.
+        (the new error-feedback value) per factored index. Standalone PowerSGD (tests, one-off
+        use): the factors of all tensors are packed back to back, so a quantization group may
+        span two tensors; training goes through ``Compressor``, which keeps groups per tensor.
         """
         p = quantized_allreduce(self.p_step(ms), group, kind, group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, 1), step=step)
         q_local = self.q_step(ms, p)

@@ -394,7 +394,7 @@ class OuterLoop:
                     self.pending[p] = DoneHandle(res, h.comm_s)
                 pend.append([t.detach().cpu().clone() for t in res] if res is not None else None)
                 pend_s.append(h.comm_s if h is not None else 0.0)
-            sd.update(overlap=self.overlap, fragments=self.K, state=self.state.state_dict(), pending=pend, pending_comm_s=pend_s,
+            sd.update(overlap=self.overlap, fragments=self.K, dp_sharded=self.dp_group is not None, state=self.state.state_dict(), pending=pend, pending_comm_s=pend_s,
                       own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
                       schedule=self.schedule.state_dict(),
                       controller=self.controller.state_dict() if self.controller is not None else None)
@@ -426,6 +426,11 @@ class OuterLoop:
                 raise ValueError(
                     f"checkpoint was written with outer.overlap={sd['overlap']!r}, outer.streaming.fragments={sd['fragments']}; "
                     f"this run has {self.overlap!r}, {self.K}: resume with the same outer settings"
+                )
+            if sd.get("dp_sharded", False) != (self.dp_group is not None):
+                raise ValueError(
+                    f"checkpoint was written with the outer sync {'' if sd.get('dp_sharded') else 'not '}sharded over the inner-DP "
+                    f"ranks, this run {'is' if self.dp_group is not None else 'is not'}: resume with the same outer.shard_over_data"
                 )
             self.state.load_state_dict(sd["state"])
             self.schedule.load_state_dict(sd["schedule"])
