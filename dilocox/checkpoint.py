@@ -34,11 +34,18 @@ class CheckpointError(RuntimeError):
 
 def _atomic_write_bytes(path: str, write: Callable[[Any], None]) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)  # no half-written temp file left behind
+        except OSError:
+            pass
+        raise
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -106,25 +113,28 @@ def save_checkpoint(
     try:
         os.makedirs(step_dir, exist_ok=True)
         _atomic_write_bytes(shard_path(step_dir, rank), lambda f: torch.save(state, f))
-    except OSError as e:
-        err = f"rank {rank} could not write its shard in {step_dir}: {e}"
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
+        err = f"rank {rank} could not write its shard in {step_dir}: {type(e).__name__}: {e}"
     if not agree(not err):
         raise CheckpointError(err or f"another rank could not write its shard in {step_dir} (see its log); checkpoint not marked complete")
     if rank == 0:
-        missing = [r for r in range(world_size) if not os.path.exists(shard_path(step_dir, r))]
-        if missing:
-            err = (f"rank 0 cannot see the shards of ranks {missing} in {step_dir}; checkpoint not marked complete. "
-                   "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)")
-        else:
-            info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {})}
-            _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
-            _atomic_write_text(os.path.join(ckpt_dir, "latest"), step_dir_name(step) + "\n")
-            for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
-                if os.path.abspath(old) != os.path.abspath(step_dir):
-                    shutil.rmtree(old, ignore_errors=True)
+        try:
+            missing = [r for r in range(world_size) if not os.path.exists(shard_path(step_dir, r))]
+            if missing:
+                err = (f"rank 0 cannot see the shards of ranks {missing} in {step_dir}; checkpoint not marked complete. "
+                       "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)")
+            else:
+                info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {})}
+                _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
+                _atomic_write_text(os.path.join(ckpt_dir, "latest"), step_dir_name(step) + "\n")
+                for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+                    if os.path.abspath(old) != os.path.abspath(step_dir):
+                        shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            err = f"rank 0 could not mark {step_dir} complete: {type(e).__name__}: {e}"
     if not agree(not err):
-        raise CheckpointError(err or f"rank 0 could not mark {step_dir} complete: it cannot see every rank's shard. "
-                              "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)")
+        raise CheckpointError(err or f"rank 0 could not mark {step_dir} complete (see rank 0's error; if it cannot see the "
+                              "other ranks' shards, checkpoint.dir must be one directory shared by all ranks)")
     return step_dir
 
 
@@ -167,7 +177,7 @@ def load_checkpoint(step_dir: str, rank: int, world_size: int | None = None, exp
     except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged zip
         raise CheckpointError(
             f"checkpoint shard {path} is corrupt or truncated ({type(e).__name__}: {e}); "
-            f"delete {os.path.dirname(path)} to resume from the previous checkpoint, or set checkpoint.resume=none"
+            f"delete {os.path.dirname(path)} to resume from the previous checkpoint, or start fresh in a new log.run_dir"
         ) from None
 
 

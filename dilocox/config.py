@@ -198,7 +198,7 @@ class CheckpointConfig:
     dir: str | None = None  # None = <run_dir>/checkpoints
     every: int = 0  # 0 = only at the end
     keep: int = 2
-    resume: str = "auto"  # auto (latest in dir if any) | none | <path to a step dir>
+    resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds checkpoints) | <path to a step dir>
 
 
 @dataclass

@@ -121,6 +121,15 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints")
+        if cfg.checkpoint.resume == "none":
+            old = ckpt.find_latest(self.ckpt_dir)
+            if not ckpt.all_ranks_agree(old is None):  # the same decision on every rank
+                raise ConfigError(
+                    f"checkpoint.resume=none, but {self.ckpt_dir} already holds checkpoints of an earlier run "
+                    f"(latest: {os.path.basename(old) if old else 'seen by another rank'}); a fresh run would leave them as they are "
+                    f"and skip its own saves at the same steps. Use checkpoint.resume=auto to continue that run, or give "
+                    f"log.run_dir (or checkpoint.dir) a new directory, or delete the old checkpoints"
+                )
         self.logger = MetricsLogger(cfg.log.run_dir, enabled=rank == 0, total_steps=cfg.train.steps, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
         self.peak = peak_flops(self.device)
         from dilocox.model.transformer import model_flops_per_token

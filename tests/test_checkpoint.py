@@ -107,3 +107,23 @@ def test_node_local_checkpoint_dirs_fail_on_every_rank_without_hanging(tmp_path)
     res = run_ranks(2, _save_per_node_dirs, str(tmp_path), True, timeout=120)
     assert [out for out, _ in res] == [["ok", "ok"], ["ok", "ok"]]
     assert ckpt.find_latest(str(tmp_path / "shared")).endswith(ckpt.step_dir_name(1))
+
+
+def _save_with_a_failing_rank(rank, world, d):
+    """Rank 1's state cannot be pickled (torch.save raises, as it does with RuntimeError on a full disk)."""
+    state = _state(3) if rank == 0 else {"bad": lambda: None}
+    try:
+        ckpt.save_checkpoint(d, 3, rank, world, state, agree=ckpt.all_ranks_agree)
+        return "ok", sorted(os.listdir(os.path.join(d, ckpt.step_dir_name(3))))
+    except ckpt.CheckpointError as e:
+        return str(e), sorted(os.listdir(os.path.join(d, ckpt.step_dir_name(3))))
+
+
+def test_a_rank_failing_inside_torch_save_fails_every_rank(tmp_path):
+    from dilocox.distributed.spawn import run_ranks
+
+    ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, _state(1))  # an earlier, complete checkpoint
+    res = run_ranks(2, _save_with_a_failing_rank, str(tmp_path), timeout=120)
+    assert "rank 1 could not write its shard" in res[1][0] and "another rank could not write" in res[0][0], res
+    assert res[0][1] == [os.path.basename(ckpt.shard_path("", 0))]  # no COMPLETE.json, no temp file of rank 1
+    assert ckpt.find_latest(str(tmp_path)).endswith(ckpt.step_dir_name(1))  # latest untouched

@@ -20,15 +20,26 @@ def write_config(path: str, includes: list[str], body: str = "") -> str:
     return path
 
 
+def clear_run_dir(run_dir: str) -> None:
+    """A bench run always starts fresh: drop the metrics, rank summaries and checkpoints of the last one."""
+    import shutil
+
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if name == "metrics.jsonl" or name.startswith("rank_"):
+            os.remove(path)
+        elif name == "checkpoints":
+            shutil.rmtree(path)
+
+
 def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), env: dict | None = None, timeout: float = 3600) -> dict:
     """Train ``config`` on ``nproc`` local ranks into ``run_dir``; return its records.
 
     Returns ``{"steps": [per-step records], "summary": {...}, "ranks": [per-rank summaries], "wall_s"}``.
     """
     os.makedirs(run_dir, exist_ok=True)
-    for name in os.listdir(run_dir):  # a bench run always starts fresh
-        if name == "metrics.jsonl" or name.startswith("rank_"):
-            os.remove(os.path.join(run_dir, name))
+    clear_run_dir(run_dir)
     cmd = [sys.executable, "-m", "dilocox.cli", "train", config, "--nproc", str(nproc), f"--log.run_dir={run_dir}",
            "--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", *overrides]
     e = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -48,7 +48,7 @@ import time
 from dataclasses import replace
 
 from dilocox.bench.methods import method_body
-from dilocox.bench.runner import ROOT, machine_line, read_run, run_train, write_config
+from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, read_run, run_train, write_config
 from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
 from dilocox.plan import PRESETS, Compression, fmt_bandwidth, parse_bandwidth, plan
 
@@ -64,10 +64,7 @@ TRAIN_FLAGS = ["--checkpoint.resume=none", "--log.progress=false", "--log.tensor
 
 def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[str], timeout: float = 900) -> dict:
     """One torchrun node per replica namespace; returns ``read_run`` plus the veth counters."""
-    os.makedirs(run_dir, exist_ok=True)
-    for name in os.listdir(run_dir):
-        if name == "metrics.jsonl" or name.startswith("rank_"):
-            os.remove(os.path.join(run_dir, name))
+    clear_run_dir(run_dir)
     entry = ["-m", "dilocox.cli", "train", config, f"--log.run_dir={os.path.abspath(run_dir)}", *overrides]
     env = {k: v for k, v in os.environ.items() if k != BANDWIDTH_ENV}
     env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))

@@ -168,8 +168,12 @@ class OuterLoop:
         first to the least loaded rank: the same assignment on every rank, from the shapes
         alone); a rank keeps outer state, compressor and outer all-reduce for its own tensors
         only, and after each outer step every tensor is broadcast from its owner over the DP
-        group. Per tensor the math is unchanged (compression, groups and error feedback are per
-        tensor), so the parameters equal the unsharded run's; slow-link bytes drop D×.
+        group. Per tensor the math is unchanged (compression, groups, error feedback and the
+        PowerSGD draws, keyed by the tensor's place in the unsharded fragment, are per tensor), so
+        with the all-gather collective (R ≤ 4) the parameters are bit-identical to the unsharded
+        run's; with ``reduce_scatter`` (R > 4) the stochastic requantization and the summation
+        order follow the buffer's chunking, so they match in distribution, not bit for bit.
+        Slow-link bytes drop D×. Per-step methods (allreduce, cocktailsgd) are not sharded.
         Returns the fragments as indices into the (now owned-only) ``self.params``.
         """
         self.dp_group, self._bcast, self._frag_ids = None, None, None
@@ -185,7 +189,7 @@ class OuterLoop:
             for i in sorted(frag, key=lambda i: (-self.params[i].numel(), i)):
                 d = min(range(D), key=lambda d: (load[d], d))
                 owner[i], load[d] = d, load[d] + self.params[i].numel()
-            if sum(1 for i in frag if owner[i] == c.data) == 0:
+            if len(frag) < D:  # known to every DP rank alike, so all of them raise
                 raise ConfigError(
                     f"outer.shard_over_data=true: fragment {p} of this stage has {len(frag)} tensors, fewer than "
                     f"parallel.data={D} ranks to share them; set outer.shard_over_data=false or use fewer fragments"
@@ -206,8 +210,17 @@ class OuterLoop:
         if self.dp_group is None:
             return
         for p in frags:
+            by_src: dict[tuple[int, str], list[Tensor]] = {}
             for t, src in self._bcast[p]:
-                dist.broadcast(t.data, src=src, group=self.dp_group)
+                by_src.setdefault((src, str(t.dtype)), []).append(t.data)
+            for key in sorted(by_src):  # one broadcast per owner and dtype (same order on every DP rank)
+                src, ts = key[0], by_src[key]
+                flat = torch.cat([t.reshape(-1) for t in ts])
+                dist.broadcast(flat, src=src, group=self.dp_group)
+                off = 0
+                for t in ts:
+                    t.copy_(flat[off: off + t.numel()].view_as(t))
+                    off += t.numel()
 
     # ------------------------------------------------------------------ communication
     def _allreduce(self, comp, tensors: list[Tensor], step: int) -> list[Tensor]:
@@ -411,6 +424,17 @@ class OuterLoop:
             raise ValueError(f"outer state in the checkpoint is for outer.method={sd.get('method')!r}, this run has {self.method!r}")
         if self.method == "none":
             return
+        if self.method in FAMILY:  # settings that change the state's shapes: checked before loading any of it
+            if sd["overlap"] != self.overlap or sd["fragments"] != self.K:
+                raise ValueError(
+                    f"checkpoint was written with outer.overlap={sd['overlap']!r}, outer.streaming.fragments={sd['fragments']}; "
+                    f"this run has {self.overlap!r}, {self.K}: resume with the same outer settings"
+                )
+            if sd.get("dp_sharded", False) != (self.dp_group is not None):
+                raise ValueError(
+                    f"checkpoint was written with the outer sync {'' if sd.get('dp_sharded') else 'not '}sharded over the inner-DP "
+                    f"ranks, this run {'is' if self.dp_group is not None else 'is not'}: resume with the same outer.shard_over_data"
+                )
         self.H, self.outer_step = int(sd["H"]), int(sd["outer_step"])
         counters = dict(sd["counters"])
         self._comm_total_before = float(counters.pop("comm_total_s", 0.0)) - self.comm.busy_s
@@ -422,16 +446,6 @@ class OuterLoop:
         for c, csd in zip(self.compressors, sd["compressors"]):
             c.load_state_dict(csd)
         if self.method in FAMILY:
-            if sd["overlap"] != self.overlap or sd["fragments"] != self.K:
-                raise ValueError(
-                    f"checkpoint was written with outer.overlap={sd['overlap']!r}, outer.streaming.fragments={sd['fragments']}; "
-                    f"this run has {self.overlap!r}, {self.K}: resume with the same outer settings"
-                )
-            if sd.get("dp_sharded", False) != (self.dp_group is not None):
-                raise ValueError(
-                    f"checkpoint was written with the outer sync {'' if sd.get('dp_sharded') else 'not '}sharded over the inner-DP "
-                    f"ranks, this run {'is' if self.dp_group is not None else 'is not'}: resume with the same outer.shard_over_data"
-                )
             self.state.load_state_dict(sd["state"])
             self.schedule.load_state_dict(sd["schedule"])
             dev = self.params[0].device if self.params else torch.device("cpu")
