@@ -38,7 +38,6 @@ def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), 
 
     Returns ``{"steps": [per-step records], "summary": {...}, "ranks": [per-rank summaries], "wall_s"}``.
     """
-    os.makedirs(run_dir, exist_ok=True)
     clear_run_dir(run_dir)
     cmd = [sys.executable, "-m", "dilocox.cli", "train", config, "--nproc", str(nproc), f"--log.run_dir={run_dir}",
            "--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", *overrides]

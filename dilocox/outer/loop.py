@@ -185,18 +185,24 @@ class OuterLoop:
         D, c = topo.D, topo.coord
         owner = [0] * len(self.params)
         for p, frag in enumerate(fragments):
-            load = [0] * D
-            for i in sorted(frag, key=lambda i: (-self.params[i].numel(), i)):
-                d = min(range(D), key=lambda d: (load[d], d))
-                owner[i], load[d] = d, load[d] + self.params[i].numel()
             if len(frag) < D:  # known to every DP rank alike, so all of them raise
                 raise ConfigError(
                     f"outer.shard_over_data=true: fragment {p} of this stage has {len(frag)} tensors, fewer than "
                     f"parallel.data={D} ranks to share them; set outer.shard_over_data=false or use fewer fragments"
                 )
+            load = [0] * D
+            for i in sorted(frag, key=lambda i: (-self.params[i].numel(), i)):
+                d = min(range(D), key=lambda d: (load[d], d))
+                owner[i], load[d] = d, load[d] + self.params[i].numel()
         src = [rank_of(Coord(c.replica, d, c.stage, c.tp), topo.R, D, topo.P, topo.T) for d in range(D)]
         self.dp_group = topo.group("dp")
-        self._bcast = [[(self.params[i], src[owner[i]]) for i in frag] for frag in fragments]
+        # per fragment: one broadcast bucket per (owner, dtype), in the same order on every DP rank
+        self._bcast = []
+        for frag in fragments:
+            buckets: dict[tuple[int, str], list[Tensor]] = {}
+            for i in frag:
+                buckets.setdefault((src[owner[i]], str(self.params[i].dtype)), []).append(self.params[i].data)
+            self._bcast.append([(key[0], buckets[key]) for key in sorted(buckets)])
         mine = [i for i in range(len(self.params)) if owner[i] == c.data]
         pos = {i: k for k, i in enumerate(mine)}
         self.names = [self.names[i] for i in mine]
@@ -209,14 +215,13 @@ class OuterLoop:
         """Every tensor of the given fragments from its owner to the other inner-DP ranks."""
         if self.dp_group is None:
             return
+        me = self.topo.rank
         for p in frags:
-            by_src: dict[tuple[int, str], list[Tensor]] = {}
-            for t, src in self._bcast[p]:
-                by_src.setdefault((src, str(t.dtype)), []).append(t.data)
-            for key in sorted(by_src):  # one broadcast per owner and dtype (same order on every DP rank)
-                src, ts = key[0], by_src[key]
+            for src, ts in self._bcast[p]:
                 flat = torch.cat([t.reshape(-1) for t in ts])
                 dist.broadcast(flat, src=src, group=self.dp_group)
+                if src == me:
+                    continue  # the owner's tensors already hold the values
                 off = 0
                 for t in ts:
                     t.copy_(flat[off: off + t.numel()].view_as(t))
