@@ -77,15 +77,16 @@ def _extensions_and_cmdclass():
             try:
                 super().run()
             except Exception as exc:  # e.g. compiler/ABI checks failing before any build
-                _warn(f"building the compiled kernels failed ({exc}); "
-                      "dilocox will use the pure-torch reference")
+                _warn(f"building the compiled kernels failed ({exc}); dilocox will use the pure-torch reference")
 
         def build_extension(self, ext):
             try:
                 super().build_extension(ext)
             except Exception as exc:
-                _warn(f"could not build {ext.name} ({type(exc).__name__}: {exc}); "
-                      "dilocox will use the pure-torch reference for it")
+                _warn(
+                    f"could not build {ext.name} ({type(exc).__name__}: {exc}); "
+                    "dilocox will use the pure-torch reference for it"
+                )
                 self._dilocox_failed = getattr(self, "_dilocox_failed", set()) | {ext.name}
 
         def _drop_failed(self):

@@ -1,92 +1,206 @@
-"""The ``dilocox`` command: train | data | bench | plan | launch.
+"""The ``dilocox`` command: train | data | bench | plan | launch | export | import | generate | report.
 
     dilocox train CONFIG [--nproc N] [--section.key=value ...]
     dilocox data prepare CONFIG [--section.key=value ...]
-    dilocox bench kernels|compression|wan [...]
+    dilocox bench KIND [...]                  (KIND: see "bench kinds" below)
     dilocox plan --model configs/model/X.yaml --replicas R --bandwidth 1gbit
     dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [...]
+    dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
+    dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
+    dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
+
+`dilocox COMMAND --help` prints a command's options; every config key is in docs/CONFIG.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import textwrap
+import typing
 
-USAGE = __doc__
+CONFIG_DOC = "docs/CONFIG.md"
+
+# The one list of benchmarks: `dilocox bench KIND` runs BENCHES[KIND][0].main(argv).
+BENCHES = {
+    "kernels": ("dilocox.bench.kernels", "int4/int8 compression kernels: GB/s next to a plain copy"),
+    "compression": ("dilocox.bench.compression", "compression ratio and reconstruction error per compressor"),
+    "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2)"),
+    "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
+    "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
+}
 
 
-def _train(argv: list[str]) -> int:
-    from dilocox.config import ConfigError, load_config
+def _bench_list() -> str:
+    return "\n".join(f"    {k:<12} {desc}" for k, (_, desc) in BENCHES.items())
 
-    if not argv or argv[0].startswith("-"):
-        print("usage: dilocox train CONFIG [--nproc N] [--section.key=value ...]", file=sys.stderr)
-        return 2
-    path, rest = argv[0], argv[1:]
-    nproc = None
-    overrides = []
-    i = 0
+
+USAGE = f"{__doc__.rstrip()}\n\nbench kinds (dilocox bench KIND --help for options):\n{_bench_list()}\n"
+
+
+class UsageError(Exception):
+    """A malformed command line: printed as one line, exit status 2."""
+
+
+def _config_keys() -> str:
+    """Every config key, grouped by section, for `dilocox train --help` (defaults: docs/CONFIG.md)."""
+    from dilocox.config import Config
+
+    lines: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        plain = [f.name for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(hints[f.name])]
+        if plain:
+            lines.extend(
+                textwrap.wrap(" ".join(plain), 100, initial_indent=f"  {prefix:<20} ", subsequent_indent=" " * 23)
+            )
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        walk(hints[f.name], f"--{f.name}.")
+    return "\n".join(lines)
+
+
+def _train_help() -> str:
+    return f"""usage: dilocox train CONFIG [--nproc N] [--section.key=value ...]
+
+Train the model the YAML file CONFIG describes (e.g. configs/tiny.yaml). Results go to
+log.run_dir (default runs/default; configs/tiny.yaml: runs/tiny): config.yaml, metrics.jsonl,
+rank_*.json and checkpoints/ (see README "Where results go").
+
+options:
+  -h, --help        this message
+  --nproc N         run N local ranks through torchrun (N = replicas*data*pipeline*tensor);
+                    without it the ranks come from the environment (torchrun, srun) or it is 1
+  --section.key=V   set any config key (also --section.key V); values are parsed as YAML
+
+config keys (meaning and default of each: {CONFIG_DOC}):
+{_config_keys()}"""
+
+
+def _parse_nproc(value: str | None) -> int:
+    if value is None or value == "" or (value.startswith("-") and not value.lstrip("-").isdigit()):
+        raise UsageError("--nproc needs the number of local ranks, e.g. --nproc 4")
+    try:
+        n = int(value)
+    except ValueError:
+        raise UsageError(f"--nproc {value!r} is not a whole number; e.g. --nproc 4") from None
+    if n < 1:
+        raise UsageError(f"--nproc {n} must be at least 1")
+    return n
+
+
+def _split_train_args(rest: list[str]) -> tuple[int | None, list[str]]:
+    """``[--nproc N] [--section.key=value ...]`` -> (nproc, overrides)."""
+    nproc, overrides, i = None, [], 0
     while i < len(rest):
         a = rest[i]
         if a == "--nproc":
-            nproc = int(rest[i + 1])
+            nproc = _parse_nproc(rest[i + 1] if i + 1 < len(rest) else None)
             i += 2
             continue
         if a.startswith("--nproc="):
-            nproc = int(a.split("=", 1)[1])
+            nproc = _parse_nproc(a.split("=", 1)[1])
         else:
             overrides.append(a)
         i += 1
-    try:
-        cfg = load_config(path, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    return nproc, overrides
+
+
+def _train(argv: list[str]) -> int:
+    from dilocox.config import load_config
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(_train_help())
+        return 0
+    if not argv or argv[0].startswith("-"):
+        raise UsageError(
+            "dilocox train needs a CONFIG file first: dilocox train CONFIG [--nproc N] "
+            "[--section.key=value ...] (see dilocox train --help)"
+        )
+    path, rest = argv[0], argv[1:]
+    nproc, overrides = _split_train_args(rest)
+    cfg = load_config(path, overrides)
     world = cfg.parallel.world_size
     if nproc is not None and "RANK" not in os.environ:
         if nproc != world:
-            print(f"config error: --nproc {nproc} does not match the parallel layout "
-                  f"replicas*data*pipeline*tensor = {world}", file=sys.stderr)
+            print(
+                f"config error: --nproc {nproc} does not match the parallel layout "
+                f"replicas*data*pipeline*tensor = {world}",
+                file=sys.stderr,
+            )
             return 2
         if nproc > 1:
+            _check_data(cfg)  # here, once: a bad corpus is one line, not N tracebacks in torchrun's report
             return _launch_local(nproc, ["train", path, *overrides])
+    _check_data(cfg)
     from dilocox.train import train
 
-    try:
-        train(cfg)
-    except ConfigError as e:  # found at start-up: e.g. the layout needs more ranks than were launched
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    train(cfg)  # a ConfigError found at start-up (e.g. the layout needs more ranks than launched): main() prints it
     return 0
+
+
+def _check_data(cfg) -> None:
+    from dilocox.data import check_data
+
+    check_data(cfg)
 
 
 def _launch_local(nproc: int, args: list[str]) -> int:
     """Re-run this command on nproc local ranks through torch's own launcher (torchrun)."""
-    import subprocess
+    # torchrun in its own session; SIGINT/SIGTERM are forwarded to it (it forwards them to the ranks, which
+    # save and exit); returns only after the children exited, killing them after train.stop_timeout_s
+    from dilocox.config import load_config
+    from dilocox.distributed.signals import supervise
 
+    stop_timeout_s = load_config(args[1], args[2:]).train.stop_timeout_s if args[:1] == ["train"] else 60.0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "dilocox.cli", *args]
-    return subprocess.call(cmd, env=env)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "dilocox.cli",
+        *args,
+    ]
+    return supervise(cmd, env, stop_timeout_s)
 
 
 def _data(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(
+            "usage: dilocox data prepare [CONFIG] [--out DIR] [--section.key=value ...]\n"
+            "(dilocox data prepare --help for its options; data keys: " + CONFIG_DOC + ")"
+        )
+        return 0
     if not argv or argv[0] != "prepare":
-        print("usage: dilocox data prepare CONFIG [--section.key=value ...]", file=sys.stderr)
-        return 2
+        raise UsageError("usage: dilocox data prepare [CONFIG] [--out DIR] [--section.key=value ...]")
     from dilocox.data import prepare_main
 
     return prepare_main(argv[1:]) or 0
 
 
 def _bench(argv: list[str]) -> int:
-    kinds = {"kernels": "dilocox.bench.kernels", "compression": "dilocox.bench.compression", "wan": "dilocox.bench.wan",
-             "train": "dilocox.bench.train", "methods": "dilocox.bench.methods"}
-    if not argv or argv[0] not in kinds:
-        print(f"usage: dilocox bench {{{'|'.join(kinds)}}} [...]", file=sys.stderr)
-        return 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            f"usage: dilocox bench KIND [options]   (dilocox bench KIND --help for its options)\n\nkinds:\n"
+            f"{_bench_list()}",
+            file=sys.stdout if argv else sys.stderr,
+        )
+        return 0 if argv else 2
+    if argv[0] not in BENCHES:
+        raise UsageError(f"unknown bench {argv[0]!r}; choose one of {', '.join(BENCHES)}")
     import importlib
 
-    return importlib.import_module(kinds[argv[0]]).main(argv[1:]) or 0
+    return importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:]) or 0
 
 
 def _plan(argv: list[str]) -> int:
@@ -101,13 +215,85 @@ def _launch(argv: list[str]) -> int:
     return launch_main(argv) or 0
 
 
+def _export(argv: list[str]) -> int:
+    from dilocox.export import export_main
+
+    return export_main(argv) or 0
+
+
+def _import(argv: list[str]) -> int:
+    from dilocox.export import import_main
+
+    return import_main(argv) or 0
+
+
+def _generate(argv: list[str]) -> int:
+    from dilocox.generate import main
+
+    return main(argv) or 0
+
+
+def _report(argv: list[str]) -> int:
+    from dilocox.runplots import main
+
+    return main(argv) or 0
+
+
+def _error_kind(e: BaseException) -> tuple[str, int] | None:
+    """(label, exit code) for the errors a user can act on from the message alone, else None (a traceback).
+
+    Input errors (config, data, export) exit 2; a checkpoint that cannot be saved or loaded (corrupt,
+    non-finite state, full disk) exits 1: the run failed, the message names the file and the fix."""
+    from dilocox.checkpoint import CheckpointError  # imported only on failure: keeps `dilocox --help` light
+    from dilocox.config import ConfigError
+    from dilocox.data.sources import DataError
+    from dilocox.hf import ExportError
+
+    for cls, label, code in (
+        (ConfigError, "config error", 2),
+        (DataError, "data error", 2),
+        (ExportError, "export error", 2),
+        (CheckpointError, "checkpoint error", 1),
+    ):
+        if isinstance(e, cls):
+            return label, code
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmds = {"train": _train, "data": _data, "bench": _bench, "plan": _plan, "launch": _launch}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
-        print(USAGE)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return cmds[argv[0]](argv[1:])
+    cmds = {
+        "train": _train,
+        "data": _data,
+        "bench": _bench,
+        "plan": _plan,
+        "launch": _launch,
+        "export": _export,
+        "import": _import,
+        "generate": _generate,
+        "report": _report,
+    }
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in cmds:
+        print(f"dilocox: unknown command {argv[0]!r}; choose one of {', '.join(cmds)}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    wants_help = any(a in ("-h", "--help") for a in argv[1:])
+    where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    try:
+        return cmds[argv[0]](argv[1:])
+    except UsageError as e:
+        print(f"dilocox {argv[0]}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if (kind := _error_kind(e)) is None:
+            raise
+        print(f"{kind[0]}{where}: {e}", file=sys.stderr)
+        return kind[1]
+    finally:
+        if wants_help and argv[0] in ("plan", "launch", "bench"):  # their own parsers print the options
+            print(f"\nconfig keys (--section.key=value): {CONFIG_DOC}")
 
 
 if __name__ == "__main__":

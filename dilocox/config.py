@@ -11,13 +11,17 @@ Validation happens at load time and names the field, the value and the constrain
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
+import sys
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import yaml
+
+from dilocox.trackers import WANDB_MISSING
 
 
 class ConfigError(ValueError):
@@ -48,7 +52,8 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
-    linear_backend: str = "torch"  # torch | fp8 | te
+    linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
+    init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
 
     @property
     def kv_heads(self) -> int:
@@ -91,6 +96,9 @@ class ParallelConfig:
     tensor: int = 1  # T: tensor-parallel ranks
     schedule: str = "1f1b"  # gpipe | 1f1b | reference (the small hand-written oracle)
     microbatches: int = 1
+    timeout_s: float = (
+        600.0  # bound on every collective inside a replica (process groups' timeout); a stuck rank ends the run
+    )
 
     @property
     def world_size(self) -> int:
@@ -147,6 +155,8 @@ class OuterConfig:
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
     shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs all (D x the bytes)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    timeout_s: float = 600.0  # bound on every wait across replicas (outer all-reduce, world-wide agreements); then every rank exits non-zero
+    warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many seconds while a wait lasts
 
 
 @dataclass
@@ -191,6 +201,9 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
+    stop_timeout_s: float = (
+        60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not saved and exited by then
+    )
 
 
 @dataclass
@@ -199,6 +212,9 @@ class CheckpointConfig:
     every: int = 0  # 0 = only at the end
     keep: int = 2
     resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds checkpoints) | <path to a step dir>
+    fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete checkpoint; false: stop
+    check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
+    resume_finished: str = "error"  # resumed checkpoint at/past train.steps: error (exit 2) | skip (exit 0); no writes
 
 
 @dataclass
@@ -208,6 +224,8 @@ class LogConfig:
     jsonl: bool = True
     tensorboard: bool = True  # when the tensorboard package is installed
     progress: bool = True  # progress bar on a TTY
+    wandb: bool = False  # also log to Weights & Biases (rank 0, config attached; WANDB_MODE=offline: no network)
+    wandb_project: str = "dilocox"  # W&B project; the W&B run is named after log.run_dir and writes to RUN_DIR/wandb
 
 
 @dataclass
@@ -231,13 +249,15 @@ class Config:
 
 # --------------------------------------------------------------------------- validation
 
+QUANT_KINDS = ("none", "fp16", "int8", "int4")  # compress.quant; the one list every module imports
+
 _CHOICES = {
     "model.arch": ("gpt2", "opt", "qwen"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "relu", "swiglu"),
     "model.pos_emb": ("learned", "rope"),
     "model.attn_backend": ("sdpa", "flash_attn", "te"),
-    "model.linear_backend": ("torch", "fp8", "te"),
+    "model.linear_backend": ("torch", "fp8"),
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
@@ -247,15 +267,43 @@ _CHOICES = {
     "outer.overlap": ("none", "delayed", "eager"),
     "outer.state_device": ("host", "device"),
     "outer.streaming.pattern": ("sequential", "strided"),
-    "compress.quant": ("none", "fp16", "int8", "int4"),
+    "compress.quant": QUANT_KINDS,
     "compress.collective": ("auto", "allgather", "reduce_scatter"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
+    "checkpoint.resume_finished": ("error", "skip"),
 }
 
 
 def _fail(name: str, value: Any, constraint: str) -> None:
     raise ConfigError(f"{name}={value!r} {constraint}")
+
+
+def check_outer_schedule(
+    sync_every: int, fragments: int, tau: int, overlap: str = "none", adaptive: bool = False
+) -> None:
+    """The sync-schedule rules of the DiLoCo family (ALGORITHMS §2-§4, §7), raising ConfigError.
+
+    One definition for ``validate`` (fails at load time) and the outer loop / sync schedule
+    (which tests and benchmarks build from config sections that never went through validate)."""
+    if sync_every % fragments:
+        _fail("outer.streaming.fragments", fragments, f"must divide outer.sync_every={sync_every}")
+    if not 0 <= tau < max(sync_every // fragments, 1):
+        _fail("outer.streaming.tau", tau, f"must be in [0, sync_every/fragments={sync_every // fragments})")
+    if tau > 0 and overlap != "none":
+        _fail(
+            "outer.streaming.tau",
+            tau,
+            f"cannot be combined with outer.overlap={overlap!r} (the one-outer-step overlap "
+            "already hides the all-reduce behind a whole phase); set tau: 0 or overlap: none",
+        )
+    if adaptive and fragments > 1:
+        _fail(
+            "compress.adaptive.enabled",
+            True,
+            f"is not supported with outer.streaming.fragments={fragments} "
+            "(one controller sets one H for the whole shard); use fragments: 1 or disable adaptive",
+        )
 
 
 def _positive(cfg: Config, *names: str) -> None:
@@ -272,23 +320,60 @@ def _get(cfg: Any, dotted: str) -> Any:
     return obj
 
 
+def _validate_trackers(cfg: Config) -> None:
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:  # before any rank starts, not at the first log
+        raise ConfigError(WANDB_MISSING)
+    if not cfg.log.wandb_project.strip():
+        _fail("log.wandb_project", cfg.log.wandb_project, "must be a non-empty W&B project name")
+
+
 def validate(cfg: Config) -> None:
     """Check every cross-field constraint; raise ConfigError naming field, value and rule."""
+    if cfg.model.linear_backend == "te":
+        _fail(
+            "model.linear_backend",
+            "te",
+            "is not supported: Transformer Engine's linear layers bring their own "
+            "tensor-parallel layout, which this version's TP layers do not use; use model.linear_backend=fp8 for "
+            "float8 GEMMs, or torch",
+        )
     for name, choices in _CHOICES.items():
         v = _get(cfg, name)
         if v not in choices:
             _fail(name, v, f"is not one of {list(choices)}")
     _positive(
-        cfg, "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_model", "model.d_ff",
-        "model.vocab_size", "model.max_seq_len", "parallel.replicas", "parallel.data",
-        "parallel.pipeline", "parallel.tensor", "parallel.microbatches", "train.steps",
-        "train.batch_size", "train.seq_len", "outer.sync_every", "compress.group_size",
-        "outer.streaming.fragments", "compress.lowrank.rank", "compress.adaptive.window",
-        "log.every", "train.max_tokens",
+        cfg,
+        "model.n_layers",
+        "model.n_heads",
+        "model.n_kv_heads",
+        "model.d_model",
+        "model.d_ff",
+        "model.vocab_size",
+        "model.max_seq_len",
+        "parallel.replicas",
+        "parallel.data",
+        "parallel.pipeline",
+        "parallel.tensor",
+        "parallel.microbatches",
+        "train.steps",
+        "train.batch_size",
+        "train.seq_len",
+        "outer.sync_every",
+        "compress.group_size",
+        "outer.streaming.fragments",
+        "compress.lowrank.rank",
+        "compress.adaptive.window",
+        "log.every",
+        "train.max_tokens",
+        "parallel.timeout_s",
+        "outer.timeout_s",
+        "outer.warn_after_s",
+        "train.stop_timeout_s",
     )
     for name in ("train.eval_batches", "checkpoint.every", "checkpoint.keep"):
         if _get(cfg, name) < 0:
             _fail(name, _get(cfg, name), "must be >= 0")
+    _validate_trackers(cfg)
     m, p = cfg.model, cfg.parallel
     if m.d_model % m.n_heads:
         _fail("model.d_model", m.d_model, f"is not divisible by model.n_heads={m.n_heads}")
@@ -298,21 +383,51 @@ def validate(cfg: Config) -> None:
         _fail("model.d_model", m.d_model, "gives an odd head_dim; RoPE needs an even head_dim")
     t = p.tensor
     if m.n_heads % t:
-        _fail("model.n_heads", m.n_heads, f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole attention heads)")
+        _fail(
+            "model.n_heads",
+            m.n_heads,
+            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole attention heads)",
+        )
     if m.kv_heads % t:
-        _fail("model.n_kv_heads", m.kv_heads, f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole key/value heads)")
+        _fail(
+            "model.n_kv_heads",
+            m.kv_heads,
+            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole key/value heads)",
+        )
     if m.ffn_dim % t:
         _fail("model.d_ff", m.ffn_dim, f"is not divisible by parallel.tensor={t}")
     if m.vocab_size % t:
-        _fail("model.vocab_size", m.vocab_size, f"is not divisible by parallel.tensor={t} (vocab-parallel embedding and cross-entropy); pad the vocabulary")
+        _fail(
+            "model.vocab_size",
+            m.vocab_size,
+            f"is not divisible by parallel.tensor={t} (vocab-parallel embedding and cross-entropy); pad the vocabulary",
+        )
     if m.n_layers % p.pipeline:
-        _fail("model.n_layers", m.n_layers, f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns the same number of layers)")
+        _fail(
+            "model.n_layers",
+            m.n_layers,
+            f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns the same number of layers)",
+        )
     if m.tie_embeddings and p.pipeline > 1:
-        _fail("model.tie_embeddings", True, f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding and head live on different stages)")
+        _fail(
+            "model.tie_embeddings",
+            True,
+            f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding and head live on different stages)",
+        )
+    if m.init_from is not None and not str(m.init_from).strip():
+        _fail("model.init_from", m.init_from, "is empty; give a Hugging Face model directory (or hub name), or null")
     if p.microbatches < p.pipeline and p.schedule != "reference":
-        _fail("parallel.microbatches", p.microbatches, f"must be >= parallel.pipeline={p.pipeline} so that every stage has work in the pipeline")
+        _fail(
+            "parallel.microbatches",
+            p.microbatches,
+            f"must be >= parallel.pipeline={p.pipeline} so that every stage has work in the pipeline",
+        )
     if cfg.train.batch_size % (p.microbatches * p.data):
-        _fail("train.batch_size", cfg.train.batch_size, f"must be divisible by parallel.microbatches*parallel.data={p.microbatches * p.data}")
+        _fail(
+            "train.batch_size",
+            cfg.train.batch_size,
+            f"must be divisible by parallel.microbatches*parallel.data={p.microbatches * p.data}",
+        )
     if cfg.train.seq_len > m.max_seq_len:
         _fail("train.seq_len", cfg.train.seq_len, f"exceeds model.max_seq_len={m.max_seq_len}")
     if cfg.data.tokenizer == "byte" and cfg.data.source != "memmap" and m.vocab_size < 256:
@@ -325,22 +440,19 @@ def validate(cfg: Config) -> None:
         _fail("data.path", cfg.data.path, f"must be set when data.source={cfg.data.source!r}")
     o = cfg.outer
     if o.method == "none" and p.replicas > 1:
-        _fail("outer.method", o.method, f"must name an outer method when parallel.replicas={p.replicas} > 1 (e.g. diloco, allreduce)")
+        _fail(
+            "outer.method",
+            o.method,
+            f"must name an outer method when parallel.replicas={p.replicas} > 1 (e.g. diloco, allreduce)",
+        )
     s = o.streaming
-    if s.fragments > 1:
-        if o.sync_every % s.fragments:
-            _fail("outer.streaming.fragments", s.fragments, f"must divide outer.sync_every={o.sync_every}")
-        if not 0 <= s.tau < o.sync_every // s.fragments:
-            _fail("outer.streaming.tau", s.tau, f"must be in [0, sync_every/fragments={o.sync_every // s.fragments})")
-        if m.n_layers // p.pipeline < s.fragments:
-            _fail("outer.streaming.fragments", s.fragments, f"exceeds the {m.n_layers // p.pipeline} layers of a stage")
-    if o.method == "diloco":  # checked again by the outer loop; here so that they fail at load time
-        if not 0 <= s.tau < max(o.sync_every // s.fragments, 1):
-            _fail("outer.streaming.tau", s.tau, f"must be in [0, sync_every/fragments={o.sync_every // s.fragments})")
-        if s.tau > 0 and o.overlap != "none":
-            _fail("outer.streaming.tau", s.tau, f"cannot be combined with outer.overlap={o.overlap!r} (the one-outer-step overlap already hides the all-reduce); set tau: 0 or overlap: none")
-        if cfg.compress.adaptive.enabled and s.fragments > 1:
-            _fail("compress.adaptive.enabled", True, f"is not supported with outer.streaming.fragments={s.fragments} (one controller sets one H); use fragments: 1")
+    if s.fragments > 1 or o.method == "diloco":  # checked again by the outer loop; here so that they fail at load time
+        diloco = o.method == "diloco"
+        check_outer_schedule(
+            o.sync_every, s.fragments, s.tau, o.overlap if diloco else "none", diloco and cfg.compress.adaptive.enabled
+        )
+    if s.fragments > 1 and m.n_layers // p.pipeline < s.fragments:
+        _fail("outer.streaming.fragments", s.fragments, f"exceeds the {m.n_layers // p.pipeline} layers of a stage")
     if not 0.0 <= s.alpha <= 1.0:
         _fail("outer.streaming.alpha", s.alpha, "must be in [0, 1]")
     if not 0.0 <= o.momentum < 1.0:
@@ -361,7 +473,11 @@ def validate(cfg: Config) -> None:
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         _fail("optim.lr", cfg.optim.lr, "must be a finite number > 0")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        _fail("optim.min_lr_ratio", cfg.optim.min_lr_ratio, "must be in [0, 1] (the final lr is lr * min_lr_ratio; below 0 the schedule turns negative)")
+        _fail(
+            "optim.min_lr_ratio",
+            cfg.optim.min_lr_ratio,
+            "must be in [0, 1] (the final lr is lr * min_lr_ratio; below 0 the schedule turns negative)",
+        )
     if cfg.optim.warmup_steps < 0:
         _fail("optim.warmup_steps", cfg.optim.warmup_steps, "must be >= 0")
     if cfg.train.eval_every < 0:
@@ -439,7 +555,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         if key not in known:
             close = [k for k in known if k.startswith(str(key)[:3])]
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {prefix}{key!r} (known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}")
+            raise ConfigError(
+                f"unknown config key {prefix}{key!r} (known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}"
+            )
         tp = hints[key]
         if is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
@@ -469,11 +587,20 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError(f"include cycle: {' -> '.join(seen + (path,))}")
     if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist")
+    if os.path.isdir(path):
+        ymls = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+        raise ConfigError(
+            f"config {path!r} is a directory; give a YAML file"
+            + (f", e.g. {os.path.join(path, ymls[0])}" if ymls else "")
+        )
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"malformed YAML in {path}: {e}") from None
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"malformed YAML in {path}: {' '.join(str(e).split())}") from None
+    if data is None:  # empty or only comments
+        print(f"warning: config file {path} is empty; using the defaults (docs/CONFIG.md)", file=sys.stderr)
+        data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     includes = data.pop("include", []) or []
@@ -546,8 +673,13 @@ def reference_markdown() -> str:
     import re
 
     line_re = re.compile(r"^\s+(\w+):\s*([^=]+?)\s*=\s*(.+?)(?:\s+#\s*(.*))?$")
-    out = ["# Config reference", "", "Generated by `python -m dilocox.config` from `dilocox/config.py`; do not edit by hand.",
-           "Every key can be set in YAML (`section:` / `key: value`) or on the command line as `--section.key=value`.", ""]
+    out = [
+        "# Config reference",
+        "",
+        "Generated by `python -m dilocox.config` from `dilocox/config.py`; do not edit by hand.",
+        "Every key can be set in YAML (`section:` / `key: value`) or on the command line as `--section.key=value`.",
+        "",
+    ]
 
     def section(cls: type, prefix: str) -> None:
         rows = []
@@ -565,7 +697,18 @@ def reference_markdown() -> str:
         if rows:
             raw = cls.__doc__ or ""
             doc = "" if raw.startswith(cls.__name__ + "(") else inspect.cleandoc(raw).split("\n")[0]
-            out.extend([f"## `{prefix.rstrip('.')}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
+            out.extend(
+                [
+                    f"## `{prefix.rstrip('.')}`",
+                    "",
+                    doc,
+                    "",
+                    "| key | type | default | meaning |",
+                    "|---|---|---|---|",
+                    *rows,
+                    "",
+                ]
+            )
         for name, sub in nested:
             section(sub, f"{prefix}{name}.")
 

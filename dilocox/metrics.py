@@ -2,9 +2,10 @@
 
 One :class:`MetricsLogger` per rank; only the logging rank prints and writes. Each step's
 record goes to ``<run_dir>/metrics.jsonl`` (one JSON object per line), to TensorBoard when
-the package is installed, and to stdout as one line::
+the package is installed, to Weights & Biases with ``log.wandb`` (:mod:`dilocox.trackers`), and to
+stdout as one line::
 
-    step   120/400 | loss 2.3141 | lr 3.9e-04 | 5,321 tok/s | mfu  - | outer 3 H 40 sent 1.2 MB blocked 0.00s | eta 1m02s
+    step 120/400 | loss 2.3141 | lr 3.9e-04 | gnorm 0.412 | 5,321 tok/s | mfu - | outer 3 H 40 sent 1.2 MB ...
 
 On a TTY the line is redrawn in place (a progress bar) between full log lines.
 """
@@ -18,6 +19,10 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from dilocox.trackers import WandbTracker
+
 # Dense bf16 peak of the accelerators we report MFU against (vendor datasheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -25,8 +30,6 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 def peak_flops(device: Any) -> float | None:
     """Peak dense bf16 FLOP/s of a CUDA device by name; None on CPU (MFU is not reported)."""
     try:
-        import torch
-
         if getattr(device, "type", str(device)) != "cuda" or not torch.cuda.is_available():
             return None
         name = torch.cuda.get_device_name(device)
@@ -58,30 +61,58 @@ def fmt_time(s: float) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, enabled: bool, total_steps: int, jsonl: bool = True, tensorboard: bool = True, progress: bool = True):
+    def __init__(
+        self,
+        run_dir: str,
+        enabled: bool,
+        total_steps: int,
+        jsonl: bool = True,
+        tensorboard: bool = True,
+        progress: bool = True,
+        wandb_project: str | None = None,
+        config: dict | None = None,
+    ):
+        """``wandb_project``: also log to that Weights & Biases project, with ``config`` attached (None: no W&B)."""
         self.enabled = enabled
+        self.wandb = None
         self.total_steps = total_steps
         self.jsonl = None
         self.tb = None
         self.tty = enabled and progress and sys.stdout.isatty()
         self.t0 = time.time()
-        if not enabled:
-            return
+        # Files are opened at the first record, not here: a run refused at start-up (run dir locked,
+        # incompatible or finished resume) leaves the run dir's files as they were.
+        self._sinks = (run_dir, jsonl, tensorboard, wandb_project, config)
+        self._opened = False
+        self.purge_step: int | None = None
+
+    def resume_at(self, step: int) -> None:
+        """Records after ``step`` from an earlier run are being dropped: TensorBoard purges its events past it too."""
+        self.purge_step = step
+
+    def _open(self) -> None:
+        self._opened = True
+        run_dir, jsonl, tensorboard, wandb_project, config = self._sinks
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
             self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+                # lazy: the optional tensorboard package is slow to import and often absent
+                from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=self.purge_step)
             except Exception:  # noqa: BLE001 - optional
                 self.tb = None
+        if wandb_project is not None:
+            self.wandb = WandbTracker(run_dir, wandb_project, config)
 
     def write(self, record: dict) -> None:
         """Append one record (any keys) to the jsonl file and TensorBoard."""
         if not self.enabled:
             return
+        if not self._opened:
+            self._open()
         record = {"time": round(time.time() - self.t0, 3), **record}
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
@@ -90,12 +121,16 @@ class MetricsLogger:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "time") and math.isfinite(v):
                     self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(record)
 
     def line(self, rec: dict) -> str:
         step = rec["step"]
         parts = [f"step {step:>6}/{self.total_steps}", f"loss {rec['loss']:.4f}"]
         if "lr" in rec:
             parts.append(f"lr {rec['lr']:.1e}")
+        if "grad_norm" in rec:
+            parts.append(f"gnorm {rec['grad_norm']:.3f}")
         parts.append(f"{rec.get('tokens_per_s', 0):,.0f} tok/s")
         mfu = rec.get("mfu")
         parts.append(f"mfu {mfu * 100:4.1f}%" if mfu is not None else "mfu -")
@@ -121,7 +156,8 @@ class MetricsLogger:
         elif self.tty:
             frac = rec["step"] / max(1, self.total_steps)
             bar = "#" * int(30 * frac)
-            sys.stdout.write(f"\r[{bar:<30}] {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} eta {fmt_time(rec.get('eta_s', float('nan')))}")
+            eta = fmt_time(rec.get("eta_s", float("nan")))
+            sys.stdout.write(f"\r[{bar:<30}] {rec['step']}/{self.total_steps} loss {rec['loss']:.4f} eta {eta}")
             sys.stdout.flush()
 
     def info(self, msg: str) -> None:
@@ -135,3 +171,5 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import time
 from typing import Any
 
@@ -23,9 +24,19 @@ import torch
 import torch.distributed as dist
 
 from dilocox import checkpoint as ckpt
+from dilocox import rundir
 from dilocox.config import Config, ConfigError, to_yaml
-from dilocox.distributed.topology import build_topology, env_rank_world, init_distributed
+from dilocox.data import TokenSampler, prepare
+from dilocox.distributed import signals
+from dilocox.distributed.topology import build_topology, init_distributed
+from dilocox.engine import PipelineEngine
+from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
+from dilocox.launch.emulate import BANDWIDTH_ENV
 from dilocox.metrics import MetricsLogger, peak_flops
+from dilocox.model.parallel_layers import clip_grad_norm_
+from dilocox.model.transformer import build_stage_model, model_flops_per_token
+from dilocox.outer import build_outer
+from dilocox.reshard import resharded_state, restart_notes
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -72,8 +83,8 @@ def build_inner_optimizer(cfg: Config, model: torch.nn.Module, device: torch.dev
 
 def emulated_bandwidth_bytes() -> float | None:
     """Token-bucket cap (bytes/s) on the outer link, set by ``dilocox launch`` when it cannot use
-    network namespaces + tc (no root): DILOCOX_EMULATED_BANDWIDTH_BPS is in bits per second."""
-    bps = os.environ.get("DILOCOX_EMULATED_BANDWIDTH_BPS")
+    network namespaces + tc (no root): BANDWIDTH_ENV is in bits per second."""
+    bps = os.environ.get(BANDWIDTH_ENV)
     return float(bps) / 8.0 if bps else None
 
 
@@ -81,15 +92,19 @@ class Trainer:
     """Everything one rank holds during training. ``run()`` trains; attributes are for tests."""
 
     def __init__(self, cfg: Config):
-        from dilocox.data import TokenSampler, prepare
-        from dilocox.engine import PipelineEngine
-        from dilocox.model.transformer import build_stage_model
-
         self.cfg = cfg
         # gloo for train.device=cpu even where CUDA exists (NCCL cannot move CPU tensors)
-        rank, world, local = init_distributed("gloo" if cfg.train.device == "cpu" else None)
-        self.topo = build_topology(cfg.parallel, rank, world)
+        # the default group spans the replicas when R > 1: bounded like the outer waits (issue 9)
+        world_timeout = cfg.outer.timeout_s if cfg.parallel.replicas > 1 else cfg.parallel.timeout_s
+        rank, world, local = init_distributed("gloo" if cfg.train.device == "cpu" else None, timeout_s=world_timeout)
+        self.topo = build_topology(cfg.parallel, rank, world, outer_timeout_s=cfg.outer.timeout_s)
+        # SIGINT/SIGTERM: stop at a step boundary agreed by all ranks, save, exit 128+signal (distributed/signals.py)
+        self.stop = signals.StopFlag()  # handlers: installed by train() (not by Trainers built inside tests)
+        self.stop.attach(world, world_timeout, cfg.outer.warn_after_s, signals.replica_peers(self.topo),
+                         "outer.timeout_s" if cfg.parallel.replicas > 1 else "parallel.timeout_s")
         self.device = pick_device(cfg, local)
+        # One run per run dir: rank 0 holds the lock until the run ends or dies; every rank learns the outcome.
+        self.run_lock = rundir.lock_run_dir(cfg.log.run_dir, rank == 0, ckpt.all_ranks_agree)
         torch.manual_seed(cfg.train.seed)
         # Every rank of a replica draws the replica's full batch (a pure function of seed,
         # replica and step); the pipeline engine takes this rank's inner-DP rows.
@@ -97,46 +112,52 @@ class Trainer:
         if self.prepared.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({self.prepared.vocab_size}); set --model.vocab_size to at least {self.prepared.vocab_size} (a multiple of parallel.tensor)"
+                f"({self.prepared.vocab_size}); set --model.vocab_size to at least {self.prepared.vocab_size} "
+                "(a multiple of parallel.tensor)"
             )
         tr = cfg.train
-        self.sampler = TokenSampler(self.prepared.train_tokens(), tr.seq_len, tr.batch_size, tr.seed, self.topo.replica, self.topo.R)
-        self.val_batches = self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
+        self.sampler = TokenSampler(self.prepared.train_tokens(), tr.seq_len, tr.batch_size, tr.seed, self.topo.replica,
+                                    self.topo.R)
+        self.val_batches = (self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches
+                            else [])
         t = self.topo
-        self.model = build_stage_model(cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed, device=self.device)
+        self.model = build_stage_model(cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed,
+                                       device=self.device)
+        if cfg.model.init_from:  # continued pre-training from a Hugging Face checkpoint (a resume overrides it)
+            hf_dir = resolve_hf_dir(cfg.model.init_from)
+            hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
+            self.model.load_full_state_dict(hf_sd)
         autocast = None
         if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.device.type == "cuda"):
             autocast = torch.bfloat16
-        self.engine = PipelineEngine(self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device, autocast_dtype=autocast)
+        self.engine = PipelineEngine(self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device,
+                                     autocast_dtype=autocast)
         self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
-        self.outer = None
-        if cfg.outer.method != "none":
-            from dilocox.outer import OuterLoop
-
-            self.outer = OuterLoop(
-                list(self.model.named_parameters()), t, cfg.outer, cfg.compress, seed=cfg.train.seed,
-                layer_of=self.model.param_layer_id, n_layers_total=cfg.model.n_layers, inner_optimizer=self.optimizer,
-                comm_bandwidth=emulated_bandwidth_bytes(),
-            )
+        self.outer = build_outer(  # None for outer.method=none
+            list(self.model.named_parameters()), t, cfg.outer, cfg.compress, seed=cfg.train.seed,
+            layer_of=self.model.param_layer_id, n_layers_total=cfg.model.n_layers,
+            comm_bandwidth=emulated_bandwidth_bytes(),
+        )
+        if self.outer is not None:  # every wait on the outer all-reduce: warned about, then bounded
+            self.outer.bound_waits(cfg.outer.timeout_s, cfg.outer.warn_after_s, peers=signals.replica_peers(t),
+                                      log=lambda m, r=rank: print(f"[rank {r}] {m}", flush=True))
         self.step = 0
         self.tokens_seen = 0
         self.ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints")
-        if cfg.checkpoint.resume == "none":
-            old = ckpt.find_latest(self.ckpt_dir)
-            if not ckpt.all_ranks_agree(old is None):  # the same decision on every rank
-                raise ConfigError(
-                    f"checkpoint.resume=none, but {self.ckpt_dir} already holds checkpoints of an earlier run "
-                    f"(latest: {os.path.basename(old) if old else 'seen by another rank'}); a fresh run would leave them as they are "
-                    f"and skip its own saves at the same steps. Use checkpoint.resume=auto to continue that run, or give "
-                    f"log.run_dir (or checkpoint.dir) a new directory, or delete the old checkpoints"
-                )
-        self.logger = MetricsLogger(cfg.log.run_dir, enabled=rank == 0, total_steps=cfg.train.steps, jsonl=cfg.log.jsonl, tensorboard=cfg.log.tensorboard, progress=cfg.log.progress)
+        lg = cfg.log
+        self.logger = MetricsLogger(lg.run_dir, enabled=rank == 0, total_steps=cfg.train.steps, jsonl=lg.jsonl,
+                                    tensorboard=lg.tensorboard, progress=lg.progress,
+                                    wandb_project=lg.wandb_project if lg.wandb else None, config=cfg.to_dict())
         self.peak = peak_flops(self.device)
-        from dilocox.model.transformer import model_flops_per_token
-
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.history: list[dict] = []
+        self.grad_norm: float | None = None  # global norm before clipping (optim.grad_clip > 0), logged per step
+        self.resumed_from: str | None = None
         self._maybe_resume()
+        space = ckpt.preflight(self.ckpt_dir, ckpt.estimate_bytes(self.state_dict(), self.optimizer), self.topo.world_size,
+                               cfg.checkpoint.keep, self.topo.rank, ckpt.all_ranks_agree, cfg.checkpoint.check_space)
+        if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
+            self.logger.info(space)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -162,23 +183,60 @@ class Trainer:
 
     def _layout(self) -> dict:
         p = self.cfg.parallel
-        return {"layout": f"R{p.replicas}xD{p.data}xP{p.pipeline}xT{p.tensor}", "method": self.cfg.outer.method, "arch": self.cfg.model.arch}
+        return {"layout": f"R{p.replicas}xD{p.data}xP{p.pipeline}xT{p.tensor}", "method": self.cfg.outer.method,
+                "arch": self.cfg.model.arch}
 
     def _maybe_resume(self) -> None:
         r = self.cfg.checkpoint.resume
         if r == "none":
+            old = ckpt.find_latest(self.ckpt_dir)
+            if not ckpt.all_ranks_agree(old is None):  # the same decision on every rank
+                raise ConfigError(
+                    f"checkpoint.resume=none, but {self.ckpt_dir} already holds checkpoints of an earlier run "
+                    f"(latest: {os.path.basename(old) if old else 'seen by another rank'}); a fresh run would leave "
+                    f"them as they are and skip its own saves at the same steps. Use checkpoint.resume=auto to "
+                    f"continue that run, or give log.run_dir (or checkpoint.dir) a new directory, or delete the old "
+                    f"checkpoints"
+                )
             return
         path = ckpt.find_latest(self.ckpt_dir) if r == "auto" else r
         if path is None:
             return
-        sd = ckpt.load_checkpoint(path, self.topo.rank, self.topo.world_size, expect=self._layout())
+        meta = ckpt.read_meta(path)
+        self._check_resume_config(path, meta)
+        saved = meta.get("layout", self._layout()["layout"])
+        if saved != self._layout()["layout"]:  # saved on another R x D x P x T: reshard by global names
+            sd = resharded_state(path, self.cfg, self.topo, self.model, self.optimizer, outer=self.outer)
+            self.logger.info(f"resharding {path} from layout {saved} to {self._layout()['layout']}")
+            for what in restart_notes(self.cfg) if sd.get("outer") else []:
+                self.logger.info(f"warning: resharding restarts {what}")
+        elif r == "auto":  # verifies each shard's hash; on a damaged one falls back (all ranks alike) or stops
+            path, sd = ckpt.load_latest(self.ckpt_dir, self.topo.rank, self.topo.world_size, expect=self._layout(),
+                                        fallback=self.cfg.checkpoint.fallback)
+        else:
+            sd = ckpt.load_checkpoint(path, self.topo.rank, self.topo.world_size, expect=self._layout())
         self.load_state_dict(sd)
+        self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
 
+    def _check_resume_config(self, path: str, meta: dict) -> None:
+        """Refuse (on every rank alike) a resume whose config changes the math; warn about schedule changes."""
+        saved, source = rundir.saved_config(path, meta, self.cfg.log.run_dir)
+        err = None
+        try:
+            for w in rundir.check_resume_config(saved, source, self.cfg):
+                self.logger.info(w)
+        except rundir.RunDirError as e:
+            err = e
+        if not ckpt.all_ranks_agree(err is None):
+            raise err or rundir.RunDirError(f"resuming {path}: another rank found the config incompatible (see rank 0)")
+
     def save(self) -> str:
+        # the config goes into COMPLETE.json: a resume compares its own config with the one these weights came from
         return ckpt.save_checkpoint(
             self.ckpt_dir, self.step, self.topo.rank, self.topo.world_size, self.state_dict(),
-            meta=self._layout(), agree=ckpt.all_ranks_agree, keep=self.cfg.checkpoint.keep,
+            meta={**self._layout(), "config": self.cfg.to_dict()}, agree=ckpt.all_ranks_agree,
+            keep=self.cfg.checkpoint.keep,
         )
 
     # ------------------------------------------------------------------ loop
@@ -202,14 +260,14 @@ class Trainer:
         if not math.isfinite(loss):
             raise FloatingPointError(
                 f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped before the bad update. "
-                f"Lower optim.lr (now {cfg.optim.lr}) or set optim.grad_clip, and resume from the last checkpoint in {self.ckpt_dir}"
+                f"Lower optim.lr (now {cfg.optim.lr}) or set optim.grad_clip, and resume from the last good checkpoint "
+                f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; non-finite states are never saved)"
             )
         if self.outer is not None:
             self.outer.on_gradients(step)
         if cfg.optim.grad_clip > 0:
-            from dilocox.model.parallel_layers import clip_grad_norm_
-
-            self.grad_norm = float(clip_grad_norm_(list(self.model.parameters()), cfg.optim.grad_clip, self.topo.tp_rank, self.topo.group("mp")))
+            self.grad_norm = float(clip_grad_norm_(list(self.model.parameters()), cfg.optim.grad_clip,
+                                                   self.topo.tp_rank, self.topo.group("mp")))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.outer is not None:
@@ -218,8 +276,55 @@ class Trainer:
         self.tokens_seen += cfg.train.batch_size * cfg.train.seq_len
         return loss
 
+    def _begin_run(self) -> dict | None:
+        """Before the first step: the finished-run guard, then (rank 0) config history and metrics.jsonl
+        cut back to the resumed step. Returns a summary when there is nothing to do (resume_finished=skip)."""
+        cfg = self.cfg
+        if self.resumed_from is not None:
+            msg = rundir.finished_message(self.step, self.tokens_seen, cfg, self.resumed_from)
+            if msg and cfg.checkpoint.resume_finished == "skip":
+                self.logger.info(f"nothing to do (checkpoint.resume_finished=skip): {msg}")
+                return {"steps": self.step, "skipped": True}
+            if msg:
+                raise rundir.RunDirError(msg)
+        if self.topo.rank == 0:
+            hist = rundir.write_config_history(cfg.log.run_dir, to_yaml(cfg), self.step)
+            self.logger.info(f"config saved to {hist} and config.yaml")
+            if self.resumed_from is not None:
+                dropped = rundir.truncate_metrics(cfg.log.run_dir, self.step)
+                self.logger.resume_at(self.step)
+                self.logger.write({"event": "resume", "resumed_at": self.step, "checkpoint": self.resumed_from,
+                                   "records_dropped": dropped})
+                if dropped:
+                    self.logger.info(f"metrics.jsonl: {dropped} records logged after step {self.step} by the earlier "
+                                     f"run moved to {rundir.DISCARDED_NAME}")
+        return None
+
+    def _end_of_run(self, start_step: int, wall: float) -> dict:
+        """Final validation, per-rank summary file and the summary record/line."""
+        cfg = self.cfg
+        tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
+        final_val = self.validate()
+        summary = {
+            "steps": self.step, "final_val_loss": final_val, "final_val_ppl": math.exp(min(final_val, 50)),
+            "wall_s": wall, "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
+            "tokens_per_replica": self.tokens_seen,
+        }
+        if self.outer is not None:
+            summary.update({f"outer_{k}": v for k, v in self.outer.stats.items()})
+        summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        rundir.write_rank_summary(cfg.log.run_dir, self.topo.rank, self.topo.describe(), summary)
+        self.logger.write({"summary": summary})
+        self.logger.info(f"done: {self.step} steps, final val loss {final_val:.4f} "
+                         f"(ppl {summary['final_val_ppl']:.2f}), "
+                         f"{summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s")
+        return summary
+
     def run(self) -> dict:
         cfg = self.cfg
+        skipped = self._begin_run()
+        if skipped is not None:
+            return skipped
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
         start_step = self.step
         self.logger.info(f"dilocox: {self.topo.describe()} | device {self.device} | method {cfg.outer.method} | "
@@ -227,9 +332,10 @@ class Trainer:
         o = cfg.outer
         if (o.method == "diloco" and not cfg.compress.adaptive.enabled and o.streaming.fragments == 1
                 and cfg.train.steps % o.sync_every):
-            self.logger.info(f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every={o.sync_every}: the last "
-                             f"{cfg.train.steps % o.sync_every} local steps are never synchronised and the final model (the outer "
-                             f"params) leaves them out; set train.steps to a multiple of {o.sync_every}")
+            self.logger.info(f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every="
+                             f"{o.sync_every}: the last {cfg.train.steps % o.sync_every} local steps are never "
+                             f"synchronised and the final model (the outer params) leaves them out; set train.steps "
+                             f"to a multiple of {o.sync_every}")
         t_start = time.time()
         t_last, step_last = t_start, self.step
         val_loss = None
@@ -238,6 +344,8 @@ class Trainer:
                 break
             loss = self.train_step()
             rec: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, cfg)}
+            if self.grad_norm is not None:
+                rec["grad_norm"] = self.grad_norm
             do_eval = bool(cfg.train.eval_every and self.val_batches and self.step % cfg.train.eval_every == 0)
             if do_eval:
                 val_loss = self.validate()
@@ -256,47 +364,51 @@ class Trainer:
             self.logger.log(rec, printed=printed)
             if printed:
                 t_last, step_last = now, self.step
+            if self.stop.should_stop():  # some rank got SIGINT/SIGTERM: all stop at this step, save, exit 128+signal
+                path = self.save()
+                ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
+                raise signals.Interrupted(self.stop.agreed_signum, self.step, path)
             if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
                 self.save()
         if self.outer is not None:
             self.outer.finish()
-        wall = time.time() - t_start
-        final_val = self.validate()
-        summary = {
-            "steps": self.step, "final_val_loss": final_val, "final_val_ppl": math.exp(min(final_val, 50)),
-            "wall_s": wall, "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
-            "tokens_per_replica": self.tokens_seen,
-        }
-        if self.outer is not None:
-            summary.update({f"outer_{k}": v for k, v in self.outer.stats.items()})
-        import json
-        import resource
-
-        summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-        with open(os.path.join(cfg.log.run_dir, f"rank_{self.topo.rank:05d}.json"), "w") as f:
-            json.dump({"rank": self.topo.rank, "coord": self.topo.describe(), **summary}, f)
-        self.logger.write({"summary": summary})
-        self.logger.info(f"done: {self.step} steps, final val loss {final_val:.4f} (ppl {summary['final_val_ppl']:.2f}), "
-                         f"{summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s")
+        summary = self._end_of_run(start_step, time.time() - t_start)
         self.save()
         self.logger.close()
         return summary
 
 
 def train(cfg: Config) -> dict:
-    os.makedirs(cfg.log.run_dir, exist_ok=True)
-    if env_rank_world()[0] == 0:  # RANK under torchrun, SLURM_PROCID under plain srun
-        with open(os.path.join(cfg.log.run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
+    """Train ``cfg`` on this rank (config history and the run-dir lock: :mod:`dilocox.rundir`)."""
     trainer = Trainer(cfg)
+    trainer.stop.install()
+    # logs while the main thread sits in a collective longer than outer.warn_after_s (bounded by the group timeouts)
+    stall = signals.StallMonitor(cfg.outer.warn_after_s, signals.replica_peers(trainer.topo)).start()
+    ok = False
     try:
-        return trainer.run()
+        out = trainer.run()
+        ok = True
+        return out
+    except signals.Interrupted as e:  # saved; exit 128+signal with one clear line (rank 0)
+        trainer.logger.info(str(e))
+        trainer.logger.close()
+        raise SystemExit(e.exit_code) from None
+    except RuntimeError as e:  # a peer/replica is gone: say which wait failed; a stuck clean-up cannot outlive 15 s
+        o, r = cfg.outer, cfg.parallel.replicas > 1
+        msg = signals.comm_failure_message(e, signals.replica_peers(trainer.topo), "outer.timeout_s" if r else
+                                           "parallel.timeout_s", o.timeout_s if r else cfg.parallel.timeout_s)
+        if msg:
+            signals.exit_watchdog(signals.CommTimeoutError(msg))
+        raise
     finally:
-        comm = getattr(trainer.outer, "comm", None)
-        if comm is not None:
+        stall.stop()
+        trainer.stop.close(drain=ok)
+        if trainer.outer is not None:
             # After an exception the comm thread is still alive (run() stops it through
             # outer.finish() only on success); left running, the failing rank was seen to die
             # with SIGABRT at interpreter exit. Bounded: a collective whose peer died may hang.
-            comm.shutdown(timeout=30.0)
+            trainer.outer.close(timeout=30.0)
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,4 +17,6 @@ if [[ -z "${NPROC:-}" ]]; then
 from dilocox.config import load_config
 print(load_config(sys.argv[1], sys.argv[2:]).parallel.world_size)' "$@")
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m dilocox.cli train "$@"
+# through `dilocox train --nproc`: Ctrl-C/SIGTERM reach every rank, which save a checkpoint and exit
+# (the command returns after them, killing what is left after train.stop_timeout_s)
+exec "$PYTHON" -m dilocox.cli train "$@" --nproc "$NPROC"

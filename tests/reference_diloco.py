@@ -99,9 +99,21 @@ def _outer_update(opt: torch.optim.SGD, params: list[torch.Tensor], grads: list[
     opt.step()
 
 
-def run_reference(R: int, steps: int, seed: int, H: int, overlap: str = "none", K: int = 1, tau: int = 0,
-                  alpha: float = 0.5, pattern: str = "sequential", lr: float = 0.7, momentum: float = 0.9,
-                  nesterov: bool = True, inner: str = "adamw") -> list[dict[str, torch.Tensor]]:
+def run_reference(
+    R: int,
+    steps: int,
+    seed: int,
+    H: int,
+    overlap: str = "none",
+    K: int = 1,
+    tau: int = 0,
+    alpha: float = 0.5,
+    pattern: str = "sequential",
+    lr: float = 0.7,
+    momentum: float = 0.9,
+    nesterov: bool = True,
+    inner: str = "adamw",
+) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
@@ -112,7 +124,9 @@ def run_reference(R: int, steps: int, seed: int, H: int, overlap: str = "none", 
     w = [dict(m.named_parameters()) for m in models]  # live replica params θ_m
     n_outer = R if overlap == "eager" else 1  # eager: θ and v per replica
     theta = [{n: w[0][n].detach().clone() for n in names} for _ in range(n_outer)]
-    outer_opt = [[_sgd([theta[r][n] for n in frags[p]], lr, momentum, nesterov) for p in range(K)] for r in range(n_outer)]
+    outer_opt = [
+        [_sgd([theta[r][n] for n in frags[p]], lr, momentum, nesterov) for p in range(K)] for r in range(n_outer)
+    ]
     pending: list[list[torch.Tensor] | None] = [None] * K  # none: launched average; delayed/eager: Δ̄^{t−1}
     own_prev: list[list[list[torch.Tensor] | None]] = [[None] * K for _ in range(R)]
 

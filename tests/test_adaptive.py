@@ -84,8 +84,11 @@ def _window_mean(values, w, lo, hi):
 
 
 def _adaptive_ccfg(rank, rank_min, rank_max, **kw):
-    return CompressConfig(lowrank=LowRankConfig(enabled=True, rank=rank),
-                          adaptive=AdaptiveConfig(enabled=True, rank_min=rank_min, rank_max=rank_max), **kw)
+    return CompressConfig(
+        lowrank=LowRankConfig(enabled=True, rank=rank),
+        adaptive=AdaptiveConfig(enabled=True, rank_min=rank_min, rank_max=rank_max),
+        **kw,
+    )
 
 
 def test_rank_falls_with_window_mean_of_effective_rank():
@@ -120,7 +123,9 @@ def test_rank_grows_with_window_mean_of_effective_rank():
     true_ranks = [4, 4, 8, 12, 16, 20, 24, 24, 24, 24, 24, 24, 24]
     runs = {}
     for use_tail in (True, False):
-        comp = build_compressor(_adaptive_ccfg(4, 2, 48, quant="none", error_feedback=False), [torch.Size([n, n]), torch.Size([n])], seed=3)
+        comp = build_compressor(
+            _adaptive_ccfg(4, 2, 48, quant="none", error_feedback=False), [torch.Size([n, n]), torch.Size([n])], seed=3
+        )
         ctl = AdaptiveController(energy_eps=eps, window=w, rank_min=2, rank_max=48, h_min=1, h_max=10_000)
         seen, ranks, est, truth = [], [], 0.0, 0.0
         for step, tr in enumerate(true_ranks):
@@ -131,7 +136,9 @@ def test_rank_grows_with_window_mean_of_effective_rank():
             est += float(tail[0])
             truth += float((m - p_hat @ (p_hat.t() @ m)).square().sum())  # energy outside the basis
             seen.append(_true_effective_rank(m, eps))
-            rank, _ = ctl.update(sig, 1.0, comp.payload_bytes(), comp.payload_bytes, 0.01, tail=tail if use_tail else None)
+            rank, _ = ctl.update(
+                sig, 1.0, comp.payload_bytes(), comp.payload_bytes, 0.01, tail=tail if use_tail else None
+            )
             comp.set_rank(rank)
             ranks.append(rank)
         assert seen == true_ranks
@@ -172,7 +179,9 @@ def _two_rank_adaptive(rank, world, collectives, true_ranks):
         st = CommStats()
         recs = []
         for step, tr in enumerate(true_ranks):
-            ts = [_replica_matrix(rank, step, s, tr) for s in SHAPES2[:2]] + [torch.randn(64, generator=torch.Generator().manual_seed(step))]
+            ts = [_replica_matrix(rank, step, s, tr) for s in SHAPES2[:2]] + [
+                torch.randn(64, generator=torch.Generator().manual_seed(step))
+            ]
             fed = [t + e for t, e in zip(ts, comp.errors)] if comp.errors is not None else ts
             r_now, wire = comp.rank, comp.wire_bytes(world)
             comp.allreduce_mean(ts, dist.group.WORLD, step, st)
@@ -183,12 +192,27 @@ def _two_rank_adaptive(rank, world, collectives, true_ranks):
                 both = [torch.zeros_like(fed[i]) for _ in range(world)]
                 dist.all_gather(both, fed[i].contiguous())
                 mbar, ph = sum(both) / world, comp.lowrank.p_hat()[i]
-                ref.append({"mbar2": float(mbar.double().square().sum()), "mean2": float(sum(b.double().square().sum() for b in both)) / world,
-                            "outside": float((mbar - ph @ (ph.t() @ mbar)).double().square().sum()),
-                            "true_eff": brute_effective_rank(torch.linalg.svdvals(mbar.double()).tolist(), 0.05)})
-            recs.append({"rank": r_now, "next": rank_next, "h": h, "r_eff": ctl.history[-1], "wire": wire,
-                         "sig": [x.clone() for x in sig], "tail": tail.clone(), "ref": ref,
-                         "local": [float(f.double().square().sum()) for f in fed[:2]]})
+                ref.append(
+                    {
+                        "mbar2": float(mbar.double().square().sum()),
+                        "mean2": float(sum(b.double().square().sum() for b in both)) / world,
+                        "outside": float((mbar - ph @ (ph.t() @ mbar)).double().square().sum()),
+                        "true_eff": brute_effective_rank(torch.linalg.svdvals(mbar.double()).tolist(), 0.05),
+                    }
+                )
+            recs.append(
+                {
+                    "rank": r_now,
+                    "next": rank_next,
+                    "h": h,
+                    "r_eff": ctl.history[-1],
+                    "wire": wire,
+                    "sig": [x.clone() for x in sig],
+                    "tail": tail.clone(),
+                    "ref": ref,
+                    "local": [float(f.double().square().sum()) for f in fed[:2]],
+                }
+            )
             comp.set_rank(rank_next)
         out[coll] = {"recs": recs, "bytes": st.bytes_sent}
     buf = io.BytesIO()
@@ -224,7 +248,11 @@ def test_two_replicas_take_identical_decisions_on_different_matrices():
         # the rank stays near the low true rank, then rises with it, and stays below r_max
         late = [x["next"] for x in a[-5:]]
         true_late = min(x["ref"][i]["true_eff"] for x in a[-5:] for i in (0, 1))
-        assert a[3]["next"] <= 5 and true_late <= min(late) and max(late) <= 20, (coll, [x["next"] for x in a], true_late)
+        assert a[3]["next"] <= 5 and true_late <= min(late) and max(late) <= 20, (
+            coll,
+            [x["next"] for x in a],
+            true_late,
+        )
 
 
 def test_rank_cap_keeps_some_matrix_factored():
@@ -248,7 +276,9 @@ def test_rank_cap_keeps_some_matrix_factored():
         assert free.update(sig, 1.0, 80, payload, 0.1, tail=[1e6])[0] == 64
         assert capped.update(sig, 1.0, 80, payload, 0.1, tail=[1e6], rank_cap=cap)[0] == cap
     assert max(capped.history) == cap
-    assert capped.update(sig, 1.0, 80, payload, 0.1, tail=[0.0], rank_cap=cap)[0] == math.ceil((cap + 8) / 2)  # and back down
+    assert capped.update(sig, 1.0, 80, payload, 0.1, tail=[0.0], rank_cap=cap)[0] == math.ceil(
+        (cap + 8) / 2
+    )  # and back down
 
 
 def test_h_is_smallest_that_hides_comm_and_is_clamped():

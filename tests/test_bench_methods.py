@@ -11,7 +11,9 @@ from dilocox.config import load_config
 
 
 def _load(tmp_path, preset, overrides=(), H=20):
-    path = write_config(os.path.join(tmp_path, "c.yaml"), ["tiny.yaml", f"methods/{preset}.yaml"], method_body(preset, H))
+    path = write_config(
+        os.path.join(tmp_path, "c.yaml"), ["tiny.yaml", f"methods/{preset}.yaml"], method_body(preset, H)
+    )
     return load_config(path, list(overrides))
 
 
@@ -24,13 +26,26 @@ def test_presets_load_on_the_bench_layout(tmp_path, method):
 
 
 def _knobs(cfg):
-    return {"overlap": cfg.outer.overlap, "lr": cfg.outer.lr, "momentum": cfg.outer.momentum, "quant": cfg.compress.quant,
-            "lowrank": cfg.compress.lowrank.enabled, "adaptive": cfg.compress.adaptive.enabled}
+    return {
+        "overlap": cfg.outer.overlap,
+        "lr": cfg.outer.lr,
+        "momentum": cfg.outer.momentum,
+        "quant": cfg.compress.quant,
+        "lowrank": cfg.compress.lowrank.enabled,
+        "adaptive": cfg.compress.adaptive.enabled,
+    }
 
 
 def test_ablation_variants_switch_off_what_they_name(tmp_path):
     full = _knobs(_load(tmp_path, "dilocox"))
-    assert full == {"overlap": "delayed", "lr": 0.5, "momentum": 0.0, "quant": "int4", "lowrank": True, "adaptive": True}
+    assert full == {
+        "overlap": "delayed",
+        "lr": 0.5,
+        "momentum": 0.0,
+        "quant": "int4",
+        "lowrank": True,
+        "adaptive": True,
+    }
     labels = [label for label, _, _ in ABLATION]
     assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox" in labels
     for label, preset, extra in ABLATION:
@@ -56,3 +71,15 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
             expect |= {"lr", "momentum"}
             assert (got["lr"], got["momentum"]) == (0.7, 0.9)
         assert changed == expect, (label, changed, expect)
+
+
+def test_plots_carry_their_own_title_and_distinguishable_curves(tmp_path):
+    from dilocox.bench.methods import plot
+
+    rows = [{"method": label, "val_curve": [(50, 3.0), (100, 2.5)]} for label, _, _ in ABLATION]  # identical curves
+    ab = plot(rows, str(tmp_path / "ablation.png"), ablation=True)
+    me = plot(rows[:2], str(tmp_path / "methods.png"), ablation=False)
+    assert "ablation" in ab["title"].lower() and "ablation" not in me["title"].lower()
+    looks = [(m, ls) for _, m, ls in ab["styles"]]
+    assert len(set(looks)) == len(rows)  # curves on top of each other still differ by marker/line style
+    assert ab["legend_outside"] and (tmp_path / "ablation.png").stat().st_size > 0

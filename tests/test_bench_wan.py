@@ -25,7 +25,9 @@ PAYLOAD_TOLERANCE_PCT = 0.5
 
 
 def _cfg(tmp_path, method: str, H: int = 20):
-    return load_config(write_config(str(tmp_path / f"{method}.yaml"), ["tiny.yaml", f"methods/{method}.yaml"], method_body(method, H)))
+    return load_config(
+        write_config(str(tmp_path / f"{method}.yaml"), ["tiny.yaml", f"methods/{method}.yaml"], method_body(method, H))
+    )
 
 
 def _run(step_seconds: list[float], tokens: int, sent: dict[int, list[int]], blocked: list[float], veth=None) -> dict:
@@ -34,16 +36,32 @@ def _run(step_seconds: list[float], tokens: int, sent: dict[int, list[int]], blo
     ranks = []
     for rank in range(4):
         rep, stage = divmod(rank, 2)
-        ranks.append({"rank": rank, "coord": f"rank {rank}/4 = replica {rep}, dp 0, stage {stage}, tp 0 (grid R2xD1xP2xT1)",
-                      "wall_s": sum(step_seconds) + 0.5, "outer_bytes_sent": sent[rep][stage], "outer_blocked_total_s": blocked[rank]})
-    summary = {"steps": len(step_seconds), "tokens_per_s": 1.0, "final_val_loss": 3.5, "outer_H": 20, "outer_rank": 8, "outer_n_syncs": 2}
+        ranks.append(
+            {
+                "rank": rank,
+                "coord": f"rank {rank}/4 = replica {rep}, dp 0, stage {stage}, tp 0 (grid R2xD1xP2xT1)",
+                "wall_s": sum(step_seconds) + 0.5,
+                "outer_bytes_sent": sent[rep][stage],
+                "outer_blocked_total_s": blocked[rank],
+            }
+        )
+    summary = {
+        "steps": len(step_seconds),
+        "tokens_per_s": 1.0,
+        "final_val_loss": 3.5,
+        "outer_H": 20,
+        "outer_rank": 8,
+        "outer_n_syncs": 2,
+    }
     return {"steps": recs, "summary": summary, "ranks": ranks, "veth": veth}
 
 
 def test_summarize_window_bytes_and_veth_payload():
     tokens = 2048
     veth = [{"tx_bytes": 1_000_000, "tx_packets": 1000}, {"tx_bytes": 2_000_000, "tx_packets": 500}]
-    run = _run([0.5, 0.25, 0.25, 1.0], tokens, {0: [300_000, 600_000], 1: [400_000, 700_000]}, [0.1, 0.7, 0.2, 0.3], veth)
+    run = _run(
+        [0.5, 0.25, 0.25, 1.0], tokens, {0: [300_000, 600_000], 1: [400_000, 700_000]}, [0.1, 0.7, 0.2, 0.3], veth
+    )
     run["ranks"][2]["wall_s"] = 3.0  # the slowest rank ends the run
     s = wan.summarize(run, tokens_per_step=tokens, baseline=[4_000, 6_000])
     assert s["first_step_s"] == pytest.approx(0.5)
@@ -76,10 +94,13 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
     dx = wan.predict(_cfg(tmp_path, "dilocox"), "dilocox", 1e7)
     assert (dx["overlap"], dx["rank"], dx["quant"]) == ("delayed", 8, "int4") and dx["lowrank_elements"] > 0
     ck = wan.predict(_cfg(tmp_path, "cocktailsgd"), "cocktailsgd", 1e7)
-    # bitmap over the 10 % random survivors + int4 values (+ bf16 scales) of 8 % of them
+    # bitmap over the 10 % random survivors + int4 values (+ bf16 scales) of 8 % of them; the code rounds
+    # K_i and k_i up per tensor and groups each tensor's values on their own (a partial group each), so
+    # it sends ~1 % more than the flat formula (the exact count is checked against a run in test_plan)
     survivors = math.ceil(0.1 * n)
     k = math.ceil(0.08 * survivors)
-    assert ck["payload_bytes"] == pytest.approx(survivors / 8 + k / 2 + 2 * k / 128, rel=1e-3)
+    nominal = survivors / 8 + k / 2 + 2 * k / 128
+    assert nominal < ck["payload_bytes"] < 1.02 * nominal
     # a run is cut to whole phases when its predicted communication exceeds the budget
     assert wan.steps_within(_cfg(tmp_path, "allreduce"), 1e7, 100, 60.0) == int(60.0 / (4 * n * 8 / 1e7))
     assert wan.steps_within(_cfg(tmp_path, "opendiloco", H=10), 1e5, 100, 60.0) == 10
@@ -88,10 +109,22 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
 
 def test_join_markdown_and_targets():
     def row(method, cap, tps, util, loss, fw, plan_tps, plan_util, wire, H):
-        return {"method": method, "cap_bps": cap, "steps": 100, "tokens_per_s": tps, "utilization": util, "blocked_s": 1.0,
-                "final_val_loss": loss, "bytes_framework": fw, "H_final": H, "rank_final": 0, "n_syncs": 100 // H,
-                "loss_vs_time": [[1.0, 5.0], [2.0, 4.0]],
-                "plan": {"tokens_per_s": plan_tps, "utilization": plan_util, "wire_bytes_per_replica": wire, "H": H}}
+        return {
+            "method": method,
+            "cap_bps": cap,
+            "steps": 100,
+            "tokens_per_s": tps,
+            "utilization": util,
+            "blocked_s": 1.0,
+            "final_val_loss": loss,
+            "bytes_framework": fw,
+            "H_final": H,
+            "rank_final": 0,
+            "n_syncs": 100 // H,
+            "loss_vs_time": [[1.0, 5.0], [2.0, 4.0]],
+            "plan": {"tokens_per_s": plan_tps, "utilization": plan_util, "wire_bytes_per_replica": wire, "H": H},
+        }
+
     rows = [
         row("allreduce", None, 10_000.0, 0.9, 3.0, 400e6, 11_000.0, 1.0, 4e6, 1),
         row("allreduce", 1e7, 500.0, 0.05, 3.0, 80e6, 600.0, 0.06, 4e6, 1),
@@ -107,17 +140,38 @@ def test_join_markdown_and_targets():
     assert by[("allreduce", 1e7)]["err_utilization_pp"] == pytest.approx(1.0)
     assert by[("allreduce", 1e7)]["plan_bytes"] == pytest.approx(4e8)  # 100 steps x 4 MB
     assert by[("allreduce", 1e7)]["err_bytes_pct"] == pytest.approx(400.0)
-    assert by[("dilocox", None)]["plan_bytes"] == pytest.approx(4e6) and by[("dilocox", None)]["err_bytes_pct"] == pytest.approx(0.0)
-    assert by[("dilocox", 1e7)]["plan_as_run_bytes"] == pytest.approx(4e6) and by[("dilocox", 1e7)]["err_as_run_bytes_pct"] == pytest.approx(0.0)
+    assert by[("dilocox", None)]["plan_bytes"] == pytest.approx(4e6) and by[("dilocox", None)][
+        "err_bytes_pct"
+    ] == pytest.approx(0.0)
+    assert by[("dilocox", 1e7)]["plan_as_run_bytes"] == pytest.approx(4e6) and by[("dilocox", 1e7)][
+        "err_as_run_bytes_pct"
+    ] == pytest.approx(0.0)
     assert "plan_as_run_bytes" not in by[("dilocox", None)]
     t = wan.targets(rows, [1e7])
     assert "worst 97.5 % -> met" in t[0] and "worst 99.0 %)" in t[0]  # utilization 0.98 / 0.99
     assert "39.0x" in t[1] and t[1].endswith("met")
     assert "+3.3 %" in t[2] and t[2].endswith("met")
-    res = {"meta": {"machine": "m", "date": "d", "load_avg": (1.0, 1.0, 1.0), "emulation": "netns", "why": "", "replicas": 2,
-                    "ranks_per_replica": 2, "H": 20, "steps": 100, "max_comm_s": 60, "reference": True, "loss_steps": 200,
-                    "bench_wall_s": 60.0, "baseline_payload_bytes": [6000, 8000], "frame_header_bytes": 66, "caps_bps": [1e7]},
-           "rows": rows}
+    res = {
+        "meta": {
+            "machine": "m",
+            "date": "d",
+            "load_avg": (1.0, 1.0, 1.0),
+            "emulation": "netns",
+            "why": "",
+            "replicas": 2,
+            "ranks_per_replica": 2,
+            "H": 20,
+            "steps": 100,
+            "max_comm_s": 60,
+            "reference": True,
+            "loss_steps": 100,
+            "bench_wall_s": 60.0,
+            "baseline_payload_bytes": [6000, 8000],
+            "frame_header_bytes": 66,
+            "caps_bps": [1e7],
+        },
+        "rows": rows,
+    }
     md = wan.markdown(res)
     assert "| dilocox | 10 Mbit/s | 100 | 19,500 | 97.5 % | 98.0% |" in md
     assert "| dilocox | 3.1000 | +3.3 % | 20 | 0 | 5 |" in md
@@ -125,22 +179,46 @@ def test_join_markdown_and_targets():
     assert "| 4.000 MB (H 10, r 16) | +0.0 % |" in md
 
 
+@pytest.mark.slow  # ~37 s on 2 cores
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
 def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path):
     logs = []
-    res = wan.bench(["diloco", "allreduce"], [1e8], steps=4, loss_steps=4, H=2, run_root=str(tmp_path / "runs"),
-                    reference=False, baseline_run=False, log=logs.append)
+    res = wan.bench(
+        ["diloco", "allreduce"],
+        [1e8],
+        steps=4,
+        loss_steps=4,
+        H=2,
+        run_root=str(tmp_path / "runs"),
+        reference=False,
+        baseline_run=False,
+        log=logs.append,
+    )
     assert logs[0] == "emulation: netns"
     wan.write_outputs(res, str(tmp_path / "out"), plots=False)
     saved = json.load(open(tmp_path / "out" / "results.json"))
     assert saved["meta"]["emulation"] == "netns"
     md = open(tmp_path / "out" / "results.md").read()
-    n = load_config(write_config(str(tmp_path / "a.yaml"), ["tiny.yaml", "methods/allreduce.yaml"], method_body("allreduce", 2))).model.num_params()
+    n = load_config(
+        write_config(str(tmp_path / "a.yaml"), ["tiny.yaml", "methods/allreduce.yaml"], method_body("allreduce", 2))
+    ).model.num_params()
     syncs = {"diloco": 2, "allreduce": 4}  # 4 steps: H=2 phases, or every step
     assert [r["method"] for r in saved["rows"]] == ["diloco", "allreduce"]
     for r in saved["rows"]:
-        for key in ("tokens_per_s", "utilization", "blocked_s", "bytes_framework", "bytes_veth", "bytes_veth_payload",
-                    "veth_diff_raw_pct", "veth_diff_pct", "final_val_loss", "plan_tokens_per_s", "err_tokens_per_s_pct", "plan"):
+        for key in (
+            "tokens_per_s",
+            "utilization",
+            "blocked_s",
+            "bytes_framework",
+            "bytes_veth",
+            "bytes_veth_payload",
+            "veth_diff_raw_pct",
+            "veth_diff_pct",
+            "final_val_loss",
+            "plan_tokens_per_s",
+            "err_tokens_per_s_pct",
+            "plan",
+        ):
             assert r[key] is not None, key
         assert r["cap_bps"] == 1e8 and r["steps"] == 4 and 0.0 < r["utilization"] <= 1.0
         # fp32 over 2 replicas: each replica sends its whole model (both stages) once per sync
@@ -149,3 +227,60 @@ def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path)
         assert 0.0 < r["veth_diff_raw_pct"] < 8.0, r  # frame headers are on the wire too
         assert r["err_bytes_pct"] == pytest.approx(0.0, abs=1e-9)
         assert f"| {r['method']} | 100 Mbit/s | 4 |" in md
+
+
+def test_percent_of_uncapped_compares_runs_of_the_same_length():
+    def row(cap, steps, tps, shortened_from=None, role="capped"):
+        return {
+            "method": "allreduce",
+            "cap_bps": cap,
+            "steps": steps,
+            "tokens_per_s": tps,
+            "utilization": 0.5,
+            "blocked_s": 1.0,
+            "final_val_loss": 3.0,
+            "bytes_framework": 1e6,
+            "H_final": None,
+            "rank_final": 0,
+            "n_syncs": steps,
+            "loss_vs_time": [[1.0, 5.0]],
+            "shortened_from": shortened_from,
+            "role": role,
+        }
+
+    rows = wan.join(
+        [
+            row(None, 100, 1000.0, role="reference"),
+            row(None, 20, 800.0, role="reference for a shortened run"),
+            row(1e8, 100, 500.0),
+            row(1e7, 20, 80.0, shortened_from=100),
+        ]
+    )
+    by = {(r["cap_bps"], r["steps"]): r for r in rows}
+    assert by[(1e8, 100)]["pct_of_uncapped"] == pytest.approx(50.0)
+    assert by[(1e7, 20)]["pct_of_uncapped"] == pytest.approx(
+        10.0
+    )  # against the 20-step uncapped run, not the 100-step one
+    lone = wan.join([row(1e7, 30, 80.0, shortened_from=100)])[0]
+    assert lone["pct_of_uncapped"] is None  # no uncapped run of that length: no ratio
+    meta = {
+        "machine": "m",
+        "date": "d",
+        "load_avg": (1.0, 1.0, 1.0),
+        "emulation": "netns",
+        "why": "",
+        "replicas": 2,
+        "ranks_per_replica": 2,
+        "H": 20,
+        "steps": 100,
+        "max_comm_s": 60,
+        "reference": True,
+        "loss_steps": 100,
+        "bench_wall_s": 60.0,
+        "baseline_payload_bytes": None,
+        "frame_header_bytes": 66,
+        "caps_bps": [1e7, 1e8],
+    }
+    md = wan.markdown({"meta": meta, "rows": rows})
+    assert "| allreduce | 10 Mbit/s | 20 (shortened from 100: fewer tokens) | 80 | 10.0 % |" in md
+    assert "| allreduce | uncapped | 20 (reference for the shortened run) |" in md

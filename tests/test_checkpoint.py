@@ -8,6 +8,11 @@ import torch
 from dilocox import checkpoint as ckpt
 
 
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _state(v):
     return {"w": torch.full((3,), float(v)), "step": v, "nested": {"lst": [1, 2], "none": None}}
 
@@ -48,13 +53,12 @@ def test_truncated_shard_clear_error_and_nothing_overwritten(tmp_path):
     ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
     ckpt.save_checkpoint(d, 20, 0, 1, _state(20))
     bad = ckpt.shard_path(os.path.join(d, "step_00000020"), 0)
-    data = open(bad, "rb").read()
-    open(bad, "wb").write(data[: len(data) // 2])
-    good_before = open(ckpt.shard_path(os.path.join(d, "step_00000010"), 0), "rb").read()
+    os.truncate(bad, os.path.getsize(bad) // 2)
+    good_before = _read(ckpt.shard_path(os.path.join(d, "step_00000010"), 0))
     with pytest.raises(ckpt.CheckpointError, match="corrupt or truncated") as ei:
         ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)
     assert "rank_00000.pt" in str(ei.value) and "resume" in str(ei.value)
-    assert open(ckpt.shard_path(os.path.join(d, "step_00000010"), 0), "rb").read() == good_before
+    assert _read(ckpt.shard_path(os.path.join(d, "step_00000010"), 0)) == good_before
 
 
 def test_layout_mismatch_is_refused(tmp_path):
@@ -77,9 +81,9 @@ def test_saving_an_already_complete_step_leaves_it_untouched(tmp_path):
     d = str(tmp_path)
     ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
     path = ckpt.shard_path(os.path.join(d, "step_00000010"), 0)
-    before = open(path, "rb").read()
+    before = _read(path)
     ckpt.save_checkpoint(d, 10, 0, 1, _state(99))
-    assert open(path, "rb").read() == before
+    assert _read(path) == before
 
 
 def _save_per_node_dirs(rank, world, root, shared):
@@ -114,9 +118,9 @@ def _save_with_a_failing_rank(rank, world, d):
     state = _state(3) if rank == 0 else {"bad": lambda: None}
     try:
         ckpt.save_checkpoint(d, 3, rank, world, state, agree=ckpt.all_ranks_agree)
-        return "ok", sorted(os.listdir(os.path.join(d, ckpt.step_dir_name(3))))
+        return "ok", os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
     except ckpt.CheckpointError as e:
-        return str(e), sorted(os.listdir(os.path.join(d, ckpt.step_dir_name(3))))
+        return str(e), os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
 
 
 def test_a_rank_failing_inside_torch_save_fails_every_rank(tmp_path):
@@ -125,5 +129,5 @@ def test_a_rank_failing_inside_torch_save_fails_every_rank(tmp_path):
     ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, _state(1))  # an earlier, complete checkpoint
     res = run_ranks(2, _save_with_a_failing_rank, str(tmp_path), timeout=120)
     assert "rank 1 could not write its shard" in res[1][0] and "another rank could not write" in res[0][0], res
-    assert res[0][1] == [os.path.basename(ckpt.shard_path("", 0))]  # no COMPLETE.json, no temp file of rank 1
+    assert not res[0][1] and not res[1][1]  # no partial step dir (rank 0's shard removed too), no temp file
     assert ckpt.find_latest(str(tmp_path)).endswith(ckpt.step_dir_name(1))  # latest untouched

@@ -48,10 +48,20 @@ def _reference(world, kind, n, G, t=0):
 
 # cases: (kind, mode, op, n, G)
 CASES = {
-    2: [("int4", "allgather", "mean", 1000, 32), ("int8", "allgather", "sum", 777, 64), ("int4", "reduce_scatter", "mean", 1000, 32),
-        ("fp16", "allgather", "mean", 500, 32), ("none", "allgather", "mean", 1000, 32)],
-    3: [("int4", "allgather", "mean", 1001, 32), ("int4", "reduce_scatter", "mean", 200, 128), ("int8", "reduce_scatter", "mean", 999, 32),
-        ("fp16", "reduce_scatter", "mean", 300, 32), ("none", "reduce_scatter", "mean", 999, 32)],
+    2: [
+        ("int4", "allgather", "mean", 1000, 32),
+        ("int8", "allgather", "sum", 777, 64),
+        ("int4", "reduce_scatter", "mean", 1000, 32),
+        ("fp16", "allgather", "mean", 500, 32),
+        ("none", "allgather", "mean", 1000, 32),
+    ],
+    3: [
+        ("int4", "allgather", "mean", 1001, 32),
+        ("int4", "reduce_scatter", "mean", 200, 128),
+        ("int8", "reduce_scatter", "mean", 999, 32),
+        ("fp16", "reduce_scatter", "mean", 300, 32),
+        ("none", "reduce_scatter", "mean", 999, 32),
+    ],
     4: [("int4", "reduce_scatter", "mean", 4096, 64)],
 }
 
@@ -86,8 +96,10 @@ def _check_world(world):
         else:  # reduce_scatter: one stochastic requantization of the exact mean, per group
             err = (ys[0] - want).abs()
             for lo in range(0, n, G):
-                bound = want[lo:lo + G].abs().max() / LEVELS[kind] * 1.02 + 1e-12
-                assert err[lo:lo + G].max() <= bound, f"{kind}/{mode}: group at {lo} off by {err[lo:lo + G].max()} > {bound}"
+                bound = want[lo : lo + G].abs().max() / LEVELS[kind] * 1.02 + 1e-12
+                assert err[lo : lo + G].max() <= bound, (
+                    f"{kind}/{mode}: group at {lo} off by {err[lo : lo + G].max()} > {bound}"
+                )
             assert err.max() > 0  # it did requantize
         if kind != "none":
             for r in range(world):
@@ -102,7 +114,12 @@ def _check_world(world):
             expect = 2 * (world - 1) * _payload(kind, chunk, G)
         for r in range(world):
             st = res[r][c][2]
-            assert st["bytes_sent"] == expect and st["bytes_received"] == expect and st["n_calls"] == 1, (kind, mode, st, expect)
+            assert st["bytes_sent"] == expect and st["bytes_received"] == expect and st["n_calls"] == 1, (
+                kind,
+                mode,
+                st,
+                expect,
+            )
 
 
 def test_two_ranks():
@@ -194,7 +211,9 @@ def _cocktail_reference(world, cfg, sizes, steps):
                 surv = v[s0 + m]
                 top = torch.sort(torch.topk(surv.abs(), k).indices).values
                 vals = surv[top]
-                dense[s0 + m[top]] = vals if cfg.quant == "none" else dequantize(quantize(vals.contiguous(), cfg.quant, cfg.group_size))
+                dense[s0 + m[top]] = (
+                    vals if cfg.quant == "none" else dequantize(quantize(vals.contiguous(), cfg.quant, cfg.group_size))
+                )
             total += dense
             errs[r] = v - dense
         K, ks = mask.numel(), [k for _, _, k in segs]
@@ -207,10 +226,15 @@ def test_cocktail_matches_reference_and_counts_bytes():
 
     steps, world = 3, 2
     tensors = [3000, 40, 1, 517, 12000, 64]  # per-tensor masks, top-k and quantization groups
-    cases = [(CompressConfig(quant="int4", random_fraction=0.1, topk_fraction=0.08), [20000]),  # bitmap indices
-             (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01), [20000]),  # int32 indices
-             (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.08), tensors),
-             (CompressConfig(quant="none", random_fraction=0.1, topk_fraction=0.08), tensors)]
+    cases = [
+        (CompressConfig(quant="int4", random_fraction=0.1, topk_fraction=0.08), [20000]),  # bitmap indices
+        (
+            CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.01),
+            [20000],
+        ),  # int32 indices
+        (CompressConfig(quant="int4", group_size=32, random_fraction=0.1, topk_fraction=0.08), tensors),
+        (CompressConfig(quant="none", random_fraction=0.1, topk_fraction=0.08), tensors),
+    ]
     res = run_ranks(world, _cocktail, cases, steps)
     for c, (cfg, sizes) in enumerate(cases):
         ref = _cocktail_reference(world, cfg, sizes, steps)
@@ -223,7 +247,13 @@ def test_cocktail_matches_reference_and_counts_bytes():
                 torch.testing.assert_close(e, errs[r], rtol=0, atol=1e-6)
                 idx_bytes = min(math.ceil(K / 8), 4 * sum(ks))
                 vals = sum(_payload(cfg.quant, k, cfg.group_size) for k in ks)  # each tensor's values quantized alone
-                payload = cocktail_payload_bytes(sizes if len(sizes) > 1 else sizes[0], cfg.random_fraction, cfg.topk_fraction, cfg.quant, cfg.group_size)
+                payload = cocktail_payload_bytes(
+                    sizes if len(sizes) > 1 else sizes[0],
+                    cfg.random_fraction,
+                    cfg.topk_fraction,
+                    cfg.quant,
+                    cfg.group_size,
+                )
                 assert st["bytes_sent"] == (world - 1) * (idx_bytes + vals) == (world - 1) * payload
     # compression ratio near the analytic bits/element: p·1 (bitmap) + p·t·(4 + 16/G)
     cfg, n = cases[0][0], 20000

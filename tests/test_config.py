@@ -16,7 +16,9 @@ def _err(overrides, tmp_path=None, text=None):
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["--train.steps=7", "--optim.betas=[0.8, 0.9]", "--model.arch", "qwen", "--outer.streaming.alpha=0.25"])
+    cfg = load_config(
+        None, ["--train.steps=7", "--optim.betas=[0.8, 0.9]", "--model.arch", "qwen", "--outer.streaming.alpha=0.25"]
+    )
     assert isinstance(cfg, Config)
     assert cfg.train.steps == 7 and cfg.optim.betas == (0.8, 0.9)
     assert cfg.model.arch == "qwen" and cfg.outer.streaming.alpha == 0.25
@@ -36,7 +38,10 @@ def test_yaml_include_and_roundtrip(tmp_path):
     [
         (["--model.n_heads=6", "--model.d_model=96", "--parallel.tensor=4"], ["model.n_heads=6", "parallel.tensor=4"]),
         (["--model.vocab_size=257", "--parallel.tensor=2"], ["model.vocab_size=257", "parallel.tensor=2"]),
-        (["--model.n_layers=5", "--parallel.pipeline=2", "--parallel.microbatches=2"], ["model.n_layers=5", "parallel.pipeline=2"]),
+        (
+            ["--model.n_layers=5", "--parallel.pipeline=2", "--parallel.microbatches=2"],
+            ["model.n_layers=5", "parallel.pipeline=2"],
+        ),
         (["--parallel.pipeline=4", "--parallel.microbatches=2"], ["parallel.microbatches=2", "parallel.pipeline=4"]),
         (["--model.n_kv_heads=3"], ["model.n_kv_heads=3"]),
         (["--model.arch=bert"], ["model.arch='bert'", "gpt2"]),

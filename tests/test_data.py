@@ -16,12 +16,23 @@ import torch
 import dilocox.data.tokenizer as tokmod
 from dilocox.config import ConfigError, DataConfig, load_config
 from dilocox.data import (
-    ByteTokenizer, TokenSampler, build_data, load_or_train_bpe, prepare, prepare_main, read_corpus,
-    split_documents, stdlib_files, unigram_entropy, val_batches,
+    ByteTokenizer,
+    DataError,
+    TokenSampler,
+    check_data,
+    load_or_train_bpe,
+    prepare,
+    prepare_main,
+    read_corpus,
+    split_documents,
+    stdlib_files,
+    unigram_entropy,
+    val_batches,
 )
 from dilocox.distributed.spawn import run_ranks
 
 SMALL = 300_000
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(tmp_path, **kw) -> DataConfig:
@@ -32,7 +43,8 @@ def _expected_stdlib_docs(max_bytes: int) -> list[bytes]:
     """Independent re-reading of the stdlib corpus: sorted walk, capped, empty files dropped."""
     out, total = [], 0
     for f in stdlib_files():
-        raw = open(f, "rb").read()[: max_bytes - total]
+        with open(f, "rb") as fh:
+            raw = fh.read()[: max_bytes - total]
         total += len(raw)
         if raw:
             out.append(raw)
@@ -62,7 +74,7 @@ def test_split_is_document_level_suffix():
     train, val = split_documents(docs, 0.1)
     assert train + val == docs and train and val
     nbytes = [len(d) for d in docs]
-    val_share = sum(nbytes[len(train):]) / sum(nbytes)
+    val_share = sum(nbytes[len(train) :]) / sum(nbytes)
     assert 0.1 <= val_share <= 0.1 + max(nbytes) / sum(nbytes)
     one_train, one_val = split_documents(["line\n" * 1000], 0.05)  # one file: cut at a line end
     assert one_train == ["line\n" * 950] and one_val == ["line\n" * 50]
@@ -121,7 +133,8 @@ def test_prepare_byte_memmap_split_and_cache(tmp_path):
     cfg = _cfg(tmp_path, val_fraction=0.05)
     p = prepare(cfg)
     assert not p.cache_hit
-    meta = json.load(open(os.path.join(p.dir, "meta.json")))
+    with open(os.path.join(p.dir, "meta.json")) as f:
+        meta = json.load(f)
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and meta["tokenizer"] == "byte"
     train, val = p.train_tokens(), p.val_tokens()
     assert train.dtype == np.uint16 and len(train) == meta["train_tokens"] and len(val) == meta["val_tokens"]
@@ -295,17 +308,116 @@ def test_unigram_entropy_matches_counter():
     assert unigram_entropy(np.array([0, 1, 2, 3] * 10, dtype=np.uint16)) == pytest.approx(math.log(4))
 
 
-def test_build_data(tmp_path):
-    cfg = load_config(None, {"data": {"cache_dir": str(tmp_path), "max_bytes": 100_000},
-                             "train": {"batch_size": 4, "seq_len": 32, "eval_batches": 2},
-                             "parallel": {"data": 2, "microbatches": 1}, "model": {"max_seq_len": 32}})
-    d = build_data(cfg, replica=0, dp_rank=1)
-    x, y = d.train.next_batch()
-    assert x.shape == (2, 32) and d.vocab_size == 256 and len(d.val) == 2 and d.val[0][0].shape == (2, 32)
-    assert 0 < d.unigram_entropy() < math.log(256)
-    p = d.prepared
+def test_check_data(tmp_path):
+    cfg = load_config(
+        None,
+        {
+            "data": {"cache_dir": str(tmp_path), "max_bytes": 100_000},
+            "train": {"batch_size": 4, "seq_len": 32, "eval_batches": 2},
+            "parallel": {"data": 2, "microbatches": 1},
+            "model": {"max_seq_len": 32},
+        },
+    )
+    p = check_data(cfg)
+    assert p.vocab_size == 256 and p.meta["train_tokens"] > 34
+    assert check_data(cfg).cache_hit  # the ranks' second call reads only meta.json
     bpe_dir = prepare(DataConfig(cache_dir=str(tmp_path), max_bytes=100_000, tokenizer="bpe", bpe_vocab_size=300)).dir
     small = load_config(None, {"data": {"source": "memmap", "path": bpe_dir}, "model": {"vocab_size": 256}})
-    with pytest.raises(ConfigError, match="model.vocab_size=256"):
-        build_data(small)
-    assert p.vocab_size == 256
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 .*--model.vocab_size=300"):
+        check_data(small)
+
+
+# --------------------------------------------------------------------------- bad corpora: one-line DataError
+
+
+def _text_cfg(tmp_path, path, **train):
+    return load_config(
+        None,
+        {
+            "data": {"source": "text", "path": str(path), "cache_dir": str(tmp_path / "cache")},
+            "train": {"seq_len": 64, **train},
+            "model": {"max_seq_len": 64},
+        },
+    )
+
+
+def test_bad_corpora_name_the_file_and_the_fix(tmp_path):
+    empty_dir = tmp_path / "empty_dir"
+    empty_dir.mkdir()
+    with pytest.raises(DataError, match=r"data.path='.*empty_dir' is an empty directory"):
+        check_data(_text_cfg(tmp_path, empty_dir))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=r"data.path='.*empty.txt' is empty"):
+        check_data(_text_cfg(tmp_path, empty))
+    short = tmp_path / "short.txt"
+    short.write_text("hello world\n" * 5)  # 60 bytes: fewer tokens than one 64-token sequence
+    with pytest.raises(
+        DataError,
+        match=r"short.txt' gives \d+ training tokens, fewer than one sequence "
+        r"\(train.seq_len=64 needs 66\)",
+    ):
+        check_data(_text_cfg(tmp_path, short))
+    val_short = tmp_path / "val_short.txt"  # train split is long enough, validation is not
+    val_short.write_text("".join(f"line {i}\n" for i in range(300)))
+    with pytest.raises(DataError, match="validation tokens.*train.eval_batches=0"):
+        check_data(_text_cfg(tmp_path, val_short, eval_batches=2))
+    assert check_data(_text_cfg(tmp_path, val_short, eval_batches=0)).meta["train_tokens"] > 66
+    assert issubclass(DataError, ValueError)  # callers that caught ValueError from the data layer still do
+
+
+def test_binary_file_as_text_corpus_is_refused(tmp_path):
+    nul = tmp_path / "model.bin"
+    nul.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)
+    with pytest.raises(DataError, match=r"data.path='.*model.bin' has NUL bytes .* reads UTF-8 text"):
+        check_data(_text_cfg(tmp_path, nul))
+    latin = tmp_path / "latin1.txt"  # no NUL, but 10% of the bytes are not valid UTF-8
+    latin.write_bytes(("caf\xe9 na\xefve " * 2000).encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.txt' is not UTF-8 text \(\d+% of its first"):
+        prepare(_text_cfg(tmp_path, latin).data)
+    ok = tmp_path / "utf8.txt"  # valid UTF-8 with many multi-byte characters passes
+    ok.write_text("café naïve 日本語 ✓\n" * 3000, encoding="utf-8")
+    assert prepare(_text_cfg(tmp_path, ok).data).meta["train_tokens"] > 0
+    d = tmp_path / "only_binary"  # a directory keeps skipping binary files, but not silently to nothing
+    d.mkdir()
+    shutil.copy(nul, d / "a.bin")
+    with pytest.raises(DataError, match=r"matched no text files \(1 binary file\(s\) skipped"):
+        prepare(_text_cfg(tmp_path, d).data)
+
+
+def test_readme_bpe_prepare_command_works(tmp_path):
+    """README: `dilocox data prepare configs/tiny.yaml --data.tokenizer=bpe` (bpe 4096 > tiny's 256)."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    cmd = "dilocox data prepare configs/tiny.yaml --data.tokenizer=bpe"
+    assert cmd in readme
+    from dilocox.data.prepare import _data_only_config
+
+    cfg = _data_only_config(os.path.join(REPO, "configs/tiny.yaml"), ["--data.tokenizer=bpe"])
+    assert cfg.data.tokenizer == "bpe" and cfg.data.bpe_vocab_size == 4096 and cfg.model.vocab_size == 256
+    with pytest.raises(ConfigError, match="bpe_vocab_size"):  # training with the tiny model's vocab still refuses
+        load_config(os.path.join(REPO, "configs/tiny.yaml"), ["--data.tokenizer=bpe"])
+    load_config(os.path.join(REPO, "configs/tiny.yaml"), ["--data.tokenizer=bpe", "--model.vocab_size=4096"])
+    assert "--data.tokenizer=bpe --model.vocab_size=4096" in readme  # the README's follow-up train command
+
+
+@pytest.mark.slow
+def test_readme_bpe_prepare_command_runs(tmp_path):
+    """The exact README command end to end (BPE of 4096 on the 4 MB stdlib corpus: ~30 s on 2 cores)."""
+    import subprocess
+
+    cmd = ["dilocox", "data", "prepare", "configs/tiny.yaml", "--data.tokenizer=bpe"]
+    shutil.copytree(os.path.join(REPO, "configs"), tmp_path / "configs")  # cwd=tmp: the cache lands in tmp
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    r = subprocess.run(
+        [sys.executable, "-m", "dilocox.cli", *cmd[1:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "tokenizer  bpe  vocab 4096" in r.stdout and "--model.vocab_size=4096" in r.stdout
+    assert (tmp_path / ".cache" / "dilocox" / "prepared").is_dir()

@@ -47,7 +47,8 @@ def leftovers(c: Cluster) -> list[str]:
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     return [line for line in ns.splitlines() if c.tag in line] + [
-        line for line in links.splitlines() if any(f" {p}" in line for p in ("dxv", "dxs", "dxbr"))]
+        line for line in links.splitlines() if any(f" {p}" in line for p in ("dxv", "dxs", "dxbr"))
+    ]
 
 
 def alive(pid: int) -> bool:
@@ -164,8 +165,16 @@ def _worker(out_dir: str) -> None:
     dist.all_reduce(x)
     secs = time.perf_counter() - t0
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"world": dist.get_world_size(), "sum": x[0].item(), "ok": bool((x == x[0]).all()),
-                   "ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "secs": secs}, f)
+        json.dump(
+            {
+                "world": dist.get_world_size(),
+                "sum": x[0].item(),
+                "ok": bool((x == x[0]).all()),
+                "ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+                "secs": secs,
+            },
+            f,
+        )
     dist.destroy_process_group()
 
 
@@ -190,7 +199,12 @@ def test_launch_rejects_layout_mismatch():
     with pytest.raises(ConfigError, match="nproc-per-replica 3 does not match"):
         launch(cfg, 2, 3, "100mbit", ["--outer.method=diloco"])
     assert launch_main(["--replicas", "2", cfg]) == 2  # --nproc-per-replica missing
-    assert launch_main(["--replicas", "2", "--nproc-per-replica", "1", "--bandwidth", "fast", cfg, "--outer.method=diloco"]) == 2
+    assert (
+        launch_main(
+            ["--replicas", "2", "--nproc-per-replica", "1", "--bandwidth", "fast", cfg, "--outer.method=diloco"]
+        )
+        == 2
+    )
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -150,7 +150,7 @@ def test_bf16_round_matches_torch_and_hash_matches_python():
     u = kernels.sr_uniform(seed, step, 50)
     for i in (0, 1, 17, 49):
         z = kernels._mix64_int((base + (i + 1) * kernels._GOLDEN) & kernels._M64)
-        assert u[i].item() == (z >> 40) / 2.0 ** 24
+        assert u[i].item() == (z >> 40) / 2.0**24
 
 
 # ---------------------------------------------------------------- numerics
@@ -165,7 +165,7 @@ def test_error_bound(kind, use_kernel):
         pad = -n % G
         xg = torch.nn.functional.pad(x, (0, pad)).view(-1, G)
         err = torch.nn.functional.pad((x - d).abs(), (0, pad)).view(-1, G)
-        bound = xg.abs().amax(dim=1, keepdim=True) / (2 * L) * (1 + 2.0 ** -8) + 1e-30
+        bound = xg.abs().amax(dim=1, keepdim=True) / (2 * L) * (1 + 2.0**-8) + 1e-30
         assert bool((err <= bound).all()), (kind, G)
 
 
@@ -200,7 +200,7 @@ def test_error_feedback_telescopes(kind, use_kernel):
         total += x.double()
         sent += dequantize(quantize(x, kind, 128, error=e, use_kernel=use_kernel)).double()
     # e_{t+1} = v_t - deq_t is exact in fp32; only v_t = x_t + e_t rounds (<= 1 ulp per step)
-    assert torch.allclose(sent + e.double(), total, rtol=0, atol=steps * 2.0 ** -24 * 0.1)
+    assert torch.allclose(sent + e.double(), total, rtol=0, atol=steps * 2.0**-24 * 0.1)
     assert (sent - total).abs().max() > 0  # something was actually delayed
 
 

@@ -40,7 +40,9 @@ def _roundtrip(obj):
 def test_eligibility_routes_vectors_and_thin_matrices_to_quantization():
     shapes = [torch.Size([64]), torch.Size([64, 48]), torch.Size([4, 1000]), torch.Size([16, 4, 64])]
     p = PowerSGD(shapes, rank=4, seed=0)
-    assert p.factored == [i for i, s in enumerate(shapes) if len(s) >= 2 and (s[0] + math.prod(s[1:])) * 4 * 2 < math.prod(s)]
+    assert p.factored == [
+        i for i, s in enumerate(shapes) if len(s) >= 2 and (s[0] + math.prod(s[1:])) * 4 * 2 < math.prod(s)
+    ]
     assert p.factored == [1, 3]
     assert not factorable(torch.Size([64]), 1) and not factorable(torch.Size([4, 1000]), 4)
 
@@ -101,12 +103,20 @@ def _powersgd_ranks(rank, world, n, m, r, kinds, G):
         q0 = p.q[0].clone()
         st = CommStats()
         m_hat, residual = p.allreduce([mat], dist.group.WORLD, kind=kind, group_size=G, stats=st)
-        out[kind] = {"m_hat": m_hat[0], "p_hat": p.p_hat()[0], "q0": q0, "residual": residual[0], "mat": mat, "bytes": st.bytes_sent}
+        out[kind] = {
+            "m_hat": m_hat[0],
+            "p_hat": p.p_hat()[0],
+            "q0": q0,
+            "residual": residual[0],
+            "mat": mat,
+            "bytes": st.bytes_sent,
+        }
     return out
 
 
 def _reference_powersgd(mats, q0, kind, G):
     """Independent single-process PowerSGD step over R replicas (sum of P, orth, mean of Q)."""
+
     def wire(t):
         if kind == "none":
             return t
@@ -163,7 +173,15 @@ def _compressor_ranks(rank, world, ccfgs, shapes, steps):
             ts = [torch.randn(s, generator=g) for s in shapes]
             ts[0] = ts[0] * 0.1 + _matrices(rank, *shapes[0], 4)
             outs.append((ts, comp.allreduce_mean(ts, dist.group.WORLD, t, st)))
-        runs.append({"outs": outs, "bytes": st.bytes_sent, "calls": st.n_calls, "wire": comp.wire_bytes(world), "errors": comp.errors})
+        runs.append(
+            {
+                "outs": outs,
+                "bytes": st.bytes_sent,
+                "calls": st.n_calls,
+                "wire": comp.wire_bytes(world),
+                "errors": comp.errors,
+            }
+        )
     return runs
 
 
@@ -173,9 +191,11 @@ SHAPES = [torch.Size([64, 96]), torch.Size([96]), torch.Size([3, 200]), torch.Si
 def test_compressor_on_two_ranks():
     steps = 3
     lowrank = LowRankConfig(enabled=True, rank=4)
-    ccfgs = [CompressConfig(),  # no compression: exact fp32 mean
-             CompressConfig(quant="int4", group_size=32, collective="allgather", lowrank=lowrank),
-             CompressConfig(quant="int4", group_size=32, collective="reduce_scatter", lowrank=lowrank)]
+    ccfgs = [
+        CompressConfig(),  # no compression: exact fp32 mean
+        CompressConfig(quant="int4", group_size=32, collective="allgather", lowrank=lowrank),
+        CompressConfig(quant="int4", group_size=32, collective="reduce_scatter", lowrank=lowrank),
+    ]
     by_rank = run_ranks(2, _compressor_ranks, ccfgs, SHAPES, steps)
     exact = [x[0] for x in by_rank]
     for t in range(steps):
@@ -183,7 +203,9 @@ def test_compressor_on_two_ranks():
         for i in range(len(SHAPES)):
             want = (ins[0][i] + ins[1][i]) / 2
             assert torch.equal(exact[0]["outs"][t][1][i], want) and torch.equal(exact[1]["outs"][t][1][i], want)
-    assert exact[0]["calls"] == steps and exact[0]["bytes"] == exact[0]["wire"] * steps == steps * 4 * sum(s.numel() for s in SHAPES)
+    assert exact[0]["calls"] == steps and exact[0]["bytes"] == exact[0]["wire"] * steps == steps * 4 * sum(
+        s.numel() for s in SHAPES
+    )
 
     for c in (1, 2):
         res = [x[c] for x in by_rank]
@@ -279,7 +301,12 @@ def test_tail_sketch_layout_payload_and_no_effect_on_the_result():
         assert plain.tail_energy() is None and sk.tail_energy().shape == (k,)
         # one replica: T̂ = ‖S‖² of its own error-fed matrices, up to the wire format
         lr = sk.lowrank
-        q_local = torch.cat([(lr.p_hat()[i].t() @ fed[i].reshape(s[0], -1)).reshape(-1) for i, s in zip(lr.factored, [shapes[1], shapes[2]])])
+        q_local = torch.cat(
+            [
+                (lr.p_hat()[i].t() @ fed[i].reshape(s[0], -1)).reshape(-1)
+                for i, s in zip(lr.factored, [shapes[1], shapes[2]])
+            ]
+        )
         want = lr.tail_sketch(fed, q_local, len(steps) - 1).view(k, -1).double().square().sum(1)
         tol = {"none": 1e-5, "fp16": 2e-3}.get(kind, 0.1)
         torch.testing.assert_close(sk.tail_energy(), want, rtol=tol, atol=0)

@@ -10,12 +10,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dilocox.config import ConfigError, ModelConfig, load_config
-from dilocox.model.attention import SDPAttention, make_attention, reference_attention
+from dilocox.model.attention import SDPAttention, make_attention
 from dilocox.model.fp8 import Float8Linear, quantize_dequantize
 from dilocox.model.parallel_layers import clip_grad_norm_, is_tensor_parallel, vocab_parallel_cross_entropy
 from dilocox.model.transformer import (
-    apply_rope, build_model, build_stage_model, model_flops_per_token, param_layer_id, rope_cos_sin,
+    apply_rope,
+    build_model,
+    build_stage_model,
+    model_flops_per_token,
+    param_layer_id,
+    rope_cos_sin,
 )
+from tests.reference_attention import reference_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN = dict(arch="qwen", norm="rmsnorm", activation="swiglu", pos_emb="rope", bias=False, qkv_bias=True)
@@ -39,7 +45,9 @@ def test_num_params_matches_the_built_model(name):
     mcfg = ARCHS[name]
     model = build_model(mcfg)
     assert sum(p.numel() for p in model.parameters()) == mcfg.num_params()
-    non_emb = sum(p.numel() for n, p in model.named_parameters() if param_layer_id(n) is not None or n.startswith("norm_f"))
+    non_emb = sum(
+        p.numel() for n, p in model.named_parameters() if param_layer_id(n) is not None or n.startswith("norm_f")
+    )
     assert non_emb == mcfg.num_params(include_embedding=False)
 
 
@@ -161,7 +169,9 @@ def test_meta_build_then_init_equals_direct_build(name):
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]  # tying kept
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), n
-        sharded = n.startswith(("embed.", "head.")) or n.endswith(("_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias", "gate_proj.bias"))
+        sharded = n.startswith(("embed.", "head.")) or n.endswith(
+            ("_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias", "gate_proj.bias")
+        )
         assert is_tensor_parallel(p) == is_tensor_parallel(q) == sharded, n
 
 
@@ -218,7 +228,10 @@ def test_fp8_backend_model_trains_on_cpu():
 
 
 def test_optional_backends_fail_clearly():
-    for backend, module, fix in (("flash_attn", "flash_attn", "pip install flash-attn"), ("te", "transformer_engine", "transformer-engine")):
+    for backend, module, fix in (
+        ("flash_attn", "flash_attn", "pip install flash-attn"),
+        ("te", "transformer_engine", "transformer-engine"),
+    ):
         try:
             __import__(module)
             continue  # installed: nothing to check here

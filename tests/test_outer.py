@@ -1,4 +1,4 @@
-"""OuterLoop on R = 2, 3 gloo ranks against the single-process oracle (tests/reference_diloco.py)."""
+"""The outer objects (build_outer) on R = 2, 3 gloo ranks against the single-process oracle (tests/reference_diloco.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from dilocox.config import CompressConfig, ConfigError, OuterConfig, ParallelConfig, StreamingConfig
 from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
-from dilocox.outer import OuterLoop
+from dilocox.outer import build_outer
 from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model, run_reference
 
 SEED = 7
@@ -27,9 +27,19 @@ CASES = {
 
 
 def _configs(c: dict) -> tuple[OuterConfig, CompressConfig]:
-    s = StreamingConfig(fragments=c.get("K", 1), tau=c.get("tau", 0), alpha=c.get("alpha", 0.5), pattern=c.get("pattern", "sequential"))
-    o = OuterConfig(method=c.get("method", "diloco"), sync_every=c["H"], lr=c.get("lr", 0.7), momentum=c.get("momentum", 0.9),
-                    nesterov=c.get("nesterov", True), overlap=c["overlap"], blocking=c.get("blocking", False), streaming=s)
+    s = StreamingConfig(
+        fragments=c.get("K", 1), tau=c.get("tau", 0), alpha=c.get("alpha", 0.5), pattern=c.get("pattern", "sequential")
+    )
+    o = OuterConfig(
+        method=c.get("method", "diloco"),
+        sync_every=c["H"],
+        lr=c.get("lr", 0.7),
+        momentum=c.get("momentum", 0.9),
+        nesterov=c.get("nesterov", True),
+        overlap=c["overlap"],
+        blocking=c.get("blocking", False),
+        streaming=s,
+    )
     cc = CompressConfig(quant=c.get("quant", "none"), group_size=c.get("G", 128))
     cc.lowrank.enabled = c.get("lowrank", False)
     cc.lowrank.rank = c.get("rank", 2)
@@ -44,7 +54,7 @@ def _build(topo, c: dict):
     model = make_model(SEED)
     opt = make_inner_opt(model, c.get("inner", "adamw"))
     o, cc = _configs(c)
-    loop = OuterLoop(list(model.named_parameters()), topo, o, cc, seed=SEED, layer_of=layer_of, n_layers_total=4, inner_optimizer=opt)
+    loop = build_outer(list(model.named_parameters()), topo, o, cc, seed=SEED, layer_of=layer_of, n_layers_total=4)
     return model, opt, loop
 
 
@@ -70,8 +80,12 @@ def _run_cases(rank: int, world: int, cases: dict) -> dict:
         model, opt, loop = _build(topo, c)
         _train(model, opt, loop, topo.replica, 0, c["steps"])
         loop.finish()
-        out[name] = {"params": _params(model), "stats": loop.stats, "payload": [comp.payload_bytes() for comp in loop.compressors],
-                     "wire": [comp.wire_bytes(world) for comp in loop.compressors]}
+        out[name] = {
+            "params": _params(model),
+            "stats": loop.stats,
+            "payload": [comp.payload_bytes() for comp in loop.compressors],
+            "wire": [comp.wire_bytes(world) for comp in loop.compressors],
+        }
     return out
 
 
@@ -93,8 +107,17 @@ def _n_syncs(c: dict) -> list[int]:
 def test_matches_reference(R):
     res = run_ranks(R, _run_cases, CASES)
     for name, c in CASES.items():
-        ref = run_reference(R, c["steps"], SEED, c["H"], overlap=c["overlap"], K=c.get("K", 1), tau=c.get("tau", 0),
-                            alpha=c.get("alpha", 0.5), pattern=c.get("pattern", "sequential"))
+        ref = run_reference(
+            R,
+            c["steps"],
+            SEED,
+            c["H"],
+            overlap=c["overlap"],
+            K=c.get("K", 1),
+            tau=c.get("tau", 0),
+            alpha=c.get("alpha", 0.5),
+            pattern=c.get("pattern", "sequential"),
+        )
         for m in range(R):
             _close(res[m][name]["params"], ref[m], 1e-6)
         # sanity: the oracle's replicas really trained apart (the test can fail)
@@ -178,7 +201,9 @@ def _resume(rank: int, world: int, cases: dict) -> dict:
             _train(model, opt, loop, topo.replica, split, c["steps"])
             loop.finish()
             out[(name, split)] = (full, _params(model))
-            assert loop.stats["bytes_sent"] == full_stats["bytes_sent"] and loop.stats["n_syncs"] == full_stats["n_syncs"]
+            assert (
+                loop.stats["bytes_sent"] == full_stats["bytes_sent"] and loop.stats["n_syncs"] == full_stats["n_syncs"]
+            )
     return out
 
 
@@ -215,7 +240,11 @@ def test_compressed_runs_close_and_identical():
     a0, a1 = res[0]["adaptive"]["stats"], res[1]["adaptive"]["stats"]
     assert (a0["H"], a0["rank"], a0["outer_step"]) == (a1["H"], a1["rank"], a1["outer_step"])  # replicas agree
     assert 2 <= a0["H"] <= 6 and 1 <= a0["rank"] <= 3 and a0["outer_step"] >= 24 // 6
-    assert res[0]["lowrank2"]["stats"]["bytes_sent"] < res[0]["lowrank"]["stats"]["bytes_sent"] < 0.85 * res[0]["int4"]["stats"]["bytes_sent"]
+    assert (
+        res[0]["lowrank2"]["stats"]["bytes_sent"]
+        < res[0]["lowrank"]["stats"]["bytes_sent"]
+        < 0.85 * res[0]["int4"]["stats"]["bytes_sent"]
+    )
     start = _params(make_model(SEED))
 
     def dist_to(name: str, base: str) -> tuple[float, float]:
@@ -252,15 +281,15 @@ def test_bad_config_messages():
     model = make_model(SEED)
     o, cc = _configs(dict(H=4, overlap="delayed", K=2, tau=1))
     with pytest.raises(ConfigError, match="outer.streaming.tau=1"):
-        OuterLoop(list(model.named_parameters()), None, o, cc, seed=0, layer_of=layer_of)
+        build_outer(list(model.named_parameters()), None, o, cc, seed=0, layer_of=layer_of)
     o, cc = _configs(dict(H=4, overlap="none", K=8))
     with pytest.raises(ConfigError, match="exceeds the 4 layers"):
-        OuterLoop(list(model.named_parameters()), None, o, cc, seed=0, layer_of=layer_of)
+        build_outer(list(model.named_parameters()), None, o, cc, seed=0, layer_of=layer_of)
 
 
 def test_fragment_assignment_and_schedule():
-    from dilocox.outer.fragments import SyncSchedule, assign_fragments
     from dilocox.model.transformer import param_layer_id
+    from dilocox.outer.fragments import SyncSchedule, assign_fragments
 
     stage1 = ["layers.2.attn.w", "layers.2.mlp.w", "layers.3.attn.w", "final_norm.weight", "head.weight"]
     assert assign_fragments(stage1, param_layer_id, 2, "sequential") == [[0, 1], [2, 3, 4]]
@@ -274,5 +303,101 @@ def test_fragment_assignment_and_schedule():
         for p in sched.syncs_at(n):
             sched.advance(p, 4)
     assert [(n, la, sy) for n, la, sy in events if la or sy] == [
-        (1, [1], []), (2, [], [1]), (3, [0], []), (4, [], [0]), (5, [1], []), (6, [], [1]),
-        (7, [0], []), (8, [], [0]), (9, [1], []), (10, [], [1])]
+        (1, [1], []),
+        (2, [], [1]),
+        (3, [0], []),
+        (4, [], [0]),
+        (5, [1], []),
+        (6, [], [1]),
+        (7, [0], []),
+        (8, [], [0]),
+        (9, [1], []),
+        (10, [], [1]),
+    ]
+
+
+def test_build_outer_picks_the_class_and_keeps_the_checkpoint_keys():
+    """Per-step methods get the gradient hook (no outer state), the DiLoCo family the outer loop;
+    the checkpoint keys are those the single OuterLoop class wrote, so older checkpoints load."""
+    from dilocox.outer import DiLoCoOuter, GradientSync
+
+    common = {"version", "method", "H", "outer_step", "compressors", "counters", "comm_stats"}
+    expect = {
+        "none": (type(None), None),
+        "allreduce": (GradientSync, common | {"cocktail_error"}),
+        "cocktailsgd": (GradientSync, common | {"cocktail_error"}),
+        "diloco": (
+            DiLoCoOuter,
+            common
+            | {
+                "overlap",
+                "fragments",
+                "dp_sharded",
+                "state",
+                "pending",
+                "pending_comm_s",
+                "own_prev",
+                "schedule",
+                "controller",
+            },
+        ),
+    }
+    for method, (cls, keys) in expect.items():
+        model = make_model(SEED)
+        o, cc = _configs(dict(method=method, H=2, overlap="none"))
+        loop = build_outer(list(model.named_parameters()), None, o, cc, seed=SEED, layer_of=layer_of, n_layers_total=4)
+        assert type(loop) is cls, method
+        if loop is None:
+            continue
+        if cls is GradientSync:
+            assert not hasattr(loop, "state") and not hasattr(loop, "schedule") and not hasattr(loop, "pending")
+        else:
+            assert not hasattr(loop, "cocktail_error")
+        sd = loop.state_dict()
+        assert set(sd) == keys, (method, set(sd) ^ keys)
+        other = build_outer(list(model.named_parameters()), None, o, cc, seed=SEED, layer_of=layer_of, n_layers_total=4)
+        other.load_state_dict(sd)
+        loop.close(timeout=5.0)
+        other.close(timeout=5.0)
+    model = make_model(SEED)
+    sd = build_outer(
+        list(model.named_parameters()), None, *_configs(dict(method="allreduce", H=1, overlap="none")), seed=SEED
+    ).state_dict()
+    o, cc = _configs(dict(method="cocktailsgd", H=1, overlap="none"))
+    with pytest.raises(ValueError, match="outer.method='allreduce', this run has 'cocktailsgd'"):
+        build_outer(list(model.named_parameters()), None, o, cc, seed=SEED).load_state_dict(sd)
+
+
+class _FakeTopo:
+    """Just what shard_over_data reads: the grid sizes, this rank's coordinate, the dp group."""
+
+    def __init__(self, d: int, D: int = 2):
+        from dilocox.distributed.topology import Coord
+
+        self.R, self.D, self.P, self.T = 1, D, 1, 1
+        self.coord, self.rank = Coord(0, d, 0, 0), d
+
+    def group(self, kind):
+        return f"group:{kind}"
+
+
+def test_shard_over_data_returns_the_split_and_leaves_its_inputs_alone():
+    from dilocox.outer.dp_shard import shard_over_data
+
+    model = make_model(SEED)
+    params = [p for _, p in model.named_parameters()]
+    fragments = [list(range(len(params)))]
+    shards = [shard_over_data(_FakeTopo(d), params, fragments) for d in range(2)]
+    assert fragments == [list(range(len(params)))]  # nothing mutated
+    mine = [s.mine for s in shards]
+    assert sorted(mine[0] + mine[1]) == list(range(len(params))) and not set(mine[0]) & set(mine[1])
+    loads = [sum(params[i].numel() for i in m) for m in mine]
+    assert max(loads) - min(loads) <= max(p.numel() for p in params)  # greedy balance
+    for s in shards:
+        assert s.group == "group:dp" and s.fragments == [list(range(len(s.mine)))]
+        assert s.frag_ids == [s.mine]  # one fragment holding everything: the id is the index
+        owners = {src for src, _ in s.buckets[0]}
+        assert owners == {0, 1}  # every tensor is broadcast from its owner's rank
+    assert [src for src, _ in shards[0].buckets[0]] == [src for src, _ in shards[1].buckets[0]]  # same order everywhere
+    with pytest.raises(ConfigError, match="fragment 0 of this stage has 1 tensors, fewer than parallel.data=2"):
+        shard_over_data(_FakeTopo(0), params, [[0]])

@@ -64,8 +64,10 @@ def _run_case(topo, pcfg: ParallelConfig, arch: str, steps: int = 1, autocast=No
     tokens, labels = batch(arch)
     losses = [engine.forward_backward(tokens, labels) for _ in range(steps)]
     # numpy, not tensors: torch's queue would share tensors through fds that die with the rank
-    grads = {n: (p.grad.numpy().copy(), p.partition_dim if is_tensor_parallel(p) else None, topo.tp_rank, topo.T)
-             for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad.numpy().copy(), p.partition_dim if is_tensor_parallel(p) else None, topo.tp_rank, topo.T)
+        for n, p in model.named_parameters()
+    }
     return {"losses": losses, "eval": engine.evaluate(tokens, labels), "grads": grads}
 
 
@@ -137,6 +139,7 @@ def test_dp2_matches_full_batch(two_ranks, arch):
     _check(two_ranks, DP2[0], "1f1b", arch, 2)
 
 
+@pytest.mark.slow  # the four_ranks fixture: ~12 s on 2 cores
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("schedule", ["1f1b", "reference"])
 def test_pp2_tp2_matches_single_process(four_ranks, schedule, arch):
@@ -174,7 +177,9 @@ def test_pp2_bf16_autocast_schedules_agree(two_ranks):
     """bf16 autocast: activations cross stages in bf16; every schedule computes the same thing
     (same ops in the same microbatch order), close to the 1-process bf16 model."""
     layout = tuple(sorted(PP2_BF16[0].items()))
-    runs = {s: [res[(layout, s, "qwen", 2, torch.bfloat16)] for res in two_ranks] for s in ("gpipe", "1f1b", "reference")}
+    runs = {
+        s: [res[(layout, s, "qwen", 2, torch.bfloat16)] for res in two_ranks] for s in ("gpipe", "1f1b", "reference")
+    }
     model = build_stage_model(mcfg_of("qwen"), 0, 1, 0, 1, None, SEED)
     tokens, labels = batch("qwen")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -187,5 +192,6 @@ def test_pp2_bf16_autocast_schedules_agree(two_ranks):
             assert abs(got["losses"][0] - oracle["losses"][0]) <= LOSS_TOL
             assert abs(got["eval"] - oracle["eval"]) <= LOSS_TOL
             for name, (g, *_rest) in got["grads"].items():
-                torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(oracle["grads"][name][0]),
-                                           rtol=GRAD_RTOL, atol=1e-6)
+                torch.testing.assert_close(
+                    torch.from_numpy(g), torch.from_numpy(oracle["grads"][name][0]), rtol=GRAD_RTOL, atol=1e-6
+                )

@@ -7,14 +7,27 @@ import os
 
 import pytest
 
+from dilocox.bench.runner import run_train, write_config
 from dilocox.config import ModelConfig, load_config
+from dilocox.model.transformer import build_model
 from dilocox.plan import (
-    PRESETS, Compression, bandwidth_for, collective_cost, main, paper_worked_example, param_shapes,
-    parse_bandwidth, payload_bytes, plan, quant_bytes, resolve_collective, utilization,
+    Method,
+    bandwidth_for,
+    collective_cost,
+    load_method,
+    main,
+    method_names,
+    paper_worked_example,
+    parse_bandwidth,
+    plan,
+    quant_bytes,
+    sync_bytes,
+    utilization,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = sorted(glob.glob(os.path.join(ROOT, "configs", "model", "*.yaml")))
+PRESETS = method_names()
 
 
 def trunc2(x: float) -> float:
@@ -33,7 +46,7 @@ def test_paper_worked_example():
 
 
 def test_plan_reproduces_the_worked_example():
-    common = dict(method="opendiloco", H=500, compression=Compression("none"), step_time_s=1.0, latency_s=0.0)
+    common = dict(method="opendiloco", H=500, quant="none", step_time_s=1.0, latency_s=0.0)
     row = plan(int(100e9), 3, parse_bandwidth("1Gbps"), overlap="delayed", **common)
     assert row["collective"] == "ring"
     assert row["wire_bytes_per_replica"] == pytest.approx(4e11 * 4 / 3)
@@ -50,8 +63,9 @@ def test_utilization_none_vs_delayed(C, T):
     assert utilization(C, T, "eager") == utilization(C, T, "delayed")
     # plan's general wall-time model agrees with the two §10 formulas (K = 1)
     for overlap in ("none", "delayed"):
-        row = plan(10**9, 2, 1e9, method="opendiloco", H=10, compression=Compression("none"), overlap=overlap,
-                   step_time_s=C / 10, latency_s=0.0)
+        row = plan(
+            10**9, 2, 1e9, method="opendiloco", H=10, quant="none", overlap=overlap, step_time_s=C / 10, latency_s=0.0
+        )
         assert row["utilization"] == pytest.approx(utilization(C, row["t_comm_s"], overlap))
         assert row["tokens_per_s"] == pytest.approx(2 * row["H"] * 524288 / row["wall_s"])
 
@@ -82,17 +96,38 @@ def test_bandwidth_for_is_infinite_when_latency_eats_the_budget():
 def test_int4_payload_is_half_a_byte_plus_a_bf16_scale_per_group(G):
     n = 1000 * G
     assert quant_bytes(n, "int4", G) == n * (0.5 + 2 / G)
-    assert payload_bytes(n, Compression("int4", group_size=G))["bytes"] == n * (0.5 + 2 / G)
-    assert payload_bytes(n, Compression("int8", group_size=G))["bytes"] == n * (1 + 2 / G)
-    assert payload_bytes(n, Compression("fp16"))["bytes"] == 2 * n
-    assert payload_bytes(n, Compression("none"))["bytes"] == 4 * n
+    for quant, per in (("int4", 0.5 + 2 / G), ("int8", 1 + 2 / G), ("fp16", 2), ("none", 4)):
+        m = load_method("diloco", quant=quant, group_size=G)
+        assert sync_bytes(n, m, 2)["payload_bytes"] == n * per  # the compressor's own count
     assert quant_bytes(G + 1, "int4", G) == math.ceil((G + 1) / 2) + 2 * 2  # partial last group
 
 
+def test_group_padding_is_counted():
+    # the compressor pads every tensor's segment to whole quantization groups; the old planner did not
+    m = ModelConfig(n_layers=1, n_heads=1, d_model=8, d_ff=8, vocab_size=8, max_seq_len=4)
+    by = sync_bytes(m, load_method("diloco", quant="int8", group_size=2), 2)
+    n_params = m.num_params()
+    assert by["payload_bytes"] == n_params * (1 + 2 / 2)  # G = 2: every tensor has an even size
+    by = sync_bytes(m, load_method("diloco", quant="int8", group_size=128), 2)
+    n_tensors = len(list(build_model(m, device="meta").parameters()))
+    assert by["payload_bytes"] == n_tensors * (128 + 2)  # each tensor (< 128 elements) is one padded group
+
+
 @pytest.mark.parametrize("path", MODELS, ids=[os.path.basename(p) for p in MODELS])
-def test_param_shapes_count_every_parameter(path):
+def test_plan_counts_every_parameter_of_the_built_model(path):
     mcfg = load_config(path).model
-    assert sum(math.prod(s) for _, s, _ in param_shapes(mcfg)) == mcfg.num_params()
+    by = sync_bytes(mcfg, load_method("diloco"), 2)
+    assert by["n_params"] == mcfg.num_params()
+    assert by["payload_bytes"] == 4 * mcfg.num_params()  # fp32: 4 bytes each, no padding
+
+
+def test_presets_are_read_from_configs_methods():
+    # the presets the planner used to hard-code disagreed with these files (streaming K=4, tau=1; eager int4)
+    s, e = load_method("streaming"), load_method("eager")
+    assert (s.fragments, s.tau, s.compress.quant) == (2, 2, "int4")
+    assert (e.overlap, e.compress.quant) == ("eager", "none")
+    files = glob.glob(os.path.join(ROOT, "configs", "methods", "*.yaml"))
+    assert set(PRESETS) == {os.path.basename(p)[:-5] for p in files}
 
 
 def test_lowrank_payload_by_hand():
@@ -101,15 +136,17 @@ def test_lowrank_payload_by_hand():
     # rank 8: every matrix passes (n+m)*8*2 < n*m. embed/head/up/down 256x64 -> 320*8 = 2560 each,
     # pos 32x64 -> 96*8 = 768, q/k/v/o 64x64 -> 128*8 = 1024 each; vectors stay dense:
     # qkv biases 192 + o bias 64 + up bias 256 + down bias 64 + 2 LayerNorms 256 + final norm 128 = 960
-    p = payload_bytes(m, Compression("none", rank=8))
-    assert p["lowrank_elements"] == 4 * 2560 + 768 + 4 * 1024 and p["dense_elements"] == 960
-    assert p["bytes"] == 4 * (15104 + 960)
+    fp32 = load_method("diloco", rank=8)
+    p = sync_bytes(m, fp32, 2)
+    assert p["lowrank_elements"] == 4 * 2560 + 768 + 4 * 1024
+    assert p["payload_bytes"] == 4 * (15104 + 960)  # fp32: no padding
     # rank 16: 64x64 fails (128*16*2 = 4096, not < 4096) and stays dense; 32x64 too (96*32 = 3072 > 2048)
-    p = payload_bytes(m, Compression("none", rank=16))
-    assert p["lowrank_elements"] == 4 * 320 * 16 and p["dense_elements"] == 960 + 4 * 4096 + 2048
-    # TP = 2 at rank 8: per-shard factors; q/k/v 32x64, o 64x32 -> 2 x 96*8; 256x64 ones -> 2 x 192*8
-    p = payload_bytes(m, Compression("none", rank=8), tensor=2)
-    assert p["lowrank_elements"] == 4 * 2 * 768 + 4 * 2 * 1536 + 768
+    p = sync_bytes(m, load_method("diloco", rank=16), 2)
+    assert p["lowrank_elements"] == 4 * 320 * 16 and p["payload_bytes"] == 4 * (4 * 320 * 16 + 960 + 4 * 4096 + 2048)
+    # TP = 2 at rank 8: per-shard factors; q/k/v 32x64, o 64x32 -> 2 x 96*8; 256x64 ones -> 2 x 192*8;
+    # the replicated 32x64 position table is sent by BOTH TP ranks (2 x 768; the old planner counted it once)
+    p = sync_bytes(m, fp32, 2, tensor=2)
+    assert p["lowrank_elements"] == 4 * 2 * 768 + 4 * 2 * 1536 + 2 * 768
 
 
 def test_collectives():
@@ -117,10 +154,12 @@ def test_collectives():
     assert collective_cost(300.0, 3, "allgather") == (600.0, 2)
     assert collective_cost(300.0, 3, "allgather", n_collectives=2) == (600.0, 4)
     assert collective_cost(300.0, 1, "ring") == (0.0, 0)
-    assert resolve_collective(Compression("fp16"), 8) == "ring"
-    assert resolve_collective(Compression("int4"), 4) == "allgather"
-    assert resolve_collective(Compression("int4"), 5) == "reduce_scatter"
-    assert resolve_collective(Compression("fp16", density=0.5), 2) == "allgather"  # sparse: not summable
+    # the collective the code runs: fp32 ring; packed kinds all-gather up to 4 ranks, then reduce-scatter
+    assert sync_bytes(10**6, load_method("diloco"), 8)["collective"] == "ring"
+    assert sync_bytes(10**6, load_method("opendiloco"), 4)["collective"] == "allgather"
+    assert sync_bytes(10**6, load_method("opendiloco"), 5)["collective"] == "reduce_scatter"
+    assert sync_bytes(10**6, load_method("cocktailsgd"), 8)["collective"] == "allgather"
+    assert sync_bytes(10**6, load_method("opendiloco"), 5)["collective_steps"] == 2 * 4
 
 
 def test_streaming_splits_the_peak():
@@ -130,8 +169,19 @@ def test_streaming_splits_the_peak():
     assert whole["peak_wire_bytes"] == pytest.approx(4 * row["peak_wire_bytes"])
 
 
-@pytest.mark.parametrize("text,bps", [("100mbit", 1e8), ("1gbit", 1e9), ("10Gbit/s", 1e10), ("1Gbps", 1e9),
-                                      ("125MB/s", 1e9), ("20 Mbit", 2e7), ("1e6", 1e6), ("1.5kbit", 1500)])
+@pytest.mark.parametrize(
+    "text,bps",
+    [
+        ("100mbit", 1e8),
+        ("1gbit", 1e9),
+        ("10Gbit/s", 1e10),
+        ("1Gbps", 1e9),
+        ("125MB/s", 1e9),
+        ("20 Mbit", 2e7),
+        ("1e6", 1e6),
+        ("1.5kbit", 1500),
+    ],
+)
 def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == pytest.approx(bps)
 
@@ -152,6 +202,71 @@ def test_cli_table_and_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [d["method"] for d in data] == list(PRESETS)
     by = {d["method"]: d for d in data}
-    assert by["dilocox"]["rank"] == 2048 and by["dilocox"]["H"] == 125  # the paper's 107B setting
+    assert by["dilocox"]["rank"] == 16 and by["dilocox"]["H"] == 125  # configs/methods/dilocox.yaml
     assert by["dilocox"]["utilization"] > by["opendiloco"]["utilization"] > by["allreduce"]["utilization"]
+    assert (
+        main(
+            [
+                "--model",
+                model,
+                "--replicas",
+                "20",
+                "--bandwidth",
+                "1gbit",
+                "--methods",
+                "dilocox",
+                "--rank",
+                "2048",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert json.loads(out.read_text())[0]["rank"] == 2048  # the paper's 107B setting (rank d_model/4)
     assert main(["--model", model, "--replicas", "2", "--bandwidth", "warp 9"]) == 2
+    assert main(["--model", model, "--replicas", "2", "--bandwidth", "1gbit", "--methods", "nope"]) == 2
+
+
+# 1-sync tiny runs: (preset, inner steps = one full sync, extra overrides); streaming's K=2, tau=2 need H/K > 2
+ONE_SYNC = [
+    ("allreduce", 1, []),
+    ("cocktailsgd", 1, []),
+    ("diloco", 4, []),
+    ("opendiloco", 4, []),
+    ("streaming", 6, []),
+    ("eager", 4, []),
+    ("dilocox", 4, ["--compress.adaptive.h_min=4"]),
+]
+TINY = [
+    "--model.n_layers=2",
+    "--model.d_model=64",
+    "--data.max_bytes=200000",
+    "--train.seq_len=32",
+    "--train.batch_size=2",
+    "--train.eval_every=0",
+    "--train.eval_batches=1",
+    "--parallel.replicas=2",
+]
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("plan-data"))
+
+
+@pytest.mark.slow  # ~30 s per preset on a loaded 2-core machine
+@pytest.mark.parametrize("name,steps,extra", ONE_SYNC, ids=[x[0] for x in ONE_SYNC])
+def test_plan_bytes_equal_what_a_one_sync_run_counts(tmp_path, data_cache, name, steps, extra):
+    cfg_path = write_config(str(tmp_path / "run.yaml"), ["tiny.yaml", f"methods/{name}.yaml"])
+    ov = [*TINY, f"--data.cache_dir={data_cache}", f"--train.steps={steps}", *extra]
+    if name not in ("allreduce", "cocktailsgd"):
+        ov.append(f"--outer.sync_every={steps}")
+    run = run_train(cfg_path, 2, str(tmp_path / "run"), ov, timeout=300)
+    sent = [r["outer_bytes_sent"] for r in run["ranks"]]
+    assert len(sent) == 2 and sent[0] == sent[1] > 0
+    cfg = load_config(cfg_path, ov)  # the same model and method settings the run loaded
+    planned = sync_bytes(cfg.model, Method(name, cfg.outer, cfg.compress), replicas=2)
+    assert planned["wire_bytes"] == sent[0]
+    row = plan(cfg.model, 2, 1e9, method=Method(name, cfg.outer, cfg.compress))
+    assert row["wire_bytes_per_replica"] == sent[0]

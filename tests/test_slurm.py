@@ -39,10 +39,17 @@ def test_env_rank_world_from_plain_slurm(monkeypatch):
     assert env_rank_world() == (2, 16, 2)
 
 
-@pytest.mark.parametrize("nodelist,first", [
-    ("gpu[03-04,07]", "gpu03"), ("gpu03", "gpu03"), ("gpu[07,03-04]", "gpu07"), ("cpu3,gpu[01-02]", "cpu3"),
-    ("gpu[03-04,07],cpu[1-2]", "gpu03"), ("node-a[001-016]", "node-a001"),
-])
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [
+        ("gpu[03-04,07]", "gpu03"),
+        ("gpu03", "gpu03"),
+        ("gpu[07,03-04]", "gpu07"),
+        ("cpu3,gpu[01-02]", "cpu3"),
+        ("gpu[03-04,07],cpu[1-2]", "gpu03"),
+        ("node-a[001-016]", "node-a001"),
+    ],
+)
 def test_slurm_master_addr(nodelist, first):
     assert slurm_master_addr(nodelist) == first
 
@@ -67,8 +74,15 @@ def test_init_distributed_from_slurm_env():
     """Two processes that only have srun's variables form one gloo group (MASTER_ADDR from the nodelist)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env.update(SLURM_NTASKS="2", SLURM_NODELIST="localhost", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_MAIN, ROOT], env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
-                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_MAIN, ROOT],
+            env=dict(env, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert outs == [["0", "2", "0", "localhost", "3"], ["1", "2", "1", "localhost", "3"]]
@@ -80,8 +94,8 @@ def test_init_distributed_from_slurm_env():
 STUBS = {
     "scontrol": 'for h in $FAKE_HOSTS; do echo "$h"; done',
     # srun: drop its options, run the task once per node with that node's SLURM_NODEID
-    "srun": 'while [[ $1 == --* ]]; do shift; done\n'
-            'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done',
+    "srun": "while [[ $1 == --* ]]; do shift; done\n"
+    'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done',
     "torchrun": 'echo "node$SLURM_NODEID torchrun $*" >> "$LOG"',
     "getent": 'n=${2//[!0-9]/}; echo "10.0.0.$((10#$n)) STREAM $2"',
     "fake_tc_cap.sh": 'echo "node$SLURM_NODEID tc_cap $*" >> "$LOG"',
@@ -95,9 +109,18 @@ def run_sbatch(tmp_path, **extra) -> list[str]:
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "log"
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", LOG=str(log), FAKE_HOSTS="gpu03 gpu04 gpu07 gpu08",
-               SLURM_JOB_NODELIST="gpu[03-04,07-08]", SLURM_NNODES="4", SLURM_JOB_ID="42", DILOCOX_ROOT=ROOT,
-               DILOCOX_TC_CAP_SCRIPT=str(bin_dir / "fake_tc_cap.sh"), **extra)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        LOG=str(log),
+        FAKE_HOSTS="gpu03 gpu04 gpu07 gpu08",
+        SLURM_JOB_NODELIST="gpu[03-04,07-08]",
+        SLURM_NNODES="4",
+        SLURM_JOB_ID="42",
+        DILOCOX_ROOT=ROOT,
+        DILOCOX_TC_CAP_SCRIPT=str(bin_dir / "fake_tc_cap.sh"),
+        **extra,
+    )
     p = subprocess.run(["bash", SBATCH, "configs/x.yaml", "--train.steps=3"], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     return log.read_text().splitlines()
@@ -105,17 +128,24 @@ def run_sbatch(tmp_path, **extra) -> list[str]:
 
 def test_sbatch_builds_c10d_torchrun(tmp_path):
     lines = run_sbatch(tmp_path)
-    want = ("torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint gpu03:29500 --rdzv_id 42 "
-            "-m dilocox.cli train configs/x.yaml --train.steps=3")
+    want = (
+        "torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint gpu03:29500 --rdzv_id 42 "
+        "-m dilocox.cli train configs/x.yaml --train.steps=3"
+    )
     assert lines == [f"node{i} {want}" for i in range(4)]
 
 
 def test_sbatch_caps_only_other_replicas_and_goes_static(tmp_path):
     lines = run_sbatch(tmp_path, DILOCOX_TC_IFACE="eth9", DILOCOX_TC_RATE="1gbit", DILOCOX_NODES_PER_REPLICA="2")
-    caps = [f"node{i} tc_cap eth9 1gbit {d}" for i, d in
-            enumerate(["10.0.0.7/32 10.0.0.8/32"] * 2 + ["10.0.0.3/32 10.0.0.4/32"] * 2)]
-    runs = [f"node{i} torchrun --nnodes 4 --node_rank {i} --nproc_per_node 8 --master_addr gpu03 --master_port 29500 "
-            f"-m dilocox.cli train configs/x.yaml --train.steps=3" for i in range(4)]
+    caps = [
+        f"node{i} tc_cap eth9 1gbit {d}"
+        for i, d in enumerate(["10.0.0.7/32 10.0.0.8/32"] * 2 + ["10.0.0.3/32 10.0.0.4/32"] * 2)
+    ]
+    runs = [
+        f"node{i} torchrun --nnodes 4 --node_rank {i} --nproc_per_node 8 --master_addr gpu03 --master_port 29500 "
+        f"-m dilocox.cli train configs/x.yaml --train.steps=3"
+        for i in range(4)
+    ]
     removes = [f"node{i} tc_cap eth9 --remove" for i in range(4)]
     assert lines == caps + runs + removes
 
@@ -124,7 +154,9 @@ def test_sbatch_caps_only_other_replicas_and_goes_static(tmp_path):
 
 
 def tc_show(c: Cluster, r: int) -> str:
-    return subprocess.run(["tc", "-n", c.ns(r), "qdisc", "show", "dev", c.ifname(r)], capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["tc", "-n", c.ns(r), "qdisc", "show", "dev", c.ifname(r)], capture_output=True, text=True
+    ).stdout
 
 
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
@@ -132,7 +164,9 @@ def test_tc_cap_script_in_a_namespace():
     from test_emulate import transfer
 
     def cap(c: Cluster, r: int, *args: str) -> None:
-        p = subprocess.run(["ip", "netns", "exec", c.ns(r), "bash", TC_CAP, c.ifname(r), *args], capture_output=True, text=True)
+        p = subprocess.run(
+            ["ip", "netns", "exec", c.ns(r), "bash", TC_CAP, c.ifname(r), *args], capture_output=True, text=True
+        )
         assert p.returncode == 0, p.stderr
 
     with Cluster(3) as c:  # uncapped links; the script adds the cap

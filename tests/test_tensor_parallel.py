@@ -12,16 +12,30 @@ from dilocox.config import ModelConfig, ParallelConfig
 from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from dilocox.model.parallel_layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_, is_tensor_parallel,
-    shard_tensor, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    clip_grad_norm_,
+    is_tensor_parallel,
+    shard_tensor,
+    vocab_parallel_cross_entropy,
 )
 from dilocox.model.transformer import build_model, build_stage_model
 
 SMALL = dict(n_layers=2, n_heads=4, d_model=32, vocab_size=64, max_seq_len=32)
 CONFIGS = {
     "gpt2": ModelConfig(**SMALL),
-    "qwen": ModelConfig(arch="qwen", norm="rmsnorm", activation="swiglu", pos_emb="rope", bias=False,
-                        qkv_bias=True, n_kv_heads=2, d_ff=88, **SMALL),
+    "qwen": ModelConfig(
+        arch="qwen",
+        norm="rmsnorm",
+        activation="swiglu",
+        pos_emb="rope",
+        bias=False,
+        qkv_bias=True,
+        n_kv_heads=2,
+        d_ff=88,
+        **SMALL,
+    ),
 }
 GRAD_RTOL = 1e-4
 
@@ -71,9 +85,14 @@ def _model_checks(mcfg, group, rank, world, n_stages):
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     norm = clip_grad_norm_(params.values(), 0.05, rank, group)
     _, clipped_err = _compare(params, ref_params, rank, world)
-    return dict(loss=abs(loss.item() - ref_loss.item()), weights=w_err, grads=g_err,
-                norm=abs(norm.item() - ref_norm.item()) / ref_norm.item(), clipped=clipped_err,
-                clipped_happened=ref_norm.item() > 0.05)
+    return dict(
+        loss=abs(loss.item() - ref_loss.item()),
+        weights=w_err,
+        grads=g_err,
+        norm=abs(norm.item() - ref_norm.item()) / ref_norm.item(),
+        clipped=clipped_err,
+        clipped_happened=ref_norm.item() > 0.05,
+    )
 
 
 def _load_checks(mcfg, group, rank, world):
@@ -93,13 +112,13 @@ def _layer_checks(group, rank, world):
     full = (3 * torch.randn(3, 5, V, generator=g)).requires_grad_()
     labels = torch.randint(0, V, (3, 5), generator=g)
     labels[1, 2] = -100
-    shard = full.detach()[..., rank * V // world:(rank + 1) * V // world].clone().requires_grad_()
+    shard = full.detach()[..., rank * V // world : (rank + 1) * V // world].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(shard, labels, group)
     ref = F.cross_entropy(full.view(-1, V), labels.view(-1), ignore_index=-100)
     loss.backward()
     ref.backward()
     out["ce_loss"] = abs(loss.item() - ref.item())
-    out["ce_grad"] = _rel(shard.grad, full.grad[..., rank * V // world:(rank + 1) * V // world])
+    out["ce_grad"] = _rel(shard.grad, full.grad[..., rank * V // world : (rank + 1) * V // world])
     # vocab-parallel embedding vs F.embedding
     W = torch.randn(V, 8, generator=g)
     ids = torch.randint(0, V, (4, 6), generator=g)
@@ -118,8 +137,10 @@ def _layer_checks(group, rank, world):
     col = ColumnParallelLinear(8, 12, True, group, world, gather_output=True)
     row = RowParallelLinear(12, 6, True, group, world, input_is_parallel=False)
     with torch.no_grad():
-        col.weight.copy_(shard_tensor(A, 0, rank, world)); col.bias.copy_(shard_tensor(a, 0, rank, world))
-        row.weight.copy_(shard_tensor(B, 1, rank, world)); row.bias.copy_(b)
+        col.weight.copy_(shard_tensor(A, 0, rank, world))
+        col.bias.copy_(shard_tensor(a, 0, rank, world))
+        row.weight.copy_(shard_tensor(B, 1, rank, world))
+        row.bias.copy_(b)
     ref_p = [t.clone().requires_grad_() for t in (A, a, B, b)]
     xin = torch.randn(3, 8, generator=g)
     x1, x2 = xin.clone().requires_grad_(), xin.clone().requires_grad_()
@@ -129,9 +150,11 @@ def _layer_checks(group, rank, world):
     z_ref.pow(2).sum().backward()
     out["linear_out"] = (z - z_ref).abs().max().item()
     out["linear_grad"] = max(
-        _rel(x1.grad, x2.grad), _rel(col.weight.grad, shard_tensor(ref_p[0].grad, 0, rank, world)),
+        _rel(x1.grad, x2.grad),
+        _rel(col.weight.grad, shard_tensor(ref_p[0].grad, 0, rank, world)),
         _rel(col.bias.grad, shard_tensor(ref_p[1].grad, 0, rank, world)),
-        _rel(row.weight.grad, shard_tensor(ref_p[2].grad, 1, rank, world)), _rel(row.bias.grad, ref_p[3].grad),
+        _rel(row.weight.grad, shard_tensor(ref_p[2].grad, 1, rank, world)),
+        _rel(row.bias.grad, ref_p[3].grad),
     )
     return out
 

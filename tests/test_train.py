@@ -17,9 +17,17 @@ def tiny_cfg(tmp, *extra, steps=12):
     return load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
         [
-            f"--log.run_dir={tmp}", f"--data.cache_dir={tmp}/cache", "--data.max_bytes=400000",
-            f"--train.steps={steps}", "--train.batch_size=4", "--train.seq_len=64", "--train.eval_every=0",
-            "--train.eval_batches=2", "--log.tensorboard=false", "--log.progress=false", "--optim.warmup_steps=2",
+            f"--log.run_dir={tmp}",
+            f"--data.cache_dir={tmp}/cache",
+            "--data.max_bytes=400000",
+            f"--train.steps={steps}",
+            "--train.batch_size=4",
+            "--train.seq_len=64",
+            "--train.eval_every=0",
+            "--train.eval_batches=2",
+            "--log.tensorboard=false",
+            "--log.progress=false",
+            "--optim.warmup_steps=2",
             *extra,
         ],
     )
@@ -51,6 +59,7 @@ def test_resume_exact_single_rank(tmp_path):
     _assert_resume_exact(run_ranks(1, _train_and_resume, str(tmp_path), [], 8, 5))
 
 
+@pytest.mark.slow  # ~17 s on 2 cores
 def test_resume_exact_pp2_tp2(tmp_path):
     extra = ["--parallel.pipeline=2", "--parallel.tensor=2", "--parallel.microbatches=2"]
     _assert_resume_exact(run_ranks(4, _train_and_resume, str(tmp_path), extra, 6, 3))
@@ -63,13 +72,22 @@ def _losses(rank, world, tmp, extra, steps):
     return [t.train_step() for _ in range(steps)], t.validate()
 
 
+@pytest.mark.slow  # ~17 s per arch on 2 cores
 @pytest.mark.parametrize("arch", ["gpt2", "qwen"])
 def test_pp2_tp2_training_equals_single_process(tmp_path, arch):
     """The same model trained with PP=2 x TP=2 on 4 ranks follows the 1-process loss curve."""
     extra = ["--parallel.microbatches=2"]
     if arch == "qwen":
-        extra += ["--model.arch=qwen", "--model.norm=rmsnorm", "--model.activation=swiglu", "--model.pos_emb=rope",
-                  "--model.bias=false", "--model.qkv_bias=true", "--model.n_kv_heads=2", "--model.d_ff=344"]
+        extra += [
+            "--model.arch=qwen",
+            "--model.norm=rmsnorm",
+            "--model.activation=swiglu",
+            "--model.pos_emb=rope",
+            "--model.bias=false",
+            "--model.qkv_bias=true",
+            "--model.n_kv_heads=2",
+            "--model.d_ff=344",
+        ]
     ref_losses, ref_val = run_ranks(1, _losses, str(tmp_path / "ref"), extra, 5)[0]
     par = run_ranks(4, _losses, str(tmp_path / "par"), extra + ["--parallel.pipeline=2", "--parallel.tensor=2"], 5)
     for losses, val in par:
@@ -77,6 +95,7 @@ def test_pp2_tp2_training_equals_single_process(tmp_path, arch):
         assert val == pytest.approx(ref_val, rel=2e-5, abs=2e-5)
 
 
+@pytest.mark.slow  # 80-150 s on 2 cores
 def test_short_training_beats_unigram_entropy(tmp_path):
     """The tiny config learns: validation loss falls well below the corpus' unigram entropy."""
     from dilocox.data import unigram_entropy
@@ -84,7 +103,12 @@ def test_short_training_beats_unigram_entropy(tmp_path):
 
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
-        [f"--log.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/cache", "--log.tensorboard=false", "--log.progress=false"],
+        [
+            f"--log.run_dir={tmp_path}",
+            f"--data.cache_dir={tmp_path}/cache",
+            "--log.tensorboard=false",
+            "--log.progress=false",
+        ],
     )
     summary = train(cfg)
     from dilocox.data import prepare
@@ -101,7 +125,9 @@ def test_short_training_beats_unigram_entropy(tmp_path):
 def test_warns_when_the_last_phase_would_be_dropped(tmp_path, capsys, steps, warns):
     from dilocox.train import Trainer
 
-    cfg = tiny_cfg(str(tmp_path), "--outer.method=diloco", "--outer.sync_every=5", "--checkpoint.resume=none", steps=steps)
+    cfg = tiny_cfg(
+        str(tmp_path), "--outer.method=diloco", "--outer.sync_every=5", "--checkpoint.resume=none", steps=steps
+    )
     Trainer(cfg).run()
     out = capsys.readouterr().out
     if warns:

@@ -50,8 +50,14 @@ def gpt2_small_shapes() -> list[tuple[str, torch.Size]]:
         out += [(p + "ln_1.weight", (d,)), (p + "ln_1.bias", (d,))]
         for n in ("q", "k", "v", "o"):
             out += [(p + f"attn.{n}_proj.weight", (d, d)), (p + f"attn.{n}_proj.bias", (d,))]
-        out += [(p + "ln_2.weight", (d,)), (p + "ln_2.bias", (d,)), (p + "mlp.up_proj.weight", (f, d)),
-                (p + "mlp.up_proj.bias", (f,)), (p + "mlp.down_proj.weight", (d, f)), (p + "mlp.down_proj.bias", (d,))]
+        out += [
+            (p + "ln_2.weight", (d,)),
+            (p + "ln_2.bias", (d,)),
+            (p + "mlp.up_proj.weight", (f, d)),
+            (p + "mlp.up_proj.bias", (f,)),
+            (p + "mlp.down_proj.weight", (d, f)),
+            (p + "mlp.down_proj.bias", (d,)),
+        ]
     out += [("norm_f.weight", (d,)), ("norm_f.bias", (d,)), ("head.weight", (V, d))]
     return [(n, torch.Size(s)) for n, s in out]
 
@@ -76,7 +82,9 @@ def model_shapes(model: str) -> list[tuple[str, torch.Size]]:
     return [(n, p.shape) for n, p in build_model(mcfg, device="meta").named_parameters()]
 
 
-def synthetic_pseudo_gradients(shapes: list[torch.Size], seed: int = 0, k_max: int = 256, noise: float = 0.1) -> list[torch.Tensor]:
+def synthetic_pseudo_gradients(
+    shapes: list[torch.Size], seed: int = 0, k_max: int = 256, noise: float = 0.1
+) -> list[torch.Tensor]:
     """Power-law-spectrum matrices plus a 10 % noise floor; Gaussian vectors (see the module doc)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -106,7 +114,9 @@ def _corpus_tokens(n_bytes: int) -> torch.Tensor:
     return torch.tensor(list(buf[:n_bytes]), dtype=torch.long)
 
 
-def real_pseudo_gradients(model: str = "gpt2-tiny", steps: int = 20, batch: int = 8, seq: int = 128, seed: int = 0) -> tuple[list[str], list[torch.Tensor]]:
+def real_pseudo_gradients(
+    model: str = "gpt2-tiny", steps: int = 20, batch: int = 8, seq: int = 128, seed: int = 0
+) -> tuple[list[str], list[torch.Tensor]]:
     """θ_0 − θ_steps of a tiny model after ``steps`` AdamW steps (lr 1e-3) on byte-level text."""
     from dilocox.model.transformer import build_model
 
@@ -121,8 +131,8 @@ def real_pseudo_gradients(model: str = "gpt2-tiny", steps: int = 20, batch: int 
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         idx = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
-        x = torch.stack([data[i:i + seq] for i in idx])
-        y = torch.stack([data[i + 1:i + seq + 1] for i in idx])
+        x = torch.stack([data[i : i + seq] for i in idx])
+        y = torch.stack([data[i + 1 : i + seq + 1] for i in idx])
         loss = net.loss(net(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -152,11 +162,24 @@ def svd_floor(comp: Compressor, spec: list[torch.Tensor | None], norm2: float) -
     return math.sqrt(sum(float(spec[i][r:].sum()) for i in comp.lowrank.factored) / norm2)
 
 
-def evaluate(deltas: list[torch.Tensor], quant: str, rank: int | None, group_size: int = 128, syncs: int = 3,
-             spec: list[torch.Tensor | None] | None = None) -> dict:
+def evaluate(
+    deltas: list[torch.Tensor],
+    quant: str,
+    rank: int | None,
+    group_size: int = 128,
+    syncs: int = 3,
+    spec: list[torch.Tensor | None] | None = None,
+) -> dict:
     """Compression ratio and relative error at sync 1 and sync ``syncs`` (same Δ, no error feedback)."""
-    comp = Compressor([d.shape for d in deltas], quant=quant, group_size=group_size, error_feedback=False,
-                      lowrank_rank=rank, min_compression=LowRankConfig().min_compression, seed=0)
+    comp = Compressor(
+        [d.shape for d in deltas],
+        quant=quant,
+        group_size=group_size,
+        error_feedback=False,
+        lowrank_rank=rank,
+        min_compression=LowRankConfig().min_compression,
+        seed=0,
+    )
     norm2 = sum(float(d.double().square().sum()) for d in deltas)
     errs, t0 = [], time.perf_counter()
     for step in range(syncs):
@@ -166,14 +189,25 @@ def evaluate(deltas: list[torch.Tensor], quant: str, rank: int | None, group_siz
     fp32 = 4 * sum(d.numel() for d in deltas)
     payload = comp.payload_bytes()
     n_fact = len(comp.lowrank.factored) if comp.lowrank is not None else 0
-    row = {"quant": quant, "rank": rank or 0, "factored": n_fact, "fp32_MB": fp32 / 1e6, "payload_MB": payload / 1e6,
-           "ratio": fp32 / payload, "err@1": errs[0], f"err@{syncs}": errs[-1], "seconds": (time.perf_counter() - t0) / syncs}
+    row = {
+        "quant": quant,
+        "rank": rank or 0,
+        "factored": n_fact,
+        "fp32_MB": fp32 / 1e6,
+        "payload_MB": payload / 1e6,
+        "ratio": fp32 / payload,
+        "err@1": errs[0],
+        f"err@{syncs}": errs[-1],
+        "seconds": (time.perf_counter() - t0) / syncs,
+    }
     if spec is not None:
         row["svd@r"] = svd_floor(comp, spec, norm2)
     return row
 
 
-def run(model: str = "gpt2-small", ranks: tuple[int, ...] = (4, 16, 64), real: bool = True, seed: int = 0) -> list[dict]:
+def run(
+    model: str = "gpt2-small", ranks: tuple[int, ...] = (4, 16, 64), real: bool = True, seed: int = 0
+) -> list[dict]:
     """Rows for int4 alone and low-rank r ∈ ``ranks`` + int4, on synthetic (and real) Δ."""
     rows = []
     named = model_shapes(model)
@@ -195,8 +229,10 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         method = f"low-rank r={r['rank']} + {r['quant']}" if r["rank"] else r["quant"]
-        lines.append(f"| {r['data']} | {method} | {r['factored']} | {r['fp32_MB']:.1f} | {r['payload_MB']:.3f} | "
-                     f"{r['ratio']:.1f}x | {r['err@1']:.3f} | {r['err@3']:.3f} | {r.get('svd@r', float('nan')):.3f} |")
+        lines.append(
+            f"| {r['data']} | {method} | {r['factored']} | {r['fp32_MB']:.1f} | {r['payload_MB']:.3f} | "
+            f"{r['ratio']:.1f}x | {r['err@1']:.3f} | {r['err@3']:.3f} | {r.get('svd@r', float('nan')):.3f} |"
+        )
     return "\n".join(lines)
 
 

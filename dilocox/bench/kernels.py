@@ -1,30 +1,44 @@
 """Micro-benchmark of the compression kernels: ``dilocox bench kernels`` /
 ``python -m dilocox.bench.kernels [--sizes 1M 16M] [--threads 1 2] [--device cuda] [--json PATH]``.
 
-Effective bandwidth = (bytes read + bytes written) / time, next to a plain copy
-(``dst.copy_(src)``) of the same fp32 buffer measured in the same run (8 bytes/element)
-and the pure-torch reference of the same op:
+Bytes convention (the same for every row): bytes MOVED between memory and the cores, a store
+to a buffer that is not read first counting twice (write-allocate: the line is read, then
+written back), a read-modify-write of a buffer counting read + write. Effective bandwidth =
+bytes moved / time, compared with two references of the same fp32 buffer timed in the same run:
 
-* ``ef_quantize_pack_int4``: read x, e; write e, payload -> 12 + 0.5 + 2/G bytes/element
-  (fused error feedback + int4 quantize + pack, the worker's send side);
+* ``add_ (in-place, roofline)``: ``a.add_(b)``: read a, b; write a -> 12 bytes/element. The
+  roofline reference: the same traffic pattern as the fused send kernel (two streams in, one
+  updated in place), no write-allocate;
+* ``copy (fp32)``: ``dst.copy_(src)``: read src; write-allocate + write dst -> 12 bytes/element;
+
+and the kernels:
+
+* ``ef_quantize_pack_int4``: read x, e; write e in place; write-allocate + write the payload
+  -> 12 + 2 (0.5 + 2/G) bytes/element (fused error feedback + int4 quantize + pack, the send side);
 * ``ef_quantize_pack_sr_int4``: same with stochastic rounding;
-* ``dequantize_accumulate_int4``: read payload, out; write out -> 8 + 0.5 + 2/G bytes/element
-  (receive side of a quantized all-reduce).
+* ``dequantize_accumulate_int4``: read payload, out; write out in place -> 8 + 0.5 + 2/G
+  bytes/element (receive side of a quantized all-reduce).
 
-CPU times are the median of ``repeats`` wall-clock runs after a warm-up; CUDA times use
-CUDA events around each run. Thread count = ``torch.set_num_threads`` (the compiled CPU
-kernels follow it).
+(Before this convention a copy was counted at 8 bytes/element and the kernels at 12.5, so
+"% of copy" over 100 was an artifact of the counting.) CPU times are the median of ``repeats``
+wall-clock runs after a warm-up, the ops run round-robin; CUDA times use CUDA events. The
+1-minute load average is read after every size and printed beside its rows; above the core
+count the machine is oversubscribed and a warning is printed (the timings are then
+upper bounds). Thread count = ``torch.set_num_threads`` (the compiled CPU kernels follow it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
+from dilocox.bench.runner import machine_line
 from dilocox.compress import kernels
 from dilocox.compress.quant import payload_nbytes
 
@@ -65,8 +79,29 @@ def _timeit(fns, repeats: int, device: torch.device) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def run(sizes=None, group_size: int = 128, repeats: int = 10, device="cpu", threads: int | None = None,
-        reference: bool = True, ref_repeats: int = 3) -> list[dict]:
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def overloaded(load: float | None, cores: int | None = None) -> bool:
+    """True when more runnable processes than cores competed for the machine."""
+    cores = cores or os.cpu_count() or 1
+    return load is not None and load > cores
+
+
+def run(
+    sizes=None,
+    group_size: int = 128,
+    repeats: int = 10,
+    device="cpu",
+    threads: int | None = None,
+    reference: bool = True,
+    ref_repeats: int = 3,
+) -> list[dict]:
     """Benchmark rows (one dict per op and size); see the module docstring."""
     dev = torch.device(device)
     sizes = list(sizes or DEFAULT_SIZES)
@@ -91,46 +126,114 @@ def run(sizes=None, group_size: int = 128, repeats: int = 10, device="cpu", thre
             def deq(use_kernel):
                 return lambda: kernels.dequantize_into(payload, out, group_size, 4, True, use_kernel=use_kernel)
 
-            ops = [("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + pbytes),
-                   ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + pbytes),
-                   ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes)]
-            t_copy, *t_ops = _timeit([lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev)
-            bw_copy = 8.0 * n / t_copy / 1e9
-            base = dict(numel=n, device=str(dev), threads=torch.get_num_threads(), group_size=group_size)
-            rows.append(dict(base, op="copy (fp32)", ms=t_copy * 1e3, gbps=bw_copy, pct_of_copy=100.0,
-                             ref_ms=None, speedup_vs_ref=None, compiled=None))
+            a, b = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
+            ops = [
+                ("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + 2 * pbytes),
+                ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + 2 * pbytes),
+                ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes),
+            ]
+            t_add, t_copy, *t_ops = _timeit(
+                [lambda: a.add_(b), lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev
+            )
+            bw_add = 12.0 * n / t_add
+            load = load_average()
+            base = dict(
+                numel=n,
+                device=str(dev),
+                threads=torch.get_num_threads(),
+                group_size=group_size,
+                load_avg=load,
+                cores=os.cpu_count(),
+            )
+            refs = [("add_ (in-place, roofline)", t_add, 12.0 * n), ("copy (fp32)", t_copy, 12.0 * n)]
+            for name, t, nbytes in refs:
+                rows.append(
+                    dict(
+                        base,
+                        op=name,
+                        ms=t * 1e3,
+                        bytes_moved=nbytes,
+                        gbps=nbytes / t / 1e9,
+                        pct_of_roofline=100.0 * (nbytes / t) / bw_add,
+                        ref_ms=None,
+                        speedup_vs_ref=None,
+                        compiled=None,
+                    )
+                )
             for (name, _, ref_fn, nbytes), t in zip(ops, t_ops):
                 t_ref = _timeit([ref_fn], ref_repeats, dev)[0] if reference else None
-                rows.append(dict(base, op=name, ms=t * 1e3, gbps=nbytes / t / 1e9,
-                                 pct_of_copy=100.0 * (nbytes / t) / (8.0 * n / t_copy),
-                                 ref_ms=None if t_ref is None else t_ref * 1e3,
-                                 speedup_vs_ref=None if t_ref is None else t_ref / t, compiled=compiled))
+                rows.append(
+                    dict(
+                        base,
+                        op=name,
+                        ms=t * 1e3,
+                        bytes_moved=nbytes,
+                        gbps=nbytes / t / 1e9,
+                        pct_of_roofline=100.0 * (nbytes / t) / bw_add,
+                        ref_ms=None if t_ref is None else t_ref * 1e3,
+                        speedup_vs_ref=None if t_ref is None else t_ref / t,
+                        compiled=compiled,
+                    )
+                )
+            if overloaded(load):
+                print(
+                    f"warning: load average {load:.2f} > {os.cpu_count()} cores while timing numel={n:,}: "
+                    "the machine is oversubscribed, these timings are upper bounds",
+                    file=sys.stderr,
+                )
     finally:
         torch.set_num_threads(old_threads)
     return rows
 
 
+CONVENTION = (
+    "Bytes moved per element: `add_` (roofline) 12 = read a, b + write a in place; copy 12 = read src + "
+    "write-allocate and write dst; ef_quantize_pack 12 + 2(0.5 + 2/G) = read x, e + write e in place + "
+    "write-allocate and write the payload; dequantize_accumulate 8 + 0.5 + 2/G = read payload, out + write "
+    "out in place. GB/s = bytes moved / time; % of roofline = GB/s / the in-place add's GB/s of the same "
+    "size and thread count; load = 1-minute load average after the size's timings (cores: {cores}; "
+    "a load above the core count marks an oversubscribed machine, its timings are upper bounds)."
+)
+
+
 def format_table(rows: list[dict]) -> str:
-    lines = ["| op | numel | threads | ms | GB/s | % of copy | reference ms | speedup vs reference |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    cores = rows[0].get("cores") if rows else os.cpu_count()
+    lines = [
+        CONVENTION.format(cores=cores),
+        "",
+        "| op | numel | threads | ms | bytes/elem | GB/s | % of roofline | reference ms | speedup vs reference "
+        "| load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         ref = "" if r["ref_ms"] is None else f"{r['ref_ms']:.2f}"
         sp = "" if r["speedup_vs_ref"] is None else f"{r['speedup_vs_ref']:.1f}x"
-        lines.append(f"| {r['op']} | {r['numel']:,} | {r['threads']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
-                     f"{r['pct_of_copy']:.0f} | {ref} | {sp} |")
+        load = r.get("load_avg")
+        ld = "?" if load is None else f"{load:.2f}" + (" (> cores)" if overloaded(load, r.get("cores")) else "")
+        lines.append(
+            f"| {r['op']} | {r['numel']:,} | {r['threads']} | {r['ms']:.3f} | "
+            f"{r['bytes_moved'] / r['numel']:.2f} | {r['gbps']:.1f} | {r['pct_of_roofline']:.0f} | {ref} | "
+            f"{sp} | {ld} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox bench kernels", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", nargs="+", type=parse_size, default=DEFAULT_SIZES,
-                    help="element counts, e.g. 65536 1M 16M 2^24 (default: 64K 1M 4M 16M)")
+    ap.add_argument(
+        "--sizes",
+        nargs="+",
+        type=parse_size,
+        default=DEFAULT_SIZES,
+        help="element counts, e.g. 65536 1M 16M 2^24 (default: 64K 1M 4M 16M)",
+    )
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--ref-repeats", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", nargs="+", type=int, default=None,
-                    help="torch/OpenMP thread counts to run (default: current)")
+    ap.add_argument(
+        "--threads", nargs="+", type=int, default=None, help="torch/OpenMP thread counts to run (default: current)"
+    )
     ap.add_argument("--no-reference", action="store_true", help="skip timing the pure-torch reference")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
@@ -141,11 +244,24 @@ def main(argv=None) -> int:
     rows = []
     for t in args.threads or [None]:
         rows += run(args.sizes, args.group_size, args.repeats, dev, t, not args.no_reference, args.ref_repeats)
-    print(format_table(rows))
+    table = format_table(rows)
+    print(table)
+    loads = [r["load_avg"] for r in rows if r.get("load_avg") is not None]
+    if loads and max(loads) > (os.cpu_count() or 1):
+        print(
+            f"warning: the load average reached {max(loads):.2f} on {os.cpu_count()} cores during this run",
+            file=sys.stderr,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-        print(f"wrote {args.json}")
+        md = os.path.join(os.path.dirname(os.path.abspath(args.json)), "results.md")
+        with open(md, "w") as f:  # the table docs/BENCHMARKS.md pastes (python -m dilocox.bench.report)
+            f.write(
+                f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine_line()}; "
+                f"`dilocox bench kernels {' '.join(argv if argv is not None else sys.argv[1:])}`.\n\n{table}\n"
+            )
+        print(f"wrote {args.json} and {md}")
     return 0
 
 

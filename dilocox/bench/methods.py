@@ -14,6 +14,7 @@ summed over the ranks of a replica) and the compression ratio against ``allreduc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -48,30 +49,51 @@ ABLATION = [
     ("dilocox, eager instead of delay", "dilocox", ["--outer.overlap=eager"]),
     ("dilocox, no delay (blocking)", "dilocox", ["--outer.overlap=none"]),
     ("dilocox, no delay, outer momentum 0.5", "dilocox", ["--outer.overlap=none", "--outer.momentum=0.5"]),
-    ("dilocox, no delay, no compression, outer 0.7/0.9 (= diloco)", "dilocox",
-     ["--outer.overlap=none", *_OFF, "--outer.lr=0.7", "--outer.momentum=0.9"]),
+    (
+        "dilocox, no delay, no compression, outer 0.7/0.9 (= diloco)",
+        "dilocox",
+        ["--outer.overlap=none", *_OFF, "--outer.lr=0.7", "--outer.momentum=0.9"],
+    ),
 ]
 
 
-def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str,
-        common: list[str] = ()) -> list[dict]:
+def run(
+    methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str, common: list[str] = ()
+) -> list[dict]:
     """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens;
     ``common`` overrides (e.g. ``--train.seed=1``) apply to every run."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(methods):
             label, m, extra = (entry, entry, []) if isinstance(entry, str) else entry
-            cfg = write_config(os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
-            res = run_train(cfg, 4, os.path.join(run_root, f"{i}-{m}"), [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra])
+            cfg = write_config(
+                os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H)
+            )
+            res = run_train(
+                cfg,
+                4,
+                os.path.join(run_root, f"{i}-{m}"),
+                [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra],
+            )
             s = res["summary"]
             # bytes sent to the other replica by the 2 ranks (stages) of replica 0
             sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
             blocked = max((r.get("outer_blocked_total_s", 0.0) for r in res["ranks"]), default=0.0)
-            rows.append({
-                "method": label, "preset": m, "overrides": list(extra), "final_val_loss": s["final_val_loss"], "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
-                "bytes_sent_per_replica": sent, "blocked_s": blocked, "tokens_per_replica": s["tokens_per_replica"],
-                "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r] + [(s["steps"], s["final_val_loss"])],
-            })
+            rows.append(
+                {
+                    "method": label,
+                    "preset": m,
+                    "overrides": list(extra),
+                    "final_val_loss": s["final_val_loss"],
+                    "tokens_per_s": s["tokens_per_s"],
+                    "wall_s": s["wall_s"],
+                    "bytes_sent_per_replica": sent,
+                    "blocked_s": blocked,
+                    "tokens_per_replica": s["tokens_per_replica"],
+                    "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r]
+                    + [(s["steps"], s["final_val_loss"])],
+                }
+            )
     base = next((r for r in rows if r["method"] == "allreduce"), None)
     for r in rows:
         if base:
@@ -82,39 +104,73 @@ def run(methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: in
 
 def markdown(rows: list[dict], steps: int, H: int, common: list[str] = ()) -> str:
     extra = f"; every run with {' '.join(common)}" if common else ""
-    lines = [f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
-             f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods{extra}.", "",
-             "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce | blocked on outer (s) | tokens/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
+        f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods{extra}.",
+        "",
+        "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce | blocked on outer (s) | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['final_val_loss']:.4f} | {r.get('loss_vs_allreduce_pct', 0):+.1f} % | "
-            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | {r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |")
+            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | {r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str) -> None:
-    line_plot(path, [(r["method"], *zip(*r["val_curve"]), "o-") for r in rows], "step (equal tokens per replica)",
-              "validation loss", "methods at equal tokens, 2 replicas x PP=2")
+TITLES = {
+    False: "methods at equal tokens, 2 replicas x PP=2",
+    True: "DiLoCoX ablation: one part changed at a time, 2 replicas x PP=2",
+}
+
+
+def plot(rows: list[dict], path: str, ablation: bool = False) -> dict:
+    """val_loss.png: one curve per row, each with its own marker and line style (see ``series_style``)."""
+    return line_plot(
+        path,
+        [(r["method"], *zip(*r["val_curve"]), None) for r in rows],
+        "step (equal tokens per replica)",
+        "validation loss",
+        TITLES[ablation],
+        figsize=(6.4, 4.0),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dilocox bench methods", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dilocox bench methods", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--H", type=int, default=20)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--set", dest="common", action="append", default=[], metavar="--KEY=VALUE",
-                    help="a config override for every run, e.g. --set=--train.seed=1 (repeatable)")
-    ap.add_argument("--ablation", action="store_true", help="dilocox with its parts switched off one at a time (ABLATION)")
+    ap.add_argument(
+        "--set",
+        dest="common",
+        action="append",
+        default=[],
+        metavar="--KEY=VALUE",
+        help="a config override for every run, e.g. --set=--train.seed=1 (repeatable)",
+    )
+    ap.add_argument(
+        "--ablation", action="store_true", help="dilocox with its parts switched off one at a time (ABLATION)"
+    )
     ap.add_argument("--out", default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)")
+    ap.add_argument("--render", action="store_true", help="only re-draw val_loss.png from OUT/results.json")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join("docs", "bench", "ablation" if a.ablation else "methods")
     os.makedirs(a.out, exist_ok=True)
+    if a.render:
+        with open(os.path.join(a.out, "results.json")) as f:
+            plot(json.load(f), os.path.join(a.out, "val_loss.png"), a.ablation)
+        return 0
     entries = ABLATION if a.ablation else a.methods.split(",")
-    rows = run(entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"), a.common)
+    rows = run(
+        entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"), a.common
+    )
     md = markdown(rows, a.steps, a.H, a.common)
     write_results(a.out, rows, md)
-    plot(rows, os.path.join(a.out, "val_loss.png"))
+    plot(rows, os.path.join(a.out, "val_loss.png"), a.ablation)
     print(md)
     return 0
 

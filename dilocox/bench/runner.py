@@ -33,15 +33,33 @@ def clear_run_dir(run_dir: str) -> None:
             shutil.rmtree(path)
 
 
-def run_train(config: str, nproc: int, run_dir: str, overrides: list[str] = (), env: dict | None = None, timeout: float = 3600) -> dict:
+def run_train(
+    config: str, nproc: int, run_dir: str, overrides: list[str] = (), env: dict | None = None, timeout: float = 3600
+) -> dict:
     """Train ``config`` on ``nproc`` local ranks into ``run_dir``; return its records.
 
     Returns ``{"steps": [per-step records], "summary": {...}, "ranks": [per-rank summaries], "wall_s"}``.
     """
     clear_run_dir(run_dir)
-    cmd = [sys.executable, "-m", "dilocox.cli", "train", config, "--nproc", str(nproc), f"--log.run_dir={run_dir}",
-           "--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", *overrides]
-    e = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.cli",
+        "train",
+        config,
+        "--nproc",
+        str(nproc),
+        f"--log.run_dir={run_dir}",
+        "--checkpoint.resume=none",
+        "--log.progress=false",
+        "--log.tensorboard=false",
+        *overrides,
+    ]
+    e = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     e.update(env or {})
     t0 = time.time()
     proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
@@ -78,24 +96,51 @@ def write_results(out_dir: str, rows, md: str) -> None:
         f.write(md + "\n")
 
 
-def line_plot(path: str, series: list[tuple[str, list, list, str]], xlabel: str, ylabel: str, title: str,
-              figsize: tuple[float, float] = (6.4, 3.8)) -> None:
-    """One PNG of ``(label, xs, ys, matplotlib format)`` lines (matplotlib imported only here)."""
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def series_style(i: int) -> tuple[str, str]:
+    """(marker, linestyle) of the i-th curve: no two of the first 40 curves look alike, so curves that
+    lie on top of each other stay distinguishable (colour alone does not)."""
+    return MARKERS[i % len(MARKERS)], LINESTYLES[(i // len(MARKERS) + i) % len(LINESTYLES)]
+
+
+def line_plot(
+    path: str,
+    series: list[tuple[str, list, list, str | None]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    figsize: tuple[float, float] = (6.4, 3.8),
+) -> dict:
+    """One PNG of ``(label, xs, ys, matplotlib format)`` lines (matplotlib imported only here).
+
+    A format of None gets ``series_style(i)``. The legend goes to the right of the axes, outside
+    the curves. Returns what was drawn: ``{"title", "styles": [(label, marker, linestyle)], "legend_outside"}``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=figsize)
-    for label, xs, ys, fmt in series:
-        ax.plot(xs, ys, fmt, ms=3, label=label, alpha=0.85)
+    styles = []
+    for i, (label, xs, ys, fmt) in enumerate(series):
+        if fmt is None:
+            marker, ls = series_style(i)
+            (line,) = ax.plot(xs, ys, marker=marker, linestyle=ls, ms=4, label=label, alpha=0.85)
+        else:
+            (line,) = ax.plot(xs, ys, fmt, ms=3, label=label, alpha=0.85)
+        styles.append((label, line.get_marker(), line.get_linestyle()))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.grid(alpha=0.3)
+    legend = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=[legend])
     plt.close(fig)
+    return {"title": title, "styles": styles, "legend_outside": True}
 
 
 def machine_line() -> str:

@@ -20,24 +20,40 @@ LAYOUTS = [("1 rank", "tiny.yaml", 1), ("PP=2 x TP=2 (4 ranks)", "tiny-pp2-tp2.y
 def run(steps: int, out: str) -> list[dict]:
     rows = []
     for name, cfg, nproc in LAYOUTS:
-        res = run_train(os.path.join(CONFIGS, cfg), nproc, os.path.join("runs", "bench-train", cfg.replace(".yaml", "")),
-                        [f"--train.steps={steps}"])
+        res = run_train(
+            os.path.join(CONFIGS, cfg),
+            nproc,
+            os.path.join("runs", "bench-train", cfg.replace(".yaml", "")),
+            [f"--train.steps={steps}"],
+        )
         s = res["summary"]
-        rows.append({
-            "layout": name, "ranks": nproc, "tokens_per_s": s["tokens_per_s"], "wall_s": s["wall_s"],
-            "final_val_loss": s["final_val_loss"], "peak_rss_mb": [r["peak_rss_mb"] for r in res["ranks"]],
-            "curve": [(r["step"], r["loss"]) for r in res["steps"]],
-            "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r],
-        })
+        rows.append(
+            {
+                "layout": name,
+                "ranks": nproc,
+                "tokens_per_s": s["tokens_per_s"],
+                "wall_s": s["wall_s"],
+                "final_val_loss": s["final_val_loss"],
+                "peak_rss_mb": [r["peak_rss_mb"] for r in res["ranks"]],
+                "curve": [(r["step"], r["loss"]) for r in res["steps"]],
+                "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r],
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict], steps: int) -> str:
-    lines = [f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; {steps} steps of 8 x 128 tokens.", "",
-             "| layout | tokens/s | wall (s) | final val loss | peak RSS per rank (MB) |", "|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; {steps} steps of 8 x 128 tokens.",
+        "",
+        "| layout | tokens/s | wall (s) | final val loss | peak RSS per rank (MB) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         rss = ", ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
-        lines.append(f"| {r['layout']} | {r['tokens_per_s']:,.0f} | {r['wall_s']:.1f} | {r['final_val_loss']:.4f} | {rss} |")
+        lines.append(
+            f"| {r['layout']} | {r['tokens_per_s']:,.0f} | {r['wall_s']:.1f} | {r['final_val_loss']:.4f} | {rss} |"
+        )
     return "\n".join(lines)
 
 
@@ -51,7 +67,9 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dilocox bench train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="dilocox bench train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default="docs/bench/train")
     a = ap.parse_args(argv)

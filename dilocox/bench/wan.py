@@ -27,11 +27,13 @@ Definitions (per run; "replica" = the 2 ranks in one namespace, which share one 
   2 replicas, the cap, latency 0 (tbf adds none) and the step time measured uncapped
   (compute time per step = (wall - blocked) / steps of the method's uncapped run).
 
+Capped and uncapped runs have the same length, so "% of uncapped" compares like with like.
 Slow combinations are shortened: a run's step count is cut so that its predicted
-communication time stays under ``--max-comm-s`` (allreduce at 10 Mbit/s: ~3 s per step);
-its loss is then at fewer tokens (the table says so). Loss at equal tokens comes from the
-uncapped runs (``--loss-steps``): the update rules do not depend on the bandwidth, except
-DiLoCoX's adaptive H and rank, which read measured times.
+communication time stays under ``--max-comm-s`` (allreduce at 10 Mbit/s: ~3 s per step),
+the table's steps cell says so, and that run is compared with an extra uncapped run of the
+same shortened length. Loss at equal tokens comes from the uncapped runs (``--loss-steps``,
+default = ``--steps``): the update rules do not depend on the bandwidth, except DiLoCoX's
+adaptive H and rank, which read measured times.
 """
 
 from __future__ import annotations
@@ -48,15 +50,21 @@ import time
 from dataclasses import replace
 
 from dilocox.bench.methods import method_body
-from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, read_run, run_train, write_config
+from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, read_run, run_train, series_style, write_config
 from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
-from dilocox.plan import PRESETS, Compression, fmt_bandwidth, parse_bandwidth, plan
+from dilocox.plan import Method, fmt_bandwidth, parse_bandwidth, plan
 
 METHODS = ["allreduce", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox"]
 CAPS = ["10mbit", "100mbit", "1gbit"]
 REPLICAS, PER_REPLICA = 2, 2
 FRAME_HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps option 12
-TRAIN_FLAGS = ["--checkpoint.resume=none", "--log.progress=false", "--log.tensorboard=false", "--train.eval_every=0", "--log.every=1"]
+TRAIN_FLAGS = [
+    "--checkpoint.resume=none",
+    "--log.progress=false",
+    "--log.tensorboard=false",
+    "--train.eval_every=0",
+    "--log.every=1",
+]
 
 
 # --------------------------------------------------------------------------- running
@@ -67,7 +75,10 @@ def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[
     clear_run_dir(run_dir)
     entry = ["-m", "dilocox.cli", "train", config, f"--log.run_dir={os.path.abspath(run_dir)}", *overrides]
     env = {k: v for k, v in os.environ.items() if k != BANDWIDTH_ENV}
-    env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p))
+    env.update(
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p),
+    )
     log_path = os.path.join(run_dir, "train.log")
     t0 = time.time()
     with open(log_path, "w") as log, Cluster(REPLICAS, None if cap_bps is None else cap_bps / 1e6) as c:
@@ -82,8 +93,10 @@ def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[
             if any(x not in (None, 0) for x in codes) or time.time() - t0 > timeout:
                 break  # leaving the `with` kills the rest
             time.sleep(0.2)
-        veth = [{"tx_bytes": c.tx_bytes(r), "tx_packets": c.tx_packets(r), "retrans_segs": tcp_retrans_segs(c.ns(r))}
-                for r in range(REPLICAS)]
+        veth = [
+            {"tx_bytes": c.tx_bytes(r), "tx_packets": c.tx_packets(r), "retrans_segs": tcp_retrans_segs(c.ns(r))}
+            for r in range(REPLICAS)
+        ]
     if codes != [0] * REPLICAS:
         with open(log_path) as f:
             tail = f.read()[-3000:]
@@ -139,18 +152,34 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
     wall = max(r["wall_s"] for r in ranks)
     blocked = max(r.get("outer_blocked_total_s", 0.0) for r in ranks)
     out = {
-        "steps": s["steps"], "tokens_per_s": tokens_per_step * (s["steps"] - 1) / (wall - el[0]), "first_step_s": el[0],
-        "wall_s": wall, "blocked_s": blocked, "utilization": 1.0 - blocked / wall,
-        "final_val_loss": s["final_val_loss"], "H_final": s.get("outer_H"), "rank_final": s.get("outer_rank"),
-        "n_syncs": s.get("outer_n_syncs"), "bytes_framework": sum(fw) / len(fw), "bytes_framework_by_replica": fw,
+        "steps": s["steps"],
+        "tokens_per_s": tokens_per_step * (s["steps"] - 1) / (wall - el[0]),
+        "first_step_s": el[0],
+        "wall_s": wall,
+        "blocked_s": blocked,
+        "utilization": 1.0 - blocked / wall,
+        "final_val_loss": s["final_val_loss"],
+        "H_final": s.get("outer_H"),
+        "rank_final": s.get("outer_rank"),
+        "n_syncs": s.get("outer_n_syncs"),
+        "bytes_framework": sum(fw) / len(fw),
+        "bytes_framework_by_replica": fw,
         "loss_vs_time": [[round(t, 3), round(rec["loss"], 4)] for t, rec in zip(el, recs)],
     }
     veth = run.get("veth")
     if veth:
         tx = [v["tx_bytes"] for v in veth]
-        payload = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] - (baseline[i] if baseline else 0) for i, v in enumerate(veth)]
-        out.update(veth_tx_bytes=tx, veth_payload_bytes=payload, bytes_veth=sum(tx) / len(tx), bytes_veth_payload=sum(payload) / len(payload),
-                   retrans_segs=[v.get("retrans_segs") for v in veth])
+        payload = [
+            v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] - (baseline[i] if baseline else 0)
+            for i, v in enumerate(veth)
+        ]
+        out.update(
+            veth_tx_bytes=tx,
+            veth_payload_bytes=payload,
+            bytes_veth=sum(tx) / len(tx),
+            bytes_veth_payload=sum(payload) / len(payload),
+            retrans_segs=[v.get("retrans_segs") for v in veth],
+        )
         if out["bytes_framework"] > 0:
             out["veth_diff_raw_pct"] = 100.0 * (out["bytes_veth"] / out["bytes_framework"] - 1.0)
             out["veth_diff_pct"] = 100.0 * (out["bytes_veth_payload"] / out["bytes_framework"] - 1.0)
@@ -160,59 +189,58 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
 # --------------------------------------------------------------------------- planning
 
 
-def plan_inputs(cfg) -> dict:
-    """``dilocox.plan.plan`` keyword arguments describing a loaded run config's method."""
-    from dilocox.compress.cocktail import index_encoding, mask_count, topk_count
-
+def run_method(cfg, name: str, H: int | None = None, rank: int | None = None) -> Method:
+    """The planner's ``Method`` for a loaded run config (``H``/``rank`` override the configured ones)."""
     o, c = cfg.outer, cfg.compress
-    if o.method in ("allreduce", "cocktailsgd"):
-        H, overlap, K, tau = 1, "none", 1, 0
-    else:
-        H, K, tau = o.sync_every, o.streaming.fragments, o.streaming.tau
-        overlap = "none" if o.blocking else o.overlap
-    rank = c.lowrank.rank if c.lowrank.enabled else None
-    comp = Compression(c.quant, c.group_size, rank, min_compression=c.lowrank.min_compression)
-    if o.method == "cocktailsgd":  # indices as the framework encodes them (bitmap or int32), per kept element
-        n = cfg.model.num_params()
-        survivors = mask_count(n, c.random_fraction)
-        k = topk_count(survivors, c.topk_fraction)
-        comp = Compression(c.quant, c.group_size, density=k / n, index_bytes=index_encoding(survivors, k)[1] / k)
-    return {"H": H, "compression": comp, "overlap": overlap, "fragments": K, "tau": tau}
+    if H is not None and o.method not in ("allreduce", "cocktailsgd"):
+        o = replace(o, sync_every=H)
+    if rank and c.lowrank.enabled:
+        ad = replace(c.adaptive, rank_min=min(c.adaptive.rank_min, rank), rank_max=max(c.adaptive.rank_max, rank))
+        c = replace(c, lowrank=replace(c.lowrank, rank=rank), adaptive=ad)
+    return Method(name, o, c)
 
 
-def predict(cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0, H: int | None = None, rank: int | None = None) -> dict:
-    """The plan for this config at this cap (2 replicas, latency 0: tbf adds none); every method
-    setting comes from the config (``H``/``rank`` override it), the preset name only labels the row."""
-    kw = plan_inputs(cfg)
-    if H is not None and kw["H"] > 1:
-        kw["H"] = H
-    if rank and kw["compression"].rank:
-        kw["compression"] = replace(kw["compression"], rank=rank)
+def predict(
+    cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0, H: int | None = None, rank: int | None = None
+) -> dict:
+    """The plan for this config at this cap (2 replicas, latency 0: tbf adds none) and the run's own
+    layout; every method setting comes from the config (``H``/``rank`` override it)."""
     tokens = cfg.train.batch_size * cfg.train.seq_len
-    return plan(cfg.model, REPLICAS, math.inf if cap_bps is None else cap_bps, method=method if method in PRESETS else "opendiloco",
-                tokens_per_step=tokens, latency_s=0.0, step_time_s=step_time_s, **kw)
+    return plan(
+        cfg.model,
+        REPLICAS,
+        math.inf if cap_bps is None else cap_bps,
+        method=run_method(cfg, method, H, rank),
+        tokens_per_step=tokens,
+        latency_s=0.0,
+        step_time_s=step_time_s,
+        pipeline=cfg.parallel.pipeline,
+        tensor=cfg.parallel.tensor,
+    )
 
 
 def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> int:
-    """``steps``, cut so the predicted communication time stays under ``max_comm_s`` (whole phases)."""
+    """``steps``, cut so the predicted communication time stays under ``max_comm_s`` (whole phases, at least 2 steps)."""
     p = predict(cfg, cfg.outer.method, cap_bps)
     per_step = p["t_comm_s"] / p["H"]
     if per_step * steps <= max_comm_s:
         return steps
     cut = max(1, int(max_comm_s / per_step))
-    return max(p["H"], cut // p["H"] * p["H"])
+    return max(p["H"], 2, cut // p["H"] * p["H"])  # >= 2: tokens/s leaves out step 1
 
 
 def join(rows: list[dict]) -> list[dict]:
     """Add "% of uncapped" and the plan-vs-measured errors to measured rows (pure).
 
     Each row has ``method``, ``cap_bps`` (None = uncapped), the ``summarize`` fields, and
-    ``plan`` (``predict`` at the method's measured uncapped step time). Errors are
+    ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides by
+    the same method's uncapped run of the SAME number of steps (None where there is none): the
+    first-step warm-up and the drain of the last all-reduce weigh differently in runs of other lengths. Errors are
     (plan - measured) / measured; utilization errors are in percentage points.
     """
-    ref = {r["method"]: r for r in rows if r["cap_bps"] is None}
+    ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None}
     for r in rows:
-        u = ref.get(r["method"])
+        u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length, or none
         r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
         p = r.get("plan")
         if not p:
@@ -233,9 +261,19 @@ def join(rows: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- the bench
 
 
-def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H: int, run_root: str,
-          max_comm_s: float = 60.0, emulation: str = "auto", reference: bool = True, baseline_run: bool = True,
-          log=print) -> dict:
+def bench(
+    methods: list[str],
+    caps: list[float],
+    steps: int,
+    loss_steps: int | None,
+    H: int,
+    run_root: str,
+    max_comm_s: float = 60.0,
+    emulation: str = "auto",
+    reference: bool = True,
+    baseline_run: bool = True,
+    log=print,
+) -> dict:
     """Run every (method, cap) and the uncapped references; return ``{"meta", "rows"}``.
 
     ``reference=False`` skips the uncapped runs ("% of uncapped" stays empty and the plan takes
@@ -250,12 +288,16 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
     mode = "netns" if ok and emulation != "token-bucket" else "token-bucket"
     runner = run_netns if mode == "netns" else run_token_bucket
     log(f"emulation: {mode}" + ("" if mode == "netns" else f" ({why or 'requested'}; veth byte counters unavailable)"))
-    loss_steps = max(loss_steps, steps)
+    loss_steps = steps if loss_steps is None else max(loss_steps, steps)
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = None
         if mode == "netns" and baseline_run:  # everything that crosses the link except the outer collectives
-            cfg = write_config(os.path.join(tmp, "baseline.yaml"), ["tiny.yaml", "methods/diloco.yaml"], method_body("diloco", steps + 1))
+            cfg = write_config(
+                os.path.join(tmp, "baseline.yaml"),
+                ["tiny.yaml", "methods/diloco.yaml"],
+                method_body("diloco", steps + 1),
+            )
             run = runner(cfg, None, os.path.join(run_root, "baseline"), [f"--train.steps={steps}", *TRAIN_FLAGS])
             baseline = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] for v in run["veth"]]
             log(f"baseline (no outer sync, {steps} steps): veth payload {baseline} bytes per replica")
@@ -264,37 +306,77 @@ def bench(methods: list[str], caps: list[float], steps: int, loss_steps: int, H:
             cfg = load_config(path)
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
-            for cap in [None, *caps] if reference else caps:
-                n = loss_steps if cap is None else steps_within(cfg, cap, steps, max_comm_s)
+            capped = [(cap, steps_within(cfg, cap, steps, max_comm_s)) for cap in caps]
+            # uncapped references of the same lengths as the capped runs (like-for-like "% of uncapped"),
+            # the longest first (its compute time per step feeds the plan), plus the loss-at-equal-tokens run
+            lengths = sorted({steps, loss_steps, *(n for _, n in capped)}, reverse=True) if reference else []
+            for cap, n in [(None, k) for k in lengths] + capped:
                 name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
+                if cap is None and n != steps:
+                    name += f"-{n}steps"
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS])
-                row = {"method": m, "cap_bps": cap, "load_avg_1min": os.getloadavg()[0], **summarize(run, tokens, baseline)}
+                row = {
+                    "method": m,
+                    "cap_bps": cap,
+                    "load_avg_1min": os.getloadavg()[0],
+                    **summarize(run, tokens, baseline),
+                }
+                row["shortened_from"] = steps if cap is not None and n < steps else None
+                row["role"] = (
+                    "capped"
+                    if cap is not None
+                    else ("reference" if n == steps else "loss" if n == loss_steps else "reference for a shortened run")
+                )
                 if m in ("allreduce", "cocktailsgd"):
                     row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
-                if cap is None or not reference:
+                if (cap is None and t_step is None) or not reference:
                     t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
                 row["plan"] = {k: v for k, v in predict(cfg, m, cap, t_step).items() if k != "bandwidth_for"}
                 if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs
                     H_run = max(1, round(row["steps"] * row["plan"]["fragments"] / row["n_syncs"]))
                     p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"])
-                    row["plan_as_run"] = {k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")}
+                    row["plan_as_run"] = {
+                        k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")
+                    }
                 row["plan_step_time_s"] = t_step
                 rows.append(row)
-                log(f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
+                log(
+                    f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
                     f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
-                    f"[{time.time() - t0:.0f} s]")
-    meta = {"machine": machine_line(), "date": time.strftime("%Y-%m-%d"), "git": git_state(), "emulation": mode, "why": why or "requested",
-            "methods": methods, "caps_bps": caps, "steps": steps, "loss_steps": loss_steps, "H": H, "max_comm_s": max_comm_s,
-            "reference": reference, "replicas": REPLICAS, "ranks_per_replica": PER_REPLICA, "baseline_payload_bytes": baseline,
-            "frame_header_bytes": FRAME_HEADER_BYTES, "bench_wall_s": time.time() - t0, "load_avg": os.getloadavg()}
+                    f"[{time.time() - t0:.0f} s]"
+                )
+    meta = {
+        "machine": machine_line(),
+        "date": time.strftime("%Y-%m-%d"),
+        "git": git_state(),
+        "emulation": mode,
+        "why": why or "requested",
+        "methods": methods,
+        "caps_bps": caps,
+        "steps": steps,
+        "loss_steps": loss_steps,
+        "H": H,
+        "max_comm_s": max_comm_s,
+        "reference": reference,
+        "replicas": REPLICAS,
+        "ranks_per_replica": PER_REPLICA,
+        "baseline_payload_bytes": baseline,
+        "frame_header_bytes": FRAME_HEADER_BYTES,
+        "bench_wall_s": time.time() - t0,
+        "load_avg": os.getloadavg(),
+    }
     return {"meta": meta, "rows": join(rows)}
 
 
 def git_state() -> str | None:
     """The commit the bench ran on, and the files that differed from it (None outside git)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     files = [line[3:] for line in dirty.splitlines() if line[3:].endswith(".py") or line[3:].endswith(".yaml")]
@@ -311,25 +393,42 @@ def _f(x, fmt: str, unit: str = "", scale: float = 1.0) -> str:
 
 def targets(rows: list[dict], caps: list[float]) -> list[str]:
     """The issue's targets for dilocox, as measured (pass/fail)."""
-    get = {(r["method"], r["cap_bps"]): r for r in rows}
+    get = {(r["method"], r["cap_bps"]): r for r in rows if r["cap_bps"] is not None}
+    for r in sorted((r for r in rows if r["cap_bps"] is None), key=lambda r: r["steps"]):
+        get[(r["method"], None)] = r  # the longest uncapped run: the loss at equal tokens
     out = []
     dx = [get.get(("dilocox", c)) for c in caps]
     u = get.get(("dilocox", None))
     if all(dx) and u:
-        worst = min(r["pct_of_uncapped"] for r in dx)
+        worst = min(r["pct_of_uncapped"] if r["pct_of_uncapped"] is not None else math.inf for r in dx)
         by_util = min(100.0 * r["utilization"] / u["utilization"] for r in dx)
-        out.append(f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> {'met' if worst >= 95 else 'NOT met'} "
-                   f"(compute utilization relative to uncapped, which CPU contention moves less: worst {by_util:.1f} %)")
+        out.append(
+            f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> {'met' if worst >= 95 else 'NOT met'} "
+            f"(compute utilization relative to uncapped, which CPU contention moves less: worst {by_util:.1f} %)"
+        )
     slow = min(caps) if caps else None
     a, d = get.get(("allreduce", slow)), get.get(("dilocox", slow))
     if a and d:
-        x = d["tokens_per_s"] / a["tokens_per_s"]
-        out.append(f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> {'met' if x >= 10 else 'NOT met'}")
+        x = d["tokens_per_s"] / a["tokens_per_s"]  # tokens/s of runs of different lengths: the rate, not a total
+        out.append(
+            f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> {'met' if x >= 10 else 'NOT met'}"
+        )
     a, d = get.get(("allreduce", None)), get.get(("dilocox", None))
     if a and d:
         x = 100.0 * (d["final_val_loss"] / a["final_val_loss"] - 1.0)
-        out.append(f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> {'met' if abs(x) <= 5 else 'NOT met'}")
+        out.append(
+            f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> {'met' if abs(x) <= 5 else 'NOT met'}"
+        )
     return out
+
+
+def _steps_cell(r: dict) -> str:
+    """Steps, with the reason when a run is shorter than the others (said in the table itself)."""
+    if r.get("shortened_from"):
+        return f"{r['steps']} (shortened from {r['shortened_from']}: fewer tokens)"
+    if r.get("role") == "reference for a shortened run":
+        return f"{r['steps']} (reference for the shortened run)"
+    return str(r["steps"])
 
 
 def markdown(res: dict) -> str:
@@ -338,40 +437,70 @@ def markdown(res: dict) -> str:
     lines = [
         f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
         f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
-        + (f" ({m['why']})" if m["emulation"] != "netns" else " (one network namespace per replica, veth + tc tbf each way)") + ".",
+        + (
+            f" ({m['why']})"
+            if m["emulation"] != "netns"
+            else " (one network namespace per replica, veth + tc tbf each way)"
+        )
+        + ".",
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), 8 x 128 tokens "
         f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
-        + (f"uncapped runs: {m['loss_steps']} steps. " if m["reference"] else "no uncapped runs. ") + f"Bench wall {m['bench_wall_s'] / 60:.1f} min.",
-        "", "### Throughput, utilization and the plan", "",
+        + (
+            f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run gets an '
+            f"uncapped run of its own length) and {m['loss_steps']} for the loss. "
+            if m["reference"]
+            else "no uncapped runs. "
+        )
+        + f"Bench wall {m['bench_wall_s'] / 60:.1f} min.",
+        "",
+        "### Throughput, utilization and the plan",
+        "",
         "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err | plan util | err (pp) | val loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['steps']} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f', ' %')} | "
-                     f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
-                     f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} | "
-                     f"{r['final_val_loss']:.4f} |")
-    lines += ["", "### Bytes sent between replicas (per replica, whole run)", "",
-              f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
-              f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).", "",
-              "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err | plan at run's H, rank | err |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {_steps_cell(r)} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f', ' %')} | "
+            f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
+            f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} | "
+            f"{r['final_val_loss']:.4f} |"
+        )
+    lines += [
+        "",
+        "### Bytes sent between replicas (per replica, whole run)",
+        "",
+        f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
+        f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).",
+        "",
+        "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err | plan at run's H, rank | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         q = r.get("plan_as_run") or {}
-        lines.append(f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(r.get('bytes_veth'), '.3f', ' MB', 1e6)} | "
-                     f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(r.get('bytes_veth_payload'), '.3f', ' MB', 1e6)} | "
-                     f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {'/'.join(str(x) for x in r.get('retrans_segs') or [] if x is not None) or '-'} | "
-                     f"{_f(r.get('plan_bytes'), '.3f', ' MB', 1e6)} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} | "
-                     f"{_f(r.get('plan_as_run_bytes'), '.3f', ' MB', 1e6)} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
-                     f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |")
-    ref = [r for r in rows if r["cap_bps"] is None]
+        lines.append(
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(r.get('bytes_veth'), '.3f', ' MB', 1e6)} | "
+            f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(r.get('bytes_veth_payload'), '.3f', ' MB', 1e6)} | "
+            f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {'/'.join(str(x) for x in r.get('retrans_segs') or [] if x is not None) or '-'} | "
+            f"{_f(r.get('plan_bytes'), '.3f', ' MB', 1e6)} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} | "
+            f"{_f(r.get('plan_as_run_bytes'), '.3f', ' MB', 1e6)} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
+            f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |"
+        )
+    ref = [r for r in rows if r["cap_bps"] is None and r["steps"] == m["loss_steps"]]
     base = next((r for r in ref if r["method"] == "allreduce"), None)
     if ref:
-        lines += ["", f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)", "",
-                  "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)",
+            "",
+            "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |",
+            "|---|---|---|---|---|---|",
+        ]
     for r in ref:
         vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
-        lines.append(f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | {_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |")
+        lines.append(
+            f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | {_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
+        )
     t = targets(rows, m["caps_bps"])
     if t:
         lines += ["", "### Targets (as measured)", ""] + [f"- {x}" for x in t]
@@ -382,8 +511,8 @@ NOTES = """### Notes
 
 - **tokens/s** = tokens of both replicas in steps 2..N / (wall time of the slowest rank - rank 0's step 1):
   it leaves out the warm-up of step 1 and includes a replica running behind (with overlap, replicas can
-  drift up to a phase apart) and the wait for the last in-flight all-reduce (uncapped runs are longer,
-  so that wait weighs less there). **% of uncapped** = tokens/s / the same method's uncapped tokens/s.
+  drift up to a phase apart) and the wait for the last in-flight all-reduce. **% of uncapped** = tokens/s /
+  the same method's uncapped tokens/s over the same number of steps (a shortened run has its own reference).
 - **compute util** = 1 - blocked / wall, blocked = the largest time any rank's training thread waited for a
   cross-replica collective. A stage that waits in the pipeline for the other stage (whose collective is
   still running) is not "blocked", so at low caps this overstates utilization; tokens/s is end-to-end.
@@ -414,44 +543,72 @@ def plot(res: dict, out_dir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows, caps = res["rows"], res["meta"]["caps_bps"]
+    rows, caps, meta = res["rows"], res["meta"]["caps_bps"], res["meta"]
+    # one uncapped row per method: the like-for-like reference (same steps as the capped runs)
+    same = {r["method"] for r in rows if r["cap_bps"] is None and r["steps"] == meta.get("steps")}
+    rows = [r for r in rows if r["cap_bps"] is not None or r["method"] not in same or r["steps"] == meta["steps"]]
     methods = list(dict.fromkeys(r["method"] for r in rows))
     top = max(caps) * 10 if caps else 1e10  # where "uncapped" is drawn
     fig, ax = plt.subplots(figsize=(6.8, 4.2))
     for i, m in enumerate(methods):
+        marker, _ = series_style(i)
         mr = sorted((r for r in rows if r["method"] == m), key=lambda r: r["cap_bps"] or top)
         xs = [r["cap_bps"] or top for r in mr]
-        line, = ax.plot(xs, [r["tokens_per_s"] for r in mr], "o-", label=m)
-        ax.plot(xs, [r.get("plan_tokens_per_s") for r in mr], "x--", color=line.get_color(), alpha=0.6)
+        (line,) = ax.plot(
+            xs, [r["tokens_per_s"] for r in mr], marker=marker, linestyle="-", ms=5, label=f"{m} (measured)"
+        )
+        ax.plot(
+            xs,
+            [r.get("plan_tokens_per_s") for r in mr],
+            marker=marker,
+            linestyle=":",
+            ms=4,
+            mfc="none",
+            color=line.get_color(),
+            alpha=0.7,
+            label=f"{m} (plan)",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks([*caps, top], [*(_cap(c) for c in caps), "uncapped"])
     ax.set_xlabel("inter-replica link cap (each way)")
     ax.set_ylabel("tokens/s (both replicas)")
-    ax.set_title("throughput vs bandwidth (solid: measured, dashed: plan)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.set_title("throughput vs link cap: measured (solid) and planned (dotted)")
+    ax.grid(alpha=0.3)
+    leg = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     paths = [os.path.join(out_dir, "throughput.png")]
-    fig.savefig(paths[0], dpi=110)
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight", bbox_extra_artists=[leg])
     plt.close(fig)
     panels = [*caps, None]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), sharey=True, squeeze=False)
     for ax, cap in zip(axes[0], panels):
-        for m in methods:
+        for i, m in enumerate(methods):
             r = next((r for r in rows if r["method"] == m and r["cap_bps"] == cap), None)
             if r:
                 t, loss = zip(*r["loss_vs_time"])
                 k = 10  # moving average over 10 steps: the per-step training loss is noisy
-                sm = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
-                ax.plot(t, sm, label=m)
-        ax.set_title(_cap(cap))
+                sm = [
+                    sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
+                    for i in range(len(loss))
+                ]
+                marker, ls = series_style(i)
+                ax.plot(t, sm, label=m, linestyle=ls, marker=marker, markevery=max(1, len(t) // 8), ms=4)
+        ax.set_title(f"link cap {_cap(cap)}")
         ax.set_xlabel("wall time (s)")
+        ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("training loss (replica 0, 10-step mean)")
-    if axes[0][-1].get_legend_handles_labels()[0]:
-        axes[0][-1].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    extra = []
+    if handles:
+        extra.append(fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.9)))
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "loss_vs_time.png"))
-    fig.savefig(paths[1], dpi=110)
+    fig.savefig(paths[1], dpi=110, bbox_inches="tight", bbox_extra_artists=extra)
     plt.close(fig)
     return paths
 
@@ -479,17 +636,34 @@ def write_outputs(res: dict, out_dir: str, plots: bool = True) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dilocox bench wan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bandwidth", nargs="+", default=CAPS, help="caps per replica link, each way (e.g. 10mbit 100mbit 1gbit)")
+    ap = argparse.ArgumentParser(
+        prog="dilocox bench wan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--bandwidth", nargs="+", default=CAPS, help="caps per replica link, each way (e.g. 10mbit 100mbit 1gbit)"
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=100, help="steps of the capped runs")
-    ap.add_argument("--loss-steps", type=int, default=200, help="steps of the uncapped runs (loss at equal tokens)")
+    ap.add_argument(
+        "--loss-steps",
+        type=int,
+        default=None,
+        help="steps of the uncapped run for the loss at equal tokens (default: --steps, so one uncapped run "
+        "serves both; a longer one is an extra run)",
+    )
     ap.add_argument("--H", type=int, default=20, help="inner steps per outer step of the local-step methods")
-    ap.add_argument("--max-comm-s", type=float, default=60.0, help="cut a capped run's steps to keep its predicted communication under this")
+    ap.add_argument(
+        "--max-comm-s",
+        type=float,
+        default=60.0,
+        help="cut a capped run's steps to keep its predicted communication under this",
+    )
     ap.add_argument("--emulation", choices=("auto", "netns", "token-bucket"), default="auto")
     ap.add_argument("--no-uncapped", action="store_true", help="skip the uncapped reference runs (quick checks)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-sync baseline run (quick checks)")
-    ap.add_argument("--render", metavar="RESULTS_JSON", help="only re-write results.md and the plots from a results.json")
+    ap.add_argument(
+        "--render", metavar="RESULTS_JSON", help="only re-write results.md and the plots from a results.json"
+    )
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
@@ -502,11 +676,23 @@ def main(argv: list[str] | None = None) -> int:
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
         bad = [m for m in methods if not os.path.exists(os.path.join(ROOT, "configs", "methods", f"{m}.yaml"))]
         if bad:
-            raise ValueError(f"--methods: no preset configs/methods/<name>.yaml for {bad}; choose from {METHODS + ['diloco']}")
+            raise ValueError(
+                f"--methods: no preset configs/methods/<name>.yaml for {bad}; choose from {METHODS + ['diloco']}"
+            )
         if a.steps < 2 or a.H < 1:
             raise ValueError(f"--steps={a.steps} must be >= 2 (tokens/s leaves out step 1) and --H={a.H} >= 1")
-        res = bench(methods, caps, a.steps, a.loss_steps, a.H, a.run_root, a.max_comm_s, a.emulation,
-                    reference=not a.no_uncapped, baseline_run=not a.no_baseline)
+        res = bench(
+            methods,
+            caps,
+            a.steps,
+            a.loss_steps,
+            a.H,
+            a.run_root,
+            a.max_comm_s,
+            a.emulation,
+            reference=not a.no_uncapped,
+            baseline_run=not a.no_baseline,
+        )
     except (ValueError, RuntimeError) as e:
         print(f"dilocox bench wan: error: {e}", file=sys.stderr)
         return 2

@@ -72,7 +72,16 @@ import torch
 
 
 class AdaptiveController:
-    def __init__(self, energy_eps: float = 0.05, window: int = 5, rank_min: int = 2, rank_max: int = 64, h_min: int = 10, h_max: int = 1000, ema: float = 0.5):
+    def __init__(
+        self,
+        energy_eps: float = 0.05,
+        window: int = 5,
+        rank_min: int = 2,
+        rank_max: int = 64,
+        h_min: int = 10,
+        h_max: int = 1000,
+        ema: float = 0.5,
+    ):
         if not 0.0 < energy_eps < 1.0:
             raise ValueError(f"compress.adaptive.energy_eps={energy_eps} must be in (0, 1)")
         if window < 1:
@@ -111,7 +120,9 @@ class AdaptiveController:
         e = torch.sort(s * s, descending=True).values
         captured, tail = float(e.sum()), max(float(tail), 0.0)
         if not (math.isfinite(captured) and math.isfinite(tail)):
-            raise ValueError(f"non-finite singular values {s.tolist()} or tail energy {tail}: the pseudo-gradient diverged")
+            raise ValueError(
+                f"non-finite singular values {s.tolist()} or tail energy {tail}: the pseudo-gradient diverged"
+            )
         target = (1.0 - self.energy_eps) * (captured + tail)
         if target <= 0.0:
             return 1
@@ -159,7 +170,9 @@ class AdaptiveController:
             else:
                 tails = torch.as_tensor(tail, dtype=torch.float64).flatten().cpu().tolist()
                 if len(tails) != len(sigmas_per_matrix):
-                    raise ValueError(f"tail has {len(tails)} values for {len(sigmas_per_matrix)} compressed matrices: pass one per matrix (Compressor.tail_energy())")
+                    raise ValueError(
+                        f"tail has {len(tails)} values for {len(sigmas_per_matrix)} compressed matrices: pass one per matrix (Compressor.tail_energy())"
+                    )
             per = [min(hi, self.effective_rank(s, t)) for s, t in zip(sigmas_per_matrix, tails)]
             self.history.append(math.ceil(sum(per) / len(per)))
         if self.history:
@@ -178,7 +191,13 @@ class AdaptiveController:
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
-        return {"history": list(self.history), "sec_per_byte": self.sec_per_byte, "t_step": self.t_step, "rank": self.rank, "h": self.h}
+        return {
+            "history": list(self.history),
+            "sec_per_byte": self.sec_per_byte,
+            "t_step": self.t_step,
+            "rank": self.rank,
+            "h": self.h,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.history = deque((int(v) for v in sd["history"]), maxlen=self.window)

@@ -41,8 +41,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dilocox.compress.collectives import CommStats, group_world, mix_seed, nbytes
+from dilocox.compress.collectives import CommStats, nbytes
 from dilocox.compress.quant import Packed, dequantize, quantize
+from dilocox.distributed.topology import group_world
+from dilocox.seeding import mix_seed
 
 
 def mask_count(numel: int, random_fraction: float) -> int:
@@ -65,8 +67,10 @@ def _segment_sizes(numel: int, sizes: Sequence[int] | None) -> list[int]:
         return [int(numel)]
     sizes = [int(x) for x in sizes]
     if any(x < 0 for x in sizes) or sum(sizes) != numel:
-        raise ValueError(f"cocktail segment sizes must be >= 0 and add up to the gradient's numel={numel}, "
-                         f"got {len(sizes)} sizes summing to {sum(sizes)} (pass the numels of the concatenated tensors)")
+        raise ValueError(
+            f"cocktail segment sizes must be >= 0 and add up to the gradient's numel={numel}, "
+            f"got {len(sizes)} sizes summing to {sum(sizes)} (pass the numels of the concatenated tensors)"
+        )
     return sizes
 
 
@@ -76,8 +80,9 @@ def _counts(sizes: list[int], random_fraction: float, topk_fraction: float) -> t
     return Ks, [topk_count(K, topk_fraction) for K in Ks]
 
 
-def cocktail_payload_bytes(sizes: int | Sequence[int], random_fraction: float, topk_fraction: float, kind: str = "int4",
-                           group_size: int = 128) -> int:
+def cocktail_payload_bytes(
+    sizes: int | Sequence[int], random_fraction: float, topk_fraction: float, kind: str = "int4", group_size: int = 128
+) -> int:
     """Bytes one rank's message takes (indices + values) for tensors of numels ``sizes``
     (an int: one tensor); the same on every rank and step."""
     sizes = [int(sizes)] if isinstance(sizes, int) else [int(x) for x in sizes]
@@ -85,8 +90,9 @@ def cocktail_payload_bytes(sizes: int | Sequence[int], random_fraction: float, t
     return index_encoding(sum(Ks), sum(ks))[1] + sum(nbytes(kind, k, group_size) for k in ks)
 
 
-def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device: torch.device,
-                sizes: Sequence[int] | None = None) -> torch.Tensor:
+def shared_mask(
+    numel: int, random_fraction: float, seed: int, step: int, device: torch.device, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
     """Sorted int64 indices of the mask for (seed, step), stratified inside each segment of
     ``sizes`` (default: one segment); the same on every rank."""
     sizes = _segment_sizes(numel, sizes)
@@ -98,7 +104,10 @@ def shared_mask(numel: int, random_fraction: float, seed: int, step: int, device
     n_seg = torch.tensor(sizes, device=device, dtype=torch.int64)[seg]
     K_seg = torch.tensor(Ks, device=device, dtype=torch.int64)[seg]
     start = (torch.tensor([0] + sizes[:-1], device=device, dtype=torch.int64).cumsum(0))[seg]
-    j = torch.arange(K, device=device, dtype=torch.int64) - torch.tensor([0] + Ks[:-1], device=device, dtype=torch.int64).cumsum(0)[seg]
+    j = (
+        torch.arange(K, device=device, dtype=torch.int64)
+        - torch.tensor([0] + Ks[:-1], device=device, dtype=torch.int64).cumsum(0)[seg]
+    )
     lo, hi = j * n_seg // K_seg, (j + 1) * n_seg // K_seg
     return start + lo + torch.clamp((u * (hi - lo)).long(), max=hi - lo - 1)
 
@@ -127,7 +136,7 @@ def _pack_values(vals: torch.Tensor, ks: list[int], kind: str, group_size: int) 
     lo = 0
     for v, b in zip(vals.split(ks), sizes):
         if b:
-            quantize(v.contiguous(), kind, group_size, out=out[lo: lo + b], check_finite=kind != "none")
+            quantize(v.contiguous(), kind, group_size, out=out[lo : lo + b], check_finite=kind != "none")
         lo += b
     return out
 
@@ -136,13 +145,21 @@ def _unpack_values(raw: torch.Tensor, ks: list[int], kind: str, group_size: int)
     parts, lo = [], 0
     for k in ks:
         b = nbytes(kind, k, group_size)
-        parts.append(dequantize(Packed(kind, k, group_size, raw[lo: lo + b])))
+        parts.append(dequantize(Packed(kind, k, group_size, raw[lo : lo + b])))
         lo += b
     return torch.cat(parts) if parts else raw.new_zeros(0, dtype=torch.float32)
 
 
-def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cfg, step: int, stats: CommStats | None = None,
-                       seed: int = 0, sizes: Sequence[int] | None = None) -> torch.Tensor:
+def cocktail_allreduce(
+    grad: torch.Tensor,
+    group,
+    error: torch.Tensor | None,
+    cfg,
+    step: int,
+    stats: CommStats | None = None,
+    seed: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Mean over ``group`` of the compressed ``grad`` (flat fp32); ``error`` is updated in place.
 
     ``cfg`` is a ``CompressConfig`` (random_fraction, topk_fraction, quant, group_size);
@@ -163,7 +180,7 @@ def cocktail_allreduce(grad: torch.Tensor, group, error: torch.Tensor | None, cf
     pos_parts, lo = [], 0
     for K_i, k_i in zip(Ks, ks):  # top-k inside each tensor's own survivors
         if k_i:
-            top = torch.topk(surv[lo: lo + K_i].abs(), k_i, sorted=False).indices
+            top = torch.topk(surv[lo : lo + K_i].abs(), k_i, sorted=False).indices
             pos_parts.append(torch.sort(top).values + lo)
         lo += K_i
     pos = torch.cat(pos_parts) if pos_parts else torch.zeros(0, dtype=torch.int64, device=grad.device)

@@ -44,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 from dilocox.compress.quant import Packed, dequantize, dequantize_accumulate, payload_nbytes, quantize
+from dilocox.config import QUANT_KINDS
+from dilocox.distributed.topology import group_rank, group_world
+from dilocox.seeding import mix_seed
 
-KINDS = ("none", "fp16", "int8", "int4")
 MODES = ("auto", "allgather", "reduce_scatter")
 AUTO_ALLGATHER_MAX_RANKS = 4  # auto: all-gather up to this many ranks, reduce-scatter above
 
@@ -69,27 +71,16 @@ class CommStats:
         self.seconds += float(seconds)
         self.n_calls += calls
 
-    def merge(self, other: "CommStats") -> None:
-        self.add(other.bytes_sent, other.bytes_received, other.seconds, other.n_calls)
-
-    def reset(self) -> None:
-        self.bytes_sent = self.bytes_received = self.n_calls = 0
-        self.seconds = 0.0
-
     def as_dict(self) -> dict:
-        return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "n_calls": self.n_calls, "seconds": self.seconds}
+        return {
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "n_calls": self.n_calls,
+            "seconds": self.seconds,
+        }
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def group_world(group) -> int:
-    """Number of ranks in ``group``; ``None`` is a one-rank group (``Topology.group``)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def resolve_mode(mode: str, world: int) -> str:
@@ -99,18 +90,6 @@ def resolve_mode(mode: str, world: int) -> str:
     if mode == "auto":
         return "allgather" if world <= AUTO_ALLGATHER_MAX_RANKS else "reduce_scatter"
     return mode
-
-
-def mix_seed(*parts: int) -> int:
-    """Deterministic 63-bit seed from integers (splitmix64 finalizer; same on every rank)."""
-    z = 0x9E3779B97F4A7C15
-    mask = (1 << 64) - 1
-    for p in parts:
-        z = (z + (int(p) & mask) + 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        z ^= z >> 31
-    return z & ((1 << 63) - 1)
 
 
 def nbytes(kind: str, numel: int, group_size: int) -> int:
@@ -147,14 +126,18 @@ def wire_bytes(numel: int, world: int, kind: str, group_size: int = 128, mode: s
 
 
 def _check_input(x: torch.Tensor, kind: str, op: str, error: torch.Tensor | None) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"quant kind={kind!r} is not one of {list(KINDS)} (compress.quant)")
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"quant kind={kind!r} is not one of {list(QUANT_KINDS)} (compress.quant)")
     if op not in ("mean", "sum"):
         raise ValueError(f"op={op!r} must be 'mean' or 'sum'")
     if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous():
-        raise ValueError(f"quantized_allreduce needs a flat contiguous fp32 tensor, got dtype={x.dtype} shape={tuple(x.shape)}")
+        raise ValueError(
+            f"quantized_allreduce needs a flat contiguous fp32 tensor, got dtype={x.dtype} shape={tuple(x.shape)}"
+        )
     if error is not None and (error.shape != x.shape or error.dtype != torch.float32 or not error.is_contiguous()):
-        raise ValueError(f"error buffer must be a contiguous fp32 tensor of shape {tuple(x.shape)}, got {error.dtype} {tuple(error.shape)}")
+        raise ValueError(
+            f"error buffer must be a contiguous fp32 tensor of shape {tuple(x.shape)}, got {error.dtype} {tuple(error.shape)}"
+        )
 
 
 # --------------------------------------------------------------------------- the all-reduce
@@ -227,7 +210,13 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
     for j, (lo, hi) in enumerate(bounds):
         if hi > lo:
             size = nbytes(kind, hi - lo, group_size)
-            quantize(x[lo:hi], kind, group_size, error=None if error is None else error[lo:hi], out=send[j * pb: j * pb + size])
+            quantize(
+                x[lo:hi],
+                kind,
+                group_size,
+                error=None if error is None else error[lo:hi],
+                out=send[j * pb : j * pb + size],
+            )
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
 
@@ -238,7 +227,7 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
         size = nbytes(kind, hi - lo, group_size)
         acc = torch.zeros(hi - lo, dtype=torch.float32, device=x.device)
         for r in range(world):
-            dequantize_accumulate(Packed(kind, hi - lo, group_size, recv[r * pb: r * pb + size]), acc)
+            dequantize_accumulate(Packed(kind, hi - lo, group_size, recv[r * pb : r * pb + size]), acc)
         if mean:
             acc.div_(world)
         stochastic = kind in ("int4", "int8")

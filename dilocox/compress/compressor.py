@@ -40,20 +40,35 @@ from __future__ import annotations
 
 import torch
 
-from dilocox.compress.collectives import CommStats, group_world, mix_seed, nbytes, quantized_allreduce, resolve_mode, wire_bytes
+from dilocox.compress.collectives import CommStats, nbytes, quantized_allreduce, resolve_mode, wire_bytes
 from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD, as_matrix_shape
+from dilocox.config import QUANT_KINDS
+from dilocox.distributed.topology import group_world
+from dilocox.seeding import mix_seed
 
 
 class Compressor:
     """Error feedback + optional PowerSGD + quantization + the collective, for one shard."""
 
-    def __init__(self, shapes: list[torch.Size], quant: str = "none", group_size: int = 128, collective: str = "auto",
-                 error_feedback: bool = True, lowrank_rank: int | None = None, min_compression: float = 1.0, seed: int = 0,
-                 tail_sketch: bool = False, ids: list[int] | None = None):
-        if quant not in ("none", "fp16", "int8", "int4"):
-            raise ValueError(f"compress.quant={quant!r} is not one of ['none', 'fp16', 'int8', 'int4']")
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        quant: str = "none",
+        group_size: int = 128,
+        collective: str = "auto",
+        error_feedback: bool = True,
+        lowrank_rank: int | None = None,
+        min_compression: float = 1.0,
+        seed: int = 0,
+        tail_sketch: bool = False,
+        ids: list[int] | None = None,
+    ):
+        if quant not in QUANT_KINDS:
+            raise ValueError(f"compress.quant={quant!r} is not one of {list(QUANT_KINDS)}")
         if group_size < 2 or group_size % 2:
-            raise ValueError(f"compress.group_size={group_size} must be an even number >= 2 (int4 packs two values per byte)")
+            raise ValueError(
+                f"compress.group_size={group_size} must be an even number >= 2 (int4 packs two values per byte)"
+            )
         resolve_mode(collective, 1)  # validates the name
         self.shapes = [torch.Size(s) for s in shapes]
         self.kind = quant
@@ -141,14 +156,16 @@ class Compressor:
         """Bytes one rank sends per sync among ``world`` ranks (what CommStats counts)."""
         n1, n2 = self._layout(rank)
         mode = resolve_mode(self.collective, world)
-        return wire_bytes(n1, world, self.kind, self.group_size, mode) + wire_bytes(n2, world, self.kind, self.group_size, mode)
+        return wire_bytes(n1, world, self.kind, self.group_size, mode) + wire_bytes(
+            n2, world, self.kind, self.group_size, mode
+        )
 
     def _pack(self, parts: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[int]]:
         """One zero-initialised buffer holding ``parts`` (flattened) at group-aligned offsets."""
         offs, total = self._offsets([t.numel() for t in parts])
         buf = torch.zeros(total, dtype=torch.float32, device=device)
         for o, t in zip(offs, parts):
-            buf[o: o + t.numel()] = t.reshape(-1)
+            buf[o : o + t.numel()] = t.reshape(-1)
         return buf, offs
 
     @staticmethod
@@ -156,15 +173,19 @@ class Compressor:
         """The segments of ``buf`` (padding dropped), concatenated."""
         if not sizes:
             return buf[:0]
-        return torch.cat([buf[o: o + k] for o, k in zip(offs, sizes)])
+        return torch.cat([buf[o : o + k] for o, k in zip(offs, sizes)])
 
     # ------------------------------------------------------------------ the sync
 
-    def allreduce_mean(self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None) -> list[torch.Tensor]:
+    def allreduce_mean(
+        self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None
+    ) -> list[torch.Tensor]:
         """Compressed mean of ``tensors`` over ``group`` (blocking). Bit-identical on every rank."""
         if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
             got = [tuple(t.shape) for t in tensors]
-            raise ValueError(f"allreduce_mean got tensors of shapes {got}, the compressor was built for {[tuple(s) for s in self.shapes]}")
+            raise ValueError(
+                f"allreduce_mean got tensors of shapes {got}, the compressor was built for {[tuple(s) for s in self.shapes]}"
+            )
         if not tensors:
             return []
         world = group_world(group)
@@ -175,7 +196,10 @@ class Compressor:
             self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
         if self.errors is not None and self.errors[0].device != device:  # e.g. loaded from a checkpoint
             self.errors = [e.to(device) for e in self.errors]
-        ms = [t.detach().float() + e if use_ef else t.detach().float() for t, e in zip(tensors, self.errors or [None] * len(tensors))]
+        ms = [
+            t.detach().float() + e if use_ef else t.detach().float()
+            for t, e in zip(tensors, self.errors or [None] * len(tensors))
+        ]
 
         lr = self.lowrank
         p_sizes, sizes, rest = self._segments(None)
@@ -186,7 +210,17 @@ class Compressor:
         sketch = None
         if nf:
             p_buf, p_offs = self._pack(list(lr.p_step(ms).split(p_sizes)), device)
-            p_sum = quantized_allreduce(p_buf, group, self.kind, self.group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, step, 1), step=step)
+            p_sum = quantized_allreduce(
+                p_buf,
+                group,
+                self.kind,
+                self.group_size,
+                mode,
+                op="sum",
+                stats=stats,
+                seed=mix_seed(self.seed, step, 1),
+                step=step,
+            )
             q_local = lr.q_step(ms, self._unpack(p_sum, p_offs, p_sizes))
             parts = list(q_local.split(q_sizes))
             if self.tail_sketch:
@@ -195,12 +229,28 @@ class Compressor:
         parts += [ms[i] for i in rest]
         buf, offs = self._pack(parts, device)
         scratch = torch.zeros_like(buf)  # after the call: buf - sent (the quantization residual)
-        res = quantized_allreduce(buf, group, self.kind, self.group_size, mode, op="mean", error=scratch, stats=stats, seed=mix_seed(self.seed, step, 2), step=step)
+        res = quantized_allreduce(
+            buf,
+            group,
+            self.kind,
+            self.group_size,
+            mode,
+            op="mean",
+            error=scratch,
+            stats=stats,
+            seed=mix_seed(self.seed, step, 2),
+            step=step,
+        )
 
         outs: list[torch.Tensor | None] = [None] * len(ms)
         self._tail = None
         if sketch is not None:  # ‖mean_m S_m‖² per matrix, in float64
-            self._tail = torch.stack([res[o: o + k] for o, k in zip(offs[nf: 2 * nf], sizes[nf: 2 * nf])]).double().square().sum(1)
+            self._tail = (
+                torch.stack([res[o : o + k] for o, k in zip(offs[nf : 2 * nf], sizes[nf : 2 * nf])])
+                .double()
+                .square()
+                .sum(1)
+            )
         if nf:
             for i, m_hat in lr.finish(self._unpack(res, offs[:nf], q_sizes)).items():
                 outs[i] = m_hat.to(tensors[i].dtype)
@@ -211,9 +261,9 @@ class Compressor:
         first = len(parts) - len(rest)
         for i, o in zip(rest, offs[first:]):
             k = ms[i].numel()
-            outs[i] = res[o: o + k].view(self.shapes[i]).to(tensors[i].dtype)
+            outs[i] = res[o : o + k].view(self.shapes[i]).to(tensors[i].dtype)
             if use_ef:
-                self.errors[i] = scratch[o: o + k].view(self.shapes[i]).clone()
+                self.errors[i] = scratch[o : o + k].view(self.shapes[i]).clone()
         return outs  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ checkpoint
@@ -237,7 +287,9 @@ class Compressor:
         errs = sd.get("errors") or {}
         if errs:
             if len(errs) != len(self.shapes):
-                raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(self.shapes)} tensors")
+                raise ValueError(
+                    f"compressor state has {len(errs)} error buffers, this shard has {len(self.shapes)} tensors"
+                )
             self.errors = []
             for i, s in enumerate(self.shapes):
                 e = errs[str(i)]
@@ -257,7 +309,14 @@ def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] |
     if lr.enabled and ccfg.adaptive.enabled:
         rank = max(ccfg.adaptive.rank_min, min(ccfg.adaptive.rank_max, rank))
     return Compressor(
-        shapes, quant=ccfg.quant, group_size=ccfg.group_size, collective=ccfg.collective,
-        error_feedback=ccfg.error_feedback, lowrank_rank=rank if lr.enabled else None,
-        min_compression=lr.min_compression, seed=seed, tail_sketch=lr.enabled and ccfg.adaptive.enabled, ids=ids,
+        shapes,
+        quant=ccfg.quant,
+        group_size=ccfg.group_size,
+        collective=ccfg.collective,
+        error_feedback=ccfg.error_feedback,
+        lowrank_rank=rank if lr.enabled else None,
+        min_compression=lr.min_compression,
+        seed=seed,
+        tail_sketch=lr.enabled and ccfg.adaptive.enabled,
+        ids=ids,
     )

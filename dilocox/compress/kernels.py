@@ -32,6 +32,13 @@ import os
 
 import torch
 
+# splitmix64 on python ints and its constants: the one definition is dilocox/seeding.py (mix64 in csrc/quant_core.h)
+from dilocox.seeding import C1 as _C1
+from dilocox.seeding import C2 as _C2
+from dilocox.seeding import GOLDEN as _GOLDEN
+from dilocox.seeding import M64 as _M64
+from dilocox.seeding import splitmix64 as _mix64_int
+
 log = logging.getLogger("dilocox")
 
 _EXT_ERRORS: dict[str, str] = {}
@@ -78,9 +85,12 @@ def _use_ext(device: torch.device, use_kernel: bool) -> bool:
     if kind not in _WARNED:
         _WARNED.add(kind)
         reason = _EXT_ERRORS.get(kind, f"no compiled kernels for device type {kind!r}")
-        log.warning("dilocox compiled compression kernels unavailable for %s (%s); using the "
-                    "pure-torch reference (slower). Build them with `pip install --no-build-isolation -e .`",
-                    kind, reason)
+        log.warning(
+            "dilocox compiled compression kernels unavailable for %s (%s); using the "
+            "pure-torch reference (slower). Build them with `pip install --no-build-isolation -e .`",
+            kind,
+            reason,
+        )
     return False
 
 
@@ -99,22 +109,10 @@ def quant_bytes(n: int, bits: int) -> int:
     return (n + 1) // 2 if bits == 4 else n
 
 
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
 def to_i64(v: int) -> int:
     """Python int -> the int64 with the same low 64 bits (how seeds/steps reach the kernel)."""
     v = int(v) & _M64
     return v - (1 << 64) if v >> 63 else v
-
-
-def _mix64_int(z: int) -> int:  # splitmix64 finalizer on python ints (mod 2^64)
-    z &= _M64
-    z = ((z ^ (z >> 30)) * _C1) & _M64
-    z = ((z ^ (z >> 27)) * _C2) & _M64
-    return z ^ (z >> 31)
 
 
 def _lsr(t: torch.Tensor, k: int) -> torch.Tensor:  # logical right shift of int64 bits
@@ -132,7 +130,7 @@ def sr_uniform(seed: int, step: int, numel: int, device="cpu") -> torch.Tensor:
     base = mix64(mix64(seed) + step) - identical to ``sr_uniform`` in csrc/quant_core.h."""
     base = _mix64_int(_mix64_int(seed) + (int(step) & _M64))
     z = torch.arange(1, numel + 1, dtype=torch.int64, device=device) * to_i64(_GOLDEN) + to_i64(base)
-    return _lsr(_mix64_t(z), 40).to(torch.float32) * (2.0 ** -24)
+    return _lsr(_mix64_t(z), 40).to(torch.float32) * (2.0**-24)
 
 
 def bf16_round(f: torch.Tensor) -> torch.Tensor:
@@ -145,8 +143,9 @@ def bf16_round(f: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------
 # references
-def ref_ef_quantize_pack(x, error, payload, group_size: int, bits: int, stochastic: bool = False,
-                         seed: int = 0, step: int = 0) -> torch.Tensor:
+def ref_ef_quantize_pack(
+    x, error, payload, group_size: int, bits: int, stochastic: bool = False, seed: int = 0, step: int = 0
+) -> torch.Tensor:
     n, G, L = x.numel(), group_size, levels(bits)
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=x.device)
@@ -189,7 +188,7 @@ def ref_dequantize_into(payload, out, group_size: int, bits: int, accumulate: bo
     if n == 0:
         return
     ng, nq = num_groups(n, G), quant_bytes(n, bits)
-    sb = payload[nq: nq + 2 * ng].to(torch.int32)
+    sb = payload[nq : nq + 2 * ng].to(torch.int32)
     s = ((sb[0::2] | (sb[1::2] << 8)) << 16).view(torch.float32)
     if bits == 4:
         b = payload[:nq].to(torch.int32)
@@ -207,17 +206,28 @@ def ref_dequantize_into(payload, out, group_size: int, bits: int, accumulate: bo
 
 # ----------------------------------------------------------------------------------------
 # dispatchers
-def ef_quantize_pack(x, error, payload, group_size: int, bits: int, stochastic: bool = False,
-                     seed: int = 0, step: int = 0, use_kernel: bool = True) -> torch.Tensor:
+def ef_quantize_pack(
+    x,
+    error,
+    payload,
+    group_size: int,
+    bits: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    use_kernel: bool = True,
+) -> torch.Tensor:
     """Fused (error-feedback) quantize + pack into ``payload``; returns the non-finite group count."""
     if _use_ext(x.device, use_kernel):
-        return torch.ops.dilocox.ef_quantize_pack(x, error, payload, group_size, bits, stochastic,
-                                                  to_i64(seed), to_i64(step))
+        return torch.ops.dilocox.ef_quantize_pack(
+            x, error, payload, group_size, bits, stochastic, to_i64(seed), to_i64(step)
+        )
     return ref_ef_quantize_pack(x, error, payload, group_size, bits, stochastic, seed, step)
 
 
-def dequantize_into(payload, out, group_size: int, bits: int, accumulate: bool = False,
-                    use_kernel: bool = True) -> None:
+def dequantize_into(
+    payload, out, group_size: int, bits: int, accumulate: bool = False, use_kernel: bool = True
+) -> None:
     """``out = deq(payload)`` or ``out += deq(payload)``."""
     if _use_ext(out.device, use_kernel):
         torch.ops.dilocox.dequantize_into(payload, out, group_size, bits, accumulate)

@@ -45,7 +45,8 @@ import math
 
 import torch
 
-from dilocox.compress.collectives import CommStats, mix_seed, quantized_allreduce
+from dilocox.compress.collectives import CommStats, quantized_allreduce
+from dilocox.seeding import mix_seed
 
 SKETCH_ROWS, SKETCH_COLS = 16, 8  # a, b of ``tail_sketch``: a·b = 128 values per factored matrix
 
@@ -81,8 +82,14 @@ class PowerSGD:
     ones are factored (``factored``), the others are ignored by this class.
     """
 
-    def __init__(self, shapes: list[torch.Size], rank: int, seed: int = 0, min_compression: float = 1.0,
-                 ids: list[int] | None = None):
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        rank: int,
+        seed: int = 0,
+        min_compression: float = 1.0,
+        ids: list[int] | None = None,
+    ):
         """``ids``: a stable id per tensor for the shared random draws (default: its index), so a
         tensor draws the same Q and sketches whichever subset of tensors this instance holds."""
         if rank < 1:
@@ -123,14 +130,6 @@ class PowerSGD:
             best = max(best, r)
         return best
 
-    def numel_p(self, rank: int | None = None) -> int:
-        r = self.rank if rank is None else rank
-        return sum(r * as_matrix_shape(self.shapes[i])[0] for i in self.factored_for(r))
-
-    def numel_q(self, rank: int | None = None) -> int:
-        r = self.rank if rank is None else rank
-        return sum(r * as_matrix_shape(self.shapes[i])[1] for i in self.factored_for(r))
-
     def set_rank(self, rank: int) -> None:
         """Change r: truncate Q, or append shared-seed random columns orthonormal to it."""
         if rank < 1:
@@ -144,7 +143,9 @@ class PowerSGD:
             elif rank <= old.shape[1]:
                 q = old[:, :rank].contiguous()
             else:
-                extra = orthonormal_random(m, rank - old.shape[1], mix_seed(self.seed, self.ids[i], old.shape[1], rank), basis=old)
+                extra = orthonormal_random(
+                    m, rank - old.shape[1], mix_seed(self.seed, self.ids[i], old.shape[1], rank), basis=old
+                )
                 q = torch.cat([old, extra.to(old.device)], dim=1).contiguous()
             new[i] = q
         self.q = new
@@ -182,7 +183,7 @@ class PowerSGD:
         parts, off = [], 0
         for i in self.factored:
             n, _ = as_matrix_shape(self.shapes[i])
-            p = p_sum[off: off + self.rank * n].view(self.rank, n).t()
+            p = p_sum[off : off + self.rank * n].view(self.rank, n).t()
             off += self.rank * n
             p_hat = torch.linalg.qr(p, mode="reduced").Q.contiguous()
             self._p_hat[i] = p_hat
@@ -201,7 +202,7 @@ class PowerSGD:
         for i in self.factored:
             n, m = as_matrix_shape(self.shapes[i])
             mat = self._matrix(i, ms[i])
-            qt = q_flat[off: off + self.rank * m].view(self.rank, m)
+            qt = q_flat[off : off + self.rank * m].view(self.rank, m)
             off += self.rank * m
             gen = torch.Generator(device="cpu").manual_seed(mix_seed(self.seed, self.ids[i], step, 0x7A11))
             g = torch.randn(n, a, generator=gen, dtype=torch.float32).to(mat.device)
@@ -215,7 +216,7 @@ class PowerSGD:
         out, off = {}, 0
         for i in self.factored:
             _, m = as_matrix_shape(self.shapes[i])
-            qt = q_flat[off: off + self.rank * m].view(self.rank, m)
+            qt = q_flat[off : off + self.rank * m].view(self.rank, m)
             off += self.rank * m
             out[i] = (self._p_hat[i] @ qt).view(self.shapes[i])
         return out
@@ -226,7 +227,7 @@ class PowerSGD:
         off = 0
         for i in self.factored:
             _, m = as_matrix_shape(self.shapes[i])
-            self.q[i] = q_mean[off: off + self.rank * m].view(self.rank, m).t().contiguous()
+            self.q[i] = q_mean[off : off + self.rank * m].view(self.rank, m).t().contiguous()
             off += self.rank * m
         return out
 
@@ -253,10 +254,31 @@ class PowerSGD:
         use): the factors of all tensors are packed back to back, so a quantization group may
         span two tensors; training goes through ``Compressor``, which keeps groups per tensor.
         """
-        p = quantized_allreduce(self.p_step(ms), group, kind, group_size, mode, op="sum", stats=stats, seed=mix_seed(self.seed, 1), step=step)
+        p = quantized_allreduce(
+            self.p_step(ms),
+            group,
+            kind,
+            group_size,
+            mode,
+            op="sum",
+            stats=stats,
+            seed=mix_seed(self.seed, 1),
+            step=step,
+        )
         q_local = self.q_step(ms, p)
         scratch = torch.zeros_like(q_local)  # receives q_local - sent
-        q_mean = quantized_allreduce(q_local, group, kind, group_size, mode, op="mean", error=scratch, stats=stats, seed=mix_seed(self.seed, 2), step=step)
+        q_mean = quantized_allreduce(
+            q_local,
+            group,
+            kind,
+            group_size,
+            mode,
+            op="mean",
+            error=scratch,
+            stats=stats,
+            seed=mix_seed(self.seed, 2),
+            step=step,
+        )
         sent = self.expand(q_local - scratch)
         residual = {i: ms[i].float() - sent[i] for i in self.factored}
         return self.finish(q_mean), residual
@@ -271,7 +293,9 @@ class PowerSGD:
         for k, q in sd["q"].items():
             i = int(k)
             if i not in self.q or q.shape != self.q[i].shape:
-                raise ValueError(f"low-rank state for tensor {i} has shape {tuple(q.shape)}, expected {tuple(self.q[i].shape) if i in self.q else 'no Q (not factored at this rank)'}")
+                raise ValueError(
+                    f"low-rank state for tensor {i} has shape {tuple(q.shape)}, expected {tuple(self.q[i].shape) if i in self.q else 'no Q (not factored at this rank)'}"
+                )
             self.q[i] = q.detach().clone().float().to(self.q[i].device)
 
 

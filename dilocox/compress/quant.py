@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from dilocox.compress import kernels
+from dilocox.config import QUANT_KINDS
 
-KINDS = ("int4", "int8", "fp16", "none")
 _BITS = {"int4": 4, "int8": 8}
 
 
@@ -48,8 +48,8 @@ class Packed:
 
 
 def _check_kind(kind: str, group_size: int) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown quantization kind {kind!r}; expected one of {KINDS}")
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"unknown quantization kind {kind!r}; expected one of {list(QUANT_KINDS)}")
     if kind in _BITS:
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -73,9 +73,18 @@ def _nonfinite_error(kind: str, what: str) -> ValueError:
     return ValueError(f"non-finite value in tensor passed to {kind} quantize (pseudo-gradient has NaN/inf): {what}")
 
 
-def quantize(x: torch.Tensor, kind: str, group_size: int = 128, error: torch.Tensor | None = None,
-             stochastic: bool = False, seed: int = 0, step: int = 0, use_kernel: bool = True,
-             out: torch.Tensor | None = None, check_finite: bool = True) -> Packed:
+def quantize(
+    x: torch.Tensor,
+    kind: str,
+    group_size: int = 128,
+    error: torch.Tensor | None = None,
+    stochastic: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    use_kernel: bool = True,
+    out: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> Packed:
     """Compress the fp32 tensor ``x`` (read flat). See the module docstring.
 
     error: fp32 residual buffer (same numel, contiguous, same device), updated in place.
@@ -90,8 +99,10 @@ def quantize(x: torch.Tensor, kind: str, group_size: int = 128, error: torch.Ten
     n = x.numel()
     if error is not None:
         if error.dtype != torch.float32 or not error.is_contiguous() or error.numel() != n:
-            raise ValueError(f"error buffer must be a contiguous float32 tensor with {n} elements, "
-                             f"got dtype={error.dtype} numel={error.numel()} contiguous={error.is_contiguous()}")
+            raise ValueError(
+                f"error buffer must be a contiguous float32 tensor with {n} elements, "
+                f"got dtype={error.dtype} numel={error.numel()} contiguous={error.is_contiguous()}"
+            )
         if error.device != x.device:
             raise ValueError(f"error buffer is on {error.device}, x on {x.device}")
     if stochastic and kind not in _BITS:
@@ -103,13 +114,16 @@ def quantize(x: torch.Tensor, kind: str, group_size: int = 128, error: torch.Ten
         raise ValueError(f"out must be a contiguous uint8 tensor of {nbytes} bytes on {x.device}")
 
     if kind in _BITS:
-        nbad = kernels.ef_quantize_pack(x, error, out, group_size, _BITS[kind], stochastic, seed, step,
-                                        use_kernel=use_kernel)
+        nbad = kernels.ef_quantize_pack(
+            x, error, out, group_size, _BITS[kind], stochastic, seed, step, use_kernel=use_kernel
+        )
         if check_finite:
             bad = int(nbad)
             if bad:
-                raise _nonfinite_error(kind, f"{bad} of {kernels.num_groups(n, group_size)} groups of "
-                                             f"{group_size} contain NaN/inf (numel={n})")
+                raise _nonfinite_error(
+                    kind,
+                    f"{bad} of {kernels.num_groups(n, group_size)} groups of {group_size} contain NaN/inf (numel={n})",
+                )
         return Packed(kind, n, group_size, out)
 
     v = x.view(-1) if error is None else x.view(-1) + error.view(-1)
@@ -119,7 +133,9 @@ def quantize(x: torch.Tensor, kind: str, group_size: int = 128, error: torch.Ten
     if kind == "fp16":
         h = v.to(torch.float16)
         if check_finite and n and not bool(torch.isfinite(h).all()):
-            raise ValueError(f"fp16 quantize: values overflow the fp16 range (|v| max {float(v.abs().max()):.4g} > 65504)")
+            raise ValueError(
+                f"fp16 quantize: values overflow the fp16 range (|v| max {float(v.abs().max()):.4g} > 65504)"
+            )
         out.copy_(h.view(torch.uint8))
         if error is not None:
             error.view(-1).copy_(v - h.to(torch.float32))
@@ -142,15 +158,19 @@ def _check_packed(p: Packed) -> None:
     _check_kind(p.kind, p.group_size)
     expect = payload_nbytes(p.kind, p.numel, p.group_size)
     if p.data.dtype != torch.uint8 or p.data.numel() != expect:
-        raise ValueError(f"Packed({p.kind}, numel={p.numel}, G={p.group_size}) needs a uint8 payload of "
-                         f"{expect} bytes, got dtype={p.data.dtype} with {p.data.numel()} elements")
+        raise ValueError(
+            f"Packed({p.kind}, numel={p.numel}, G={p.group_size}) needs a uint8 payload of "
+            f"{expect} bytes, got dtype={p.data.dtype} with {p.data.numel()} elements"
+        )
 
 
 def _dequant(p: Packed, out: torch.Tensor, accumulate: bool, use_kernel: bool = True) -> torch.Tensor:
     _check_packed(p)
     if out.dtype != torch.float32 or out.numel() != p.numel or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor with {p.numel} elements, "
-                         f"got dtype={out.dtype} numel={out.numel()} contiguous={out.is_contiguous()}")
+        raise ValueError(
+            f"out must be a contiguous float32 tensor with {p.numel} elements, "
+            f"got dtype={out.dtype} numel={out.numel()} contiguous={out.is_contiguous()}"
+        )
     if out.device != p.data.device:
         raise ValueError(f"out is on {out.device}, payload on {p.data.device}")
     if p.numel == 0:

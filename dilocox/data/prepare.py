@@ -99,8 +99,14 @@ def _identity(cfg: DataConfig) -> dict:
     path = cfg.path
     if path and cfg.source in ("text", "hf") and os.path.exists(os.path.expanduser(path)):
         path = os.path.abspath(os.path.expanduser(path))
-    ident = {"format": FORMAT, "source": cfg.source, "path": path, "max_bytes": cfg.max_bytes,
-             "val_fraction": cfg.val_fraction, "files": fingerprint(cfg)}
+    ident = {
+        "format": FORMAT,
+        "source": cfg.source,
+        "path": path,
+        "max_bytes": cfg.max_bytes,
+        "val_fraction": cfg.val_fraction,
+        "files": fingerprint(cfg),
+    }
     if cfg.source == "hf":
         ident.update(hf_split=cfg.hf_split, hf_text_field=cfg.hf_text_field)
     return ident
@@ -120,7 +126,9 @@ def data_key(cfg: DataConfig) -> str:
 def default_out_dir(cfg: DataConfig, key: str | None = None) -> str:
     key = key or data_key(cfg)
     tok = f"bpe{cfg.bpe_vocab_size}" if cfg.tokenizer == "bpe" else "byte"
-    return os.path.join(os.path.abspath(os.path.expanduser(cfg.cache_dir)), "prepared", f"{cfg.source}-{tok}-{key[:16]}")
+    return os.path.join(
+        os.path.abspath(os.path.expanduser(cfg.cache_dir)), "prepared", f"{cfg.source}-{tok}-{key[:16]}"
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -130,10 +138,14 @@ def load_prepared(path: str, field: str = "data.path") -> PreparedData:
     """Open a prepared directory (the ``memmap`` source), checking the files match meta.json."""
     meta_path = os.path.join(path, "meta.json")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{field}={path!r} does not exist (resolved to {os.path.abspath(path)!r}); "
-                                "data.source='memmap' needs a directory written by `dilocox data prepare`")
+        raise FileNotFoundError(
+            f"{field}={path!r} does not exist (resolved to {os.path.abspath(path)!r}); "
+            "data.source='memmap' needs a directory written by `dilocox data prepare`"
+        )
     if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{field}={path!r} has no meta.json; it is not a directory written by `dilocox data prepare`")
+        raise FileNotFoundError(
+            f"{field}={path!r} has no meta.json; it is not a directory written by `dilocox data prepare`"
+        )
     with open(meta_path) as f:
         meta = json.load(f)
     p = PreparedData(os.path.abspath(path), meta)
@@ -142,8 +154,10 @@ def load_prepared(path: str, field: str = "data.path") -> PreparedData:
         want = int(meta[f"{split}_tokens"]) * p.dtype.itemsize
         have = os.path.getsize(fpath) if os.path.exists(fpath) else -1
         if have != want:
-            raise ValueError(f"{fpath} has {have} bytes but meta.json says {want} "
-                             f"({meta[f'{split}_tokens']} x {p.dtype}); re-run `dilocox data prepare`")
+            raise ValueError(
+                f"{fpath} has {have} bytes but meta.json says {want} "
+                f"({meta[f'{split}_tokens']} x {p.dtype}); re-run `dilocox data prepare`"
+            )
     return p
 
 
@@ -182,8 +196,11 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
     train_docs, val_docs = split_documents(corpus.docs, cfg.val_fraction)
     t_read = time.perf_counter()
     if cfg.tokenizer == "bpe":
-        cache = os.path.join(os.path.abspath(os.path.expanduser(cfg.cache_dir)), "tokenizers",
-                             f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json")
+        cache = os.path.join(
+            os.path.abspath(os.path.expanduser(cfg.cache_dir)),
+            "tokenizers",
+            f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json",
+        )
         tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache)
         shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
     else:
@@ -199,13 +216,23 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
     n_tokens = len(train) + len(val)
     seconds = time.perf_counter() - t0
     return {
-        "format": FORMAT, "key": key, "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
-        "eot_id": tok.eot_id, "dtype": dtype.name, "train_tokens": len(train), "val_tokens": len(val),
-        "train_docs": len(train_docs), "val_docs": len(val_docs),
-        "bytes": sum(len(d.encode("utf-8")) for d in corpus.docs), "source": corpus.description,
-        "content_sha256": content.hexdigest(), "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
+        "format": FORMAT,
+        "key": key,
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "eot_id": tok.eot_id,
+        "dtype": dtype.name,
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "train_docs": len(train_docs),
+        "val_docs": len(val_docs),
+        "bytes": sum(len(d.encode("utf-8")) for d in corpus.docs),
+        "source": corpus.description,
+        "content_sha256": content.hexdigest(),
+        "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
         "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},
-        "tokens_per_sec": n_tokens / max(seconds, 1e-9), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "tokens_per_sec": n_tokens / max(seconds, 1e-9),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
@@ -215,7 +242,9 @@ def _publish(tmp: str, out_dir: str, key: str) -> None:
         return
     if os.path.exists(out_dir):
         if os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json")):
-            raise FileExistsError(f"out_dir {out_dir!r} exists and is not a prepared data directory; refusing to replace it")
+            raise FileExistsError(
+                f"out_dir {out_dir!r} exists and is not a prepared data directory; refusing to replace it"
+            )
         old = tempfile.mkdtemp(prefix=".old-", dir=os.path.dirname(out_dir))
         os.rename(out_dir, os.path.join(old, "d"))
         shutil.rmtree(old, ignore_errors=True)
@@ -263,10 +292,16 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
 
 
 def prepare_main(argv: list[str] | None = None) -> int:
-    """``dilocox data prepare [CONFIG] [--out DIR] [--a.b=v ...]``: prepare and print a summary."""
-    from dilocox.config import load_config
+    """``dilocox data prepare [CONFIG] [--out DIR] [--a.b=v ...]``: prepare and print a summary.
 
+    Only the ``data`` section matters here: a BPE vocabulary larger than the config's
+    ``model.vocab_size`` is prepared anyway, and the summary says which ``--model.vocab_size``
+    a training run on it needs.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(PREPARE_HELP)
+        return 0
     out = None
     for i, a in enumerate(args):
         if a == "--out" or a.startswith("--out="):
@@ -274,7 +309,7 @@ def prepare_main(argv: list[str] | None = None) -> int:
             del args[i : i + (1 if "=" in a else 2)]
             break
     config = args.pop(0) if args and not args[0].startswith("--") else None
-    cfg = load_config(config, args)
+    cfg = _data_only_config(config, args)
     p = prepare(cfg.data, out_dir=out)
     m = p.meta
     n = m["train_tokens"] + m["val_tokens"]
@@ -284,6 +319,43 @@ def prepare_main(argv: list[str] | None = None) -> int:
     print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}")
     print(f"train      {p.train_path}  {m['train_tokens']:,} tokens  ({m['train_docs']} documents)")
     print(f"val        {p.val_path}  {m['val_tokens']:,} tokens  ({m['val_docs']} documents)")
-    print(f"speed      {n:,} tokens in {built:.2f}s = {n / max(built, 1e-9):,.0f} tokens/s "
-          f"(read {m['seconds']['read']:.2f}s, tokenizer {m['seconds']['tokenizer']:.2f}s)")
+    print(
+        f"speed      {n:,} tokens in {built:.2f}s = {n / max(built, 1e-9):,.0f} tokens/s "
+        f"(read {m['seconds']['read']:.2f}s, tokenizer {m['seconds']['tokenizer']:.2f}s)"
+    )
+    if p.vocab_size > cfg.model.vocab_size:
+        t = cfg.parallel.tensor
+        print(
+            f"note       train on it with --model.vocab_size={-(-p.vocab_size // t) * t} (the tokenizer's vocabulary; "
+            f"the config has model.vocab_size={cfg.model.vocab_size})"
+        )
     return 0
+
+
+PREPARE_HELP = """usage: dilocox data prepare [CONFIG] [--out DIR] [--section.key=value ...]
+
+Tokenize the config's corpus once into train.bin / val.bin / meta.json (cached; a run with the
+same data keys reuses it). Only the data section is used:
+  --data.source=stdlib|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
+  --data.bpe_vocab_size=N  --data.max_bytes=N  --data.val_fraction=F  --data.cache_dir=DIR
+  --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key>
+Every key and its default: docs/CONFIG.md."""
+
+
+def _data_only_config(path: str | None, overrides: list[str]):
+    """The config for preparing data: validated, except that model.vocab_size may be below the BPE's."""
+    from dilocox.config import _deep_merge, _read_yaml, from_dict, parse_overrides
+
+    data = _read_yaml(path) if path else {}
+    if overrides:
+        data = _deep_merge(data, parse_overrides(overrides))
+    d, m = data.get("data") or {}, data.get("model") or {}
+    bpe = d.get("bpe_vocab_size", DataConfig.bpe_vocab_size)
+    mv = m.get("vocab_size", 0)
+    if d.get("tokenizer") == "bpe" and isinstance(bpe, int) and isinstance(mv, int) and bpe > mv:
+        t = (data.get("parallel") or {}).get("tensor", 1)
+        t = t if isinstance(t, int) and t > 0 else 1
+        cfg = from_dict(_deep_merge(data, {"model": {"vocab_size": -(-bpe // t) * t}}))
+        cfg.model.vocab_size = m.get("vocab_size", cfg.model.vocab_size)  # as configured: for the note
+        return cfg
+    return from_dict(data)

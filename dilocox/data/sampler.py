@@ -19,19 +19,14 @@ Modes:
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import numpy as np
 import torch
 
+from dilocox.seeding import text_seed
+
 MODES = ("random", "epoch")
-
-
-def mix_seed(*parts: int | str) -> int:
-    """A 63-bit seed from the parts (stable across processes and Python versions)."""
-    digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,29 +39,51 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torc
 class TokenSampler:
     """Deterministic training batches over a 1-D token array (usually a ``np.memmap``)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, replica: int = 0,
-                 n_replicas: int = 1, dp_rank: int = 0, dp_size: int = 1, mode: str = "random"):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        replica: int = 0,
+        n_replicas: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        mode: str = "random",
+    ):
         n = len(tokens)
         if n < seq_len + 2:
-            raise ValueError(f"the training split has {n} tokens, too few for train.seq_len={seq_len} "
-                             "(need seq_len + 2); raise data.max_bytes or lower train.seq_len")
+            raise ValueError(
+                f"the training split has {n} tokens, too few for train.seq_len={seq_len} "
+                "(need seq_len + 2); raise data.max_bytes or lower train.seq_len"
+            )
         if not 0 <= replica < n_replicas:
             raise ValueError(f"replica={replica} must be in [0, n_replicas={n_replicas})")
         if batch_size % dp_size or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"train.batch_size={batch_size} must split evenly over dp_size={dp_size} "
-                             f"data-parallel ranks (dp_rank={dp_rank})")
+            raise ValueError(
+                f"train.batch_size={batch_size} must split evenly over dp_size={dp_size} "
+                f"data-parallel ranks (dp_rank={dp_rank})"
+            )
         if mode not in MODES:
             raise ValueError(f"sampler mode={mode!r} is not one of {list(MODES)}")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
-        self.replica, self.n_replicas, self.dp_rank, self.dp_size, self.mode = replica, n_replicas, dp_rank, dp_size, mode
+        self.replica, self.n_replicas, self.dp_rank, self.dp_size, self.mode = (
+            replica,
+            n_replicas,
+            dp_rank,
+            dp_size,
+            mode,
+        )
         self.step = 0
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, window order) cache
         if mode == "epoch":
             self.n_windows = (n - 1) // seq_len
             self.steps_per_epoch = self.n_windows // (batch_size * n_replicas)
             if self.steps_per_epoch == 0:
-                raise ValueError(f"epoch mode: {self.n_windows} windows of train.seq_len={seq_len} are fewer than one "
-                                 f"step of batch_size*n_replicas={batch_size * n_replicas}")
+                raise ValueError(
+                    f"epoch mode: {self.n_windows} windows of train.seq_len={seq_len} are fewer than one "
+                    f"step of batch_size*n_replicas={batch_size * n_replicas}"
+                )
 
     @property
     def tokens_per_step(self) -> int:
@@ -76,11 +93,11 @@ class TokenSampler:
     def starts(self, step: int) -> np.ndarray:
         """Window start offsets of the replica's full batch at ``step`` (int64 [batch_size])."""
         if self.mode == "random":
-            g = torch.Generator().manual_seed(mix_seed(self.seed, self.replica, step))
+            g = torch.Generator().manual_seed(text_seed(repr((self.seed, self.replica, step))))
             return torch.randint(0, len(self.tokens) - self.seq_len, (self.batch_size,), generator=g).numpy()
         epoch, k = divmod(step, self.steps_per_epoch)
         if self._perm is None or self._perm[0] != epoch:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, "epoch", epoch))
+            g = torch.Generator().manual_seed(text_seed(repr((self.seed, "epoch", epoch))))
             self._perm = (epoch, torch.randperm(self.n_windows, generator=g).numpy())
         first = (k * self.n_replicas + self.replica) * self.batch_size
         return self._perm[1][first : first + self.batch_size] * self.seq_len
@@ -101,21 +118,31 @@ class TokenSampler:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "replica": self.replica, "mode": self.mode,
-                "n_tokens": len(self.tokens), "seq_len": self.seq_len, "batch_size": self.batch_size}
+        return {
+            "step": self.step,
+            "seed": self.seed,
+            "replica": self.replica,
+            "mode": self.mode,
+            "n_tokens": len(self.tokens),
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state['step']``. Refuses a state taken over different data or seed."""
         for k in ("seed", "n_tokens", "mode"):
             mine = self.state_dict()[k]
             if k in state and state[k] != mine:
-                raise ValueError(f"sampler state has {k}={state[k]!r} but this sampler has {k}={mine!r}: "
-                                 "the checkpoint was trained on different data or seed")
+                raise ValueError(
+                    f"sampler state has {k}={state[k]!r} but this sampler has {k}={mine!r}: "
+                    "the checkpoint was trained on different data or seed"
+                )
         self.step = int(state["step"])
 
 
-def val_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int, dp_rank: int = 0,
-                dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def val_batches(
+    tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n_batches`` fixed validation batches: windows evenly spaced over the whole split.
 
     No randomness and no replica dependence, so every replica, method and call evaluates the
@@ -124,8 +151,10 @@ def val_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: in
     """
     n = len(tokens)
     if n < seq_len + 2:
-        raise ValueError(f"the validation split has {n} tokens, too few for train.seq_len={seq_len}; "
-                         "raise data.val_fraction or data.max_bytes")
+        raise ValueError(
+            f"the validation split has {n} tokens, too few for train.seq_len={seq_len}; "
+            "raise data.val_fraction or data.max_bytes"
+        )
     if batch_size % dp_size:
         raise ValueError(f"batch_size={batch_size} must split evenly over dp_size={dp_size}")
     starts = np.linspace(0, n - seq_len - 1, n_batches * batch_size).round().astype(np.int64)

@@ -31,8 +31,16 @@ from dilocox.config import DataConfig
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 TEST_DIRS = {"test", "tests", "idle_test"}
-HF_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
-               ".ndjson": "json", ".parquet": "parquet", ".csv": "csv"}
+HF_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
 _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
@@ -60,13 +68,36 @@ def stdlib_files(root: str | None = None, include_tests: bool = False) -> list[s
     if not out:
         raise FileNotFoundError(
             f"data.source='stdlib' found no .py files under {root!r} (this Python ships its "
-            "standard library compiled or zipped); use data.source=text with data.path=DIR")
+            "standard library compiled or zipped); use data.source=text with data.path=DIR"
+        )
     return out
 
 
-def _is_binary(path: str) -> bool:
+class DataError(ValueError):
+    """A corpus that cannot be used (empty, binary, too short): the message names the file and the fix."""
+
+
+SNIFF_BYTES = 65536  # how much of each file the binary check reads
+MAX_INVALID_UTF8 = 0.01  # a larger share of bytes that are not valid UTF-8 marks a file as binary
+
+
+def binary_reason(path: str) -> str | None:
+    """Why ``path`` is not UTF-8 text (NUL bytes, or over 1% invalid UTF-8 in its first 64 KiB), else None."""
     with open(path, "rb") as f:
-        return b"\0" in f.read(8192)
+        head = f.read(SNIFF_BYTES)
+        more = bool(f.read(1))
+    if b"\0" in head:
+        return f"has NUL bytes (first at byte {head.index(0)})"
+    if more:  # do not count a multi-byte character cut by the sniff window as invalid
+        head = head[: max(len(head) - 3, 0)]
+    bad = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    if head and bad / len(head) > MAX_INVALID_UTF8:
+        return f"is not UTF-8 text ({bad / len(head):.0%} of its first {len(head)} bytes are invalid UTF-8)"
+    return None
+
+
+def _is_binary(path: str) -> bool:
+    return binary_reason(path) is not None
 
 
 def _walk(root: str) -> list[str]:
@@ -83,18 +114,34 @@ def local_files(path: str | None, source: str, skip_binary: bool = True) -> list
         raise FileNotFoundError(f"data.path is not set; data.source={source!r} needs a file, a directory or a glob")
     expanded = os.path.expanduser(path)
     if os.path.isfile(expanded):
+        if skip_binary and (why := binary_reason(expanded)):
+            raise DataError(
+                f"data.path={path!r} {why}; data.source={source!r} reads UTF-8 text: give a text file "
+                "(convert with iconv -t utf-8) or a directory written by `dilocox data prepare` "
+                "with data.source=memmap"
+            )
         return [os.path.abspath(expanded)]
     if os.path.isdir(expanded):
         files = _walk(expanded)
+        if not files:
+            raise DataError(
+                f"data.path={path!r} is an empty directory; put text files in it or point data.path "
+                "at a text file, a directory of text files or a glob"
+            )
     else:
         files = sorted(f for f in glob.glob(expanded, recursive=True) if os.path.isfile(f))
         if not files:
             raise FileNotFoundError(
                 f"data.path={path!r} does not exist (resolved to {os.path.abspath(expanded)!r}, "
-                f"no file, directory or glob match); data.source={source!r} needs a file, a directory or a glob")
+                f"no file, directory or glob match); data.source={source!r} needs a file, a directory or a glob"
+            )
+    found = files
     files = [os.path.abspath(f) for f in files if not (skip_binary and _is_binary(f))]
     if not files:
-        raise FileNotFoundError(f"data.path={path!r} matched no text files")
+        raise DataError(
+            f"data.path={path!r} matched no text files ({len(found)} binary file(s) skipped, e.g. "
+            f"{found[0]!r}); data.source={source!r} reads UTF-8 text"
+        )
     return files
 
 
@@ -167,7 +214,7 @@ def _read_files(files: list[str], max_bytes: int | None) -> list[str]:
 
 def _read_hf(cfg: DataConfig) -> Corpus:
     try:
-        import datasets  # noqa: F401 - optional, only for this source
+        import datasets
     except ImportError:
         raise ImportError("data.source='hf' needs the datasets package: pip install datasets") from None
     files = _hf_local(cfg.path)
@@ -178,27 +225,33 @@ def _read_hf(cfg: DataConfig) -> Corpus:
             exts.add(os.path.splitext(name)[1].lower())
         builders = {HF_BUILDERS.get(e) for e in exts}
         if None in builders or len(builders) != 1:
-            raise ValueError(f"data.path={cfg.path!r} has files of types {sorted(exts)}; data.source='hf' reads one "
-                             f"kind at a time out of {sorted(HF_BUILDERS)}")
+            raise ValueError(
+                f"data.path={cfg.path!r} has files of types {sorted(exts)}; data.source='hf' reads one "
+                f"kind at a time out of {sorted(HF_BUILDERS)}"
+            )
         builder = builders.pop()
         extra = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files={cfg.hf_split: files}, split=cfg.hf_split,
-                                   streaming=True, **extra)
+        ds = datasets.load_dataset(
+            builder, data_files={cfg.hf_split: files}, split=cfg.hf_split, streaming=True, **extra
+        )
         where = f"{builder} files {cfg.path}"
     else:
         try:
             ds = datasets.load_dataset(cfg.path, split=cfg.hf_split, streaming=True)
-        except Exception as e:  # noqa: BLE001 - offline hosts fail here with many error types
-            raise RuntimeError(f"data.path={cfg.path!r} is not a local file, directory or glob, and loading it as a "
-                               f"hub dataset (split data.hf_split={cfg.hf_split!r}) failed: {e}") from e
+        except Exception as e:
+            raise RuntimeError(
+                f"data.path={cfg.path!r} is not a local file, directory or glob, and loading it as a "
+                f"hub dataset (split data.hf_split={cfg.hf_split!r}) failed: {e}"
+            ) from e
         where = f"hub {cfg.path}[{cfg.hf_split}]"
     acc = _Capped(cfg.max_bytes)
     for row in ds:
         if acc.full:
             break
         if cfg.hf_text_field not in row:
-            raise KeyError(f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; "
-                           f"columns: {sorted(row)}")
+            raise KeyError(
+                f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; columns: {sorted(row)}"
+            )
         acc.add(str(row[cfg.hf_text_field]).encode("utf-8"))
     return Corpus(acc.docs, f"hf {where}, field {cfg.hf_text_field!r}")
 
@@ -218,7 +271,9 @@ def read_corpus(cfg: DataConfig) -> Corpus:
     else:
         raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
     if not docs:
-        raise ValueError(f"data.source={cfg.source!r} data.path={cfg.path!r} produced an empty corpus")
+        raise DataError(
+            f"data.source={cfg.source!r} data.path={cfg.path!r} is empty (0 bytes of text); give a non-empty corpus"
+        )
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
     return Corpus(docs, f"{desc}: {len(docs)} documents, {nbytes / 1e6:.2f} MB")
 
@@ -246,7 +301,7 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     sizes = [len(d.encode("utf-8")) for d in docs]
     total = sum(sizes)
     if total < 2:
-        raise ValueError("the corpus is too small for a train/validation split; raise data.max_bytes")
+        raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
     want = val_fraction * total
     suffix = np.cumsum(sizes[::-1])[::-1].tolist() + [0]  # suffix[c] = bytes of docs[c:]
     if len(docs) > 1:
@@ -259,5 +314,5 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
         head, tail = docs[i][:-1], docs[i][-1:]
     train, val = docs[:i] + ([head] if head else []), [tail] + docs[i + 1 :]
     if not train:
-        raise ValueError("the corpus is too small for a train/validation split; raise data.max_bytes")
+        raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
     return train, val

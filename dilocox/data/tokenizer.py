@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class BPETokenizer:
         self.eot_id = eot
 
     @classmethod
-    def from_file(cls, path: str) -> "BPETokenizer":
+    def from_file(cls, path: str) -> BPETokenizer:
         from tokenizers import Tokenizer
 
         return cls(Tokenizer.from_file(path), path)
@@ -93,8 +93,12 @@ def train_bpe(docs: list[str], vocab_size: int) -> BPETokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
     return BPETokenizer(tok)
 

@@ -20,6 +20,13 @@ Link emulation (for tests and single-host benchmarks without ``tc``/netns):
   over elapsed link time therefore never exceed the cap. Less faithful than ``tc tbf``
   (the transfer itself is not slowed, only its completion), but enough to reproduce the
   timing of an outer step.
+
+Bounded waits: ``configure(timeout_s=..., warn_after_s=..., peers=...)`` (the trainer passes
+``outer.timeout_s``/``outer.warn_after_s``) makes ``handle.wait()`` log "waiting N s for the
+outer all-reduce (<task>) with replica(s) 1 ..." while it lasts and raise
+:class:`~dilocox.distributed.signals.CommTimeoutError` naming the task and the peers when the
+timeout passes or the collective failed on the comm thread (e.g. gloo's own group timeout).
+The thread is a daemon: a collective stuck forever cannot keep the process alive.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import queue
 import threading
 import time
 from typing import Any, Callable
+
+from dilocox.distributed.signals import CommTimeoutError, bounded_wait
 
 
 class CommHandle:
@@ -41,6 +50,7 @@ class CommHandle:
         self.submitted_at = time.perf_counter()
         self.comm_s = 0.0  # seconds the task occupied the comm thread (incl. emulated delay/cap)
         self.blocked_s = 0.0  # seconds the caller spent inside wait()
+        self.policy: WaitPolicy | None = None  # set by AsyncComm.submit when configured
 
     def _finish(self, result: Any = None, error: BaseException | None = None, comm_s: float = 0.0) -> None:
         self._result, self._error, self.comm_s = result, error, comm_s
@@ -52,12 +62,49 @@ class CommHandle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the task finished; return its result or re-raise its exception."""
         t0 = time.perf_counter()
-        if not self._event.wait(timeout):
+        pol = self.policy
+        if timeout is None and pol is not None and pol.bounded:
+            what = f"{pol.what} ({self.name}) with {pol.peers}"
+            try:
+                bounded_wait(self._event.is_set, what, pol.timeout_s, pol.warn_after_s, pol.log)
+            except CommTimeoutError as e:
+                raise CommTimeoutError(
+                    f"{e} ({pol.timeout_key}={pol.limit}); the last complete checkpoint is still valid"
+                ) from None
+        elif not self._event.wait(timeout):
             raise TimeoutError(f"communication task {self.name!r} did not finish within {timeout} s")
         self.blocked_s += time.perf_counter() - t0
         if self._error is not None:
+            if pol is not None and isinstance(self._error, RuntimeError):  # gloo/NCCL errors, their timeouts too
+                raise CommTimeoutError(
+                    f"{pol.what} ({self.name}) with {pol.peers} failed after "
+                    f"{self.comm_s:.0f} s on the comm thread ({pol.timeout_key}="
+                    f"{pol.limit}): {self._error}"
+                ) from self._error
             raise RuntimeError(f"communication task {self.name!r} failed on the comm thread") from self._error
         return self._result
+
+
+class WaitPolicy:
+    """How long ``CommHandle.wait()`` may block, when to warn, and what to call the operation."""
+
+    def __init__(
+        self,
+        timeout_s: float | None = None,
+        warn_after_s: float | None = None,
+        what: str = "the outer all-reduce",
+        peers: str = "the other replicas",
+        timeout_key: str = "outer.timeout_s",
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.timeout_s, self.warn_after_s, self.what, self.peers = timeout_s, warn_after_s, what, peers
+        self.timeout_key = timeout_key
+        self.limit = "none" if timeout_s is None else f"{timeout_s:g}"  # for messages
+        self.log = log or (lambda m: print(m, flush=True))
+
+    @property
+    def bounded(self) -> bool:
+        return self.timeout_s is not None or self.warn_after_s is not None
 
 
 class DoneHandle(CommHandle):
@@ -82,8 +129,13 @@ class AsyncComm:
     the queue); a later ``submit`` starts it again.
     """
 
-    def __init__(self, delay_s: float = 0.0, bandwidth: float | None = None,
-                 sent_bytes: Callable[[], int] | None = None, name: str = "outer-comm") -> None:
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        bandwidth: float | None = None,
+        sent_bytes: Callable[[], int] | None = None,
+        name: str = "outer-comm",
+    ) -> None:
         if delay_s < 0:
             raise ValueError(f"AsyncComm delay_s={delay_s} must be >= 0")
         if bandwidth is not None and bandwidth <= 0:
@@ -98,6 +150,12 @@ class AsyncComm:
         self._thread: threading.Thread | None = None
         self._link_free_at = 0.0
         self.busy_s = 0.0  # cumulative seconds the thread spent on tasks
+        self.policy: WaitPolicy | None = None
+        self._last: CommHandle | None = None
+
+    def configure(self, timeout_s: float | None = None, warn_after_s: float | None = None, **kw: Any) -> None:
+        """Bound every later ``handle.wait()`` (see :class:`WaitPolicy` for ``what``/``peers``/``log``)."""
+        self.policy = WaitPolicy(timeout_s, warn_after_s, **kw)
 
     # ------------------------------------------------------------------ public API
     def submit(self, fn: Callable[..., Any], *args: Any, name: str = "", **kwargs: Any) -> CommHandle:
@@ -106,20 +164,21 @@ class AsyncComm:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         handle = CommHandle(name or getattr(fn, "__name__", "task"))
+        handle.policy = self.policy
+        self._last = handle
         self._queue.put((handle, fn, args, kwargs))
         return handle
 
-    def run(self, fn: Callable[..., Any], *args: Any, name: str = "", **kwargs: Any) -> tuple[Any, CommHandle]:
-        """Submit and wait at once (the blocking path); returns (result, handle)."""
-        h = self.submit(fn, *args, name=name, **kwargs)
-        return h.wait(), h
-
-    def pending(self) -> int:
-        return self._queue.unfinished_tasks
-
     def drain(self) -> None:
-        """Block until every submitted task has finished (results stay in their handles)."""
-        self._queue.join()
+        """Block until every submitted task has finished (results stay in their handles).
+
+        Bounded by the configured policy (FIFO: the last task done means all are done)."""
+        last, pol = self._last, self.policy
+        if last is None or pol is None or not pol.bounded:
+            self._queue.join()
+            return
+        what = f"{pol.what} ({last.name}) with {pol.peers} ({pol.timeout_key}={pol.limit})"
+        bounded_wait(last._event.is_set, what, pol.timeout_s, pol.warn_after_s, pol.log)
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Finish the queued tasks, then stop the thread. Safe to call twice.

@@ -27,7 +27,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -74,10 +76,14 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> l
                     try:
                         rank, status, payload = queue.get(timeout=2.0)
                     except pyqueue.Empty:
-                        errors.append(f"--- rank {dead[0]} ---\nexited with code {procs[dead[0]].exitcode} without reporting a result")
+                        errors.append(
+                            f"--- rank {dead[0]} ---\nexited with code {procs[dead[0]].exitcode} without reporting a result"
+                        )
                         break
                 elif time.monotonic() > deadline:
-                    raise TimeoutError(f"run_ranks: ranks {sorted(set(range(world)) - set(results))} did not finish within {timeout} s") from None
+                    raise TimeoutError(
+                        f"run_ranks: ranks {sorted(set(range(world)) - set(results))} did not finish within {timeout} s"
+                    ) from None
                 else:
                     continue
             if status == "ok":

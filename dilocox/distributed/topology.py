@@ -39,6 +39,16 @@ class Coord:
     tp: int
 
 
+def group_world(group) -> int:
+    """Number of ranks in a process group; ``None`` (what ``Topology.group`` gives for a size-1 kind) is one rank."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank in ``group``; 0 for ``None`` (a one-rank group)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
 def rank_of(c: Coord, R: int, D: int, P: int, T: int) -> int:
     return ((c.replica * D + c.data) * P + c.stage) * T + c.tp
 
@@ -185,8 +195,17 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     return rank, world, local
 
 
-def build_topology(pc: ParallelConfig, rank: int | None = None, world_size: int | None = None, backend: str | None = None) -> Topology:
-    """Create every process group of the grid. Must be called by all ranks (collective)."""
+def build_topology(
+    pc: ParallelConfig,
+    rank: int | None = None,
+    world_size: int | None = None,
+    backend: str | None = None,
+    outer_timeout_s: float | None = None,
+) -> Topology:
+    """Create every process group of the grid. Must be called by all ranks (collective).
+
+    Groups inside a replica get ``pc.timeout_s``; the ``outer`` group (it crosses the slow links)
+    gets ``outer_timeout_s`` (``outer.timeout_s``), so a collective on a dead link fails in time."""
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else 0
     if world_size is None:
@@ -206,7 +225,8 @@ def build_topology(pc: ParallelConfig, rank: int | None = None, world_size: int 
                 # new_group is collective over the whole world: every rank creates every group.
                 # Always a fresh communicator (even when it spans the world), so the outer
                 # group's background thread never shares one with the main thread.
-                g = dist.new_group(ranks, backend=backend)
+                t_s = outer_timeout_s if kind == "outer" and outer_timeout_s else getattr(pc, "timeout_s", None)
+                g = dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=t_s) if t_s else None)
             if rank in ranks:
                 topo.groups[kind] = g if len(ranks) > 1 else None
                 topo.ranks[kind] = ranks

@@ -37,8 +37,14 @@ _BUCKET_NUMEL = 1 << 24  # elements per inner-DP gradient all-reduce
 class StageRunner(nn.Module):
     """The stage as the schedules see it: autocast inside, boundary dtype on the way out."""
 
-    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None,
-                 boundary_dtype: torch.dtype, param_dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        boundary_dtype: torch.dtype,
+        param_dtype: torch.dtype,
+    ):
         super().__init__()
         self.model = model
         self.device_type = device.type
@@ -63,21 +69,36 @@ class StageRunner(nn.Module):
 class PipelineEngine:
     """Runs forward/backward of one stage of one replica under the configured schedule."""
 
-    def __init__(self, model: nn.Module, topo: Topology, pcfg: ParallelConfig, mcfg: ModelConfig, seq_len: int,
-                 device, autocast_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        topo: Topology,
+        pcfg: ParallelConfig,
+        mcfg: ModelConfig,
+        seq_len: int,
+        device,
+        autocast_dtype: torch.dtype | None = None,
+    ):
         if pcfg.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule={pcfg.schedule!r} is not one of {list(SCHEDULES)}")
-        for name, want, got in (("pipeline", pcfg.pipeline, topo.P), ("data", pcfg.data, topo.D),
-                                ("tensor", pcfg.tensor, topo.T)):
+        for name, want, got in (
+            ("pipeline", pcfg.pipeline, topo.P),
+            ("data", pcfg.data, topo.D),
+            ("tensor", pcfg.tensor, topo.T),
+        ):
             if want != got:
-                raise ConfigError(f"parallel.{name}={want} does not match the topology's {got}; build the topology from the same ParallelConfig")
+                raise ConfigError(
+                    f"parallel.{name}={want} does not match the topology's {got}; build the topology from the same ParallelConfig"
+                )
         if (model.is_first, model.is_last) != (topo.is_first_stage, topo.is_last_stage):
             raise ValueError(
                 f"the stage model (is_first={model.is_first}, is_last={model.is_last}) does not match this rank's "
                 f"stage {topo.stage} of {topo.P}; build it with build_stage_model(..., stage=topo.stage, n_stages={topo.P})"
             )
         if pcfg.pipeline > 1 and pcfg.schedule != "reference" and pcfg.microbatches < pcfg.pipeline:
-            raise ConfigError(f"parallel.microbatches={pcfg.microbatches} must be >= parallel.pipeline={pcfg.pipeline} for schedule {pcfg.schedule!r}")
+            raise ConfigError(
+                f"parallel.microbatches={pcfg.microbatches} must be >= parallel.pipeline={pcfg.pipeline} for schedule {pcfg.schedule!r}"
+            )
         self.model, self.topo, self.pcfg, self.mcfg = model, topo, pcfg, mcfg
         self.seq_len = seq_len
         self.device = torch.device(device)
@@ -99,9 +120,16 @@ class PipelineEngine:
                 loss.backward()
                 losses.append(loss.detach())
         elif self.pcfg.schedule == "reference":
-            losses = reference_gpipe(self.runner, self.model.loss, list(tokens.split(mb)), list(labels.split(mb)),
-                                     self._links(mb), self.topo.is_first_stage, self.topo.is_last_stage,
-                                     self.topo.stage)
+            losses = reference_gpipe(
+                self.runner,
+                self.model.loss,
+                list(tokens.split(mb)),
+                list(labels.split(mb)),
+                self._links(mb),
+                self.topo.is_first_stage,
+                self.topo.is_last_stage,
+                self.topo.stage,
+            )
         else:
             losses = self._torch_schedule(mb).run(tokens, labels)
         self._average_grads_over_dp()
@@ -119,11 +147,21 @@ class PipelineEngine:
         self.model.eval()
         try:
             if self.P == 1:
-                losses = [self.model.loss(self.runner(x), y) / self.M for x, y in zip(tokens.split(mb), labels.split(mb))]
+                losses = [
+                    self.model.loss(self.runner(x), y) / self.M for x, y in zip(tokens.split(mb), labels.split(mb))
+                ]
             else:
-                losses = reference_gpipe(self.runner, self.model.loss, list(tokens.split(mb)), list(labels.split(mb)),
-                                         self._links(mb), self.topo.is_first_stage, self.topo.is_last_stage,
-                                         self.topo.stage, backward=False)
+                losses = reference_gpipe(
+                    self.runner,
+                    self.model.loss,
+                    list(tokens.split(mb)),
+                    list(labels.split(mb)),
+                    self._links(mb),
+                    self.topo.is_first_stage,
+                    self.topo.is_last_stage,
+                    self.topo.stage,
+                    backward=False,
+                )
         finally:
             self.model.train(was_training)
         return self._replica_loss(losses)
@@ -133,10 +171,14 @@ class PipelineEngine:
     def _local_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """This rank's inner-DP slice of the replica batch, on the device, and the microbatch size."""
         if tokens.dim() != 2 or tokens.shape != labels.shape:
-            raise ValueError(f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [batch, seq_len]")
+            raise ValueError(
+                f"tokens {tuple(tokens.shape)} and labels {tuple(labels.shape)} must both be [batch, seq_len]"
+            )
         B, S = tokens.shape
         if S != self.seq_len:
-            raise ValueError(f"batch has sequence length {S} but the engine was built for seq_len={self.seq_len} (train.seq_len)")
+            raise ValueError(
+                f"batch has sequence length {S} but the engine was built for seq_len={self.seq_len} (train.seq_len)"
+            )
         if B % (self.D * self.M):
             raise ConfigError(
                 f"batch size {B} is not divisible by parallel.data*parallel.microbatches={self.D}*{self.M}; "
@@ -144,8 +186,8 @@ class PipelineEngine:
             )
         b = B // self.D
         lo = self.topo.dp_rank * b
-        tokens = tokens[lo:lo + b].to(self.device, non_blocking=True)
-        labels = labels[lo:lo + b].to(self.device, non_blocking=True)
+        tokens = tokens[lo : lo + b].to(self.device, non_blocking=True)
+        labels = labels[lo : lo + b].to(self.device, non_blocking=True)
         return tokens, labels, b // self.M
 
     def _act_shape(self, mb: int) -> tuple[int, int, int]:
@@ -168,13 +210,22 @@ class PipelineEngine:
             else:
                 inp = torch.empty(self._act_shape(mb), **act)
             if t.is_last_stage:
-                out = torch.empty(mb, self.seq_len, self.mcfg.vocab_size // t.T, dtype=torch.float32, device=meta,
-                                  requires_grad=True)
+                out = torch.empty(
+                    mb, self.seq_len, self.mcfg.vocab_size // t.T, dtype=torch.float32, device=meta, requires_grad=True
+                )
             else:
                 out = torch.empty(self._act_shape(mb), **act)
             self._torch_schedules[mb] = TorchPipelineSchedule(
-                self.pcfg.schedule, self.runner, self.model.loss, t.stage, t.P, self.M, t.group("pp"),
-                self.device, inp, out,
+                self.pcfg.schedule,
+                self.runner,
+                self.model.loss,
+                t.stage,
+                t.P,
+                self.M,
+                t.group("pp"),
+                self.device,
+                inp,
+                out,
             )
         return self._torch_schedules[mb]
 

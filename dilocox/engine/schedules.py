@@ -49,8 +49,15 @@ SCHEDULES = ("gpipe", "1f1b", "reference")
 class StageLinks:
     """Blocking point-to-point transfers between this stage and its pipeline neighbours."""
 
-    def __init__(self, group, prev_rank: int | None, next_rank: int | None, act_shape: tuple[int, ...],
-                 act_dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        group,
+        prev_rank: int | None,
+        next_rank: int | None,
+        act_shape: tuple[int, ...],
+        act_dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.group, self.prev_rank, self.next_rank = group, prev_rank, next_rank
         self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
 
@@ -82,9 +89,17 @@ def _check_activation(y: torch.Tensor, links: StageLinks, stage: int) -> None:
         )
 
 
-def reference_gpipe(stage_fn: nn.Module, loss_fn: LossFn, inputs: list[torch.Tensor], labels: list[torch.Tensor],
-                    links: StageLinks, is_first: bool, is_last: bool, stage: int = 0,
-                    backward: bool = True) -> list[torch.Tensor]:
+def reference_gpipe(
+    stage_fn: nn.Module,
+    loss_fn: LossFn,
+    inputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
+    links: StageLinks,
+    is_first: bool,
+    is_last: bool,
+    stage: int = 0,
+    backward: bool = True,
+) -> list[torch.Tensor]:
     """GPipe by hand: forward every microbatch, then backward every microbatch.
 
     ``inputs``: token microbatches (used on the first stage only); ``labels``: label microbatches
@@ -131,17 +146,30 @@ def reference_gpipe(stage_fn: nn.Module, loss_fn: LossFn, inputs: list[torch.Ten
 class TorchPipelineSchedule:
     """One ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` for a fixed microbatch shape."""
 
-    def __init__(self, name: str, stage_fn: nn.Module, loss_fn: LossFn, stage: int, n_stages: int,
-                 n_microbatches: int, group, device: torch.device, input_meta: torch.Tensor,
-                 output_meta: torch.Tensor):
+    def __init__(
+        self,
+        name: str,
+        stage_fn: nn.Module,
+        loss_fn: LossFn,
+        stage: int,
+        n_stages: int,
+        n_microbatches: int,
+        group,
+        device: torch.device,
+        input_meta: torch.Tensor,
+        output_meta: torch.Tensor,
+    ):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         if name not in ("gpipe", "1f1b"):
-            raise ValueError(f"parallel.schedule={name!r} is not a torch.distributed.pipelining schedule (gpipe | 1f1b)")
+            raise ValueError(
+                f"parallel.schedule={name!r} is not a torch.distributed.pipelining schedule (gpipe | 1f1b)"
+            )
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         M = n_microbatches
-        self.stage = PipelineStage(stage_fn, stage, n_stages, device, input_args=input_meta,
-                                   output_args=output_meta, group=group)
+        self.stage = PipelineStage(
+            stage_fn, stage, n_stages, device, input_args=input_meta, output_args=output_meta, group=group
+        )
         cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
         self.schedule = cls(self.stage, M, loss_fn=lambda out, tgt: loss_fn(out, tgt) / M, scale_grads=False)
         self._step_kwargs = {}

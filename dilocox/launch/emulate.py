@@ -21,7 +21,8 @@ import time
 from typing import Sequence
 
 from dilocox.config import ConfigError, load_config
-from dilocox.launch.netns import SUBNET, Cluster, kill_group, cleanup_stale, netns_available
+from dilocox.distributed.signals import supervise
+from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
 __all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available", "torchrun_argv", "BANDWIDTH_ENV"]
@@ -29,22 +30,45 @@ __all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available
 BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"
 
 
-def torchrun_argv(nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int,
-                  entry: Sequence[str]) -> list[str]:
+def torchrun_argv(
+    nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int, entry: Sequence[str]
+) -> list[str]:
     """One node of a static rendezvous (c10d rendezvous failed to elect its host across namespaces)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
-            f"--nproc_per_node={nproc}", f"--master_addr={master_addr}", f"--master_port={master_port}", *entry]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={nproc}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+        *entry,
+    ]
 
 
-def launch(config: str | None, replicas: int, per_replica_nproc: int, rate: str | float | None = None,
-           overrides: Sequence[str] = (), *, entry: Sequence[str] | None = None, master_port: int = 29500,
-           emulation: str = "auto", grace_s: float = 30.0, log=print) -> list[int]:
+def launch(
+    config: str | None,
+    replicas: int,
+    per_replica_nproc: int,
+    rate: str | float | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    entry: Sequence[str] | None = None,
+    master_port: int = 29500,
+    emulation: str = "auto",
+    grace_s: float = 30.0,
+    stop_timeout_s: float | None = None,
+    log=print,
+) -> list[int]:
     """Run ``dilocox train CONFIG`` as R emulated clusters of N ranks each; return exit codes.
 
     Replica r is torchrun node r (global ranks r*N .. r*N+N-1, the contiguous block topology.py
     gives a replica). ``entry`` replaces ``-m dilocox.cli train CONFIG overrides`` (tests).
     ``emulation``: auto | netns | token-bucket. After the first failing node the others get
     ``grace_s`` seconds to exit before they are killed (they may be stuck in a collective).
+    SIGINT/SIGTERM: the ranks get ``stop_timeout_s`` (default: the config's train.stop_timeout_s)
+    to save a checkpoint and exit, then they are killed and the namespaces deleted.
     """
     if replicas < 1 or per_replica_nproc < 1:
         raise ValueError(f"replicas={replicas} and per_replica_nproc={per_replica_nproc} must be >= 1")
@@ -52,11 +76,17 @@ def launch(config: str | None, replicas: int, per_replica_nproc: int, rate: str 
         raise ValueError(f"emulation={emulation!r} is not one of auto, netns, token-bucket")
     overrides = [*overrides, f"--parallel.replicas={replicas}"]
     if config is not None:
-        pc = load_config(config, list(overrides)).parallel
+        full = load_config(config, list(overrides))
+        pc = full.parallel
+        if stop_timeout_s is None:
+            stop_timeout_s = full.train.stop_timeout_s
         inner = pc.data * pc.pipeline * pc.tensor
         if inner != per_replica_nproc:
-            raise ConfigError(f"--nproc-per-replica {per_replica_nproc} does not match parallel.data*pipeline*tensor = "
-                              f"{pc.data}*{pc.pipeline}*{pc.tensor} = {inner} in {config}; pass --nproc-per-replica {inner}")
+            raise ConfigError(
+                f"--nproc-per-replica {per_replica_nproc} does not match parallel.data*pipeline*tensor = "
+                f"{pc.data}*{pc.pipeline}*{pc.tensor} = {inner} in {config}; "
+                f"pass --nproc-per-replica {inner}"
+            )
     if entry is None:
         if config is None:
             raise ValueError("launch needs a config (or an explicit entry)")
@@ -72,17 +102,33 @@ def launch(config: str | None, replicas: int, per_replica_nproc: int, rate: str 
         raise RuntimeError(f"emulation=netns requested but unavailable: {why}")
     if emulation == "token-bucket" or not ok:
         reason = why or "requested"
-        cap = f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
-        log(f"emulation: token-bucket ({reason}); one local torchrun with {replicas * per_replica_nproc} ranks, "
-            f"{cap}; less faithful than netns: only the outer all-reduce is paced")
+        cap = (
+            f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
+        )
+        log(
+            f"emulation: token-bucket ({reason}); one local torchrun with {replicas * per_replica_nproc} ranks, "
+            f"{cap}; less faithful than netns: only the outer all-reduce is paced"
+        )
         if rate_bps:
             env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={replicas * per_replica_nproc}", *entry]
-        return [subprocess.call(argv, env=env)]
-    log(f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
-        f"each way per replica, addresses {SUBNET}.1-{replicas})")
-    with Cluster(replicas, None if rate_bps is None else rate_bps / 1e6) as c:
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={replicas * per_replica_nproc}",
+            *entry,
+        ]
+        return [supervise(argv, env, 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
+    log(
+        f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
+        f"each way per replica, addresses {SUBNET}.1-{replicas})"
+    )
+    with Cluster(
+        replicas,
+        None if rate_bps is None else rate_bps / 1e6,
+        stop_grace_s=60.0 if stop_timeout_s is None else stop_timeout_s,
+    ) as c:
         procs = []
         for r in range(replicas):
             renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), NCCL_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
@@ -90,7 +136,10 @@ def launch(config: str | None, replicas: int, per_replica_nproc: int, rate: str 
             procs.append(c.exec(r, argv, env=renv))
         codes = _wait_all(procs, grace_s)
         for r in range(replicas):
-            log(f"replica {r} ({c.addr(r)}): sent {c.tx_bytes(r) / 1e6:.2f} MB, received {c.rx_bytes(r) / 1e6:.2f} MB, exit {codes[r]}")
+            log(
+                f"replica {r} ({c.addr(r)}): sent {c.tx_bytes(r) / 1e6:.2f} MB, "
+                f"received {c.rx_bytes(r) / 1e6:.2f} MB, exit {codes[r]}"
+            )
     return codes
 
 
@@ -109,14 +158,22 @@ def _wait_all(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
         time.sleep(0.2)
 
 
-_FLAGS = {"--replicas": int, "--nproc-per-replica": int, "--bandwidth": str, "--master-port": int,
-          "--emulation": str, "--grace": float}
+_FLAGS = {
+    "--replicas": int,
+    "--nproc-per-replica": int,
+    "--bandwidth": str,
+    "--master-port": int,
+    "--emulation": str,
+    "--grace": float,
+}
 
 
 def launch_main(argv: Sequence[str] | None = None) -> int:
     """``dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [--a.b=v ...]``."""
-    usage = ("usage: dilocox launch --replicas R --nproc-per-replica N [--bandwidth 100mbit] "
-             "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]")
+    usage = (
+        "usage: dilocox launch --replicas R --nproc-per-replica N [--bandwidth 100mbit] "
+        "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]"
+    )
     args = list(sys.argv[1:] if argv is None else argv)
     opts: dict[str, object] = {}
     config, overrides = None, []
@@ -151,12 +208,22 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
         print(f"dilocox launch: CONFIG, --replicas and --nproc-per-replica are required\n{usage}", file=sys.stderr)
         return 2
     try:
-        codes = launch(config, opts["--replicas"], opts["--nproc-per-replica"], opts.get("--bandwidth"), overrides,
-                       master_port=opts.get("--master-port", 29500), emulation=opts.get("--emulation", "auto"),
-                       grace_s=opts.get("--grace", 30.0))
+        codes = launch(
+            config,
+            opts["--replicas"],
+            opts["--nproc-per-replica"],
+            opts.get("--bandwidth"),
+            overrides,
+            master_port=opts.get("--master-port", 29500),
+            emulation=opts.get("--emulation", "auto"),
+            grace_s=opts.get("--grace", 30.0),
+        )
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the namespaces are gone already (Cluster's handler saved, then tore down)
+        print("dilocox launch: interrupted (SIGINT); the ranks were asked to save a checkpoint", file=sys.stderr)
+        return 130
     return next((c for c in codes if c != 0), 0)
 
 

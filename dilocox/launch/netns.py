@@ -31,6 +31,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Sequence
@@ -72,10 +73,19 @@ class Cluster:
 
     ``rate_mbit`` caps each replica's link in each direction (None = uncapped); ``burst_bytes``
     defaults to max(64 KiB, 2 ms at the rate); ``latency_ms`` bounds the tbf queue.
+    ``stop_grace_s``: on close (or SIGINT/SIGTERM), how long the processes started with
+    ``exec`` get after SIGTERM to save a checkpoint and exit before they are SIGKILLed.
     """
 
-    def __init__(self, n_replicas: int, rate_mbit: float | None = None, *, burst_bytes: int | None = None,
-                 latency_ms: float = 100.0) -> None:
+    def __init__(
+        self,
+        n_replicas: int,
+        rate_mbit: float | None = None,
+        *,
+        burst_bytes: int | None = None,
+        latency_ms: float = 100.0,
+        stop_grace_s: float = 3.0,
+    ) -> None:
         if not 1 <= n_replicas <= 250:
             raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
         if rate_mbit is not None and not rate_mbit > 0:
@@ -84,6 +94,7 @@ class Cluster:
         self.rate_bps = None if rate_mbit is None else float(rate_mbit) * 1e6
         self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
         self.latency_ms = latency_ms
+        self.stop_grace_s = stop_grace_s
         self.tag = f"dilocox-{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self._procs: list[subprocess.Popen] = []
@@ -150,8 +161,23 @@ class Cluster:
             _ip("ip", "-n", ns, "link", "set", inner, "up")
             if self.rate_bps:
                 for where, dev in ((ns, inner), (sw, outer)):
-                    _ip("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(self.rate_bps)}bit",
-                        "burst", str(self.burst), "latency", f"{self.latency_ms:g}ms")
+                    _ip(
+                        "tc",
+                        "-n",
+                        where,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{int(self.rate_bps)}bit",
+                        "burst",
+                        str(self.burst),
+                        "latency",
+                        f"{self.latency_ms:g}ms",
+                    )
 
     def _teardown_script(self) -> str:
         """Shell commands that kill every process in our namespaces and delete them (idempotent)."""
@@ -165,8 +191,13 @@ class Cluster:
     def _start_reaper(self) -> None:
         # Reads its stdin until EOF (our exit, however it happens), then tears everything down.
         script = "cat >/dev/null 2>&1\n" + self._teardown_script()
-        self._reaper = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        self._reaper = subprocess.Popen(
+            ["sh", "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -199,10 +230,19 @@ class Cluster:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
     def _teardown(self) -> None:
-        for p in self._procs:  # ask politely first (torchrun forwards SIGTERM to its workers)
+        asked = False
+        for p in self._procs:  # ask politely first (torchrun forwards SIGTERM to its workers, which save)
             if p.poll() is None:
                 kill_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 3.0
+                asked = True
+        if asked and self.stop_grace_s > 3.0:
+            print(
+                f"dilocox launch: stopping: the ranks save a checkpoint and exit (up to {self.stop_grace_s:.0f} s), "
+                f"then the namespaces are deleted",
+                file=sys.stderr,
+                flush=True,
+            )
+        deadline = time.monotonic() + self.stop_grace_s
         for p in self._procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))

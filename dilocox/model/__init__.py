@@ -8,9 +8,17 @@
 """
 
 from dilocox.model.parallel_layers import (  # noqa: F401
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, clip_grad_norm_,
-    is_tensor_parallel, vocab_parallel_cross_entropy,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    clip_grad_norm_,
+    is_tensor_parallel,
+    vocab_parallel_cross_entropy,
 )
 from dilocox.model.transformer import (  # noqa: F401
-    StageModel, build_model, build_stage_model, model_flops_per_token, param_layer_id,
+    StageModel,
+    build_model,
+    build_stage_model,
+    model_flops_per_token,
+    param_layer_id,
 )

@@ -75,8 +75,12 @@ class TEAttention(nn.Module):
         super().__init__()
         te = import_transformer_engine("model.attn_backend")
         self.inner = te.DotProductAttention(
-            n_heads, head_dim, num_gqa_groups=n_kv_heads, attention_dropout=dropout,
-            qkv_format="bshd", attn_mask_type="causal",
+            n_heads,
+            head_dim,
+            num_gqa_groups=n_kv_heads,
+            attention_dropout=dropout,
+            qkv_format="bshd",
+            attn_mask_type="causal",
         )
 
     def forward(self, q, k, v):
@@ -93,15 +97,3 @@ def make_attention(backend: str, n_heads: int, n_kv_heads: int, head_dim: int, d
     if backend == "te":
         return TEAttention(n_heads, n_kv_heads, head_dim, dropout)
     raise ConfigError(f"model.attn_backend={backend!r} is not one of {list(BACKENDS)}")
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal softmax attention (explicit mask, repeated kv heads) used as a test oracle."""
-    h, hkv = q.shape[2], k.shape[2]
-    k, v = (t.repeat_interleave(h // hkv, dim=2) for t in (k, v))
-    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
-    s = q.shape[2]
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(mask, float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(1, 2)

@@ -83,7 +83,9 @@ class _Float8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, emulate: bool | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, emulate: bool | None = None
+) -> torch.Tensor:
     """``F.linear`` with an fp8 forward GEMM (see the module docstring)."""
     if emulate is None:
         emulate = not fp8_supported(x.device) or weight.shape[0] % 16 or weight.shape[1] % 16
@@ -107,13 +109,6 @@ def select_linear_fn(backend: str):
         return F.linear
     if backend == "fp8":
         return fp8_linear
-    if backend == "te":
-        from dilocox.model.attention import import_transformer_engine
-
-        import_transformer_engine("model.linear_backend")
-        raise ConfigError(
-            "model.linear_backend='te' is not implemented for the tensor-parallel layers of this "
-            "version (Transformer Engine owns its own TP layout); use model.linear_backend=fp8 "
-            "for float8 GEMMs or torch"
-        )
-    raise ConfigError(f"model.linear_backend={backend!r} is not one of ['torch', 'fp8', 'te']")
+    raise ConfigError(
+        f"model.linear_backend={backend!r} is not one of ['torch', 'fp8'] (config validation rejects 'te')"
+    )

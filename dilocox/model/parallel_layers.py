@@ -30,15 +30,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dilocox.distributed.topology import group_rank, group_world
+
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -54,7 +48,7 @@ def gather_along_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate the shards of all ranks of ``group`` along ``dim`` (no autograd)."""
     if group is None:
         return x
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(group_size(group))]
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(group_world(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
@@ -99,14 +93,14 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g = ctx.group
-        return shard_tensor(grad, -1, group_rank(g), group_size(g)).contiguous(), None
+        return shard_tensor(grad, -1, group_rank(g), group_world(g)).contiguous(), None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return shard_tensor(x, -1, group_rank(group), group_size(group)).contiguous()
+        return shard_tensor(x, -1, group_rank(group), group_world(group)).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
@@ -177,9 +171,19 @@ class ColumnParallelLinear(_TensorParallelModule):
     ``gather_output``. Parameters are left uninitialised (see ``transformer.init_weights``).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 tp_size: int = 1, gather_output: bool = False, linear_fn: LinearFn = F.linear,
-                 copy_input: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group=None,
+        tp_size: int = 1,
+        gather_output: bool = False,
+        linear_fn: LinearFn = F.linear,
+        copy_input: bool = True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.group, self.gather_output, self.linear_fn = group, gather_output, linear_fn
         self.copy_input = copy_input
@@ -213,9 +217,18 @@ class RowParallelLinear(_TensorParallelModule):
     layer) or replicated (then scattered). The bias is replicated and added after the reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 tp_size: int = 1, input_is_parallel: bool = True, linear_fn: LinearFn = F.linear,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        group=None,
+        tp_size: int = 1,
+        input_is_parallel: bool = True,
+        linear_fn: LinearFn = F.linear,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.group, self.input_is_parallel, self.linear_fn = group, input_is_parallel, linear_fn
         self.in_features, self.out_features = in_features, out_features
@@ -246,8 +259,9 @@ class VocabParallelEmbedding(_TensorParallelModule):
     assembles the full embedding.
     """
 
-    def __init__(self, vocab_size: int, dim: int, group=None, tp_rank: int = 0, tp_size: int = 1,
-                 device=None, dtype=None):
+    def __init__(
+        self, vocab_size: int, dim: int, group=None, tp_rank: int = 0, tp_size: int = 1, device=None, dtype=None
+    ):
         super().__init__()
         self.group, self.vocab_size, self.dim = group, vocab_size, dim
         local = _check_divisible("vocab_size", vocab_size, tp_size)
@@ -312,15 +326,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, labels: torch.Tensor, group=None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, labels: torch.Tensor, group=None, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over tokens (labels == ignore_index skipped) of vocab-sharded logits.
 
     ``logits_shard``: ``[..., V/T]`` this rank's contiguous vocab slice; ``labels``: ``[...]``
     global ids. With ``group=None`` this equals ``F.cross_entropy`` on the flattened tokens.
     """
     if logits_shard.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits_shard.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
+        raise ValueError(
+            f"logits {tuple(logits_shard.shape)} and labels {tuple(labels.shape)} disagree on the token dims"
+        )
     return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, ignore_index)
 
 

@@ -28,20 +28,27 @@ and checkpoints / streaming fragments keyed by name work across layouts.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dilocox.config import ConfigError, ModelConfig
+from dilocox.distributed.topology import group_rank, group_world
 from dilocox.model.attention import make_attention
 from dilocox.model.fp8 import select_linear_fn
 from dilocox.model.parallel_layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tp, full_shape,
-    gather_along_dim, group_rank, group_size, init_std_scaled, is_tensor_parallel, shard_tensor,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    full_shape,
+    gather_along_dim,
+    init_std_scaled,
+    is_tensor_parallel,
+    shard_tensor,
     vocab_parallel_cross_entropy,
 )
+from dilocox.seeding import text_seed
 
 NORM_NAMES = ("ln_1", "ln_2", "norm_f")  # module names of norms (weights init to 1)
 RESIDUAL_OUT_NAMES = ("o_proj", "down_proj")  # projections into the residual stream (scaled init)
@@ -97,7 +104,9 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(d, mcfg.n_heads * hd, qkv_bias, **col)
         self.k_proj = ColumnParallelLinear(d, mcfg.kv_heads * hd, qkv_bias, **col)
         self.v_proj = ColumnParallelLinear(d, mcfg.kv_heads * hd, qkv_bias, **col)
-        self.o_proj = RowParallelLinear(mcfg.n_heads * hd, d, mcfg.bias, tp_group, tp_size, linear_fn=linear_fn, device=device)
+        self.o_proj = RowParallelLinear(
+            mcfg.n_heads * hd, d, mcfg.bias, tp_group, tp_size, linear_fn=linear_fn, device=device
+        )
         self.kernel = make_attention(mcfg.attn_backend, self.n_heads, self.n_kv_heads, hd, mcfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -160,29 +169,32 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
         raise ConfigError(f"{name}={value!r} {rule}")
 
     if mcfg.arch == "qwen" and (mcfg.norm, mcfg.activation, mcfg.pos_emb) == ("layernorm", "gelu", "learned"):
-        bad("model.arch", "qwen", "but model.norm/activation/pos_emb are the GPT-2 defaults; set norm: rmsnorm, "
-            "activation: swiglu, pos_emb: rope, bias: false, qkv_bias: true (see configs/model/qwen-tiny.yaml)")
+        bad(
+            "model.arch",
+            "qwen",
+            "but model.norm/activation/pos_emb are the GPT-2 defaults; set norm: rmsnorm, "
+            "activation: swiglu, pos_emb: rope, bias: false, qkv_bias: true (see configs/model/qwen-tiny.yaml)",
+        )
     if not 0 <= stage < n_stages:
         bad("stage", stage, f"must be in [0, {n_stages})")
     if mcfg.n_layers % n_stages:
         bad("model.n_layers", mcfg.n_layers, f"is not divisible by parallel.pipeline={n_stages}")
-    for name, n in (("model.n_heads", mcfg.n_heads), ("model.n_kv_heads", mcfg.kv_heads),
-                    ("model.d_ff", mcfg.ffn_dim), ("model.vocab_size", mcfg.vocab_size)):
+    for name, n in (
+        ("model.n_heads", mcfg.n_heads),
+        ("model.n_kv_heads", mcfg.kv_heads),
+        ("model.d_ff", mcfg.ffn_dim),
+        ("model.vocab_size", mcfg.vocab_size),
+    ):
         if n % tp_size:
             bad(name, n, f"is not divisible by parallel.tensor={tp_size}")
     if mcfg.tie_embeddings and n_stages > 1:
         bad("model.tie_embeddings", True, f"is not supported with parallel.pipeline={n_stages} > 1")
     if mcfg.dropout > 0 and tp_size > 1:
         bad("model.dropout", mcfg.dropout, f"must be 0 with parallel.tensor={tp_size} > 1 (no TP-synchronised RNG)")
-    if group_size(tp_group) != tp_size:
-        bad("tp_size", tp_size, f"does not match the size {group_size(tp_group)} of the tensor-parallel group passed")
+    if group_world(tp_group) != tp_size:
+        bad("tp_size", tp_size, f"does not match the size {group_world(tp_group)} of the tensor-parallel group passed")
     if tp_group is not None and group_rank(tp_group) != tp_rank:
         bad("tp_rank", tp_rank, f"is not this process's rank {group_rank(tp_group)} in the tensor-parallel group")
-
-
-def _param_seed(seed: int, name: str) -> int:
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 def param_layer_id(name: str) -> int | None:
@@ -197,8 +209,16 @@ def param_layer_id(name: str) -> int | None:
 class StageModel(nn.Module):
     """The layers of one pipeline stage on one TP rank (see the module docstring)."""
 
-    def __init__(self, mcfg: ModelConfig, stage: int = 0, n_stages: int = 1, tp_rank: int = 0,
-                 tp_size: int = 1, tp_group=None, device="cpu"):
+    def __init__(
+        self,
+        mcfg: ModelConfig,
+        stage: int = 0,
+        n_stages: int = 1,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group=None,
+        device="cpu",
+    ):
         super().__init__()
         _check_layout(mcfg, stage, n_stages, tp_rank, tp_size, tp_group)
         self.mcfg, self.stage, self.n_stages = mcfg, stage, n_stages
@@ -216,7 +236,9 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(mcfg, tp_group, tp_size, linear_fn, device) for i in self.layer_ids})
         if self.is_last:
             self.norm_f = make_norm(mcfg, device)
-            self.head = ColumnParallelLinear(d, V, False, tp_group, tp_size, device=device)  # head stays in high precision
+            self.head = ColumnParallelLinear(
+                d, V, False, tp_group, tp_size, device=device
+            )  # head stays in high precision
             if mcfg.tie_embeddings:
                 self.head.weight = self.embed.weight
 
@@ -224,7 +246,9 @@ class StageModel(nn.Module):
         """Token ids ``[B, S]`` (first stage) or hidden ``[B, S, d]`` -> hidden, or logits shard ``[B, S, V/T]`` (last)."""
         if self.is_first:
             if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"the first stage takes token ids [batch, seq] (int64), got {x.dtype} {tuple(x.shape)}")
+                raise ValueError(
+                    f"the first stage takes token ids [batch, seq] (int64), got {x.dtype} {tuple(x.shape)}"
+                )
             h = self.embed(x)
             if hasattr(self, "pos_embed"):
                 if x.shape[1] > self.mcfg.max_seq_len:
@@ -233,7 +257,9 @@ class StageModel(nn.Module):
             h = self.drop(h)
         else:
             if x.dim() != 3 or x.shape[-1] != self.mcfg.d_model:
-                raise ValueError(f"stage {self.stage} takes hidden states [batch, seq, {self.mcfg.d_model}], got {tuple(x.shape)}")
+                raise ValueError(
+                    f"stage {self.stage} takes hidden states [batch, seq, {self.mcfg.d_model}], got {tuple(x.shape)}"
+                )
             h = x
         rope = None
         if self.mcfg.pos_emb == "rope":
@@ -270,7 +296,7 @@ class StageModel(nn.Module):
                 p.zero_()
             else:
                 s = init_std_scaled(std, self.mcfg.n_layers) if any(n in parts for n in RESIDUAL_OUT_NAMES) else std
-                g = torch.Generator(device=p.device).manual_seed(_param_seed(seed, name))
+                g = torch.Generator(device=p.device).manual_seed(text_seed(f"{seed}/{name}"))
                 full = torch.empty(full_shape(p), device=p.device, dtype=torch.float32).normal_(0.0, s, generator=g)
                 if is_tensor_parallel(p):
                     full = shard_tensor(full, p.partition_dim, self.tp_rank, self.tp_size)
@@ -311,8 +337,16 @@ class StageModel(nn.Module):
         return out
 
 
-def build_stage_model(mcfg: ModelConfig, stage: int = 0, n_stages: int = 1, tp_rank: int = 0, tp_size: int = 1,
-                      tp_group=None, seed: int = 0, device="cpu") -> StageModel:
+def build_stage_model(
+    mcfg: ModelConfig,
+    stage: int = 0,
+    n_stages: int = 1,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group=None,
+    seed: int = 0,
+    device="cpu",
+) -> StageModel:
     """Build and initialise one stage on one TP rank (device='meta': built, not initialised;
     call ``model.to_empty(device=...)`` then ``model.init_weights(seed)``)."""
     model = StageModel(mcfg, stage, n_stages, tp_rank, tp_size, tp_group, device)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from dilocox.config import ConfigError
+from dilocox.config import ConfigError, check_outer_schedule
 
 
 def assign_fragments(names: Sequence[str], layer_of: Callable[[str], int | None], k: int,
@@ -65,10 +65,7 @@ class SyncSchedule:
     """Next sync step of every fragment, and the launch step ``tau`` before it."""
 
     def __init__(self, k: int, h: int, tau: int) -> None:
-        if h % k:
-            raise ConfigError(f"outer.sync_every={h} must be divisible by outer.streaming.fragments={k}")
-        if not 0 <= tau < max(h // k, 1):
-            raise ConfigError(f"outer.streaming.tau={tau} must be in [0, sync_every/fragments={h // k})")
+        check_outer_schedule(h, k, tau)
         self.k, self.tau = k, tau
         self.next_sync = [p * h // k if p > 0 else h for p in range(k)]
 
@@ -91,5 +88,6 @@ class SyncSchedule:
 
     def load_state_dict(self, sd: dict) -> None:
         if len(sd["next_sync"]) != self.k:
-            raise ValueError(f"checkpoint has {len(sd['next_sync'])} fragments, this run has outer.streaming.fragments={self.k}")
+            raise ValueError(f"checkpoint has {len(sd['next_sync'])} fragments, "
+                             f"this run has outer.streaming.fragments={self.k}")
         self.next_sync = [int(x) for x in sd["next_sync"]]

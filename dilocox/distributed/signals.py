@@ -1,0 +1,414 @@
+"""Signals and bounded waits: a Ctrl-C or SIGTERM stops the whole run cleanly, nothing waits forever.
+
+Three pieces (see docs/RELIABILITY.md for what each fault does and how long it takes):
+
+- :func:`supervise` (the ``dilocox train --nproc N`` parent): torchrun runs in its own session;
+  SIGINT/SIGTERM/SIGHUP received by the parent are forwarded to torchrun, which forwards them to
+  its workers (and SIGKILLs them 30 s later). The parent returns only after its children
+  exited; after ``stop_timeout_s`` (``train.stop_timeout_s``, default 60) or at a second signal
+  it SIGKILLs every process of the run, found by a tag in their environment
+  (``DILOCOX_RUN_TAG``), so even workers orphaned by a dead torchrun are found.
+- :class:`StopFlag` (every worker): the handler only sets a flag. At each step boundary every
+  rank learns whether *any* rank got a signal by a one-integer all-reduce MAX over the world on
+  a dedicated process group (as Megatron's DistributedSignalHandler does each iteration). The
+  all-reduce is started at boundary k and read at boundary k+1, so it overlaps one step's
+  compute and costs no round trip on the critical path; every rank decides on the same step.
+  The trainer then saves a checkpoint (unless one exists for this step) and exits with
+  128 + signal number (130 for SIGINT, 143 for SIGTERM).
+- :func:`bounded_wait`: polls a completion test, logs "waiting N s for <op> with <peers> ..."
+  every ``warn_after_s`` while it lasts, and raises :class:`CommTimeoutError` (naming the
+  operation, the peers and the timeout key) after ``timeout_s``. :func:`exit_watchdog` logs such
+  an error and, if the clean-up that follows is itself stuck (a thread inside a collective,
+  ``destroy_process_group`` with a dead peer), ends the process with ``os._exit`` after 15 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import uuid
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+RUN_TAG_ENV = "DILOCOX_RUN_TAG"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class CommTimeoutError(RuntimeError):
+    """A wait on another rank or replica passed its configured timeout (or its collective failed)."""
+
+
+class Interrupted(Exception):
+    """Raised by the trainer after it stopped (and saved) at a step boundary because of a signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        where = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint"
+        super().__init__(f"interrupted by {name} at step {step}; {where}; run the same command again to resume")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(msg + "\n")  # one write: lines of several ranks sharing a terminal do not interleave
+    sys.stderr.flush()
+
+
+def _rank_log(msg: str) -> None:
+    _log(f"[rank {os.environ.get('RANK', '0')}] {msg}")
+
+
+# ---------------------------------------------------------------------------------------------- bounded waits
+def bounded_wait(
+    done: Callable[[], bool],
+    what: str,
+    timeout_s: float | None,
+    warn_after_s: float | None,
+    log: Callable[[str], None] = _log,
+    poll_s: float = 0.5,
+) -> float:
+    """Wait until ``done()`` is true; return the seconds waited.
+
+    While the wait lasts longer than ``warn_after_s``, logs ``waiting N s for <what> ...`` every
+    ``warn_after_s``; after ``timeout_s`` raises CommTimeoutError. None disables either bound."""
+    t0 = time.monotonic()
+    if done():
+        return 0.0
+    next_warn = warn_after_s if warn_after_s else None
+    sleep = 0.001
+    while not done():
+        elapsed = time.monotonic() - t0
+        if timeout_s is not None and elapsed >= timeout_s:
+            raise CommTimeoutError(f"timed out after {elapsed:.0f} s waiting for {what}")
+        if next_warn is not None and elapsed >= next_warn:
+            log(f"waiting {elapsed:.0f} s for {what} ...")
+            next_warn += warn_after_s
+        time.sleep(sleep)
+        sleep = min(poll_s, sleep * 2)  # fast for the common short wait, cheap for the long one
+    return time.monotonic() - t0
+
+
+def exit_watchdog(err: BaseException, after_s: float = 15.0, code: int = 1) -> threading.Thread:
+    """Log ``err`` now; if this process is still alive ``after_s`` seconds later (the clean-up is stuck,
+    e.g. in a collective or ``destroy_process_group`` with a dead peer), end it with ``os._exit``.
+
+    The caller re-raises ``err`` and cleans up normally; the daemon thread only bounds that."""
+    rank = os.environ.get("RANK", "0")
+    _log(f"[rank {rank}] error: {err}")
+
+    def _fire() -> None:
+        time.sleep(after_s)
+        _log(f"[rank {rank}] still alive {after_s:.0f} s after a communication failure: exiting now")
+        os._exit(code)
+
+    t = threading.Thread(target=_fire, name="dilocox-exit-watchdog", daemon=True)
+    t.start()
+    return t
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIST = os.path.join("torch", "distributed") + os.sep
+
+
+def _where(frames) -> str | None:
+    """'all_ranks_agree (dilocox/checkpoint.py:414)' for the innermost dilocox frame of ``frames`` (outer first)."""
+    for name, filename, lineno in reversed(frames):
+        if filename.startswith(_PKG) and not filename.endswith("signals.py"):
+            return f"{name} ({os.path.relpath(filename, os.path.dirname(_PKG))}:{lineno})"
+    return None
+
+
+class StallMonitor:
+    """A daemon thread that logs, every ``warn_after_s``, while the main thread is blocked inside a
+    torch.distributed call (a collective on any group: checkpoint agreements, pipeline sends, TP/DP
+    all-reduces), naming the innermost dilocox frame. The bound itself is the group's timeout."""
+
+    def __init__(
+        self, warn_after_s: float, peers: str, log: Callable[[str], None] | None = None, poll_s: float = 1.0
+    ) -> None:
+        self.warn_after_s, self.peers, self.poll_s = warn_after_s, peers, poll_s
+        self._log = log or _rank_log
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, name="dilocox-stall-monitor", daemon=True)
+
+    def start(self) -> "StallMonitor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _blocked_in(self) -> str | None:
+        frame = sys._current_frames().get(self._main)
+        stack, in_dist = [], False
+        while frame is not None:
+            fn = frame.f_code.co_filename
+            in_dist = in_dist or _TORCH_DIST in fn
+            stack.append((frame.f_code.co_name, fn, frame.f_lineno))
+            frame = frame.f_back
+        return _where(stack[::-1]) if in_dist else None
+
+    def _run(self) -> None:
+        key, since, next_warn = None, 0.0, 0.0
+        while not self._stop.wait(self.poll_s):
+            where, now = self._blocked_in(), time.monotonic()
+            if where != key:
+                key, since, next_warn = where, now, self.warn_after_s
+                continue
+            if key is not None and now - since >= next_warn:
+                self._log(
+                    f"waiting {now - since:.0f} s for the collective in {key} (with {self.peers} or ranks "
+                    f"of this replica) ..."
+                )
+                next_warn += self.warn_after_s
+
+
+_COMM_MARKERS = ("gloo", "nccl", "Connection closed by peer", "Timed out waiting", "Connection reset")
+
+
+def comm_failure_message(err: BaseException, peers: str, timeout_key: str, timeout_s: float) -> str | None:
+    """A one-line description of a failed collective (``None`` if ``err`` is not one).
+
+    For errors raised inside a collective called from code without its own wrapper (e.g. a
+    checkpoint agreement on the default group) it names the innermost dilocox frame."""
+    if isinstance(err, CommTimeoutError):
+        return str(err)
+    text = str(err)
+    if not (isinstance(err, dist.DistBackendError) or any(m in text for m in _COMM_MARKERS)):
+        return None
+    inner = _where([(fr.name, fr.filename, fr.lineno) for fr in traceback.extract_tb(err.__traceback__)])
+    where = f"the collective in {inner}" if inner else "a collective"
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return (
+        f"{where} with {peers} failed: {first} ({timeout_key}={timeout_s:g}); the last complete checkpoint "
+        f"is still valid"
+    )
+
+
+def replica_peers(topo) -> str:
+    """'replica(s) 1, 2' — the other replicas of the outer group (for wait messages)."""
+    if topo is None or topo.R <= 1:
+        return "the other ranks of this replica"
+    others = [r for r in range(topo.R) if r != topo.replica]
+    return f"replica(s) {', '.join(map(str, others))}"
+
+
+# ---------------------------------------------------------------------------------------------- workers
+class StopFlag:
+    """Per-rank signal flag plus the world-wide agreement at step boundaries (see module docstring).
+
+    ``install()`` (main thread) sets the handlers; ``should_stop()`` is called by every rank at
+    every step boundary and returns the same answer on all of them. ``close()`` finishes the
+    agreement in flight (all ranks started it, so it completes) and restores the handlers."""
+
+    def __init__(self, log: Callable[[str], None] = _rank_log) -> None:
+        self.signum: int | None = None
+        self.agreed_signum: int | None = None
+        self._log = log
+        self._prev: dict[int, object] = {}
+        self._group = None
+        self._timeout_s: float | None = None
+        self._warn_after_s: float | None = None
+        self._what = "the stop-signal agreement"
+        self._timeout_key = "parallel.timeout_s"
+        self._work = None
+        self._buf: torch.Tensor | None = None
+
+    def install(self) -> "StopFlag":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in STOP_SIGNALS:
+            self._prev[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:  # second signal: the user does not want to wait for the save
+            _log(f"[rank {os.environ.get('RANK', '0')}] second signal ({name}): exiting now without a checkpoint")
+            os._exit(128 + signum)
+        self.signum = signum
+        _log(
+            f"[rank {os.environ.get('RANK', '0')}] received {name}: stopping at the next step boundary and saving a "
+            f"checkpoint (a second signal exits at once)"
+        )
+
+    def attach(
+        self,
+        world_size: int,
+        timeout_s: float,
+        warn_after_s: float | None,
+        peers: str,
+        timeout_key: str = "outer.timeout_s",
+    ) -> None:
+        """Create the dedicated agreement group (collective: every rank calls it at the same point)."""
+        self._timeout_s, self._warn_after_s, self._timeout_key = timeout_s, warn_after_s, timeout_key
+        self._what = f"the stop-signal agreement (all-reduce MAX over all ranks, with {peers})"
+        if world_size > 1 and dist.is_initialized():
+            import datetime
+
+            self._group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
+
+    def _collect(self) -> int:
+        if self._work is None:
+            return 0
+        work, buf, self._work = self._work, self._buf, None
+        t0 = time.monotonic()
+        try:
+            bounded_wait(work.is_completed, self._what, self._timeout_s, self._warn_after_s, self._log)
+            work.wait()  # re-raises a gloo error (e.g. its own timeout)
+        except (RuntimeError, CommTimeoutError) as e:  # DistBackendError is a RuntimeError
+            raise CommTimeoutError(
+                f"{self._what} failed after {time.monotonic() - t0:.0f} s "
+                f"({self._timeout_key}={self._timeout_s:g}): {e}; the last complete checkpoint "
+                f"is still valid"
+            ) from None
+        return int(buf.item())
+
+    def should_stop(self) -> bool:
+        if self.agreed_signum is not None:
+            return True
+        if self._group is None:  # one process: the local flag is the answer
+            agreed = self.signum or 0
+        else:
+            agreed = self._collect()
+            if not agreed:
+                self._buf = torch.tensor([self.signum or 0], dtype=torch.int64)
+                self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if agreed:
+            self.agreed_signum = agreed
+        return bool(agreed)
+
+    def close(self, drain: bool = True) -> None:
+        """Restore the handlers; ``drain``: first finish the agreement in flight (the normal end of a run)."""
+        try:
+            if drain and self._work is not None:
+                self._collect()
+        finally:
+            for sig, prev in self._prev.items():
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, prev)  # type: ignore[arg-type]
+            self._prev.clear()
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs of live processes whose environment holds ``DILOCOX_RUN_TAG=<tag>`` (a /proc scan)."""
+    needle = f"{RUN_TAG_ENV}={tag}".encode()
+    out, skip = [], _ancestors()  # never this process or the ones that started it (they may carry the tag)
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in skip:
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != b"Z":
+            out.append(int(d))
+    return out
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def kill_tagged(tag: str, sig: int = signal.SIGKILL) -> list[int]:
+    pids = tagged_pids(tag)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    return pids
+
+
+def supervise(cmd: list[str], env: dict, stop_timeout_s: float = 60.0, log: Callable[[str], None] = _log) -> int:
+    """Run ``cmd`` (torchrun) in its own session; forward stop signals to it; return its exit code.
+
+    After the first signal the children get ``stop_timeout_s`` to save and exit, then every
+    process of the run is SIGKILLed; a second signal does that at once. Returns 128 + signal
+    number if a signal was received (the children's own codes are logged), else the child's code."""
+    tag = env.get(RUN_TAG_ENV) or uuid.uuid4().hex
+    env = dict(env, **{RUN_TAG_ENV: tag})
+    got: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    prev = {}
+
+    first_at: list[float] = []
+    child: list[subprocess.Popen] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        got.append(signum)
+        first_at.append(time.monotonic())
+        name = signal.Signals(signum).name
+        if len(got) == 1:
+            log(
+                f"dilocox: {name} received: asking every rank to save a checkpoint and stop (up to "
+                f"{stop_timeout_s:.0f} s; a second signal kills the run at once)"
+            )
+            if child:
+                _forward(child[0], signum)
+        else:
+            log(f"dilocox: second signal ({name}): killing every process of the run now")
+            kill_tagged(tag)
+
+    # handlers first, then the child: a signal in between is forwarded as soon as the child exists.
+    # (Not a blocked signal mask around Popen: the child would inherit it and ignore SIGTERM.)
+    if main:
+        for sig in STOP_SIGNALS:
+            prev[sig] = signal.signal(sig, on_signal)
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        child.append(proc)
+        if got:
+            _forward(proc, got[0])
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if first_at and time.monotonic() - first_at[0] > stop_timeout_s:
+                log(f"dilocox: the run did not stop within {stop_timeout_s:.0f} s (train.stop_timeout_s): killing it")
+                kill_tagged(tag)
+                first_at[0] = float("inf")  # once
+        # torchrun gone: its workers must be too (a SIGKILLed torchrun leaves them running)
+        left = kill_tagged(tag)
+        if left:
+            log(f"dilocox: killed {len(left)} process(es) of the run left behind by torchrun: {left}")
+    finally:
+        for sig, h in prev.items():
+            signal.signal(sig, h)  # type: ignore[arg-type]
+    if got:
+        log(f"dilocox: stopped by {signal.Signals(got[0]).name} (torchrun exit code {code})")
+        return 128 + got[0]
+    return code
+
+
+def _forward(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.kill(proc.pid, signum)  # torchrun forwards it to each worker
+    except OSError:
+        pass

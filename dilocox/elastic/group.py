@@ -1,0 +1,340 @@
+"""Elastic outer group on torchft: one flat all-reduce per outer step over the replicas alive now.
+
+Each replica (one process per replica in this slice) owns a torchft ``Manager`` whose
+``ProcessGroupGloo`` is reconfigured by the ``Lighthouse`` quorum at every outer step. One call
+of ``ElasticOuterGroup.allreduce_mean(flat)``:
+
+1. asks for a quorum of live replicas (bounded by ``quorum_timeout_s``; the lighthouse forms it
+   when every replica that still heartbeats has joined, so a ``kill -9``'d replica is dropped
+   once its heartbeat expires);
+2. all-reduces ONE flat buffer ``[flat | one-hot(replica_rank)]`` with SUM (bounded by
+   ``timeout_s``). The one-hot tail counts the contributors from the data itself: a replica
+   that torchft marks as not participating (healing / behind the max step) has its buffer
+   zeroed, so it adds nothing to the sum and is not counted;
+3. asks the replica's manager to commit; on a failed all-reduce (a peer died while it was in
+   flight) nothing is returned half-done: the step is retried from the caller's untouched
+   input with a fresh quorum, at most ``max_attempts`` times, within one overall deadline;
+4. returns the sum divided by the number of contributors (the renormalised mean), which is
+   bit-identical on every contributor (gloo returns the same reduced bytes to every rank).
+
+Below ``min_replicas`` live contributors the survivors keep re-forming the quorum until the
+deadline (``quorum_timeout_s``), then raise ``ElasticMinReplicasError`` naming the count, the
+wait and the fix. Nothing waits forever.
+
+torchft is imported lazily (on first construction) so that ``import dilocox`` works without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("dilocox.elastic")
+
+
+class ElasticError(RuntimeError):
+    """Base class of the elastic outer group's errors."""
+
+
+class ElasticMinReplicasError(ElasticError):
+    """Fewer than ``min_replicas`` live replicas for longer than the configured wait."""
+
+
+class ElasticStepError(ElasticError):
+    """The outer all-reduce failed ``max_attempts`` times in a row (or ran past its deadline)."""
+
+
+class ElasticBehindError(ElasticError):
+    """This replica is behind the live replicas' outer step (a late joiner): it needs the live join of issue 10."""
+
+
+@dataclass
+class ElasticConfig:
+    """Settings of one replica's elastic outer group (validated by ``validate``).
+
+    lighthouse_addr: ``http://host:port`` of the torchft lighthouse.
+    replica_rank: this replica's index in ``[0, max_replicas)``; stable across restarts.
+    min_replicas: fewest contributors an outer step may be averaged over.
+    initial_replicas: replicas the FIRST outer step waits for (bounded by ``quorum_timeout_s``; then it goes on
+        with at least ``min_replicas``); None means ``min_replicas``. A replica that misses the first step is
+        behind for good in this slice (no live join yet) and stops with ``ElasticBehindError``.
+    max_replicas: size of the one-hot contributor tail (upper bound on the number of replicas).
+    timeout_s: bound on one all-reduce / commit (torchft Manager and gloo timeout).
+    quorum_timeout_s: bound on forming a quorum, and on waiting below ``min_replicas``.
+    max_attempts: retries of one outer step after a failed all-reduce.
+    heartbeat_ms: how often the replica's manager heartbeats the lighthouse.
+    host: address this replica advertises and binds its store to (loopback by default).
+    """
+
+    lighthouse_addr: str
+    replica_rank: int
+    min_replicas: int = 1
+    initial_replicas: int | None = None
+    max_replicas: int = 64
+    timeout_s: float = 30.0
+    quorum_timeout_s: float = 60.0
+    max_attempts: int = 3
+    heartbeat_ms: int = 100
+    host: str = "127.0.0.1"
+
+    def validate(self) -> None:
+        def bad(name: str, fix: str) -> ValueError:
+            return ValueError(f"elastic.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if not isinstance(self.lighthouse_addr, str) or not self.lighthouse_addr.startswith(("http://", "https://")):
+            raise bad("lighthouse_addr", "give the lighthouse address as http://host:port")
+        if not (isinstance(self.max_replicas, int) and self.max_replicas >= 1):
+            raise bad("max_replicas", "use an integer >= 1")
+        if not (isinstance(self.replica_rank, int) and 0 <= self.replica_rank < self.max_replicas):
+            raise bad("replica_rank", f"use an integer in [0, max_replicas={self.max_replicas})")
+        if not (isinstance(self.min_replicas, int) and 1 <= self.min_replicas <= self.max_replicas):
+            raise bad("min_replicas", f"use an integer in [1, max_replicas={self.max_replicas}]")
+        ini = self.initial_replicas
+        if ini is not None and not (isinstance(ini, int) and self.min_replicas <= ini <= self.max_replicas):
+            raise bad(
+                "initial_replicas",
+                f"use null or an integer in [min_replicas={self.min_replicas}, max_replicas={self.max_replicas}]",
+            )
+        for name in ("timeout_s", "quorum_timeout_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0):
+                raise bad(name, "use a positive number of seconds")
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise bad("max_attempts", "use an integer >= 1")
+        if not (isinstance(self.heartbeat_ms, int) and self.heartbeat_ms >= 1):
+            raise bad("heartbeat_ms", "use an integer >= 1 (milliseconds)")
+
+
+@dataclass
+class ElasticResult:
+    """One committed outer step: the renormalised mean and who contributed to it."""
+
+    mean: Tensor
+    contributors: list[int]
+    quorum_id: int
+    step: int
+    attempts: int
+    quorum_s: float
+    allreduce_s: float
+
+
+def start_lighthouse(
+    min_replicas: int,
+    bind: str = "[::]:0",
+    join_timeout_ms: int = 60000,
+    quorum_tick_ms: int = 20,
+    heartbeat_timeout_ms: int = 2000,
+):
+    """Start a torchft lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
+
+    ``heartbeat_timeout_ms`` is how long a silent replica stays in the membership: it bounds
+    the detection time of a ``kill -9``'d replica. ``join_timeout_ms`` is how long the
+    lighthouse waits for live (still heartbeating) stragglers once ``min_replicas`` have joined;
+    keep it above the replicas' phase-time skew, or a slow but live replica is left out of the
+    step and falls behind for good (torchft's default is 60 s). A dead replica is dropped after
+    ``heartbeat_timeout_ms`` whatever ``join_timeout_ms`` is (docs/ELASTIC.md).
+    """
+    from torchft.coordination import LighthouseServer  # lazy: torchft is optional
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+
+
+class ElasticOuterGroup:
+    """Per-outer-step quorum + one flat mean all-reduce over the live replicas (module docstring)."""
+
+    def __init__(self, cfg: ElasticConfig) -> None:
+        cfg.validate()
+        try:  # lazy: torchft is an optional dependency of the elastic mode only
+            from torchft import Manager, ProcessGroupGloo
+        except ImportError as e:
+            raise ElasticError(f"the elastic outer group needs torchft: pip install torchft==0.2.0 ({e})") from e
+        from torch.distributed import TCPStore
+
+        self.cfg = cfg
+        self._store = TCPStore(
+            host_name=cfg.host, port=0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
+        )
+        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout_s))
+        # Each replica is its own group of world size 1 here; the state-dict hooks are for
+        # torchft's healing path, which this slice does not use (start_quorum(allow_heal=False)).
+        self._manager = Manager(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.timeout_s),
+            rank=0,
+            world_size=1,
+            store_addr=cfg.host,
+            store_port=self._store.port,
+            lighthouse_addr=cfg.lighthouse_addr,
+            replica_id=f"replica{cfg.replica_rank}",
+            hostname=cfg.host,
+            heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
+            init_sync=False,
+        )
+        self.closed = False
+        # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
+        self.on_quorum: Callable[[int], None] | None = None
+
+    @property
+    def step(self) -> int:
+        """Committed outer steps (torchft's step counter)."""
+        return self._manager.current_step()
+
+    def _quorum(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ElasticMinReplicasError(self._below_msg(None))
+        t0 = time.monotonic()
+        try:
+            self._manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=left))
+        except Exception as e:  # the Rust client raises a plain RuntimeError on timeout
+            if time.monotonic() >= deadline - 0.05 or "timeout" in str(e).lower() or "deadline" in str(e).lower():
+                raise ElasticMinReplicasError(self._below_msg(None) + f" (torchft: {str(e).splitlines()[0]})") from e
+            raise ElasticStepError(f"replica {self.cfg.replica_rank}: quorum failed: {e}") from e
+        return time.monotonic() - t0
+
+    def _below_msg(self, n: int | None) -> str:
+        c = self.cfg
+        if n is None:
+            return (
+                f"replica {c.replica_rank}: no quorum within elastic.quorum_timeout_s={c.quorum_timeout_s}s: fewer "
+                f"than elastic.min_replicas={c.min_replicas} live replicas joined, or the lighthouse at "
+                f"{c.lighthouse_addr} is unreachable; restart the lost replicas or the lighthouse, lower "
+                f"min_replicas, or raise quorum_timeout_s"
+            )
+        return (
+            f"replica {c.replica_rank}: only {n} live replica(s) (elastic.min_replicas={c.min_replicas}) "
+            f"joined the outer step within elastic.quorum_timeout_s={c.quorum_timeout_s}s; restart the lost "
+            f"replicas, lower min_replicas, or raise quorum_timeout_s"
+        )
+
+    def allreduce_mean(self, flat: Tensor) -> ElasticResult:
+        """Mean of ``flat`` (1-D, floating) over the replicas contributing to this outer step.
+
+        ``flat`` is not modified. Raises ``ElasticMinReplicasError`` below ``min_replicas`` after
+        the bounded wait, ``ElasticStepError`` after ``max_attempts`` failed all-reduces.
+        """
+        if self.closed:
+            raise ElasticError("allreduce_mean on a closed ElasticOuterGroup")
+        if flat.dim() != 1 or not torch.is_floating_point(flat):
+            raise ValueError(f"allreduce_mean takes a 1-D floating tensor, got shape {tuple(flat.shape)} {flat.dtype}")
+        c = self.cfg
+        from torch.distributed import ReduceOp
+
+        n_el = flat.numel()
+        # the first outer step waits (bounded) for initial_replicas, later ones for min_replicas
+        want = max(c.min_replicas, c.initial_replicas or 0) if self._manager.current_step() == 0 else c.min_replicas
+        wait_since: float | None = None
+        last_err: str = ""
+        t_start = time.monotonic()
+        deadline = t_start + c.quorum_timeout_s + c.max_attempts * c.timeout_s
+        attempts = 0
+        while attempts < c.max_attempts:
+            quorum_deadline = min(deadline, (wait_since or time.monotonic()) + c.quorum_timeout_s)
+            quorum_s = self._quorum(quorum_deadline)
+            n_live = self._manager.num_participants()
+            if n_live < want:
+                now = time.monotonic()
+                wait_since = wait_since or now
+                if now - wait_since < c.quorum_timeout_s:
+                    log.warning(
+                        "replica %d: %d live replica(s) < %d wanted (min_replicas=%d); waiting (bounded, "
+                        "%.0fs left) for a join",
+                        c.replica_rank,
+                        n_live,
+                        want,
+                        c.min_replicas,
+                        c.quorum_timeout_s - (now - wait_since),
+                    )
+                    time.sleep(min(0.2, c.quorum_timeout_s / 10))
+                    continue
+                if n_live < c.min_replicas:
+                    raise ElasticMinReplicasError(self._below_msg(n_live))
+                log.warning(
+                    "replica %d: going on with %d live replicas (initial_replicas=%s did not all join within %ss)",
+                    c.replica_rank,
+                    n_live,
+                    c.initial_replicas,
+                    c.quorum_timeout_s,
+                )
+                want = c.min_replicas
+            if self.on_quorum is not None:
+                self.on_quorum(n_live)
+            attempts += 1
+            buf = torch.zeros(n_el + c.max_replicas, dtype=flat.dtype)
+            buf[:n_el].copy_(flat)
+            buf[n_el + c.replica_rank] = 1
+            t0 = time.monotonic()
+            work = self._manager.allreduce(buf, reduce_op=ReduceOp.SUM)
+            try:
+                work.wait(timedelta(seconds=max(0.1, min(c.timeout_s, deadline - time.monotonic()))))
+            except Exception as e:  # torchft normally records errors in the manager instead of raising
+                self._manager.report_error(e)
+            allreduce_s = time.monotonic() - t0
+            err = self._manager.errored()
+            committed = self._manager.should_commit(timedelta(seconds=c.timeout_s))
+            if committed and err is None:
+                onehot = buf[n_el:]
+                contributors = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
+                if any(float(onehot[i]) != 1.0 for i in contributors):
+                    raise ElasticStepError(
+                        f"replica {c.replica_rank}: two live replicas share a replica_rank "
+                        f"(contributor counts {onehot[contributors].tolist()}); give each its own"
+                    )
+                if c.replica_rank not in contributors:
+                    raise ElasticBehindError(
+                        f"replica {c.replica_rank} is behind the live replicas (its outer step "
+                        f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}): "
+                        f"joining a running job needs the live join with state transfer (issue 10), not done yet; "
+                        f"start every replica before the first outer step (elastic.initial_replicas)"
+                    )
+                if len(contributors) < c.min_replicas:
+                    # members of the quorum that were not participating (e.g. behind the max step)
+                    raise ElasticMinReplicasError(self._below_msg(len(contributors)))
+                mean = buf[:n_el].div_(len(contributors))
+                return ElasticResult(
+                    mean=mean,
+                    contributors=contributors,
+                    quorum_id=self._manager._quorum_id,
+                    step=self._manager.current_step(),
+                    attempts=attempts,
+                    quorum_s=quorum_s,
+                    allreduce_s=allreduce_s,
+                )
+            last_err = str(err.original_exception if err is not None else "should_commit returned False")
+            log.warning(
+                "replica %d: outer all-reduce attempt %d failed (%s); retrying with a new quorum",
+                c.replica_rank,
+                attempts,
+                last_err.splitlines()[0] if last_err else "",
+            )
+            if time.monotonic() >= deadline:
+                break
+        raise ElasticStepError(
+            f"replica {c.replica_rank}: the outer all-reduce failed {attempts} time(s) within "
+            f"{time.monotonic() - t_start:.1f}s (elastic.max_attempts={c.max_attempts}, "
+            f"elastic.timeout_s={c.timeout_s}); last error: {last_err.splitlines()[0][:300]}"
+        )
+
+    def close(self) -> None:
+        """Shut the manager down (no wait on peers beyond the configured timeouts)."""
+        if not self.closed:
+            self.closed = True
+            self._manager.shutdown(wait=False)

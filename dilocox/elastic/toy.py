@@ -1,0 +1,397 @@
+"""Toy elastic "training" on loopback: the lighthouse, replica processes and the measurement driver.
+
+Used by tests/test_elastic.py and to measure torchft here (docs/ELASTIC.md):
+
+    python3 -m dilocox.elastic.toy measure            # 3 replicas, kill -9 one, prints the numbers as JSON
+    python3 -m dilocox.elastic.toy lighthouse --min-replicas 2
+    python3 -m dilocox.elastic.toy replica --lighthouse http://HOST:PORT --rank 0 --steps 5 --out r0.jsonl
+
+Replica ``r`` contributes, at outer step ``s``, the vector ``v_r,s = (r + 1) * 1000 + s + arange(size)`` (exact
+in float32, and so are sums of a few of them) and applies ``theta <- theta - mean``. With ``--die-at-step k``
+the replica SIGKILLs itself in the middle of its phase before step ``k``'s all-reduce. Each committed step is one
+JSON line (flushed) in ``--out``: the contributors, the mean's and theta's SHA-256, the quorum and all-reduce time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from dilocox.elastic.group import ElasticConfig, ElasticError, ElasticOuterGroup, start_lighthouse
+
+
+def contribution(rank: int, step: int, size: int) -> torch.Tensor:
+    """The vector replica ``rank`` contributes at outer step ``step``."""
+    return torch.arange(size, dtype=torch.float32) + float((rank + 1) * 1000 + step)
+
+
+def oracle(schedule: list[list[int]], size: int) -> list[tuple[str, str]]:
+    """(mean sha, theta sha) per step for a membership schedule (contributors of each step)."""
+    theta = torch.zeros(size, dtype=torch.float32)
+    out = []
+    for step, live in enumerate(schedule):
+        total = torch.zeros(size, dtype=torch.float32)
+        for r in sorted(live):
+            total += contribution(r, step, size)
+        mean = total / len(live)
+        theta -= mean
+        out.append((sha(mean), sha(theta)))
+    return out
+
+
+def sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def run_replica(a: argparse.Namespace) -> int:
+    cfg = ElasticConfig(
+        lighthouse_addr=a.lighthouse,
+        replica_rank=a.rank,
+        min_replicas=a.min_replicas,
+        initial_replicas=a.initial_replicas,
+        max_replicas=a.max_replicas,
+        timeout_s=a.timeout,
+        quorum_timeout_s=a.quorum_timeout,
+    )
+    out = open(a.out, "a", buffering=1)
+
+    def emit(rec: dict) -> None:
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+
+    t0 = time.time()
+    group = ElasticOuterGroup(cfg)
+    emit({"event": "started", "t": time.time(), "init_s": time.time() - t0})
+    theta = torch.zeros(a.size, dtype=torch.float32)
+    code = 0
+    cur = {"step": -1}
+
+    def die_in_flight(n_live: int) -> None:  # after the quorum, before this replica's all-reduce
+        if cur["step"] == a.die_at_step:
+            emit({"event": "kill", "step": cur["step"], "t": time.time(), "mode": "inflight", "n_live": n_live})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if a.die_mode == "inflight":
+        group.on_quorum = die_in_flight
+    try:
+        for step in range(a.steps):
+            cur["step"] = step
+            if a.die_at_step == step and a.die_mode == "phase":
+                time.sleep(a.phase_s / 2)
+                emit({"event": "kill", "step": step, "t": time.time()})
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(a.phase_s)  # the inner phase
+            delta = contribution(a.rank, step, a.size)
+            t_call = time.time()
+            try:
+                res = group.allreduce_mean(delta)
+            except ElasticError as e:
+                emit(
+                    {
+                        "event": "error",
+                        "step": step,
+                        "t": time.time(),
+                        "wait_s": time.time() - t_call,
+                        "type": type(e).__name__,
+                        "msg": str(e),
+                    }
+                )
+                print(f"elastic error: {e}", file=sys.stderr, flush=True)
+                code = 3
+                break
+            theta -= res.mean
+            emit(
+                {
+                    "event": "step",
+                    "step": step,
+                    "t": time.time(),
+                    "call_s": time.time() - t_call,
+                    "contributors": res.contributors,
+                    "attempts": res.attempts,
+                    "quorum_id": res.quorum_id,
+                    "quorum_s": res.quorum_s,
+                    "allreduce_s": res.allreduce_s,
+                    "mean": sha(res.mean),
+                    "theta": sha(theta),
+                    "committed_step": res.step,
+                }
+            )
+    finally:
+        group.close()
+        out.close()
+    os._exit(code)  # torchft's background threads must not keep the process alive
+
+
+def run_lighthouse(a: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    lh = start_lighthouse(
+        a.min_replicas, bind=a.bind, heartbeat_timeout_ms=a.heartbeat_timeout_ms, join_timeout_ms=a.join_timeout_ms
+    )
+    print(json.dumps({"address": lh.address(), "start_s": time.monotonic() - t0}), flush=True)
+    try:
+        deadline = time.monotonic() + a.lifetime
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        lh.shutdown()
+    return 0
+
+
+def replica_cmd(
+    addr: str,
+    rank: int,
+    out: str,
+    steps: int,
+    size: int,
+    min_replicas: int,
+    timeout: float,
+    quorum_timeout: float,
+    phase_s: float,
+    die_at_step: int | None = None,
+    die_mode: str = "phase",
+    initial_replicas: int | None = None,
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.elastic.toy",
+        "replica",
+        "--lighthouse",
+        addr,
+        "--rank",
+        str(rank),
+        "--out",
+        out,
+        "--steps",
+        str(steps),
+        "--size",
+        str(size),
+        "--min-replicas",
+        str(min_replicas),
+        "--timeout",
+        str(timeout),
+        "--quorum-timeout",
+        str(quorum_timeout),
+        "--phase-s",
+        str(phase_s),
+    ]
+    if die_at_step is not None:
+        cmd += ["--die-at-step", str(die_at_step), "--die-mode", die_mode]
+    if initial_replicas is not None:
+        cmd += ["--initial-replicas", str(initial_replicas)]
+    return cmd
+
+
+def read_records(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_measure(a: argparse.Namespace) -> int:
+    """3 replicas + lighthouse on loopback; replica 2 is killed with SIGKILL before step ``kill_step``."""
+    import tempfile
+
+    t0 = time.monotonic()
+    lh = start_lighthouse(2, heartbeat_timeout_ms=a.heartbeat_timeout_ms, join_timeout_ms=a.join_timeout_ms)
+    lh_start_s = time.monotonic() - t0
+    tmp = tempfile.mkdtemp(prefix="elastic_measure_")
+    procs = []
+    try:
+        for r in range(3):
+            procs.append(
+                subprocess.Popen(
+                    replica_cmd(
+                        lh.address(),
+                        r,
+                        f"{tmp}/r{r}.jsonl",
+                        a.steps,
+                        a.size,
+                        2,
+                        a.timeout,
+                        a.quorum_timeout,
+                        a.phase_s,
+                        a.kill_step if r == 2 else None,
+                        a.die_mode,
+                        initial_replicas=3,
+                    ),
+                    start_new_session=True,
+                )
+            )
+        for p in procs:
+            p.wait(timeout=a.steps * (a.phase_s + a.timeout) + a.quorum_timeout + 60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        lh.shutdown()
+    recs = [read_records(f"{tmp}/r{r}.jsonl") for r in range(3)]
+    steps0 = [x for x in recs[0] if x["event"] == "step"]
+    t_kill = next(x["t"] for x in recs[2] if x["event"] == "kill")
+    after = next(x for x in steps0 if x["step"] == a.kill_step)
+    steady = [x for x in steps0 if 0 < x["step"] < a.kill_step or x["step"] > a.kill_step]
+    res = {
+        "lighthouse_start_s": lh_start_s,
+        "first_quorum_3_replicas_s": steps0[0]["quorum_s"],
+        "steady_quorum_s_median": sorted(x["quorum_s"] for x in steady)[len(steady) // 2],
+        "allreduce_MB": a.size * 4 / 1e6,
+        "allreduce_3_replicas_s_median": sorted(x["allreduce_s"] for x in steps0 if 0 < x["step"] < a.kill_step)[
+            (a.kill_step - 1) // 2
+        ],
+        "allreduce_2_replicas_after_reconfigure_s": [x["allreduce_s"] for x in steps0 if x["step"] >= a.kill_step],
+        "kill_to_survivor_step_done_s": after["t"] - t_kill,
+        "quorum_after_kill_s": after["quorum_s"],
+        "attempts_at_kill_step": after["attempts"],
+        "contributors_per_step": [x["contributors"] for x in steps0],
+        "survivors_bit_identical": [x["theta"] for x in steps0]
+        == [x["theta"] for x in recs[1] if x["event"] == "step"],
+        "exit_codes": [p.returncode for p in procs],
+    }
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+def run_measure_lighthouse(a: argparse.Namespace) -> int:
+    """2 replicas; the lighthouse (its own process) is SIGKILLed after step ``kill_step`` and, with
+    ``--restart-after S``, restarted on the same port S seconds later. Prints what the replicas did."""
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lh_cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.elastic.toy",
+        "lighthouse",
+        "--min-replicas",
+        "2",
+        "--bind",
+        f"[::]:{port}",
+        "--lifetime",
+        "300",
+    ]
+    tmp = tempfile.mkdtemp(prefix="elastic_lh_")
+    procs, lhs = [], [subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)]
+    res: dict = {}
+    try:
+        addr = json.loads(lhs[0].stdout.readline())["address"]
+        for r in range(2):
+            procs.append(
+                subprocess.Popen(
+                    replica_cmd(
+                        addr,
+                        r,
+                        f"{tmp}/r{r}.jsonl",
+                        a.steps,
+                        1000,
+                        2,
+                        a.timeout,
+                        a.quorum_timeout,
+                        a.phase_s,
+                        initial_replicas=2,
+                    ),
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(x.get("step") == a.kill_step for x in read_records(f"{tmp}/r0.jsonl")):
+                break
+            time.sleep(0.05)
+        os.killpg(lhs[0].pid, signal.SIGKILL)
+        res["t_lighthouse_kill"] = time.time()
+        if a.restart_after is not None:
+            time.sleep(a.restart_after)
+            lhs.append(subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True))
+            res["t_lighthouse_restart"] = time.time()
+        for p in procs:
+            p.wait(timeout=a.steps * (a.phase_s + a.timeout) + 3 * a.quorum_timeout + 60)
+    finally:
+        for p in procs + lhs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    for r in range(2):
+        recs = read_records(f"{tmp}/r{r}.jsonl")
+        res[f"replica{r}"] = [
+            {
+                k: (round(v - res["t_lighthouse_kill"], 2) if k == "t" else v)
+                for k, v in x.items()
+                if k in ("event", "step", "t", "call_s", "type", "msg", "contributors")
+            }
+            for x in recs
+            if x["event"] in ("step", "error") and x["step"] >= a.kill_step
+        ]
+    res["exit_codes"] = [p.returncode for p in procs]
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m dilocox.elastic.toy", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("replica")
+    r.add_argument("--lighthouse", required=True)
+    r.add_argument("--rank", type=int, required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--steps", type=int, default=5)
+    r.add_argument("--size", type=int, default=1000)
+    r.add_argument("--min-replicas", type=int, default=1)
+    r.add_argument("--max-replicas", type=int, default=8)
+    r.add_argument("--timeout", type=float, default=10.0)
+    r.add_argument("--quorum-timeout", type=float, default=20.0)
+    r.add_argument("--phase-s", type=float, default=0.2)
+    r.add_argument("--die-at-step", type=int, default=None)
+    r.add_argument(
+        "--die-mode",
+        choices=("phase", "inflight"),
+        default="phase",
+        help="phase: SIGKILL mid-phase; inflight: SIGKILL after the quorum, while the peers all-reduce",
+    )
+    r.add_argument("--initial-replicas", type=int, default=None)
+    lh = sub.add_parser("lighthouse")
+    lh.add_argument("--min-replicas", type=int, default=1)
+    lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+    lh.add_argument("--join-timeout-ms", type=int, default=60000)
+    lh.add_argument("--bind", default="[::]:0")
+    lh.add_argument("--lifetime", type=float, default=600.0, help="seconds before it shuts itself down")
+    m = sub.add_parser("measure")
+    m.add_argument("--steps", type=int, default=8)
+    m.add_argument("--kill-step", type=int, default=4)
+    m.add_argument("--size", type=int, default=1 << 20, help="float32 elements all-reduced per step (1M = 4 MB)")
+    m.add_argument("--timeout", type=float, default=10.0)
+    m.add_argument("--quorum-timeout", type=float, default=20.0)
+    m.add_argument("--phase-s", type=float, default=0.5)
+    m.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+    m.add_argument("--join-timeout-ms", type=int, default=60000)
+    m.add_argument("--die-mode", choices=("phase", "inflight"), default="phase")
+    ml = sub.add_parser("measure-lighthouse")
+    ml.add_argument("--steps", type=int, default=8)
+    ml.add_argument("--kill-step", type=int, default=3)
+    ml.add_argument("--restart-after", type=float, default=None)
+    ml.add_argument("--timeout", type=float, default=5.0)
+    ml.add_argument("--quorum-timeout", type=float, default=15.0)
+    ml.add_argument("--phase-s", type=float, default=0.5)
+    a = ap.parse_args(argv)
+    return {
+        "replica": run_replica,
+        "lighthouse": run_lighthouse,
+        "measure": run_measure,
+        "measure-lighthouse": run_measure_lighthouse,
+    }[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

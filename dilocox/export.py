@@ -1,0 +1,104 @@
+"""``dilocox export RUN_DIR --to hf OUT`` and ``dilocox import HF_DIR``.
+
+export: the run's final model (the latest complete checkpoint of any R x D x P x T layout,
+gathered by global names; the outer params θ for the DiLoCo family, see
+``dilocox.reshard.final_model``) becomes a Hugging Face directory: ``config.json``,
+``model.safetensors`` and the tokenizer (the run's trained BPE, or a byte-level
+``tokenizer.json`` equivalent to dilocox's byte tokenizer). Architectures without an exact HF
+equivalent are refused (``dilocox.hf.check_exportable``).
+
+import: prints (or writes with ``--out``) the ``model:`` YAML section of an HF checkpoint of
+the supported families with ``init_from`` set, to include in a training config: training then
+starts from those weights, split over any layout (continued pre-training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXPORT_USAGE = "usage: dilocox export RUN_DIR --to hf OUT [--checkpoint STEP_DIR] [--replica-params]"
+IMPORT_USAGE = "usage: dilocox import HF_DIR|HUB_NAME [--out model.yaml]"
+
+
+def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_replica_params: bool = False) -> str:
+    """Export a run's final model to ``out_dir``; returns the checkpoint step directory used."""
+    from dilocox import checkpoint as ckpt
+    from dilocox import hf
+    from dilocox.config import load_config
+    from dilocox.generate import run_tokenizer
+    from dilocox.reshard import final_model
+
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{run_dir} has no config.yaml; give the log.run_dir of a dilocox training run")
+    cfg = load_config(cfg_path)
+    hf.check_exportable(cfg.model)  # refuse before reading any shard
+    if step_dir is None:
+        ckpt_dir = cfg.checkpoint.dir
+        if not (ckpt_dir and os.path.isdir(ckpt_dir)):
+            ckpt_dir = os.path.join(run_dir, "checkpoints")
+        step_dir = ckpt.find_latest(ckpt_dir)
+        if step_dir is None:
+            raise FileNotFoundError(f"{run_dir}: no complete checkpoint under {ckpt_dir}; nothing to export")
+    full = final_model(step_dir, cfg.model, allow_replica_params)
+    hf.save_hf_dir(out_dir, cfg.model, full, run_tokenizer(cfg))
+    return step_dir
+
+
+def export_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dilocox export", usage=EXPORT_USAGE)
+    ap.add_argument("run_dir")
+    ap.add_argument("--to", required=True, choices=["hf"])
+    ap.add_argument("out")
+    ap.add_argument("--checkpoint", default=None, help="a step directory (default: the latest complete one)")
+    ap.add_argument(
+        "--replica-params",
+        action="store_true",
+        help="allow a mid-run checkpoint of a DiLoCo run (exports replica 0's local params, not θ)",
+    )
+    a = ap.parse_args(argv)
+    from dilocox.checkpoint import CheckpointError
+    from dilocox.hf import ExportError
+
+    try:
+        step = export_run(a.run_dir, a.out, a.checkpoint, a.replica_params)
+    except (ExportError, CheckpointError, FileNotFoundError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {step} -> {a.out}")
+    return 0
+
+
+def import_yaml(hf_name: str) -> str:
+    """The ``model:`` YAML section (with ``init_from``) equivalent to an HF checkpoint."""
+    from dilocox import hf
+
+    hf_dir = hf.resolve_hf_dir(hf_name)
+    fields = hf.model_fields_from_hf(hf.read_hf_config(hf_dir))
+    lines = [f"# imported from {hf_dir} by `dilocox import`", "model:"]
+    for k, v in {**fields, "init_from": os.path.abspath(hf_dir) if os.path.isdir(hf_name) else hf_name}.items():
+        lines.append(f"  {k}: {'null' if v is None else str(v).lower() if isinstance(v, bool) else v}")
+    return "\n".join(lines) + "\n"
+
+
+def import_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dilocox import", usage=IMPORT_USAGE)
+    ap.add_argument("hf_dir")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from dilocox.hf import ExportError
+
+    try:
+        text = import_yaml(a.hf_dir)
+    except ExportError as e:
+        print(f"import: {e}", file=sys.stderr)
+        return 2
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+        print(f"wrote {a.out}; include it in a training config (include: {a.out}) to continue pre-training")
+    else:
+        sys.stdout.write(text)
+    return 0

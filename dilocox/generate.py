@@ -1,0 +1,156 @@
+"""``dilocox generate RUN_DIR|HF_DIR --prompt TEXT``: sample from a trained model (a quick look).
+
+The model is the run's final model (gathered from the latest checkpoint of any layout, see
+``dilocox.reshard.final_model``) or a Hugging Face directory of the supported families (read
+through ``dilocox.hf``), run as one process on CPU or GPU. Sampling: greedy
+(``--temperature 0``), or softmax(logits / temperature) restricted to the ``--top-k`` most likely
+tokens, drawn from a ``torch.Generator`` seeded with ``--seed``: the same seed gives the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+USAGE = (
+    "usage: dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] "
+    "[--seed S] [--device cpu|cuda] [--replica-params]"
+)
+
+
+def load_model(path: str, device: str = "cpu", allow_replica_params: bool = False):
+    """``(model, tokenizer, model_config)`` of a run directory or an HF model directory."""
+    from dilocox import hf
+    from dilocox.config import ModelConfig, load_config
+    from dilocox.model.transformer import build_model
+
+    if os.path.exists(os.path.join(path, "config.yaml")):  # a dilocox run
+        from dilocox import checkpoint as ckpt
+        from dilocox.reshard import final_model
+
+        cfg = load_config(os.path.join(path, "config.yaml"))
+        ckpt_dir = cfg.checkpoint.dir or os.path.join(path, "checkpoints")
+        if not os.path.isabs(ckpt_dir) and not os.path.isdir(ckpt_dir):
+            ckpt_dir = os.path.join(path, "checkpoints")
+        step_dir = ckpt.find_latest(ckpt_dir)
+        if step_dir is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt_dir}; train first")
+        full = final_model(step_dir, cfg.model, allow_replica_params)
+        mcfg = cfg.model
+        tokenizer = run_tokenizer(cfg)
+    else:
+        hf_dir = hf.resolve_hf_dir(path)
+        mcfg = ModelConfig(**hf.model_fields_from_hf(hf.read_hf_config(hf_dir)))
+        full = hf.from_hf_state_dict(mcfg, hf.load_hf_tensors(hf_dir), src=hf_dir)
+        tokenizer = hf_tokenizer(hf_dir)
+    model = build_model(mcfg, device="meta")
+    model.to_empty(device=device)
+    model.load_full_state_dict(full)
+    model.eval()
+    return model, tokenizer, mcfg
+
+
+def run_tokenizer(cfg):
+    """The tokenizer a run trained with (byte, or its BPE from the prepared data directory)."""
+    if cfg.data.tokenizer == "byte":
+        from dilocox.data.tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from dilocox.data import prepare
+
+    return prepare(cfg.data).tokenizer()
+
+
+class _HFTokenizer:
+    """A tokenizer.json behind dilocox's encode/decode interface."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(path)
+        self.kind = "bpe"
+        self.vocab_size = self.tok.get_vocab_size()
+        self.eot_id = self.tok.token_to_id("<|endoftext|>")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def hf_tokenizer(hf_dir: str):
+    meta = os.path.join(hf_dir, "tokenizer_config.json")
+    if os.path.exists(meta):
+        with open(meta) as f:
+            if json.load(f).get("dilocox_tokenizer") == "byte":
+                from dilocox.data.tokenizer import ByteTokenizer
+
+                return ByteTokenizer()
+    path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{hf_dir} has no tokenizer.json; generate needs one to encode the prompt")
+    return _HFTokenizer(path)
+
+
+@torch.no_grad()
+def sample(
+    model,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> list[int]:
+    """Continue ``ids`` by up to ``max_new_tokens`` tokens (see the module docstring)."""
+    if temperature < 0:
+        raise ValueError(f"--temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"--top-k={top_k} must be >= 0 (0 = the whole vocabulary)")
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    ctx = model.mcfg.max_seq_len
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        x = torch.tensor([out[-ctx:]], dtype=torch.long, device=device)
+        logits = model(x)[0, -1].float()
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        out.append(nxt)
+        if stop_id is not None and nxt == stop_id:
+            break
+    return out[len(ids) :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dilocox generate", usage=USAGE)
+    ap.add_argument("path")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=100)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--replica-params", action="store_true", help="allow a mid-run checkpoint of a DiLoCo run")
+    a = ap.parse_args(argv)
+    try:
+        model, tok, _ = load_model(a.path, a.device, a.replica_params)
+        new = sample(model, tok.encode(a.prompt), a.max_new_tokens, a.temperature, a.top_k, a.seed)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"generate: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(a.prompt + tok.decode(new) + "\n")
+    return 0

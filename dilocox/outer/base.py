@@ -1,0 +1,137 @@
+"""What both outer objects share: the comm thread, its counters and logs, the common checkpoint fields.
+
+``GradientSync`` (per-step methods, ``gradsync.py``) and ``DiLoCoOuter`` (the DiLoCo family,
+``diloco.py``) both run their collectives on one ``AsyncComm`` thread over the ``outer``
+process group and report the same stats. The training loop calls, per inner step
+(0-based ``step``)::
+
+    loss.backward(); outer.on_gradients(step)              # per-step methods: mean of the grads
+    clip; inner_opt.step(); outer.after_inner_step(step)   # DiLoCo family: phase ends
+    ...; outer.finish()                                     # end of training (outer.close() on errors)
+
+Each class implements the hooks it needs; the other one is a no-op here.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dilocox.compress.collectives import CommStats
+from dilocox.config import CompressConfig, OuterConfig
+from dilocox.distributed.comm import AsyncComm, CommHandle
+
+
+class OuterBase:
+    """Comm thread, counters and the checkpoint fields every outer method has.
+
+    Args:
+        named_params: this rank's ``(name, parameter)`` list (its stage and TP slice).
+        topo: the Topology (None: a single process); ``group("outer")`` and ``ranks["outer"]`` are used.
+        ocfg, ccfg: ``outer`` and ``compress`` config sections.
+        seed: shared by all replicas (compressor random projections/masks).
+        comm_delay_s, comm_bandwidth: link emulation on the comm thread (seconds per
+            all-reduce; bytes/s token bucket), see distributed/comm.py.
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig,
+                 seed: int, comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> None:
+        self.ocfg, self.ccfg, self.method, self.seed = ocfg, ccfg, ocfg.method, seed
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.topo = topo
+        self.group = topo.group("outer") if topo is not None else None
+        self.R = len(topo.ranks["outer"]) if topo is not None else 1
+        self.H = ocfg.sync_every
+        self.outer_step = 0
+        self.compressors: list = []
+        self._counters = {"blocked_s": 0.0, "blocked_total_s": 0.0, "comm_s": 0.0, "n_syncs": 0}
+        self._comm_total_before = 0.0  # comm-thread seconds of earlier runs (restored on resume)
+        self._blocked_now = 0.0
+        self.comm_stats = CommStats()
+        # the thread starts on the first submit, so a constructor that raises later leaves none behind
+        self.comm = AsyncComm(delay_s=comm_delay_s, bandwidth=comm_bandwidth,
+                              sent_bytes=lambda: self.comm_stats.bytes_sent,
+                              name=f"outer-comm-{topo.rank if topo else 0}")
+
+    # ------------------------------------------------------------------ hooks (no-ops unless overridden)
+    def on_gradients(self, step: int) -> None:
+        """After backward, before clipping and the inner step (per-step methods)."""
+
+    def after_inner_step(self, step: int) -> None:
+        """After the inner optimizer step (the DiLoCo family's phase ends)."""
+
+    def finish(self) -> None:
+        """End of training: apply what is in flight and stop the comm thread."""
+        self.comm.shutdown()
+
+    def bound_waits(self, timeout_s: float | None, warn_after_s: float | None, **kw) -> None:
+        """Bound every later wait on this loop's outer collectives (``outer.timeout_s``) and log the
+        ones that last longer than ``warn_after_s`` (see :meth:`AsyncComm.configure`)."""
+        self.comm.configure(timeout_s, warn_after_s, **kw)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the comm thread without applying anything (the error path); bounded by ``timeout``:
+        a collective whose peer died may never finish. False if the thread is still busy after it."""
+        return self.comm.shutdown(timeout=timeout)
+
+    # ------------------------------------------------------------------ communication
+    def _submit(self, fn, *args) -> CommHandle:
+        self._counters["n_syncs"] += 1
+        h = self.comm.submit(fn, *args)
+        if self.ocfg.blocking:
+            self._wait(h)  # on the critical path; a later wait() returns at once
+        return h
+
+    def _wait(self, h: CommHandle):
+        before = h.blocked_s
+        out = h.wait()
+        blocked = h.blocked_s - before
+        self._blocked_now += blocked
+        self._counters["blocked_total_s"] += blocked
+        self._counters["comm_s"] = h.comm_s
+        return out
+
+    # ------------------------------------------------------------------ logs and checkpoints
+    @property
+    def stats(self) -> dict:
+        rank = self.compressors[0].rank if self.compressors else 0  # 0: no low-rank compression
+        out = {"outer_step": self.outer_step, "H": self.H, "rank": int(rank),
+               "bytes_sent": int(self.comm_stats.bytes_sent), "bytes_received": int(self.comm_stats.bytes_received)}
+        out.update(self._counters)
+        out["comm_total_s"] = self._comm_total_before + self.comm.busy_s
+        return out
+
+    def _method_state_dict(self) -> dict:
+        """The subclass's own fields (in-flight work waited for first)."""
+        return {}
+
+    def _check_compatible(self, sd: dict) -> None:
+        """Raise ValueError if ``sd`` was written with settings that change the state's shapes."""
+
+    def _load_method_state(self, sd: dict) -> None:
+        """Load the subclass's own fields."""
+
+    def state_dict(self) -> dict:
+        sd: dict = {"version": 1, "method": self.method, "H": self.H, "outer_step": self.outer_step}
+        sd.update(self._method_state_dict())
+        sd["compressors"] = [c.state_dict() for c in self.compressors]
+        sd["counters"] = dict(self._counters, comm_total_s=self.stats["comm_total_s"])  # after the waits above
+        sd["comm_stats"] = self.comm_stats.as_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("method") != self.method:
+            raise ValueError(f"outer state in the checkpoint is for outer.method={sd.get('method')!r}, "
+                             f"this run has {self.method!r}")
+        self._check_compatible(sd)  # before loading any of it
+        if len(sd["compressors"]) != len(self.compressors):
+            raise ValueError(f"checkpoint has {len(sd['compressors'])} compressors, this run {len(self.compressors)}")
+        self.H, self.outer_step = int(sd["H"]), int(sd["outer_step"])
+        counters = dict(sd["counters"])
+        self._comm_total_before = float(counters.pop("comm_total_s", 0.0)) - self.comm.busy_s
+        self._counters.update(counters)
+        for k, v in sd["comm_stats"].items():
+            setattr(self.comm_stats, k, v)
+        for c, csd in zip(self.compressors, sd["compressors"]):
+            c.load_state_dict(csd)
+        self._load_method_state(sd)

@@ -1,0 +1,263 @@
+"""The DiLoCo family's outer loop: dual optimizer per shard, overlap none|delayed|eager, streaming fragments.
+
+``DiLoCoOuter`` sees only this rank's named parameters and its ``outer`` process group (the
+ranks owning the same shard in every replica), so it works unchanged for any P×T layout.
+The training loop calls ``after_inner_step(step)`` after every inner optimizer step (0-based
+``step``, ``n = step + 1`` steps done) and ``finish()`` at the end (base.py).
+DiLoCo keeps the inner optimizer state across phases (ALGORITHMS §1): it is not touched here.
+
+Rules (ALGORITHMS.md; θ = outer params, θ_m = this replica's params, per fragment p; without
+streaming there is one fragment holding every parameter and sync points n = H, 2H, ...):
+
+- ``overlap: none`` (§1, §4). At n = s_p − τ: Δ_p = θ_p − θ_{m,p}; launch the all-reduce.
+  At n = s_p: wait for Δ̄_p; θ_p ← OuterOpt(θ_p, Δ̄_p); θ_{m,p} ← θ_p, or, when streaming
+  (fragments > 1 or τ > 0), θ_{m,p} ← α θ_{m,p} + (1 − α) θ_p.
+- ``overlap: delayed`` (§2, needs τ = 0). At the end of phase t (n = s_p):
+  Δ_p^t = θ_p^{t−1} − θ_{m,p}; launch its all-reduce (→ Δ̄^t, consumed one phase later);
+  wait for Δ̄^{t−1} (zero at t = 1); θ_p^t ← OuterOpt(θ_p^{t−1}, Δ̄^{t−1});
+  **θ_{m,p} ← θ_p^t**: the next phase starts from the outer params updated with the
+  *previous* average, and this phase's local progress reaches θ only through Δ̄^t at the end
+  of the next phase. θ^t is identical on all replicas (Δ̄ is bit-identical).
+- ``overlap: eager`` (§3, needs τ = 0). As delayed, but with the replica's own fresh
+  pseudo-gradient in place of its stale one: Δ̃_m^t = Δ̄^{t−1} + (Δ_m^t − Δ_m^{t−1})/R
+  (Δ_m^0 = Δ̄^0 = 0; Δ_m^{t−1} is the uncompressed local pseudo-gradient, as in the paper's
+  Algorithm 3); θ_m^t ← OuterOpt_m(θ_m^{t−1}, Δ̃_m^t); θ_{m,p} ← θ_m^t. θ and v are per
+  replica and may drift apart.
+- ``blocking: true`` waits for every all-reduce right after launching it (same math, no
+  overlap; measures the cost of communication on the critical path).
+- Adaptive compression (§7, fragments = 1 only): after each outer step the controller gets
+  the compressor's σ's and the measured comm and step times; the new rank is applied to the
+  compressor (before the next launch) and the new H sets the next sync point.
+
+``finish()``: waits for every in-flight all-reduce and applies it with the mode's rule
+(delayed: θ ← OuterOpt(θ, Δ̄^T); eager: the step Δ̃ = Δ̄^T − Δ_m^T/R, i.e. §3 with no new
+local progress; none/streaming: the pending fragment's outer step), then sets every
+parameter to the outer params θ. So the final model is the global model with every
+communicated update applied; local progress since a fragment's last sync point that was
+never communicated is dropped (choose train.steps as a multiple of H to lose nothing).
+With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
+1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
+outer step (``dp_shard.py``): same parameters, 1/D of the slow-link bytes.
+With a single replica (outer group None) nothing is sent and the "all-reduce" is the
+compressor's local round trip (the identity for quant none): one replica sees the same
+compression error as many.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dilocox.compress.adaptive import AdaptiveController
+from dilocox.compress.compressor import build_compressor
+from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
+from dilocox.distributed.comm import CommHandle, DoneHandle
+from dilocox.outer.base import OuterBase
+from dilocox.outer.dp_shard import DataShard, shard_over_data
+from dilocox.outer.fragments import SyncSchedule, assign_fragments
+from dilocox.outer.state import OuterState
+
+METHODS = ("diloco",)
+
+
+class DiLoCoOuter(OuterBase):
+    """Outer optimizer and communication of one rank's shard (see the module docstring).
+
+    Args (besides OuterBase's):
+        layer_of: parameter name -> global layer id, None outside the layers (fragments).
+        n_layers_total: number of layers of the whole model (checks layer ids).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig,
+                 seed: int, layer_of: Callable[[str], int | None] | None = None, n_layers_total: int = 0,
+                 comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> None:
+        if ocfg.method not in METHODS:
+            raise ValueError(f"DiLoCoOuter handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
+        super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth)
+        s = ocfg.streaming
+        self.overlap, self.K, self.tau = ocfg.overlap, s.fragments, s.tau
+        streaming = s.fragments > 1 or s.tau > 0
+        self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
+        self.replica_group = topo.group("replica") if topo is not None else None
+        self.tp_group = topo.group("tp") if topo is not None else None
+        layer_of = layer_of or (lambda name: None)
+        if n_layers_total:
+            for name in self.names:
+                lid = layer_of(name)
+                if lid is not None and not 0 <= lid < n_layers_total:
+                    raise ValueError(f"layer_of({name!r}) = {lid} is outside [0, n_layers_total={n_layers_total})")
+        fragments = assign_fragments(self.names, layer_of, s.fragments, s.pattern)
+        check_outer_schedule(self.H, self.K, self.tau, self.overlap, ccfg.adaptive.enabled)
+        self.dp_shard: DataShard | None = None
+        frag_ids = None
+        if topo is not None and getattr(topo, "D", 1) > 1 and ocfg.shard_over_data:
+            self.dp_shard = shard_over_data(topo, self.params, fragments)
+            self.names = [self.names[i] for i in self.dp_shard.mine]
+            self.params = [self.params[i] for i in self.dp_shard.mine]
+            fragments, frag_ids = self.dp_shard.fragments, self.dp_shard.frag_ids
+        self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device)
+        self.schedule = SyncSchedule(self.K, self.H, self.tau)
+        self.compressors = [build_compressor(ccfg, self.state.shapes(p), seed + p, frag_ids[p] if frag_ids else None)
+                            for p in range(self.K)]
+        self.pending: list[CommHandle | None] = [None] * self.K
+        self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
+        self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
+        self._step_times: list[float] = []
+        self._t_end: float | None = None
+
+    def _allreduce(self, comp, tensors: list[Tensor], step: int) -> list[Tensor]:
+        """Runs on the comm thread: the compressor's blocking mean over the outer group.
+
+        With one replica (group None) nothing is sent; the compressor still applies its
+        round trip, so the result is Δ itself for quant none and C(Δ) otherwise."""
+        return comp.allreduce_mean(tensors, self.group, step, self.comm_stats)
+
+    def _dp_broadcast(self, frags) -> None:
+        if self.dp_shard is not None:
+            self.dp_shard.broadcast(frags)
+
+    # ------------------------------------------------------------------ the phase ends
+    @torch.no_grad()
+    def after_inner_step(self, step: int) -> None:
+        """Phase ends: launch and/or finish outer steps (module docstring)."""
+        now = time.perf_counter()
+        if self._t_end is not None:
+            self._step_times.append(now - self._t_end)  # the inner step itself, outer work excluded
+        n = step + 1
+        self._blocked_now = 0.0
+        syncing = self.schedule.syncs_at(n)
+        if self.overlap == "none":
+            for p in self.schedule.launches_at(n):
+                self.pending[p] = self._submit(self._allreduce, self.compressors[p], self.state.pseudo_gradient(p), n)
+        for p in syncing:
+            self._sync(p, n)
+        self._dp_broadcast(syncing)
+        if syncing:
+            self._counters["blocked_s"] = self._blocked_now
+        self._t_end = time.perf_counter()
+
+    def _sync(self, p: int, n: int) -> None:
+        st, o = self.state, self.ocfg
+        if self.overlap == "none":
+            h, self.pending[p] = self.pending[p], None
+            avg = st.flatten(self._wait(h))
+            st.outer_step(p, avg, o.lr, o.momentum, o.nesterov)
+            self._adapt(p, h)
+            st.load_params(p, self.alpha)
+        else:
+            delta = st.pseudo_gradient(p)
+            delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
+            h, self.pending[p] = self.pending[p], None
+            prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
+            if h is not None:
+                self._adapt(p, h)
+            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
+            if self.overlap == "eager":
+                own = self.own_prev[p] if self.own_prev[p] is not None else torch.zeros_like(delta_flat)
+                grad = prev + (delta_flat - own) / self.R
+                self.own_prev[p] = delta_flat
+            else:
+                grad = prev
+            st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
+            st.load_params(p, 0.0)
+        self.outer_step += 1
+        self.schedule.advance(p, self.H)
+
+    def _adapt(self, p: int, h: CommHandle) -> None:
+        """§7: new rank for the next launch, new H for the next phase (thread is idle here)."""
+        if self.controller is None:
+            return
+        comp = self.compressors[p]
+        times = self._step_times[-self.H:] or [0.0]
+        t_step = sum(times) / len(times)
+        rank, H = self.controller.update(comp.sigmas(), h.comm_s, comp.payload_bytes(), comp.payload_bytes, t_step,
+                                         tail=comp.tail_energy(), rank_cap=comp.max_rank())
+        if self.tp_group is not None and comp.rank > 0:
+            # the σ's of TP shards differ, but a replicated matrix (position embedding) must be
+            # compressed at the same rank on every TP rank, or its copies drift apart: take the max
+            t = torch.tensor([rank], dtype=torch.int64, device=self.params[0].device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+            rank = int(t.item())
+        if comp.rank > 0 and rank != comp.rank:  # σ's are bit-identical across the outer group: so is rank
+            comp.set_rank(rank)
+        self.H = max(self._agree_max(int(H)), self.tau + 1)
+        self._step_times = []
+
+    def _agree_max(self, value: int) -> int:
+        """The largest proposal over the outer group, then over this replica's ranks.
+
+        H comes from measured times, which differ between ranks, but every rank must sync at
+        the same steps: the max (the slowest link/step still hidden) is taken over the outer
+        group on the comm thread (idle here) and over the replica group on this thread, so
+        all ranks of all replicas and stages agree. Costs one tiny collective per outer step.
+        """
+        t = torch.tensor([value], dtype=torch.int64, device=self.params[0].device)
+        if self.group is not None:
+            self._wait(self.comm.submit(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group))
+        if self.replica_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return int(t.item())
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Drain every in-flight all-reduce, apply it, set params to θ, stop the comm thread."""
+        st, o = self.state, self.ocfg
+        self._blocked_now = 0.0
+        for p in range(self.K):
+            h, self.pending[p] = self.pending[p], None
+            if h is None:
+                continue
+            grad = st.flatten(self._wait(h))
+            if self.overlap == "eager" and self.own_prev[p] is not None:
+                grad = grad - self.own_prev[p] / self.R
+                self.own_prev[p] = None
+            st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
+            self.outer_step += 1
+        for p in range(self.K):
+            st.load_params(p, 0.0)
+        self._dp_broadcast(range(self.K))
+        self.comm.shutdown()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _method_state_dict(self) -> dict:
+        """The whole dual state; in-flight all-reduces are waited for and their RESULTS stored."""
+        pend, pend_s = [], []
+        for p, h in enumerate(self.pending):
+            res = self._wait(h) if h is not None else None
+            if h is not None:
+                self.pending[p] = DoneHandle(res, h.comm_s)
+            pend.append([t.detach().cpu().clone() for t in res] if res is not None else None)
+            pend_s.append(h.comm_s if h is not None else 0.0)
+        return dict(overlap=self.overlap, fragments=self.K, dp_sharded=self.dp_shard is not None,
+                    state=self.state.state_dict(), pending=pend, pending_comm_s=pend_s,
+                    own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
+                    schedule=self.schedule.state_dict(),
+                    controller=self.controller.state_dict() if self.controller is not None else None)
+
+    def _check_compatible(self, sd: dict) -> None:
+        if sd["overlap"] != self.overlap or sd["fragments"] != self.K:
+            raise ValueError(
+                f"checkpoint was written with outer.overlap={sd['overlap']!r}, "
+                f"outer.streaming.fragments={sd['fragments']}; "
+                f"this run has {self.overlap!r}, {self.K}: resume with the same outer settings"
+            )
+        sharded = self.dp_shard is not None
+        if sd.get("dp_sharded", False) != sharded:
+            raise ValueError(
+                f"checkpoint was written with the outer sync {'' if sd.get('dp_sharded') else 'not '}sharded over the "
+                f"inner-DP "
+                f"ranks, this run {'is' if sharded else 'is not'}: resume with the same outer.shard_over_data"
+            )
+
+    def _load_method_state(self, sd: dict) -> None:
+        self.state.load_state_dict(sd["state"])
+        self.schedule.load_state_dict(sd["schedule"])
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        self.pending = [DoneHandle([t.to(dev) for t in r], s) if r is not None else None
+                        for r, s in zip(sd["pending"], sd["pending_comm_s"])]
+        self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
+        if self.controller is not None and sd.get("controller") is not None:
+            self.controller.load_state_dict(sd["controller"])

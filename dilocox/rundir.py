@@ -1,0 +1,297 @@
+"""The run directory's bookkeeping: one run at a time, resume policy, config history, metrics.
+
+A run dir (``log.run_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``rank_*.json`` and, by
+default, ``checkpoints/``. What this module guarantees:
+
+- **One run per dir.** Rank 0 holds an exclusive ``flock`` on ``<run_dir>/run.lock`` for the
+  whole run (the kernel drops it when the process dies, so a crash never leaves a stale lock).
+  The lock file names the holder's PID, host and start time; a second run on the dir stops with
+  that in its message. The other ranks learn rank 0's outcome by an all-reduce, so every rank
+  exits, none waits.
+- **A resume continues the same computation.** The config saved with the checkpoint (in its
+  ``COMPLETE.json``; older checkpoints: ``config.yaml`` of the run dir) is compared with the new
+  one. A change to a key that changes the math (model, replicas, method, outer, compression,
+  seed, data, batch, ...) is refused with the keys listed; schedule keys (steps, learning-rate
+  schedule, logging, evaluation, checkpoint cadence, timeouts) and layout keys that a resume
+  reshards exactly (parallel.data/pipeline/tensor, microbatches) may change, with a warning.
+- **A finished run is not silently re-run**: resuming a checkpoint already at or past
+  ``train.steps`` stops with a message (``checkpoint.resume_finished=skip``: exit 0, nothing
+  written).
+- **History is kept**: every start writes the config it trains with to ``config.<step>.yaml``
+  (step = the step it starts from) besides ``config.yaml`` (the latest), and a resume drops the
+  ``metrics.jsonl`` records past the resumed step (moved to ``metrics.discarded.jsonl``) and
+  marks the resume, so each step appears once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from dilocox.config import Config, ConfigError
+
+LOCK_NAME = "run.lock"
+METRICS_NAME = "metrics.jsonl"
+DISCARDED_NAME = "metrics.discarded.jsonl"
+
+# Keys a resume may change (with a warning): they set how long / how fast / what is logged,
+# not what a given step computes, or a layout that the resume reshards exactly (dilocox.reshard).
+SCHEDULE_KEYS = frozenset(
+    {
+        "train.steps",
+        "train.max_tokens",
+        "train.eval_every",
+        "train.eval_batches",
+        "train.device",
+        "optim.lr",
+        "optim.min_lr_ratio",
+        "optim.warmup_steps",
+        "optim.schedule",
+        "parallel.data",
+        "parallel.pipeline",
+        "parallel.tensor",
+        "parallel.microbatches",
+        "parallel.schedule",
+        "outer.state_device",
+        "data.cache_dir",
+        "model.init_from",  # only the start of a fresh run; a resume loads the checkpoint instead
+    }
+)
+SCHEDULE_PREFIXES = ("log.", "checkpoint.")
+UNREPORTED_KEYS = frozenset({"checkpoint.resume", "checkpoint.resume_finished"})  # how to resume, not what
+
+
+class RunDirError(ConfigError):
+    """The run dir cannot be used as asked (locked by another run, incompatible resume, finished run)."""
+
+
+# --------------------------------------------------------------------------- lock
+
+_HELD: dict[str, list] = {}  # realpath of the lock file -> [fd, count]: re-entrant within one process
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(path) as f:
+            info = json.loads(f.read() or "{}")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info.get("time", 0))))
+        return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, since {since}"
+    except (OSError, ValueError):
+        return "a process that has not written its pid yet"
+
+
+class RunDirLock:
+    """Exclusive, non-blocking ``flock`` on ``<run_dir>/run.lock``; released by ``release()`` or by death."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.realpath(os.path.join(run_dir, LOCK_NAME))
+        self.held = False
+        if self.path in _HELD:  # a second Trainer of the same process (tests, notebooks)
+            _HELD[self.path][1] += 1
+            self.held = True
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirError(
+                f"log.run_dir={run_dir} is in use by another run ({_holder(self.path)}); two runs on one dir would "
+                f"interleave metrics and checkpoints. Wait for it to end or stop it, or set --log.run_dir to another "
+                f"directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}).encode())
+        os.fsync(fd)
+        _HELD[self.path] = [fd, 1]
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        ent = _HELD.get(self.path)
+        if ent is None:
+            return
+        ent[1] -= 1
+        if ent[1] == 0:
+            del _HELD[self.path]
+            os.close(ent[0])  # drops the flock; the file stays (its content names the last holder)
+
+
+def lock_run_dir(run_dir: str, is_holder: bool, agree: Callable[[bool], bool]) -> RunDirLock | None:
+    """Rank ``is_holder`` takes the lock; every rank learns the outcome (``agree``: an all-reduce) and raises alike."""
+    lock, err = None, None
+    if is_holder:
+        try:
+            lock = RunDirLock(run_dir)
+        except (RunDirError, OSError) as e:
+            err = e if isinstance(e, RunDirError) else RunDirError(f"cannot lock log.run_dir={run_dir}: {e}")
+    if not agree(err is None):
+        if lock is not None:
+            lock.release()
+        raise err or RunDirError(f"log.run_dir={run_dir} could not be locked by rank 0 (its message says why)")
+    return lock
+
+
+# --------------------------------------------------------------------------- resume policy
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def is_schedule_key(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1]
+    return key in SCHEDULE_KEYS or key.startswith(SCHEDULE_PREFIXES) or "timeout" in last or last.startswith("warn")
+
+
+def config_changes(saved: dict, new: dict) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """(math changes, schedule changes) from ``saved`` to ``new`` (nested config dicts), as (key, old, new).
+
+    A key missing from ``saved`` (written by an older version) counts as its default."""
+    defaults = flatten(Config().to_dict())
+    old, cur = flatten(saved), flatten(new)
+    math_, sched = [], []
+    for key in sorted(set(old) | set(cur)):
+        a, b = old.get(key, defaults.get(key)), cur.get(key, defaults.get(key))
+        if a != b and key not in UNREPORTED_KEYS:
+            (sched if is_schedule_key(key) else math_).append((key, a, b))
+    return math_, sched
+
+
+def saved_config(step_dir: str, meta: dict, run_dir: str) -> tuple[dict | None, str]:
+    """The config the checkpoint was trained with: from its COMPLETE.json, else the run dir's config.yaml."""
+    if isinstance(meta.get("config"), dict):
+        return meta["config"], os.path.join(step_dir, "COMPLETE.json")
+    path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f)
+            return (d, path) if isinstance(d, dict) else (None, path)
+        except (OSError, yaml.YAMLError):
+            return None, path
+    return None, ""
+
+
+def check_resume_config(saved: dict | None, source: str, cfg: Config) -> list[str]:
+    """Refuse a resume whose config changes the math (RunDirError listing the keys); warnings for the rest."""
+    if saved is None:
+        return [
+            (
+                f"warning: no saved config to compare with ({source or 'the checkpoint has none'}); "
+                "resuming without checking that the config matches the checkpoint"
+            )
+        ]
+    math_, sched = config_changes(saved, cfg.to_dict())
+    if math_:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in math_)
+        raise RunDirError(
+            f"the config differs from the one the checkpoint was trained with ({source}) in keys that change the "
+            f"computation: {listed}. A resume must keep them; set them back, or start a fresh run in a new "
+            f"--log.run_dir"
+        )
+    if sched:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in sched)
+        return [
+            (
+                f"warning: resuming with changed settings (allowed: they change the schedule, logging or layout, "
+                f"not the computation): {listed}"
+            )
+        ]
+    return []
+
+
+def finished_message(step: int, tokens_seen: int, cfg: Config, source: str) -> str | None:
+    """The message for a resumed run that has nothing left to train, or None."""
+    max_tok = cfg.train.max_tokens
+    if step < cfg.train.steps and not (max_tok and tokens_seen >= max_tok):
+        return None
+    what = (
+        f"step {step}, at or past train.steps={cfg.train.steps}"
+        if step >= cfg.train.steps
+        else f"{tokens_seen} tokens, at or past train.max_tokens={max_tok}"
+    )
+    return (
+        f"the checkpoint resumed from ({source}) is already at {what}: this run is finished and nothing was "
+        f"trained. To train further raise --train.steps (now {cfg.train.steps}); to start over use a new "
+        f"--log.run_dir; --checkpoint.resume_finished=skip makes this case exit 0"
+    )
+
+
+# --------------------------------------------------------------------------- history
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_config_history(run_dir: str, text: str, step: int) -> str:
+    """Write ``config.<step>.yaml`` and ``config.yaml``; a different old one stays (``config.<step>.<n>.yaml``)."""
+    os.makedirs(run_dir, exist_ok=True)
+    path, n = os.path.join(run_dir, f"config.{step}.yaml"), 0
+    while os.path.exists(path):
+        with open(path) as f:
+            if f.read() == text:
+                break
+        n += 1
+        path = os.path.join(run_dir, f"config.{step}.{n}.yaml")
+    else:
+        _atomic_write(path, text)
+    _atomic_write(os.path.join(run_dir, "config.yaml"), text)
+    return path
+
+
+def truncate_metrics(run_dir: str, step: int) -> int:
+    """Drop the ``metrics.jsonl`` records logged after ``step`` (moved to metrics.discarded.jsonl); return how many.
+
+    Records without a step (summaries, resume marks) are kept when they precede the first dropped record."""
+    path = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.exists(path):
+        return 0
+    keep, drop = [], []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by a crash mid-write
+                drop.append(line if line.endswith("\n") else line + "\n")
+                continue
+            s = rec.get("step") if isinstance(rec, dict) else None
+            if (isinstance(s, int) and s > step) or (s is None and drop):
+                drop.append(line if line.endswith("\n") else line + "\n")
+            else:
+                keep.append(line if line.endswith("\n") else line + "\n")
+    if drop:
+        with open(os.path.join(run_dir, DISCARDED_NAME), "a") as f:
+            f.write(json.dumps({"discarded_after_step": step, "time": time.time()}) + "\n")
+            f.writelines(drop)
+        _atomic_write(path, "".join(keep))
+    return len(drop)
+
+
+def write_rank_summary(run_dir: str, rank: int, coord: str, summary: dict) -> None:
+    with open(os.path.join(run_dir, f"rank_{rank:05d}.json"), "w") as f:
+        json.dump({"rank": rank, "coord": coord, **summary}, f)

@@ -1,0 +1,248 @@
+"""``dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]``: PNG plots of training runs from their metrics.jsonl.
+
+One PNG per quantity, every run overlaid (colour, line style and marker differ per run, so curves
+that lie on top of each other stay distinguishable); legends sit outside the axes, to the right.
+
+- ``loss_vs_step.png`` / ``loss_vs_time.png``: training loss (line) and validation loss (markers,
+  dashed) against the step and against wall-clock seconds;
+- ``tokens_per_s.png``: throughput as logged (averaged over each printed interval);
+- ``bytes_sent.png``: cumulative bytes this rank sent to the other replicas (outer sync);
+- ``blocked.png``: cumulative seconds the training loop waited for the outer communication;
+- ``adaptive.png``: the adaptive controller's sync interval H and low-rank rank per step.
+
+A figure is skipped when no run logged its quantity (e.g. ``outer.method=none`` has no bytes).
+Not to be confused with ``dilocox.bench.report`` (benchmark tables).
+
+The step records are those the logging rank wrote (records with a ``step``). A resumed run appends
+to the same file: a later record for a step replaces the earlier one, and the wall clock of each
+appended segment (``time`` restarts at 0) continues from where the previous segment ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+# (file stem, title, y label, [(record key, legend suffix, kind)], x key); kind "line" or "points"
+FIGURES: list[tuple[str, str, str, list[tuple[str, str, str]], str]] = [
+    (
+        "loss_vs_step",
+        "Loss vs step",
+        "loss (nats/token)",
+        [("loss", "train", "line"), ("val_loss", "val", "points")],
+        "step",
+    ),
+    (
+        "loss_vs_time",
+        "Loss vs wall time",
+        "loss (nats/token)",
+        [("loss", "train", "line"), ("val_loss", "val", "points")],
+        "time",
+    ),
+    ("tokens_per_s", "Throughput", "tokens/s (all replicas)", [("tokens_per_s", "", "line")], "step"),
+    (
+        "bytes_sent",
+        "Bytes sent to other replicas (cumulative, logging rank)",
+        "MB",
+        [("bytes_sent", "", "line")],
+        "step",
+    ),
+    (
+        "blocked",
+        "Time blocked on outer communication (cumulative)",
+        "seconds",
+        [("blocked_total_s", "", "line")],
+        "step",
+    ),
+]
+ADAPTIVE = ("adaptive", "Adaptive controller", [("H", "sync interval H"), ("rank", "low-rank rank")])
+X_LABELS = {"step": "step", "time": "wall time (s)"}
+SCALE = {"bytes_sent": 1e-6}
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "x", "P", "*"]
+
+
+class ReportError(ValueError):
+    """A run directory or metrics file that cannot be plotted (the message names it and the fix)."""
+
+
+def load_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """The step records of ``run_dir/metrics.jsonl``, one per step in step order, with a monotonic ``time``."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ReportError(f"{path} not found: RUN_DIR must be a run directory written with log.jsonl=true")
+    with open(path) as f:
+        lines = f.read().split("\n")
+    by_step: dict[int, dict] = {}
+    offset, last_raw, last_time = 0.0, None, 0.0
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:  # a last line cut short by a killed run: the rest is still good
+                print(f"report: ignoring the incomplete last line of {path}", file=sys.stderr)
+                break
+            raise ReportError(f"{path}:{i + 1}: not a JSON record ({e.msg}); fix or delete that line") from None
+        if not isinstance(rec, dict) or "step" not in rec:
+            continue
+        t = float(rec.get("time", math.nan))
+        if last_raw is not None and t < last_raw:  # a resumed segment: its clock restarted at 0
+            offset = last_time
+        last_raw = t
+        rec = dict(rec, time=t + offset)
+        last_time = rec["time"]
+        by_step[int(rec["step"])] = rec
+    if not by_step:
+        raise ReportError(f"{path} has no step records (the run logged no step yet)")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def series(records: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """``(xs, ys)`` of the records that carry a finite number under ``key``."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(float(r[x]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """Short unique labels: the directory names, or the paths below their common parent when names repeat."""
+    paths = [os.path.normpath(os.path.abspath(d)) for d in run_dirs]
+    names = [os.path.basename(p) for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    common = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+    return [os.path.relpath(p, common) if p != common else names[i] for i, p in enumerate(paths)]
+
+
+def _style(i: int) -> dict:
+    return {"color": f"C{i % 10}", "linestyle": STYLES[i % len(STYLES)], "marker": MARKERS[i % len(MARKERS)]}
+
+
+def _save(fig, ax_with_legend, path: str) -> None:
+    handles, labels = ax_with_legend.get_legend_handles_labels()
+    if handles:  # outside the axes, to the right: never over a curve
+        ax_with_legend.legend(
+            handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False
+        )
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None) -> dict[str, dict[str, tuple]]:
+    """Write the PNGs into ``out_dir``; return ``{png path: {legend label: (xs, ys) as drawn}}``.
+
+    The returned series are read back from the drawn matplotlib lines, so a test can compare what
+    was plotted with the jsonl.
+    """
+    from matplotlib.figure import Figure  # lazy: matplotlib is only needed for plots (no pyplot state)
+
+    if not run_dirs:
+        raise ReportError("report needs at least one RUN_DIR")
+    labels = labels or run_labels(run_dirs)
+    runs = [load_metrics(d) for d in run_dirs]
+    os.makedirs(out_dir, exist_ok=True)
+    drawn: dict[str, dict[str, tuple]] = {}
+
+    def lines_of(ax) -> dict[str, tuple]:
+        return {
+            ln.get_label(): (list(map(float, ln.get_xdata())), list(map(float, ln.get_ydata())))
+            for ln in ax.get_lines()
+        }
+
+    for stem, title, ylabel, keys, x in FIGURES:
+        fig = Figure(figsize=(7.5, 4.2))
+        ax = fig.add_subplot()
+        for i, (label, recs) in enumerate(zip(labels, runs)):
+            st = _style(i)
+            n = max(1, len(recs) // 12)  # ~12 markers per line: identifies the run without hiding the curve
+            for key, suffix, kind in keys:
+                xs, ys = series(recs, key, x)
+                if not xs:
+                    continue
+                ys = [y * SCALE.get(key, 1.0) for y in ys]
+                name = f"{label} {suffix}".strip()
+                if kind == "line":
+                    ax.plot(
+                        xs,
+                        ys,
+                        color=st["color"],
+                        linestyle=st["linestyle"],
+                        marker=st["marker"],
+                        markevery=n,
+                        markersize=4,
+                        linewidth=1.4,
+                        label=name,
+                    )
+                else:
+                    ax.plot(
+                        xs,
+                        ys,
+                        color=st["color"],
+                        linestyle=":",
+                        marker=st["marker"],
+                        markersize=6,
+                        markerfacecolor="none",
+                        linewidth=1.0,
+                        label=name,
+                    )
+        if not ax.get_lines():
+            continue
+        ax.set_title(title)
+        ax.set_xlabel(X_LABELS[x])
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        path = os.path.join(out_dir, f"{stem}.png")
+        _save(fig, ax, path)
+        drawn[path] = lines_of(ax)
+
+    stem, title, keys = ADAPTIVE
+    fig = Figure(figsize=(7.5, 5.2))
+    axes = fig.subplots(len(keys), 1, sharex=True)
+    for ax, (key, ylabel) in zip(axes, keys):
+        for i, (label, recs) in enumerate(zip(labels, runs)):
+            xs, ys = series(recs, key)
+            if xs:
+                st = _style(i)
+                ax.step(xs, ys, where="post", color=st["color"], linestyle=st["linestyle"], linewidth=1.4, label=label)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    if any(ax.get_lines() for ax in axes):
+        axes[0].set_title(title)
+        axes[-1].set_xlabel("step")
+        path = os.path.join(out_dir, f"{stem}.png")
+        _save(fig, axes[0], path)
+        drawn[path] = {f"{key}:{lab}": xy for ax, (key, _) in zip(axes, keys) for lab, xy in lines_of(ax).items()}
+    return drawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="dilocox report", description="PNG plots of one or more runs from their metrics.jsonl"
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument(
+        "--out", default=None, help="output directory (default: RUN_DIR/plots for one run, ./report for several)"
+    )
+    args = p.parse_args(argv)
+    out = args.out or (os.path.join(args.run_dirs[0], "plots") if len(args.run_dirs) == 1 else "report")
+    try:
+        drawn = plot_runs(args.run_dirs, out)
+    except ReportError as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    for path in drawn:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

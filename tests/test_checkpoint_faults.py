@@ -1,0 +1,349 @@
+"""Checkpoint faults (issue 9 items 3-5): no poisoned, corrupt or torn checkpoint.
+
+- a NaN/Inf state is never saved and ``latest`` keeps naming the last good checkpoint
+  (unit, 2 ranks, and a real run with a huge lr resumed from a good checkpoint);
+- flipped bytes in a shard are detected on load; all ranks fall back to the previous complete
+  checkpoint (``checkpoint.fallback``) or stop;
+- a full disk (a small tmpfs) gives "no space left on device while writing <file>", leaves no
+  partial step dir and the older checkpoints intact; the start-up check refuses a dir without room;
+- Python ``random`` state (with gauss_next) is restored exactly (issue 12 item 7).
+"""
+
+import os
+import random
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from dilocox import checkpoint as ckpt
+from dilocox.distributed.spawn import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(v, n=3):
+    return {
+        "model": {"w": torch.full((n,), float(v))},
+        "optimizer": {"state": {0: {"exp_avg": torch.zeros(n)}}},
+        "outer": {"v": [torch.ones(2)]},
+        "step": v,
+    }
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _flip(path, at=0.5):
+    b = bytearray(_read(path))
+    b[int(len(b) * at)] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(b)
+
+
+def _names(d):
+    return [os.path.basename(p) for p in ckpt.complete_steps(d)]
+
+
+# ----------------------------------------------------------------------------------------- NaN / Inf
+
+
+@pytest.mark.parametrize("where", ["model", "optimizer", "outer"])
+def test_nonfinite_state_is_never_saved_and_good_ones_stay(tmp_path, where):
+    d = str(tmp_path)
+    for step in (10, 20):
+        ckpt.save_checkpoint(d, step, 0, 1, _state(step), keep=2)
+    bad = _state(30)
+    victim = {
+        "model": bad["model"]["w"],
+        "optimizer": bad["optimizer"]["state"][0]["exp_avg"],
+        "outer": bad["outer"]["v"][0],
+    }
+    victim[where][1] = float("nan") if where != "outer" else float("inf")
+    with pytest.raises(ckpt.NonFiniteStateError) as ei:
+        ckpt.save_checkpoint(d, 30, 0, 1, bad, keep=2)
+    msg = str(ei.value)
+    assert "step 30" in msg and where in msg and "step_00000020" in msg and "resume" in msg, msg
+    assert not os.path.exists(os.path.join(d, "step_00000030"))
+    assert _names(d) == ["step_00000010", "step_00000020"]  # keep=2 good ones, nothing pruned
+    assert ckpt.find_latest(d).endswith("step_00000020")
+    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 20
+
+
+def _save_nan_on_rank1(rank, world, d):
+    try:
+        ckpt.save_checkpoint(d, 1, rank, world, _state(1), agree=ckpt.all_ranks_agree)
+        st = _state(2)
+        if rank == 1:
+            st["model"]["w"][0] = float("nan")
+        ckpt.save_checkpoint(d, 2, rank, world, st, agree=ckpt.all_ranks_agree)
+        return "saved"
+    except ckpt.NonFiniteStateError as e:
+        return str(e)
+
+
+def test_nonfinite_on_one_rank_stops_every_rank(tmp_path):
+    res = run_ranks(2, _save_nan_on_rank1, str(tmp_path), timeout=120)
+    assert "rank 1's state holds NaN/Inf in model.w" in res[1] and "another rank's state" in res[0], res
+    assert all("step_00000001" in m for m in res), res  # both name the last good checkpoint
+    assert ckpt.find_latest(str(tmp_path)).endswith("step_00000001")
+    assert not os.path.exists(tmp_path / "step_00000002")
+
+
+def _cli(args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", os.path.join(ROOT, "configs", "tiny.yaml"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _small(tmp):
+    return [
+        f"--log.run_dir={tmp}",
+        f"--data.cache_dir={tmp}/cache",
+        "--data.max_bytes=200000",
+        "--train.batch_size=4",
+        "--train.seq_len=32",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--log.tensorboard=false",
+        "--log.progress=false",
+        "--optim.warmup_steps=1",
+        "--model.n_layers=2",
+        "--model.d_model=64",
+    ]
+
+
+@pytest.mark.slow  # two `dilocox train` subprocesses: ~45-60 s on the loaded 2-core machine
+def test_huge_lr_from_a_good_checkpoint_leaves_it_latest(tmp_path):
+    """The issue's repro: a good run, then a resume with a huge lr saving every 2 steps (keep=1). The
+    2nd step after the resume still has a finite loss (~1e9) but overflows AdamW's moments (inf/NaN);
+    before the fix that state became `latest` and keep=1 deleted the good one."""
+    run = str(tmp_path / "run")
+    first = _cli([*_small(run), "--train.steps=4", "--checkpoint.keep=1", "--optim.grad_clip=0"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    d = os.path.join(run, "checkpoints")
+    good = ckpt.find_latest(d)
+    assert good.endswith("step_00000004")
+    second = _cli(
+        [
+            *_small(run),
+            "--train.steps=8",
+            "--checkpoint.every=2",
+            "--checkpoint.keep=1",
+            "--optim.lr=1e4",
+            "--optim.grad_clip=0",
+        ]
+    )
+    assert second.returncode != 0, second.stdout[-2000:]
+    assert "not saving the checkpoint of step 6" in second.stderr and good in second.stderr, second.stderr[-3000:]
+    assert ckpt.find_latest(d) == good and _names(d) == ["step_00000004"]
+    sd = ckpt.load_checkpoint(good, 0, 1)
+    assert sd["step"] == 4 and not ckpt.nonfinite_tensors(sd)
+
+
+# ----------------------------------------------------------------------------------------- corruption
+
+
+def test_flipped_bytes_are_detected_and_named(tmp_path):
+    d = str(tmp_path)
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(10, n=4096))
+    meta = ckpt.read_meta(ckpt.find_latest(d))
+    rec = meta["shards"]["rank_00000.pt"]
+    shard = ckpt.shard_path(ckpt.find_latest(d), 0)
+    assert meta["hash"] == "sha256" and rec["bytes"] == os.path.getsize(shard)
+    assert rec["sha256"] == ckpt.file_hash(shard)
+    assert sorted(os.listdir(ckpt.find_latest(d))) == ["COMPLETE.json", "rank_00000.pt"]  # sidecar folded in
+    _flip(shard)  # inside the tensor data: torch.load alone returns a wrong tensor without a word
+    with pytest.raises(ckpt.CorruptCheckpointError, match="sha256 does not match") as ei:
+        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)
+    assert shard in str(ei.value)
+    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1, verify=False)["step"] == 10  # what happened before
+
+
+def test_damaged_latest_falls_back_to_the_previous_one(tmp_path):
+    d = str(tmp_path)
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(d, step, 0, 1, _state(step, n=1024), keep=3)
+    _flip(ckpt.shard_path(os.path.join(d, "step_00000030"), 0))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="rank_00000.pt.*fallback") as ei:
+        ckpt.load_latest(d, 0, 1, fallback=False, warn=lambda m: None)
+    assert "step_00000030" in str(ei.value) and ckpt.find_latest(d).endswith("step_00000030")  # stop: nothing moved
+    warnings = []
+    path, sd = ckpt.load_latest(d, 0, 1, warn=warnings.append)
+    assert path.endswith("step_00000020") and sd["step"] == 20
+    text = "\n".join(warnings)
+    assert "step_00000030/rank_00000.pt" in text and "falling back" in text and "step_00000030.corrupt" in text, text
+    assert ckpt.find_latest(d) == path and os.path.isdir(os.path.join(d, "step_00000030.corrupt"))
+    # the run goes on and saves step 30 again: a real save, not skipped as "already complete"
+    ckpt.save_checkpoint(d, 30, 0, 1, _state(31), keep=3)
+    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 31
+    # a truncated shard, and a damaged COMPLETE.json, are corrupt too
+    os.truncate(ckpt.shard_path(os.path.join(d, "step_00000030"), 0), 100)
+    with open(os.path.join(d, "step_00000020", "COMPLETE.json"), "w") as f:
+        f.write("{ not json")
+    path, sd = ckpt.load_latest(d, 0, 1, warn=warnings.append)
+    assert path.endswith("step_00000010") and sd["step"] == 10
+
+
+@pytest.mark.slow  # two `dilocox train` subprocesses
+def test_training_resumes_from_the_previous_checkpoint_when_latest_is_damaged(tmp_path):
+    run = str(tmp_path / "run")
+    first = _cli([*_small(run), "--train.steps=4", "--checkpoint.every=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    d = os.path.join(run, "checkpoints")
+    _flip(ckpt.shard_path(os.path.join(d, "step_00000004"), 0))
+    second = _cli([*_small(run), "--train.steps=6", "--checkpoint.every=2"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout + second.stderr
+    assert "step_00000004/rank_00000.pt is corrupt" in out and "falling back" in out, out[-3000:]
+    assert "resumed from " + os.path.join(d, "step_00000002") in out, out[-3000:]
+    assert os.path.isdir(os.path.join(d, "step_00000004.corrupt"))
+    assert ckpt.find_latest(d).endswith("step_00000006") and _names(d) == ["step_00000004", "step_00000006"]
+    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 6
+
+
+def _load_with_fallback(rank, world, d, fallback):
+    try:
+        path, sd = ckpt.load_latest(d, rank, world, fallback=fallback, warn=lambda m: None)
+        return os.path.basename(path), sd["step"]
+    except ckpt.CheckpointError as e:
+        return "error", str(e)
+
+
+def test_ranks_agree_on_the_fallback(tmp_path):
+    d = str(tmp_path)
+    for step in (10, 20):
+        for r in (1, 0):
+            ckpt.save_checkpoint(d, step, r, 2, _state(step, n=1024))
+    _flip(ckpt.shard_path(os.path.join(d, "step_00000020"), 1))  # only rank 1 can see the damage
+    res = run_ranks(2, _load_with_fallback, d, False, timeout=120)
+    assert res[0][0] == res[1][0] == "error", res
+    assert "rank_00001.pt" in res[1][1] and "another rank" in res[0][1], res
+    res = run_ranks(2, _load_with_fallback, d, True, timeout=120)
+    assert res == [("step_00000010", 10), ("step_00000010", 10)], res
+    assert os.path.isdir(os.path.join(d, "step_00000020.corrupt"))
+
+
+# ----------------------------------------------------------------------------------------- full disk
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN); skipped with the reason otherwise."""
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"cannot mount a tmpfs to fill up: {e}")
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30, check=False)
+
+
+def test_full_disk_clear_error_no_partial_dir_older_intact(tmpfs):
+    d = os.path.join(tmpfs, "ckpt")
+    big = 75_000  # two float32 tensors: 600 KB per shard
+    for step in (1, 2):
+        ckpt.save_checkpoint(d, step, 0, 1, _state(step, n=big), keep=3)
+    before = {s: _read(ckpt.shard_path(os.path.join(d, s), 0)) for s in _names(d)}
+    # (a) the shard's estimated size does not fit: refused before anything is created
+    with pytest.raises(ckpt.CheckpointError) as ei:
+        ckpt.save_checkpoint(d, 3, 0, 1, _state(3, n=big * 2), keep=3)
+    msg = str(ei.value)
+    assert "no space left on device while writing" in msg and "rank_00000.pt" in msg and "needs ~1.2 MB" in msg, msg
+    assert "free" in msg and "older checkpoints are intact" in msg and "step_00000002" in msg
+    # (b) the estimate fits (a big non-tensor payload) but the disk fills up while writing
+    blob = {**_state(3, n=1000), "blob": list(range(400_000))}
+    with pytest.raises(ckpt.CheckpointError) as ei:
+        ckpt.save_checkpoint(d, 3, 0, 1, blob, keep=3)
+    msg = str(ei.value)
+    assert "no space left on device while writing" in msg and "rank_00000.pt" in msg, msg
+    assert "unexpected pos" not in msg
+    assert sorted(os.listdir(d)) == ["latest", "step_00000001", "step_00000002"]  # no partial dir, no temp file
+    assert ckpt.find_latest(d).endswith("step_00000002")
+    for s, data in before.items():
+        assert _read(ckpt.shard_path(os.path.join(d, s), 0)) == data
+        assert ckpt.load_checkpoint(os.path.join(d, s), 0, 1)["step"] in (1, 2)
+
+
+def test_preflight_writability_and_room(tmpfs, tmp_path):
+    mb = 1024 * 1024
+    assert ckpt.preflight(os.path.join(tmpfs, "a"), 100_000, 1, keep=2) == ""
+    warn = ckpt.preflight(os.path.join(tmpfs, "b"), int(0.8 * mb), 1, keep=2)
+    assert "checkpoint.keep=2" in warn and "room for 3 checkpoints" in warn and "pruned only after" in warn, warn
+    with pytest.raises(ckpt.CheckpointError, match="first save would fail"):
+        ckpt.preflight(os.path.join(tmpfs, "c"), 3 * mb, 1, keep=2)
+    with pytest.raises(ckpt.CheckpointError, match="first save would fail"):
+        ckpt.preflight(os.path.join(tmpfs, "c"), 1 * mb, 4, keep=1)  # 4 shards of 1 MB
+    assert ckpt.preflight(os.path.join(tmpfs, "c"), 3 * mb, 1, keep=2, check_space=False) == ""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ckpt.CheckpointError, match="is not writable"):
+        ckpt.preflight(str(tmp_path / "afile" / "ckpt"), 1000, 1, keep=2)
+
+
+@pytest.mark.slow  # two `dilocox train` subprocesses: ~45-60 s on the loaded 2-core machine
+def test_training_refuses_a_full_checkpoint_dir_at_start_up(tmpfs, tmp_path):
+    """Fails before the first step, not at the first save (the tiny model's shard is ~1.3 MB with AdamW)."""
+    filler = os.path.join(tmpfs, "filler")
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (1024 * 1024))
+    run = str(tmp_path / "run")
+    r = _cli([*_small(run), "--train.steps=50", f"--checkpoint.dir={tmpfs}/ckpt"])
+    assert r.returncode != 0
+    assert "first save would fail" in r.stderr and f"{tmpfs}/ckpt" in r.stderr, r.stderr[-3000:]
+    assert "step 10" not in r.stdout and not os.path.exists(os.path.join(run, "rank_00000.json"))
+    os.remove(filler)  # with room for one checkpoint but not keep+1=3: a warning, and the run completes
+    r = _cli([*_small(run), "--train.steps=2", f"--checkpoint.dir={tmpfs}/ckpt", "--checkpoint.resume=auto"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "room for 3 checkpoints" in r.stdout + r.stderr
+    assert ckpt.find_latest(f"{tmpfs}/ckpt").endswith("step_00000002")
+
+
+# ----------------------------------------------------------------------------------------- RNG
+
+
+def test_python_random_state_is_restored_exactly(tmp_path):
+    random.seed(1234)
+    random.gauss(0.0, 1.0)  # leaves gauss_next cached: part of the state
+    torch.manual_seed(5)
+    ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, {"rng": ckpt.rng_state()})
+    want_state = random.getstate()
+    want = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(64), torch.rand(3)]
+    random.seed(999)
+    torch.manual_seed(999)
+    sd = ckpt.load_checkpoint(ckpt.find_latest(str(tmp_path)), 0, 1)  # through torch.save / weights_only load
+    ckpt.set_rng_state(sd["rng"])
+    assert random.getstate() == want_state
+    got = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(64), torch.rand(3)]
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3])
+
+
+def test_finite_check_fast_path_is_exact():
+    """The sum-based fast path must neither flag finite values whose sum overflows nor miss a NaN/Inf."""
+    state = {
+        "huge": torch.full((10,), 3e38),
+        "half": torch.full((4,), 6e4, dtype=torch.float16),
+        "nan": torch.tensor([1.0, float("nan")]),
+        "bf16": [torch.tensor([float("-inf")], dtype=torch.bfloat16)],
+        "cplx": torch.ones(2, dtype=torch.complex64) * float("inf"),
+        "ints": torch.arange(3),
+    }
+    assert ckpt.nonfinite_tensors(state) == ["nan", "bf16.0", "cplx"]
+    mixed = {"t": torch.full((9,), float("nan"))} | {f"x{i}": torch.ones(1) for i in range(3)}
+    assert ckpt.nonfinite_tensors(mixed) == ["t"]
+    many = {f"n{i}": torch.tensor([float("nan")]) for i in range(6)}
+    assert ckpt.nonfinite_tensors(many) == ["n0", "n1", "n2", "n3", "... 2 more"]

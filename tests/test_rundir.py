@@ -1,0 +1,318 @@
+"""The run dir (issue 9, items 6-7): one run at a time, resume guard, config history, metrics once per step.
+
+The end-to-end tests drive ``dilocox train`` in subprocesses (each bounded by a timeout, its process
+group killed on failure) on copies of one 6-step tiny run with checkpoints at steps 2, 4, 6.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from dilocox import checkpoint as ckpt
+from dilocox import rundir
+from dilocox.config import load_config
+from dilocox.distributed.spawn import run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _args(run_dir, cache, *extra):
+    return [
+        f"--log.run_dir={run_dir}",
+        f"--data.cache_dir={cache}",
+        "--data.max_bytes=400000",
+        "--train.batch_size=4",
+        "--train.seq_len=64",
+        "--train.eval_every=0",
+        "--train.eval_batches=2",
+        "--log.tensorboard=false",
+        "--log.progress=false",
+        "--optim.warmup_steps=2",
+        "--checkpoint.every=2",
+        "--log.every=1",
+        *extra,
+    ]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _popen(run_dir, cache, *extra):
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, *_args(run_dir, cache, *extra)]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _kill(p):
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(timeout=30)
+
+
+def _train(run_dir, cache, *extra, timeout=240):
+    p = _popen(run_dir, cache, *extra)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        _kill(p)
+    return p.returncode, out, err
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _steps(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if "step" in r]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A tiny run trained to step 6 (checkpoints 2, 4, 6); tests work on copies of it."""
+    base = tmp_path_factory.mktemp("base")
+    rc, _, err = _train(str(base / "run"), str(base / "cache"), "--train.steps=6", "--checkpoint.keep=3")
+    assert rc == 0, err[-3000:]
+    return base
+
+
+@pytest.fixture
+def run(finished_run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(finished_run / "run", dst)
+    return str(dst), str(finished_run / "cache")
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_fresh_run_writes_config_history_and_logs_grad_norm(run):
+    run_dir, _ = run
+    assert _read(os.path.join(run_dir, "config.0.yaml")) == _read(os.path.join(run_dir, "config.yaml"))
+    assert _steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [r for r in map(json.loads, f) if "step" in r]
+    assert all(r["grad_norm"] > 0 for r in recs)  # optim.grad_clip=1.0 in the tiny config computes it
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_resume_past_train_steps_is_refused_and_writes_nothing(run):
+    run_dir, cache = run
+    before = {n: _read(os.path.join(run_dir, n)) for n in ("metrics.jsonl", "config.yaml")}
+    rc, out, err = _train(run_dir, cache, "--train.steps=4")
+    assert rc == 2, (rc, out[-2000:], err[-2000:])
+    assert "already at step 6, at or past train.steps=4" in err and "nothing was trained" in err, err[-2000:]
+    assert "Traceback" not in err
+    assert {n: _read(os.path.join(run_dir, n)) for n in before} == before  # no summary appended, config kept
+    assert not os.path.exists(os.path.join(run_dir, "config.6.yaml"))
+    assert ckpt.find_latest(os.path.join(run_dir, "checkpoints")).endswith("step_00000006")
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_resume_finished_skip_exits_0_and_writes_nothing(run):
+    run_dir, cache = run
+    before = {n: _read(os.path.join(run_dir, n)) for n in ("metrics.jsonl", "config.yaml")}
+    rc, out, err = _train(run_dir, cache, "--train.steps=6", "--checkpoint.resume_finished=skip")
+    assert rc == 0, err[-2000:]
+    assert "nothing to do" in out and "already at step 6" in out, out[-2000:]
+    assert {n: _read(os.path.join(run_dir, n)) for n in before} == before
+    assert not os.path.exists(os.path.join(run_dir, "config.6.yaml"))
+    assert ckpt.find_latest(os.path.join(run_dir, "checkpoints")).endswith("step_00000006")
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_resume_with_a_changed_model_is_refused_listing_the_keys(run):
+    run_dir, cache = run
+    before = _read(os.path.join(run_dir, "metrics.jsonl"))
+    rc, out, err = _train(run_dir, cache, "--train.steps=8", "--model.n_layers=3", "--train.seed=7", "--optim.lr=1e-3")
+    assert rc == 2, (rc, out[-2000:], err[-2000:])
+    assert "model.n_layers: 4 -> 3" in err and "train.seed: 1234 -> 7" in err, err[-2000:]
+    assert "optim.lr" not in err  # a schedule key is not a reason to refuse
+    assert "Traceback" not in err
+    assert _read(os.path.join(run_dir, "metrics.jsonl")) == before
+    assert not os.path.exists(os.path.join(run_dir, "config.6.yaml"))
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_resumed_run_logs_each_step_once_and_keeps_config_history(run):
+    run_dir, cache = run
+    step4 = os.path.join(run_dir, "checkpoints", "step_00000004")
+    rc, out, err = _train(run_dir, cache, "--train.steps=8", "--optim.lr=1e-3", f"--checkpoint.resume={step4}")
+    assert rc == 0, err[-3000:]
+    assert "warning: resuming with changed settings" in out and "optim.lr: 0.003 -> 0.001" in out, out[-2000:]
+    assert _steps(run_dir) == [1, 2, 3, 4, 5, 6, 7, 8]  # steps 5, 6 of the first run dropped, not duplicated
+    with open(os.path.join(run_dir, "metrics.discarded.jsonl")) as f:
+        assert [r["step"] for r in map(json.loads, f) if "step" in r] == [5, 6]
+    c0 = yaml.safe_load(_read(os.path.join(run_dir, "config.0.yaml")))
+    c4 = yaml.safe_load(_read(os.path.join(run_dir, "config.4.yaml")))
+    assert (c0["optim"]["lr"], c0["train"]["steps"]) == (0.003, 6)
+    assert (c4["optim"]["lr"], c4["train"]["steps"]) == (0.001, 8)
+    assert _read(os.path.join(run_dir, "config.yaml")) == _read(os.path.join(run_dir, "config.4.yaml"))
+
+
+def _wait_for_step_past(run_dir, step, proc, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if max(_steps(run_dir), default=0) > step:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the holder did not train past step {step} within {timeout} s")
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_second_run_on_a_busy_run_dir_names_the_holder(run):
+    run_dir, cache = run
+    holder = _popen(run_dir, cache, "--train.steps=100000", "--checkpoint.every=0")
+    try:
+        _wait_for_step_past(run_dir, 6, holder, timeout=180)
+        t0 = time.time()
+        rc, out, err = _train(run_dir, cache, "--train.steps=8", timeout=120)
+        assert rc == 2, (rc, out[-2000:], err[-2000:])
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in err, err[-2000:]
+        assert "is in use by another run" in err
+        assert time.time() - t0 < 120
+        assert holder.poll() is None  # the holder was not disturbed
+    finally:
+        _kill(holder)
+    lock = rundir.RunDirLock(run_dir)  # released by the holder's death (SIGKILL: no clean-up ran)
+    lock.release()
+
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from dilocox.rundir import RunDirLock
+    RunDirLock(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def _trainer_on(rank, world, run_dir, cache):
+    from dilocox.train import Trainer
+
+    cfg = load_config(TINY, _args(run_dir, cache, "--train.steps=2", "--parallel.data=2"))
+    try:
+        Trainer(cfg)
+    except rundir.RunDirError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_every_rank_stops_when_rank_0_cannot_lock(tmp_path):
+    run_dir = str(tmp_path / "run")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, run_dir],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.time()
+        msgs = run_ranks(2, _trainer_on, run_dir, str(tmp_path / "cache"), timeout=120)
+        assert time.time() - t0 < 120
+    finally:
+        _kill(holder)
+    assert f"pid {holder.pid}" in msgs[0], msgs
+    assert "could not be locked by rank 0" in msgs[1], msgs
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_config_changes_split_math_from_schedule():
+    base = load_config(TINY, []).to_dict()
+    new = load_config(
+        TINY,
+        [
+            "--train.steps=999",
+            "--optim.lr=1e-2",
+            "--log.every=3",
+            "--checkpoint.every=7",
+            "--parallel.tensor=2",
+            "--outer.method=diloco",
+            "--compress.quant=int8",
+            "--data.max_bytes=1000",
+        ],
+    ).to_dict()
+    math_, sched = rundir.config_changes(base, new)
+    assert {k for k, _, _ in math_} == {"outer.method", "compress.quant", "data.max_bytes"}
+    assert {k for k, _, _ in sched} == {"train.steps", "optim.lr", "log.every", "checkpoint.every", "parallel.tensor"}
+    del base["train"]["seed"]  # a key unknown to an older version counts as its default
+    assert rundir.config_changes(base, load_config(TINY, []).to_dict()) == ([], [])
+    assert [k for k, _, _ in rundir.config_changes(base, load_config(TINY, ["--train.seed=5"]).to_dict())[0]] == [
+        "train.seed"
+    ]
+
+
+def test_truncate_metrics_keeps_records_up_to_the_step(tmp_path):
+    lines = [
+        {"step": 1},
+        {"step": 2},
+        {"summary": {"steps": 2}},
+        {"event": "resume"},
+        {"step": 3},
+        {"step": 4},
+        {"summary": {"steps": 4}},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "lo'  # a line cut by a crash
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert rundir.truncate_metrics(str(tmp_path), 2) == 4
+    kept = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == lines[:4]
+    assert rundir.truncate_metrics(str(tmp_path), 2) == 0
+
+
+def test_config_history_never_replaces_a_different_file(tmp_path):
+    d = str(tmp_path)
+    assert rundir.write_config_history(d, "a: 1\n", 0).endswith("config.0.yaml")
+    assert rundir.write_config_history(d, "a: 1\n", 0).endswith("config.0.yaml")  # same content: reused
+    assert rundir.write_config_history(d, "a: 2\n", 0).endswith("config.0.1.yaml")
+    assert (tmp_path / "config.0.yaml").read_text() == "a: 1\n"
+    assert (tmp_path / "config.yaml").read_text() == "a: 2\n"
+
+
+def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
+    d = str(tmp_path / "run")
+    a = rundir.RunDirLock(d)
+    b = rundir.RunDirLock(d)  # same process: shared
+    probe = (
+        "import sys\nfrom dilocox.rundir import RunDirLock, RunDirError\ntry:\n    RunDirLock(sys.argv[1])\n"
+        "except RunDirError as e:\n    print(e)\n    sys.exit(3)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe, d], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 3 and f"pid {os.getpid()}" in r.stdout, r
+    a.release()
+    r = subprocess.run(
+        [sys.executable, "-c", probe, d], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 3, r  # b still holds it
+    b.release()
+    r = subprocess.run(
+        [sys.executable, "-c", probe, d], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False
+    )
+    assert r.returncode == 0, r
