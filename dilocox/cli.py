@@ -243,7 +243,8 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
     """(label, exit code) for the errors a user can act on from the message alone, else None (a traceback).
 
     Input errors (config, data, export) exit 2; a checkpoint that cannot be saved or loaded (corrupt,
-    non-finite state, full disk) exits 1: the run failed, the message names the file and the fix."""
+    non-finite state, full disk) and a NaN loss exit 1: the run failed; the message names the file or
+    the last good checkpoint and the fix."""
     from dilocox.checkpoint import CheckpointError  # imported only on failure: keeps `dilocox --help` light
     from dilocox.config import ConfigError
     from dilocox.data.sources import DataError
@@ -254,6 +255,7 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
         (DataError, "data error", 2),
         (ExportError, "export error", 2),
         (CheckpointError, "checkpoint error", 1),
+        (FloatingPointError, "training stopped", 1),
     ):
         if isinstance(e, cls):
             return label, code

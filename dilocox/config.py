@@ -96,9 +96,8 @@ class ParallelConfig:
     tensor: int = 1  # T: tensor-parallel ranks
     schedule: str = "1f1b"  # gpipe | 1f1b | reference (the small hand-written oracle)
     microbatches: int = 1
-    timeout_s: float = (
-        600.0  # bound on every collective inside a replica (process groups' timeout); a stuck rank ends the run
-    )
+    timeout_s: float = 600.0  # bound on every collective inside a replica (process groups' timeout); a stuck rank
+    # ends the run
 
     @property
     def world_size(self) -> int:
@@ -153,10 +152,14 @@ class OuterConfig:
     overlap: str = "none"  # none | delayed | eager
     state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
-    shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs all (D x the bytes)
+    shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the
+    # slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs
+    # all (D x the bytes)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
-    timeout_s: float = 600.0  # bound on every wait across replicas (outer all-reduce, world-wide agreements); then every rank exits non-zero
-    warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many seconds while a wait lasts
+    timeout_s: float = 600.0  # bound on every wait across replicas (outer all-reduce, world-wide agreements); then
+    # every rank exits non-zero
+    warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many
+    # seconds while a wait lasts
 
 
 @dataclass
@@ -201,9 +204,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
-    stop_timeout_s: float = (
-        60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not saved and exited by then
-    )
+    stop_timeout_s: float = 60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not
+    # saved and exited by then
 
 
 @dataclass
@@ -211,8 +213,10 @@ class CheckpointConfig:
     dir: str | None = None  # None = <run_dir>/checkpoints
     every: int = 0  # 0 = only at the end
     keep: int = 2
-    resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds checkpoints) | <path to a step dir>
-    fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete checkpoint; false: stop
+    resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds
+    # checkpoints) | <path to a step dir>
+    fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete
+    # checkpoint; false: stop
     check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
     resume_finished: str = "error"  # resumed checkpoint at/past train.steps: error (exit 2) | skip (exit 0); no writes
 
@@ -556,7 +560,8 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             close = [k for k in known if k.startswith(str(key)[:3])]
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"unknown config key {prefix}{key!r} (known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}"
+                f"unknown config key {prefix}{key!r} "
+                f"(known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}"
             )
         tp = hints[key]
         if is_dataclass(tp):
@@ -673,6 +678,7 @@ def reference_markdown() -> str:
     import re
 
     line_re = re.compile(r"^\s+(\w+):\s*([^=]+?)\s*=\s*(.+?)(?:\s+#\s*(.*))?$")
+    more_re = re.compile(r"^\s+#\s*(.*)$")  # a field's comment goes on over the comment lines right below it
     out = [
         "# Config reference",
         "",
@@ -684,11 +690,14 @@ def reference_markdown() -> str:
     def section(cls: type, prefix: str) -> None:
         rows = []
         nested = []
-        for src_line in inspect.getsource(cls).splitlines():
+        src = inspect.getsource(cls).splitlines()
+        for i, src_line in enumerate(src):
             m = line_re.match(src_line)
             if not m or m.group(1) not in {f.name for f in fields(cls)}:
                 continue
             name, tp, default, comment = m.groups()
+            while comment is not None and i + 1 < len(src) and (more := more_re.match(src[i + 1])):
+                comment, i = f"{comment} {more.group(1)}", i + 1
             if default.startswith("field(default_factory="):
                 nested.append((name, typing.get_type_hints(cls)[name]))
                 continue

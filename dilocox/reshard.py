@@ -84,16 +84,23 @@ def _cat(parts: list[torch.Tensor], dim: int | None) -> torch.Tensor:
     return parts[0].clone() if dim is None else torch.cat(parts, dim)
 
 
-def gather_full(step_dir: str, mcfg: ModelConfig, replica: int = 0, data: int = 0, stages: list[int] | None = None,
-                optimizer: bool = False) -> dict:
+def gather_full(
+    step_dir: str,
+    mcfg: ModelConfig,
+    replica: int = 0,
+    data: int = 0,
+    stages: list[int] | None = None,
+    optimizer: bool = False,
+) -> dict:
     """Full tensors of a checkpoint: ``{"model": {name: tensor}, "optimizer": {name: {k: tensor}},
     "rank0": rank 0's shard (step, sampler, rng, outer, ...)}`` for one replica / data rank.
     ``stages``: only read the shards of these stages (default all)."""
     meta = ckpt.read_meta(step_dir)
     R, D, P, T = parse_layout(meta.get("layout", "R1xD1xP1xT1"))
     if replica >= R or data >= D:
-        raise ckpt.CheckpointError(f"{step_dir} has {R} replicas x {D} data ranks; "
-                                   f"no replica {replica}, data rank {data}")
+        raise ckpt.CheckpointError(
+            f"{step_dir} has {R} replicas x {D} data ranks; no replica {replica}, data rank {data}"
+        )
     model: dict[str, torch.Tensor] = {}
     opt: dict[str, dict] = {}
     rank0 = None
@@ -141,7 +148,8 @@ def final_model(step_dir: str, mcfg: ModelConfig, allow_replica_params: bool = F
             f"{step_dir} is a mid-run checkpoint of outer.method={outer.get('method')!r}: "
             "its model state is replica 0's "
             "local params, not the outer params θ (the final model). Export the final checkpoint of the run, or pass "
-            "--replica-params to export replica 0's local params anyway")
+            "--replica-params to export replica 0's local params anyway"
+        )
     return out["model"]
 
 
@@ -157,8 +165,9 @@ def _is_final(step_dir: str) -> bool:
     return False
 
 
-def resharded_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    outer=None) -> dict:
+def resharded_state(
+    step_dir: str, cfg: Config, topo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, outer=None
+) -> dict:
     """This rank's ``Trainer.load_state_dict`` input from a checkpoint saved on another layout.
     ``outer``: this rank's (already built) outer object; its state is resharded too (module docstring)."""
     meta = ckpt.read_meta(step_dir)
@@ -166,11 +175,15 @@ def resharded_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, op
     for k in ("method", "arch"):
         want = {"method": cfg.outer.method, "arch": cfg.model.arch}[k]
         if k in meta and meta[k] != want:
-            raise ckpt.CheckpointError(f"checkpoint {step_dir} has {k}={meta[k]!r} but this run has {k}={want!r}; "
-                                       "resume with the same setting or start a fresh run_dir")
+            raise ckpt.CheckpointError(
+                f"checkpoint {step_dir} has {k}={meta[k]!r} but this run has {k}={want!r}; "
+                "resume with the same setting or start a fresh run_dir"
+            )
     if R != topo.R:
-        raise ckpt.CheckpointError(f"checkpoint {step_dir} has parallel.replicas={R}, this run {topo.R}: the data "
-                                   "sampler and outer state are per replica; resume with the same parallel.replicas")
+        raise ckpt.CheckpointError(
+            f"checkpoint {step_dir} has parallel.replicas={R}, this run {topo.R}: the data "
+            "sampler and outer state are per replica; resume with the same parallel.replicas"
+        )
     # which old stages hold this rank's parameters
     per_old, mine = cfg.model.n_layers // P, set(model.layer_ids)
     stages = {lid // per_old for lid in mine} | ({0} if model.is_first else set())
@@ -181,7 +194,8 @@ def resharded_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, op
         raise ckpt.CheckpointError(
             f"checkpoint {step_dir} (layout {meta['layout']}) holds outer state of "
             f"outer.method={meta.get('method')!r} but this run has no outer method to load it into; resume with "
-            f"outer.method={meta.get('method')!r}")
+            f"outer.method={meta.get('method')!r}"
+        )
     sd = {k: v for k, v in sd0.items() if k not in ("model", "optimizer")}
     if topo.replica != 0:
         sd["sampler"] = ckpt.load_checkpoint(step_dir, rank_of(topo.replica, 0, 0, 0, D, P, T))["sampler"]
@@ -212,8 +226,9 @@ def resharded_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, op
 
 
 # ---------------------------------------------------------------------- the DiLoCo family's outer state
-def _saved_outer_order(mcfg: ModelConfig, stage: int, P: int, T: int, data: int, D: int, K: int,
-                       pattern: str, dp_sharded: bool) -> tuple[list[tuple[str, torch.Size, int | None]], list]:
+def _saved_outer_order(
+    mcfg: ModelConfig, stage: int, P: int, T: int, data: int, D: int, K: int, pattern: str, dp_sharded: bool
+) -> tuple[list[tuple[str, torch.Size, int | None]], list]:
     """What ``DiLoCoOuter`` of a saved rank (data, stage, any tp) held: its ``(name, local shape, partition_dim)``
     list in the outer's order and its fragments (indices into that list), rebuilt from a meta-device model
     exactly as ``DiLoCoOuter.__init__`` builds them (``assign_fragments``, then ``assign_owners``)."""
@@ -244,9 +259,11 @@ def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
     out: dict = {k: {} for k in ("theta", "momentum", "pending", "own_prev", "errors", "frag", "rank", "dim")}
     need = sum(named[i][1].numel() for frag in frags for i in frag)
     if need != theta.numel():
-        raise ckpt.CheckpointError(f"outer state of {where} has {theta.numel()} elements, but its layout's parameters "
-                                   f"need {need}: the checkpoint was written for a different model or outer settings; "
-                                   "resume it on its own layout with its own config")
+        raise ckpt.CheckpointError(
+            f"outer state of {where} has {theta.numel()} elements, but its layout's parameters "
+            f"need {need}: the checkpoint was written for a different model or outer settings; "
+            "resume it on its own layout with its own config"
+        )
     pos = 0
     for f, frag in enumerate(frags):
         start = pos
@@ -256,12 +273,12 @@ def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
             name, shape, dim = named[i]
             n = shape.numel()
             out["frag"][name], out["rank"][name], out["dim"][name] = f, int(comp.get("rank", 0)), dim
-            out["theta"][name] = theta[pos:pos + n].view(shape)
-            out["momentum"][name] = mom[pos:pos + n].view(shape)
+            out["theta"][name] = theta[pos : pos + n].view(shape)
+            out["momentum"][name] = mom[pos : pos + n].view(shape)
             if o["pending"][f] is not None:
                 out["pending"][name] = o["pending"][f][k]
             if o["own_prev"][f] is not None:
-                out["own_prev"][name] = o["own_prev"][f][pos - start:pos - start + n].view(shape)
+                out["own_prev"][name] = o["own_prev"][f][pos - start : pos - start + n].view(shape)
             if errs:
                 out["errors"][name] = errs[str(k)]
             pos += n
@@ -290,7 +307,8 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
                     if o.get("method") != cfg.outer.method or "state" not in o:
                         raise ckpt.CheckpointError(
                             f"checkpoint {step_dir} holds outer state of outer.method={o.get('method')!r}, "
-                            f"this run has {cfg.outer.method!r}; resume with the same outer.method")
+                            f"this run has {cfg.outer.method!r}; resume with the same outer.method"
+                        )
                 sharded = bool(o.get("dp_sharded", False))
                 named, frags = _saved_outer_order(cfg.model, p, P, T, d, D, int(o["fragments"]), pattern, sharded)
                 part = _outer_by_name(o, named, frags, f"{step_dir} rank {rank}")
@@ -322,8 +340,10 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
         if is_tensor_parallel(prm):
             v = shard_tensor(v, prm.partition_dim, model.tp_rank, model.tp_size)
         if v.shape != prm.shape:
-            raise ckpt.CheckpointError(f"checkpoint {step_dir}: outer {kind} of {name} has shape {tuple(v.shape)} on "
-                                       f"this layout, the parameter {tuple(prm.shape)}")
+            raise ckpt.CheckpointError(
+                f"checkpoint {step_dir}: outer {kind} of {name} has shape {tuple(v.shape)} on "
+                f"this layout, the parameter {tuple(prm.shape)}"
+            )
         return v.detach().float().clone()
 
     st = outer.state
@@ -334,35 +354,52 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
         for i in frag:
             name = outer.names[i]
             if name not in full.get("theta", {}):
-                raise ckpt.CheckpointError(f"checkpoint {step_dir} holds no outer state for parameter {name}; it was "
-                                           "written for another model")
+                raise ckpt.CheckpointError(
+                    f"checkpoint {step_dir} holds no outer state for parameter {name}; it was written for another model"
+                )
             old_f = full["frag"][name][min(full["frag"][name])]
             if old_f != f:
                 raise ckpt.CheckpointError(
                     f"checkpoint {step_dir} (layout {meta['layout']}): {name} was in streaming fragment {old_f}, on "
                     f"this layout it is in fragment {f} (fragments are assigned per pipeline stage), so its sync "
-                    f"schedule would change; resume with parallel.pipeline={P} (parallel.tensor/data may change)")
+                    f"schedule would change; resume with parallel.pipeline={P} (parallel.tensor/data may change)"
+                )
             st.view(theta, i).copy_(local("theta", i))
             st.view(mom, i).copy_(local("momentum", i))
         pend = [local("pending", i) for i in frag]
         if any(x is None for x in pend) and not all(x is None for x in pend):
-            raise ckpt.CheckpointError(f"checkpoint {step_dir}: fragment {f} has an in-flight result for some of "
-                                       "its tensors only; the checkpoint is inconsistent")
+            raise ckpt.CheckpointError(
+                f"checkpoint {step_dir}: fragment {f} has an in-flight result for some of "
+                "its tensors only; the checkpoint is inconsistent"
+            )
         pending.append(pend if frag and pend[0] is not None else None)
         own = [local("own_prev", i) for i in frag]
         own_prev.append(torch.cat([x.reshape(-1) for x in own]) if frag and all(x is not None for x in own) else None)
         errs = [local("errors", i) for i in frag]
         ranks = [max(full["rank"][outer.names[i]].values()) for i in frag]
-        comps.append({"rank": max(ranks, default=0),
-                      "errors": {str(k): e for k, e in enumerate(errs)} if frag and all(e is not None for e in errs)
-                      else {}})
+        comps.append(
+            {
+                "rank": max(ranks, default=0),
+                "errors": {str(k): e for k, e in enumerate(errs)} if frag and all(e is not None for e in errs) else {},
+            }
+        )
     return {
-        "version": ref.get("version", 1), "method": ref["method"], "H": ref["H"], "outer_step": ref["outer_step"],
-        "overlap": ref["overlap"], "fragments": ref["fragments"], "dp_sharded": outer.dp_shard is not None,
-        "state": {"theta": theta, "momentum": mom}, "pending": pending,
-        "pending_comm_s": list(ref.get("pending_comm_s", [0.0] * len(pending))), "own_prev": own_prev,
-        "schedule": ref["schedule"], "controller": None,  # restarted (module docstring)
-        "compressors": comps, "counters": dict(ref["counters"]), "comm_stats": dict(ref["comm_stats"]),
+        "version": ref.get("version", 1),
+        "method": ref["method"],
+        "H": ref["H"],
+        "outer_step": ref["outer_step"],
+        "overlap": ref["overlap"],
+        "fragments": ref["fragments"],
+        "dp_sharded": outer.dp_shard is not None,
+        "state": {"theta": theta, "momentum": mom},
+        "pending": pending,
+        "pending_comm_s": list(ref.get("pending_comm_s", [0.0] * len(pending))),
+        "own_prev": own_prev,
+        "schedule": ref["schedule"],
+        "controller": None,  # restarted (module docstring)
+        "compressors": comps,
+        "counters": dict(ref["counters"]),
+        "comm_stats": dict(ref["comm_stats"]),
     }
 
 
@@ -374,8 +411,10 @@ def restart_notes(cfg: Config) -> list[str]:
         return []
     c, notes = cfg.compress, []
     if c.lowrank.enabled:
-        notes.append("the low-rank compressor's warm-start Q (redrawn from the seed at the saved rank) and its "
-                     "tail-energy estimate")
+        notes.append(
+            "the low-rank compressor's warm-start Q (redrawn from the seed at the saved rank) and its "
+            "tail-energy estimate"
+        )
     if c.adaptive.enabled:
         notes.append("the adaptive controller's rank history and measured comm/step times (H and the rank carry over)")
     return notes

@@ -100,8 +100,13 @@ class Trainer:
         self.topo = build_topology(cfg.parallel, rank, world, outer_timeout_s=cfg.outer.timeout_s)
         # SIGINT/SIGTERM: stop at a step boundary agreed by all ranks, save, exit 128+signal (distributed/signals.py)
         self.stop = signals.StopFlag()  # handlers: installed by train() (not by Trainers built inside tests)
-        self.stop.attach(world, world_timeout, cfg.outer.warn_after_s, signals.replica_peers(self.topo),
-                         "outer.timeout_s" if cfg.parallel.replicas > 1 else "parallel.timeout_s")
+        self.stop.attach(
+            world,
+            world_timeout,
+            cfg.outer.warn_after_s,
+            signals.replica_peers(self.topo),
+            "outer.timeout_s" if cfg.parallel.replicas > 1 else "parallel.timeout_s",
+        )
         self.device = pick_device(cfg, local)
         # One run per run dir: rank 0 holds the lock until the run ends or dies; every rank learns the outcome.
         self.run_lock = rundir.lock_run_dir(cfg.log.run_dir, rank == 0, ckpt.all_ranks_agree)
@@ -116,13 +121,16 @@ class Trainer:
                 "(a multiple of parallel.tensor)"
             )
         tr = cfg.train
-        self.sampler = TokenSampler(self.prepared.train_tokens(), tr.seq_len, tr.batch_size, tr.seed, self.topo.replica,
-                                    self.topo.R)
-        self.val_batches = (self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches
-                            else [])
+        self.sampler = TokenSampler(
+            self.prepared.train_tokens(), tr.seq_len, tr.batch_size, tr.seed, self.topo.replica, self.topo.R
+        )
+        self.val_batches = (
+            self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
+        )
         t = self.topo
-        self.model = build_stage_model(cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed,
-                                       device=self.device)
+        self.model = build_stage_model(
+            cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed, device=self.device
+        )
         if cfg.model.init_from:  # continued pre-training from a Hugging Face checkpoint (a resume overrides it)
             hf_dir = resolve_hf_dir(cfg.model.init_from)
             hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
@@ -130,32 +138,56 @@ class Trainer:
         autocast = None
         if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.device.type == "cuda"):
             autocast = torch.bfloat16
-        self.engine = PipelineEngine(self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device,
-                                     autocast_dtype=autocast)
+        self.engine = PipelineEngine(
+            self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device, autocast_dtype=autocast
+        )
         self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
         self.outer = build_outer(  # None for outer.method=none
-            list(self.model.named_parameters()), t, cfg.outer, cfg.compress, seed=cfg.train.seed,
-            layer_of=self.model.param_layer_id, n_layers_total=cfg.model.n_layers,
+            list(self.model.named_parameters()),
+            t,
+            cfg.outer,
+            cfg.compress,
+            seed=cfg.train.seed,
+            layer_of=self.model.param_layer_id,
+            n_layers_total=cfg.model.n_layers,
             comm_bandwidth=emulated_bandwidth_bytes(),
         )
         if self.outer is not None:  # every wait on the outer all-reduce: warned about, then bounded
-            self.outer.bound_waits(cfg.outer.timeout_s, cfg.outer.warn_after_s, peers=signals.replica_peers(t),
-                                      log=lambda m, r=rank: print(f"[rank {r}] {m}", flush=True))
+            self.outer.bound_waits(
+                cfg.outer.timeout_s,
+                cfg.outer.warn_after_s,
+                peers=signals.replica_peers(t),
+                log=lambda m, r=rank: print(f"[rank {r}] {m}", flush=True),
+            )
         self.step = 0
         self.tokens_seen = 0
         self.ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints")
         lg = cfg.log
-        self.logger = MetricsLogger(lg.run_dir, enabled=rank == 0, total_steps=cfg.train.steps, jsonl=lg.jsonl,
-                                    tensorboard=lg.tensorboard, progress=lg.progress,
-                                    wandb_project=lg.wandb_project if lg.wandb else None, config=cfg.to_dict())
+        self.logger = MetricsLogger(
+            lg.run_dir,
+            enabled=rank == 0,
+            total_steps=cfg.train.steps,
+            jsonl=lg.jsonl,
+            tensorboard=lg.tensorboard,
+            progress=lg.progress,
+            wandb_project=lg.wandb_project if lg.wandb else None,
+            config=cfg.to_dict(),
+        )
         self.peak = peak_flops(self.device)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.history: list[dict] = []
         self.grad_norm: float | None = None  # global norm before clipping (optim.grad_clip > 0), logged per step
         self.resumed_from: str | None = None
         self._maybe_resume()
-        space = ckpt.preflight(self.ckpt_dir, ckpt.estimate_bytes(self.state_dict(), self.optimizer), self.topo.world_size,
-                               cfg.checkpoint.keep, self.topo.rank, ckpt.all_ranks_agree, cfg.checkpoint.check_space)
+        space = ckpt.preflight(
+            self.ckpt_dir,
+            ckpt.estimate_bytes(self.state_dict(), self.optimizer),
+            self.topo.world_size,
+            cfg.checkpoint.keep,
+            self.topo.rank,
+            ckpt.all_ranks_agree,
+            cfg.checkpoint.check_space,
+        )
         if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
             self.logger.info(space)
 
@@ -183,8 +215,11 @@ class Trainer:
 
     def _layout(self) -> dict:
         p = self.cfg.parallel
-        return {"layout": f"R{p.replicas}xD{p.data}xP{p.pipeline}xT{p.tensor}", "method": self.cfg.outer.method,
-                "arch": self.cfg.model.arch}
+        return {
+            "layout": f"R{p.replicas}xD{p.data}xP{p.pipeline}xT{p.tensor}",
+            "method": self.cfg.outer.method,
+            "arch": self.cfg.model.arch,
+        }
 
     def _maybe_resume(self) -> None:
         r = self.cfg.checkpoint.resume
@@ -211,8 +246,13 @@ class Trainer:
             for what in restart_notes(self.cfg) if sd.get("outer") else []:
                 self.logger.info(f"warning: resharding restarts {what}")
         elif r == "auto":  # verifies each shard's hash; on a damaged one falls back (all ranks alike) or stops
-            path, sd = ckpt.load_latest(self.ckpt_dir, self.topo.rank, self.topo.world_size, expect=self._layout(),
-                                        fallback=self.cfg.checkpoint.fallback)
+            path, sd = ckpt.load_latest(
+                self.ckpt_dir,
+                self.topo.rank,
+                self.topo.world_size,
+                expect=self._layout(),
+                fallback=self.cfg.checkpoint.fallback,
+            )
         else:
             sd = ckpt.load_checkpoint(path, self.topo.rank, self.topo.world_size, expect=self._layout())
         self.load_state_dict(sd)
@@ -234,8 +274,13 @@ class Trainer:
     def save(self) -> str:
         # the config goes into COMPLETE.json: a resume compares its own config with the one these weights came from
         return ckpt.save_checkpoint(
-            self.ckpt_dir, self.step, self.topo.rank, self.topo.world_size, self.state_dict(),
-            meta={**self._layout(), "config": self.cfg.to_dict()}, agree=ckpt.all_ranks_agree,
+            self.ckpt_dir,
+            self.step,
+            self.topo.rank,
+            self.topo.world_size,
+            self.state_dict(),
+            meta={**self._layout(), "config": self.cfg.to_dict()},
+            agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,
         )
 
@@ -261,13 +306,17 @@ class Trainer:
             raise FloatingPointError(
                 f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped before the bad update. "
                 f"Lower optim.lr (now {cfg.optim.lr}) or set optim.grad_clip, and resume from the last good checkpoint "
-                f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; non-finite states are never saved)"
+                f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
+                "non-finite states are never saved)"
             )
         if self.outer is not None:
             self.outer.on_gradients(step)
         if cfg.optim.grad_clip > 0:
-            self.grad_norm = float(clip_grad_norm_(list(self.model.parameters()), cfg.optim.grad_clip,
-                                                   self.topo.tp_rank, self.topo.group("mp")))
+            self.grad_norm = float(
+                clip_grad_norm_(
+                    list(self.model.parameters()), cfg.optim.grad_clip, self.topo.tp_rank, self.topo.group("mp")
+                )
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.outer is not None:
@@ -293,11 +342,19 @@ class Trainer:
             if self.resumed_from is not None:
                 dropped = rundir.truncate_metrics(cfg.log.run_dir, self.step)
                 self.logger.resume_at(self.step)
-                self.logger.write({"event": "resume", "resumed_at": self.step, "checkpoint": self.resumed_from,
-                                   "records_dropped": dropped})
+                self.logger.write(
+                    {
+                        "event": "resume",
+                        "resumed_at": self.step,
+                        "checkpoint": self.resumed_from,
+                        "records_dropped": dropped,
+                    }
+                )
                 if dropped:
-                    self.logger.info(f"metrics.jsonl: {dropped} records logged after step {self.step} by the earlier "
-                                     f"run moved to {rundir.DISCARDED_NAME}")
+                    self.logger.info(
+                        f"metrics.jsonl: {dropped} records logged after step {self.step} by the earlier "
+                        f"run moved to {rundir.DISCARDED_NAME}"
+                    )
         return None
 
     def _end_of_run(self, start_step: int, wall: float) -> dict:
@@ -306,8 +363,11 @@ class Trainer:
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
         final_val = self.validate()
         summary = {
-            "steps": self.step, "final_val_loss": final_val, "final_val_ppl": math.exp(min(final_val, 50)),
-            "wall_s": wall, "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
+            "steps": self.step,
+            "final_val_loss": final_val,
+            "final_val_ppl": math.exp(min(final_val, 50)),
+            "wall_s": wall,
+            "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
             "tokens_per_replica": self.tokens_seen,
         }
         if self.outer is not None:
@@ -315,9 +375,11 @@ class Trainer:
         summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
         rundir.write_rank_summary(cfg.log.run_dir, self.topo.rank, self.topo.describe(), summary)
         self.logger.write({"summary": summary})
-        self.logger.info(f"done: {self.step} steps, final val loss {final_val:.4f} "
-                         f"(ppl {summary['final_val_ppl']:.2f}), "
-                         f"{summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s")
+        self.logger.info(
+            f"done: {self.step} steps, final val loss {final_val:.4f} "
+            f"(ppl {summary['final_val_ppl']:.2f}), "
+            f"{summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s"
+        )
         return summary
 
     def run(self) -> dict:
@@ -327,15 +389,23 @@ class Trainer:
             return skipped
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
         start_step = self.step
-        self.logger.info(f"dilocox: {self.topo.describe()} | device {self.device} | method {cfg.outer.method} | "
-                         f"{cfg.model.arch} {cfg.model.num_params() / 1e6:.2f}M params | {tokens_per_step} tokens/step")
+        self.logger.info(
+            f"dilocox: {self.topo.describe()} | device {self.device} | method {cfg.outer.method} | "
+            f"{cfg.model.arch} {cfg.model.num_params() / 1e6:.2f}M params | {tokens_per_step} tokens/step"
+        )
         o = cfg.outer
-        if (o.method == "diloco" and not cfg.compress.adaptive.enabled and o.streaming.fragments == 1
-                and cfg.train.steps % o.sync_every):
-            self.logger.info(f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every="
-                             f"{o.sync_every}: the last {cfg.train.steps % o.sync_every} local steps are never "
-                             f"synchronised and the final model (the outer params) leaves them out; set train.steps "
-                             f"to a multiple of {o.sync_every}")
+        if (
+            o.method == "diloco"
+            and not cfg.compress.adaptive.enabled
+            and o.streaming.fragments == 1
+            and cfg.train.steps % o.sync_every
+        ):
+            self.logger.info(
+                f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every="
+                f"{o.sync_every}: the last {cfg.train.steps % o.sync_every} local steps are never "
+                f"synchronised and the final model (the outer params) leaves them out; set train.steps "
+                f"to a multiple of {o.sync_every}"
+            )
         t_start = time.time()
         t_last, step_last = t_start, self.step
         val_loss = None
@@ -395,8 +465,12 @@ def train(cfg: Config) -> dict:
         raise SystemExit(e.exit_code) from None
     except RuntimeError as e:  # a peer/replica is gone: say which wait failed; a stuck clean-up cannot outlive 15 s
         o, r = cfg.outer, cfg.parallel.replicas > 1
-        msg = signals.comm_failure_message(e, signals.replica_peers(trainer.topo), "outer.timeout_s" if r else
-                                           "parallel.timeout_s", o.timeout_s if r else cfg.parallel.timeout_s)
+        msg = signals.comm_failure_message(
+            e,
+            signals.replica_peers(trainer.topo),
+            "outer.timeout_s" if r else "parallel.timeout_s",
+            o.timeout_s if r else cfg.parallel.timeout_s,
+        )
         if msg:
             signals.exit_watchdog(signals.CommTimeoutError(msg))
         raise

@@ -11,7 +11,7 @@ from dilocox.compress.adaptive import AdaptiveController
 from dilocox.compress.collectives import CommStats
 from dilocox.compress.compressor import build_compressor
 from dilocox.config import AdaptiveConfig, CompressConfig, LowRankConfig
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 
 def brute_effective_rank(sigmas, eps, tail=0.0, rank_max=10**9):

@@ -100,7 +100,7 @@ def _save_per_node_dirs(rank, world, root, shared):
 
 
 def test_node_local_checkpoint_dirs_fail_on_every_rank_without_hanging(tmp_path):
-    from dilocox.distributed.spawn import run_ranks
+    from tests.spawn import run_ranks
 
     res = run_ranks(2, _save_per_node_dirs, str(tmp_path), False, timeout=120)
     for out, listing in res:
@@ -124,7 +124,7 @@ def _save_with_a_failing_rank(rank, world, d):
 
 
 def test_a_rank_failing_inside_torch_save_fails_every_rank(tmp_path):
-    from dilocox.distributed.spawn import run_ranks
+    from tests.spawn import run_ranks
 
     ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, _state(1))  # an earlier, complete checkpoint
     res = run_ranks(2, _save_with_a_failing_rank, str(tmp_path), timeout=120)

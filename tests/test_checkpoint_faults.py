@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dilocox import checkpoint as ckpt
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from dilocox.compress.collectives import CommStats, quantized_allreduce
 from dilocox.compress.quant import dequantize, quantize
 from dilocox.config import CompressConfig
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 LEVELS = {"int4": 7, "int8": 127}
 

@@ -29,7 +29,7 @@ from dilocox.data import (
     unigram_entropy,
     val_batches,
 )
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 SMALL = 300_000
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

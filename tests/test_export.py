@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from dilocox import hf
 from dilocox.config import load_config
-from dilocox.distributed.spawn import run_ranks
 from dilocox.model.transformer import build_model
+from tests.spawn import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

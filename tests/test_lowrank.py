@@ -12,7 +12,7 @@ from dilocox.compress.compressor import Compressor, build_compressor
 from dilocox.compress.lowrank import PowerSGD, factorable
 from dilocox.compress.quant import dequantize, quantize
 from dilocox.config import CompressConfig, LowRankConfig
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 
 def _low_rank(n, m, r, seed, shared_left=None):

@@ -1,4 +1,7 @@
-"""The outer objects (build_outer) on R = 2, 3 gloo ranks against the single-process oracle (tests/reference_diloco.py)."""
+"""The outer objects (build_outer) on R = 2, 3 gloo ranks against the single-process oracle.
+
+The oracle is tests/reference_diloco.py.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ import pytest
 import torch
 
 from dilocox.config import CompressConfig, ConfigError, OuterConfig, ParallelConfig, StreamingConfig
-from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from dilocox.outer import build_outer
 from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model, run_reference
+from tests.spawn import run_ranks
 
 SEED = 7
 

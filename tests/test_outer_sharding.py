@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilocox.distributed.spawn import run_ranks
 from tests.small_run import small_cfg
+from tests.spawn import run_ranks
 
 
 def _dp_sharded(rank, world, tmp, cases):

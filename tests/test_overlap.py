@@ -10,9 +10,9 @@ import pytest
 
 from dilocox.config import CompressConfig, OuterConfig, ParallelConfig
 from dilocox.distributed.comm import AsyncComm
-from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model
+from tests.spawn import run_ranks
 
 # ---------------------------------------------------------------------------- AsyncComm alone
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from dilocox.config import ModelConfig, ParallelConfig, load_config
-from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from dilocox.engine import PipelineEngine
 from dilocox.model.parallel_layers import is_tensor_parallel, shard_tensor
 from dilocox.model.transformer import build_stage_model
+from tests.spawn import run_ranks
 
 SEED, BATCH, SEQ = 7, 4, 16
 LOSS_TOL, GRAD_RTOL = 1e-5, 1e-4

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from dilocox.distributed.spawn import run_ranks
 from tests.small_run import small_cfg
+from tests.spawn import run_ranks
 
 
 def _raise_in_training(rank, world, tmp):

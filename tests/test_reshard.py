@@ -10,29 +10,58 @@ import yaml
 
 from dilocox import checkpoint as ckpt
 from dilocox.config import load_config
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 STEPS, STOP = 6, 3
-LAYOUTS = {"pp2tp2": ["--parallel.pipeline=2", "--parallel.tensor=2"], "tp2": ["--parallel.tensor=2"], "one": [],
-           "dp2": ["--parallel.data=2"], "pp2": ["--parallel.pipeline=2"]}
+LAYOUTS = {
+    "pp2tp2": ["--parallel.pipeline=2", "--parallel.tensor=2"],
+    "tp2": ["--parallel.tensor=2"],
+    "one": [],
+    "dp2": ["--parallel.data=2"],
+    "pp2": ["--parallel.pipeline=2"],
+}
 WORLD = {"pp2tp2": 4, "tp2": 2, "one": 1, "dp2": 2, "pp2": 2}
 # configs/methods/diloco.yaml with a short H: sync points at steps 2, 4, 6, so the save at step 3 is mid-phase
 # (local params != θ, momentum != 0) and, with overlap delayed/eager, holds the in-flight result of step 2's sync
-DILOCO = ["--outer.method=diloco", "--outer.sync_every=2", "--outer.lr=0.7", "--outer.momentum=0.9",
-          "--outer.nesterov=true", "--outer.streaming.fragments=1", "--outer.streaming.tau=0", "--compress.quant=none",
-          "--compress.lowrank.enabled=false", "--compress.adaptive.enabled=false"]
+DILOCO = [
+    "--outer.method=diloco",
+    "--outer.sync_every=2",
+    "--outer.lr=0.7",
+    "--outer.momentum=0.9",
+    "--outer.nesterov=true",
+    "--outer.streaming.fragments=1",
+    "--outer.streaming.tau=0",
+    "--compress.quant=none",
+    "--compress.lowrank.enabled=false",
+    "--compress.adaptive.enabled=false",
+]
 
 
 def _cfg(run_dir, *extra, resume="auto"):
-    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-        f"--log.run_dir={run_dir}", f"--data.cache_dir={os.path.dirname(run_dir)}/cache", "--data.max_bytes=200000",
-        f"--train.steps={STEPS}", "--train.batch_size=4", "--train.seq_len=32", "--train.eval_every=0",
-        "--train.eval_batches=1", "--log.tensorboard=false", "--log.progress=false", "--optim.warmup_steps=1",
-        "--model.n_layers=2", "--model.d_model=64", "--parallel.microbatches=2", f"--checkpoint.resume={resume}",
-        *extra])
+    return load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        [
+            f"--log.run_dir={run_dir}",
+            f"--data.cache_dir={os.path.dirname(run_dir)}/cache",
+            "--data.max_bytes=200000",
+            f"--train.steps={STEPS}",
+            "--train.batch_size=4",
+            "--train.seq_len=32",
+            "--train.eval_every=0",
+            "--train.eval_batches=1",
+            "--log.tensorboard=false",
+            "--log.progress=false",
+            "--optim.warmup_steps=1",
+            "--model.n_layers=2",
+            "--model.d_model=64",
+            "--parallel.microbatches=2",
+            f"--checkpoint.resume={resume}",
+            *extra,
+        ],
+    )
 
 
 def _full_and_save(rank, world, tmp, extra):
@@ -58,7 +87,7 @@ def _check(tmp_path, src, dst):
     assert ckpt.read_meta(ckpt.find_latest(str(tmp_path / "part" / "checkpoints")))["layout"] == "R1xD1xP1xT2"
     for losses in run_ranks(WORLD[dst], _resume, str(tmp_path / "part"), LAYOUTS[dst]):
         assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (losses, full[STOP:])
-        assert losses != pytest.approx(full[:STEPS - STOP], rel=1e-3)  # really continued, not restarted
+        assert losses != pytest.approx(full[: STEPS - STOP], rel=1e-3)  # really continued, not restarted
 
 
 @pytest.mark.slow  # 4 + 1 + 2 ranks on 2 cores: ~40 s
@@ -106,10 +135,22 @@ def _resume_outer(rank, world, run_dir, extra):
     o = t.outer
     pend = [None if h is None else [x.clone() for x in h.wait()] for h in o.pending]
     comp = [None if c.errors is None else [e.clone() for e in c.errors] for c in o.compressors]
-    named = {n: (o.state.view(o.state.theta, i).clone(), o.state.view(o.state.momentum, i).clone(), p.partition_dim
-                 if getattr(p, "tensor_parallel", False) else None) for i, (n, p) in enumerate(zip(o.names, o.params))}
-    info = {"named": named, "pending": pend, "errors": comp, "H": o.H, "outer_step": o.outer_step,
-            "next_sync": list(o.schedule.next_sync)}
+    named = {
+        n: (
+            o.state.view(o.state.theta, i).clone(),
+            o.state.view(o.state.momentum, i).clone(),
+            p.partition_dim if getattr(p, "tensor_parallel", False) else None,
+        )
+        for i, (n, p) in enumerate(zip(o.names, o.params))
+    }
+    info = {
+        "named": named,
+        "pending": pend,
+        "errors": comp,
+        "H": o.H,
+        "outer_step": o.outer_step,
+        "next_sync": list(o.schedule.next_sync),
+    }
     return [t.train_step() for _ in range(STEPS - STOP)], info
 
 
@@ -173,8 +214,13 @@ def test_diloco_error_feedback_is_resharded(tmp_path, lowrank):
     not bit for bit: the quantization groups and the low-rank factors of a matrix follow the new slicing, and
     PowerSGD's warm-start Q restarts (redrawn from the seed)."""
     extra = [a for a in DILOCO if not a.startswith(("--compress.quant", "--compress.lowrank"))]
-    extra += ["--compress.quant=int8", "--compress.error_feedback=true", "--outer.overlap=none",
-              f"--compress.lowrank.enabled={str(lowrank).lower()}", "--compress.lowrank.rank=4"]
+    extra += [
+        "--compress.quant=int8",
+        "--compress.error_feedback=true",
+        "--outer.overlap=none",
+        f"--compress.lowrank.enabled={str(lowrank).lower()}",
+        "--compress.lowrank.rank=4",
+    ]
     # measured (loss after the resume vs uninterrupted): int8 alone <= 5e-7 relative; with PowerSGD rank 4 about
     # 6e-3 (the uninterrupted TP=2 run factors each TP slice of a matrix separately, the 1-rank run the whole
     # matrix, so even a carried-over Q could not make it exact)
@@ -202,9 +248,16 @@ def _preset(name: str) -> list[str]:
 
 # short-run overrides; streaming: fragment 1 syncs at 2, 6 and fragment 0 at 4, launched tau=1 step earlier, so
 # the save at step 3 holds fragment 0's in-flight all-reduce
-PRESETS = {"dilocox": ["--outer.sync_every=2", "--compress.adaptive.h_min=2", "--compress.adaptive.h_max=4",
-                       "--compress.lowrank.rank=4", "--compress.group_size=32"],
-           "streaming": ["--outer.sync_every=4", "--outer.streaming.tau=1", "--compress.group_size=32"]}
+PRESETS = {
+    "dilocox": [
+        "--outer.sync_every=2",
+        "--compress.adaptive.h_min=2",
+        "--compress.adaptive.h_max=4",
+        "--compress.lowrank.rank=4",
+        "--compress.group_size=32",
+    ],
+    "streaming": ["--outer.sync_every=4", "--outer.streaming.tau=1", "--compress.group_size=32"],
+}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))  # 2 + 1 ranks: ~13 s each

@@ -20,7 +20,7 @@ import yaml
 from dilocox import checkpoint as ckpt
 from dilocox import rundir
 from dilocox.config import load_config
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from dilocox.distributed.spawn import free_port
 from dilocox.distributed.topology import env_rank_world, slurm_master_addr
 from dilocox.launch.emulate import Cluster, netns_available
+from tests.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM = os.path.join(ROOT, "launcher", "slurm")

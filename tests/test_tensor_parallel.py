@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from dilocox.config import ModelConfig, ParallelConfig
-from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from dilocox.model.parallel_layers import (
     ColumnParallelLinear,
@@ -21,6 +20,7 @@ from dilocox.model.parallel_layers import (
     vocab_parallel_cross_entropy,
 )
 from dilocox.model.transformer import build_model, build_stage_model
+from tests.spawn import run_ranks
 
 SMALL = dict(n_layers=2, n_heads=4, d_model=32, vocab_size=64, max_seq_len=32)
 CONFIGS = {

@@ -19,11 +19,11 @@ from dilocox.compress.collectives import nbytes
 from dilocox.compress.compressor import Compressor
 from dilocox.compress.quant import dequantize, quantize
 from dilocox.config import CompressConfig, LowRankConfig, ModelConfig, OuterConfig, ParallelConfig
-from dilocox.distributed.spawn import run_ranks
 from dilocox.distributed.topology import build_topology
 from dilocox.model.parallel_layers import is_tensor_parallel
 from dilocox.model.transformer import build_stage_model, param_layer_id
 from dilocox.outer import build_outer
+from tests.spawn import run_ranks
 
 # one TP rank's shard: sharded tensors (different on each TP rank) around replicated ones
 SHAPES = [

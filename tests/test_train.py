@@ -7,7 +7,7 @@ import os
 import pytest
 
 from dilocox.config import load_config
-from dilocox.distributed.spawn import run_ranks
+from tests.spawn import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

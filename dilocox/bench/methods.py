@@ -4,7 +4,8 @@ Same model (tiny GPT-2), data, seed and token budget for all presets; reports th
 validation loss and its curve (PNG), bytes sent between replicas (the framework's counters,
 summed over the ranks of a replica) and the compression ratio against ``allreduce``.
 
-    dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--set=--train.seed=1] [--out docs/bench/methods]
+    dilocox bench methods [--steps 300] [--H 20] [--methods allreduce,diloco,...] [--set=--train.seed=1] \
+[--out docs/bench/methods]
     dilocox bench methods --ablation [--out docs/bench/ablation]
 
 ``--ablation`` runs ``allreduce`` and ``dilocox`` with its parts switched off one at a time
@@ -31,7 +32,9 @@ def method_body(method: str, H: int) -> str:
     extra = {
         "opendiloco": "",
         "streaming": "",
-        "dilocox": f"compress: {{lowrank: {{rank: 8}}, adaptive: {{h_min: {max(2, H // 2)}, h_max: {2 * H}, rank_max: 16}}}}\n",
+        "dilocox": (
+            f"compress: {{lowrank: {{rank: 8}}, adaptive: {{h_min: {max(2, H // 2)}, h_max: {2 * H}, rank_max: 16}}}}\n"
+        ),
     }.get(method, "")
     sync = "" if method in ("allreduce", "cocktailsgd") else f"outer: {{sync_every: {H}}}\n"
     return LAYOUT + sync + extra
@@ -108,13 +111,15 @@ def markdown(rows: list[dict], steps: int, H: int, common: list[str] = ()) -> st
         f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
         f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods{extra}.",
         "",
-        "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce | blocked on outer (s) | tokens/s |",
+        "| method | final val loss | vs allreduce | bytes sent per replica | fewer bytes than allreduce "
+        "| blocked on outer (s) | tokens/s |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {r['final_val_loss']:.4f} | {r.get('loss_vs_allreduce_pct', 0):+.1f} % | "
-            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | {r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |"
+            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | "
+            f"{r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |"
         )
     return "\n".join(lines)
 

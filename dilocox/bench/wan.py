@@ -220,7 +220,10 @@ def predict(
 
 
 def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> int:
-    """``steps``, cut so the predicted communication time stays under ``max_comm_s`` (whole phases, at least 2 steps)."""
+    """``steps``, cut so the predicted communication time stays under ``max_comm_s``.
+
+    Whole phases, at least 2 steps.
+    """
     p = predict(cfg, cfg.outer.method, cap_bps)
     per_step = p["t_comm_s"] / p["H"]
     if per_step * steps <= max_comm_s:
@@ -403,7 +406,8 @@ def targets(rows: list[dict], caps: list[float]) -> list[str]:
         worst = min(r["pct_of_uncapped"] if r["pct_of_uncapped"] is not None else math.inf for r in dx)
         by_util = min(100.0 * r["utilization"] / u["utilization"] for r in dx)
         out.append(
-            f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> {'met' if worst >= 95 else 'NOT met'} "
+            f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> "
+            f"{'met' if worst >= 95 else 'NOT met'} "
             f"(compute utilization relative to uncapped, which CPU contention moves less: worst {by_util:.1f} %)"
         )
     slow = min(caps) if caps else None
@@ -411,13 +415,15 @@ def targets(rows: list[dict], caps: list[float]) -> list[str]:
     if a and d:
         x = d["tokens_per_s"] / a["tokens_per_s"]  # tokens/s of runs of different lengths: the rate, not a total
         out.append(
-            f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> {'met' if x >= 10 else 'NOT met'}"
+            f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> "
+            f"{'met' if x >= 10 else 'NOT met'}"
         )
     a, d = get.get(("allreduce", None)), get.get(("dilocox", None))
     if a and d:
         x = 100.0 * (d["final_val_loss"] / a["final_val_loss"] - 1.0)
         out.append(
-            f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> {'met' if abs(x) <= 5 else 'NOT met'}"
+            f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> "
+            f"{'met' if abs(x) <= 5 else 'NOT met'}"
         )
     return out
 
@@ -435,7 +441,8 @@ def markdown(res: dict) -> str:
     m, rows = res["meta"], res["rows"]
     bl = m["baseline_payload_bytes"]
     lines = [
-        f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
+        f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; "
+        f"load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
         f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
         + (
             f" ({m['why']})"
@@ -443,7 +450,8 @@ def markdown(res: dict) -> str:
             else " (one network namespace per replica, veth + tc tbf each way)"
         )
         + ".",
-        f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), 8 x 128 tokens "
+        f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), "
+        f"8 x 128 tokens "
         f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
         + (
@@ -456,14 +464,17 @@ def markdown(res: dict) -> str:
         "",
         "### Throughput, utilization and the plan",
         "",
-        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err | plan util | err (pp) | val loss |",
+        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err "
+        "| plan util | err (pp) | val loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {_cap(r['cap_bps'])} | {_steps_cell(r)} | {r['tokens_per_s']:,.0f} | {_f(r['pct_of_uncapped'], '.1f', ' %')} | "
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {_steps_cell(r)} | {r['tokens_per_s']:,.0f} | "
+            f"{_f(r['pct_of_uncapped'], '.1f', ' %')} | "
             f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
-            f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | {_f(r.get('err_utilization_pp'), '+.1f')} | "
+            f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | "
+            f"{_f(r.get('err_utilization_pp'), '+.1f')} | "
             f"{r['final_val_loss']:.4f} |"
         )
     lines += [
@@ -471,17 +482,21 @@ def markdown(res: dict) -> str:
         "### Bytes sent between replicas (per replica, whole run)",
         "",
         f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
-        f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: store, gloo setup, checkpoint barrier).",
+        f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: "
+        f"store, gloo setup, checkpoint barrier).",
         "",
-        "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err | plan at run's H, rank | err |",
+        "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err "
+        "| plan at run's H, rank | err |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q = r.get("plan_as_run") or {}
         lines.append(
-            f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | {_f(r.get('bytes_veth'), '.3f', ' MB', 1e6)} | "
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | "
+            f"{_f(r.get('bytes_veth'), '.3f', ' MB', 1e6)} | "
             f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(r.get('bytes_veth_payload'), '.3f', ' MB', 1e6)} | "
-            f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | {'/'.join(str(x) for x in r.get('retrans_segs') or [] if x is not None) or '-'} | "
+            f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | "
+            f"{'/'.join(str(x) for x in r.get('retrans_segs') or [] if x is not None) or '-'} | "
             f"{_f(r.get('plan_bytes'), '.3f', ' MB', 1e6)} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} | "
             f"{_f(r.get('plan_as_run_bytes'), '.3f', ' MB', 1e6)} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
             f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |"
@@ -499,7 +514,8 @@ def markdown(res: dict) -> str:
     for r in ref:
         vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
         lines.append(
-            f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | {_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
+            f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | "
+            f"{_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
         )
     t = targets(rows, m["caps_bps"])
     if t:

@@ -171,7 +171,8 @@ class AdaptiveController:
                 tails = torch.as_tensor(tail, dtype=torch.float64).flatten().cpu().tolist()
                 if len(tails) != len(sigmas_per_matrix):
                     raise ValueError(
-                        f"tail has {len(tails)} values for {len(sigmas_per_matrix)} compressed matrices: pass one per matrix (Compressor.tail_energy())"
+                        f"tail has {len(tails)} values for {len(sigmas_per_matrix)} compressed matrices: "
+                        f"pass one per matrix (Compressor.tail_energy())"
                     )
             per = [min(hi, self.effective_rank(s, t)) for s, t in zip(sigmas_per_matrix, tails)]
             self.history.append(math.ceil(sum(per) / len(per)))

@@ -17,7 +17,8 @@ uniformly random index drawn in each, so indices come out sorted and unique and 
 element is kept with probability ≈ p, at the cost of K random numbers instead of n), its
 top-k competes only with its own survivors, and its k_i values are quantized on their own
 (for ``int4``/``int8``: groups of G inside the tensor's values, the last one partial, so a
-group never mixes two tensors; the per-tensor payloads go back to back, no padding). A parameter replicated over the tensor-parallel ranks (norms,
+group never mixes two tensors; the per-tensor payloads go back to back, no padding). A parameter
+replicated over the tensor-parallel ranks (norms,
 row-parallel biases), with the same gradient on every TP rank, therefore gets the same
 update on every TP rank although the ranks' sharded tensors differ. With one segment
 (``sizes=None``) this is plain CocktailSGD on the flat vector.

@@ -136,7 +136,8 @@ def _check_input(x: torch.Tensor, kind: str, op: str, error: torch.Tensor | None
         )
     if error is not None and (error.shape != x.shape or error.dtype != torch.float32 or not error.is_contiguous()):
         raise ValueError(
-            f"error buffer must be a contiguous fp32 tensor of shape {tuple(x.shape)}, got {error.dtype} {tuple(error.shape)}"
+            f"error buffer must be a contiguous fp32 tensor of shape {tuple(x.shape)}, "
+            f"got {error.dtype} {tuple(error.shape)}"
         )
 
 

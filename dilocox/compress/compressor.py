@@ -184,7 +184,8 @@ class Compressor:
         if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
             got = [tuple(t.shape) for t in tensors]
             raise ValueError(
-                f"allreduce_mean got tensors of shapes {got}, the compressor was built for {[tuple(s) for s in self.shapes]}"
+                f"allreduce_mean got tensors of shapes {got}, "
+                f"the compressor was built for {[tuple(s) for s in self.shapes]}"
             )
         if not tensors:
             return []

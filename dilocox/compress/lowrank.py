@@ -294,7 +294,8 @@ class PowerSGD:
             i = int(k)
             if i not in self.q or q.shape != self.q[i].shape:
                 raise ValueError(
-                    f"low-rank state for tensor {i} has shape {tuple(q.shape)}, expected {tuple(self.q[i].shape) if i in self.q else 'no Q (not factored at this rank)'}"
+                    f"low-rank state for tensor {i} has shape {tuple(q.shape)}, "
+                    f"expected {tuple(self.q[i].shape) if i in self.q else 'no Q (not factored at this rank)'}"
                 )
             self.q[i] = q.detach().clone().float().to(self.q[i].device)
 

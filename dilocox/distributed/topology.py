@@ -142,7 +142,10 @@ class Topology:
 
     def describe(self) -> str:
         c = self.coord
-        return f"rank {self.rank}/{self.world_size} = replica {c.replica}, dp {c.data}, stage {c.stage}, tp {c.tp} (grid R{self.R}xD{self.D}xP{self.P}xT{self.T})"
+        return (
+            f"rank {self.rank}/{self.world_size} = replica {c.replica}, dp {c.data}, stage {c.stage}, tp {c.tp} "
+            f"(grid R{self.R}xD{self.D}xP{self.P}xT{self.T})"
+        )
 
 
 def env_rank_world() -> tuple[int, int, int]:

@@ -88,16 +88,19 @@ class PipelineEngine:
         ):
             if want != got:
                 raise ConfigError(
-                    f"parallel.{name}={want} does not match the topology's {got}; build the topology from the same ParallelConfig"
+                    f"parallel.{name}={want} does not match the topology's {got}; "
+                    f"build the topology from the same ParallelConfig"
                 )
         if (model.is_first, model.is_last) != (topo.is_first_stage, topo.is_last_stage):
             raise ValueError(
                 f"the stage model (is_first={model.is_first}, is_last={model.is_last}) does not match this rank's "
-                f"stage {topo.stage} of {topo.P}; build it with build_stage_model(..., stage=topo.stage, n_stages={topo.P})"
+                f"stage {topo.stage} of {topo.P}; "
+                f"build it with build_stage_model(..., stage=topo.stage, n_stages={topo.P})"
             )
         if pcfg.pipeline > 1 and pcfg.schedule != "reference" and pcfg.microbatches < pcfg.pipeline:
             raise ConfigError(
-                f"parallel.microbatches={pcfg.microbatches} must be >= parallel.pipeline={pcfg.pipeline} for schedule {pcfg.schedule!r}"
+                f"parallel.microbatches={pcfg.microbatches} must be >= parallel.pipeline={pcfg.pipeline} "
+                f"for schedule {pcfg.schedule!r}"
             )
         self.model, self.topo, self.pcfg, self.mcfg = model, topo, pcfg, mcfg
         self.seq_len = seq_len

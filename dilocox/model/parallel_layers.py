@@ -207,7 +207,10 @@ class ColumnParallelLinear(_TensorParallelModule):
         return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), bias={self.bias is not None}"
+        return (
+            f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+            f"bias={self.bias is not None}"
+        )
 
 
 class RowParallelLinear(_TensorParallelModule):
@@ -249,7 +252,10 @@ class RowParallelLinear(_TensorParallelModule):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

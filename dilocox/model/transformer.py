@@ -243,7 +243,8 @@ class StageModel(nn.Module):
                 self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids ``[B, S]`` (first stage) or hidden ``[B, S, d]`` -> hidden, or logits shard ``[B, S, V/T]`` (last)."""
+        """Token ids ``[B, S]`` (first stage) or hidden ``[B, S, d]`` -> hidden, or logits shard ``[B, S, V/T]``
+        (last)."""
         if self.is_first:
             if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
                 raise ValueError(

@@ -22,9 +22,17 @@ from dilocox.outer.gradsync import METHODS as PER_STEP
 from dilocox.outer.gradsync import GradientSync
 
 
-def build_outer(named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig, seed: int,
-                layer_of: Callable[[str], int | None] | None = None, n_layers_total: int = 0,
-                comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> OuterBase | None:
+def build_outer(
+    named_params: list[tuple[str, nn.Parameter]],
+    topo,
+    ocfg: OuterConfig,
+    ccfg: CompressConfig,
+    seed: int,
+    layer_of: Callable[[str], int | None] | None = None,
+    n_layers_total: int = 0,
+    comm_delay_s: float = 0.0,
+    comm_bandwidth: float | None = None,
+) -> OuterBase | None:
     """The outer object of ``ocfg.method`` over this rank's ``named_params`` (None for ``none``).
 
     ``layer_of``/``n_layers_total`` place parameters in streaming fragments (DiLoCo family only);
@@ -33,11 +41,21 @@ def build_outer(named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterC
     if ocfg.method == "none":
         return None
     if ocfg.method in PER_STEP:
-        return GradientSync(named_params, topo, ocfg, ccfg, seed, comm_delay_s=comm_delay_s,
-                            comm_bandwidth=comm_bandwidth)
+        return GradientSync(
+            named_params, topo, ocfg, ccfg, seed, comm_delay_s=comm_delay_s, comm_bandwidth=comm_bandwidth
+        )
     if ocfg.method in FAMILY:
-        return DiLoCoOuter(named_params, topo, ocfg, ccfg, seed, layer_of=layer_of, n_layers_total=n_layers_total,
-                           comm_delay_s=comm_delay_s, comm_bandwidth=comm_bandwidth)
+        return DiLoCoOuter(
+            named_params,
+            topo,
+            ocfg,
+            ccfg,
+            seed,
+            layer_of=layer_of,
+            n_layers_total=n_layers_total,
+            comm_delay_s=comm_delay_s,
+            comm_bandwidth=comm_bandwidth,
+        )
     raise ConfigError(f"outer.method={ocfg.method!r} is not one of {['none', *PER_STEP, *FAMILY]}")
 
 

@@ -33,8 +33,16 @@ class OuterBase:
             all-reduce; bytes/s token bucket), see distributed/comm.py.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig,
-                 seed: int, comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        topo,
+        ocfg: OuterConfig,
+        ccfg: CompressConfig,
+        seed: int,
+        comm_delay_s: float = 0.0,
+        comm_bandwidth: float | None = None,
+    ) -> None:
         self.ocfg, self.ccfg, self.method, self.seed = ocfg, ccfg, ocfg.method, seed
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -49,9 +57,12 @@ class OuterBase:
         self._blocked_now = 0.0
         self.comm_stats = CommStats()
         # the thread starts on the first submit, so a constructor that raises later leaves none behind
-        self.comm = AsyncComm(delay_s=comm_delay_s, bandwidth=comm_bandwidth,
-                              sent_bytes=lambda: self.comm_stats.bytes_sent,
-                              name=f"outer-comm-{topo.rank if topo else 0}")
+        self.comm = AsyncComm(
+            delay_s=comm_delay_s,
+            bandwidth=comm_bandwidth,
+            sent_bytes=lambda: self.comm_stats.bytes_sent,
+            name=f"outer-comm-{topo.rank if topo else 0}",
+        )
 
     # ------------------------------------------------------------------ hooks (no-ops unless overridden)
     def on_gradients(self, step: int) -> None:
@@ -95,8 +106,13 @@ class OuterBase:
     @property
     def stats(self) -> dict:
         rank = self.compressors[0].rank if self.compressors else 0  # 0: no low-rank compression
-        out = {"outer_step": self.outer_step, "H": self.H, "rank": int(rank),
-               "bytes_sent": int(self.comm_stats.bytes_sent), "bytes_received": int(self.comm_stats.bytes_received)}
+        out = {
+            "outer_step": self.outer_step,
+            "H": self.H,
+            "rank": int(rank),
+            "bytes_sent": int(self.comm_stats.bytes_sent),
+            "bytes_received": int(self.comm_stats.bytes_received),
+        }
         out.update(self._counters)
         out["comm_total_s"] = self._comm_total_before + self.comm.busy_s
         return out
@@ -121,8 +137,9 @@ class OuterBase:
 
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("method") != self.method:
-            raise ValueError(f"outer state in the checkpoint is for outer.method={sd.get('method')!r}, "
-                             f"this run has {self.method!r}")
+            raise ValueError(
+                f"outer state in the checkpoint is for outer.method={sd.get('method')!r}, this run has {self.method!r}"
+            )
         self._check_compatible(sd)  # before loading any of it
         if len(sd["compressors"]) != len(self.compressors):
             raise ValueError(f"checkpoint has {len(sd['compressors'])} compressors, this run {len(self.compressors)}")

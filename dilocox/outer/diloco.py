@@ -42,6 +42,7 @@ With a single replica (outer group None) nothing is sent and the "all-reduce" is
 compressor's local round trip (the identity for quant none): one replica sees the same
 compression error as many.
 """
+
 from __future__ import annotations
 
 import time
@@ -71,9 +72,18 @@ class DiLoCoOuter(OuterBase):
         n_layers_total: number of layers of the whole model (checks layer ids).
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig,
-                 seed: int, layer_of: Callable[[str], int | None] | None = None, n_layers_total: int = 0,
-                 comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        topo,
+        ocfg: OuterConfig,
+        ccfg: CompressConfig,
+        seed: int,
+        layer_of: Callable[[str], int | None] | None = None,
+        n_layers_total: int = 0,
+        comm_delay_s: float = 0.0,
+        comm_bandwidth: float | None = None,
+    ) -> None:
         if ocfg.method not in METHODS:
             raise ValueError(f"DiLoCoOuter handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
         super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth)
@@ -100,8 +110,10 @@ class DiLoCoOuter(OuterBase):
             fragments, frag_ids = self.dp_shard.fragments, self.dp_shard.frag_ids
         self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device)
         self.schedule = SyncSchedule(self.K, self.H, self.tau)
-        self.compressors = [build_compressor(ccfg, self.state.shapes(p), seed + p, frag_ids[p] if frag_ids else None)
-                            for p in range(self.K)]
+        self.compressors = [
+            build_compressor(ccfg, self.state.shapes(p), seed + p, frag_ids[p] if frag_ids else None)
+            for p in range(self.K)
+        ]
         self.pending: list[CommHandle | None] = [None] * self.K
         self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
         self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
@@ -171,10 +183,17 @@ class DiLoCoOuter(OuterBase):
         if self.controller is None:
             return
         comp = self.compressors[p]
-        times = self._step_times[-self.H:] or [0.0]
+        times = self._step_times[-self.H :] or [0.0]
         t_step = sum(times) / len(times)
-        rank, H = self.controller.update(comp.sigmas(), h.comm_s, comp.payload_bytes(), comp.payload_bytes, t_step,
-                                         tail=comp.tail_energy(), rank_cap=comp.max_rank())
+        rank, H = self.controller.update(
+            comp.sigmas(),
+            h.comm_s,
+            comp.payload_bytes(),
+            comp.payload_bytes,
+            t_step,
+            tail=comp.tail_energy(),
+            rank_cap=comp.max_rank(),
+        )
         if self.tp_group is not None and comp.rank > 0:
             # the σ's of TP shards differ, but a replicated matrix (position embedding) must be
             # compressed at the same rank on every TP rank, or its copies drift apart: take the max
@@ -231,11 +250,17 @@ class DiLoCoOuter(OuterBase):
                 self.pending[p] = DoneHandle(res, h.comm_s)
             pend.append([t.detach().cpu().clone() for t in res] if res is not None else None)
             pend_s.append(h.comm_s if h is not None else 0.0)
-        return dict(overlap=self.overlap, fragments=self.K, dp_sharded=self.dp_shard is not None,
-                    state=self.state.state_dict(), pending=pend, pending_comm_s=pend_s,
-                    own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
-                    schedule=self.schedule.state_dict(),
-                    controller=self.controller.state_dict() if self.controller is not None else None)
+        return dict(
+            overlap=self.overlap,
+            fragments=self.K,
+            dp_sharded=self.dp_shard is not None,
+            state=self.state.state_dict(),
+            pending=pend,
+            pending_comm_s=pend_s,
+            own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
+            schedule=self.schedule.state_dict(),
+            controller=self.controller.state_dict() if self.controller is not None else None,
+        )
 
     def _check_compatible(self, sd: dict) -> None:
         if sd["overlap"] != self.overlap or sd["fragments"] != self.K:
@@ -256,8 +281,10 @@ class DiLoCoOuter(OuterBase):
         self.state.load_state_dict(sd["state"])
         self.schedule.load_state_dict(sd["schedule"])
         dev = self.params[0].device if self.params else torch.device("cpu")
-        self.pending = [DoneHandle([t.to(dev) for t in r], s) if r is not None else None
-                        for r, s in zip(sd["pending"], sd["pending_comm_s"])]
+        self.pending = [
+            DoneHandle([t.to(dev) for t in r], s) if r is not None else None
+            for r, s in zip(sd["pending"], sd["pending_comm_s"])
+        ]
         self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])

@@ -54,7 +54,7 @@ class DataShard:
                     continue  # the owner's tensors already hold the values
                 off = 0
                 for t in ts:
-                    t.copy_(flat[off: off + t.numel()].view_as(t))
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
                     off += t.numel()
 
 
@@ -93,5 +93,7 @@ def shard_over_data(topo, params: list[Tensor], fragments: list[list[int]]) -> D
         mine=mine,
         fragments=[[pos[i] for i in frag if owner[i] == c.data] for frag in fragments],
         frag_ids=[[k for k, i in enumerate(frag) if owner[i] == c.data] for frag in fragments],
-        buckets=buckets, group=topo.group("dp"), rank=topo.rank,
+        buckets=buckets,
+        group=topo.group("dp"),
+        rank=topo.rank,
     )

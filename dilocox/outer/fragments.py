@@ -28,8 +28,9 @@ from typing import Callable, Sequence
 from dilocox.config import ConfigError, check_outer_schedule
 
 
-def assign_fragments(names: Sequence[str], layer_of: Callable[[str], int | None], k: int,
-                     pattern: str) -> list[list[int]]:
+def assign_fragments(
+    names: Sequence[str], layer_of: Callable[[str], int | None], k: int, pattern: str
+) -> list[list[int]]:
     """Return ``k`` lists of parameter indices (into ``names``), in parameter order."""
     if k < 1:
         raise ConfigError(f"outer.streaming.fragments={k} must be >= 1")
@@ -88,6 +89,7 @@ class SyncSchedule:
 
     def load_state_dict(self, sd: dict) -> None:
         if len(sd["next_sync"]) != self.k:
-            raise ValueError(f"checkpoint has {len(sd['next_sync'])} fragments, "
-                             f"this run has outer.streaming.fragments={self.k}")
+            raise ValueError(
+                f"checkpoint has {len(sd['next_sync'])} fragments, this run has outer.streaming.fragments={self.k}"
+            )
         self.next_sync = [int(x) for x in sd["next_sync"]]

@@ -24,8 +24,16 @@ METHODS = ("allreduce", "cocktailsgd")
 class GradientSync(OuterBase):
     """Mean of the gradients over the outer group after every backward (see the module docstring)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], topo, ocfg: OuterConfig, ccfg: CompressConfig,
-                 seed: int, comm_delay_s: float = 0.0, comm_bandwidth: float | None = None) -> None:
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        topo,
+        ocfg: OuterConfig,
+        ccfg: CompressConfig,
+        seed: int,
+        comm_delay_s: float = 0.0,
+        comm_bandwidth: float | None = None,
+    ) -> None:
         if ocfg.method not in METHODS:
             raise ValueError(f"GradientSync handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
         super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth)
@@ -54,12 +62,21 @@ class GradientSync(OuterBase):
         else:
             flat = torch.cat([g.reshape(-1).float() for g in grads])
             sizes = [g.numel() for g in grads]  # per-tensor top-k and groups
-            h = self._submit(cocktail_allreduce, flat, self.group, self.cocktail_error, self.ccfg, step,
-                             self.comm_stats, self.seed, sizes)
+            h = self._submit(
+                cocktail_allreduce,
+                flat,
+                self.group,
+                self.cocktail_error,
+                self.ccfg,
+                step,
+                self.comm_stats,
+                self.seed,
+                sizes,
+            )
             out = self._wait(h)
             avg, pos = [], 0
             for g in grads:
-                avg.append(out[pos:pos + g.numel()].view(g.shape))
+                avg.append(out[pos : pos + g.numel()].view(g.shape))
                 pos += g.numel()
         for g, a in zip(grads, avg):
             g.copy_(a)

@@ -43,12 +43,12 @@ class OuterState:
         self.momentum = torch.zeros(pos, dtype=torch.float32, device=self.device, pin_memory=pin)
         with torch.no_grad():
             for i, (s, n) in self.offsets.items():
-                self.theta[s:s + n].copy_(params[i].detach().reshape(-1))
+                self.theta[s : s + n].copy_(params[i].detach().reshape(-1))
 
     # ------------------------------------------------------------------ views
     def view(self, buf: Tensor, i: int) -> Tensor:
         s, n = self.offsets[i]
-        return buf[s:s + n].view(self.params[i].shape)
+        return buf[s : s + n].view(self.params[i].shape)
 
     def frag(self, buf: Tensor, p: int) -> Tensor:
         s, e = self.bounds[p]

@@ -1,4 +1,4 @@
-"""Run a function on N local gloo ranks (used by the tests and the CPU benchmarks).
+"""Run a function on N local gloo ranks (test-only helper: the multi-rank tests use it).
 
 ``run_ranks(world, fn, *args)`` spawns ``world`` processes, initialises a gloo process group
 on a free localhost port, calls ``fn(rank, world, *args)`` in each and returns the list of
@@ -77,7 +77,8 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> l
                         rank, status, payload = queue.get(timeout=2.0)
                     except pyqueue.Empty:
                         errors.append(
-                            f"--- rank {dead[0]} ---\nexited with code {procs[dead[0]].exitcode} without reporting a result"
+                            f"--- rank {dead[0]} ---\n"
+                            f"exited with code {procs[dead[0]].exitcode} without reporting a result"
                         )
                         break
                 elif time.monotonic() > deadline:
