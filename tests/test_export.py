@@ -119,7 +119,10 @@ def _export_and_check(tmp_path, family, layout):
     return cfg, out, full, x, a
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# the quick loop (-m "not slow") keeps gpt2; the other families take ~7 s each
+@pytest.mark.parametrize(
+    "family", [f if f == "gpt2" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
+)
 def test_export_one_rank_matches_transformers(tmp_path, family):
     _, out, _, _, _ = _export_and_check(tmp_path, family, [])
     # generate reads the run directory (its final checkpoint) and the export alike

@@ -99,6 +99,7 @@ def test_pp2_tp2_checkpoint_resumes_on_one_rank_and_on_tp2(tmp_path):
             assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (dst, losses, full[STOP:])
 
 
+@pytest.mark.slow  # 2 + 1 ranks: ~11 s (quick loop: test_diloco_delayed_tp2_...)
 def test_tp2_checkpoint_resumes_on_one_rank(tmp_path):
     _check(tmp_path, "tp2", "one")
 
@@ -201,12 +202,14 @@ def _saved_tp2_by_name(tmp_path, step_dir):
     return parts
 
 
+@pytest.mark.slow  # 2 + 2 ranks: ~12 s (quick loop: test_diloco_delayed_tp2_...)
 def test_diloco_data_sharded_checkpoint_resumes_on_tp2(tmp_path):
     """R=1 DiLoCo (overlap none) with D=2 and outer.shard_over_data (each DP rank owns half the tensors' outer
     state) resumed on TP=2: every tensor's θ/v is found on its owner and re-sliced."""
     _diloco_case(tmp_path, "dp2", "tp2", DILOCO + ["--outer.overlap=none", "--outer.shard_over_data=true"])
 
 
+@pytest.mark.slow  # 2 + 1 ranks: ~11 s each (quick loop: test_diloco_delayed_tp2_...)
 @pytest.mark.parametrize("lowrank", [False, True])
 def test_diloco_error_feedback_is_resharded(tmp_path, lowrank):
     """int8 quantization with error feedback (R=1: the compressor's local round trip), optionally with PowerSGD:
@@ -260,6 +263,7 @@ PRESETS = {
 }
 
 
+@pytest.mark.slow  # ~11 s each (quick loop: test_diloco_delayed_tp2_...)
 @pytest.mark.parametrize("name", sorted(PRESETS))  # 2 + 1 ranks: ~13 s each
 def test_presets_resume_on_another_layout(tmp_path, name):
     """The dilocox preset (int4 + PowerSGD + adaptive controller, overlap delayed) and the streaming preset
@@ -284,6 +288,7 @@ def test_diloco_two_replicas_pp2_resumes_on_pp1(tmp_path, overlap):
     _diloco_case(tmp_path, "pp2", "one", DILOCO + ["--parallel.replicas=2", f"--outer.overlap={overlap}"])
 
 
+@pytest.mark.slow  # 2 + 1 ranks: ~11 s (quick loop: test_diloco_delayed_tp2_...)
 def test_streaming_fragments_moved_by_a_pipeline_change_are_refused(tmp_path):
     """Streaming fragments are assigned per pipeline stage: 4 layers on P=2 with 2 fragments put layer 1 in
     fragment 1, on P=1 in fragment 0 (another sync schedule): refused with an error naming the fix."""

@@ -1,6 +1,6 @@
 """Emulate R clusters on one host: a network namespace per replica, a bandwidth cap per link.
 
-Topology (DESIGN.md, "Emulating clusters on one host"; what worked on the dev machine)::
+Topology (what worked on the dev machine; README "Using it" shows `dilocox launch`)::
 
     ns <tag>-r0: dxv0 198.18.0.1/24 ──veth── dxs0 ┐
     ns <tag>-r1: dxv1 198.18.0.2/24 ──veth── dxs1 ┼─ bridge dxbr in ns <tag>-sw ("the switch")
