@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from dilocox.distributed import signals
+from tests.small_run import TINY_RUN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,16 +63,7 @@ def test_signal_stops_every_rank_with_a_checkpoint(tmp_path, sig):
         "--train.steps=100000",
         f"--log.run_dir={run}",
         f"--data.cache_dir={tmp_path}/cache",
-        "--data.max_bytes=200000",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--train.seq_len=32",
-        "--train.batch_size=2",
-        "--train.eval_every=0",
-        "--train.eval_batches=1",
-        "--log.every=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
+        *TINY_RUN_ARGS,
         "--checkpoint.every=1000",
         "--train.stop_timeout_s=60",
     ]
@@ -195,16 +187,7 @@ def test_sigterm_to_dilocox_launch_saves_then_removes_namespaces(tmp_path):
         "--train.steps=100000",
         f"--log.run_dir={run}",
         f"--data.cache_dir={tmp_path}/cache",
-        "--data.max_bytes=200000",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--train.seq_len=32",
-        "--train.batch_size=2",
-        "--train.eval_every=0",
-        "--train.eval_batches=1",
-        "--log.every=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
+        *TINY_RUN_ARGS,
         "--checkpoint.every=1000",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)

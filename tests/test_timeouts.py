@@ -18,6 +18,7 @@ import pytest
 from dilocox.distributed.comm import AsyncComm
 from dilocox.distributed.signals import CommTimeoutError, bounded_wait
 from dilocox.launch.emulate import netns_available
+from tests.small_run import TINY_RUN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK, WHY = netns_available()
@@ -100,16 +101,7 @@ def test_link_down_ends_every_process_nonzero_within_60s(tmp_path):
         "--checkpoint.keep=2",
         f"--log.run_dir={run}",
         f"--data.cache_dir={tmp_path}/cache",
-        "--data.max_bytes=200000",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--train.seq_len=32",
-        "--train.batch_size=2",
-        "--train.eval_every=0",
-        "--train.eval_batches=1",
-        "--log.every=1",
-        "--log.progress=false",
-        "--log.tensorboard=false",
+        *TINY_RUN_ARGS,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     with open(out, "w") as f:
