@@ -141,6 +141,25 @@ class StreamingConfig:
 
 
 @dataclass
+class ElasticSection:
+    """Elastic replicas (docs/ELASTIC.md): each replica is its own torchrun job; the outer groups are formed per
+    outer step by a torchft lighthouse quorum of the replicas alive then."""
+
+    enabled: bool = False  # true: this job is ONE replica (parallel.replicas must be 1) of an elastic run
+    lighthouse: str | None = None  # http://host:port of the torchft lighthouse (`dilocox lighthouse`); null: the
+    # TORCHFT_LIGHTHOUSE environment variable
+    replica_rank: int = 0  # this replica's identity in [0, max_replicas): its data shard; keep it across restarts
+    min_replicas: int = 1  # fewest replicas an outer step may be averaged over; below it the survivors wait
+    # (quorum_timeout_s, logged) for a join, then stop with a clear message
+    initial_replicas: int | None = None  # replicas the first outer step waits for (bounded); null: min_replicas
+    max_replicas: int = 8  # upper bound on replica_rank (data shards, contributor count buffer)
+    timeout_s: float = 60.0  # bound on one outer all-reduce / commit / state transfer
+    quorum_timeout_s: float = 120.0  # bound on forming a quorum and on the wait below min_replicas
+    max_attempts: int = 3  # retries of one outer step whose all-reduce failed (a replica died in flight)
+    heartbeat_ms: int = 100  # how often the replica heartbeats the lighthouse
+
+
+@dataclass
 class OuterConfig:
     """The outer loop (DiLoCo family). method=none means a single replica, no outer loop."""
 
@@ -160,6 +179,7 @@ class OuterConfig:
     # every rank exits non-zero
     warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many
     # seconds while a wait lasts
+    elastic: ElasticSection = field(default_factory=ElasticSection)
 
 
 @dataclass
@@ -486,6 +506,69 @@ def validate(cfg: Config) -> None:
         _fail("optim.warmup_steps", cfg.optim.warmup_steps, "must be >= 0")
     if cfg.train.eval_every < 0:
         _fail("train.eval_every", cfg.train.eval_every, "must be >= 0 (0 = never)")
+    if cfg.outer.elastic.enabled:
+        _validate_elastic(cfg)
+
+
+def _validate_elastic(cfg: Config) -> None:
+    """outer.elastic.enabled: this job is one replica of an elastic DiLoCo run (docs/ELASTIC.md)."""
+    e, o, p = cfg.outer.elastic, cfg.outer, cfg.parallel
+    if p.replicas != 1:
+        _fail(
+            "parallel.replicas",
+            p.replicas,
+            "must be 1 with outer.elastic.enabled: each replica is its own job (dilocox launch --elastic N starts N)",
+        )
+    if o.method != "diloco":
+        _fail("outer.method", o.method, "must be diloco with outer.elastic.enabled (the DiLoCo family's outer step)")
+    if o.streaming.fragments != 1 or o.streaming.tau != 0:
+        _fail(
+            "outer.streaming.fragments",
+            o.streaming.fragments,
+            "must be 1 (and outer.streaming.tau 0) with outer.elastic.enabled: streaming fragments are not elastic yet",
+        )
+    if cfg.compress.adaptive.enabled:
+        _fail(
+            "compress.adaptive.enabled",
+            True,
+            "is not supported with outer.elastic.enabled yet (H and rank are agreed over a fixed group); use a fixed "
+            "compress.lowrank.rank and outer.sync_every",
+        )
+    if p.data > 1 and o.shard_over_data:
+        _fail(
+            "outer.shard_over_data",
+            True,
+            "is not supported with outer.elastic.enabled yet; set outer.shard_over_data=false",
+        )
+    lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lh or not str(lh).startswith(("http://", "https://")):
+        _fail(
+            "outer.elastic.lighthouse",
+            e.lighthouse,
+            "must be the torchft lighthouse address http://host:port (start one with `dilocox lighthouse`), or set "
+            "TORCHFT_LIGHTHOUSE",
+        )
+    if e.max_replicas < 1:
+        _fail("outer.elastic.max_replicas", e.max_replicas, "must be >= 1")
+    if not 0 <= e.replica_rank < e.max_replicas:
+        _fail(
+            "outer.elastic.replica_rank", e.replica_rank, f"must be in [0, outer.elastic.max_replicas={e.max_replicas})"
+        )
+    if not 1 <= e.min_replicas <= e.max_replicas:
+        _fail("outer.elastic.min_replicas", e.min_replicas, f"must be in [1, max_replicas={e.max_replicas}]")
+    if e.initial_replicas is not None and not e.min_replicas <= e.initial_replicas <= e.max_replicas:
+        _fail(
+            "outer.elastic.initial_replicas",
+            e.initial_replicas,
+            f"must be null or in [min_replicas={e.min_replicas}, max_replicas={e.max_replicas}]",
+        )
+    for name in ("timeout_s", "quorum_timeout_s"):
+        if getattr(e, name) <= 0:
+            _fail(f"outer.elastic.{name}", getattr(e, name), "must be > 0 seconds")
+    if e.max_attempts < 1:
+        _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
+    if e.heartbeat_ms < 1:
+        _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
 
 
 # --------------------------------------------------------------------------- loading
