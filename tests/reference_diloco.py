@@ -113,8 +113,15 @@ def run_reference(
     momentum: float = 0.9,
     nesterov: bool = True,
     inner: str = "adamw",
+    members: list[list[int]] | None = None,
+    fresh_inner: dict[int, list[int]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica."""
+    """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
+
+    Elastic runs (K = 1): ``members[t - 1]`` are the replicas whose pseudo-gradients the average of outer
+    sync t is taken over (the others keep training here but are left out: dead, or healing);
+    ``fresh_inner[t]`` lists replicas whose inner optimizer restarts from scratch after sync t (a replica
+    that joined the run there: it starts from θ like everyone, with a new AdamW)."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -136,8 +143,11 @@ def run_reference(
     def deltas(p: int) -> list[list[torch.Tensor]]:
         return [[theta[m if n_outer > 1 else 0][n] - w[m][n].detach() for n in frags[p]] for m in range(R)]
 
+    n_sync = [0]  # outer syncs so far (K = 1 with members)
+
     def mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        return [torch.stack([ds[m][j] for m in range(R)]).mean(0) for j in range(len(ds[0]))]
+        who = range(R) if members is None else members[n_sync[0] - 1]
+        return [torch.stack([ds[m][j] for m in who]).mean(0) for j in range(len(ds[0]))]
 
     def load(p: int, m: int, a: float) -> None:
         th = theta[m if n_outer > 1 else 0]
@@ -153,6 +163,8 @@ def run_reference(
                     opts[m].step()
                     opts[m].zero_grad()
             n = step + 1
+            if members is not None and n % H == 0:
+                n_sync[0] += 1
             for p in range(K):
                 if overlap == "none":
                     if is_sync(p, n + tau):
@@ -176,6 +188,8 @@ def run_reference(
                         _outer_update(outer_opt[m][p], [theta[m][x] for x in frags[p]], g)
                     for m in range(R):
                         load(p, m, 0.0)
+            for m in (fresh_inner or {}).get(n_sync[0], []) if n % H == 0 else []:
+                opts[m] = make_inner_opt(models[m], inner)
         # finish: apply what is in flight, then every replica takes the outer params
         for p in range(K):
             if pending[p] is None:

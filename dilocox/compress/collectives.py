@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from dilocox.compress.quant import Packed, dequantize, dequantize_accumulate, payload_nbytes, quantize
 from dilocox.config import QUANT_KINDS
-from dilocox.distributed.topology import group_rank, group_world
+from dilocox.distributed.topology import ExternalGroup, group_rank, group_world
 from dilocox.seeding import mix_seed
 
 MODES = ("auto", "allgather", "reduce_scatter")
@@ -175,7 +175,7 @@ def quantized_allreduce(
             out.add_(error)
             error.zero_()
         if world > 1:
-            dist.all_reduce(out, group=group)
+            _all_reduce(out, group)
     elif world == 1:
         out = dequantize(quantize(x, kind, group_size, error=error))
     elif mode == "allgather":
@@ -190,12 +190,33 @@ def quantized_allreduce(
     return out
 
 
+def _all_reduce(t: torch.Tensor, group) -> None:
+    if isinstance(group, ExternalGroup):  # the elastic outer group (torchft): not a torch.distributed group
+        group.all_reduce(t)
+    else:
+        dist.all_reduce(t, group=group)
+
+
+def _all_gather(out: list[torch.Tensor], t: torch.Tensor, group) -> None:
+    if isinstance(group, ExternalGroup):
+        group.all_gather(out, t)
+    else:
+        dist.all_gather(out, t, group=group)
+
+
+def _all_to_all_single(out: torch.Tensor, t: torch.Tensor, group) -> None:
+    if isinstance(group, ExternalGroup):
+        group.all_to_all_single(out, t)
+    else:
+        dist.all_to_all_single(out, t, group=group)
+
+
 def _allgather(x, group, world, kind, group_size, error) -> torch.Tensor:
     """Quantize, all-gather the packed payloads, dequantize-sum in group-rank order."""
     n = x.numel()
     mine = quantize(x, kind, group_size, error=error)
     bufs = [torch.empty_like(mine.data) for _ in range(world)]
-    dist.all_gather(bufs, mine.data, group=group)
+    _all_gather(bufs, mine.data, group)
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
     for b in bufs:
         dequantize_accumulate(Packed(kind, n, group_size, b), out)
@@ -219,7 +240,7 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
                 out=send[j * pb : j * pb + size],
             )
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    _all_to_all_single(recv, send, group)
 
     me = group_rank(group)
     lo, hi = bounds[me]
@@ -234,7 +255,7 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
         stochastic = kind in ("int4", "int8")
         quantize(acc, kind, group_size, stochastic=stochastic, seed=mix_seed(seed, me), step=step, out=mine[:size])
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    _all_gather(gathered, mine, group)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     for j, (lo, hi) in enumerate(bounds):
         if hi > lo:

@@ -39,13 +39,39 @@ class Coord:
     tp: int
 
 
+class ExternalGroup:
+    """A group whose collectives are not ``torch.distributed``'s own (the elastic outer group over torchft,
+    ``dilocox/elastic/group.py``): the compressed collectives call these methods instead of ``dist.*``.
+    Every call blocks until done (bounded by the group's own timeout) and raises on a failed peer."""
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def all_reduce(self, t) -> None:
+        """In-place SUM of ``t`` over the group."""
+        raise NotImplementedError
+
+    def all_gather(self, out: list, t) -> None:
+        raise NotImplementedError
+
+    def all_to_all_single(self, out, t) -> None:
+        raise NotImplementedError
+
+
 def group_world(group) -> int:
     """Number of ranks in a process group; ``None`` (what ``Topology.group`` gives for a size-1 kind) is one rank."""
+    if isinstance(group, ExternalGroup):
+        return group.size()
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank in ``group``; 0 for ``None`` (a one-rank group)."""
+    if isinstance(group, ExternalGroup):
+        return group.rank()
     return 0 if group is None else dist.get_rank(group)
 
 

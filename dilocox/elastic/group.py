@@ -35,6 +35,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dilocox.distributed.topology import ExternalGroup
+
 log = logging.getLogger("dilocox.elastic")
 
 
@@ -122,6 +124,8 @@ class ElasticResult:
     attempts: int
     quorum_s: float
     allreduce_s: float
+    healed: bool = False  # this replica received a live replica's state in this step (it did not contribute)
+    world: int = 0  # members of the quorum's process group (contributors + healing/behind replicas)
 
 
 def start_lighthouse(
@@ -151,10 +155,68 @@ def start_lighthouse(
     )
 
 
-class ElasticOuterGroup:
-    """Per-outer-step quorum + one flat mean all-reduce over the live replicas (module docstring)."""
+class TorchftGroup(ExternalGroup):
+    """The torchft process group of the current quorum, seen by the compressed collectives
+    (``compress/collectives.py``) as an ``ExternalGroup``: every call blocks, bounded by ``timeout_s``,
+    and raises when a peer failed (the caller then retries the whole outer step)."""
 
-    def __init__(self, cfg: ElasticConfig) -> None:
+    def __init__(self, pg, timeout_s: float) -> None:
+        self._pg, self._timeout = pg, timedelta(seconds=timeout_s)
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def rank(self) -> int:
+        return self._pg.parent.rank()
+
+    def _wait(self, work) -> None:
+        if not work.wait(self._timeout):
+            raise ElasticStepError(f"outer collective did not finish within {self._timeout.total_seconds()}s")
+        if (err := self._pg.errored()) is not None:
+            raise ElasticStepError(f"outer collective failed: {err}")
+
+    def all_reduce(self, t: Tensor) -> None:
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        self._wait(self._pg.allreduce([t], opts))
+
+    def all_gather(self, out: list, t: Tensor) -> None:
+        from torch.distributed import AllgatherOptions
+
+        self._wait(self._pg.allgather([out], [t], AllgatherOptions()))
+
+    def all_to_all_single(self, out: Tensor, t: Tensor) -> None:
+        from torch.distributed import AllToAllOptions
+
+        self._wait(self._pg.alltoall_base(out, t, [], [], AllToAllOptions()))
+
+
+class ElasticOuterGroup:
+    """Per-outer-step quorum + one flat mean all-reduce over the live replicas (module docstring).
+
+    One object per rank of a replica: ``group_rank``/``group_world`` are the rank's index and the number
+    of ranks in its replica (its shard: stage x TP x DP position). torchft forms ONE quorum per replica
+    (rank 0 of the replica hosts the ``ManagerServer``; the others reach it through the replica's
+    ``store``) and connects rank i of every live replica into rank i's outer process group, so the
+    outer groups of all the shards of a replica always have the same members, and ``should_commit``
+    is voted by all the ranks of a replica: an outer step is applied by all its shards or by none.
+
+    Live join: with ``set_state_fns(state_fn, load_fn)`` the quorum may heal this replica: a replica
+    behind the newest outer step receives, shard by shard (rank i from rank i of a live replica),
+    what ``state_fn`` of that replica returns, through ``load_fn`` (called on the calling thread,
+    before the all-reduce). A healed replica contributes nothing to that step's average (its
+    buffer is zero and not counted), but receives the average like everyone else.
+    """
+
+    def __init__(
+        self,
+        cfg: ElasticConfig,
+        group_rank: int = 0,
+        group_world: int = 1,
+        store: tuple[str, int] | None = None,
+    ) -> None:
         cfg.validate()
         try:  # lazy: torchft is an optional dependency of the elastic mode only
             from torchft import Manager, ProcessGroupGloo
@@ -163,12 +225,23 @@ class ElasticOuterGroup:
         from torch.distributed import TCPStore
 
         self.cfg = cfg
-        self._store = TCPStore(
-            host_name=cfg.host, port=0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
-        )
+        self._own_store = None
+        if store is None:  # a replica of one process: its own store
+            if group_world != 1:
+                raise ValueError("ElasticOuterGroup: a replica of several ranks needs the replica's store (host, port)")
+            self._own_store = TCPStore(
+                host_name=cfg.host,
+                port=0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=cfg.timeout_s),
+            )
+            store = (cfg.host, self._own_store.port)
+        self.group_rank, self.group_world = group_rank, group_world
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout_s))
-        # Each replica is its own group of world size 1 here; the state-dict hooks are for
-        # torchft's healing path, which this slice does not use (start_quorum(allow_heal=False)).
+        self._state_fn: Callable[[], dict] | None = None
+        self._load_fn: Callable[[dict], None] | None = None
+        self._healed = False
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=None,
@@ -178,19 +251,31 @@ class ElasticOuterGroup:
             timeout=timedelta(seconds=cfg.timeout_s),
             quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
             connect_timeout=timedelta(seconds=cfg.timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr=cfg.host,
-            store_port=self._store.port,
+            rank=group_rank,
+            world_size=group_world,
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=cfg.lighthouse_addr,
             replica_id=f"replica{cfg.replica_rank}",
             hostname=cfg.host,
             heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
             init_sync=False,
         )
+        self.group = TorchftGroup(self._pg, cfg.timeout_s)
         self.closed = False
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
         self.on_quorum: Callable[[int], None] | None = None
+
+    def set_state_fns(self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+        """What a live replica sends a joiner (``state_fn``, called on the sender's quorum thread) and how a
+        joiner takes it (``load_fn``). Every replica of a run must set them (torchft heals only then)."""
+        self._state_fn, self._load_fn = state_fn, load_fn
+
+        def _load(sd: dict) -> None:
+            self._healed = True
+            load_fn(sd)
+
+        self._manager.register_state_dict_fn("dilocox", _load, state_fn)
 
     @property
     def step(self) -> int:
@@ -203,11 +288,13 @@ class ElasticOuterGroup:
             raise ElasticMinReplicasError(self._below_msg(None))
         t0 = time.monotonic()
         try:
-            self._manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=left))
+            self._manager.start_quorum(allow_heal=self._state_fn is not None, timeout=timedelta(seconds=left))
         except Exception as e:  # the Rust client raises a plain RuntimeError on timeout
             if time.monotonic() >= deadline - 0.05 or "timeout" in str(e).lower() or "deadline" in str(e).lower():
                 raise ElasticMinReplicasError(self._below_msg(None) + f" (torchft: {str(e).splitlines()[0]})") from e
             raise ElasticStepError(f"replica {self.cfg.replica_rank}: quorum failed: {e}") from e
+        if (err := self._manager.errored()) is not None and self._healed is False and self._state_fn is not None:
+            log.warning("replica %d: quorum/heal reported %s", self.cfg.replica_rank, err.original_exception)
         return time.monotonic() - t0
 
     def _below_msg(self, n: int | None) -> str:
@@ -226,29 +313,58 @@ class ElasticOuterGroup:
         )
 
     def allreduce_mean(self, flat: Tensor) -> ElasticResult:
-        """Mean of ``flat`` (1-D, floating) over the replicas contributing to this outer step.
+        """Mean of ``flat`` (1-D, floating) over the replicas contributing to this outer step (one flat all-reduce).
 
         ``flat`` is not modified. Raises ``ElasticMinReplicasError`` below ``min_replicas`` after
         the bounded wait, ``ElasticStepError`` after ``max_attempts`` failed all-reduces.
         """
-        if self.closed:
-            raise ElasticError("allreduce_mean on a closed ElasticOuterGroup")
         if flat.dim() != 1 or not torch.is_floating_point(flat):
             raise ValueError(f"allreduce_mean takes a 1-D floating tensor, got shape {tuple(flat.shape)} {flat.dtype}")
-        c = self.cfg
+        res = self.run_step(lambda contribute: self._flat_sum(flat, contribute))
+        if res.mean is not None and res.contributors:
+            res.mean.div_(len(res.contributors))
+        return res
+
+    def _flat_sum(self, flat: Tensor, contribute: bool) -> tuple[Tensor, Tensor]:
+        """ONE all-reduce of ``[flat | one-hot(replica_rank)]`` (zeros when not contributing); (sum, counts)."""
         from torch.distributed import ReduceOp
 
-        n_el = flat.numel()
-        # the first outer step waits (bounded) for initial_replicas, later ones for min_replicas
+        n_el, c = flat.numel(), self.cfg
+        buf = torch.zeros(n_el + c.max_replicas, dtype=flat.dtype, device=flat.device)
+        if contribute:
+            buf[:n_el].copy_(flat)
+            buf[n_el + c.replica_rank] = 1
+        work = self._manager.allreduce(buf, reduce_op=ReduceOp.SUM)
+        try:
+            work.wait(timedelta(seconds=c.timeout_s))
+        except Exception as e:  # torchft normally records errors in the manager instead of raising
+            self._manager.report_error(e)
+        return buf[:n_el], buf[n_el:]
+
+    def count_contributors(self, contribute: bool) -> Tensor:
+        """The one-hot contributor counts alone (a ``max_replicas``-float all-reduce); for the compressed path."""
+        return self._flat_sum(torch.zeros(0), contribute)[1]
+
+    def run_step(self, body: Callable[[bool], tuple[Tensor | None, Tensor]], contribute: bool = True) -> ElasticResult:
+        """One outer step: quorum (healing this replica if it is behind), ``body(contribute)`` -> (sum or None,
+        one-hot counts), the replica-wide commit vote; retried on a new quorum when it fails (``body`` must then
+        start again from its untouched inputs). Returns the SUM (``mean`` field, not yet divided) and contributors.
+        """
+        if self.closed:
+            raise ElasticError("an outer step on a closed ElasticOuterGroup")
+        c = self.cfg
         want = max(c.min_replicas, c.initial_replicas or 0) if self._manager.current_step() == 0 else c.min_replicas
         wait_since: float | None = None
         last_err: str = ""
         t_start = time.monotonic()
         deadline = t_start + c.quorum_timeout_s + c.max_attempts * c.timeout_s
         attempts = 0
+        healed = False
         while attempts < c.max_attempts:
             quorum_deadline = min(deadline, (wait_since or time.monotonic()) + c.quorum_timeout_s)
+            self._healed = False
             quorum_s = self._quorum(quorum_deadline)
+            healed = healed or self._healed
             n_live = self._manager.num_participants()
             if n_live < want:
                 now = time.monotonic()
@@ -278,45 +394,42 @@ class ElasticOuterGroup:
             if self.on_quorum is not None:
                 self.on_quorum(n_live)
             attempts += 1
-            buf = torch.zeros(n_el + c.max_replicas, dtype=flat.dtype)
-            buf[:n_el].copy_(flat)
-            buf[n_el + c.replica_rank] = 1
             t0 = time.monotonic()
-            work = self._manager.allreduce(buf, reduce_op=ReduceOp.SUM)
+            total, onehot = None, None
             try:
-                work.wait(timedelta(seconds=max(0.1, min(c.timeout_s, deadline - time.monotonic()))))
-            except Exception as e:  # torchft normally records errors in the manager instead of raising
+                # a healed replica trained its phase from a stale θ: it takes the average, adds nothing (§6a)
+                total, onehot = body(contribute and not healed)
+            except Exception as e:  # a peer died inside a compressed collective: vote no, retry
                 self._manager.report_error(e)
             allreduce_s = time.monotonic() - t0
             err = self._manager.errored()
             committed = self._manager.should_commit(timedelta(seconds=c.timeout_s))
-            if committed and err is None:
-                onehot = buf[n_el:]
+            if committed and err is None and onehot is not None:
                 contributors = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
                 if any(float(onehot[i]) != 1.0 for i in contributors):
                     raise ElasticStepError(
                         f"replica {c.replica_rank}: two live replicas share a replica_rank "
                         f"(contributor counts {onehot[contributors].tolist()}); give each its own"
                     )
-                if c.replica_rank not in contributors:
+                if contribute and not healed and c.replica_rank not in contributors:
                     raise ElasticBehindError(
                         f"replica {c.replica_rank} is behind the live replicas (its outer step "
-                        f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}): "
-                        f"joining a running job needs the live join with state transfer (issue 10), not done yet; "
-                        f"start every replica before the first outer step (elastic.initial_replicas)"
+                        f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}) "
+                        f"and no state transfer is set up (set_state_fns)"
                     )
-                if len(contributors) < c.min_replicas:
+                if contributors and len(contributors) < c.min_replicas:
                     # members of the quorum that were not participating (e.g. behind the max step)
                     raise ElasticMinReplicasError(self._below_msg(len(contributors)))
-                mean = buf[:n_el].div_(len(contributors))
                 return ElasticResult(
-                    mean=mean,
+                    mean=total,
                     contributors=contributors,
                     quorum_id=self._manager._quorum_id,
                     step=self._manager.current_step(),
                     attempts=attempts,
                     quorum_s=quorum_s,
                     allreduce_s=allreduce_s,
+                    healed=healed,
+                    world=self.group.size(),
                 )
             last_err = str(err.original_exception if err is not None else "should_commit returned False")
             log.warning(

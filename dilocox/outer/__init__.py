@@ -32,14 +32,19 @@ def build_outer(
     n_layers_total: int = 0,
     comm_delay_s: float = 0.0,
     comm_bandwidth: float | None = None,
+    elastic=None,
 ) -> OuterBase | None:
     """The outer object of ``ocfg.method`` over this rank's ``named_params`` (None for ``none``).
 
     ``layer_of``/``n_layers_total`` place parameters in streaming fragments (DiLoCo family only);
     ``comm_delay_s``/``comm_bandwidth`` emulate the link on the comm thread (distributed/comm.py).
+    ``elastic``: an ``ElasticOuterGroup`` (DiLoCo family only): the outer group is the torchft quorum of the
+    replicas alive at each outer step (outer/elastic.py).
     """
     if ocfg.method == "none":
         return None
+    if elastic is not None and ocfg.method not in FAMILY:
+        raise ConfigError(f"outer.elastic needs outer.method in {list(FAMILY)}, not {ocfg.method!r}")
     if ocfg.method in PER_STEP:
         return GradientSync(
             named_params, topo, ocfg, ccfg, seed, comm_delay_s=comm_delay_s, comm_bandwidth=comm_bandwidth
@@ -55,6 +60,7 @@ def build_outer(
             n_layers_total=n_layers_total,
             comm_delay_s=comm_delay_s,
             comm_bandwidth=comm_bandwidth,
+            elastic=elastic,
         )
     raise ConfigError(f"outer.method={ocfg.method!r} is not one of {['none', *PER_STEP, *FAMILY]}")
 

@@ -58,13 +58,14 @@ from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
 from dilocox.distributed.comm import CommHandle, DoneHandle
 from dilocox.outer.base import OuterBase
 from dilocox.outer.dp_shard import DataShard, shard_over_data
+from dilocox.outer.elastic import ElasticMixin, elastic_allreduce
 from dilocox.outer.fragments import SyncSchedule, assign_fragments
 from dilocox.outer.state import OuterState
 
 METHODS = ("diloco",)
 
 
-class DiLoCoOuter(OuterBase):
+class DiLoCoOuter(ElasticMixin, OuterBase):
     """Outer optimizer and communication of one rank's shard (see the module docstring).
 
     Args (besides OuterBase's):
@@ -83,6 +84,7 @@ class DiLoCoOuter(OuterBase):
         n_layers_total: int = 0,
         comm_delay_s: float = 0.0,
         comm_bandwidth: float | None = None,
+        elastic=None,
     ) -> None:
         if ocfg.method not in METHODS:
             raise ValueError(f"DiLoCoOuter handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
@@ -119,12 +121,18 @@ class DiLoCoOuter(OuterBase):
         self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
         self._step_times: list[float] = []
         self._t_end: float | None = None
+        self.elastic = None
+        if elastic is not None:
+            self._init_elastic(elastic)
 
-    def _allreduce(self, comp, tensors: list[Tensor], step: int) -> list[Tensor]:
+    def _allreduce(self, comp, tensors: list[Tensor], step: int, contribute: bool = True) -> list[Tensor]:
         """Runs on the comm thread: the compressor's blocking mean over the outer group.
 
         With one replica (group None) nothing is sent; the compressor still applies its
-        round trip, so the result is Δ itself for quant none and C(Δ) otherwise."""
+        round trip, so the result is Δ itself for quant none and C(Δ) otherwise.
+        Elastic (``outer.elastic``): the mean over the replicas alive and contributing now (elastic.py)."""
+        if self.elastic is not None:
+            return elastic_allreduce(self, comp, tensors, step, contribute)
         return comp.allreduce_mean(tensors, self.group, step, self.comm_stats)
 
     def _dp_broadcast(self, frags) -> None:
@@ -143,6 +151,8 @@ class DiLoCoOuter(OuterBase):
         syncing = self.schedule.syncs_at(n)
         if self.overlap == "none":
             for p in self.schedule.launches_at(n):
+                if self.elastic is not None:
+                    self._elastic_snapshot(n)
                 self.pending[p] = self._submit(self._allreduce, self.compressors[p], self.state.pseudo_gradient(p), n)
         for p in syncing:
             self._sync(p, n)
@@ -156,27 +166,36 @@ class DiLoCoOuter(OuterBase):
         if self.overlap == "none":
             h, self.pending[p] = self.pending[p], None
             avg = st.flatten(self._wait(h))
+            self._after_elastic_wait()
             st.outer_step(p, avg, o.lr, o.momentum, o.nesterov)
             self._adapt(p, h)
             st.load_params(p, self.alpha)
+            self.outer_step += 1
+            self.schedule.advance(p, self.H)
+            return
+        delta = st.pseudo_gradient(p)
+        delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
+        h, self.pending[p] = self.pending[p], None
+        prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
+        # elastic: a replica healed in that step trained this phase from a stale θ: it sends nothing now
+        contribute = not self._after_elastic_wait()
+        if h is not None:
+            self._adapt(p, h)
+        if self.overlap == "eager":
+            own = self.own_prev[p] if self.own_prev[p] is not None else torch.zeros_like(delta_flat)
+            grad = prev + (delta_flat - own) / self._R_prev()
+            self.own_prev[p] = delta_flat
         else:
-            delta = st.pseudo_gradient(p)
-            delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
-            h, self.pending[p] = self.pending[p], None
-            prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
-            if h is not None:
-                self._adapt(p, h)
+            grad = prev
+        if self.elastic is None:  # launch first: the all-reduce overlaps the outer step below
             self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
-            if self.overlap == "eager":
-                own = self.own_prev[p] if self.own_prev[p] is not None else torch.zeros_like(delta_flat)
-                grad = prev + (delta_flat - own) / self.R
-                self.own_prev[p] = delta_flat
-            else:
-                grad = prev
-            st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
-            st.load_params(p, 0.0)
+        st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
+        st.load_params(p, 0.0)
         self.outer_step += 1
         self.schedule.advance(p, self.H)
+        if self.elastic is not None:  # after the outer step: a joiner healed by this all-reduce gets θ^t (elastic.py)
+            self._elastic_snapshot(n)
+            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n, contribute)
 
     def _adapt(self, p: int, h: CommHandle) -> None:
         """§7: new rank for the next launch, new H for the next phase (thread is idle here)."""
@@ -230,8 +249,9 @@ class DiLoCoOuter(OuterBase):
             if h is None:
                 continue
             grad = st.flatten(self._wait(h))
+            self._after_elastic_wait()
             if self.overlap == "eager" and self.own_prev[p] is not None:
-                grad = grad - self.own_prev[p] / self.R
+                grad = grad - self.own_prev[p] / self._R_prev()
                 self.own_prev[p] = None
             st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
             self.outer_step += 1

@@ -1,0 +1,100 @@
+"""One elastic replica of the oracle's TinyNet run (tests/test_elastic_outer.py): ``DiLoCoOuter`` over an
+``ElasticOuterGroup``, started as its own process (``python -m tests.elastic_worker ...``).
+
+It joins (healing from a live replica when it is behind), trains ``steps`` inner steps on
+``reference_diloco.batch(seed, replica, step)`` with the oracle's AdamW, and writes its final params
+and a JSON line per event to ``--out``. ``--die-at N --die-mode phase``: SIGKILL itself after inner
+step N (mid-phase); ``--die-mode inflight``: SIGKILL itself once the quorum of the outer step at
+inner step N is formed (its peers' all-reduce with it is in flight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+
+from dilocox.config import CompressConfig, OuterConfig
+from dilocox.elastic import ElasticConfig, ElasticOuterGroup
+from dilocox.outer import build_outer
+from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--overlap", default="none")
+    ap.add_argument("--quant", default="none")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--initial-replicas", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--die-at", type=int, default=None)
+    ap.add_argument("--die-mode", default="phase")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    def rec(**kw) -> None:
+        with open(a.out + ".jsonl", "a") as f:
+            f.write(json.dumps(dict(kw, t=time.time())) + "\n")
+
+    ecfg = ElasticConfig(
+        lighthouse_addr=a.lighthouse,
+        replica_rank=a.replica,
+        min_replicas=a.min_replicas,
+        initial_replicas=a.initial_replicas,
+        max_replicas=4,
+        timeout_s=a.timeout,
+        quorum_timeout_s=a.quorum_timeout,
+    )
+    group = ElasticOuterGroup(ecfg)
+    model = make_model(a.seed)
+    opt = make_inner_opt(model)
+    ocfg = OuterConfig(method="diloco", sync_every=a.H, overlap=a.overlap)
+    ccfg = CompressConfig(quant=a.quant)
+    outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, elastic=group)
+    n0 = outer.join()
+    if n0 is not None:
+        opt = make_inner_opt(model)  # a joiner starts from θ with a fresh inner optimizer
+    rec(event="start", step=n0 or 0, healed=n0 is not None)
+    step = n0 or 0
+    armed = [False]  # inflight: set by the main thread at the sync of step die_at, read on the comm thread
+    if a.die_mode == "inflight" and a.die_at is not None:
+
+        def on_quorum(n_live: int) -> None:
+            if armed[0]:
+                rec(event="kill", step=a.die_at)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        group.on_quorum = on_quorum
+    while step < a.steps:
+        forward_backward(model, a.seed, a.replica, step)
+        opt.step()
+        opt.zero_grad()
+        rec(event="step", step=step + 1)
+        if a.die_mode == "phase" and a.die_at == step + 1:
+            rec(event="kill", step=step + 1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        armed[0] = a.die_mode == "inflight" and a.die_at == step + 1
+        outer.after_inner_step(step)
+        if (step + 1) % a.H == 0:
+            rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors)
+        step += 1
+        time.sleep(a.step_sleep)
+    outer.finish()
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, a.out + ".pt")
+    rec(event="done", step=step, contributors=outer.contributors)
+    group.close()
+
+
+if __name__ == "__main__":
+    main()
