@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from dilocox.config import Config, ConfigError, to_yaml
 from dilocox.data import TokenSampler, prepare
 from dilocox.distributed import signals
 from dilocox.distributed.topology import build_topology, init_distributed
+from dilocox.elastic.group import ElasticError
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
 from dilocox.launch.emulate import BANDWIDTH_ENV
@@ -121,9 +123,12 @@ class Trainer:
                 "(a multiple of parallel.tensor)"
             )
         tr = cfg.train
-        self.sampler = TokenSampler(
-            self.prepared.train_tokens(), tr.seq_len, tr.batch_size, tr.seed, self.topo.replica, self.topo.R
-        )
+        el = cfg.outer.elastic
+        # elastic: the replica's data shard is its stable identity (replica_rank of max_replicas), so a replica that
+        # comes back continues its own shard at the live step and reads nothing another replica reads
+        replica, n_replicas = (el.replica_rank, el.max_replicas) if el.enabled else (self.topo.replica, self.topo.R)
+        tokens = self.prepared.train_tokens()
+        self.sampler = TokenSampler(tokens, tr.seq_len, tr.batch_size, tr.seed, replica, n_replicas)
         self.val_batches = (
             self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
         )
@@ -142,6 +147,7 @@ class Trainer:
             self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device, autocast_dtype=autocast
         )
         self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
+        self.elastic = build_elastic_group(cfg, self.topo) if el.enabled else None
         self.outer = build_outer(  # None for outer.method=none
             list(self.model.named_parameters()),
             t,
@@ -151,6 +157,7 @@ class Trainer:
             layer_of=self.model.param_layer_id,
             n_layers_total=cfg.model.n_layers,
             comm_bandwidth=emulated_bandwidth_bytes(),
+            elastic=self.elastic,
         )
         if self.outer is not None:  # every wait on the outer all-reduce: warned about, then bounded
             self.outer.bound_waits(
@@ -179,6 +186,8 @@ class Trainer:
         self.grad_norm: float | None = None  # global norm before clipping (optim.grad_clip > 0), logged per step
         self.resumed_from: str | None = None
         self._maybe_resume()
+        if self.elastic is not None:
+            self._elastic_join()
         space = ckpt.preflight(
             self.ckpt_dir,
             ckpt.estimate_bytes(self.state_dict(), self.optimizer),
@@ -258,6 +267,22 @@ class Trainer:
         self.load_state_dict(sd)
         self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
+
+    def _elastic_join(self) -> None:
+        """Join the live replicas (docs/ELASTIC.md): when they are ahead, take their outer state and step."""
+        t0 = time.time()
+        n = self.outer.join()
+        if n is None:
+            self.logger.info(f"elastic: replica {self.cfg.outer.elastic.replica_rank} starts at step {self.step}")
+            return
+        self.step = n
+        self.sampler.step = n  # this replica's own shard, at the live step: nothing trained twice
+        self.tokens_seen = n * self.cfg.train.batch_size * self.cfg.train.seq_len
+        self.optimizer = build_inner_optimizer(self.cfg, self.model, self.device)  # from θ with a fresh AdamW
+        self.logger.info(
+            f"elastic: replica {self.cfg.outer.elastic.replica_rank} joined the live run at step {n} "
+            f"(outer step {self.outer.outer_step}; state received in {time.time() - t0:.1f}s)"
+        )
 
     def _check_resume_config(self, path: str, meta: dict) -> None:
         """Refuse (on every rank alike) a resume whose config changes the math; warn about schedule changes."""
@@ -448,6 +473,37 @@ class Trainer:
         return summary
 
 
+def build_elastic_group(cfg: Config, topo):
+    """This rank's ``ElasticOuterGroup`` (one torchft quorum per replica job; rank 0 hosts the store its ranks meet
+    on). The address advertised to the other replicas: DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
+    from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
+
+    e = cfg.outer.elastic
+    host = os.environ.get("DILOCOX_ELASTIC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    ecfg = ElasticConfig(
+        lighthouse_addr=e.lighthouse or os.environ["TORCHFT_LIGHTHOUSE"],
+        replica_rank=e.replica_rank,
+        min_replicas=e.min_replicas,
+        initial_replicas=e.initial_replicas,
+        max_replicas=e.max_replicas,
+        timeout_s=e.timeout_s,
+        quorum_timeout_s=e.quorum_timeout_s,
+        max_attempts=e.max_attempts,
+        heartbeat_ms=e.heartbeat_ms,
+        host=host,
+    )
+    if topo.world_size == 1:
+        return ElasticOuterGroup(ecfg)
+    store, port = None, [0]
+    if topo.rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=e.timeout_s))
+        port = [store.port]
+    dist.broadcast_object_list(port, src=0)
+    group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=(host, port[0]))
+    group.replica_store = store  # rank 0 keeps the store alive as long as the group
+    return group
+
+
 def train(cfg: Config) -> dict:
     """Train ``cfg`` on this rank (config history and the run-dir lock: :mod:`dilocox.rundir`)."""
     trainer = Trainer(cfg)
@@ -467,6 +523,8 @@ def train(cfg: Config) -> dict:
         trainer.logger.info(str(e))
         trainer.logger.close()
         raise SystemExit(e.exit_code) from None
+    except ElasticError:  # its message names the setting and the fix (cli prints it on one line)
+        raise
     except RuntimeError as e:  # a peer/replica is gone: say which wait failed; a stuck clean-up cannot outlive 15 s
         o, r = cfg.outer, cfg.parallel.replicas > 1
         msg = signals.comm_failure_message(

@@ -75,6 +75,8 @@ class CommHandle:
             raise TimeoutError(f"communication task {self.name!r} did not finish within {timeout} s")
         self.blocked_s += time.perf_counter() - t0
         if self._error is not None:
+            if getattr(self._error, "raise_as_is", False):  # its message already names the setting and the fix
+                raise self._error
             if pol is not None and isinstance(self._error, RuntimeError):  # gloo/NCCL errors, their timeouts too
                 raise CommTimeoutError(
                     f"{pol.what} ({self.name}) with {pol.peers} failed after "

@@ -43,6 +43,8 @@ log = logging.getLogger("dilocox.elastic")
 class ElasticError(RuntimeError):
     """Base class of the elastic outer group's errors."""
 
+    raise_as_is = True  # CommHandle.wait re-raises it unwrapped: the message names the setting and the fix
+
 
 class ElasticMinReplicasError(ElasticError):
     """Fewer than ``min_replicas`` live replicas for longer than the configured wait."""

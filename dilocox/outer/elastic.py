@@ -51,6 +51,13 @@ class ElasticMixin:
         self._trace = os.environ.get(TRACE_ENV)
         elastic.set_state_fns(self._elastic_state, self._elastic_load)
 
+    @property
+    def stats(self) -> dict:
+        out = super().stats
+        if self.elastic is not None:  # replicas averaged in the last outer step (logged: the outage shows)
+            out["replicas"] = len(self.contributors)
+        return out
+
     def _R_prev(self) -> int:
         return self._c_prev if self.elastic is not None else self.R
 

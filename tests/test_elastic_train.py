@@ -1,0 +1,156 @@
+"""`dilocox train` with elastic replicas (issue 10): each replica its own job, a torchft lighthouse in the test.
+
+Every replica is a `python -m dilocox.cli train` process group under a time bound, SIGKILLed in ``finally``.
+A slow emulated outer link (DILOCOX_EMULATE_BANDWIDTH) stretches each run so that kills and restarts land
+mid-run on 2 shared cores.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dilocox.launch.emulate import BANDWIDTH_ENV
+from tests.small_run import TINY_RUN_ARGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+    return out
+
+
+def _final_model(run_dir: str) -> dict[str, torch.Tensor]:
+    path = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "rank*.pt")))[-1]
+    return torch.load(path, weights_only=False)["model"]
+
+
+class _Run:
+    """A lighthouse + replica processes; everything killed at the end."""
+
+    def __init__(self, tmp_path, min_replicas: int, steps: int, bandwidth: str = "8000000"):
+        pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
+        from dilocox.elastic import start_lighthouse
+
+        self.tmp, self.steps, self.min = tmp_path, steps, min_replicas
+        self.lh = start_lighthouse(min_replicas, heartbeat_timeout_ms=1500, join_timeout_ms=30000)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **{BANDWIDTH_ENV: bandwidth})
+        self.procs: dict[int, list[subprocess.Popen]] = {}
+
+    def run_dir(self, r: int) -> str:
+        return str(self.tmp / f"replica{r}")
+
+    def start(self, r: int, *extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "dilocox.cli", "train", "configs/tiny.yaml", *TINY_RUN_ARGS]
+        cmd += [f"--train.steps={self.steps}", "--outer.method=diloco", "--outer.sync_every=4"]
+        cmd += ["--outer.elastic.enabled=true", f"--outer.elastic.lighthouse={self.lh.address()}"]
+        cmd += [f"--outer.elastic.replica_rank={r}", f"--outer.elastic.min_replicas={self.min}"]
+        cmd += [
+            "--outer.elastic.timeout_s=10",
+            "--outer.elastic.quorum_timeout_s=20",
+            f"--log.run_dir={self.run_dir(r)}",
+        ]
+        p = subprocess.Popen(
+            cmd + list(extra),
+            cwd=ROOT,
+            env=self.env,
+            start_new_session=True,
+            stdout=open(self.tmp / f"r{r}.out", "a"),
+            stderr=open(self.tmp / f"r{r}.err", "a"),
+        )
+        self.procs.setdefault(r, []).append(p)
+        return p
+
+    def wait_step(self, r: int, step: int, deadline: float) -> None:
+        while not any(x.get("step", 0) >= step for x in _metrics(self.run_dir(r))):
+            assert time.monotonic() < deadline, f"replica {r} did not reach step {step}: {self.err(r)}"
+            assert self.procs[r][-1].poll() is None, f"replica {r} exited: {self.err(r)}"
+            time.sleep(0.1)
+
+    def err(self, r: int) -> str:
+        with open(self.tmp / f"r{r}.err") as f:
+            return "".join(x for x in f if "[INFO]" not in x and "NCCL" not in x)[-2000:]
+
+    def close(self) -> None:
+        for ps in self.procs.values():
+            for p in ps:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=10)
+        self.lh.shutdown()
+
+
+@pytest.mark.slow  # ~90-150 s: 3 training processes + a restart on 2 shared cores
+def test_train_kill9_replica_and_restart_rejoins_bit_identical(tmp_path):
+    """3 replicas; replica 2 SIGKILLed mid-run and restarted with the same command: the survivors go on, the
+    restarted replica joins the live run at a later step than it died at (its shard is never re-read), and at
+    the end all three hold bit-identical parameters."""
+    run = _Run(tmp_path, min_replicas=2, steps=120)
+    try:
+        deadline = time.monotonic() + 400
+        for r in range(3):
+            run.start(r, "--outer.elastic.initial_replicas=3")
+        run.wait_step(2, 10, deadline)
+        died = max(x["step"] for x in _metrics(run.run_dir(2)) if "step" in x)
+        os.killpg(run.procs[2][0].pid, signal.SIGKILL)
+        t_kill = time.time()
+        run.start(2)
+        for r in (0, 1, 2):
+            p = run.procs[r][-1]
+            assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, run.err(r)
+    finally:
+        run.close()
+    out = open(tmp_path / "r2.out").read()
+    joined = [line for line in out.splitlines() if "joined the live run at step" in line]
+    assert joined, out[-2000:]
+    n_join = int(joined[-1].split("at step ")[1].split()[0])
+    assert n_join > died and n_join % 4 == 0, (n_join, died)
+    steps2 = [x["step"] for x in _metrics(run.run_dir(2)) if "step" in x and "loss" in x]
+    assert steps2 == sorted(steps2) and len(steps2) == len(set(steps2)), "a step of replica 2 was trained twice"
+    m0 = [x for x in _metrics(run.run_dir(0)) if "loss" in x]
+    after = [x for x in m0 if x["wall"] > t_kill]
+    assert m0[-1]["step"] == 120 and after
+    models = [_final_model(run.run_dir(r)) for r in range(3)]
+    for k in models[0]:
+        assert torch.equal(models[0][k], models[1][k]) and torch.equal(models[0][k], models[2][k]), k
+
+
+@pytest.mark.slow  # ~40-60 s
+def test_train_below_min_replicas_stops_with_clear_error(tmp_path):
+    """min_replicas=2 and one of 2 replicas killed: the survivor waits (bounded by quorum_timeout_s=20) and exits 1
+    with one line naming outer.elastic.min_replicas, not a hang and not a traceback."""
+    run = _Run(tmp_path, min_replicas=2, steps=400)
+    try:
+        deadline = time.monotonic() + 300
+        for r in range(2):
+            run.start(r, "--outer.elastic.initial_replicas=2")
+        run.wait_step(1, 8, deadline)
+        os.killpg(run.procs[1][0].pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        code = run.procs[0][0].wait(timeout=120)
+        waited = time.monotonic() - t_kill
+    finally:
+        run.close()
+    err = run.err(0)
+    assert code == 1, err
+    assert "elastic run stopped" in err and "min_replicas" in err, err
+    assert "Traceback" not in err, err
+    assert 5 < waited < 20 + 3 * 10 + 30, waited
