@@ -62,6 +62,13 @@ SCHEDULE_KEYS = frozenset(
         "outer.state_device",
         "data.cache_dir",
         "model.init_from",  # only the start of a fresh run; a resume loads the checkpoint instead
+        # elastic membership settings: where the lighthouse is and how long to wait, not what a step computes
+        # (replica_rank and max_replicas pick the data shard: they are not here)
+        "outer.elastic.lighthouse",
+        "outer.elastic.min_replicas",
+        "outer.elastic.initial_replicas",
+        "outer.elastic.max_attempts",
+        "outer.elastic.heartbeat_ms",
     }
 )
 SCHEDULE_PREFIXES = ("log.", "checkpoint.")

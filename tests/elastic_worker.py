@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--overlap", default="none")
     ap.add_argument("--quant", default="none")
+    ap.add_argument("--lowrank", type=int, default=0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--min-replicas", type=int, default=2)
     ap.add_argument("--initial-replicas", type=int, default=None)
@@ -61,6 +62,8 @@ def main() -> None:
     opt = make_inner_opt(model)
     ocfg = OuterConfig(method="diloco", sync_every=a.H, overlap=a.overlap)
     ccfg = CompressConfig(quant=a.quant)
+    if a.lowrank:
+        ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
     outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, elastic=group)
     n0 = outer.join()
     if n0 is not None:

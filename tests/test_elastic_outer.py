@@ -33,7 +33,16 @@ def _records(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _run(tmp_path, overlap: str, die_mode: str, die_at: int, restart: bool, sleep: float, bound_s: float = 240):
+def _run(
+    tmp_path,
+    overlap: str,
+    die_mode: str,
+    die_at: int,
+    restart: bool,
+    sleep: float,
+    bound_s: float = 240,
+    compress: tuple[str, ...] = (),
+):
     pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
     from dilocox.elastic import start_lighthouse
 
@@ -43,7 +52,7 @@ def _run(tmp_path, overlap: str, die_mode: str, die_at: int, restart: bool, slee
     def cmd(r: int, die: bool) -> list[str]:
         c = [sys.executable, "-m", "tests.elastic_worker", "--lighthouse", lh.address(), "--replica", str(r)]
         c += ["--out", str(tmp_path / f"r{r}"), "--steps", str(STEPS), "--H", str(H), "--overlap", overlap]
-        c += ["--seed", str(SEED), "--timeout", "8", "--quorum-timeout", "40", "--step-sleep", str(sleep)]
+        c += ["--seed", str(SEED), "--timeout", "8", "--quorum-timeout", "40", "--step-sleep", str(sleep), *compress]
         if die:
             c += ["--die-at", str(die_at), "--die-mode", die_mode]
         else:
@@ -150,3 +159,22 @@ def test_kill9_while_allreduce_in_flight_survivors_go_on(tmp_path):
     for k in got[0]:
         assert torch.equal(got[0][k], got[1][k]), k
         torch.testing.assert_close(got[0][k], ref[0][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow  # ~60-90 s
+def test_compressed_outer_allreduce_across_kill_and_rejoin(tmp_path):
+    """Low-rank + int4 outer all-reduce (the compressor's own collectives over the torchft quorum's group), delayed
+    overlap: replica 2 killed mid-phase and restarted; all syncs complete, the heal step leaves the joiner out, and
+    the three replicas end bit-identical (Q warm starts shared, the joiner's error feedback reset)."""
+    procs, recs, _ = _run(
+        tmp_path, "delayed", "phase", die_at=6, restart=True, sleep=0.4, compress=("--quant", "int4", "--lowrank", "2")
+    )
+    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _err(tmp_path, 0) + _err(tmp_path, 2)
+    members = _launched(recs[0], "delayed")
+    starts = [x for x in recs[2] if x["event"] == "start"]
+    t_join = starts[1]["step"] // H
+    assert starts[1]["healed"] and members[1] == [0, 1] and members[t_join - 1] == [0, 1], (members, starts)
+    assert all(m == [0, 1, 2] for m in members[t_join:]), members
+    got = [_final(tmp_path, r) for r in range(3)]
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k

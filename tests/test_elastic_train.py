@@ -47,6 +47,7 @@ class _Run:
     """A lighthouse + replica processes; everything killed at the end."""
 
     def __init__(self, tmp_path, min_replicas: int, steps: int, bandwidth: str = "8000000"):
+        os.makedirs(tmp_path, exist_ok=True)
         pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
         from dilocox.elastic import start_lighthouse
 
@@ -154,3 +155,35 @@ def test_train_below_min_replicas_stops_with_clear_error(tmp_path):
     assert "elastic run stopped" in err and "min_replicas" in err, err
     assert "Traceback" not in err, err
     assert 5 < waited < 20 + 3 * 10 + 30, waited
+
+
+@pytest.mark.slow  # ~60-90 s: two 2-replica runs
+def test_whole_job_restart_from_checkpoints_is_exact(tmp_path):
+    """An elastic run restarted as a whole from its step-8 checkpoints (every replica from its own, none ahead:
+    nobody heals) ends bit-identical to the uninterrupted run."""
+    full = _Run(tmp_path / "full", min_replicas=2, steps=16, bandwidth="")
+    try:
+        ps = [full.start(r, "--outer.elastic.initial_replicas=2", "--checkpoint.every=8") for r in range(2)]
+        for r, p in enumerate(ps):
+            assert p.wait(timeout=300) == 0, full.err(r)
+    finally:
+        full.close()
+    again = _Run(tmp_path / "again", min_replicas=2, steps=16, bandwidth="")
+    try:
+        ps = [
+            again.start(
+                r,
+                "--outer.elastic.initial_replicas=2",
+                f"--checkpoint.resume={os.path.join(full.run_dir(r), 'checkpoints', 'step_00000008')}",
+            )
+            for r in range(2)
+        ]
+        for r, p in enumerate(ps):
+            assert p.wait(timeout=300) == 0, again.err(r)
+    finally:
+        again.close()
+    for r in range(2):
+        assert "resumed from" in open(tmp_path / "again" / f"r{r}.out").read()
+        a, b = _final_model(full.run_dir(r)), _final_model(again.run_dir(r))
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)

@@ -178,19 +178,19 @@ class TorchftGroup(ExternalGroup):
             raise ElasticStepError(f"outer collective failed: {err}")
 
     def all_reduce(self, t: Tensor) -> None:
-        from torch.distributed import AllreduceOptions, ReduceOp
+        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         self._wait(self._pg.allreduce([t], opts))
 
     def all_gather(self, out: list, t: Tensor) -> None:
-        from torch.distributed import AllgatherOptions
+        from torch.distributed.distributed_c10d import AllgatherOptions
 
         self._wait(self._pg.allgather([out], [t], AllgatherOptions()))
 
     def all_to_all_single(self, out: Tensor, t: Tensor) -> None:
-        from torch.distributed import AllToAllOptions
+        from torch.distributed.distributed_c10d import AllToAllOptions
 
         self._wait(self._pg.alltoall_base(out, t, [], [], AllToAllOptions()))
 
