@@ -417,7 +417,8 @@ class ElasticOuterGroup:
                     raise ElasticBehindError(
                         f"replica {c.replica_rank} is behind the live replicas (its outer step "
                         f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}) "
-                        f"and no state transfer is set up (set_state_fns)"
+                        f"and no state transfer is set up: joining a running job needs the live join "
+                        f"(ElasticOuterGroup.set_state_fns; `dilocox train` with outer.elastic sets it up)"
                     )
                 if contributors and len(contributors) < c.min_replicas:
                     # members of the quorum that were not participating (e.g. behind the max step)
