@@ -275,13 +275,19 @@ class Trainer:
         if n is None:
             self.logger.info(f"elastic: replica {self.cfg.outer.elastic.replica_rank} starts at step {self.step}")
             return
+        self.outer.pop_jump()
+        self._continue_at(n, f"joined the live run at step {n} (state received in {time.time() - t0:.1f}s)")
+
+    def _continue_at(self, n: int, why: str) -> None:
+        """Elastic: continue at the live replicas' inner step ``n`` from θ (this replica's params are θ now)."""
+        skipped = n - self.step
         self.step = n
         self.sampler.step = n  # this replica's own shard, at the live step: nothing trained twice
         self.tokens_seen = n * self.cfg.train.batch_size * self.cfg.train.seq_len
         self.optimizer = build_inner_optimizer(self.cfg, self.model, self.device)  # from θ with a fresh AdamW
         self.logger.info(
-            f"elastic: replica {self.cfg.outer.elastic.replica_rank} joined the live run at step {n} "
-            f"(outer step {self.outer.outer_step}; state received in {time.time() - t0:.1f}s)"
+            f"elastic: replica {self.cfg.outer.elastic.replica_rank} {why}; continues at step {n} "
+            f"(outer step {self.outer.outer_step}, {skipped} steps skipped)"
         )
 
     def _check_resume_config(self, path: str, meta: dict) -> None:
@@ -348,6 +354,8 @@ class Trainer:
             self.outer.after_inner_step(step)
         self.step += 1
         self.tokens_seen += cfg.train.batch_size * cfg.train.seq_len
+        if self.elastic is not None and (n := self.outer.pop_jump()) is not None:  # healed mid-run (docs/ELASTIC.md)
+            self._continue_at(n, "was behind; took the live state")
         return loss
 
     def _begin_run(self) -> dict | None:

@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--die-at", type=int, default=None)
     ap.add_argument("--die-mode", default="phase")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--hold-file", default=None, help="slow steps from --hold-at until it exists")
+    ap.add_argument("--hold-at", type=int, default=16)
     a = ap.parse_args()
 
     def rec(**kw) -> None:
@@ -66,9 +68,13 @@ def main() -> None:
         ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
     outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, elastic=group)
     n0 = outer.join()
+    outer.pop_jump()
     if n0 is not None:
         opt = make_inner_opt(model)  # a joiner starts from θ with a fresh inner optimizer
     rec(event="start", step=n0 or 0, healed=n0 is not None)
+    if n0 is not None and a.hold_file:
+        open(a.hold_file, "w").close()  # joined: the others may go on at full speed
+    hold_until = time.monotonic() + 180
     step = n0 or 0
     armed = [False]  # inflight: set by the main thread at the sync of step die_at, read on the comm thread
     if a.die_mode == "inflight" and a.die_at is not None:
@@ -91,8 +97,15 @@ def main() -> None:
         outer.after_inner_step(step)
         if (step + 1) % a.H == 0:
             rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors)
+        jump = outer.pop_jump()
+        if jump is not None:  # healed mid-run (it was behind): continue at the live step from θ, fresh AdamW
+            rec(event="healed", step=jump)
+            opt = make_inner_opt(model)
+            step = jump - 1
         step += 1
         time.sleep(a.step_sleep)
+        if a.hold_file and step >= a.hold_at and not os.path.exists(a.hold_file) and time.monotonic() < hold_until:
+            time.sleep(1.5)  # slow steps (syncs go on) while a test waits for a restarted replica's start-up
     outer.finish()
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, a.out + ".pt")
     rec(event="done", step=step, contributors=outer.contributors)

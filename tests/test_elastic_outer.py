@@ -53,6 +53,8 @@ def _run(
         c = [sys.executable, "-m", "tests.elastic_worker", "--lighthouse", lh.address(), "--replica", str(r)]
         c += ["--out", str(tmp_path / f"r{r}"), "--steps", str(STEPS), "--H", str(H), "--overlap", overlap]
         c += ["--seed", str(SEED), "--timeout", "8", "--quorum-timeout", "40", "--step-sleep", str(sleep), *compress]
+        if restart:  # the survivors wait at step 16 (bounded) until the restarted replica has joined
+            c += ["--hold-file", str(tmp_path / "joined"), "--hold-at", "16"]
         if die:
             c += ["--die-at", str(die_at), "--die-mode", die_mode]
         else:
@@ -124,7 +126,7 @@ def test_kill9_mid_phase_then_rejoin_matches_oracle(tmp_path, overlap):
     assert len(starts) == 2 and starts[1]["healed"], starts
     n_join = starts[1]["step"]
     t_join = n_join // H
-    assert n_join % H == 0 and t_join >= 2, starts
+    assert n_join % H == 0 and 2 <= t_join < STEPS // H, starts
     assert members[t_join - 1] == [0, 1], "the healing replica must not contribute to its heal step"
     assert all(m == [0, 1, 2] for m in members[t_join:]), members
     died_at = max(x["step"] for x in recs[2] if x["event"] == "step" and x["t"] < starts[1]["t"])

@@ -177,8 +177,9 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
         h, self.pending[p] = self.pending[p], None
         prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
-        # elastic: a replica healed in that step trained this phase from a stale θ: it sends nothing now
-        contribute = not self._after_elastic_wait()
+        if self._after_elastic_wait():  # healed: this phase started from a stale θ; restart it from the live θ
+            self._resume_healed(p, prev)
+            return
         if h is not None:
             self._adapt(p, h)
         if self.overlap == "eager":
@@ -195,7 +196,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self.schedule.advance(p, self.H)
         if self.elastic is not None:  # after the outer step: a joiner healed by this all-reduce gets θ^t (elastic.py)
             self._elastic_snapshot(n)
-            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n, contribute)
+            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
 
     def _adapt(self, p: int, h: CommHandle) -> None:
         """§7: new rank for the next launch, new H for the next phase (thread is idle here)."""

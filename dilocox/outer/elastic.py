@@ -47,6 +47,7 @@ class ElasticMixin:
         self._healed_sd: dict | None = None  # what this replica got (set on the comm thread by the heal)
         self._meta: dict = {}  # the last elastic step: contributors, healed, step (set on the comm thread)
         self._c_prev = 1  # contributors of the last average (eager's 1/R)
+        self._jump: int | None = None  # set by a heal: the inner step to continue from
         self.contributors: list[int] = []
         self._trace = os.environ.get(TRACE_ENV)
         elastic.set_state_fns(self._elastic_state, self._elastic_load)
@@ -106,7 +107,21 @@ class ElasticMixin:
             c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left
         self.own_prev = [None] * self.K
         self.healed_at = int(sd["n"])
+        self._jump = self.healed_at
         return True
+
+    def _resume_healed(self, p: int, avg: Tensor) -> None:
+        """delayed/eager after a heal: θ^t is the source's (it already stepped); the average ``avg`` of that step is
+        consumed at the end of the next phase, which starts now from θ (the caller continues at ``pop_jump()``)."""
+        shapes = self.state.shapes(p)
+        parts = avg.split([s.numel() for s in shapes])
+        self.pending[p] = DoneHandle([t.view(s).clone() for t, s in zip(parts, shapes)], 0.0)
+        self.state.load_params(p, 0.0)
+
+    def pop_jump(self) -> int | None:
+        """After a heal: the inner step the live replicas are at (the caller continues there, from θ); else None."""
+        n, self._jump = self._jump, None
+        return n
 
     # ------------------------------------------------------------------ joining
     @torch.no_grad()
@@ -126,10 +141,8 @@ class ElasticMixin:
             st.outer_step(0, avg, o.lr, o.momentum, o.nesterov)
             self.outer_step += 1
             self.schedule.advance(0, self.H)
-        else:  # the source already stepped θ; the average is consumed at the end of the next phase
-            shapes = st.shapes(0)
-            parts = avg.split([s.numel() for s in shapes])
-            self.pending[0] = DoneHandle([t.view(s).clone() for t, s in zip(parts, shapes)], 0.0)
+        else:
+            self._resume_healed(0, avg)
         st.load_params(0, 0.0)
         return n
 
