@@ -253,6 +253,26 @@ class LogConfig:
 
 
 @dataclass
+class SwarmConfig:
+    """SWARM / DiLoCo-SWARM (issue 11; `dilocox/swarm/`): several peer processes serve each pipeline stage."""
+
+    peers_per_stage: tuple = (2, 2)  # m_j peers serving stage j; its length is the number of stages
+    sync: str = "swarm"  # swarm: the stage's grads all-reduced every step, then one AdamW step | diloco: AdamW per
+    # peer, every outer.sync_every steps the stage's peers take the outer step (outer.lr, momentum, nesterov)
+    routing: str = "iwrr"  # iwrr (interleaved weighted round-robin on measured time) | random | fixed (peer 0)
+    microbatch_size: int = 2  # sequences per microbatch; must divide train.batch_size (per stage-0 peer and step)
+    max_inflight: int = 2  # microbatches a stage-0 peer keeps in flight at once
+    activations: str = "none"  # none | fp16 | int8: codec of activations and their grads between stages
+    rpc_timeout_s: float = 30.0  # bound on one hop (its downstream work, and the peer's wait for its previous
+    # stage sync, included); then the peer is banned and the microbatch re-sent
+    ban_s: float = 10.0  # how long a peer that failed or timed out stays banned before it is tried again
+    step_timeout_s: float = 120.0  # bound on waiting for upstream end-of-step markers and for the previous sync
+    startup_timeout_s: float = 120.0  # bound on waiting for every peer's address at start-up
+    sync_timeout_s: float = 60.0  # bound on one stage sync (torchft quorum + all-reduce)
+    host: str = "127.0.0.1"  # address each peer binds and advertises
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -263,6 +283,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -296,6 +317,9 @@ _CHOICES = {
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "checkpoint.resume_finished": ("error", "skip"),
+    "swarm.sync": ("swarm", "diloco"),
+    "swarm.routing": ("iwrr", "random", "fixed"),
+    "swarm.activations": ("none", "fp16", "int8"),
 }
 
 
@@ -508,6 +532,7 @@ def validate(cfg: Config) -> None:
         _fail("train.eval_every", cfg.train.eval_every, "must be >= 0 (0 = never)")
     if cfg.outer.elastic.enabled:
         _validate_elastic(cfg)
+    _validate_swarm(cfg)
 
 
 def _validate_elastic(cfg: Config) -> None:
@@ -569,6 +594,41 @@ def _validate_elastic(cfg: Config) -> None:
         _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
     if e.heartbeat_ms < 1:
         _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
+
+
+def _validate_swarm(cfg: Config) -> None:
+    """The swarm section (used only by `dilocox.swarm`; checked always so a typo fails early)."""
+    s = cfg.swarm
+    pps = s.peers_per_stage
+    if isinstance(pps, str):
+        try:
+            pps = yaml.safe_load(pps)
+        except yaml.YAMLError:
+            pass
+    if isinstance(pps, int) and not isinstance(pps, bool):
+        pps = [pps]
+    if (
+        not isinstance(pps, (list, tuple))
+        or not pps
+        or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in pps)
+    ):
+        _fail("swarm.peers_per_stage", s.peers_per_stage, "must be a list of integers >= 1, one per stage, e.g. [2, 2]")
+    s.peers_per_stage = tuple(pps)
+    if len(pps) > cfg.model.n_layers:
+        _fail("swarm.peers_per_stage", list(pps), f"has more stages than model.n_layers={cfg.model.n_layers}")
+    if len(pps) > 1 and cfg.model.tie_embeddings:
+        _fail("model.tie_embeddings", True, "must be false with more than one swarm stage (len(swarm.peers_per_stage))")
+    if s.microbatch_size < 1 or cfg.train.batch_size % s.microbatch_size:
+        _fail(
+            "swarm.microbatch_size",
+            s.microbatch_size,
+            f"must be >= 1 and divide train.batch_size={cfg.train.batch_size}",
+        )
+    if s.max_inflight < 1:
+        _fail("swarm.max_inflight", s.max_inflight, "must be >= 1")
+    for name in ("rpc_timeout_s", "ban_s", "step_timeout_s", "startup_timeout_s", "sync_timeout_s"):
+        if getattr(s, name) <= 0:
+            _fail(f"swarm.{name}", getattr(s, name), "must be > 0 seconds")
 
 
 # --------------------------------------------------------------------------- loading

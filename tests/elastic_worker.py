@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lighthouse", required=True)
     ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1", help="the address this replica advertises (its namespace's)")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--overlap", default="none")
@@ -58,6 +59,7 @@ def main() -> None:
         max_replicas=4,
         timeout_s=a.timeout,
         quorum_timeout_s=a.quorum_timeout,
+        host=a.host,
     )
     group = ElasticOuterGroup(ecfg)
     model = make_model(a.seed)

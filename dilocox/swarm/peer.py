@@ -1,0 +1,704 @@
+"""One SWARM peer: a process serving stage j of the model (``python -m dilocox.swarm.peer ...``).
+
+The protocol (docs: the SWARM section of README; issue 11):
+
+- The peer builds its stage with ``build_stage_model`` (same seed on every peer of a stage, so they start
+  identical), serves a tensor RPC endpoint (``transport.RpcServer``) and publishes
+  ``swarm/stage{j}/peer{k} -> host:port`` in the launcher's ``TCPStore``; it waits (bounded) for the
+  addresses of every peer of the job.
+- Step k: a stage-0 peer draws its batch of step k from its own shard (``TokenSampler(replica=k,
+  n_replicas=m_0)``), splits it into microbatches and sends each (``max_inflight`` at a time) forward to a
+  stage-1 peer chosen by its router. A request ``forward`` carries (step, microbatch id, activation,
+  labels); the receiving peer runs its stage, sends the result on to a peer of the next stage chosen by ITS
+  router, and the reply of that call is the gradient of the activation it sent: the backward pass returns
+  along the same route, and each hop keeps its input activation (the autograd graph of the call) until the
+  reply arrives. The last stage computes the loss (mean token cross-entropy of the microbatch) and
+  backpropagates it. Every peer adds the gradients of all microbatches it served in a step (a sum).
+- A peer serves requests of step k only after its own sync of step k-1 (earlier requests wait, bounded).
+- End of step: a stage-0 peer, once all its microbatches returned, sends ``end_step(k)`` to every stage-1
+  peer; a stage-j peer enters its sync when every upstream peer it expects said so (bounded: one that
+  stays silent for ``swarm.step_timeout_s`` is dropped from the expected set for good), then forwards the
+  marker downstream.
+- Stage sync, ``swarm.sync=swarm``: ``[grad sum | microbatch count]`` is averaged over the stage's live
+  peers (one flat all-reduce through ``ElasticOuterGroup``, torchft quorum; the mean of both parts gives
+  sum/count exactly), grads = total sum / total count (the microbatch-weighted mean), one AdamW step:
+  identical bytes in, identical params out on every peer. ``swarm.sync=diloco``: every peer takes its own
+  AdamW step on its own mean gradient each step; every ``outer.sync_every`` steps the stage's peers average
+  the pseudo-gradient θ - θ_m and apply the outer Nesterov step (``outer.state.OuterState``, ALGORITHMS §1).
+- Faults: every RPC has a timeout (``swarm.rpc_timeout_s`` per hop, scaled by the hops below it); on a
+  timeout or a dropped connection the sender bans the peer (router ``failed``) and re-sends the microbatch
+  to another live peer of that stage (the rest of the route is chosen afresh from there). A stage with no
+  live peer stops the job with ``NoLivePeer`` naming the stage. A request carries its caller's remaining budget:
+  a peer that finishes after it (the caller gave up and re-sent) drops that microbatch instead of adding its
+  gradient, so a re-sent microbatch is counted once (up to a margin of 10 % of the budget, at most 2 s). A
+  downstream peer that gets no end-of-step from an upstream peer pings it after 1 s and drops it when it is
+  unreachable (a silent but live one is waited for up to ``swarm.step_timeout_s``).
+- Join (``--join``, ``swarm.sync=swarm``): a restarted peer publishes its new address (callers re-read the store
+  when a call fails), answers ``forward`` with ``NotServing`` (callers ban it briefly), takes part in its stage's
+  next sync without contributing, receives a live peer's params + AdamW state from torchft's healing in that
+  quorum, applies the same averaged step (so it leaves that sync bit-identical to the others), then serves.
+
+Results: ``OUT/<name>.jsonl`` (one record per step) and ``OUT/<name>.pt`` (final params, the visits
+log, gradients dumped at the steps given by ``--dump-grads``) where name is ``s{j}p{k}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+from torch import Tensor
+
+from dilocox.config import Config, load_config
+from dilocox.elastic import ElasticError
+from dilocox.model import build_stage_model
+from dilocox.swarm import activations as act_codec
+from dilocox.swarm.routing import NoLivePeer, RandomRouter, build_router
+from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
+
+log = logging.getLogger("dilocox.swarm.peer")
+
+
+class SwarmError(RuntimeError):
+    """A SWARM peer cannot go on (a bounded wait ran out, or a stage lost every peer)."""
+
+
+def peer_name(stage: int, index: int) -> str:
+    return f"s{stage}p{index}"
+
+
+def store_key(stage: int, index: int) -> str:
+    return f"swarm/stage{stage}/peer{index}"
+
+
+class FixedRouter(RandomRouter):
+    """``swarm.routing=fixed``: always the first live peer in order (a static pipeline; tests, baselines)."""
+
+    def choose(self):
+        live = self.live()
+        if not live:
+            raise self._no_live()
+        return live[0]
+
+
+def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int):
+    if kind == "fixed":
+        return FixedRouter(peers, name=name, ban_s=ban_s)
+    return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """The inner schedule of ``dilocox.train`` (imported lazily: train pulls in the whole trainer)."""
+    from dilocox.train import lr_at as train_lr_at
+
+    return train_lr_at(step, cfg)
+
+
+class DiLoCoStageSync:
+    """DiLoCo's outer step over the peers of one stage (ALGORITHMS §1, no overlap, one fragment).
+
+    Holds the stage's outer params θ and Nesterov momentum v (``OuterState``, flat fp32). ``step()``: the
+    pseudo-gradient Δ = θ - θ_m of this peer, its mean over the contributing peers of the stage (``group``:
+    anything with ``allreduce_mean(flat) -> result.mean/.contributors``, the ``ElasticOuterGroup``; None for
+    a one-peer stage), θ ← OuterOpt(θ, mean Δ), then every peer loads θ into its params.
+    """
+
+    def __init__(self, params: list[Tensor], ocfg, group=None) -> None:
+        from dilocox.outer.state import OuterState
+
+        self.params, self.ocfg, self.group = params, ocfg, group
+        self.state = OuterState(params, [list(range(len(params)))], "host")
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        o, st = self.ocfg, self.state
+        delta = st.flatten(st.pseudo_gradient(0))
+        rec: dict = {"outer": True}
+        if self.group is not None:
+            res = self.group.allreduce_mean(delta)
+            delta = res.mean
+            rec["outer_contributors"] = res.contributors
+        st.outer_step(0, delta, o.lr, o.momentum, o.nesterov)
+        st.load_params(0)
+        return rec
+
+
+class SwarmPeer:
+    """Stage ``stage``, peer ``index`` of a SWARM job (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        stage: int,
+        index: int,
+        store,
+        lighthouse: str | None,
+        out_dir: str,
+        steps: int | None = None,
+        dump_grads: tuple[int, ...] = (),
+        delay_s: float = 0.0,
+        join: bool = False,
+    ) -> None:
+        self.cfg, self.s = cfg, cfg.swarm
+        self.pps = list(self.s.peers_per_stage)
+        self.n = len(self.pps)
+        if not 0 <= stage < self.n or not 0 <= index < self.pps[stage]:
+            raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={self.pps}")
+        self.stage, self.index, self.m = stage, index, self.pps[stage]
+        self.name = peer_name(stage, index)
+        self.first, self.last = stage == 0, stage == self.n - 1
+        self.steps = cfg.train.steps if steps is None else steps
+        self.out_dir, self.dump_grads, self.delay_s = out_dir, set(dump_grads), delay_s
+        self.store, self.lighthouse = store, lighthouse
+        self.store_lock = threading.Lock()  # the store client is shared by the handler threads
+        self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
+        self.serving = not join
+        self._healed_step: int | None = None
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_stage_model(cfg.model, stage=stage, n_stages=self.n, seed=cfg.train.seed)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        self.lock = threading.Lock()  # model compute + grad accumulation + counters
+        self.cv = threading.Condition()  # self.step and the end-of-step markers
+        self.step = 0  # the step whose microbatches this peer accumulates now
+        self.count = 0  # microbatches served in self.step
+        self.active = 0  # forward requests being served now
+        self.loss_sum = 0.0
+        self.markers: dict[int, dict[str, int]] = {}  # step -> upstream peer -> microbatches it routed here
+        self.expected_up = [peer_name(stage - 1, i) for i in range(self.pps[stage - 1])] if stage else []
+        self.dropped_up: list[dict] = []
+        self._marker_step = 0
+        self.routed: dict[str, int] = {}  # downstream peer -> microbatches routed there this step
+        self.link_bytes: dict[str, list[int]] = {}  # downstream peer -> [bytes sent, bytes received] this step
+        self.visits: list[tuple[int, str, str]] = []  # (step, microbatch id, fwd|bwd)
+        self.routes: dict[str, list[str]] = {}  # stage 0: microbatch id -> peers visited, stage order
+        self.grads_dump: dict[int, dict] = {}
+        self.bans: list[dict] = []
+        self.addrs: dict[str, str] = {}
+        self.router = None
+        self.router_lock = threading.Lock()
+        self.group = None
+        self.outer = None
+        self.records: list[dict] = []
+        if self.first:
+            self._init_data()
+        self.server = RpcServer(self._handle, host=self.s.host, name=self.name)
+
+    # ------------------------------------------------------------------ set-up
+    def _init_data(self) -> None:
+        from dilocox.data.prepare import prepare
+        from dilocox.data.sampler import TokenSampler
+
+        tokens = prepare(self.cfg.data).train_tokens()
+        t = self.cfg.train
+        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica=self.index, n_replicas=self.m)
+
+    def start(self) -> None:
+        """Publish this peer's address, wait (bounded) for every other peer's, build router and sync group.
+        A joiner answers forward requests with ``NotServing`` until it holds its stage's state (``_join``), but
+        receives the end-of-step markers at once."""
+        if self.join and self.s.sync != "swarm":
+            raise SwarmError(f"{self.name}: joining a running job is only supported with swarm.sync=swarm so far")
+        if self.join and self.m == 1:
+            raise SwarmError(f"{self.name}: cannot join: stage {self.stage} has no other peer to get its state from")
+        self.store.set(store_key(self.stage, self.index), self.server.addr)
+        keys = [store_key(j, i) for j in range(self.n) for i in range(self.pps[j])]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.s.startup_timeout_s))
+        except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
+            raise SwarmError(
+                f"{self.name}: not every peer of swarm.peers_per_stage={self.pps} published its address within "
+                f"swarm.startup_timeout_s={self.s.startup_timeout_s}s; start them all (or raise the timeout)"
+            ) from e
+        for j in range(self.n):
+            for i in range(self.pps[j]):
+                self.addrs[peer_name(j, i)] = self.store.get(store_key(j, i)).decode()
+        if not self.last:
+            down = [peer_name(self.stage + 1, i) for i in range(self.pps[self.stage + 1])]
+            self.router = make_router(
+                self.s.routing, down, f"stage {self.stage + 1}", self.s.ban_s, seed=self.cfg.train.seed + self.stage
+            )
+        if self.m > 1:
+            from dilocox.elastic import ElasticConfig, ElasticOuterGroup
+
+            if not self.lighthouse:
+                raise SwarmError(f"{self.name}: stage {self.stage} has {self.m} peers but no lighthouse address")
+            self.group = ElasticOuterGroup(
+                ElasticConfig(
+                    lighthouse_addr=self.lighthouse,
+                    replica_rank=self.index,
+                    min_replicas=1,
+                    initial_replicas=self.m,
+                    max_replicas=self.m,
+                    timeout_s=self.s.sync_timeout_s,
+                    quorum_timeout_s=self.s.sync_timeout_s,
+                    host=self.s.host,
+                )
+            )
+            if self.s.sync == "swarm":  # (diloco: the DiLoCo outer object sets its own state transfer)
+                self.group.set_state_fns(self._state_for_joiner, self._load_from_peer)
+        if self.s.sync == "diloco":
+            self.outer = self._build_outer()
+        if self.cfg.optim.grad_clip > 0 and self.first and self.index == 0:
+            log.warning(
+                "optim.grad_clip=%s is not applied by swarm peers yet (the global norm spans the stages' peers)",
+                self.cfg.optim.grad_clip,
+            )
+
+    def _build_outer(self):
+        """The stage's DiLoCo outer loop: ``dilocox.outer.build_outer`` over the torchft group of the stage's peers
+        (so outer.overlap and the compress options apply as in the replica mode); a one-peer stage has no group
+        to average over and takes the plain outer step on its own (``DiLoCoStageSync``)."""
+        if self.group is None:
+            return DiLoCoStageSync(self.params, self.cfg.outer, None)
+        from dilocox.outer import build_outer
+
+        outer = build_outer(
+            list(self.model.named_parameters()),
+            None,
+            dataclasses.replace(self.cfg.outer, method="diloco"),
+            self.cfg.compress,
+            seed=self.cfg.train.seed,
+            layer_of=self.model.param_layer_id,
+            n_layers_total=self.cfg.model.n_layers,
+            elastic=self.group,
+        )
+        outer.bound_waits(2 * self.s.sync_timeout_s, self.cfg.outer.warn_after_s)
+        return outer
+
+    # ------------------------------------------------------------------ RPC handlers
+    def _handle(self, method: str, meta: dict, tensors: dict[str, Tensor]):
+        if method == "forward":
+            return self._serve_forward(meta, tensors)
+        if method == "end_step":
+            with self.cv:
+                sender = str(meta["sender"])
+                if self.stage and sender.startswith(f"s{self.stage - 1}p") and sender not in self.expected_up:
+                    self.expected_up.append(sender)  # a restarted upstream peer is back
+                    log.info("%s: upstream %s is back", self.name, sender)
+                self.markers.setdefault(int(meta["step"]), {})[meta["sender"]] = int(meta["n"])
+                self.cv.notify_all()
+            return {}, {}
+        if method == "ping":
+            return {"name": self.name, "step": self.step}, {}
+        raise ValueError(f"{self.name}: unknown method {method!r}")
+
+    def _wait_step(self, step: int, what: str, deadline: float | None = None) -> None:
+        wait = self.s.step_timeout_s if deadline is None else min(self.s.step_timeout_s, deadline - time.monotonic())
+        with self.cv:
+            ok = self.cv.wait_for(lambda: self.step >= step, timeout=max(0.0, wait))
+            if not ok:
+                raise SwarmError(
+                    f"{self.name}: {what} of step {step} waited swarm.step_timeout_s={self.s.step_timeout_s}s for "
+                    f"this peer's sync of step {step - 1} (it is at step {self.step})"
+                )
+            if self.step > step:
+                raise SwarmError(f"{self.name}: {what} of step {step} arrived after that step's sync (now {self.step})")
+
+    def _serve_forward(self, meta: dict, tensors: dict[str, Tensor]):
+        if not self.serving:
+            raise NotServing(f"{self.name} is joining (waiting for its stage's state)")
+        with self.cv:
+            self.active += 1
+        try:
+            return self._serve_forward_inner(meta, tensors)
+        finally:
+            with self.cv:
+                self.active -= 1
+                self.cv.notify_all()
+
+    def _serve_forward_inner(self, meta: dict, tensors: dict[str, Tensor]):
+        step, mb = int(meta["step"]), str(meta["mb"])
+        # the caller gives up after budget_s: past that, nothing of this microbatch may reach the gradients (the
+        # caller re-sends it elsewhere); the margin covers the backward and the reply after the last check
+        budget = float(meta["budget_s"])
+        deadline = time.monotonic() + budget - min(2.0, 0.1 * budget)
+        self._wait_step(step, f"microbatch {mb}", deadline)
+        x = act_codec.decode(tensors["x"], act_codec.ActMeta.from_dict(meta["act"])).float().requires_grad_(True)
+        gx, info = self._process(step, mb, x, tensors["labels"], deadline)
+        payload, gmeta = act_codec.encode(gx, self.s.activations)
+        info["gact"] = gmeta.to_dict()
+        return info, {"grad": payload}
+
+    # ------------------------------------------------------------------ the microbatch
+    def _process(
+        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None
+    ) -> tuple[Tensor | None, dict]:
+        """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
+        if self.delay_s:
+            time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
+        with self.lock:
+            out = self.model(x)
+            self.visits.append((step, mb, "fwd"))
+        if self.last:
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                loss = self.model.loss(out.float(), labels)
+                loss.backward()
+                self.visits.append((step, mb, "bwd"))
+                self.count += 1
+                self.loss_sum += float(loss.detach())
+            info = {"loss": float(loss.detach()), "route": [self.name]}
+        else:
+            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline)
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                out.backward(gy.to(out.dtype))
+                self.visits.append((step, mb, "bwd"))
+                self.count += 1
+                self.routed[peer] = self.routed.get(peer, 0) + 1
+            info["route"] = [self.name, *info["route"]]
+        return (x.grad if x.requires_grad else None), info
+
+    def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            self.visits.append((step, mb, "abandoned"))
+            raise SwarmError(f"{self.name}: microbatch {mb} came back after its caller's timeout: dropped here")
+
+    def hop_timeout(self) -> float:
+        """Bound on a call from this stage: the next hop's work and one re-send per stage below it."""
+        return self.s.rpc_timeout_s * 2 ** max(0, self.n - 2 - self.stage)
+
+    def _send(
+        self, step: int, mb: str, y: Tensor, labels: Tensor, deadline: float | None = None
+    ) -> tuple[Tensor, dict, str]:
+        payload, ameta = act_codec.encode(y, self.s.activations)
+        while True:
+            with self.router_lock:
+                try:
+                    peer = self.router.choose()
+                except NoLivePeer as e:
+                    raise SwarmError(f"{self.name}: {e}") from e
+            timeout = self.hop_timeout()
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise SwarmError(f"{self.name}: no time left to send microbatch {mb} on (its caller gave up)")
+            t0 = time.monotonic()
+            try:
+                meta, tens = call(
+                    self.addrs[peer],
+                    "forward",
+                    {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict()},
+                    {"x": payload, "labels": labels},
+                    timeout_s=timeout,
+                )
+            except PeerUnavailable as e:
+                if self._refresh_addr(peer):
+                    continue  # it was restarted at a new address: try it there
+                with self.router_lock:
+                    self.router.failed(peer)
+                self.bans.append({"step": step, "mb": mb, "peer": peer, "reason": e.reason, "t": time.time()})
+                msg = "%s: banned %s for %.0fs (%s); re-sending microbatch %s"
+                log.warning(msg, self.name, peer, self.s.ban_s, e.reason, mb)
+                continue
+            with self.router_lock:
+                self.router.done(peer, time.monotonic() - t0)
+            with self.lock:
+                link = self.link_bytes.setdefault(peer, [0, 0])
+                link[0] += payload.numel() + labels.numel() * labels.element_size()
+                link[1] += tens["grad"].numel()
+            gy = act_codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
+            return gy, meta, peer
+
+    # ------------------------------------------------------------------ steps
+    def run(self) -> None:
+        start = self._join() if self.join else 0
+        for k in range(start, self.steps):
+            t0 = time.monotonic()
+            rec: dict = {"step": k, "peer": self.name}
+            if self.first:
+                rec.update(self._drive(k))
+            self._end_of_step(k)
+            with self.lock:
+                rec["microbatches"] = self.count
+                if self.link_bytes:  # pipeline traffic of this step on each link to the next stage (both ways)
+                    rec["link_bytes"], self.link_bytes = self.link_bytes, {}
+                if self.last and self.count:
+                    rec["loss_served"] = self.loss_sum / self.count
+            rec.update(self._sync(k))
+            rec["seconds"] = time.monotonic() - t0
+            self.records.append(rec)
+            self._write_record(rec)
+        if self.outer is not None and not isinstance(self.outer, DiLoCoStageSync):
+            self.outer.finish()  # applies what is in flight (outer.overlap delayed/eager)
+        with self.cv:  # requests still running (ones their caller gave up on) end within their budget
+            if not self.cv.wait_for(lambda: self.active == 0, timeout=self.s.step_timeout_s):
+                log.warning("%s: %d request(s) still running at the end", self.name, self.active)
+
+    def _drive(self, k: int) -> dict:
+        tokens, labels = self.sampler.batch_at(k)
+        mbs = self.s.microbatch_size
+        chunks = list(zip(tokens.split(mbs), labels.split(mbs)))
+        ids = [f"{self.name}:{k}:{i}" for i in range(len(chunks))]
+
+        def one(i: int):
+            x, y = chunks[i]
+            _, info = self._process(k, ids[i], x, y)
+            return info
+
+        if self.s.max_inflight == 1 or len(chunks) == 1:
+            infos = [one(i) for i in range(len(chunks))]
+        else:
+            with ThreadPoolExecutor(max_workers=self.s.max_inflight, thread_name_prefix=f"{self.name}-mb") as ex:
+                infos = list(ex.map(one, range(len(chunks))))
+        losses = [i["loss"] for i in infos]
+        for i, info in zip(ids, infos):
+            self.routes[i] = info["route"]
+        return {"loss": sum(losses) / len(losses), "mb_losses": losses}
+
+    def _end_of_step(self, k: int) -> None:
+        """Wait for every expected upstream marker (bounded), then tell every downstream peer."""
+        if not self.first:
+            self._marker_step = k
+            deadline = time.monotonic() + self.s.step_timeout_s
+            last_ping = time.monotonic()
+            with self.cv:
+                while True:
+                    got = self.markers.get(k, {})
+                    missing = [p for p in self.expected_up if p not in got]
+                    if not missing:
+                        break
+                    left = deadline - time.monotonic()
+                    dead = missing if left <= 0 else []
+                    if left > 0 and time.monotonic() - last_ping >= 1.0:  # waited a while: is it dead?
+                        dead, last_ping = self._unreachable(missing), time.monotonic()
+                    if dead:
+                        why = "unreachable" if left > 0 else f"silent for {self.s.step_timeout_s:.0f}s"
+                        log.warning("%s: no end-of-step %d from %s (%s): dropped", self.name, k, dead, why)
+                        self.dropped_up += [{"step": k, "peer": p, "why": why} for p in dead]
+                        self.expected_up = [p for p in self.expected_up if p not in dead]
+                        if not self.expected_up:
+                            raise SwarmError(f"{self.name}: stage {self.stage - 1} has no live peer left")
+                        continue
+                    self.cv.wait(timeout=min(left, 1.0))
+                self.markers.pop(k, None)
+        if not self.last:
+            with self.lock:
+                routed, self.routed = self.routed, {}
+            for i in range(self.pps[self.stage + 1]):
+                peer = peer_name(self.stage + 1, i)
+                meta = {"step": k, "sender": self.name, "n": routed.get(peer, 0)}
+                try:
+                    call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
+                except PeerUnavailable as e:
+                    try:
+                        if not self._refresh_addr(peer):
+                            raise
+                        call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
+                    except PeerUnavailable:
+                        log.warning("%s: end-of-step %d not delivered to %s (%s)", self.name, k, peer, e.reason)
+
+    def _refresh_addr(self, peer: str) -> bool:
+        """Re-read ``peer``'s address from the store; True when it changed (the peer was restarted)."""
+        j, i = int(peer[1 : peer.index("p")]), int(peer[peer.index("p") + 1 :])
+        try:
+            with self.store_lock:
+                new = self.store.get(store_key(j, i)).decode()
+        except Exception:  # noqa: BLE001 - the store is gone (end of the job): keep the old address
+            return False
+        if new == self.addrs.get(peer):
+            return False
+        log.info("%s: %s moved to %s", self.name, peer, new)
+        self.addrs[peer] = new
+        return True
+
+    # ------------------------------------------------------------------ join (state transfer through torchft)
+    def _state_for_joiner(self) -> dict:
+        """What a joining peer of this stage receives (called by torchft during the sync of step ``self.step``,
+        before this peer's AdamW step: params and optimizer state as they enter that step)."""
+        with self.lock:
+            return {
+                "params": [p.detach().clone() for p in self.params],
+                "opt": copy.deepcopy(self.opt.state_dict()),
+                "step": self.step,
+            }
+
+    @torch.no_grad()
+    def _load_from_peer(self, sd: dict) -> None:
+        for p, t in zip(self.params, sd["params"], strict=True):
+            p.copy_(t)
+        self.opt.load_state_dict(sd["opt"])
+        self._healed_step = int(sd["step"])
+
+    def _join(self) -> int:
+        """Take part in the next sync of the stage without contributing: torchft heals this peer with a live
+        peer's state, it applies the same averaged step, so it leaves the sync bit-identical to the others; then
+        it serves from the next step on. Returns that step."""
+        t0 = time.monotonic()
+        n = sum(p.numel() for p in self.params)
+        res = self.group.allreduce_mean(torch.zeros(n + 1))
+        if not res.healed or self._healed_step is None:
+            raise SwarmError(
+                f"{self.name}: joined, but no live peer of stage {self.stage} sent its state (contributors "
+                f"{res.contributors}); start a joiner only while its stage is training"
+            )
+        k = self._healed_step
+        total = float(res.mean[-1])
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(k, self.cfg)
+        if total > 0:
+            self._set_grads(res.mean[:-1] / total)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with self.cv:
+            self.step = k + 1
+            self.serving = True
+            self.cv.notify_all()
+        rec = {"step": k, "peer": self.name, "joined": True, "contributors": res.contributors}
+        rec["seconds"] = time.monotonic() - t0
+        self.records.append(rec)
+        self._write_record(rec)
+        log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", self.name, k, k + 1)
+        return k + 1
+
+    def _unreachable(self, peers: list[str]) -> list[str]:
+        """The upstream peers among ``peers`` that refuse a ping (dead); a slow live one answers and is waited for.
+        Called with ``self.cv`` held: released around the pings so that markers can still arrive."""
+        out = []
+        self.cv.release()
+        try:
+            for p in peers:
+                try:
+                    call(self.addrs[p], "ping", {}, timeout_s=min(2.0, self.s.rpc_timeout_s))
+                except PeerUnavailable:
+                    out.append(p)
+                except RemoteError:
+                    pass
+        finally:
+            self.cv.acquire()
+        return [p for p in out if p not in self.markers.get(self._marker_step, {})]
+
+    def _flat_grads(self) -> Tensor:
+        return torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]
+        )
+
+    def _set_grads(self, flat: Tensor) -> None:
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p).to(p.dtype).clone()
+            off += n
+
+    @torch.no_grad()
+    def _sync(self, k: int) -> dict:
+        t0 = time.monotonic()
+        rec: dict = {}
+        with self.lock:
+            count = self.count
+            grad_sum = self._flat_grads()
+            self.count, self.loss_sum = 0, 0.0
+        if k in self.dump_grads:
+            self.grads_dump[k] = {"grad_sum": grad_sum.clone(), "count": count}
+        lr = lr_at(k, self.cfg)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        if self.s.sync == "swarm":
+            flat = torch.cat([grad_sum, torch.tensor([float(count)])])
+            if self.group is not None:
+                res = self.group.allreduce_mean(flat)
+                flat = res.mean
+                rec["contributors"] = res.contributors
+            total = float(flat[-1])  # mean count; the ratio below is sum / total count exactly as weights cancel
+            if total > 0:
+                self._set_grads(flat[:-1] / total)
+                self.opt.step()
+        else:
+            if count:
+                self._set_grads(grad_sum / count)
+                self.opt.step()
+            H = self.cfg.outer.sync_every
+            if isinstance(self.outer, DiLoCoStageSync):
+                if (k + 1) % H == 0:
+                    rec.update(self.outer.step())
+            else:
+                self.outer.after_inner_step(k)
+                if (k + 1) % H == 0:
+                    rec.update({"outer": True, "outer_contributors": list(getattr(self.outer, "contributors", []))})
+        self.opt.zero_grad(set_to_none=True)
+        rec["sync_s"] = time.monotonic() - t0
+        with self.cv:
+            self.step = k + 1
+            self.cv.notify_all()
+        return rec
+
+    # ------------------------------------------------------------------ output
+    def _write_record(self, rec: dict) -> None:
+        with open(os.path.join(self.out_dir, f"{self.name}.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def save(self) -> None:
+        path = os.path.join(self.out_dir, f"{self.name}.pt")
+        tmp = path + ".tmp"
+        torch.save(
+            {
+                "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                "visits": self.visits,
+                "routes": self.routes,
+                "grads": self.grads_dump,
+                "bans": self.bans,
+                "dropped_upstream": self.dropped_up,
+                "records": self.records,
+            },
+            tmp,
+        )
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        self.server.close()
+        if self.outer is not None and not isinstance(self.outer, DiLoCoStageSync):
+            self.outer.close(timeout=5.0)
+        if self.group is not None:
+            self.group.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.peer", description="one SWARM peer (stage, index)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--store", required=True, help="host:port of the launcher's TCPStore")
+    ap.add_argument("--lighthouse", default=None, help="http://host:port of this stage's torchft lighthouse")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--dump-grads", default="", help="comma-separated steps whose gradient sums are saved")
+    ap.add_argument("--delay-s", type=float, default=0.0, help="injected delay per microbatch (tests)")
+    ap.add_argument("--join", action="store_true", help="a (re)started peer joining a running job")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = load_config(a.config, a.overrides)
+    from torch.distributed import TCPStore
+
+    host, _, port = a.store.rpartition(":")
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.swarm.startup_timeout_s))
+    dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
+    peer = SwarmPeer(cfg, a.stage, a.index, store, a.lighthouse, a.out, a.steps, dump, a.delay_s, a.join)
+    try:
+        peer.start()
+        peer.run()
+        peer.save()
+    except (SwarmError, NoLivePeer, RemoteError, ElasticError) as e:
+        log.error("%s", e)
+        return 3
+    finally:
+        peer.close()
+    log.info("done: %d steps", peer.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Start a SWARM job on this host: the TCPStore (addresses), one torchft lighthouse per multi-peer stage, and one
+``python -m dilocox.swarm.peer`` process per (stage, index), each in its own process group (one peer's death is
+not the job's). ``launch`` waits for the peers under one deadline and kills every process group it started at the
+end, whatever happened. Results are read back from the peers' files in ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from dilocox.config import Config, to_yaml, validate
+from dilocox.swarm.peer import peer_name
+
+log = logging.getLogger("dilocox.swarm.runtime")
+
+
+@dataclass
+class PeerProc:
+    stage: int
+    index: int
+    proc: subprocess.Popen
+    log_path: str
+    cmd: list[str]
+
+    @property
+    def name(self) -> str:
+        return peer_name(self.stage, self.index)
+
+
+@dataclass
+class SwarmResult:
+    out_dir: str
+    returncodes: dict[str, int | None]  # a restarted peer's earlier runs are listed as "name#0", ...
+    seconds: float
+    peers: dict[str, dict] = field(default_factory=dict)  # name -> the peer's saved .pt (None when it died)
+    records: dict[str, list[dict]] = field(default_factory=dict)  # name -> its jsonl records
+
+    def log_tail(self, name: str, n: int = 40) -> str:
+        try:
+            with open(os.path.join(self.out_dir, f"{name}.log")) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        log.error("peer pid %d did not exit after SIGKILL", p.pid)
+
+
+class SwarmLauncher:
+    """The store, lighthouses and peer processes of one job (use ``launch`` for the whole lifecycle)."""
+
+    def __init__(self, cfg: Config, out_dir: str) -> None:
+        from torch.distributed import TCPStore
+
+        self.cfg, self.out_dir = cfg, out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        s = cfg.swarm
+        self.store = TCPStore(
+            s.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=s.startup_timeout_s)
+        )
+        self.lighthouses: dict[int, object] = {}
+        self.procs: list[PeerProc] = []
+        self.config_path = os.path.join(out_dir, "config.yaml")
+        with open(self.config_path, "w") as f:
+            f.write(to_yaml(cfg))
+
+    def lighthouse(self, stage: int) -> str | None:
+        """The stage's lighthouse address (started on first use; None for a one-peer stage)."""
+        if self.cfg.swarm.peers_per_stage[stage] <= 1:
+            return None
+        if stage not in self.lighthouses:
+            from dilocox.elastic import start_lighthouse
+
+            s = self.cfg.swarm
+            self.lighthouses[stage] = start_lighthouse(
+                min_replicas=1,
+                bind=f"{s.host}:0",
+                # a live but slower peer of the stage must still join the sync: wait as long as a sync may take
+                join_timeout_ms=int(s.sync_timeout_s * 1000),
+                heartbeat_timeout_ms=2000,
+            )
+        return self.lighthouses[stage].address()
+
+    def start_peer(
+        self, stage: int, index: int, steps: int | None = None, extra: list[str] | None = None, delay_s: float = 0.0
+    ) -> PeerProc:
+        name = peer_name(stage, index)
+        cmd = [
+            sys.executable, "-m", "dilocox.swarm.peer", "--config", self.config_path, "--stage", str(stage),
+            "--index", str(index), "--store", f"{self.cfg.swarm.host}:{self.store.port}", "--out", self.out_dir,
+        ]  # fmt: skip
+        lh = self.lighthouse(stage)
+        if lh:
+            cmd += ["--lighthouse", lh]
+        if steps is not None:
+            cmd += ["--steps", str(steps)]
+        if delay_s:
+            cmd += ["--delay-s", str(delay_s)]
+        cmd += extra or []
+        log_path = os.path.join(self.out_dir, f"{name}.log")
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        pp = PeerProc(stage, index, proc, log_path, cmd)
+        self.procs.append(pp)
+        return pp
+
+    def restart_peer(self, stage: int, index: int, steps: int | None = None, extra: list[str] | None = None):
+        """Start peer (stage, index) again after it died: it joins the running job (``--join``)."""
+        return self.start_peer(stage, index, steps=steps, extra=[*(extra or []), "--join"])
+
+    def wait(self, deadline: float) -> bool:
+        """Wait until every peer exited or the deadline (monotonic) passed; True when all exited."""
+        while time.monotonic() < deadline:
+            if all(p.proc.poll() is not None for p in self.procs):
+                return True
+            time.sleep(0.1)
+        return all(p.proc.poll() is not None for p in self.procs)
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            _kill_group(p.proc)
+        for lh in self.lighthouses.values():
+            try:
+                lh.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self.lighthouses.clear()
+
+
+def read_results(out_dir: str, names: list[str]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    peers, records = {}, {}
+    for n in names:
+        pt = os.path.join(out_dir, f"{n}.pt")
+        peers[n] = torch.load(pt, weights_only=False) if os.path.exists(pt) else None
+        jl = os.path.join(out_dir, f"{n}.jsonl")
+        if os.path.exists(jl):
+            with open(jl) as f:
+                records[n] = [json.loads(line) for line in f if line.strip()]
+    return peers, records
+
+
+def launch(
+    cfg: Config,
+    out_dir: str,
+    peers_per_stage: list[int] | None = None,
+    steps: int | None = None,
+    timeout_s: float = 300.0,
+    dump_grads: tuple[int, ...] = (),
+    delays: dict[str, float] | None = None,
+    on_started=None,
+) -> SwarmResult:
+    """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
+
+    ``peers_per_stage`` overrides ``cfg.swarm.peers_per_stage``; ``delays`` maps a peer name (``s1p0``) to an
+    injected delay per microbatch; ``on_started(launcher)`` runs once every peer process is started (fault tests
+    kill a peer from there). Every process started here is killed by the end, also on errors and timeouts.
+    """
+    if peers_per_stage is not None:
+        cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
+        validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
+    t0 = time.monotonic()
+    la = SwarmLauncher(cfg, out_dir)
+    names: list[str] = []
+    try:
+        extra = ["--dump-grads", ",".join(map(str, dump_grads))] if dump_grads else []
+        for j, m in enumerate(cfg.swarm.peers_per_stage):
+            for k in range(m):
+                names.append(peer_name(j, k))
+                la.start_peer(j, k, steps=steps, extra=extra, delay_s=(delays or {}).get(peer_name(j, k), 0.0))
+        if on_started is not None:
+            on_started(la)
+        finished = la.wait(t0 + timeout_s)
+        if not finished:
+            log.error("swarm job did not finish within %.0fs; killing its peers", timeout_s)
+    finally:
+        rcs = {}
+        for i, p in enumerate(la.procs):  # a restarted peer: its earlier runs are "name#0", "name#1", ...
+            earlier = sum(1 for q in la.procs[:i] if q.name == p.name)
+            later = any(q.name == p.name for q in la.procs[i + 1 :])
+            rcs[f"{p.name}#{earlier}" if later else p.name] = p.proc.poll()
+        la.shutdown()
+    peers, records = read_results(out_dir, names)
+    return SwarmResult(out_dir, rcs, time.monotonic() - t0, peers, records)
+
+
+def summarize(res: SwarmResult) -> str:
+    """A few lines: exit codes, stage-0 loss first -> last, pipeline bytes per step, sync time."""
+    lines = [f"swarm job: {len(res.returncodes)} peers, {res.seconds:.1f}s, out {res.out_dir}"]
+    for name, rc in sorted(res.returncodes.items()):
+        recs = res.records.get(name, [])
+        line = f"  {name}: exit {rc}, {len(recs)} steps"
+        losses = [r["loss"] for r in recs if "loss" in r]
+        if losses:
+            line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        sent = [sum(v[0] + v[1] for v in r.get("link_bytes", {}).values()) for r in recs]
+        if any(sent):
+            line += f", {sum(sent) / len(sent) / 1e6:.3f} MB/step on its links"
+        if recs:
+            line += f", sync {sum(r['sync_s'] for r in recs) / len(recs) * 1e3:.1f} ms/step"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from dilocox.config import load_config
+
+    ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.runtime", description="run a SWARM job on this host")
+    ap.add_argument("config")
+    ap.add_argument("--out", default=None, help="output directory (default: <log.run_dir>/swarm)")
+    ap.add_argument("--steps", type=int, default=None, help="default: train.steps")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole job; then every peer is killed")
+    ap.add_argument("overrides", nargs="*", help="--section.key=value")
+    a, rest = ap.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    cfg = load_config(a.config, [*a.overrides, *rest])
+    res = launch(cfg, a.out or os.path.join(cfg.log.run_dir, "swarm"), steps=a.steps, timeout_s=a.timeout_s)
+    print(summarize(res))
+    return 0 if all(rc == 0 for rc in res.returncodes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
