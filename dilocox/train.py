@@ -552,6 +552,8 @@ def train(cfg: Config) -> dict:
             # outer.finish() only on success); left running, the failing rank was seen to die
             # with SIGABRT at interpreter exit. Bounded: a collective whose peer died may hang.
             trainer.outer.close(timeout=30.0)
+        if trainer.elastic is not None:  # torchft manager: heartbeats stop, the lighthouse drops this replica
+            trainer.elastic.close()
         if trainer.run_lock is not None:
             trainer.run_lock.release()
         if dist.is_initialized():
