@@ -25,6 +25,10 @@ from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, m
 
 
 def main() -> None:
+    if os.environ.get("DILOCOX_TEST_LOG"):  # debugging a test: torchft's and dilocox's Python logs on stderr
+        import logging
+
+        logging.basicConfig(level=logging.INFO)
     ap = argparse.ArgumentParser()
     ap.add_argument("--lighthouse", required=True)
     ap.add_argument("--replica", type=int, required=True)
