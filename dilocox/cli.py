@@ -1,10 +1,15 @@
-"""The ``dilocox`` command: train | data | bench | plan | launch | export | import | generate | report.
+"""The ``dilocox`` command: train | data | bench | plan | launch | lighthouse | swarm | export | import | generate |
+report.
 
     dilocox train CONFIG [--nproc N] [--section.key=value ...]
     dilocox data prepare CONFIG [--section.key=value ...]
     dilocox bench KIND [...]                  (KIND: see "bench kinds" below)
     dilocox plan --model configs/model/X.yaml --replicas R --bandwidth 1gbit
+    dilocox plan --swarm [--model gpt2-small ...] [--stages 2 --peers 4 --act int8 --H 50]
     dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [...]
+    dilocox launch --elastic N CONFIG [--kill R@S] [--restart R@S] [--bandwidth 100mbit] [...]
+    dilocox lighthouse --min-replicas M [--bind HOST:PORT]   (torchft lighthouse for elastic replicas)
+    dilocox swarm CONFIG [--peers 2,2] [--steps N] [...]   (SWARM: several peers per stage; also launch --swarm)
     dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
@@ -29,6 +34,8 @@ BENCHES = {
     "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2)"),
     "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
+    "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
+    "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; a peer killed"),
 }
 
 
@@ -204,15 +211,40 @@ def _bench(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
+    if "--swarm" in argv:  # SWARM / DiLoCo-SWARM: pipeline bytes vs stage-sync bytes (dilocox/swarm/plan.py)
+        from dilocox.swarm.plan import main as swarm_main
+
+        return swarm_main([a for a in argv if a != "--swarm"]) or 0
     from dilocox.plan import main
 
     return main(argv) or 0
 
 
+def _swarm(argv: list[str], launcher: bool = False) -> int:
+    from dilocox.swarm.cli import SwarmUsageError, launch_main, main
+
+    try:
+        return (launch_main if launcher else main)(argv) or 0
+    except SwarmUsageError as e:
+        raise UsageError(str(e)) from None
+
+
 def _launch(argv: list[str]) -> int:
+    if "--swarm" in argv:  # SWARM peers on this host (dilocox/swarm/cli.py)
+        return _swarm(argv, launcher=True)
+    if any(a == "--elastic" or a.startswith("--elastic=") for a in argv):
+        from dilocox.elastic.launch import launch_main as elastic_main
+
+        return elastic_main(argv) or 0
     from dilocox.launch.emulate import launch_main
 
     return launch_main(argv) or 0
+
+
+def _lighthouse(argv: list[str]) -> int:
+    from dilocox.elastic.launch import lighthouse_main
+
+    return lighthouse_main(argv) or 0
 
 
 def _export(argv: list[str]) -> int:
@@ -248,6 +280,7 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
     from dilocox.checkpoint import CheckpointError  # imported only on failure: keeps `dilocox --help` light
     from dilocox.config import ConfigError
     from dilocox.data.sources import DataError
+    from dilocox.elastic.group import ElasticError  # torchft itself is imported lazily, not here
     from dilocox.hf import ExportError
 
     for cls, label, code in (
@@ -256,6 +289,7 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
         (ExportError, "export error", 2),
         (CheckpointError, "checkpoint error", 1),
         (FloatingPointError, "training stopped", 1),
+        (ElasticError, "elastic run stopped", 1),
     ):
         if isinstance(e, cls):
             return label, code
@@ -270,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "bench": _bench,
         "plan": _plan,
         "launch": _launch,
+        "lighthouse": _lighthouse,
+        "swarm": _swarm,
         "export": _export,
         "import": _import,
         "generate": _generate,

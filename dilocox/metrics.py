@@ -113,13 +113,14 @@ class MetricsLogger:
             return
         if not self._opened:
             self._open()
-        record = {"time": round(time.time() - self.t0, 3), **record}
+        now = time.time()  # "wall": epoch seconds, to line up the records of separate jobs (elastic replicas)
+        record = {"time": round(now - self.t0, 3), "wall": round(now, 3), **record}
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         if self.tb is not None and "step" in record:
             for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "time") and math.isfinite(v):
+                if isinstance(v, (int, float)) and k not in ("step", "time", "wall") and math.isfinite(v):
                     self.tb.add_scalar(k, v, record["step"])
         if self.wandb is not None:
             self.wandb.log(record)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dilocox.distributed.topology import ExternalGroup
+from dilocox.elastic.failover import DEFAULT_ATTEMPT_S, LighthouseFailover, LighthouseUnreachable, QuorumTimeout
 
 log = logging.getLogger("dilocox.elastic")
 
@@ -157,6 +158,19 @@ def start_lighthouse(
     )
 
 
+def _host_http_transport(host: str, timeout_s: float):
+    """torchft's HTTP checkpoint transport (the live join's state transfer), advertising ``host``: torchft's own
+    advertises ``socket.gethostname()``, which another network namespace (or a node without that name in its
+    resolver) cannot reach."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class _Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return _Transport(timeout=timedelta(seconds=timeout_s), num_chunks=0)
+
+
 class TorchftGroup(ExternalGroup):
     """The torchft process group of the current quorum, seen by the compressed collectives
     (``compress/collectives.py``) as an ``ExternalGroup``: every call blocks, bounded by ``timeout_s``,
@@ -262,6 +276,17 @@ class ElasticOuterGroup:
             hostname=cfg.host,
             heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
             init_sync=False,
+            checkpoint_transport=_host_http_transport(cfg.host, cfg.timeout_s),
+        )
+        # the lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
+        # requests in short attempts, a restarted lighthouse is used at once, and meanwhile a replica of one
+        # process keeps its last quorum (the ranks of a bigger replica would have to decide that together)
+        self.failover = LighthouseFailover(
+            self._manager,
+            cfg.lighthouse_addr,
+            max_outage_s=cfg.quorum_timeout_s,
+            attempt_s=DEFAULT_ATTEMPT_S if group_world == 1 else cfg.quorum_timeout_s,
+            keep_last_quorum=group_world == 1,
         )
         self.group = TorchftGroup(self._pg, cfg.timeout_s)
         self.closed = False
@@ -288,16 +313,22 @@ class ElasticOuterGroup:
         left = deadline - time.monotonic()
         if left <= 0:
             raise ElasticMinReplicasError(self._below_msg(None))
-        t0 = time.monotonic()
-        try:
-            self._manager.start_quorum(allow_heal=self._state_fn is not None, timeout=timedelta(seconds=left))
-        except Exception as e:  # the Rust client raises a plain RuntimeError on timeout
-            if time.monotonic() >= deadline - 0.05 or "timeout" in str(e).lower() or "deadline" in str(e).lower():
-                raise ElasticMinReplicasError(self._below_msg(None) + f" (torchft: {str(e).splitlines()[0]})") from e
-            raise ElasticStepError(f"replica {self.cfg.replica_rank}: quorum failed: {e}") from e
+        c = self.cfg
+        try:  # dilocox/elastic/failover.py: waits (bounded) for a restarted lighthouse or keeps the last quorum
+            q = self.failover.quorum(deadline, allow_heal=self._state_fn is not None)
+        except LighthouseUnreachable as e:
+            raise ElasticMinReplicasError(
+                f"replica {c.replica_rank}: no quorum within elastic.quorum_timeout_s={c.quorum_timeout_s}s: {e}; "
+                f"restart the lighthouse on the same address (live replicas reconnect by themselves) or raise "
+                f"quorum_timeout_s"
+            ) from e
+        except QuorumTimeout as e:
+            raise ElasticMinReplicasError(self._below_msg(None) + f" ({e})") from e
+        except Exception as e:
+            raise ElasticStepError(f"replica {c.replica_rank}: quorum failed: {e}") from e
         if (err := self._manager.errored()) is not None and self._healed is False and self._state_fn is not None:
             log.warning("replica %d: quorum/heal reported %s", self.cfg.replica_rank, err.original_exception)
-        return time.monotonic() - t0
+        return q.seconds
 
     def _below_msg(self, n: int | None) -> str:
         c = self.cfg

@@ -172,7 +172,8 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     """``dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [--a.b=v ...]``."""
     usage = (
         "usage: dilocox launch --replicas R --nproc-per-replica N [--bandwidth 100mbit] "
-        "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]"
+        "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]\n"
+        "       dilocox launch --elastic N CONFIG [...]   (elastic replicas + lighthouse; options: --elastic 1 --help)"
     )
     args = list(sys.argv[1:] if argv is None else argv)
     opts: dict[str, object] = {}

@@ -37,6 +37,7 @@ import time
 from typing import Sequence
 
 SUBNET = "198.18.0"  # first /24 of 198.18.0.0/15
+HUB_ADDR = f"{SUBNET}.254"  # the bridge's own address in the switch namespace (Cluster(hub=True))
 _counter = itertools.count()
 _probe: tuple[bool, str] | None = None
 
@@ -85,6 +86,7 @@ class Cluster:
         burst_bytes: int | None = None,
         latency_ms: float = 100.0,
         stop_grace_s: float = 3.0,
+        hub: bool = False,
     ) -> None:
         if not 1 <= n_replicas <= 250:
             raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
@@ -95,6 +97,7 @@ class Cluster:
         self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
         self.latency_ms = latency_ms
         self.stop_grace_s = stop_grace_s
+        self.hub = hub  # True: the bridge gets HUB_ADDR, so a service in the switch namespace (exec_hub) is reachable
         self.tag = f"dilocox-{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self._procs: list[subprocess.Popen] = []
@@ -151,6 +154,8 @@ class Cluster:
         _ip("ip", "-n", sw, "link", "set", "lo", "up")
         _ip("ip", "-n", sw, "link", "add", "dxbr", "type", "bridge")
         _ip("ip", "-n", sw, "link", "set", "dxbr", "up")
+        if self.hub:
+            _ip("ip", "-n", sw, "addr", "add", f"{HUB_ADDR}/24", "dev", "dxbr")
         for r in range(self.n):
             ns, inner, outer = self.ns(r), self.ifname(r), f"dxs{r}"
             _ip("ip", "netns", "add", ns)
@@ -265,6 +270,15 @@ class Cluster:
         if not self._up:
             raise RuntimeError("Cluster is not running: use it inside `with Cluster(...) as c:`")
         p = subprocess.Popen(["ip", "netns", "exec", self.ns(r), *argv], start_new_session=True, **popen_kw)
+        self._procs.append(p)
+        return p
+
+    def exec_hub(self, argv: Sequence[str], **popen_kw: object) -> subprocess.Popen:
+        """Start ``argv`` in the switch namespace (reachable at HUB_ADDR from every replica with ``hub=True``;
+        e.g. the elastic lighthouse); its own session, killed on close like ``exec``."""
+        if not self._up or not self.hub:
+            raise RuntimeError("exec_hub needs a running Cluster(..., hub=True)")
+        p = subprocess.Popen(["ip", "netns", "exec", self.switch, *argv], start_new_session=True, **popen_kw)
         self._procs.append(p)
         return p
 

@@ -1,0 +1,663 @@
+"""Elastic launch (issue 10 §4): ``dilocox lighthouse``, ``dilocox launch --elastic`` process handling, the
+elastic sbatch layout, and ``dilocox bench elastic``'s analysis on synthetic metrics.
+
+The replicas here are fake short jobs (a Python script that starts a grandchild in its own session, as
+``dilocox train --nproc K`` starts torchrun): the tests check the schedule (kill = the whole job, the
+other-session grandchild included; restart = the same command), the events file, signal forwarding,
+the bounded run time, and that nothing is left behind. Every test fails on the code before
+``dilocox/elastic/launch.py`` existed (no module, no ``lighthouse`` command, no ``--elastic``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dilocox.distributed.signals import tagged_pids
+from dilocox.elastic.launch import Action, ElasticLaunch, LaunchError, parse_schedule
+from dilocox.launch.netns import Cluster, netns_available
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "launcher", "slurm", "elastic.sbatch")
+NETNS_OK, NETNS_WHY = netns_available()
+try:
+    import torchft  # noqa: F401
+
+    HAVE_TORCHFT = True
+except ImportError:
+    HAVE_TORCHFT = False
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+
+# A replica job: writes its pid and a grandchild's (own session, like torchrun under `dilocox train --nproc`),
+# beats once per 0.1 s, exits 0 after DURATION s; on SIGTERM writes "term" and exits 0 (unless IGNORE_TERM).
+FAKE_REPLICA = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    r, out, duration, ignore_term = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    me = f"{out}/r{r}.{os.getpid()}"
+    open(me + ".pids", "w").write(f"{os.getpid()} {child.pid}\\n")
+    def on_term(signum, frame):
+        if ignore_term:
+            return
+        open(me + ".term", "w").write("term")
+        child.kill()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    t0 = time.time()
+    while time.time() - t0 < duration:
+        time.sleep(0.1)
+    child.kill()
+    child.wait()
+    open(me + ".done", "w").write("done")
+    """
+)
+FAKE_LIGHTHOUSE = [sys.executable, "-c", "import time; print('x: http://127.0.0.1:1', flush=True); time.sleep(120)"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _events(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _fake(tmp_path, duration: float, ignore_term: bool = False):
+    script = tmp_path / "fake_replica.py"
+    script.write_text(FAKE_REPLICA)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    return lambda r, addr: [sys.executable, str(script), str(r), str(out), str(duration), "1" if ignore_term else "0"]
+
+
+def _incarnations(tmp_path, r: int) -> list[tuple[int, int, bool, bool]]:
+    """(pid, grandchild pid, finished, got SIGTERM) of each start of replica r, in start order."""
+    out = tmp_path / "out"
+    rows = []
+    for p in sorted(out.glob(f"r{r}.*.pids"), key=os.path.getmtime):
+        pid, child = map(int, p.read_text().split())
+        base = str(p)[: -len(".pids")]
+        rows.append((pid, child, os.path.exists(base + ".done"), os.path.exists(base + ".term")))
+    return rows
+
+
+# --------------------------------------------------------------------------- the schedule
+
+
+def test_parse_schedule_sorts_and_checks():
+    acts = parse_schedule(["1@10", "2@3.5"], ["1@20.5"], 3)
+    assert acts == [Action("kill", 2, 3.5), Action("kill", 1, 10.0), Action("restart", 1, 20.5)]
+    assert parse_schedule([], [], 1) == []
+    for kills, restarts, msg in (
+        (["1"], [], "is not R@SECONDS"),
+        (["a@3"], [], "is not R@SECONDS"),
+        (["3@1"], [], "replica 3 is not in [0, 3)"),
+        (["1@-2"], [], ">= 0"),
+        (["1@nan"], [], ">= 0"),
+        ([], ["1@5"], "restart needs an earlier --kill 1@SECONDS"),
+        (["1@5"], ["1@2"], "restart needs an earlier --kill"),
+        (["1@2", "1@4"], [], "already killed"),
+    ):
+        with pytest.raises(LaunchError, match=msg.replace("[", r"\[").replace(")", r"\)")):
+            parse_schedule(kills, restarts, 3)
+
+
+# --------------------------------------------------------------------------- dilocox lighthouse
+
+
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed (pip install torchft==0.2.0)")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_lighthouse_command_starts_serves_and_stops(sig):
+    p = subprocess.Popen(
+        [sys.executable, "-m", "dilocox.cli", "lighthouse", "--min-replicas", "2", "--bind", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    try:
+        line = p.stdout.readline()  # bounded: the process is killed in `finally` if the test times out
+        assert line.startswith("dilocox lighthouse: http://127.0.0.1:"), line
+        port = int(line.split()[2].rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it listens where it says
+        time.sleep(0.3)
+        assert p.poll() is None  # runs in the foreground until told to stop
+        p.send_signal(sig)
+        rc = p.wait(timeout=15)
+        assert rc == 0, p.stderr.read()
+        assert f"stopped ({signal.Signals(sig).name})" in p.stderr.read()
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def test_lighthouse_command_rejects_bad_input(capsys):
+    from dilocox.cli import main
+
+    for args, msg in (
+        (["--min-replicas", "0"], "--min-replicas 0 must be >= 1"),
+        (["--min-replicas", "1", "--bind", "nohostport"], "is not HOST:PORT"),
+        (["--min-replicas", "1", "--heartbeat-timeout-ms", "0"], "--heartbeat-timeout-ms 0 must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["lighthouse", *args])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- launch --elastic, fake replicas
+
+
+@pytest.mark.slow
+def test_elastic_launch_kills_and_restarts_on_schedule(tmp_path):
+    run_dir = tmp_path / "run"
+    la = ElasticLaunch(
+        3,
+        _fake(tmp_path, duration=5.0),
+        str(run_dir),
+        schedule=parse_schedule(["1@1.5"], ["1@3"], 3),
+        env=ENV,
+        lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
+        timeout_s=60,
+        stop_timeout_s=5,
+        log=lambda m: None,
+    )
+    t0 = time.monotonic()
+    rc = la.run()
+    wall = time.monotonic() - t0
+    assert rc == 0
+    assert wall < 30, wall  # 3 + 5 s of replica time, plus start-up
+    ev = _events(run_dir)
+    kinds = [(e["event"], e.get("replica")) for e in ev]
+    assert kinds[0] == ("lighthouse", None) and ev[0]["address"] == "http://127.0.0.1:1"
+    assert kinds[1:4] == [("start", 0), ("start", 1), ("start", 2)]
+    kill = next(e for e in ev if e["event"] == "kill")
+    restart = next(e for e in ev if e["event"] == "restart")
+    assert kill["replica"] == restart["replica"] == 1 and restart["incarnation"] == 1
+    start_t = ev[1]["t"]
+    assert 1.5 <= kill["t"] - start_t < 3.0, ev
+    assert 3.0 <= restart["t"] - start_t < 4.5, ev
+    exits = {e["replica"]: e for e in ev if e["event"] == "exit"}
+    assert set(exits) == {0, 1, 2} and all(e["code"] == 0 for e in exits.values())
+    assert exits[1]["incarnation"] == 1 and exits[1]["t"] > exits[0]["t"]  # the restarted one ran 5 s from 3 s
+    assert all(e["wall"] > 1e9 for e in ev)  # epoch seconds, to line up with the replicas' metrics
+    # replica 1, first start: killed (never finished), its other-session grandchild too; second start finished
+    first, second = _incarnations(tmp_path, 1)
+    assert first[2] is False and second[2] is True
+    assert not _alive(first[0]) and not _alive(first[1])
+    assert [row[2] for r in (0, 2) for row in _incarnations(tmp_path, r)] == [True, True]
+    for rep in la.replicas:
+        assert tagged_pids(rep.tag) == []
+    assert la.lighthouse.poll() is not None  # the lighthouse is stopped at the end
+    assert ev[-1]["event"] == "lighthouse_stopped"
+
+
+def test_elastic_launch_timeout_kills_everything(tmp_path):
+    """Replicas that ignore SIGTERM and would run 120 s: --timeout 2 ends the run in bounded time."""
+    run_dir = tmp_path / "run"
+    la = ElasticLaunch(
+        2,
+        _fake(tmp_path, duration=120.0, ignore_term=True),
+        str(run_dir),
+        env=ENV,
+        lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
+        timeout_s=2.0,
+        stop_timeout_s=1.0,
+        log=lambda m: None,
+    )
+    t0 = time.monotonic()
+    assert la.run() == 124
+    assert time.monotonic() - t0 < 20
+    for r in range(2):
+        for pid, child, done, term in _incarnations(tmp_path, r):
+            assert not done and not term
+            assert not _alive(pid) and not _alive(child)
+    assert [e["event"] for e in _events(run_dir)].count("stop") == 1
+
+
+def test_elastic_launch_forwards_sigterm(tmp_path):
+    """SIGTERM to the launcher: each replica gets SIGTERM (saves and exits), the launcher exits 143, nothing is left."""
+    run_dir = tmp_path / "run"
+    script = tmp_path / "fake_replica.py"
+    script.write_text(FAKE_REPLICA)
+    (tmp_path / "out").mkdir()
+    driver = textwrap.dedent(
+        f"""
+        import sys
+        from dilocox.elastic.launch import ElasticLaunch
+        argv = lambda r, a: [sys.executable, {str(script)!r}, str(r), {str(tmp_path / "out")!r}, "60", "0"]
+        la = ElasticLaunch(2, argv, {str(run_dir)!r}, lighthouse_argv=lambda b: {FAKE_LIGHTHOUSE!r}, timeout_s=60,
+                           stop_timeout_s=10, log=lambda m: None)
+        sys.exit(la.run())
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", driver], env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list((tmp_path / "out").glob("*.pids"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list((tmp_path / "out").glob("*.pids"))) == 2
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+    for r in range(2):
+        ((pid, child, done, term),) = _incarnations(tmp_path, r)
+        assert term and not done
+        assert not _alive(pid) and not _alive(child)
+    ev = _events(run_dir)
+    assert any(e["event"] == "stop" and e["signal"] == "SIGTERM" for e in ev)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed")
+def test_elastic_launch_in_namespaces_reaches_the_lighthouse(tmp_path):
+    """netns: the real `dilocox lighthouse` runs in the switch namespace; every replica namespace reaches it at the
+    address the launcher hands out, and the replica is told its own address (DILOCOX_ELASTIC_HOST)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = textwrap.dedent(
+        """
+        import os, socket, sys
+        r, addr, out = sys.argv[1], sys.argv[2], sys.argv[3]
+        host, port = addr[len("http://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10):
+            pass
+        open(f"{out}/r{r}", "w").write(os.environ["DILOCOX_ELASTIC_HOST"] + " " + os.environ["GLOO_SOCKET_IFNAME"])
+        """
+    )
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    with Cluster(3, 100, hub=True) as c:
+        la = ElasticLaunch(
+            3,
+            lambda r, addr: [sys.executable, str(script), str(r), addr, str(out)],
+            str(tmp_path / "run"),
+            min_replicas=2,
+            env=ENV,
+            cluster=c,
+            timeout_s=60,
+            log=lambda m: None,
+        )
+        assert la.run() == 0
+        assert la.lighthouse_addr == "http://198.18.0.254:29510"
+        names = c.namespaces()
+    for r in range(3):
+        assert (out / f"r{r}").read_text() == f"198.18.0.{r + 1} dxv{r}"
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in left for n in names)
+
+
+def test_launch_cli_routes_elastic_and_reports_bad_schedule(tmp_path):
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dilocox.cli",
+            "launch",
+            "--elastic",
+            "3",
+            os.path.join(ROOT, "configs", "tiny.yaml"),
+            "--kill",
+            "5@10",
+            f"--log.run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert p.returncode == 2 and "replica 5 is not in [0, 3)" in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------- launcher/slurm/elastic.sbatch
+
+SLURM_STUBS = {
+    "scontrol": 'for h in $FAKE_HOSTS; do echo "$h"; done',
+    # srun: log the step's nodes, run the task once per node of --nodelist (in the background steps interleave:
+    # the test compares sorted lines)
+    "srun": 'list=""\nwhile [[ $1 == --* ]]; do [[ $1 == --nodelist=* ]] && list=${1#--nodelist=}; shift; done\n'
+    'IFS=, read -ra nodes <<< "$list"\n'
+    'for h in "${nodes[@]}"; do SLURMD_NODENAME=$h "$@" || exit $?; done',
+    "torchrun": 'echo "$SLURMD_NODENAME torchrun $*" >> "$LOG"',
+    "fakepython": 'echo "$SLURMD_NODENAME python $*" >> "$LOG"',
+}
+
+
+def run_elastic_sbatch(tmp_path, hosts: str, **extra) -> tuple[subprocess.CompletedProcess, list[str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in SLURM_STUBS.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        LOG=str(log),
+        FAKE_HOSTS=hosts,
+        SLURM_JOB_NODELIST="fake",
+        SLURM_JOB_ID="42",
+        DILOCOX_ROOT=ROOT,
+        DILOCOX_RUN_DIR=str(tmp_path / "run"),
+        DILOCOX_LIGHTHOUSE_WAIT_S="0",
+        PYTHON="fakepython",
+        **extra,
+    )
+    p = subprocess.run(
+        ["bash", SBATCH, "configs/x.yaml", "--train.steps=3"], env=env, capture_output=True, text=True, timeout=60
+    )
+    return p, sorted(log.read_text().splitlines()) if log.exists() else []
+
+
+def test_elastic_sbatch_parses():
+    p = subprocess.run(["bash", "-n", SBATCH], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
+    p, lines = run_elastic_sbatch(tmp_path, "gpu03 gpu04 gpu07 gpu08", DILOCOX_NODES_PER_REPLICA="2")
+    assert p.returncode == 0, p.stderr
+    run = tmp_path / "run"
+    lh = "http://gpu03:29510"
+
+    def replica(r: int, node: str, first: str) -> str:
+        return (
+            f"{node} torchrun --nnodes 2 --nproc_per_node 8 --max-restarts 0 --rdzv_backend c10d --rdzv_endpoint "
+            f"{first}:29500 --rdzv_id 42-r{r} -m dilocox.cli train configs/x.yaml --train.steps=3 "
+            f"--parallel.replicas=1 --outer.elastic.enabled=true --outer.elastic.lighthouse={lh} "
+            f"--outer.elastic.replica_rank={r} --outer.elastic.min_replicas=1 --outer.elastic.initial_replicas=2 "
+            f"--log.run_dir={run}/replica{r}"
+        )
+
+    want = [
+        "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29510 --heartbeat-timeout-ms 5000 "
+        "--join-timeout-ms 60000",
+        replica(0, "gpu03", "gpu03"),
+        replica(0, "gpu04", "gpu03"),
+        replica(1, "gpu07", "gpu07"),
+        replica(1, "gpu08", "gpu07"),
+    ]
+    assert lines == sorted(want)
+    assert "2 replicas x 2 node(s)" in p.stdout
+
+
+def test_elastic_sbatch_rejects_uneven_layout(tmp_path):
+    p, lines = run_elastic_sbatch(tmp_path, "n1 n2 n3", DILOCOX_NODES_PER_REPLICA="2")
+    assert p.returncode == 2 and "3 nodes are not a multiple of DILOCOX_NODES_PER_REPLICA=2" in p.stderr
+    assert lines == []
+
+
+# --------------------------------------------------------------------------- bench elastic: analysis
+
+
+def _synthetic(kill: bool) -> dict:
+    """3 replicas, 0.1 s per step, an outer step every 10 steps, 300 steps from 1 s after the launch (wall 1000).
+    With ``kill``: replica 2 SIGKILLed at 1011.05 (after its step 100); the survivors stall 2 s before step 110
+    (detection); replica 2 restarted at 1021.0 logs its first step at 1026.0 as step 220 (live join)."""
+    t0 = 1000.0
+    ev = [{"event": "lighthouse", "wall": t0 - 0.5}] + [{"event": "start", "replica": r, "wall": t0} for r in range(3)]
+
+    def wall(s: int) -> float:
+        return t0 + 1.0 + 0.1 * s + (2.0 if kill and s >= 110 else 0.0)
+
+    reps = []
+    for r in range(3):
+        steps = [
+            {"step": s, "wall": round(wall(s), 3), "outer_step": s // 10, "tokens_per_s": 1e4}
+            for s in range(1, 301)
+            if not (kill and r == 2 and 100 < s < 220)
+        ]
+        for x in steps:
+            if x["step"] % 100 == 0:
+                x["val_loss"] = 3.0 - x["step"] / 300
+        reps.append({"steps": steps, "summary": {"final_val_loss": 2.0 + (0.02 if kill else 0.0)}})
+    if kill:
+        ev += [
+            {"event": "kill", "replica": 2, "wall": t0 + 11.05},
+            {"event": "restart", "replica": 2, "wall": t0 + 21.0},
+        ]
+        for x in reps[2]["steps"]:
+            if x["step"] >= 220:
+                x["wall"] = round(wall(x["step"]) + (26.0 - 25.0), 3)  # the joiner runs 1 s behind the others
+    return {"events": ev, "replicas": reps}
+
+
+def test_bench_elastic_analysis_on_synthetic_metrics():
+    from dilocox.bench.elastic import analyze
+
+    full = analyze(_synthetic(False), 1000, victim=2)
+    assert full["tokens_per_s"] == pytest.approx(3 * 10 * 1000, rel=0.01)
+    assert full["wall_s"] == pytest.approx(31.0)
+    assert full["ready_t"] == pytest.approx(1.1) and full["end_t"] == pytest.approx(31.0)  # the bench's schedule
+    cut = analyze(_synthetic(True), 1000, victim=2)
+    assert cut["kill_t"] == pytest.approx(11.05)
+    # survivors' outer step 10 -> 11 lands with step 110 at 1000 + 1 + 11 + 2 = 1014.0
+    assert cut["kill_to_next_outer_s"] == pytest.approx(14.0 - 11.05, abs=1e-6)
+    # outer steps every 1.0 s before the kill; the one across it took 3.0 s: 2.0 s beyond (the injected stall)
+    assert cut["outer_interval_s"] == pytest.approx(1.0) and cut["kill_extra_s"] == pytest.approx(2.0)
+    # before: steps 2..100 of 3 replicas over (1001.1, 1011.05]
+    assert cut["tokens_per_s_before"] == pytest.approx(3 * 99 * 1000 / 9.95)
+    # outage: survivors' steps 101..109 and 110..230 (wall <= 1026.0), nothing from the victim
+    assert cut["tokens_per_s_outage"] == pytest.approx(2 * (9 + 121) * 1000 / (26.0 - 11.05), rel=1e-4)
+    assert cut["outage_ratio"] == pytest.approx(cut["tokens_per_s_outage"] / cut["tokens_per_s_before"])
+    assert 0.55 < cut["outage_ratio"] < 0.6  # 2 of 3 replicas, minus the 2 s detection stall
+    assert cut["rejoin_first_step_s"] == pytest.approx(5.0) and cut["rejoin_at_step"] == 220
+    assert cut["rejoin_outer_step_s"] == pytest.approx(6.0)  # step 230 (outer step 23) at 1027.0
+    # after: all three from the rejoin to the first end (survivors' step 300 at 1033.0)
+    assert cut["tokens_per_s_after"] == pytest.approx((2 * 70 + 70) * 1000 / 7.0, rel=1e-3)  # victim: 221..290
+
+
+def test_bench_elastic_analysis_without_a_rejoin():
+    """The victim never comes back: the outage runs to the survivors' end, not to the victim's last record."""
+    from dilocox.bench.elastic import analyze
+
+    run = _synthetic(True)
+    run["events"] = [e for e in run["events"] if e["event"] != "restart"]
+    run["replicas"][2]["steps"] = [x for x in run["replicas"][2]["steps"] if x["step"] <= 100]
+    cut = analyze(run, 1000, victim=2)
+    assert cut["end_t"] == pytest.approx(33.0)  # survivors' step 300 at 1 + 30 + 2
+    assert cut["tokens_per_s_outage"] == pytest.approx(2 * 200 * 1000 / (33.0 - 11.05), rel=1e-4)
+    assert cut["tokens_per_s_after"] is None and "rejoin_first_step_s" not in cut
+
+
+def test_bench_elastic_loss_comparison_and_report(tmp_path):
+    from dilocox.bench.elastic import compare_loss, markdown, plot, val_at_tokens
+
+    assert val_at_tokens([(0, 4.0), (100, 2.0)], 25) == pytest.approx(3.5)
+    assert val_at_tokens([(0, 4.0), (100, 2.0)], 150) is None
+    full, cut = _synthetic(False), _synthetic(True)
+    lo = compare_loss(full, cut, 1000)
+    assert lo["final_val_loss_uninterrupted"] == 2.0 and lo["final_val_loss_interrupted"] == 2.02
+    assert lo["loss_vs_uninterrupted_pct"] == pytest.approx(1.0)
+    # the interrupted run trained 900 - 119 steps; the uninterrupted curve of replica 0 there: between its val at
+    # step 300 (900 steps of all replicas, loss 2.0) and step 200 (600 steps, 2.333): 781 -> 2.1317
+    assert lo["tokens_interrupted"] == (900 - 119) * 1000
+    assert lo["uninterrupted_val_at_equal_tokens"] == pytest.approx(3.0 - 200 / 300 - (181 / 300) * (1 / 3), rel=1e-3)
+    from dilocox.bench.elastic import analyze
+
+    res = {
+        "steps": 300,
+        "H": 10,
+        "rank": 8,
+        "victim": 2,
+        "emulation": "synthetic",
+        "machine": "test",
+        "uninterrupted": analyze(full, 1000, 2),
+        "interrupted": analyze(cut, 1000, 2),
+        "loss": lo,
+        "bin_s": 1.0,
+    }
+    md = markdown(res)
+    assert "| kill → survivors' next outer step | 2.95 s |" in md
+    assert "(0.58 of before; expected ≈ 0.67)" in md
+    png = plot(full, cut, res, 1000, str(tmp_path / "e.png"))
+    assert os.path.getsize(png) > 10_000
+
+
+def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
+    """The replica command: `dilocox train CONFIG --nproc P*T*D` with the elastic keys and RUN/replica{r}; the
+    bandwidth cap without namespaces goes to the token bucket per rank; the lighthouse gets the min replicas."""
+    import dilocox.elastic.launch as L
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, n, argv, run_dir, **kw):
+            seen.update(n=n, argv=[argv(r, "http://10.1.2.3:4") for r in range(n)], run_dir=run_dir, **kw)
+
+        def run(self):
+            return 7
+
+    monkeypatch.setattr(L, "ElasticLaunch", Recorder)
+    run = str(tmp_path / "run")
+    rc = L.launch_elastic(
+        os.path.join(ROOT, "configs", "tiny-pp2-tp2.yaml"),
+        3,
+        ["--outer.method=diloco", "--log.run_dir", run, "--train.steps=20"],
+        kills=["2@5"],
+        restarts=["2@9"],
+        netns=False,
+        bandwidth="100mbit",
+        log=lambda m: None,
+    )
+    assert rc == 7 and seen["n"] == 3 and seen["run_dir"] == run and seen["min_replicas"] == 2
+    assert seen["schedule"] == [Action("kill", 2, 5.0), Action("restart", 2, 9.0)]
+    assert seen["env"]["DILOCOX_EMULATED_BANDWIDTH_BPS"] == f"{100e6 / 4:.0f}"  # 4 ranks share the replica's link
+    assert seen["argv"][1] == [
+        sys.executable,
+        "-m",
+        "dilocox.cli",
+        "train",
+        os.path.join(ROOT, "configs", "tiny-pp2-tp2.yaml"),
+        "--nproc",
+        "4",
+        "--outer.method=diloco",
+        "--train.steps=20",
+        "--parallel.replicas=1",
+        "--outer.elastic.enabled=true",
+        "--outer.elastic.lighthouse=http://10.1.2.3:4",
+        "--outer.elastic.replica_rank=1",
+        "--outer.elastic.min_replicas=2",
+        "--outer.elastic.initial_replicas=3",
+        f"--log.run_dir={run}/replica1",
+    ]
+    with pytest.raises(LaunchError, match="--min-replicas 4 must be in"):
+        L.launch_elastic(os.path.join(ROOT, "configs", "tiny.yaml"), 3, [], min_replicas=4, netns=False)
+
+
+# --------------------------------------------------------------------------- launch --elastic + torchft, for real
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed")
+def test_elastic_launch_kill_is_a_dead_replica_to_torchft(tmp_path):
+    """The launcher's real lighthouse and 3 toy replicas (dilocox.elastic.toy: one outer all-reduce per 1.5 s
+    phase) on loopback; the schedule SIGKILLs replica 2's job mid-run. The lighthouse drops it, the survivors
+    finish every step over contributors [0, 1] with bit-identical theta, and nothing is left behind."""
+    from dilocox.elastic.toy import read_records, replica_cmd
+
+    steps = 18  # 1.5 s phases: the kill at 16 s comes after the replicas' start-up (up to ~10 s on 2 loaded cores)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def argv(r: int, addr: str) -> list[str]:
+        return replica_cmd(addr, r, str(out / f"r{r}.jsonl"), steps, 1000, 2, 20.0, 60.0, 1.5, initial_replicas=3)
+
+    la = ElasticLaunch(
+        3,
+        argv,
+        str(tmp_path / "run"),
+        min_replicas=2,
+        schedule=parse_schedule(["2@16"], [], 3),
+        env=ENV,
+        timeout_s=150,
+        stop_timeout_s=5,
+        lighthouse_opts=["--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "60000"],
+        log=lambda m: None,
+    )
+    assert la.run() == 0, [(tmp_path / "run" / f"replica{r}.log").read_text()[-2000:] for r in range(3)]
+    recs = [[x for x in read_records(str(out / f"r{r}.jsonl")) if x["event"] == "step"] for r in range(3)]
+    assert recs[2], "replica 2 was killed before its first outer step: raise the kill time"
+    assert len(recs[2]) < steps
+    for r in (0, 1):
+        assert [x["step"] for x in recs[r]] == list(range(steps))
+        members = [x["contributors"] for x in recs[r]]
+        k = members.index([0, 1])  # all three until the kill, then the two survivors for good
+        assert members[:k] == [[0, 1, 2]] * k and members[k:] == [[0, 1]] * (steps - k)
+        assert k >= len(recs[2])
+    assert [x["theta"] for x in recs[0]] == [x["theta"] for x in recs[1]]
+    for rep in la.replicas:
+        assert tagged_pids(rep.tag) == []
+    ev = _events(tmp_path / "run")
+    kill = next(e for e in ev if e["event"] == "kill")
+    started = max(e["t"] for e in ev if e["event"] == "start")
+    assert kill["replica"] == 2 and 16.0 <= kill["t"] - started < 19.0, ev
+
+
+def test_step_clock_reads_the_replicas_progress(tmp_path):
+    from dilocox.elastic.launch import last_step, step_clock
+
+    assert last_step(str(tmp_path / "none.jsonl")) == 0
+    for r, body in ((0, '{"step": 1}\n{"step": 2}\n{"summary": {}}\n'), (1, '{"step": 7}\n{"step": 8, "lo')):
+        (tmp_path / f"replica{r}").mkdir()
+        (tmp_path / f"replica{r}" / "metrics.jsonl").write_text(body)
+    assert last_step(str(tmp_path / "replica0" / "metrics.jsonl")) == 2  # the summary line has no step
+    assert last_step(str(tmp_path / "replica1" / "metrics.jsonl")) == 7  # a line cut by a kill is skipped
+    assert step_clock(str(tmp_path), 3)() == 7.0
+
+
+@pytest.mark.slow
+def test_elastic_launch_schedule_by_training_step(tmp_path):
+    """--at step: the kill and restart happen when a replica has logged step 10 and step 25 (0.1 s per step)."""
+    from dilocox.elastic.launch import step_clock
+
+    writer = tmp_path / "writer.py"
+    writer.write_text(
+        "import json, os, sys, time\n"
+        "d = sys.argv[1]; os.makedirs(d, exist_ok=True)\n"
+        "with open(os.path.join(d, 'metrics.jsonl'), 'a') as f:\n"
+        "    for s in range(1, 41):\n"
+        "        time.sleep(0.1); f.write(json.dumps({'step': s, 'wall': time.time()}) + '\\n'); f.flush()\n"
+    )
+    run = tmp_path / "run"
+    la = ElasticLaunch(
+        3,
+        lambda r, a: [sys.executable, str(writer), str(run / f"replica{r}")],
+        str(run),
+        schedule=parse_schedule(["1@10"], ["1@25"], 3),
+        env=ENV,
+        lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
+        timeout_s=60,
+        log=lambda m: None,
+        clock=step_clock(str(run), 3),
+    )
+    assert la.run() == 0
+    ev = _events(run)
+    kill = next(e for e in ev if e["event"] == "kill")
+    restart = next(e for e in ev if e["event"] == "restart")
+    assert 10 <= kill["at"] < 15, kill
+    steps0 = [json.loads(x) for x in (run / "replica0" / "metrics.jsonl").read_text().splitlines()]
+    at_restart = max(x["step"] for x in steps0 if x["wall"] <= restart["wall"])
+    assert 25 <= at_restart < 30, (at_restart, restart)
