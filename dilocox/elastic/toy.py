@@ -22,10 +22,34 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
-from dilocox.elastic.group import ElasticConfig, ElasticError, ElasticOuterGroup, start_lighthouse
+from dilocox.elastic import failover as failover_mod
+from dilocox.elastic.failover import DEFAULT_ATTEMPT_S
+from dilocox.elastic.group import (
+    ElasticConfig,
+    ElasticError,
+    ElasticMinReplicasError,
+    ElasticOuterGroup,
+    start_lighthouse,
+)
+
+
+class PlainOuterGroup(ElasticOuterGroup):
+    """torchft's own quorum call, without dilocox/elastic/failover.py: the baseline of ``--no-failover``."""
+
+    def _quorum(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ElasticMinReplicasError(self._below_msg(None))
+        t0 = time.monotonic()
+        try:
+            self._manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=left))
+        except Exception as e:  # the Rust client raises a plain RuntimeError on timeout
+            raise ElasticMinReplicasError(self._below_msg(None) + f" (torchft: {str(e).splitlines()[0]})") from e
+        return time.monotonic() - t0
 
 
 def contribution(rank: int, step: int, size: int) -> torch.Tensor:
@@ -68,7 +92,10 @@ def run_replica(a: argparse.Namespace) -> int:
         out.flush()
 
     t0 = time.time()
-    group = ElasticOuterGroup(cfg)
+    group = PlainOuterGroup(cfg) if a.no_failover else ElasticOuterGroup(cfg)
+    if not a.no_failover:
+        group.failover.attempt_s = a.attempt_s
+        group.failover.keep_last_quorum = group.failover.keep_last_quorum and not a.no_keep
     emit({"event": "started", "t": time.time(), "init_s": time.time() - t0})
     theta = torch.zeros(a.size, dtype=torch.float32)
     code = 0
@@ -122,6 +149,7 @@ def run_replica(a: argparse.Namespace) -> int:
                     "mean": sha(res.mean),
                     "theta": sha(theta),
                     "committed_step": res.step,
+                    "kept_total": 0 if a.no_failover else group.failover.kept_steps,
                 }
             )
     finally:
@@ -158,6 +186,9 @@ def replica_cmd(
     die_at_step: int | None = None,
     die_mode: str = "phase",
     initial_replicas: int | None = None,
+    failover: bool = True,
+    attempt_s: float = DEFAULT_ATTEMPT_S,
+    keep_last_quorum: bool = True,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -187,6 +218,9 @@ def replica_cmd(
         cmd += ["--die-at-step", str(die_at_step), "--die-mode", die_mode]
     if initial_replicas is not None:
         cmd += ["--initial-replicas", str(initial_replicas)]
+    if not failover:
+        cmd += ["--no-failover"]
+    cmd += ["--attempt-s", str(attempt_s)] + ([] if keep_last_quorum else ["--no-keep"])
     return cmd
 
 
@@ -261,81 +295,155 @@ def run_measure(a: argparse.Namespace) -> int:
     return 0
 
 
-def run_measure_lighthouse(a: argparse.Namespace) -> int:
-    """2 replicas; the lighthouse (its own process) is SIGKILLed after step ``kill_step`` and, with
-    ``--restart-after S``, restarted on the same port S seconds later. Prints what the replicas did."""
+def _read_json_line(proc: subprocess.Popen, timeout_s: float) -> dict:
+    """The first stdout line of ``proc`` as JSON, waiting at most ``timeout_s``."""
+    import threading
+
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not box or not box[0].strip():
+        raise RuntimeError(f"the lighthouse process printed no address within {timeout_s}s")
+    return json.loads(box[0])
+
+
+def lighthouse_scenario(
+    tmp: str,
+    replicas: int = 2,
+    steps: int = 8,
+    kill_step: int = 3,
+    restart_after: float | None = None,
+    failover: bool = True,
+    attempt_s: float = DEFAULT_ATTEMPT_S,
+    keep_last_quorum: bool = True,
+    replica_die_step: int | None = None,
+    timeout: float = 5.0,
+    quorum_timeout: float = 15.0,
+    phase_s: float = 0.5,
+    heartbeat_timeout_ms: int = 2000,
+    size: int = 1000,
+) -> dict:
+    """Replicas on loopback with the lighthouse in its own process, SIGKILLed once replica 0 committed step
+    ``kill_step`` and (``restart_after`` seconds later) restarted on the same port. With ``replica_die_step``
+    the last replica SIGKILLs itself mid-phase before that step (a membership change before the lighthouse
+    dies). Every process has a time bound; returns the times (epoch seconds) and each replica's records."""
     import socket
-    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    lh_cmd = [
-        sys.executable,
-        "-m",
-        "dilocox.elastic.toy",
-        "lighthouse",
-        "--min-replicas",
-        "2",
-        "--bind",
-        f"[::]:{port}",
-        "--lifetime",
-        "300",
-    ]
-    tmp = tempfile.mkdtemp(prefix="elastic_lh_")
-    procs, lhs = [], [subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)]
-    res: dict = {}
+    # the torch-free lighthouse (failover.py run as a script) listens within ~0.1 s of its (re)start
+    lh_cmd = [sys.executable, failover_mod.__file__, "lighthouse", "--min-replicas", "2"]
+    lh_cmd += ["--bind", f"[::]:{port}", "--lifetime", "300", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)]
+    procs: list[subprocess.Popen] = []
+    lhs = [subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)]
+    res: dict = {"replicas": replicas, "kill_step": kill_step, "restart_after": restart_after, "failover": failover}
+    res["keep_last_quorum"] = failover and keep_last_quorum
+    res["size"] = size
+    bound = steps * (phase_s + 2 * timeout) + 3 * quorum_timeout + 60
     try:
-        addr = json.loads(lhs[0].stdout.readline())["address"]
-        for r in range(2):
-            procs.append(
-                subprocess.Popen(
-                    replica_cmd(
-                        addr,
-                        r,
-                        f"{tmp}/r{r}.jsonl",
-                        a.steps,
-                        1000,
-                        2,
-                        a.timeout,
-                        a.quorum_timeout,
-                        a.phase_s,
-                        initial_replicas=2,
-                    ),
-                    start_new_session=True,
-                )
+        addr = _read_json_line(lhs[0], 60)["address"]
+        for r in range(replicas):
+            cmd = replica_cmd(
+                addr,
+                r,
+                f"{tmp}/r{r}.jsonl",
+                steps,
+                size,
+                2,
+                timeout,
+                quorum_timeout,
+                phase_s,
+                replica_die_step if r == replicas - 1 else None,
+                initial_replicas=replicas,
+                failover=failover,
+                attempt_s=attempt_s,
+                keep_last_quorum=keep_last_quorum,
             )
-        deadline = time.monotonic() + 120
+            procs.append(subprocess.Popen(cmd, start_new_session=True))
+        deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
-            if any(x.get("step") == a.kill_step for x in read_records(f"{tmp}/r0.jsonl")):
+            if any(x.get("step") == kill_step for x in read_records(f"{tmp}/r0.jsonl")):
                 break
-            time.sleep(0.05)
+            if procs[0].poll() is not None:
+                raise RuntimeError(f"replica 0 exited ({procs[0].returncode}) before step {kill_step}")
+            time.sleep(0.02)
         os.killpg(lhs[0].pid, signal.SIGKILL)
         res["t_lighthouse_kill"] = time.time()
-        if a.restart_after is not None:
-            time.sleep(a.restart_after)
+        lhs[0].wait(timeout=10)
+        if restart_after is not None:
+            time.sleep(restart_after)
             lhs.append(subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True))
             res["t_lighthouse_restart"] = time.time()
+            _read_json_line(lhs[1], 60)
+            res["t_lighthouse_listening"] = time.time()
+        end = time.monotonic() + bound
         for p in procs:
-            p.wait(timeout=a.steps * (a.phase_s + a.timeout) + 3 * a.quorum_timeout + 60)
+            p.wait(timeout=max(1.0, end - time.monotonic()))
     finally:
         for p in procs + lhs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
-    for r in range(2):
-        recs = read_records(f"{tmp}/r{r}.jsonl")
-        res[f"replica{r}"] = [
-            {
-                k: (round(v - res["t_lighthouse_kill"], 2) if k == "t" else v)
-                for k, v in x.items()
-                if k in ("event", "step", "t", "call_s", "type", "msg", "contributors")
-            }
-            for x in recs
-            if x["event"] in ("step", "error") and x["step"] >= a.kill_step
-        ]
     res["exit_codes"] = [p.returncode for p in procs]
-    print(json.dumps(res, indent=1))
+    res["records"] = [read_records(f"{tmp}/r{r}.jsonl") for r in range(replicas)]
+    return res
+
+
+def summarize_lighthouse(res: dict) -> dict:
+    """The numbers of a ``lighthouse_scenario`` run (times relative to the lighthouse kill / restart)."""
+    t_kill = res["t_lighthouse_kill"]
+    keys = ("replicas", "kill_step", "restart_after", "failover", "keep_last_quorum", "exit_codes")
+    out: dict = {k: res[k] for k in keys}
+    if "t_lighthouse_restart" in res:
+        out["restart_to_listening_s"] = round(res["t_lighthouse_listening"] - res["t_lighthouse_restart"], 3)
+    for r, recs in enumerate(res["records"]):
+        after = [x for x in recs if x["event"] in ("step", "error") and x["step"] > res["kill_step"]]
+        rel = []
+        for x in after:
+            y = {k: x[k] for k in ("event", "step", "contributors", "attempts", "kept_total", "type") if k in x}
+            y["t_after_kill"] = round(x["t"] - t_kill, 2)
+            if "t_lighthouse_restart" in res:
+                y["t_after_restart"] = round(x["t"] - res["t_lighthouse_restart"], 2)
+                y["t_after_listening"] = round(x["t"] - res["t_lighthouse_listening"], 2)
+            if x["event"] == "error":
+                y["wait_s"] = round(x["wait_s"], 2)
+                y["msg"] = x["msg"][:400]
+            rel.append(y)
+        out[f"replica{r}"] = rel
+    steps = [[x for x in recs if x["event"] == "step"] for recs in res["records"]]
+    schedule = [x["contributors"] for x in steps[0]]
+    want = oracle(schedule, res.get("size", 1000)) if schedule else []
+    # every replica's steps: the oracle mean and theta of replica 0's membership schedule, bit for bit
+    out["oracle_ok"] = [
+        [(x["mean"], x["theta"]) for x in st] == want[: len(st)]
+        and [y["contributors"] for y in st] == schedule[: len(st)]
+        for st in steps
+    ]
+    return out
+
+
+def run_measure_lighthouse(a: argparse.Namespace) -> int:
+    """The lighthouse killed (and, with ``--restart-after S``, restarted on the same port) mid-run."""
+    import tempfile
+
+    res = lighthouse_scenario(
+        tempfile.mkdtemp(prefix="elastic_lh_"),
+        replicas=a.replicas,
+        steps=a.steps,
+        kill_step=a.kill_step,
+        restart_after=a.restart_after,
+        failover=not a.no_failover,
+        attempt_s=a.attempt_s,
+        keep_last_quorum=not a.no_keep,
+        replica_die_step=a.replica_die_step,
+        timeout=a.timeout,
+        quorum_timeout=a.quorum_timeout,
+        phase_s=a.phase_s,
+        heartbeat_timeout_ms=a.heartbeat_timeout_ms,
+    )
+    print(json.dumps(summarize_lighthouse(res), indent=1))
     return 0
 
 
@@ -361,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
         help="phase: SIGKILL mid-phase; inflight: SIGKILL after the quorum, while the peers all-reduce",
     )
     r.add_argument("--initial-replicas", type=int, default=None)
+    r.add_argument("--no-failover", action="store_true", help="torchft's own quorum call (no elastic/failover.py)")
+    r.add_argument("--attempt-s", type=float, default=DEFAULT_ATTEMPT_S, help="seconds of the first quorum request")
+    r.add_argument("--no-keep", action="store_true", help="wait for a lost lighthouse, do not keep the last quorum")
     lh = sub.add_parser("lighthouse")
     lh.add_argument("--min-replicas", type=int, default=1)
     lh.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
@@ -384,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     ml.add_argument("--timeout", type=float, default=5.0)
     ml.add_argument("--quorum-timeout", type=float, default=15.0)
     ml.add_argument("--phase-s", type=float, default=0.5)
+    ml.add_argument("--no-failover", action="store_true", help="torchft's own quorum call (the baseline)")
+    ml.add_argument("--attempt-s", type=float, default=DEFAULT_ATTEMPT_S)
+    ml.add_argument("--no-keep", action="store_true", help="wait for the lighthouse, do not keep the quorum")
+    ml.add_argument("--heartbeat-timeout-ms", type=int, default=2000)
+    ml.add_argument("--replicas", type=int, default=2)
+    ml.add_argument(
+        "--replica-die-step", type=int, default=None, help="the last replica SIGKILLs itself before this step"
+    )
     a = ap.parse_args(argv)
     return {
         "replica": run_replica,
