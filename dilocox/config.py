@@ -259,7 +259,7 @@ class SwarmConfig:
     peers_per_stage: tuple = (2, 2)  # m_j peers serving stage j; its length is the number of stages
     sync: str = "swarm"  # swarm: the stage's grads all-reduced every step, then one AdamW step | diloco: AdamW per
     # peer, every outer.sync_every steps the stage's peers take the outer step (outer.lr, momentum, nesterov)
-    routing: str = "iwrr"  # iwrr (interleaved weighted round-robin on measured time) | random | fixed (peer 0)
+    routing: str = "iwrr"  # iwrr (weighted round-robin on measured time) | random | fixed (sender k -> peer k mod m)
     microbatch_size: int = 2  # sequences per microbatch; must divide train.batch_size (per stage-0 peer and step)
     max_inflight: int = 2  # microbatches a stage-0 peer keeps in flight at once
     activations: str = "none"  # none | fp16 | int8: codec of activations and their grads between stages

@@ -82,18 +82,25 @@ def store_key(stage: int, index: int) -> str:
 
 
 class FixedRouter(RandomRouter):
-    """``swarm.routing=fixed``: always the first live peer in order (a static pipeline; tests, baselines)."""
+    """``swarm.routing=fixed``: a static pipeline: the sender with index k always sends to peer ``k mod m`` of the
+    next stage (with one peer per stage: peer 0), or to the next live one in order when that one is banned."""
+
+    offset = 0  # the sender's index within its stage
 
     def choose(self):
-        live = self.live()
+        live = set(self.live())
         if not live:
             raise self._no_live()
-        return live[0]
+        order = list(self.until)  # every known peer, in insertion (index) order
+        start = self.offset % len(order)
+        return next(p for p in order[start:] + order[:start] if p in live)
 
 
-def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int):
+def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int, offset: int = 0):
     if kind == "fixed":
-        return FixedRouter(peers, name=name, ban_s=ban_s)
+        r = FixedRouter(peers, name=name, ban_s=ban_s)
+        r.offset = offset
+        return r
     return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
 
 
@@ -148,6 +155,7 @@ class SwarmPeer:
         dump_grads: tuple[int, ...] = (),
         delay_s: float = 0.0,
         join: bool = False,
+        delay_serial: bool = False,
     ) -> None:
         self.cfg, self.s = cfg, cfg.swarm
         self.pps = list(self.s.peers_per_stage)
@@ -159,6 +167,9 @@ class SwarmPeer:
         self.first, self.last = stage == 0, stage == self.n - 1
         self.steps = cfg.train.steps if steps is None else steps
         self.out_dir, self.dump_grads, self.delay_s = out_dir, set(dump_grads), delay_s
+        # --delay-serial: the injected delay occupies the peer (it holds the compute lock, like slower compute), so
+        # it lowers the peer's throughput; without it concurrent microbatches sleep side by side (a slow link)
+        self.delay_serial = delay_serial
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
@@ -175,6 +186,7 @@ class SwarmPeer:
         self.count = 0  # microbatches served in self.step
         self.active = 0  # forward requests being served now
         self.loss_sum = 0.0
+        self.busy_s = 0.0  # seconds of own work (compute + serial delay) on the microbatches of this step
         self.markers: dict[int, dict[str, int]] = {}  # step -> upstream peer -> microbatches it routed here
         self.expected_up = [peer_name(stage - 1, i) for i in range(self.pps[stage - 1])] if stage else []
         self.dropped_up: list[dict] = []
@@ -188,6 +200,7 @@ class SwarmPeer:
         self.addrs: dict[str, str] = {}
         self.router = None
         self.router_lock = threading.Lock()
+        self.last_done: dict[str, float] = {}  # downstream peer -> time of its last reply (router timing)
         self.group = None
         self.outer = None
         self.records: list[dict] = []
@@ -227,7 +240,12 @@ class SwarmPeer:
         if not self.last:
             down = [peer_name(self.stage + 1, i) for i in range(self.pps[self.stage + 1])]
             self.router = make_router(
-                self.s.routing, down, f"stage {self.stage + 1}", self.s.ban_s, seed=self.cfg.train.seed + self.stage
+                self.s.routing,
+                down,
+                f"stage {self.stage + 1}",
+                self.s.ban_s,
+                seed=self.cfg.train.seed + self.stage,
+                offset=self.index,
             )
         if self.m > 1:
             from dilocox.elastic import ElasticConfig, ElasticOuterGroup
@@ -336,28 +354,37 @@ class SwarmPeer:
         self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None
     ) -> tuple[Tensor | None, dict]:
         """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
-        if self.delay_s:
+        busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
+        if self.delay_s and not self.delay_serial:
             time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
         with self.lock:
+            t = time.monotonic()
+            if self.delay_s and self.delay_serial:
+                time.sleep(self.delay_s)  # injected slower compute: holds the compute lock (heterogeneous peers)
             out = self.model(x)
             self.visits.append((step, mb, "fwd"))
+            busy += time.monotonic() - t
         if self.last:
             with self.lock:
+                t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
                 loss = self.model.loss(out.float(), labels)
                 loss.backward()
                 self.visits.append((step, mb, "bwd"))
                 self.count += 1
                 self.loss_sum += float(loss.detach())
+                self.busy_s += busy + time.monotonic() - t
             info = {"loss": float(loss.detach()), "route": [self.name]}
         else:
             gy, info, peer = self._send(step, mb, out.detach(), labels, deadline)
             with self.lock:
+                t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
                 out.backward(gy.to(out.dtype))
                 self.visits.append((step, mb, "bwd"))
                 self.count += 1
                 self.routed[peer] = self.routed.get(peer, 0) + 1
+                self.busy_s += busy + time.monotonic() - t
             info["route"] = [self.name, *info["route"]]
         return (x.grad if x.requires_grad else None), info
 
@@ -403,8 +430,13 @@ class SwarmPeer:
                 msg = "%s: banned %s for %.0fs (%s); re-sending microbatch %s"
                 log.warning(msg, self.name, peer, self.s.ban_s, e.reason, mb)
                 continue
+            now = time.monotonic()
             with self.router_lock:
-                self.router.done(peer, time.monotonic() - t0)
+                # the peer's time per microbatch as this sender sees it: from the later of this request's send and
+                # the previous reply from that peer (when several of this sender's requests queue there, the round
+                # trip would count the queue too, and IWRR would equalise latencies instead of following throughput)
+                self.router.done(peer, now - max(t0, self.last_done.get(peer, t0)))
+                self.last_done[peer] = now
             with self.lock:
                 link = self.link_bytes.setdefault(peer, [0, 0])
                 link[0] += payload.numel() + labels.numel() * labels.element_size()
@@ -423,6 +455,7 @@ class SwarmPeer:
             self._end_of_step(k)
             with self.lock:
                 rec["microbatches"] = self.count
+                rec["busy_s"], self.busy_s = self.busy_s, 0.0  # own work on this step's microbatches (seconds)
                 if self.link_bytes:  # pipeline traffic of this step on each link to the next stage (both ways)
                     rec["link_bytes"], self.link_bytes = self.link_bytes, {}
                 if self.last and self.count:
@@ -676,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-grads", default="", help="comma-separated steps whose gradient sums are saved")
     ap.add_argument("--delay-s", type=float, default=0.0, help="injected delay per microbatch (tests)")
     ap.add_argument("--join", action="store_true", help="a (re)started peer joining a running job")
+    ap.add_argument("--delay-serial", action="store_true", help="the delay occupies the peer (slower compute)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s")
@@ -686,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = a.store.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.swarm.startup_timeout_s))
     dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
-    peer = SwarmPeer(cfg, a.stage, a.index, store, a.lighthouse, a.out, a.steps, dump, a.delay_s, a.join)
+    peer = SwarmPeer(
+        cfg, a.stage, a.index, store, a.lighthouse, a.out, a.steps, dump, a.delay_s, a.join, a.delay_serial
+    )
     try:
         peer.start()
         peer.run()

@@ -170,12 +170,14 @@ def launch(
     dump_grads: tuple[int, ...] = (),
     delays: dict[str, float] | None = None,
     on_started=None,
+    delay_serial: bool = False,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
     ``peers_per_stage`` overrides ``cfg.swarm.peers_per_stage``; ``delays`` maps a peer name (``s1p0``) to an
-    injected delay per microbatch; ``on_started(launcher)`` runs once every peer process is started (fault tests
-    kill a peer from there). Every process started here is killed by the end, also on errors and timeouts.
+    injected delay per microbatch (``delay_serial``: the delay occupies the peer, one microbatch at a time, i.e. a
+    slower peer rather than a slower link); ``on_started(launcher)`` runs once every peer process is started
+    (fault tests kill a peer from there). Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
         cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
@@ -188,7 +190,9 @@ def launch(
         for j, m in enumerate(cfg.swarm.peers_per_stage):
             for k in range(m):
                 names.append(peer_name(j, k))
-                la.start_peer(j, k, steps=steps, extra=extra, delay_s=(delays or {}).get(peer_name(j, k), 0.0))
+                d = (delays or {}).get(peer_name(j, k), 0.0)
+                ex = [*extra, "--delay-serial"] if d and delay_serial else extra
+                la.start_peer(j, k, steps=steps, extra=ex, delay_s=d)
         if on_started is not None:
             on_started(la)
         finished = la.wait(t0 + timeout_s)

@@ -1,0 +1,156 @@
+"""The command line of SWARM mode: ``dilocox swarm ...`` and ``dilocox launch --swarm ...`` (issue 11 part 7).
+
+    dilocox swarm CONFIG [--peers 2,2] [--steps N] [--out DIR] [--timeout-s S] [--section.key=value ...]
+    dilocox launch --swarm CONFIG [...same options...]
+    dilocox swarm store --port P [--bind 0.0.0.0] [--max-s S]     (the address store, for launcher/slurm/swarm.sbatch)
+    dilocox swarm peer --config C --stage J --index K --store H:P [...]   (one peer: python -m dilocox.swarm.peer)
+
+The first form starts the whole job on this host (``dilocox.swarm.runtime.launch``: the TCPStore, one torchft
+lighthouse per multi-peer stage, one process group per peer) and kills every process it started at the end.
+The ``store`` and ``peer`` forms are the pieces a multi-node launcher starts on its own (SLURM: one srun step per
+peer, store and lighthouses on the first node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+
+
+class SwarmUsageError(ValueError):
+    """A malformed ``dilocox swarm`` command line (one line, exit 2)."""
+
+
+def parse_peers(text: str) -> list[int]:
+    """``"2,2"`` / ``"[4, 4]"`` -> ``[2, 2]``; anything else is a one-line error naming --peers and the fix."""
+    parts = [p.strip() for p in text.strip().strip("[]").split(",")]
+    try:
+        out = [int(p) for p in parts]
+    except ValueError:
+        out = []
+    if not out or any(m < 1 for m in out):
+        raise SwarmUsageError(f"--peers {text!r} must be peers per stage, integers >= 1 separated by commas, e.g. 2,2")
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a malformed command line is one line (``dilocox swarm: ...``, exit 2), not usage + error."""
+
+    def error(self, message: str):
+        raise SwarmUsageError(f"{message} (see {self.prog} --help)")
+
+
+def _run_parser(prog: str) -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog=prog,
+        description="Start a SWARM / DiLoCo-SWARM job on this host: one process per peer (docs/SWARM.md).",
+        epilog="Any config key can follow as --section.key=value (e.g. --swarm.sync=diloco --outer.sync_every=10 "
+        "--swarm.routing=random); every key is in docs/CONFIG.md.",
+    )
+    ap.add_argument("config", help="YAML config (e.g. configs/tiny.yaml); its swarm: section describes the job")
+    ap.add_argument("--peers", default=None, help="peers per stage, e.g. 2,2 (overrides swarm.peers_per_stage)")
+    ap.add_argument("--steps", type=int, default=None, help="steps to train (default: train.steps)")
+    ap.add_argument("--out", default=None, help="output directory (default: <log.run_dir>/swarm)")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole job; then every peer is killed")
+    ap.add_argument(
+        "--delay", action="append", default=[], metavar="PEER=SECONDS",
+        help="inject a delay per microbatch on a peer, e.g. s1p1=0.2 (heterogeneous-peer experiments)",
+    )  # fmt: skip
+    return ap
+
+
+def parse_delays(items: list[str]) -> dict[str, float]:
+    out = {}
+    for it in items:
+        name, _, sec = it.partition("=")
+        try:
+            out[name.strip()] = float(sec)
+        except ValueError:
+            raise SwarmUsageError(f"--delay {it!r} must be PEER=SECONDS, e.g. s1p1=0.2") from None
+        if not name.strip().startswith("s") or "p" not in name or out[name.strip()] < 0:
+            raise SwarmUsageError(f"--delay {it!r} must be PEER=SECONDS with PEER like s1p0 and SECONDS >= 0")
+    return out
+
+
+def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
+    """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
+    from dilocox.config import load_config
+    from dilocox.swarm.runtime import launch, summarize
+
+    ap = _run_parser(prog)
+    a, rest = ap.parse_known_args(argv)
+    bad = [r for r in rest if not r.startswith("--")]
+    if bad:
+        raise SwarmUsageError(f"unexpected argument {bad[0]!r}: config keys are given as --section.key=value")
+    if a.steps is not None and a.steps < 1:
+        raise SwarmUsageError(f"--steps {a.steps} must be at least 1")
+    if a.timeout_s <= 0:
+        raise SwarmUsageError(f"--timeout-s {a.timeout_s} must be > 0 seconds")
+    peers = parse_peers(a.peers) if a.peers is not None else None
+    delays = parse_delays(a.delay)
+    overrides = list(rest)
+    if peers is not None:
+        overrides.append(f"--swarm.peers_per_stage=[{','.join(map(str, peers))}]")
+    cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
+    pps = list(cfg.swarm.peers_per_stage)
+    for name in delays:
+        j, _, k = name[1:].partition("p")
+        if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
+            raise SwarmUsageError(f"--delay {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    out = a.out or os.path.join(cfg.log.run_dir, "swarm")
+    res = launch(cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True)
+    print(summarize(res))
+    failed = {n: rc for n, rc in res.returncodes.items() if rc != 0}
+    if failed:
+        print(f"swarm job: peers {failed} did not exit 0; their logs are in {out}", file=sys.stderr)
+    return 0 if not failed else 1
+
+
+def store_main(argv: list[str]) -> int:
+    """Serve the job's address store (a torch.distributed TCPStore) until SIGTERM/SIGINT or --max-s."""
+    from torch.distributed import TCPStore
+
+    ap = _Parser(
+        prog="dilocox swarm store", description="the address store of a multi-node SWARM job (peers publish here)"
+    )
+    ap.add_argument("--port", type=int, required=True, help="TCP port to listen on")
+    ap.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    ap.add_argument("--max-s", type=float, default=7 * 86400.0, help="stop after this many seconds at the latest")
+    a = ap.parse_args(argv)
+    if not 0 < a.port < 65536:
+        raise SwarmUsageError(f"--port {a.port} must be a TCP port in 1..65535")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    store = TCPStore(a.bind, a.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"swarm store listening on {a.bind}:{store.port}", flush=True)
+    stop.wait(timeout=a.max_s)
+    print("swarm store: stopping", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``dilocox swarm ...``: run (default) | store | peer."""
+    if argv and argv[0] == "store":
+        return store_main(argv[1:])
+    if argv and argv[0] == "peer":
+        from dilocox.swarm.peer import main as peer_main
+
+        return peer_main(argv[1:])
+    if not argv:
+        raise SwarmUsageError("needs a CONFIG file: dilocox swarm CONFIG [--peers 2,2] [--steps N] (see --help)")
+    return run_main(argv)
+
+
+def launch_main(argv: list[str]) -> int:
+    """``dilocox launch --swarm CONFIG ...`` (the launcher form of ``dilocox swarm CONFIG ...``)."""
+    rest = [a for a in argv if a != "--swarm"]
+    if not rest:
+        raise SwarmUsageError("--swarm needs a CONFIG file: dilocox launch --swarm CONFIG [--peers 2,2] [--steps N]")
+    return run_main(rest, prog="dilocox launch --swarm")

@@ -1,0 +1,233 @@
+"""SWARM's launch surface (issue 11 part 7): ``dilocox swarm`` / ``dilocox launch --swarm`` and
+``launcher/slurm/swarm.sbatch`` (its commands under stub srun/scontrol, and a real 2+1-peer job through it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.spawn import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "launcher", "slurm", "swarm.sbatch")
+TINY = [
+    "--model.n_layers=2",
+    "--model.d_model=64",
+    "--data.max_bytes=200000",
+    "--train.batch_size=4",
+    "--train.seq_len=32",
+    "--optim.warmup_steps=0",
+    "--swarm.step_timeout_s=60",
+    "--swarm.sync_timeout_s=60",
+    "--swarm.rpc_timeout_s=20",
+]
+
+
+def _dilocox(args: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dilocox.cli", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, **kw,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"dilocox {' '.join(args)} ran past {timeout}s:\n{out[-2000:]}\n{err[-2000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _peer_processes(out_dir: str) -> list[str]:
+    """Live processes whose command line names ``out_dir`` (peers of that job that outlived it)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if out_dir in cmd and "dilocox.swarm.peer" in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+# --------------------------------------------------------------------------- dilocox swarm / launch --swarm
+
+
+def test_swarm_help_lists_options_and_bench_is_registered():
+    p = _dilocox(["swarm", "--help"], timeout=120)
+    assert p.returncode == 0, p.stderr
+    for opt in ("--peers", "--steps", "--out", "--timeout-s", "--delay", "--section.key=value"):
+        assert opt in p.stdout, opt
+    p = _dilocox(["launch", "--swarm", "--help"], timeout=120)
+    assert p.returncode == 0 and "dilocox launch --swarm" in p.stdout, p.stderr
+    p = _dilocox(["--help"], timeout=120)
+    assert "dilocox swarm CONFIG" in p.stdout
+    p = _dilocox(["bench", "--help"], timeout=120)
+    assert "swarm " in p.stdout and "DiLoCo-SWARM" in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["swarm"], "needs a CONFIG file"),
+        (["launch", "--swarm"], "--swarm needs a CONFIG file"),
+        (["swarm", "configs/tiny.yaml", "--peers", "2,x"], "--peers '2,x' must be peers per stage"),
+        (["swarm", "configs/tiny.yaml", "--peers", "0,2"], "--peers '0,2' must be peers per stage"),
+        (["swarm", "configs/tiny.yaml", "--steps", "0"], "--steps 0 must be at least 1"),
+        (["swarm", "configs/tiny.yaml", "--delay", "s5p0=1"], "--delay s5p0: no such peer"),
+        (["swarm", "configs/tiny.yaml", "--delay", "s1p0=fast"], "must be PEER=SECONDS"),
+        (["swarm", "configs/tiny.yaml", "stray"], "unexpected argument 'stray'"),
+        (["swarm", "configs/tiny.yaml", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["swarm", "no/such.yaml"], "does not exist"),
+        (["launch", "--swarm", "configs/tiny.yaml", "--swarm.routing=nope"], "swarm.routing"),
+    ],
+)
+def test_swarm_bad_input_is_one_line_exit_2(args, needle, tmp_path):
+    p = _dilocox([*args, "--out", str(tmp_path)] if any(".yaml" in a for a in args) else args, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert needle in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not _peer_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", [["swarm"], ["launch", "--swarm"]])
+def test_cli_runs_a_2x2_swarm_job_and_leaves_nothing(form, tmp_path):
+    out = str(tmp_path / "job")
+    p = _dilocox(
+        [*form, "configs/tiny.yaml", "--peers", "2,2", "--steps", "1", "--out", out, "--timeout-s", "200", *TINY],
+        timeout=280,
+    )
+    assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    assert "swarm job: 4 peers" in p.stdout
+    for name in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        assert f"{name}: exit 0, 1 steps" in p.stdout, p.stdout
+        with open(os.path.join(out, f"{name}.jsonl")) as f:
+            recs = [json.loads(line) for line in f]
+        assert [r["step"] for r in recs] == [0]
+    # 2 stage-0 peers x 4 sequences / 2 per microbatch = 4 microbatches, all trained by stage 1
+    with open(os.path.join(out, "s1p0.jsonl")) as f, open(os.path.join(out, "s1p1.jsonl")) as g:
+        assert json.loads(f.readline())["microbatches"] + json.loads(g.readline())["microbatches"] == 4
+    assert not _peer_processes(out), "a peer outlived the job"
+
+
+# --------------------------------------------------------------------------- launcher/slurm/swarm.sbatch
+
+STUBS = {
+    "scontrol": 'for h in $FAKE_HOSTS; do echo "$h"; done',
+    # srun: log the step's node and run its task there (background steps interleave: compare sorted lines)
+    "srun": 'node=""\nwhile [[ $1 == --* ]]; do [[ $1 == --nodelist=* ]] && node=${1#--nodelist=}; shift; done\n'
+    'SLURMD_NODENAME=$node exec "$@"',
+    "fakepython": 'echo "$SLURMD_NODENAME python $*" >> "$LOG"',
+}
+
+
+def run_sbatch(tmp_path, hosts: str, peers: str = "2,2", python: str = "fakepython", extra_env=None, args=(),
+               timeout: float = 60) -> tuple[subprocess.CompletedProcess, list[str]]:  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        LOG=str(log),
+        FAKE_HOSTS=hosts,
+        SLURM_JOB_NODELIST="fake",
+        SLURM_JOB_ID="42",
+        DILOCOX_ROOT=ROOT,
+        DILOCOX_RUN_DIR=str(tmp_path / "run"),
+        DILOCOX_SWARM_PEERS=peers,
+        DILOCOX_WAIT_S="0",
+        PYTHON=python,
+        OMP_NUM_THREADS="1",
+    )
+    env.update(extra_env or {})
+    p = subprocess.run(
+        ["bash", SBATCH, "configs/tiny.yaml", *(args or ["--train.steps=3"])], env=env, capture_output=True,
+        text=True, timeout=timeout, start_new_session=True,
+    )  # fmt: skip
+    return p, sorted(log.read_text().splitlines()) if log.exists() else []
+
+
+def test_swarm_sbatch_parses():
+    p = subprocess.run(["bash", "-n", SBATCH], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_path):
+    p, lines = run_sbatch(tmp_path, "gpu03 gpu04 gpu07", peers="3,1,2")
+    assert p.returncode == 0, p.stderr
+    services = [ln for ln in lines if "dilocox.swarm.peer" not in ln]
+    assert services == sorted(
+        [
+            "gpu03 python -m dilocox.cli swarm store --port 29520",
+            "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29530 --heartbeat-timeout-ms "
+            "5000 --join-timeout-ms 60000",
+            "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29532 --heartbeat-timeout-ms "
+            "5000 --join-timeout-ms 60000",
+        ]
+    ), services  # no lighthouse for stage 1: it has one peer
+    peers = [ln for ln in lines if "dilocox.swarm.peer" in ln]
+    run = str(tmp_path / "run")
+    want = []
+    for n, (j, k) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]):
+        node = ["gpu03", "gpu04", "gpu07"][n % 3]
+        lh = {0: " --lighthouse http://gpu03:29530", 2: " --lighthouse http://gpu03:29532"}.get(j, "")
+        want.append(
+            f"{node} python -m dilocox.swarm.peer --config configs/tiny.yaml --stage {j} --index {k} "
+            f"--store gpu03:29520 --out {run}{lh} -- --train.steps=3 --swarm.peers_per_stage=[3,1,2] "
+            f"--swarm.host={node}"
+        )
+    assert peers == sorted(want)
+    assert p.stdout.count("exited with 0") == 6
+
+
+@pytest.mark.parametrize("peers", ["2,x", "0,2", "2,,2"])
+def test_swarm_sbatch_rejects_bad_peers(tmp_path, peers):
+    p, lines = run_sbatch(tmp_path, "n1 n2", peers=peers)
+    assert p.returncode == 2 and "DILOCOX_SWARM_PEERS" in p.stderr and not lines, p.stderr
+
+
+def test_swarm_sbatch_reports_a_failed_peer_but_waits_for_the_others(tmp_path):
+    """A peer whose step fails ends only that step: the others run to the end; the job's status is the failure."""
+    stub = tmp_path / "failpython"
+    stub.write_text('#!/bin/bash\necho "$SLURMD_NODENAME python $*" >> "$LOG"\n[[ "$*" == *"--stage 1 --index 0"* ]] '
+                    '&& exit 3\nexit 0\n')  # fmt: skip
+    stub.chmod(0o755)
+    p, lines = run_sbatch(tmp_path, "n1 n2", python=str(stub))
+    assert p.returncode == 3, p.stderr
+    assert "peer s1p0 exited with 3" in p.stdout and p.stdout.count("exited with 0") == 3
+    assert sum("dilocox.swarm.peer" in ln for ln in lines) == 4
+
+
+@pytest.mark.slow
+def test_swarm_sbatch_runs_a_real_job_on_localhost(tmp_path):
+    """The script end to end with real processes (srun runs each step here): store, a lighthouse, 2+1 peers."""
+    ports = {"DILOCOX_STORE_PORT": str(free_port()), "DILOCOX_LIGHTHOUSE_PORT": str(free_port())}
+    ports["DILOCOX_WAIT_S"] = "60"
+    p, _ = run_sbatch(
+        tmp_path, "127.0.0.1", peers="2,1", python=sys.executable, extra_env=ports,
+        args=[*TINY, "--train.steps=2"], timeout=280,
+    )  # fmt: skip
+    run = tmp_path / "run"
+    logs = {n: (run / f"{n}.out").read_text()[-2000:] for n in ("s0p0", "s0p1", "s1p0") if (run / f"{n}.out").exists()}
+    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n{logs}"
+    for name in ("s0p0", "s0p1", "s1p0"):
+        recs = [json.loads(line) for line in (run / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in recs] == [0, 1], name
+        assert (run / f"{name}.pt").exists()
+    s1 = [json.loads(line) for line in (run / "s1p0.jsonl").read_text().splitlines()]
+    assert [r["microbatches"] for r in s1] == [4, 4]  # 2 stage-0 peers x 2 microbatches, all served
+    assert not _peer_processes(str(run))
