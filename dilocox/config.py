@@ -614,21 +614,25 @@ def _validate_swarm(cfg: Config) -> None:
     ):
         _fail("swarm.peers_per_stage", s.peers_per_stage, "must be a list of integers >= 1, one per stage, e.g. [2, 2]")
     s.peers_per_stage = tuple(pps)
-    if len(pps) > cfg.model.n_layers:
-        _fail("swarm.peers_per_stage", list(pps), f"has more stages than model.n_layers={cfg.model.n_layers}")
-    if len(pps) > 1 and cfg.model.tie_embeddings:
-        _fail("model.tie_embeddings", True, "must be false with more than one swarm stage (len(swarm.peers_per_stage))")
-    if s.microbatch_size < 1 or cfg.train.batch_size % s.microbatch_size:
-        _fail(
-            "swarm.microbatch_size",
-            s.microbatch_size,
-            f"must be >= 1 and divide train.batch_size={cfg.train.batch_size}",
-        )
+    if s.microbatch_size < 1:
+        _fail("swarm.microbatch_size", s.microbatch_size, "must be >= 1")
     if s.max_inflight < 1:
         _fail("swarm.max_inflight", s.max_inflight, "must be >= 1")
     for name in ("rpc_timeout_s", "ban_s", "step_timeout_s", "startup_timeout_s", "sync_timeout_s"):
         if getattr(s, name) <= 0:
             _fail(f"swarm.{name}", getattr(s, name), "must be > 0 seconds")
+
+
+def validate_swarm_layout(cfg: Config) -> None:
+    """Checks of the swarm section against the model and batch, for a SWARM run only (`dilocox swarm`, its peers):
+    a non-SWARM run does not care about the swarm defaults."""
+    s, pps = cfg.swarm, cfg.swarm.peers_per_stage
+    if len(pps) > cfg.model.n_layers:
+        _fail("swarm.peers_per_stage", list(pps), f"has more stages than model.n_layers={cfg.model.n_layers}")
+    if len(pps) > 1 and cfg.model.tie_embeddings:
+        _fail("model.tie_embeddings", True, "must be false with more than one swarm stage (len(swarm.peers_per_stage))")
+    if cfg.train.batch_size % s.microbatch_size:
+        _fail("swarm.microbatch_size", s.microbatch_size, f"must divide train.batch_size={cfg.train.batch_size}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -89,6 +89,8 @@ def test_swarm_help_lists_options_and_bench_is_registered():
         (["swarm", "configs/tiny.yaml", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (["swarm", "no/such.yaml"], "does not exist"),
         (["launch", "--swarm", "configs/tiny.yaml", "--swarm.routing=nope"], "swarm.routing"),
+        (["swarm", "configs/tiny.yaml", "--model.tie_embeddings=true"], "model.tie_embeddings=True must be false"),
+        (["swarm", "configs/tiny.yaml", "--swarm.microbatch_size=3"], "must divide train.batch_size"),
     ],
 )
 def test_swarm_bad_input_is_one_line_exit_2(args, needle, tmp_path):
@@ -231,3 +233,13 @@ def test_swarm_sbatch_runs_a_real_job_on_localhost(tmp_path):
     s1 = [json.loads(line) for line in (run / "s1p0.jsonl").read_text().splitlines()]
     assert [r["microbatches"] for r in s1] == [4, 4]  # 2 stage-0 peers x 2 microbatches, all served
     assert not _peer_processes(str(run))
+
+
+def test_swarm_layout_checks_do_not_touch_other_runs():
+    """The swarm section's checks against the model apply to SWARM runs only: a plain run with a tied embedding
+    still loads (every tied-embedding run failed to load before this was split)."""
+    from dilocox.config import ConfigError, load_config, validate_swarm_layout
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["--model.tie_embeddings=true"])
+    with pytest.raises(ConfigError, match="model.tie_embeddings"):
+        validate_swarm_layout(cfg)

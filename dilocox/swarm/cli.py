@@ -79,7 +79,7 @@ def parse_delays(items: list[str]) -> dict[str, float]:
 
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
-    from dilocox.config import load_config
+    from dilocox.config import load_config, validate_swarm_layout
     from dilocox.swarm.runtime import launch, summarize
 
     ap = _run_parser(prog)
@@ -97,6 +97,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     if peers is not None:
         overrides.append(f"--swarm.peers_per_stage=[{','.join(map(str, peers))}]")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
+    validate_swarm_layout(cfg)
     pps = list(cfg.swarm.peers_per_stage)
     for name in delays:
         j, _, k = name[1:].partition("p")

@@ -59,7 +59,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.config import Config, load_config
+from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.model import build_stage_model
 from dilocox.swarm import activations as act_codec
@@ -715,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(a.config, a.overrides)
+    validate_swarm_layout(cfg)
     from torch.distributed import TCPStore
 
     host, _, port = a.store.rpartition(":")
