@@ -102,7 +102,7 @@ def test_swarm_bad_input_is_one_line_exit_2(args, needle, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", [["swarm"], ["launch", "--swarm"]])
+@pytest.mark.parametrize("form", [["launch", "--swarm"]])  # `dilocox swarm` is the same entry point (bad-input tests)
 def test_cli_runs_a_2x2_swarm_job_and_leaves_nothing(form, tmp_path):
     out = str(tmp_path / "job")
     p = _dilocox(
