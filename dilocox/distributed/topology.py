@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,26 +40,26 @@ class Coord:
     tp: int
 
 
-class ExternalGroup:
+class ExternalGroup(ABC):
     """A group whose collectives are not ``torch.distributed``'s own (the elastic outer group over torchft,
     ``dilocox/elastic/group.py``): the compressed collectives call these methods instead of ``dist.*``.
     Every call blocks until done (bounded by the group's own timeout) and raises on a failed peer."""
 
-    def size(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def size(self) -> int: ...
 
-    def rank(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def rank(self) -> int: ...
 
+    @abstractmethod
     def all_reduce(self, t) -> None:
         """In-place SUM of ``t`` over the group."""
-        raise NotImplementedError
 
-    def all_gather(self, out: list, t) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def all_gather(self, out: list, t) -> None: ...
 
-    def all_to_all_single(self, out, t) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def all_to_all_single(self, out, t) -> None: ...
 
 
 def group_world(group) -> int:
