@@ -24,6 +24,7 @@ import pytest
 from dilocox.distributed.signals import tagged_pids
 from dilocox.elastic.launch import Action, ElasticLaunch, LaunchError, parse_schedule
 from dilocox.launch.netns import Cluster, netns_available
+from tests.fake_slurm import run_fake_sbatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launcher", "slurm", "elastic.sbatch")
@@ -346,29 +347,16 @@ SLURM_STUBS = {
 
 
 def run_elastic_sbatch(tmp_path, hosts: str, **extra) -> tuple[subprocess.CompletedProcess, list[str]]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, body in SLURM_STUBS.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
-    log = tmp_path / "log"
     env = dict(
-        os.environ,
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        LOG=str(log),
         FAKE_HOSTS=hosts,
         SLURM_JOB_NODELIST="fake",
-        SLURM_JOB_ID="42",
-        DILOCOX_ROOT=ROOT,
         DILOCOX_RUN_DIR=str(tmp_path / "run"),
         DILOCOX_LIGHTHOUSE_WAIT_S="0",
         PYTHON="fakepython",
         **extra,
     )
-    p = subprocess.run(
-        ["bash", SBATCH, "configs/x.yaml", "--train.steps=3"], env=env, capture_output=True, text=True, timeout=60
-    )
-    return p, sorted(log.read_text().splitlines()) if log.exists() else []
+    p, lines = run_fake_sbatch(tmp_path, SBATCH, SLURM_STUBS, ["configs/x.yaml", "--train.steps=3"], env)
+    return p, sorted(lines)
 
 
 def test_elastic_sbatch_parses():

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.fake_slurm import run_fake_sbatch
 from tests.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,41 +64,68 @@ def _peer_processes(out_dir: str) -> list[str]:
 
 
 def test_swarm_help_lists_options_and_bench_is_registered():
-    p = _dilocox(["swarm", "--help"], timeout=120)
-    assert p.returncode == 0, p.stderr
+    swarm, launch, top, bench = _cli_cases(
+        [["swarm", "--help"], ["launch", "--swarm", "--help"], ["--help"], ["bench", "--help"]]
+    )
+    assert swarm[0] == 0, swarm[2]
     for opt in ("--peers", "--steps", "--out", "--timeout-s", "--delay", "--section.key=value"):
-        assert opt in p.stdout, opt
-    p = _dilocox(["launch", "--swarm", "--help"], timeout=120)
-    assert p.returncode == 0 and "dilocox launch --swarm" in p.stdout, p.stderr
-    p = _dilocox(["--help"], timeout=120)
-    assert "dilocox swarm CONFIG" in p.stdout
-    p = _dilocox(["bench", "--help"], timeout=120)
-    assert "swarm " in p.stdout and "DiLoCo-SWARM" in p.stdout
+        assert opt in swarm[1], opt
+    assert launch[0] == 0 and "dilocox launch --swarm" in launch[1], launch[2]
+    assert "dilocox swarm CONFIG" in top[1]
+    assert "swarm " in bench[1] and "DiLoCo-SWARM" in bench[1]
 
 
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["swarm"], "needs a CONFIG file"),
-        (["launch", "--swarm"], "--swarm needs a CONFIG file"),
-        (["swarm", "configs/tiny.yaml", "--peers", "2,x"], "--peers '2,x' must be peers per stage"),
-        (["swarm", "configs/tiny.yaml", "--peers", "0,2"], "--peers '0,2' must be peers per stage"),
-        (["swarm", "configs/tiny.yaml", "--steps", "0"], "--steps 0 must be at least 1"),
-        (["swarm", "configs/tiny.yaml", "--delay", "s5p0=1"], "--delay s5p0: no such peer"),
-        (["swarm", "configs/tiny.yaml", "--delay", "s1p0=fast"], "must be PEER=SECONDS"),
-        (["swarm", "configs/tiny.yaml", "stray"], "unexpected argument 'stray'"),
-        (["swarm", "configs/tiny.yaml", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
-        (["swarm", "no/such.yaml"], "does not exist"),
-        (["launch", "--swarm", "configs/tiny.yaml", "--swarm.routing=nope"], "swarm.routing"),
-        (["swarm", "configs/tiny.yaml", "--model.tie_embeddings=true"], "model.tie_embeddings=True must be false"),
-        (["swarm", "configs/tiny.yaml", "--swarm.microbatch_size=3"], "must divide train.batch_size"),
-    ],
-)
-def test_swarm_bad_input_is_one_line_exit_2(args, needle, tmp_path):
-    p = _dilocox([*args, "--out", str(tmp_path)] if any(".yaml" in a for a in args) else args, timeout=120)
-    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
-    assert needle in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+BAD_INPUT = [
+    (["swarm"], "needs a CONFIG file"),
+    (["launch", "--swarm"], "--swarm needs a CONFIG file"),
+    (["swarm", "configs/tiny.yaml", "--peers", "2,x"], "--peers '2,x' must be peers per stage"),
+    (["swarm", "configs/tiny.yaml", "--peers", "0,2"], "--peers '0,2' must be peers per stage"),
+    (["swarm", "configs/tiny.yaml", "--steps", "0"], "--steps 0 must be at least 1"),
+    (["swarm", "configs/tiny.yaml", "--delay", "s5p0=1"], "--delay s5p0: no such peer"),
+    (["swarm", "configs/tiny.yaml", "--delay", "s1p0=fast"], "must be PEER=SECONDS"),
+    (["swarm", "configs/tiny.yaml", "stray"], "unexpected argument 'stray'"),
+    (["swarm", "configs/tiny.yaml", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["swarm", "no/such.yaml"], "does not exist"),
+    (["launch", "--swarm", "configs/tiny.yaml", "--swarm.routing=nope"], "swarm.routing"),
+    (["swarm", "configs/tiny.yaml", "--model.tie_embeddings=true"], "model.tie_embeddings=True must be false"),
+    (["swarm", "configs/tiny.yaml", "--swarm.microbatch_size=3"], "must divide train.batch_size"),
+]
+
+# every case in ONE child process (an interpreter + torch import per case cost ~5 s each): the child calls the CLI's
+# main() per case with stdout and stderr captured and reports (exit code, stdout, stderr) as JSON
+_CLI_DRIVER = """
+import contextlib, io, json, sys
+from dilocox.cli import main
+res = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    res.append([rc, out.getvalue(), err.getvalue()])
+print(json.dumps(res))
+"""
+
+
+def _cli_cases(argvs: list[list[str]]) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of ``dilocox <argv>`` for each argv, all in one child process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(
+        [sys.executable, "-c", _CLI_DRIVER, json.dumps(argvs)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [tuple(r) for r in json.loads(p.stdout.strip().splitlines()[-1])]
+
+
+def test_swarm_bad_input_is_one_line_exit_2(tmp_path):
+    argvs = [[*a, "--out", str(tmp_path)] if any(".yaml" in x for x in a) else a for a, _ in BAD_INPUT]
+    for (args, needle), (rc, _, err) in zip(BAD_INPUT, _cli_cases(argvs), strict=True):
+        assert rc == 2, (args, rc, err[-2000:])
+        assert needle in err, (args, err)
+        assert len(err.strip().splitlines()) == 1, (args, err)
     assert not _peer_processes(str(tmp_path))
 
 
@@ -135,32 +163,19 @@ STUBS = {
 
 def run_sbatch(tmp_path, hosts: str, peers: str = "2,2", python: str = "fakepython", extra_env=None, args=(),
                timeout: float = 60) -> tuple[subprocess.CompletedProcess, list[str]]:  # fmt: skip
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name, body in STUBS.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
-    log = tmp_path / "log"
     env = dict(
-        os.environ,
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        LOG=str(log),
         FAKE_HOSTS=hosts,
         SLURM_JOB_NODELIST="fake",
-        SLURM_JOB_ID="42",
-        DILOCOX_ROOT=ROOT,
         DILOCOX_RUN_DIR=str(tmp_path / "run"),
         DILOCOX_SWARM_PEERS=peers,
         DILOCOX_WAIT_S="0",
         PYTHON=python,
         OMP_NUM_THREADS="1",
+        **(extra_env or {}),
     )
-    env.update(extra_env or {})
-    p = subprocess.run(
-        ["bash", SBATCH, "configs/tiny.yaml", *(args or ["--train.steps=3"])], env=env, capture_output=True,
-        text=True, timeout=timeout, start_new_session=True,
-    )  # fmt: skip
-    return p, sorted(log.read_text().splitlines()) if log.exists() else []
+    argv = ["configs/tiny.yaml", *(args or ["--train.steps=3"])]
+    p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, argv, env, timeout=timeout)
+    return p, sorted(lines)
 
 
 def test_swarm_sbatch_parses():

@@ -9,6 +9,7 @@ import pytest
 
 from dilocox.distributed.topology import env_rank_world, slurm_master_addr
 from dilocox.launch.emulate import Cluster, netns_available
+from tests.fake_slurm import run_fake_sbatch
 from tests.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,27 +104,16 @@ STUBS = {
 
 
 def run_sbatch(tmp_path, **extra) -> list[str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in STUBS.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
-        (bin_dir / name).chmod(0o755)
-    log = tmp_path / "log"
     env = dict(
-        os.environ,
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        LOG=str(log),
         FAKE_HOSTS="gpu03 gpu04 gpu07 gpu08",
         SLURM_JOB_NODELIST="gpu[03-04,07-08]",
         SLURM_NNODES="4",
-        SLURM_JOB_ID="42",
-        DILOCOX_ROOT=ROOT,
-        DILOCOX_TC_CAP_SCRIPT=str(bin_dir / "fake_tc_cap.sh"),
+        DILOCOX_TC_CAP_SCRIPT=str(tmp_path / "bin" / "fake_tc_cap.sh"),
         **extra,
     )
-    p = subprocess.run(["bash", SBATCH, "configs/x.yaml", "--train.steps=3"], env=env, capture_output=True, text=True)
+    p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, ["configs/x.yaml", "--train.steps=3"], env)
     assert p.returncode == 0, p.stderr
-    return log.read_text().splitlines()
+    return lines
 
 
 def test_sbatch_builds_c10d_torchrun(tmp_path):
