@@ -95,9 +95,10 @@ def test_pp2_tp2_training_equals_single_process(tmp_path, arch):
         assert val == pytest.approx(ref_val, rel=2e-5, abs=2e-5)
 
 
-@pytest.mark.slow  # 80-150 s on 2 cores
+@pytest.mark.slow  # 40-60 s on 2 cores
 def test_short_training_beats_unigram_entropy(tmp_path):
-    """The tiny config learns: validation loss falls well below the corpus' unigram entropy."""
+    """The tiny config learns: validation loss falls well below the corpus' unigram entropy. 180 of its 300 steps
+    (schedule shortened with it) to save CI a minute: 2.438 there vs the bound 0.8 * 3.151 = 2.521 (2.326 at 300)."""
     from dilocox.data import unigram_entropy
     from dilocox.train import train
 
@@ -108,6 +109,7 @@ def test_short_training_beats_unigram_entropy(tmp_path):
             f"--data.cache_dir={tmp_path}/cache",
             "--log.tensorboard=false",
             "--log.progress=false",
+            "--train.steps=180",
         ],
     )
     summary = train(cfg)
