@@ -35,7 +35,7 @@ BENCHES = {
     "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
-    "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; a peer killed"),
+    "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; peer killed; H sweep"),
 }
 
 

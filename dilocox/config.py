@@ -270,6 +270,9 @@ class SwarmConfig:
     startup_timeout_s: float = 120.0  # bound on waiting for every peer's address at start-up
     sync_timeout_s: float = 60.0  # bound on one stage sync (torchft quorum + all-reduce)
     host: str = "127.0.0.1"  # address each peer binds and advertises
+    rebalance_period_s: float = 0.0  # every T s the launcher moves a peer of the least-loaded stage to the most-loaded
+    # one (SWARM App. D; the paper's T = 300); 0 = off. Needs swarm.sync=swarm; never moves a peer into stage 0
+    rebalance_min_gain: float = 0.1  # a move is made only if it lowers the predicted max stage load by this fraction
 
 
 @dataclass
@@ -621,6 +624,17 @@ def _validate_swarm(cfg: Config) -> None:
     for name in ("rpc_timeout_s", "ban_s", "step_timeout_s", "startup_timeout_s", "sync_timeout_s"):
         if getattr(s, name) <= 0:
             _fail(f"swarm.{name}", getattr(s, name), "must be > 0 seconds")
+    if not (0 <= s.rebalance_period_s < math.inf):
+        _fail("swarm.rebalance_period_s", s.rebalance_period_s, "must be >= 0 seconds (0 = no rebalancing), e.g. 300")
+    if not 0 <= s.rebalance_min_gain < 1:
+        _fail("swarm.rebalance_min_gain", s.rebalance_min_gain, "must be in [0, 1), e.g. 0.1")
+    if s.rebalance_period_s > 0 and s.sync != "swarm":
+        _fail(
+            "swarm.rebalance_period_s",
+            s.rebalance_period_s,
+            f"needs swarm.sync=swarm (a peer moved by rebalancing joins like a restarted one; sync={s.sync!r} is not "
+            "supported yet): set swarm.rebalance_period_s=0 or swarm.sync=swarm",
+        )
 
 
 def validate_swarm_layout(cfg: Config) -> None:

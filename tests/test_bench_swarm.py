@@ -1,14 +1,19 @@
-"""``dilocox bench swarm``: its analysis on synthetic peer records, its report, its argument checks, the static
-pipeline's wiring, the serial delay, and (slow) the IWRR share of a 3x slower peer on real processes."""
+"""``dilocox bench swarm``: its analysis on synthetic peer records, its report (parts a-d, parts carried over from an
+earlier run), its argument checks, the static pipeline's wiring, the pacing of a peer (``--pace-s``), and (slow) the
+IWRR share of a 3x slower (paced) peer on real processes."""
 
 from __future__ import annotations
 
 import os
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from dilocox.bench import swarm as bs
-from dilocox.swarm.peer import make_router
+from dilocox.bench.runner import CONFIGS
+from dilocox.swarm.cli import SwarmUsageError, run_main
+from dilocox.swarm.peer import SwarmPeer, make_router
 
 
 def _recs():
@@ -64,34 +69,119 @@ def test_markdown_reports_every_part(tmp_path):
     dl = dict(run, sync="diloco", val_loss=3.03, stage_syncs=3, sync_bytes=3e6)
     base = dict(run, peers=[1, 1], val_loss=3.5, stage_syncs=30, sync_bytes=0, pipeline_bytes=2.5e6)
     rows = (("iwrr", 150, 0.33), ("random", 100, 0.5), ("fixed", 100, 0.5))
-    b = {k: {"tokens_s": t, "slow_share": s} for k, t, s in rows}
+    b = {k: {"tokens_s": t, "slow_share": s, "busy_s_per_mb": [0.2, 0.41], "busy_ratio": 2.05} for k, t, s in rows}
     for r in b.values():
         r["vs_static"] = r["tokens_s"] / 100
         r["of_bound"] = r["vs_static"] / 1.5
     c = {"steps": 9, "kill_step": 3, "tokens_s_before": 10.0, "tokens_s_during": 4.0, "tokens_s_after": 5.0,
          "kill_to_reroute_s": 0.25, "steps_with_all_microbatches": 9, "expected_per_step": 8,
          "served_per_step": [8] * 9}  # fmt: skip
+    d = {bs.diloco_label(H): dict(dl, H=H, val_loss=v, stage_syncs=30 // H) for H, v in ((10, 3.03), (5, 3.02))}
     res = {"date": "d", "machine": "m", "load_before": "9.0 8.0 7.0", "load_after": "1 2 3", "command": "dilocox x",
-           "steps": 30, "H": 10, "hetero_steps": 12, "delay": 0.15, "plot": "docs/bench/swarm/swarm.png",
-           "a": {"baseline 1x2": base, "SWARM 4x2": run, "DiLoCo-SWARM 4x2 H=10": dl}, "b": b, "c": c}  # fmt: skip
+           "steps": 30, "H": 10, "hetero_steps": 12, "pace": 0.2, "hetero_mb": 12,
+           "plot": "docs/bench/swarm/swarm.png", "b": b, "c": c, "d": d,
+           "a": {"baseline 1x2": base, "SWARM 4x2": run, "DiLoCo-SWARM 4x2 H=10": dl}}  # fmt: skip
     md = bs.markdown(res)
     assert "load average before the runs 9.0 8.0 7.0" in md and "`dilocox x`" in md
     assert "| SWARM 4x2 | 4+4 | 100 | 3.0000 |" in md
     assert "final val loss +1.0 % with 10x fewer stage syncs and 10x fewer sync bytes" in md
-    assert "| IWRR | 150 | 1.50x | 100% | 0.33 | - |" in md
+    assert "DiLoCo-SWARM H=10 instead of the paper's 50" in md
+    assert "paced at 0.2 s and 0.4 s per microbatch" in md and "24 microbatches per step" in md
+    assert "| IWRR | 150 | 1.50x | 100% | 0.33 | - | 0.200, 0.410 (2.05) |" in md
     assert "| static pipeline (pairs fixed) | 100 | 1.00x | 67% | 0.50 | - |" in md
+    assert "**(d) H ablation** (DiLoCo-SWARM 4x2, 30 steps each" in md
+    assert md.index("| 5 | 6 | 3.0200 | +0.7 % |") < md.index("| 10 | 3 | 3.0300 | +1.0 % |")  # sorted by H
+    assert "Final val loss rises monotonically with H here." in md
+    d[bs.diloco_label(10)]["val_loss"] = 3.01
+    assert "Final val loss does not rise monotonically with H here." in bs.markdown(res)
     assert "kill -> first re-routed microbatch 0.25 s; 9/9 steps had all 8 microbatches" in md
     path = bs.plot(res, str(tmp_path / "swarm.png"))
     assert os.path.getsize(path) > 1000
+
+
+def test_carry_over_keeps_the_parts_not_run_with_their_own_run_details():
+    """``--parts c`` after a full run: (a), (b), (d) stay in the report, with the date/command/steps that measured
+    them; a part run now replaces the earlier one."""
+    old = {"date": "OLD", "load_before": "1", "load_after": "2", "command": "dilocox bench swarm --steps 400",
+           "machine": "m", "steps": 400, "H": 50, "hetero_steps": 12, "pace": 0.2, "hetero_mb": 12,
+           "a": {"x": 1}, "b": {"y": 2}, "c": {"old": True}, "d": {"z": 3}}  # fmt: skip
+    new = {"date": "NEW", "command": "dilocox bench swarm --parts c", "steps": 30, "H": 10, "c": {"new": True}}
+    res = bs.carry_over(new, old, {"c"})
+    assert res["c"] == {"new": True} and res["a"] == {"x": 1} and res["b"] == {"y": 2} and res["d"] == {"z": 3}
+    assert set(res["earlier"]) == {"a", "b", "d"} and res["earlier"]["a"]["date"] == "OLD"
+    assert bs._params(res, "a")["steps"] == 400 and bs._params(res, "c")["steps"] == 30
+    again = bs.carry_over({"date": "NEWER", "c": {}}, res, {"c"})  # the earlier details survive a second re-run
+    assert again["earlier"]["a"]["date"] == "OLD" and again["earlier"]["a"]["command"].endswith("--steps 400")
+
+
+def test_markdown_names_the_earlier_run_of_carried_parts():
+    c = {"steps": 9, "kill_step": 3, "tokens_s_before": 10.0, "tokens_s_during": 4.0, "tokens_s_after": 5.0,
+         "kill_to_reroute_s": 0.25, "steps_with_all_microbatches": 9, "expected_per_step": 8,
+         "served_per_step": [8] * 9}  # fmt: skip
+    res = {"date": "NEW", "machine": "m", "load_before": "1", "load_after": "2", "command": "dilocox bench swarm -x",
+           "c": dict(c, steps=12), "earlier": {"c": {"date": "OLD", "load_before": "3", "load_after": "4",
+                                                     "command": "dilocox y"}}}  # fmt: skip
+    md = bs.markdown(res)
+    assert "(c) from an earlier run: measured OLD, load average before 3, after 4; command `dilocox y`." in md
+
+
+def test_part_d_reuses_the_run_of_part_a_at_the_same_H(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bs, "_run_a", lambda root, label, peers, extra, steps, H, t: calls.append(H) or {"H": H})
+    a = {bs.diloco_label(50): {"H": 50, "val_loss": 3.0}, "SWARM 4x2": {"H": 1}}
+    d = bs.part_d("/tmp/x", 400, [10, 50, 200], 60.0, a)
+    assert calls == [10, 200] and d[bs.diloco_label(50)]["reused"] and d[bs.diloco_label(50)]["val_loss"] == 3.0
+    assert list(d) == [bs.diloco_label(H) for H in (10, 50, 200)]
+    calls.clear()
+    bs.part_d("/tmp/x", 400, [50], 60.0, None)
+    assert calls == [50]  # nothing to reuse: run it
+
+
+def test_busy_per_microbatch_and_smoothed_curve():
+    r = {"s1p1": [{"step": 0, "microbatches": 2, "busy_s": 9.0}, {"step": 1, "microbatches": 4, "busy_s": 1.6},
+                  {"step": 2, "microbatches": 6, "busy_s": 2.4}]}  # fmt: skip
+    assert bs.busy_per_mb(r, "s1p1") == pytest.approx(0.4)  # step 0 (start-up) skipped
+    assert bs.busy_per_mb(r, "s9p9") is None
+    xs, ys = bs.smooth(list(range(100)), points=10)
+    assert len(xs) == 10 and xs[0] == 4.5 and ys[0] == 4.5 and ys[-1] == 94.5
+    assert bs.smooth([1.0, 2.0], points=40) == ([0.0, 1.0], [1.0, 2.0])
+
+
+def test_pace_occupies_the_peer_for_the_rest_of_its_pace():
+    """--pace-s T: a microbatch whose compute took c < T seconds sleeps T - c more; one slower than T sleeps not."""
+    peer = SimpleNamespace(pace_s=0.3)
+    t = time.monotonic()
+    SwarmPeer._pace(peer, 0.1)
+    assert 0.19 <= time.monotonic() - t < 0.4
+    t = time.monotonic()
+    SwarmPeer._pace(peer, 0.5)
+    SwarmPeer._pace(SimpleNamespace(pace_s=0.0), 0.0)
+    assert time.monotonic() - t < 0.05
+
+
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--pace", "s5p0=1"], "--pace s5p0: no such peer in swarm.peers_per_stage"),
+        (["--pace", "s1p0=slow"], "--pace 's1p0=slow' must be PEER=SECONDS"),
+        (["--pace", "s1p0=-1"], "SECONDS >= 0"),
+    ],
+)
+def test_swarm_cli_rejects_bad_pace(argv, msg, tmp_path):
+    with pytest.raises(SwarmUsageError, match=msg):
+        run_main([os.path.join(CONFIGS, "tiny.yaml"), "--peers", "2,2", *argv, "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize(
     "argv,msg",
     [
         (["--steps", "25", "--H", "10"], "must be a positive multiple of --H"),
-        (["--parts", "ax"], "letters among a, b, c"),
-        (["--delay", "0"], "must be > 0"),
+        (["--parts", "a,x"], "letters among a, b, c, d"),
+        (["--pace", "0"], "--pace 0.0 must be > 0"),
         (["--hetero-steps", "2"], "at least 4"),
+        (["--hetero-mb", "1"], "--hetero-mb 1 must be at least 2"),
+        (["--ablation-H", "10,x"], "must be comma-separated integers"),
+        (["--steps", "400", "--ablation-H", "10,30"], "--steps 400 must be a positive multiple of --ablation-H 30"),
     ],
 )
 def test_bench_swarm_rejects_bad_arguments(argv, msg, capsys):
@@ -115,23 +205,27 @@ def test_static_pipeline_wires_peer_k_to_peer_k():
 
 @pytest.mark.slow
 def test_iwrr_gives_a_3x_slower_peer_its_throughput_share_on_real_processes(tmp_path):
-    """Issue 11: one stage-1 peer slowed 3x (a delay that occupies it) gets the share of the stage's microbatches
-    its throughput predicts under IWRR, within 10 % (the throughputs are measured: the peers' own work per
-    microbatch, delay + compute, ``busy_s``; with the delays alone it would be 1/4); random wiring gives it ~1/2."""
+    """Issue 11: one stage-1 peer paced 3x slower (``--pace-s`` 0.1 s and 0.3 s: each microbatch occupies it at least
+    that long, as the peers measure it, ``busy_s``; on a loaded host the fast peer's compute may exceed its pace) gets
+    the share of the stage's microbatches its measured throughput predicts under IWRR, within 0.1; random wiring
+    gives it ~1/2."""
     from dilocox.swarm.runtime import launch
 
-    shares, predicted = {}, {}
+    shares, predicted, busy = {}, {}, {}
     for routing in ("iwrr", "random"):
-        cfg = bs._cfg([f"--swarm.routing={routing}", "--train.batch_size=16", "--swarm.max_inflight=8"])
+        cfg = bs._cfg([f"--swarm.routing={routing}", "--train.batch_size=12", "--swarm.max_inflight=6"])
         res = launch(
-            cfg, str(tmp_path / routing), peers_per_stage=[2, 2], steps=6, timeout_s=400,
-            delays={"s1p0": 0.1, "s1p1": 0.3}, delay_serial=True,
+            cfg, str(tmp_path / routing), peers_per_stage=[2, 2], steps=5, timeout_s=400,
+            paces={"s1p0": 0.1, "s1p1": 0.3},
         )  # fmt: skip
         bad = {n: rc for n, rc in res.returncodes.items() if rc != 0}
         assert not bad, f"{bad}\n{res.log_tail(next(iter(bad)))}" if bad else ""
-        assert all(v == 16 for v in bs.served_per_step(res.records, 1).values())  # 2 x 16 / 2: all trained
+        assert all(v == 12 for v in bs.served_per_step(res.records, 1).values())  # 2 x 12 / 2: all trained
         shares[routing] = bs.share(res.records, "s1p1", 1, skip=2)  # after the first steps' timing
         predicted[routing] = bs.predicted_share(res.records, "s1p1", 1, skip=2)
-    assert predicted["iwrr"] < 0.4, predicted  # the delay dominates: the peer is really much slower
+        busy[routing] = (bs.busy_per_mb(res.records, "s1p0"), bs.busy_per_mb(res.records, "s1p1"))
+    # the slow peer's pace hides its compute (0.3 s per microbatch, not more); the fast one takes at least 0.1 s
+    assert all(0.3 <= slow < 0.36 and fast >= 0.1 and slow / fast >= 2.0 for fast, slow in busy.values()), busy
+    assert predicted["iwrr"] < 1 / 3, predicted
     assert abs(shares["iwrr"] - predicted["iwrr"]) <= 0.10, (shares, predicted)
     assert abs(shares["random"] - 0.5) <= 0.15, shares

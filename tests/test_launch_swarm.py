@@ -171,8 +171,8 @@ def run_sbatch(tmp_path, hosts: str, peers: str = "2,2", python: str = "fakepyth
         DILOCOX_WAIT_S="0",
         PYTHON=python,
         OMP_NUM_THREADS="1",
-        **(extra_env or {}),
     )
+    env.update(extra_env or {})
     argv = ["configs/tiny.yaml", *(args or ["--train.steps=3"])]
     p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, argv, env, timeout=timeout)
     return p, sorted(lines)

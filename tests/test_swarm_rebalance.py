@@ -1,10 +1,20 @@
 """SWARM adaptive rebalancing (dilocox/swarm/rebalance.py, SWARM Appendix D): which peer moves where."""
 
+import json
 import math
+import os
+import signal
+import subprocess
 
 import pytest
+import torch
 
+from dilocox.config import ConfigError, load_config
+from dilocox.swarm.membership import LoadMeter, window
 from dilocox.swarm.rebalance import PeerLoad, Rebalancer, plan_move
+from dilocox.swarm.routing import IWRRRouter, RandomRouter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def P(peer, stage, queue, thr=1.0):
@@ -92,3 +102,135 @@ def test_bad_reports():
         plan_move([P("a", 0, 0)], 2, min_gain=1.0)
     with pytest.raises(ValueError, match="period_s"):
         Rebalancer(2, period_s=0)
+
+
+# ---------------------------------------------------------------------------------------------- carrying moves out
+
+
+@pytest.mark.parametrize("kind", ["iwrr", "random"])
+def test_router_remove_and_add(kind):
+    """A peer that left (bye) is never chosen again and late reports about it are ignored; one that joined (hello)
+    is chosen; IWRR starts it at the current minimum priority (it does not flood)."""
+    r = IWRRRouter(["a", "b"]) if kind == "iwrr" else RandomRouter(["a", "b"], seed=1)
+    r.remove("b")
+    assert r.live() == ["a"] and {r.choose() for _ in range(20)} == {"a"}
+    r.done("b", 0.5)  # a reply that was in flight when it left
+    r.failed("b")
+    assert r.live() == ["a"]
+    with pytest.raises(KeyError):
+        r.remove("b")  # unknown now
+    if kind == "iwrr":
+        for _ in range(5):
+            r.done(r.choose(), 1.0)
+    r.add("c")
+    picks = [r.choose() for _ in range(40)]
+    assert "c" in picks
+    if kind == "iwrr":
+        assert abs(picks.count("c") - picks.count("a")) <= 1  # equal EMAs: alternate, no flood of the new peer
+    r.add("b")  # back again (a new peer at the same name)
+    assert "b" in r.live()
+
+
+def test_load_meter_window():
+    """Queue = time-average of the microbatches waiting for or in the compute; throughput = done / busy seconds."""
+    t = [0.0]
+    m = LoadMeter(clock=lambda: t[0])
+    a = m.snapshot()
+    m.enter()  # one microbatch for 1 s
+    t[0] = 1.0
+    m.enter()  # a second one queues behind it
+    t[0] = 2.0
+    m.exit(done=True)
+    t[0] = 3.0
+    m.exit(done=True)
+    t[0] = 5.0  # idle for 2 s
+    b = m.snapshot()
+    q, thr = window(a, b)
+    assert q == pytest.approx((1 + 2 + 1) / 5)
+    assert thr == pytest.approx(2 / 3)  # 2 microbatches in 3 busy seconds (idle time is not counted)
+    assert window(b, m.snapshot()) is None  # nothing done: no throughput to measure
+
+
+def test_rebalance_config_checked():
+    base = [os.path.join(ROOT, "configs", "tiny.yaml")]
+    with pytest.raises(ConfigError, match="swarm.rebalance_period_s=-1.0"):
+        load_config(*base, ["--swarm.rebalance_period_s=-1"])
+    with pytest.raises(ConfigError, match="swarm.rebalance_min_gain"):
+        load_config(*base, ["--swarm.rebalance_min_gain=1.5"])
+    with pytest.raises(ConfigError, match="needs swarm.sync=swarm"):
+        load_config(*base, ["--swarm.rebalance_period_s=5", "--swarm.sync=diloco"])
+    assert load_config(*base, ["--swarm.rebalance_period_s=300"]).swarm.rebalance_period_s == 300
+
+
+def _left_over(out_dir: str) -> list[str]:
+    """Processes still running whose command line names this test's output directory."""
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, timeout=10).stdout
+    return [line for line in ps.splitlines() if out_dir in line and "ps -eo" not in line]
+
+
+@pytest.mark.slow
+def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
+    """[2, 1] with stage 1 the bottleneck (every stage-1 peer, the moved one too, takes 80 ms per
+    microbatch): the launcher moves a stage-0 peer to stage 1; it downloads stage 1's state, serves, and the job's
+    measured tokens/s goes up; every step's microbatches are trained once by each stage, before and after."""
+    from dilocox.swarm.peer import DIGEST_ENV
+    from dilocox.swarm.runtime import launch
+
+    monkeypatch.setenv(DIGEST_ENV, "1")  # every sync record carries a hash of the peer's params + AdamW state
+
+    over = [
+        "--model.n_layers=2", "--model.d_model=64", "--data.max_bytes=200000", "--train.batch_size=8",
+        "--train.seq_len=32", "--optim.warmup_steps=0", "--optim.schedule=constant", "--swarm.microbatch_size=2",
+        "--swarm.max_inflight=4", "--swarm.step_timeout_s=60", "--swarm.sync_timeout_s=60",
+        "--swarm.rpc_timeout_s=20", "--swarm.ban_s=0.5", "--swarm.rebalance_period_s=2",
+    ]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
+    steps = 50
+    out = str(tmp_path)
+    try:
+        res = launch(cfg, out, peers_per_stage=[2, 1], steps=steps, timeout_s=240, stage_paces={1: 0.08})
+    finally:
+        for line in _left_over(out):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not _left_over(out)
+    for name, rc in res.returncodes.items():
+        assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    with open(os.path.join(out, "rebalance.jsonl")) as f:
+        moves = [json.loads(line) for line in f]
+    done = [m for m in moves if "line" in m]
+    assert len(done) == 1, moves
+    mv = done[0]
+    assert mv["from"] == 0 and mv["to"] == 1 and mv["peer"] in ("s0p0", "s0p1") and mv["joiner"] == "s1p1"
+    assert set(res.returncodes) == {"s0p0", "s0p1", "s1p0"}  # the moved peer is the same process, no new one
+    assert "measured" in mv["line"] and "tokens/s" in mv["line"]
+    assert mv["tokens_s_after"] > mv["tokens_s_before"], mv["line"]  # (capacity doubles; per-step overheads stay)
+    leaver, stayer = mv["peer"], ({"s0p0", "s0p1"} - {mv["peer"]}).pop()
+    left = [r for r in res.records[leaver] if r.get("left")]
+    assert len(left) == 1 and res.records[leaver][-1] is left[0] and left[0]["moved_to"] == "s1p1"
+    k_left = left[0]["step"]
+    joined = [r for r in res.records["s1p1"] if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["contributors"] == [0], joined
+    k_join = joined[0]["step"]
+    assert k_left < k_join < steps - 2
+    served = [r for r in res.records["s1p1"] if r["step"] > k_join]
+    assert [r["step"] for r in served] == list(range(k_join + 1, steps))
+    assert sum(r["microbatches"] for r in served) > 0, "the joiner never served"
+    # every step: each microbatch of the stage-0 peers trained once by stage 1 (before, between and after the move)
+    per_step = {}
+    for name in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        for r in res.records[name]:
+            if "microbatches" in r:
+                per_step.setdefault(r["step"], [0, 0])[int(name[1])] += r["microbatches"]
+    assert sorted(per_step) == list(range(steps))
+    for k, (n0, n1) in per_step.items():
+        assert n0 == (8 if k <= k_left else 4) and n1 == n0, (k, n0, n1)
+    bwd1 = [mb for n in ("s1p0", "s1p1") for _, mb, kind in res.peers[n]["visits"] if kind == "bwd"]
+    routes = {**res.peers["s0p0"]["routes"], **res.peers["s0p1"]["routes"]}
+    assert sorted(bwd1) == sorted(routes), "a microbatch was lost or trained twice in stage 1"
+    assert not any(r[1] == "s1p1" for mb, r in routes.items() if int(mb.split(":")[1]) <= k_join)  # before it served
+    assert any(r[1] == "s1p1" for mb, r in routes.items() if mb.startswith(stayer + ":"))
+    digests = {r["step"]: r["digest"] for r in res.records["s1p0"] if "digest" in r}
+    assert joined[0]["digest"] == digests[k_join], "the moved peer left its first sync unlike its new stage"
+    assert all(r["digest"] == digests[r["step"]] for r in served), "params or AdamW state diverged after the join"
+    a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a), "the moved peer differs from its new stage"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,8 +21,9 @@ from dilocox.config import load_config
 from dilocox.data.prepare import prepare
 from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
-from dilocox.swarm.peer import DiLoCoStageSync, lr_at
-from dilocox.swarm.runtime import launch
+from dilocox.model.parallel_layers import clip_grad_norm_
+from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at
+from dilocox.swarm.runtime import PeerProc, launch
 from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,9 +127,10 @@ def _microbatches(cfg, m0: int, step: int):
     return out
 
 
-def _reference(cfg, m0: int, steps: int):
+def _reference(cfg, m0: int, steps: int, norms: list | None = None):
     """One process, the whole model: per step the grad of the SUM of all stage-0 peers' microbatch losses,
-    then AdamW on sum / count. Returns (losses per step, grad sums per step, final params)."""
+    then AdamW on sum / count, clipped to the global norm optim.grad_clip as the pipeline engine does (the norms
+    before clipping go to ``norms``). Returns (losses per step, grad sums per step, final params)."""
     model = build_model(cfg.model, seed=cfg.train.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -142,6 +146,10 @@ def _reference(cfg, m0: int, steps: int):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         for p in model.parameters():
             p.grad /= len(mbs)
+        if cfg.optim.grad_clip > 0:
+            norm = float(clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip))
+            if norms is not None:
+                norms.append(norm)
         for g in opt.param_groups:
             g["lr"] = lr_at(k, cfg)
         opt.step()
@@ -163,13 +171,19 @@ def _unflatten(peer: dict, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_one_peer_per_stage_equals_single_process(tmp_path):
-    cfg = _cfg("--swarm.routing=fixed")
+    # optim.grad_clip: the global norm over both stages (exchanged through the store) must clip every step here
+    cfg = _cfg("--swarm.routing=fixed", "--optim.grad_clip=1.0")
     steps = 3
     res = launch(cfg, str(tmp_path), peers_per_stage=[1, 1], steps=steps, timeout_s=240, dump_grads=(0, 2))
     _check_rcs(res)
-    ref_losses, ref_grads, ref_params = _reference(cfg, 1, steps)
+    ref_norms: list[float] = []
+    ref_losses, ref_grads, ref_params = _reference(cfg, 1, steps, ref_norms)
     recs = res.records["s0p0"]
     assert [r["step"] for r in recs] == list(range(steps))
+    for name in ("s0p0", "s1p0"):  # every stage clips by the same global norm, that of the single process
+        got = [r["grad_norm"] for r in res.records[name]]
+        assert got == pytest.approx(ref_norms, rel=1e-5), name
+        assert all(r["clip_coef"] < 0.9 for r in res.records[name]), "grad_clip never clipped: no test"
     for k in range(steps):  # step 0 checks the forward; steps 1, 2 the grads + AdamW of the steps before
         got, want = torch.tensor(recs[k]["mb_losses"]), torch.tensor(ref_losses[k])
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
@@ -351,24 +365,92 @@ def _killer(tmp_path, victim_name: str, kill_at: int, killed: dict):
 
 @pytest.mark.slow
 def test_kill_stage1_peer_training_goes_on(tmp_path):
-    cfg = _cfg("--swarm.routing=iwrr", "--swarm.rpc_timeout_s=10", "--swarm.ban_s=1", "--optim.lr=3e-3")
-    steps, kill_at = 24, 6
-    killed: dict = {}
-    killer = _killer(tmp_path, "s1p1", kill_at, killed)
-    res = launch(cfg, str(tmp_path), peers_per_stage=[2, 2], steps=steps, timeout_s=300, on_started=killer)
-    assert "t" in killed, "the victim was never killed"
+    """kill -9 of s1p1 mid-step, after it served microbatches of that step (``--die-mid-step``: it kills itself when
+    a forward arrives after it counted one and before any end-of-step marker): the senders ban it, re-send what was
+    in flight, and at the end of the step REPLAY what had completed there (its gradients died with it), so that for
+    every step the live stage-1 peers counted exactly the microbatches stage 0 drew: nothing lost, nothing twice."""
+    cfg = _cfg(
+        "--swarm.routing=iwrr", "--swarm.rpc_timeout_s=10", "--swarm.ban_s=1", "--optim.lr=3e-3",
+        "--train.batch_size=8",
+    )  # fmt: skip
+    steps, kill_at, n_mb = 14, 5, 2 * 8 // 2  # 2 stage-0 peers x 4 microbatches per step
+    dump = (kill_at, kill_at + 1, kill_at + 2)  # it dies in the first of its steps >= kill_at that allow it
+    res = launch(
+        cfg, str(tmp_path), peers_per_stage=[2, 2], steps=steps, timeout_s=300, dump_grads=dump,
+        peer_args={"s1p1": ["--die-mid-step", str(kill_at)]},
+    )  # fmt: skip
     _check_rcs(res, expect={"s1p1": -signal.SIGKILL})
+    died = len(res.records.get("s1p1", []))  # the step it died in: it wrote a record for every step before
+    assert kill_at <= died < steps - 5, f"the victim died at step {died}"
+    assert "--die-mid-step: kill -9 of itself in step" in res.log_tail("s1p1")
     bans = res.peers["s0p0"]["bans"] + res.peers["s0p1"]["bans"]
     assert bans and all(b["peer"] == "s1p1" for b in bans)
     for k in (0, 1):  # every step of every stage-0 peer trained its whole batch
         recs = res.records[f"s0p{k}"]
         assert [r["step"] for r in recs] == list(range(steps))
-        assert all(len(r["mb_losses"]) == 2 for r in recs)
+        assert all(len(r["mb_losses"]) == 4 for r in recs)
+    s0 = [res.records[f"s0p{k}"][i] for k in (0, 1) for i in range(steps)]
+    replayed = {r["step"]: 0 for r in s0}
+    for r in s0:
+        replayed[r["step"]] += r["replayed"]
+        assert r["lost"] == 0, r
+    # the victim had served microbatches of the step it died in: they were replayed (and only then)
+    assert replayed[died] > 0 and sum(replayed.values()) == replayed[died], replayed
+    replays = [e for k in (0, 1) for e in res.peers[f"s0p{k}"]["replays"]]
+    assert replays and all(e["from"] == "s1p1" and e["to"] == "s1p0" and e["step"] == died for e in replays)
+    counted = [sum(r["microbatches"] for name in ("s1p0", "s1p1") for r in res.records.get(name, []) if r["step"] == k)
+               for k in range(steps)]  # fmt: skip
+    assert counted == [n_mb] * steps, f"microbatches counted by stage 1 per step: {counted} (died in step {died})"
+    if died in dump:  # the survivor's gradient of that step is the single process's over all 8 microbatches: the
+        # replayed ones entered with the right values
+        _, ref_grads, _ = _reference(cfg, 2, died + 1)
+        peer = res.peers["s1p0"]
+        assert peer["grads"][died]["count"] == n_mb
+        for n, g in _unflatten(peer, peer["grads"][died]["grad_sum"]).items():
+            torch.testing.assert_close(g, ref_grads[died][n], rtol=1e-3, atol=1e-5, msg=n)
     late = res.records["s1p0"][-5:]
     assert all(r["contributors"] == [0] for r in late)  # the survivor syncs alone
-    assert sum(r["microbatches"] for r in late) == 5 * 4  # ... and serves every microbatch
     loss = [sum(res.records[f"s0p{k}"][i]["loss"] for k in (0, 1)) / 2 for i in range(steps)]
     assert sum(loss[-4:]) / 4 < sum(loss[:4]) / 4 - 0.05, loss
+
+
+@pytest.mark.slow
+def test_kill_middle_peer_replays_without_double_count(tmp_path):
+    """Stages [1, 2, 1]: s1p1 (the middle stage) dies mid-step after serving microbatches. Their stage-2 gradients
+    live on in s2p0; their stage-1 gradients died. s0p0 replays them to s1p0, which accumulates them, while s2p0
+    (that already holds them) only returns the input's gradient: per step stage 1 and stage 2 each count every
+    microbatch exactly once, and the gradients of the step equal the single process's."""
+    cfg = _cfg(
+        "--swarm.routing=iwrr", "--swarm.rpc_timeout_s=10", "--swarm.ban_s=1", "--train.batch_size=8",
+        "--model.n_layers=3",
+    )  # fmt: skip
+    steps, kill_at, n_mb = 8, 3, 8 // 2
+    dump = (kill_at, kill_at + 1, kill_at + 2)
+    res = launch(
+        cfg, str(tmp_path), peers_per_stage=[1, 2, 1], steps=steps, timeout_s=300, dump_grads=dump,
+        peer_args={"s1p1": ["--die-mid-step", str(kill_at)]},
+    )  # fmt: skip
+    _check_rcs(res, expect={"s1p1": -signal.SIGKILL})
+    died = len(res.records.get("s1p1", []))
+    assert kill_at <= died < steps - 2, f"the victim died at step {died}"
+    by_step = {name: {r["step"]: r for r in res.records.get(name, [])} for name in ("s0p0", "s1p0", "s1p1", "s2p0")}
+    stage1 = [sum(by_step[n][k]["microbatches"] for n in ("s1p0", "s1p1") if k in by_step[n]) for k in range(steps)]
+    stage2 = [by_step["s2p0"][k]["microbatches"] for k in range(steps)]
+    assert stage1 == [n_mb] * steps, f"stage 1 counted {stage1} (died in step {died})"
+    assert stage2 == [n_mb] * steps, f"stage 2 counted {stage2} (died in step {died})"
+    replayed = [by_step["s0p0"][k]["replayed"] for k in range(steps)]
+    assert replayed[died] > 0 and sum(replayed) == replayed[died], replayed
+    assert all(by_step["s0p0"][k]["lost"] == 0 for k in range(steps))
+    ids = {e["mb"] for e in res.peers["s0p0"]["replays"]}
+    below = {mb for s, mb, kind in res.peers["s2p0"]["visits"] if kind == "grad_only"}
+    assert ids and below >= ids, (ids, below)  # stage 2 saw the replays, and did not count them again
+    if died in dump:
+        _, ref_grads, _ = _reference(cfg, 1, died + 1)
+        for name in ("s1p0", "s2p0"):
+            peer = res.peers[name]
+            assert peer["grads"][died]["count"] == n_mb
+            for n, g in _unflatten(peer, peer["grads"][died]["grad_sum"]).items():
+                torch.testing.assert_close(g, ref_grads[died][n], rtol=1e-3, atol=1e-5, msg=f"{name} {n}")
 
 
 @pytest.mark.slow
@@ -444,17 +526,49 @@ def test_int8_activations_count_link_bytes(tmp_path):
         assert a["loss"] != b["loss"]  # the codec really ran
 
 
+def _prewarmed_restart(la, stage: int, index: int, trigger: str) -> None:
+    """Start now the process that restarts peer (stage, index) with ``--join`` (the launcher's restart command) once
+    the file ``trigger`` exists: python, torch and torchft are imported by then. Their start-up (5 s idle, 40-50 s
+    seen on a loaded host) would otherwise decide whether the joiner comes up before the run ends. The launcher
+    owns the process like a restarted peer (waited for, killed at the end, its exit code reported)."""
+    victim = next(p for p in la.procs if (p.stage, p.index) == (stage, index))
+    argv = [*victim.cmd[victim.cmd.index("dilocox.swarm.peer") + 1 :], "--join"]
+    code = (
+        "import os, sys, time\n"
+        "import dilocox.swarm.peer as peer\n"
+        "end = time.monotonic() + 240\n"
+        "while not os.path.exists(sys.argv[1]):\n"
+        "    if time.monotonic() > end:\n"
+        "        sys.exit('the restart was never triggered')\n"
+        "    time.sleep(0.02)\n"
+        "sys.exit(peer.main(sys.argv[2:]))\n"
+    )
+    cmd = [sys.executable, "-c", code, trigger, *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with open(victim.log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    la.procs.append(PeerProc(stage, index, proc, victim.log_path, cmd))
+
+
 @pytest.mark.slow
-def test_killed_peer_restarts_joins_and_matches_its_stage(tmp_path):
+@pytest.mark.parametrize("sync", ["swarm", "diloco"])
+def test_killed_peer_restarts_joins_and_matches_its_stage(tmp_path, monkeypatch, sync):
     """kill -9 of s1p1, then the same peer started again with --join: torchft hands it s1p0's params and AdamW
-    state at its first stage sync; from then on the two are bit-identical and it serves microbatches again."""
-    cfg = _cfg("--swarm.routing=iwrr", "--swarm.ban_s=0.5", "--optim.lr=3e-3")
-    # s1p0 is slowed (~0.5 s per step alone) so that the run outlasts the restarted peer's start-up (python, torch
-    # and torchft imports: 5 s on an idle machine, 40 s seen on a loaded one)
-    steps, kill_at = 100, 5
+    state (diloco: and θ, the outer momentum and schedule) at its first stage sync (diloco: its first outer step,
+    H = 2); it leaves that sync with params and AdamW state bit-identical to s1p0's and serves microbatches again."""
+    monkeypatch.setenv(DIGEST_ENV, "1")  # every sync record carries a hash of the peer's params + AdamW state
+    extra = ["--swarm.sync=diloco", "--outer.sync_every=2"] if sync == "diloco" else []
+    cfg = _cfg("--swarm.routing=iwrr", "--swarm.ban_s=0.5", "--optim.lr=3e-3", *extra)
+    # s1p0 is slowed (~0.5 s per step alone) so that the run outlasts the restarted peer's start-up (its imports are
+    # done before the kill: _prewarmed_restart)
+    steps, kill_at = 50, 5
     killed: dict = {}
 
+    trigger = str(tmp_path / "restart-s1p1")
+
     def on_started(la):
+        _prewarmed_restart(la, 1, 1, trigger)
         kill = _killer(tmp_path, "s1p1", kill_at, killed)
         kill(la)
 
@@ -463,7 +577,7 @@ def test_killed_peer_restarts_joins_and_matches_its_stage(tmp_path):
             while "t" not in killed and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.5)
-            la.restart_peer(1, 1, steps=steps)
+            open(trigger, "w").close()
 
         threading.Thread(target=restart, daemon=True).start()
 
@@ -478,9 +592,13 @@ def test_killed_peer_restarts_joins_and_matches_its_stage(tmp_path):
     assert len(joined) == 1 and joined[0]["contributors"] == [0], joined
     k = joined[0]["step"]
     assert kill_at <= k < steps - 4
+    live = next(r for r in res.records["s1p0"] if r["step"] == k)
+    if sync == "diloco":
+        assert (k + 1) % 2 == 0 and live["outer"] and live["outer_contributors"] == [0], live
+    assert joined[0]["digest"] == live["digest"], "the joiner left its first sync unlike its stage peer"
     after = [r for r in recs if r["step"] > k]
     assert [r["step"] for r in after] == list(range(k + 1, steps))
     assert sum(r["microbatches"] for r in after) > 0, "the joined peer never served"
-    assert res.records["s1p0"][-1]["contributors"] == [0, 1]
+    assert res.records["s1p0"][-1]["outer_contributors" if sync == "diloco" else "contributors"] == [0, 1]
     a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
     assert all(torch.equal(a[n], b[n]) for n in a), "the joined peer differs from its stage"

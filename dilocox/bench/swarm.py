@@ -4,26 +4,31 @@ Tiny GPT-2 on the stdlib corpus, each peer one process on this host (loopback), 
 
 (a) paper 000's main experiment at small scale, equal steps: the weak baseline (one pipeline, 1 peer per stage:
     a quarter of the tokens), SWARM 4 x 2 (per-step gradient all-reduce in each stage) and DiLoCo-SWARM 4 x 2
-    (outer step every H steps; H scaled down with the run length, default 10 instead of the paper's 50). Final
-    validation loss of the trained stages (peer 0 of each stage chained; SWARM's and, after the last outer step,
-    DiLoCo-SWARM's peers of a stage are identical), pipeline bytes (activations and their gradients, counted by
-    the peers on their links) and stage-sync bytes (``dilocox.swarm.plan``: fp32 ring all-reduce of the stage's
-    parameters per sync, per peer, times peers and syncs).
-(b) heterogeneous peers, 2 stages x 2 peers, peer s1p1 2x slower than s1p0: a per-microbatch delay on both stage-1
-    peers (``--delay`` and twice that, ``--delay-serial``: the delay occupies the peer like slower compute) that
-    dominates their compute; tokens/s of IWRR, random wiring and the static pipeline (``swarm.routing=fixed``:
-    s0p0 -> s1p0, s0p1 -> s1p1) on the same peers. Capacity: stage 1 serves 1 + 0.5 = 1.5 units, the static
-    pipeline 2 x 0.5 = 1.0 (each step waits for the slow pair), so IWRR can reach 1.5x static at most.
+    (outer step every H steps; the paper's H = 50 by default). Final validation loss of the trained stages (peer 0
+    of each stage chained; SWARM's and, after the last outer step, DiLoCo-SWARM's peers of a stage are identical),
+    pipeline bytes (activations and their gradients, counted by the peers on their links) and stage-sync bytes
+    (``dilocox.swarm.plan``: fp32 ring all-reduce of the stage's parameters per sync, per peer, times peers and
+    syncs).
+(b) heterogeneous peers, 2 stages x 2 peers, peer s1p1 2x slower than s1p0: both stage-1 peers paced (``--pace``
+    and twice that: ``--pace-s``, each microbatch occupies the peer for max(pace, its compute) seconds, so the
+    ratio is 2 whatever the host's load as long as the pace exceeds the compute); tokens/s of IWRR, random wiring
+    and the static pipeline (``swarm.routing=fixed``: s0p0 -> s1p0, s0p1 -> s1p1) on the same peers. Capacity:
+    stage 1 serves 1 + 0.5 = 1.5 units, the static pipeline 2 x 0.5 = 1.0 (each step waits for the slow pair), so
+    IWRR can reach 1.5x static at most.
 (c) a stage-1 peer killed (SIGKILL) at a third of a 2 x 2 IWRR run: tokens/s before / after, time from the kill
     to the first re-routed microbatch (the first ban of the dead peer by a stage-0 peer: the microbatch is re-sent
     at once) and the microbatches stage 1 trained per step (nothing lost: every step's batch trained once).
+(d) the H ablation: DiLoCo-SWARM 4 x 2 at H in ``--ablation-H`` (10, 50, 200), the steps of (a) (its run at the
+    same H is reused), final validation loss of each.
 
-    dilocox bench swarm [--steps 30] [--H 10] [--hetero-steps 12] [--delay 0.15] [--parts abc] [--out docs/bench/swarm]
+    dilocox bench swarm [--steps 400] [--H 50] [--ablation-H 10,50,200] [--hetero-steps 12] [--pace 0.2]
+                        [--hetero-mb 12] [--parts a,b,c,d] [--out docs/bench/swarm]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -139,7 +144,7 @@ def _cfg(extra: list[str]):
 def _run(cfg, out: str, peers: list[int], steps: int, timeout_s: float, **kw):
     from dilocox.swarm.runtime import launch
 
-    res = launch(cfg, out, peers_per_stage=peers, steps=steps, timeout_s=timeout_s, delay_serial=True, **kw)
+    res = launch(cfg, out, peers_per_stage=peers, steps=steps, timeout_s=timeout_s, **kw)
     bad = {n: rc for n, rc in res.returncodes.items() if rc != 0}
     return res, bad
 
@@ -173,57 +178,93 @@ def val_loss(cfg, peers: dict[str, dict], n_stages: int, n_batches: int = VAL_BA
     return tot / len(batches)
 
 
-def part_a(root: str, steps: int, H: int, timeout_s: float) -> dict:
+def _run_a(root: str, label: str, peers: list[int], extra: list[str], steps: int, H: int, timeout_s: float) -> dict:
+    """One run of (a) / (d): train, then the final validation loss, bytes and syncs of the run."""
     from dilocox.swarm.plan import plan_config
 
+    cfg = _cfg([*extra, f"--swarm.peers_per_stage=[{peers[0]},{peers[1]}]"])
+    t0 = time.monotonic()
+    res, bad = _run(cfg, os.path.join(root, label.replace(" ", "_").replace("=", "")), peers, steps, timeout_s)
+    _check(res, bad, label)
+    plan = plan_config(cfg, label)
+    sync = cfg.swarm.sync
+    n_sync = stage_sync_count(res.records, sync, H, steps)
+    per_sync = plan["swarm_sync_bytes"] if sync == "swarm" else plan["diloco_sync_bytes_per_sync"]
+    losses = [r["loss"] for r in res.records["s0p0"]]
+    tps = peers[0] * cfg.train.batch_size * cfg.train.seq_len
+    return {
+        "peers": peers,
+        "sync": sync,
+        "H": H if sync == "diloco" else 1,
+        "val_loss": val_loss(cfg, res.peers, len(peers)),
+        "train_loss_last": sum(losses[-3:]) / len(losses[-3:]),
+        "losses": losses,
+        "tokens": steps * tps,
+        "stage_syncs": n_sync,
+        "pipeline_bytes": pipeline_bytes(res.records),
+        "pipeline_bytes_planned": plan["pipeline_bytes"] * steps,
+        "sync_bytes": n_sync * per_sync,
+        "tokens_s": tokens_per_s(step_seconds(res.records), tps, 1),
+        "wall_s": time.monotonic() - t0,
+    }
+
+
+def diloco_label(H: int) -> str:
+    return f"DiLoCo-SWARM 4x2 H={H}"
+
+
+def _diloco_extra(H: int) -> list[str]:
+    return ["--swarm.sync=diloco", "--swarm.routing=iwrr", f"--outer.sync_every={H}"]
+
+
+def part_a(root: str, steps: int, H: int, timeout_s: float) -> dict:
     runs = {
         "baseline 1x2": ([1, 1], ["--swarm.sync=swarm", "--swarm.routing=fixed"]),
         "SWARM 4x2": ([4, 4], ["--swarm.sync=swarm", "--swarm.routing=iwrr"]),
-        f"DiLoCo-SWARM 4x2 H={H}": ([4, 4], ["--swarm.sync=diloco", "--swarm.routing=iwrr", f"--outer.sync_every={H}"]),
+        diloco_label(H): ([4, 4], _diloco_extra(H)),
     }
+    return {label: _run_a(root, label, peers, extra, steps, H, timeout_s) for label, (peers, extra) in runs.items()}
+
+
+def part_d(root: str, steps: int, Hs: list[int], timeout_s: float, done: dict | None = None) -> dict:
+    """The H ablation: DiLoCo-SWARM 4x2 at each H of ``Hs``, same steps; a run of (a) with the same H is reused."""
     out = {}
-    for label, (peers, extra) in runs.items():
-        cfg = _cfg([*extra, f"--swarm.peers_per_stage=[{peers[0]},{peers[1]}]"])
-        t0 = time.monotonic()
-        res, bad = _run(cfg, os.path.join(root, label.split()[0].lower()), peers, steps, timeout_s)
-        _check(res, bad, label)
-        plan = plan_config(cfg, label)
-        sync = cfg.swarm.sync
-        n_sync = stage_sync_count(res.records, sync, H, steps)
-        per_sync = plan["swarm_sync_bytes"] if sync == "swarm" else plan["diloco_sync_bytes_per_sync"]
-        losses = [r["loss"] for r in res.records["s0p0"]]
-        tps = peers[0] * cfg.train.batch_size * cfg.train.seq_len
-        out[label] = {
-            "peers": peers,
-            "sync": sync,
-            "val_loss": val_loss(cfg, res.peers, len(peers)),
-            "train_loss_last": sum(losses[-3:]) / len(losses[-3:]),
-            "losses": losses,
-            "tokens": steps * tps,
-            "stage_syncs": n_sync,
-            "pipeline_bytes": pipeline_bytes(res.records),
-            "pipeline_bytes_planned": plan["pipeline_bytes"] * steps,
-            "sync_bytes": n_sync * per_sync,
-            "tokens_s": tokens_per_s(step_seconds(res.records), tps, 1),
-            "wall_s": time.monotonic() - t0,
-        }
+    for H in Hs:
+        label = diloco_label(H)
+        if done and label in done:
+            out[label] = dict(done[label], reused=True)
+        else:
+            out[label] = _run_a(root, label, [4, 4], _diloco_extra(H), steps, H, timeout_s)
     return out
 
 
-def part_b(root: str, steps: int, delay: float, timeout_s: float) -> dict:
-    delays = {"s1p0": delay, "s1p1": 2 * delay}
+def busy_per_mb(records: dict[str, list[dict]], peer: str, skip: int = 1) -> float | None:
+    """``peer``'s own work per microbatch (``busy_s`` / ``microbatches`` over steps >= skip): with ``--pace-s`` at
+    least its pace, more when its compute alone takes longer."""
+    recs = [r for r in records.get(peer, []) if r["step"] >= skip]
+    n = sum(r.get("microbatches", 0) for r in recs)
+    return sum(r.get("busy_s", 0.0) for r in recs) / n if n else None
+
+
+def part_b(root: str, steps: int, pace: float, mb_per_peer: int, timeout_s: float) -> dict:
+    paces = {"s1p0": pace, "s1p1": 2 * pace}
     out = {}
     for routing in ("iwrr", "random", "fixed"):
-        # 12 microbatches per step (2 stage-0 peers x 6): IWRR can split them 8:4 between the 1x and 0.5x peers
-        cfg = _cfg([f"--swarm.routing={routing}", "--train.batch_size=12", "--swarm.max_inflight=6"])
-        res, bad = _run(cfg, os.path.join(root, f"hetero-{routing}"), [2, 2], steps, timeout_s, delays=delays)
+        # 2 stage-0 peers x mb_per_peer microbatches per step: IWRR can split them 2:1 between the 1x and 0.5x peers
+        cfg = _cfg([f"--swarm.routing={routing}", f"--train.batch_size={2 * mb_per_peer}",
+                    f"--swarm.max_inflight={max(1, mb_per_peer // 2)}"])  # fmt: skip
+        res, bad = _run(cfg, os.path.join(root, f"hetero-{routing}"), [2, 2], steps, timeout_s, paces=paces)
         _check(res, bad, f"hetero {routing}")
         tps = 2 * cfg.train.batch_size * cfg.train.seq_len
+        fast, slow = busy_per_mb(res.records, "s1p0"), busy_per_mb(res.records, "s1p1")
         out[routing] = {
             "tokens_s": tokens_per_s(step_seconds(res.records), tps, 1),
             "slow_share": share(res.records, "s1p1", 1),
             "slow_share_predicted": predicted_share(res.records, "s1p1", 1),
+            "busy_ratio": slow / fast if fast and slow else None,
+            "busy_s_per_mb": [fast, slow],
             "step_s": step_seconds(res.records),
+            "served_slow_per_step": [r.get("microbatches", 0) for r in res.records.get("s1p1", [])],
         }
     static = out["fixed"]["tokens_s"]
     for r in out.values():
@@ -268,7 +309,10 @@ def part_c(root: str, steps: int, timeout_s: float) -> dict:
         raise RuntimeError("bench swarm kill: s1p1 was not killed (it never reached the kill step)")
     bans = [b for n in ("s0p0", "s0p1") for b in (res.peers[n] or {}).get("bans", []) if b["peer"] == "s1p1"]
     tps = 2 * cfg.train.batch_size * cfg.train.seq_len
-    out = kill_analysis(res.records, bans, killed["t"], kill_step, tps)
+    # the step the kill landed in: the victim's records end with the last step it finished (fast steps may run
+    # past the watcher's kill_step before the kill lands)
+    landed = len([r for r in res.records.get("s1p1") or [] if "step" in r])
+    out = kill_analysis(res.records, bans, killed["t"], landed, tps)
     served = served_per_step({n: r for n, r in res.records.items() if n.startswith("s1")}, 1)
     expected = 2 * cfg.train.batch_size // cfg.swarm.microbatch_size
     out["served_per_step"] = [served.get(k, 0) for k in range(steps)]
@@ -286,19 +330,51 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+PART_PARAMS = {"a": ("steps", "H"), "d": ("steps", "ablation_H"), "b": ("hetero_steps", "pace", "hetero_mb"), "c": ()}
+RUN_META = ("date", "machine", "load_before", "load_after", "command")
+
+
+def carry_over(res: dict, old: dict, parts: set[str]) -> dict:
+    """Keep the parts not run now (``--parts``) from the previous results in the same ``--out``, each with the date,
+    load, command and parameters of the run that measured it (``res["earlier"][part]``), so that re-running one part
+    leaves the others in the report."""
+    for p in "adbc":
+        if p in parts or p not in old:
+            continue
+        res[p] = old[p]
+        earlier = (old.get("earlier") or {}).get(p) or {k: old.get(k) for k in (*RUN_META, *PART_PARAMS[p])}
+        res.setdefault("earlier", {})[p] = earlier
+    return res
+
+
+def _params(res: dict, part: str) -> dict:
+    """The run parameters of ``part``: this run's, or the earlier run's that measured it (``carry_over``)."""
+    return {**res, **(res.get("earlier") or {}).get(part, {})}
+
+
 def markdown(res: dict) -> str:
     lines = [
         f"Measured {res['date']} on {res['machine']}; load average before the runs {res['load_before']}, after "
         f"{res['load_after']} (the host's 2 cores are shared with other jobs: throughput numbers are noisy). "
         f"Command: `{res['command']}`.",
-        "",
     ]
+    earlier: dict[str, list[str]] = {}
+    for p, e in sorted((res.get("earlier") or {}).items()):
+        key = (
+            f"measured {e.get('date')}, load average before {e.get('load_before')}, after {e.get('load_after')}; "
+            f"command `{e.get('command')}`"
+        )
+        earlier.setdefault(key, []).append(f"({p})")
+    for key, ps in earlier.items():
+        lines.append(f"{' and '.join(ps)} from an earlier run: {key}.")
+    lines.append("")
     if "a" in res:
-        a = res["a"]
+        a, pa = res["a"], _params(res, "a")
         lines += [
-            f"**(a) Paper 000's experiment, small scale** ({res['steps']} steps each, tiny GPT-2 4 layers d=64, "
-            f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={res['H']} instead of the "
-            "paper's 50 because the run is short).",
+            f"**(a) Paper 000's experiment, small scale** ({pa['steps']} steps each, tiny GPT-2 4 layers d=64, "
+            f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
+            + ("" if pa["H"] == 50 else " instead of the paper's 50")
+            + ").",
             "",
             "| run | peers | tokens | final val loss | train loss (last 3) | stage syncs | pipeline MB | sync MB | "
             "sync share | tokens/s |",
@@ -324,21 +400,46 @@ def markdown(res: dict) -> str:
                 + " MB); sync bytes are planned (fp32 ring all-reduce per peer x peers x syncs).",
             ]
         lines.append("")
+    if "d" in res:
+        d = res["d"]
+        sw = next((r for k, r in res.get("a", {}).items() if k.startswith("SWARM")), None)
+        lines += [
+            f"**(d) H ablation** (DiLoCo-SWARM 4x2, {_params(res, 'd')['steps']} steps each, same data and seed; "
+            "the paper's loss rises monotonically with H).",
+            "",
+            "| H | stage syncs | final val loss | vs SWARM 4x2 | train loss (last 3) | sync MB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in sorted(d.values(), key=lambda r: r["H"]):
+            vs = f"{100 * (r['val_loss'] / sw['val_loss'] - 1):+.1f} %" if sw else "-"
+            lines.append(
+                f"| {r['H']} | {r['stage_syncs']} | {r['val_loss']:.4f} | {vs} | {r['train_loss_last']:.4f} | "
+                f"{r['sync_bytes'] / 1e6:.2f} |"
+            )
+        vals = [r["val_loss"] for r in sorted(d.values(), key=lambda r: r["H"])]
+        mono = all(x < y for x, y in zip(vals, vals[1:]))
+        lines += ["", f"Final val loss {'rises' if mono else 'does not rise'} monotonically with H here.", ""]
     if "b" in res:
         b = res["b"]
+        pb = _params(res, "b")
+        mb = pb.get("hetero_mb", 12)
         lines += [
-            f"**(b) Heterogeneous peers** (2 x 2, {res['hetero_steps']} steps; stage-1 peers delayed {res['delay']} s "
-            f"and {2 * res['delay']} s per microbatch, the delay occupying the peer; 12 microbatches per step). "
-            "Capacity bound: 1.5 units vs 1.0 for the static pipeline.",
+            f"**(b) Heterogeneous peers** (2 x 2, {pb['hetero_steps']} steps; stage-1 peers paced at {pb['pace']} s "
+            f"and {2 * pb['pace']:g} s per microbatch (`--pace-s`: the microbatch occupies the peer for max(pace, "
+            f"its compute)); {2 * mb} microbatches per step). Capacity bound: 1.5 units vs 1.0 for the static "
+            "pipeline.",
             "",
-            "| routing | tokens/s | vs static | of the 1.5x bound | slow peer's share | its throughput share |",
-            "|---|---|---|---|---|---|",
+            "| routing | tokens/s | vs static | of the 1.5x bound | slow peer's share | its throughput share | "
+            "busy s/mb fast, slow (ratio) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for k, r in b.items():
             label = {"fixed": "static pipeline (pairs fixed)", "iwrr": "IWRR", "random": "random wiring"}[k]
+            bpm = r.get("busy_s_per_mb") or [None, None]
             lines.append(
                 f"| {label} | {_f(r['tokens_s'], '.0f')} | {_f(r['vs_static'], '.2f')}x | {_f(r['of_bound'], '.0%')} | "
-                f"{_f(r['slow_share'], '.2f')} | {_f(r.get('slow_share_predicted'), '.2f')} |"
+                f"{_f(r['slow_share'], '.2f')} | {_f(r.get('slow_share_predicted'), '.2f')} | "
+                f"{_f(bpm[0], '.3f')}, {_f(bpm[1], '.3f')} ({_f(r.get('busy_ratio'), '.2f')}) |"
             )
         lines.append("")
     if "c" in res:
@@ -357,11 +458,21 @@ def markdown(res: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def smooth(ys: list[float], points: int = 40) -> tuple[list[float], list[float]]:
+    """Means of consecutive windows (about ``points`` of them) and their centre steps: a readable curve of a long,
+    noisy per-step loss."""
+    w = max(1, len(ys) // points)
+    chunks = [ys[i : i + w] for i in range(0, len(ys) - w + 1, w)]
+    return [i * w + (w - 1) / 2 for i in range(len(chunks))], [sum(c) / len(c) for c in chunks]
+
+
 def plot(res: dict, path: str) -> str | None:
-    if "a" not in res:
+    runs = {**res.get("a", {}), **res.get("d", {})}
+    if not runs:
         return None
-    series = [(k, list(range(len(r["losses"]))), r["losses"], None) for k, r in res["a"].items()]
-    line_plot(path, series, "step", "train loss of s0p0's batch", "SWARM vs DiLoCo-SWARM vs one pipeline")
+    series = [(k, *smooth(r["losses"]), None) for k, r in runs.items()]
+    title = "SWARM vs DiLoCo-SWARM vs one pipeline"
+    line_plot(path, series, "step", "train loss of s0p0's batches (window mean)", title)
     return path
 
 
@@ -374,23 +485,33 @@ def _load() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dilocox bench swarm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="steps of each run of part (a) (a multiple of --H)")
-    p.add_argument("--H", type=int, default=10, help="DiLoCo-SWARM's outer period (the paper: 50)")
+    p.add_argument("--steps", type=int, default=400, help="steps of each run of parts (a) and (d) (a multiple of H)")
+    p.add_argument("--H", type=int, default=50, help="DiLoCo-SWARM's outer period in (a) (the paper: 50)")
+    p.add_argument("--ablation-H", default="10,50,200", help="(d) the outer periods compared, comma-separated")
     p.add_argument("--hetero-steps", type=int, default=12, help="steps of each run of parts (b) and (c)")
-    p.add_argument("--delay", type=float, default=0.15, help="(b) delay per microbatch of the fast stage-1 peer")
-    p.add_argument("--parts", default="abc", help="which parts to run: any of a, b, c")
+    p.add_argument("--pace", type=float, default=0.2, help="(b) pace of the fast stage-1 peer (the slow one: 2x)")
+    p.add_argument("--hetero-mb", type=int, default=12, help="(b) microbatches per stage-0 peer and step")
+    p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (e.g. a,b,d)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
     p.add_argument("--out", default="docs/bench/swarm", help="results.json, results.md and swarm.png go here")
     p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
     a = p.parse_args(argv)
-    if a.H < 1 or a.steps < a.H or a.steps % a.H:
-        p.error(f"--steps {a.steps} must be a positive multiple of --H {a.H}")
+    parts = set(a.parts.replace(",", ""))
+    if not parts or parts - set("abcd"):
+        p.error(f"--parts {a.parts!r} must be letters among a, b, c, d (e.g. a,b,d)")
+    try:
+        Hs = [int(h) for h in a.ablation_H.split(",")]
+    except ValueError:
+        p.error(f"--ablation-H {a.ablation_H!r} must be comma-separated integers, e.g. 10,50,200")
+    for flag, H in [("--H", a.H), *(("--ablation-H", h) for h in (Hs if "d" in parts else []))]:
+        if H < 1 or a.steps < H or a.steps % H:
+            p.error(f"--steps {a.steps} must be a positive multiple of {flag} {H}")
     if a.hetero_steps < 4:
         p.error(f"--hetero-steps {a.hetero_steps} must be at least 4")
-    if not a.delay > 0:
-        p.error(f"--delay {a.delay} must be > 0 seconds")
-    if not a.parts or set(a.parts) - set("abc"):
-        p.error(f"--parts {a.parts!r} must be letters among a, b, c")
+    if not a.pace > 0:
+        p.error(f"--pace {a.pace} must be > 0 seconds")
+    if a.hetero_mb < 2:
+        p.error(f"--hetero-mb {a.hetero_mb} must be at least 2 (microbatches per stage-0 peer and step)")
     res: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_line(),
@@ -398,19 +519,30 @@ def main(argv: list[str] | None = None) -> int:
         "steps": a.steps,
         "H": a.H,
         "hetero_steps": a.hetero_steps,
-        "delay": a.delay,
+        "pace": a.pace,
+        "hetero_mb": a.hetero_mb,
+        "ablation_H": Hs,
         "command": " ".join(["dilocox bench swarm", *(argv if argv is not None else sys.argv[1:])]),
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = a.runs or tmp
-        if "a" in a.parts:
+        if "a" in parts:
             res["a"] = part_a(root, a.steps, a.H, a.timeout_s)
-        if "b" in a.parts:
-            res["b"] = part_b(root, a.hetero_steps, a.delay, a.timeout_s)
-        if "c" in a.parts:
+        if "d" in parts:
+            res["d"] = part_d(root, a.steps, Hs, a.timeout_s, res.get("a"))
+        if "b" in parts:
+            res["b"] = part_b(root, a.hetero_steps, a.pace, a.hetero_mb, a.timeout_s)
+        if "c" in parts:
             res["c"] = part_c(root, max(a.hetero_steps, 9), a.timeout_s)
     res["load_after"] = _load()
     os.makedirs(a.out, exist_ok=True)
+    prev = os.path.join(a.out, "results.json")
+    if os.path.exists(prev):
+        try:
+            with open(prev) as f:
+                carry_over(res, json.load(f), parts)
+        except (OSError, ValueError) as e:
+            print(f"bench swarm: {prev} unreadable ({e}); only the parts run now are reported", file=sys.stderr)
     res["plot"] = plot(res, os.path.join(a.out, "swarm.png"))
     md = markdown(res)
     write_results(a.out, res, md)

@@ -21,12 +21,14 @@ of a fixed ``outer`` process group:
   all-reduce, and the peer has fetched them before it). The healed replica contributes nothing
   to that step (§6a of the issue), takes the average like everyone, resets its error feedback
   and starts its next phase from θ. From then on it is bit-identical to the others (overlap
-  none/delayed).
+  none/delayed). The owner may add its own state to the snapshot (``snapshot_extra`` /
+  ``load_extra``; the SWARM peer hands over its AdamW state so).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -50,6 +52,11 @@ class ElasticMixin:
         self._jump: int | None = None  # set by a heal: the inner step to continue from
         self.contributors: list[int] = []
         self._trace = os.environ.get(TRACE_ENV)
+        # the owner's own part of what a joiner gets (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called
+        # with every snapshot (main thread, right before the launch; return copies of what the main thread changes
+        # while that all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
+        self.snapshot_extra: Callable[[], object] | None = None
+        self.load_extra: Callable[[object], None] | None = None
         elastic.set_state_fns(self._elastic_state, self._elastic_load)
 
     @property
@@ -73,6 +80,7 @@ class ElasticMixin:
             "theta": self.state.theta,
             "momentum": self.state.momentum,
             "overlap": self.overlap,
+            "extra": self.snapshot_extra() if self.snapshot_extra is not None else None,
         }
 
     def _elastic_state(self) -> dict:
@@ -108,6 +116,8 @@ class ElasticMixin:
         self.own_prev = [None] * self.K
         self.healed_at = int(sd["n"])
         self._jump = self.healed_at
+        if self.load_extra is not None and sd.get("extra") is not None:
+            self.load_extra(sd["extra"])
         return True
 
     def _resume_healed(self, p: int, avg: Tensor) -> None:

@@ -14,6 +14,7 @@ peer, store and lighthouses on the first node).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -61,19 +62,29 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
         "--delay", action="append", default=[], metavar="PEER=SECONDS",
         help="inject a delay per microbatch on a peer, e.g. s1p1=0.2 (heterogeneous-peer experiments)",
     )  # fmt: skip
+    ap.add_argument(
+        "--rebalance-s", type=float, default=None, metavar="T",
+        help="every T seconds move a peer of the least-loaded stage to the most-loaded one (sets "
+        "swarm.rebalance_period_s; SWARM's T is 300; 0 = off). Each move is logged in OUT/rebalance.jsonl",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pace", action="append", default=[], metavar="PEER=SECONDS",
+        help="each microbatch occupies the peer for max(SECONDS, its compute), e.g. s1p1=0.4: a peer paced at 2T is "
+        "exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer experiments)",
+    )  # fmt: skip
     return ap
 
 
-def parse_delays(items: list[str]) -> dict[str, float]:
+def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
     out = {}
     for it in items:
         name, _, sec = it.partition("=")
         try:
             out[name.strip()] = float(sec)
         except ValueError:
-            raise SwarmUsageError(f"--delay {it!r} must be PEER=SECONDS, e.g. s1p1=0.2") from None
+            raise SwarmUsageError(f"{flag} {it!r} must be PEER=SECONDS, e.g. s1p1=0.2") from None
         if not name.strip().startswith("s") or "p" not in name or out[name.strip()] < 0:
-            raise SwarmUsageError(f"--delay {it!r} must be PEER=SECONDS with PEER like s1p0 and SECONDS >= 0")
+            raise SwarmUsageError(f"{flag} {it!r} must be PEER=SECONDS with PEER like s1p0 and SECONDS >= 0")
     return out
 
 
@@ -93,20 +104,29 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         raise SwarmUsageError(f"--timeout-s {a.timeout_s} must be > 0 seconds")
     peers = parse_peers(a.peers) if a.peers is not None else None
     delays = parse_delays(a.delay)
+    paces = parse_delays(a.pace, "--pace")
     overrides = list(rest)
     if peers is not None:
         overrides.append(f"--swarm.peers_per_stage=[{','.join(map(str, peers))}]")
+    if a.rebalance_s is not None:
+        overrides.append(f"--swarm.rebalance_period_s={a.rebalance_s}")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
     validate_swarm_layout(cfg)
     pps = list(cfg.swarm.peers_per_stage)
-    for name in delays:
+    for flag, name in [*(("--delay", n) for n in delays), *(("--pace", n) for n in paces)]:
         j, _, k = name[1:].partition("p")
         if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
-            raise SwarmUsageError(f"--delay {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
+            raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = a.out or os.path.join(cfg.log.run_dir, "swarm")
-    res = launch(cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True)
+    res = launch(cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces)
     print(summarize(res))
+    moves = os.path.join(out, "rebalance.jsonl")
+    if os.path.exists(moves):  # rebalancing: one line per move made, refused or failed
+        with open(moves) as f:
+            for rec in map(json.loads, f):
+                why = rec.get("refused") or rec.get("error")
+                print("  " + rec.get("line", f"{rec.get('plan', rec['peer'])}: {why}"))
     failed = {n: rc for n, rc in res.returncodes.items() if rc != 0}
     if failed:
         print(f"swarm job: peers {failed} did not exit 0; their logs are in {out}", file=sys.stderr)

@@ -33,10 +33,22 @@ The protocol (docs: the SWARM section of README; issue 11):
   gradient, so a re-sent microbatch is counted once (up to a margin of 10 % of the budget, at most 2 s). A
   downstream peer that gets no end-of-step from an upstream peer pings it after 1 s and drops it when it is
   unreachable (a silent but live one is waited for up to ``swarm.step_timeout_s``).
+- Replay (nothing lost when a peer dies mid-step): a sender keeps, for the current step and per downstream
+  peer, the microbatches that completed there (payload as sent, labels). At the end of the step, before its
+  markers, it pings those peers; a dead one's microbatches (their gradients died with it) are re-sent to live
+  peers of its stage as ``forward`` with ``replay``: the first hop accumulates and counts them, the hops below
+  (which hold their gradient already) get ``grad_only`` and return only the input's gradient; the sender does not
+  backward the reply. A hop given a microbatch id it already counted this step also treats it as ``grad_only``. A
+  marker that cannot be delivered triggers the same replay, then the targets get their marker again; a replay
+  reaching a peer already in its sync is refused there and counted as ``lost`` (docs/SWARM.md, remaining window).
 - Join (``--join``, ``swarm.sync=swarm``): a restarted peer publishes its new address (callers re-read the store
   when a call fails), answers ``forward`` with ``NotServing`` (callers ban it briefly), takes part in its stage's
   next sync without contributing, receives a live peer's params + AdamW state from torchft's healing in that
   quorum, applies the same averaged step (so it leaves that sync bit-identical to the others), then serves.
+  ``swarm.sync=diloco``: the same at the stage's next OUTER step (θ, outer momentum, schedule and the AdamW state;
+  ``peer_sync.join_diloco``, docs/SWARM.md "Joining a running job").
+- ``optim.grad_clip``: swarm: the global norm over the stages' averaged gradients (exchanged through the store);
+  diloco: each peer's stage-local norm (``peer_sync``, docs/SWARM.md "Gradient clipping").
 
 Results: ``OUT/<name>.jsonl`` (one record per step) and ``OUT/<name>.pt`` (final params, the visits
 log, gradients dumped at the steps given by ``--dump-grads``) where name is ``s{j}p{k}``.
@@ -50,6 +62,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -63,10 +76,13 @@ from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.model import build_stage_model
 from dilocox.swarm import activations as act_codec
+from dilocox.swarm import membership, peer_sync
+from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.routing import NoLivePeer, RandomRouter, build_router
 from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
 
 log = logging.getLogger("dilocox.swarm.peer")
+DIGEST_ENV = "DILOCOX_SWARM_DIGESTS"  # set (tests): every sync record carries a hash of the params + AdamW state
 
 
 class SwarmError(RuntimeError):
@@ -156,11 +172,14 @@ class SwarmPeer:
         delay_s: float = 0.0,
         join: bool = False,
         delay_serial: bool = False,
+        pace_s: float = 0.0,
+        die_mid_step: int | None = None,
     ) -> None:
         self.cfg, self.s = cfg, cfg.swarm
         self.pps = list(self.s.peers_per_stage)
         self.n = len(self.pps)
-        if not 0 <= stage < self.n or not 0 <= index < self.pps[stage]:
+        # a joiner moved here by rebalancing gets a new index in its stage: below the job's peer count (torchft ranks)
+        if not 0 <= stage < self.n or not 0 <= index < (sum(self.pps) if join else self.pps[stage]):
             raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={self.pps}")
         self.stage, self.index, self.m = stage, index, self.pps[stage]
         self.name = peer_name(stage, index)
@@ -170,11 +189,17 @@ class SwarmPeer:
         # --delay-serial: the injected delay occupies the peer (it holds the compute lock, like slower compute), so
         # it lowers the peer's throughput; without it concurrent microbatches sleep side by side (a slow link)
         self.delay_serial = delay_serial
+        # --pace-s T: each microbatch occupies the peer (compute lock held) for max(T, its compute) seconds, so a peer
+        # paced at 2T is exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer benchmarks)
+        self.pace_s = pace_s
+        self.die_mid_step = die_mid_step  # --die-mid-step (tests): kill -9 itself mid-step, after serving a microbatch
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
         self.serving = not join
         self._healed_step: int | None = None
+        self.syncing = False  # in the sync of self.step (a DiLoCo joiner asks, to time its quorum request)
+        self.digests = bool(os.environ.get(DIGEST_ENV))  # tests: a hash of params + AdamW state after each sync
         torch.manual_seed(cfg.train.seed)
         self.model = build_stage_model(cfg.model, stage=stage, n_stages=self.n, seed=cfg.train.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -201,11 +226,28 @@ class SwarmPeer:
         self.router = None
         self.router_lock = threading.Lock()
         self.last_done: dict[str, float] = {}  # downstream peer -> time of its last reply (router timing)
+        # replay (a dead downstream peer's gradients die with it): step -> downstream peer -> the microbatches that
+        # completed there (mb id, the peer's address then, activation payload, ActMeta dict, labels)
+        self.completed: dict[int, dict[str, list[tuple]]] = {}
+        self.counted: dict[int, set[str]] = {}  # step -> microbatch ids whose gradient this peer holds
+        self.replayed = self.lost = 0  # this step, as a sender: microbatches replayed / lost with a dead peer
+        self.replays: list[dict] = []
+        self._sync_entered = -1  # the last step whose sync took the accumulated grads (later arrivals are refused)
         self.group = None
         self.outer = None
         self.records: list[dict] = []
+        # rebalancing (dilocox.swarm.membership): load meter, leave request, peers that joined/left next to this one
+        self.meter = LoadMeter()
+        self.leave_requested = False
+        self.down_peers: list[str] = []  # the next stage's peers this one sends end-of-step markers to
+        self.up_from: dict[str, int] = {}  # upstream peer that joined -> first step whose marker it sends
+        self.markers_sent = -1  # last step whose end-of-step markers this peer sent
+        self.move_to: dict | None = None  # set by a ``leave`` RPC that moves it: its new stage, index, flags
         if self.first:
             self._init_data()
+        # set at the end of start(): the server answers from here on, but a forward must wait (bounded) until the
+        # router and sync group exist (an upstream peer may send as soon as every address is published)
+        self.ready = threading.Event()
         self.server = RpcServer(self._handle, host=self.s.host, name=self.name)
 
     # ------------------------------------------------------------------ set-up
@@ -221,12 +263,16 @@ class SwarmPeer:
         """Publish this peer's address, wait (bounded) for every other peer's, build router and sync group.
         A joiner answers forward requests with ``NotServing`` until it holds its stage's state (``_join``), but
         receives the end-of-step markers at once."""
-        if self.join and self.s.sync != "swarm":
-            raise SwarmError(f"{self.name}: joining a running job is only supported with swarm.sync=swarm so far")
+        # the job's current peers: swarm.peers_per_stage, or the launcher's list after rebalancing moves (a joiner)
+        members = membership.read_members(self.store, self.pps) if self.join else [list(range(m)) for m in self.pps]
+        if self.join:
+            members[self.stage] = sorted(set(members[self.stage]) | {self.index})
+            self.m = len(members[self.stage])
+        self.members = members
         if self.join and self.m == 1:
             raise SwarmError(f"{self.name}: cannot join: stage {self.stage} has no other peer to get its state from")
         self.store.set(store_key(self.stage, self.index), self.server.addr)
-        keys = [store_key(j, i) for j in range(self.n) for i in range(self.pps[j])]
+        keys = [store_key(j, i) for j in range(self.n) for i in members[j]]
         try:
             self.store.wait(keys, timedelta(seconds=self.s.startup_timeout_s))
         except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
@@ -235,10 +281,13 @@ class SwarmPeer:
                 f"swarm.startup_timeout_s={self.s.startup_timeout_s}s; start them all (or raise the timeout)"
             ) from e
         for j in range(self.n):
-            for i in range(self.pps[j]):
+            for i in members[j]:
                 self.addrs[peer_name(j, i)] = self.store.get(store_key(j, i)).decode()
+        if self.stage:
+            self.expected_up = [peer_name(self.stage - 1, i) for i in members[self.stage - 1]]
         if not self.last:
-            down = [peer_name(self.stage + 1, i) for i in range(self.pps[self.stage + 1])]
+            down = [peer_name(self.stage + 1, i) for i in members[self.stage + 1]]
+            self.down_peers = list(down)
             self.router = make_router(
                 self.s.routing,
                 down,
@@ -247,7 +296,7 @@ class SwarmPeer:
                 seed=self.cfg.train.seed + self.stage,
                 offset=self.index,
             )
-        if self.m > 1:
+        if self.m > 1 or self.s.rebalance_period_s > 0:  # rebalancing: a one-peer stage may gain a peer later
             from dilocox.elastic import ElasticConfig, ElasticOuterGroup
 
             if not self.lighthouse:
@@ -257,8 +306,8 @@ class SwarmPeer:
                     lighthouse_addr=self.lighthouse,
                     replica_rank=self.index,
                     min_replicas=1,
-                    initial_replicas=self.m,
-                    max_replicas=self.m,
+                    initial_replicas=1 if self.join else self.m,  # a joiner meets the live peers, however many
+                    max_replicas=max(self.m, sum(self.pps)),  # room for the index of a peer moved here
                     timeout_s=self.s.sync_timeout_s,
                     quorum_timeout_s=self.s.sync_timeout_s,
                     host=self.s.host,
@@ -268,11 +317,7 @@ class SwarmPeer:
                 self.group.set_state_fns(self._state_for_joiner, self._load_from_peer)
         if self.s.sync == "diloco":
             self.outer = self._build_outer()
-        if self.cfg.optim.grad_clip > 0 and self.first and self.index == 0:
-            log.warning(
-                "optim.grad_clip=%s is not applied by swarm peers yet (the global norm spans the stages' peers)",
-                self.cfg.optim.grad_clip,
-            )
+        self.ready.set()
 
     def _build_outer(self):
         """The stage's DiLoCo outer loop: ``dilocox.outer.build_outer`` over the torchft group of the stage's peers
@@ -293,12 +338,15 @@ class SwarmPeer:
             elastic=self.group,
         )
         outer.bound_waits(2 * self.s.sync_timeout_s, self.cfg.outer.warn_after_s)
+        peer_sync.hand_over_adamw(self, outer)  # a joiner gets a live peer's AdamW state with θ and v
         return outer
 
     # ------------------------------------------------------------------ RPC handlers
     def _handle(self, method: str, meta: dict, tensors: dict[str, Tensor]):
         if method == "forward":
             return self._serve_forward(meta, tensors)
+        if method in membership.METHODS:  # stats / leave / hello / bye (rebalancing)
+            return membership.handle(self, method, meta)
         if method == "end_step":
             with self.cv:
                 sender = str(meta["sender"])
@@ -309,7 +357,7 @@ class SwarmPeer:
                 self.cv.notify_all()
             return {}, {}
         if method == "ping":
-            return {"name": self.name, "step": self.step}, {}
+            return {"name": self.name, "step": self.step, **peer_sync.phase_info(self)}, {}
         raise ValueError(f"{self.name}: unknown method {method!r}")
 
     def _wait_step(self, step: int, what: str, deadline: float | None = None) -> None:
@@ -325,6 +373,8 @@ class SwarmPeer:
                 raise SwarmError(f"{self.name}: {what} of step {step} arrived after that step's sync (now {self.step})")
 
     def _serve_forward(self, meta: dict, tensors: dict[str, Tensor]):
+        if not self.ready.wait(timeout=max(0.0, 0.9 * float(meta.get("budget_s", 0.0)))):
+            raise NotServing(f"{self.name} is still starting (no router / sync group yet)")
         if not self.serving:
             raise NotServing(f"{self.name} is joining (waiting for its stage's state)")
         with self.cv:
@@ -342,22 +392,32 @@ class SwarmPeer:
         # caller re-sends it elsewhere); the margin covers the backward and the reply after the last check
         budget = float(meta["budget_s"])
         deadline = time.monotonic() + budget - min(2.0, 0.1 * budget)
+        if self.die_mid_step is not None and step >= self.die_mid_step and not meta.get("replay"):
+            self._maybe_die(step)
         self._wait_step(step, f"microbatch {mb}", deadline)
+        if not self.serving:  # it left its stage (rebalancing) while this request waited for the step
+            raise NotServing(f"{self.name} left stage {self.stage}")
         x = act_codec.decode(tensors["x"], act_codec.ActMeta.from_dict(meta["act"])).float().requires_grad_(True)
-        gx, info = self._process(step, mb, x, tensors["labels"], deadline)
+        with self.lock:  # this peer (and the stages below) already hold its gradient: the input's gradient only
+            grad_only = bool(meta.get("grad_only")) or mb in self.counted.get(step, ())
+        if grad_only:
+            gx, info = self._process_grad_only(step, mb, x, tensors["labels"], deadline)
+        else:  # a replay's first hop: accumulate as usual, the stages below hold the gradient already
+            down = "grad_only" if meta.get("replay") else ""
+            gx, info = self._process(step, mb, x, tensors["labels"], deadline, down)
         payload, gmeta = act_codec.encode(gx, self.s.activations)
         info["gact"] = gmeta.to_dict()
         return info, {"grad": payload}
 
     # ------------------------------------------------------------------ the microbatch
     def _process(
-        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None
+        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None, down_mode: str = ""
     ) -> tuple[Tensor | None, dict]:
         """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
         busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
         if self.delay_s and not self.delay_serial:
             time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
-        with self.lock:
+        with self.meter.hold(self.lock):  # (the meter: this peer's queue and throughput, for rebalancing)
             t = time.monotonic()
             if self.delay_s and self.delay_serial:
                 time.sleep(self.delay_s)  # injected slower compute: holds the compute lock (heterogeneous peers)
@@ -365,42 +425,64 @@ class SwarmPeer:
             self.visits.append((step, mb, "fwd"))
             busy += time.monotonic() - t
         if self.last:
-            with self.lock:
+            with self.meter.hold(self.lock, done=True):
                 t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
                 loss = self.model.loss(out.float(), labels)
                 loss.backward()
                 self.visits.append((step, mb, "bwd"))
                 self.count += 1
+                self.counted.setdefault(step, set()).add(mb)
                 self.loss_sum += float(loss.detach())
+                self._pace(busy + time.monotonic() - t)
                 self.busy_s += busy + time.monotonic() - t
             info = {"loss": float(loss.detach()), "route": [self.name]}
         else:
-            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline)
-            with self.lock:
+            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline, mode=down_mode)
+            with self.meter.hold(self.lock, done=True):
                 t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
                 out.backward(gy.to(out.dtype))
                 self.visits.append((step, mb, "bwd"))
                 self.count += 1
+                self.counted.setdefault(step, set()).add(mb)
                 self.routed[peer] = self.routed.get(peer, 0) + 1
+                self._pace(busy + time.monotonic() - t)
                 self.busy_s += busy + time.monotonic() - t
             info["route"] = [self.name, *info["route"]]
         return (x.grad if x.requires_grad else None), info
+
+    def _pace(self, spent: float) -> None:
+        """--pace-s: sleep the rest of the microbatch's pace (called with the compute lock held, so it occupies the
+        peer); ``spent``: its compute so far (forward + backward, lock held)."""
+        if self.pace_s > spent:
+            time.sleep(self.pace_s - spent)
 
     def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
         if deadline is not None and time.monotonic() > deadline:
             self.visits.append((step, mb, "abandoned"))
             raise SwarmError(f"{self.name}: microbatch {mb} came back after its caller's timeout: dropped here")
+        if self._sync_entered >= step:  # a replay that came too late: its gradient would miss (or corrupt) the sync
+            self.visits.append((step, mb, "late"))
+            raise SwarmError(f"{self.name}: microbatch {mb} arrived after that step's sync (step {step}): dropped")
 
     def hop_timeout(self) -> float:
         """Bound on a call from this stage: the next hop's work and one re-send per stage below it."""
         return self.s.rpc_timeout_s * 2 ** max(0, self.n - 2 - self.stage)
 
     def _send(
-        self, step: int, mb: str, y: Tensor, labels: Tensor, deadline: float | None = None
+        self,
+        step: int,
+        mb: str,
+        y: Tensor | None,
+        labels: Tensor,
+        deadline: float | None = None,
+        mode: str = "",
+        enc: tuple | None = None,
     ) -> tuple[Tensor, dict, str]:
-        payload, ameta = act_codec.encode(y, self.s.activations)
+        """``mode``: "" | "replay" | "grad_only" (a flag of the request, module doc); ``enc``: (payload, ActMeta)
+        already encoded (a replay re-sends what it sent before)."""
+        payload, ameta = enc if enc is not None else act_codec.encode(y, self.s.activations)
         while True:
             with self.router_lock:
                 try:
@@ -413,11 +495,12 @@ class SwarmPeer:
                 if timeout <= 0:
                     raise SwarmError(f"{self.name}: no time left to send microbatch {mb} on (its caller gave up)")
             t0 = time.monotonic()
+            flag = {mode: True} if mode else {}
             try:
                 meta, tens = call(
                     self.addrs[peer],
                     "forward",
-                    {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict()},
+                    {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict(), **flag},
                     {"x": payload, "labels": labels},
                     timeout_s=timeout,
                 )
@@ -442,11 +525,17 @@ class SwarmPeer:
                 link[0] += payload.numel() + labels.numel() * labels.element_size()
                 link[1] += tens["grad"].numel()
             gy = act_codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
+            if mode != "grad_only":  # it completed there: that peer holds its gradient (replayed if it dies)
+                with self.lock:
+                    entry = (mb, self.addrs[peer], payload, ameta.to_dict(), labels)
+                    self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
             return gy, meta, peer
 
     # ------------------------------------------------------------------ steps
     def run(self) -> None:
         start = self._join() if self.join else 0
+        if self.join:  # tell the neighbouring stages (a peer moved here by rebalancing is new to them)
+            membership.announce(self, start, self.members)
         for k in range(start, self.steps):
             t0 = time.monotonic()
             rec: dict = {"step": k, "peer": self.name}
@@ -455,15 +544,23 @@ class SwarmPeer:
             self._end_of_step(k)
             with self.lock:
                 rec["microbatches"] = self.count
+                if not self.last:  # microbatches re-sent at the end of the step because their peer died
+                    rec["replayed"], rec["lost"], self.replayed, self.lost = self.replayed, self.lost, 0, 0
                 rec["busy_s"], self.busy_s = self.busy_s, 0.0  # own work on this step's microbatches (seconds)
                 if self.link_bytes:  # pipeline traffic of this step on each link to the next stage (both ways)
                     rec["link_bytes"], self.link_bytes = self.link_bytes, {}
                 if self.last and self.count:
                     rec["loss_served"] = self.loss_sum / self.count
+            leaving = self.leave_requested  # rebalancing: this step is its last; the next one's requests go elsewhere
+            if leaving:
+                self.serving = False
             rec.update(self._sync(k))
             rec["seconds"] = time.monotonic() - t0
             self.records.append(rec)
             self._write_record(rec)
+            if leaving:
+                membership.leave(self, k)
+                break
         if self.outer is not None and not isinstance(self.outer, DiLoCoStageSync):
             self.outer.finish()  # applies what is in flight (outer.overlap delayed/eager)
         with self.cv:  # requests still running (ones their caller gave up on) end within their budget
@@ -500,7 +597,8 @@ class SwarmPeer:
             with self.cv:
                 while True:
                     got = self.markers.get(k, {})
-                    missing = [p for p in self.expected_up if p not in got]
+                    # (a peer that joined upstream by rebalancing sends markers from its first serving step on)
+                    missing = [p for p in self.expected_up if p not in got and self.up_from.get(p, 0) <= k]
                     if not missing:
                         break
                     left = deadline - time.monotonic()
@@ -518,20 +616,155 @@ class SwarmPeer:
                     self.cv.wait(timeout=min(left, 1.0))
                 self.markers.pop(k, None)
         if not self.last:
+            self._send_markers(k)
+
+    def _deliver_marker(self, k: int, peer: str, n: int) -> bool:
+        """``end_step(k)`` to ``peer`` (at its new address when it was restarted); False when it is unreachable."""
+        meta = {"step": k, "sender": self.name, "n": n}
+        try:
+            call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
+        except PeerUnavailable as e:
+            try:
+                if not self._refresh_addr(peer):
+                    raise
+                call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
+            except PeerUnavailable:
+                log.warning("%s: end-of-step %d not delivered to %s (%s)", self.name, k, peer, e.reason)
+                return False
+        return True
+
+    def _send_markers(self, k: int) -> None:
+        """End of step k on a sender: first replay the microbatches that completed at downstream peers that died
+        since (their gradients died with them) to live peers of that stage, then send the markers. A peer found
+        dead at its marker has its microbatches replayed too, and the replay targets get their marker again; a
+        target that already entered its sync refuses the replay: counted as lost (the remaining window)."""
+        with self.lock:
+            holders = {p: list(e) for p, e in self.completed.get(k, {}).items() if e}
+        for peer, entries in holders.items():
+            try:
+                call(self.addrs[peer], "ping", {}, timeout_s=min(5.0, self.s.rpc_timeout_s))
+                alive = True
+            except PeerUnavailable:
+                alive = self._refresh_addr(peer) and self._ping(peer)
+            except RemoteError:
+                alive = True
+            # a peer restarted at a new address is a new process: what the old one held is gone as well
+            lost = [e for e in entries if not alive or e[1] != self.addrs[peer]]
+            if lost:
+                self._replay(k, peer, lost)
+        with self.lock:  # the next stage's current peers (rebalancing: hello/bye change them, under this lock)
+            down = list(self.down_peers)
+            self.markers_sent = k
+        pending, sent = list(down), set()
+        for _ in range(4 * len(down)):  # a bound: each round either sends a marker or empties a dead peer's list
+            if not pending:
+                break
+            peer = pending.pop(0)
             with self.lock:
-                routed, self.routed = self.routed, {}
-            for i in range(self.pps[self.stage + 1]):
-                peer = peer_name(self.stage + 1, i)
-                meta = {"step": k, "sender": self.name, "n": routed.get(peer, 0)}
-                try:
-                    call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
-                except PeerUnavailable as e:
-                    try:
-                        if not self._refresh_addr(peer):
-                            raise
-                        call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
-                    except PeerUnavailable:
-                        log.warning("%s: end-of-step %d not delivered to %s (%s)", self.name, k, peer, e.reason)
+                n = self.routed.get(peer, 0)
+            ok = self._deliver_marker(k, peer, n)
+            if ok:
+                sent.add(peer)
+            with self.lock:
+                held = self.completed.get(k, {}).get(peer, [])
+                lost = [e for e in held if not ok or e[1] != self.addrs[peer]]
+            if lost:
+                for t in self._replay(k, peer, lost):
+                    if t in sent and t not in pending:  # it has its marker already: again, with the replays counted
+                        sent.discard(t)
+                        pending.append(t)
+        with self.lock:
+            self.routed = {}
+            for s in [s for s in self.completed if s <= k]:
+                del self.completed[s]
+
+    def _ping(self, peer: str) -> bool:
+        try:
+            call(self.addrs[peer], "ping", {}, timeout_s=min(5.0, self.s.rpc_timeout_s))
+        except PeerUnavailable:
+            return False
+        except RemoteError:
+            pass
+        return True
+
+    def _replay(self, k: int, peer: str, entries: list[tuple]) -> set[str]:
+        """Re-send the microbatches of step k that completed at dead ``peer`` to live peers of its stage (request
+        flag ``replay``: the first hop accumulates and counts it, the stages below only return the input's
+        gradient, they hold its gradient already). This peer does not backward the reply: its grads include it.
+        Returns the peers that took them."""
+        ids = {e[0] for e in entries}
+        with self.lock:  # they are no longer held there
+            at = self.completed.get(k, {})
+            at[peer] = [e for e in at.get(peer, []) if e[0] not in ids]
+        with self.router_lock:
+            self.router.failed(peer)
+        ban = {"step": k, "mb": None, "peer": peer, "reason": "dead at the end of the step", "t": time.time()}
+        self.bans.append(ban)
+        targets: dict[str, int] = {}
+        for mb, _, payload, ameta, labels in entries:
+            try:
+                enc = (payload, act_codec.ActMeta.from_dict(ameta))
+                _, _, to = self._send(k, mb, None, labels, mode="replay", enc=enc)
+            except (SwarmError, RemoteError) as e:
+                with self.lock:
+                    self.lost += 1
+                self.replays.append({"step": k, "mb": mb, "from": peer, "to": None, "error": str(e)})
+                log.warning("%s: microbatch %s of step %d lost with dead %s (%s)", self.name, mb, k, peer, e)
+                continue
+            targets[to] = targets.get(to, 0) + 1
+            self.replays.append({"step": k, "mb": mb, "from": peer, "to": to})
+            with self.lock:
+                self.replayed += 1
+                self.routed[to] = self.routed.get(to, 0) + 1
+        if targets:
+            n = sum(targets.values())
+            log.warning(
+                "%s: replayed %d microbatch(es) of step %d from dead %s to %s", self.name, n, k, peer, sorted(targets)
+            )
+        return set(targets)
+
+    def _maybe_die(self, step: int) -> None:
+        """--die-mid-step (tests): kill -9 this process when a forward of ``step`` arrives after this peer counted
+        one of that step and before any end-of-step marker of it: the kill lands mid-step, after it served (its
+        other requests are done and their replies out, so the senders hold those microbatches as completed)."""
+        with self.cv:
+            if not self.counted.get(step) or self.markers.get(step):
+                return
+            idle = self.cv.wait_for(lambda: self.active <= 1, timeout=2.0)  # this request is the only one running
+        time.sleep(0.1)  # the last reply is written right after its handler returned
+        with self.cv:
+            served = len(self.counted.get(step, ()))
+            marked = bool(self.markers.get(step))
+        if idle and served and not marked:
+            msg = "%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)"
+            log.warning(msg, self.name, step, served)
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _process_grad_only(
+        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None
+    ) -> tuple[Tensor, dict]:
+        """A microbatch whose parameter gradient this peer (and every stage below) holds already (a replay below its
+        first hop, or an id it counted this step): forward, the rest of the route, and only the gradient of ``x``."""
+        with self.lock:
+            self._check_deadline(deadline, step, mb)
+            out = self.model(x)
+        if self.last:
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                loss = self.model.loss(out.float(), labels)
+                (gx,) = torch.autograd.grad(loss, x)
+            info = {"loss": float(loss.detach()), "route": [self.name]}
+        else:
+            gy, info, _ = self._send(step, mb, out.detach(), labels, deadline, mode="grad_only")
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                (gx,) = torch.autograd.grad(out, x, gy.to(out.dtype))
+            info["route"] = [self.name, *info["route"]]
+        with self.lock:
+            self.visits.append((step, mb, "grad_only"))
+        return gx, info
 
     def _refresh_addr(self, peer: str) -> bool:
         """Re-read ``peer``'s address from the store; True when it changed (the peer was restarted)."""
@@ -569,6 +802,8 @@ class SwarmPeer:
         """Take part in the next sync of the stage without contributing: torchft heals this peer with a live
         peer's state, it applies the same averaged step, so it leaves the sync bit-identical to the others; then
         it serves from the next step on. Returns that step."""
+        if self.s.sync == "diloco":
+            return peer_sync.join_diloco(self)
         t0 = time.monotonic()
         n = sum(p.numel() for p in self.params)
         res = self.group.allreduce_mean(torch.zeros(n + 1))
@@ -581,15 +816,18 @@ class SwarmPeer:
         total = float(res.mean[-1])
         for g in self.opt.param_groups:
             g["lr"] = lr_at(k, self.cfg)
+        rec = {"step": k, "peer": self.name, "joined": True, "contributors": res.contributors}
+        g = peer_sync.clip_global(self, k, res.mean[:-1] / total if total > 0 else None, rec)
         if total > 0:
-            self._set_grads(res.mean[:-1] / total)
+            self._set_grads(g)
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.digests:
+            rec["digest"] = peer_sync.state_digest(self)
         with self.cv:
             self.step = k + 1
             self.serving = True
             self.cv.notify_all()
-        rec = {"step": k, "peer": self.name, "joined": True, "contributors": res.contributors}
         rec["seconds"] = time.monotonic() - t0
         self.records.append(rec)
         self._write_record(rec)
@@ -629,9 +867,12 @@ class SwarmPeer:
     def _sync(self, k: int) -> dict:
         t0 = time.monotonic()
         rec: dict = {}
+        self.syncing = True
         with self.lock:
             count = self.count
             grad_sum = self._flat_grads()
+            self._sync_entered = k  # a replay of step k arriving from now on is refused (_check_deadline)
+            self.counted.pop(k, None)
             self.count, self.loss_sum = 0, 0.0
         if k in self.dump_grads:
             self.grads_dump[k] = {"grad_sum": grad_sum.clone(), "count": count}
@@ -645,12 +886,13 @@ class SwarmPeer:
                 flat = res.mean
                 rec["contributors"] = res.contributors
             total = float(flat[-1])  # mean count; the ratio below is sum / total count exactly as weights cancel
+            g = peer_sync.clip_global(self, k, flat[:-1] / total if total > 0 else None, rec)  # optim.grad_clip
             if total > 0:
-                self._set_grads(flat[:-1] / total)
+                self._set_grads(g)
                 self.opt.step()
         else:
             if count:
-                self._set_grads(grad_sum / count)
+                self._set_grads(peer_sync.clip_local(self, grad_sum / count, rec))  # optim.grad_clip: own norm
                 self.opt.step()
             H = self.cfg.outer.sync_every
             if isinstance(self.outer, DiLoCoStageSync):
@@ -662,8 +904,11 @@ class SwarmPeer:
                     rec.update({"outer": True, "outer_contributors": list(getattr(self.outer, "contributors", []))})
         self.opt.zero_grad(set_to_none=True)
         rec["sync_s"] = time.monotonic() - t0
+        if self.digests:
+            rec["digest"] = peer_sync.state_digest(self)
         with self.cv:
             self.step = k + 1
+            self.syncing = False
             self.cv.notify_all()
         return rec
 
@@ -683,6 +928,7 @@ class SwarmPeer:
                 "grads": self.grads_dump,
                 "bans": self.bans,
                 "dropped_upstream": self.dropped_up,
+                "replays": self.replays,
                 "records": self.records,
             },
             tmp,
@@ -710,9 +956,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-s", type=float, default=0.0, help="injected delay per microbatch (tests)")
     ap.add_argument("--join", action="store_true", help="a (re)started peer joining a running job")
     ap.add_argument("--delay-serial", action="store_true", help="the delay occupies the peer (slower compute)")
+    ap.add_argument("--pace-s", type=float, default=0.0, help="each microbatch occupies the peer >= this many seconds")
+    ap.add_argument("--die-mid-step", type=int, default=None, help="(tests) kill -9 itself mid-step >= this step")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s")
+    fmt = f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, force=True)  # (force: a moved peer logs under its new name)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(a.config, a.overrides)
     validate_swarm_layout(cfg)
@@ -722,7 +971,19 @@ def main(argv: list[str] | None = None) -> int:
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.swarm.startup_timeout_s))
     dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
     peer = SwarmPeer(
-        cfg, a.stage, a.index, store, a.lighthouse, a.out, a.steps, dump, a.delay_s, a.join, a.delay_serial
+        cfg,
+        a.stage,
+        a.index,
+        store,
+        a.lighthouse,
+        a.out,
+        a.steps,
+        dump,
+        a.delay_s,
+        a.join,
+        a.delay_serial,
+        pace_s=a.pace_s,
+        die_mid_step=a.die_mid_step,
     )
     try:
         peer.start()
@@ -734,6 +995,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         peer.close()
     log.info("done: %d steps", peer.steps)
+    if peer.move_to is not None:  # rebalancing moved it: the same process serves its new stage now (no start-up)
+        return main(membership.moved_argv(sys.argv[1:] if argv is None else argv, peer.move_to))
     return 0
 
 

@@ -75,6 +75,7 @@ class _BanList:
         self.ban_s = _check_positive("ban_s", ban_s)
         self.clock = clock
         self.until: dict[Hashable, float] = {}
+        self.gone: set = set()  # peers removed (they left the stage): late done/failed/ban reports are ignored
         for p in peers:
             self._add(p)
 
@@ -110,6 +111,8 @@ class _BanList:
 
     def ban(self, peer: Hashable, seconds: float | None = None) -> None:
         """Exclude ``peer`` for ``seconds`` (default: ``ban_s``; ``math.inf``: until ``unban``)."""
+        if peer in self.gone:
+            return
         self._check_known(peer)
         seconds = self.ban_s if seconds is None else float(seconds)
         if not seconds > 0:
@@ -163,13 +166,15 @@ class IWRRRouter(_BanList):
 
     def add(self, peer: Hashable) -> None:
         """A peer (newly announced) joins: it starts at the current minimum priority."""
+        self.gone.discard(peer)
         self._add(peer)
 
     def remove(self, peer: Hashable) -> None:
-        """Forget ``peer`` (it left the stage)."""
+        """Forget ``peer`` (it left the stage); reports about it that were in flight are ignored from now on."""
         self._check_known(peer)
         for d in (self.until, self.priority, self.ema, self.measured):
             d.pop(peer, None)
+        self.gone.add(peer)
 
     def _expire_hook(self) -> None:
         for p in self._expire():
@@ -193,6 +198,8 @@ class IWRRRouter(_BanList):
 
     def done(self, peer: Hashable, seconds: float) -> None:
         """A microbatch finished on ``peer`` after ``seconds``: update its EMA."""
+        if peer in self.gone:
+            return
         self._check_known(peer)
         seconds = float(seconds)
         if not (seconds >= 0 and math.isfinite(seconds)):
@@ -225,11 +232,13 @@ class RandomRouter(_BanList):
         super().__init__(peers, name, ban_s, clock)
 
     def add(self, peer: Hashable) -> None:
+        self.gone.discard(peer)
         self._add(peer)
 
     def remove(self, peer: Hashable) -> None:
         self._check_known(peer)
         del self.until[peer]
+        self.gone.add(peer)
 
     def unban(self, peer: Hashable) -> None:
         self._check_known(peer)
@@ -242,6 +251,8 @@ class RandomRouter(_BanList):
         return live[self.rng.randrange(len(live))]
 
     def done(self, peer: Hashable, seconds: float) -> None:
+        if peer in self.gone:
+            return
         self._check_known(peer)  # random wiring ignores the timing
 
 

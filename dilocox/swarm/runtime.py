@@ -86,8 +86,8 @@ class SwarmLauncher:
 
     def lighthouse(self, stage: int) -> str | None:
         """The stage's lighthouse address (started on first use; None for a one-peer stage)."""
-        if self.cfg.swarm.peers_per_stage[stage] <= 1:
-            return None
+        if self.cfg.swarm.peers_per_stage[stage] <= 1 and not self.cfg.swarm.rebalance_period_s:
+            return None  # (with rebalancing every stage has a group: a peer may move into a one-peer stage)
         if stage not in self.lighthouses:
             from dilocox.elastic import start_lighthouse
 
@@ -161,6 +161,11 @@ def read_results(out_dir: str, names: list[str]) -> tuple[dict[str, dict], dict[
     return peers, records
 
 
+def _stage_flags(stage_paces: dict[int, float] | None, stage: int) -> list[str]:
+    pace = (stage_paces or {}).get(stage)
+    return ["--pace-s", str(pace)] if pace else []
+
+
 def launch(
     cfg: Config,
     out_dir: str,
@@ -171,12 +176,19 @@ def launch(
     delays: dict[str, float] | None = None,
     on_started=None,
     delay_serial: bool = False,
+    paces: dict[str, float] | None = None,
+    peer_args: dict[str, list[str]] | None = None,
+    stage_paces: dict[int, float] | None = None,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
     ``peers_per_stage`` overrides ``cfg.swarm.peers_per_stage``; ``delays`` maps a peer name (``s1p0``) to an
     injected delay per microbatch (``delay_serial``: the delay occupies the peer, one microbatch at a time, i.e. a
-    slower peer rather than a slower link); ``on_started(launcher)`` runs once every peer process is started
+    slower peer rather than a slower link); ``paces`` maps a peer name to its pace (``--pace-s``: each microbatch
+    occupies it for max(pace, its compute) seconds); ``peer_args``: more flags of one peer's command;
+    ``stage_paces`` maps a stage to the pace of every peer of it, also of peers moved there by rebalancing
+    (``swarm.rebalance_period_s``: a ``mover.Mover`` thread runs beside the job);
+    ``on_started(launcher)`` runs once every peer process is started
     (fault tests kill a peer from there). Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
@@ -185,6 +197,7 @@ def launch(
     t0 = time.monotonic()
     la = SwarmLauncher(cfg, out_dir)
     names: list[str] = []
+    mover = None
     try:
         extra = ["--dump-grads", ",".join(map(str, dump_grads))] if dump_grads else []
         for j, m in enumerate(cfg.swarm.peers_per_stage):
@@ -192,19 +205,32 @@ def launch(
                 names.append(peer_name(j, k))
                 d = (delays or {}).get(peer_name(j, k), 0.0)
                 ex = [*extra, "--delay-serial"] if d and delay_serial else extra
+                if (paces or {}).get(peer_name(j, k)):
+                    ex = [*ex, "--pace-s", str(paces[peer_name(j, k)])]
+                ex = [*ex, *(peer_args or {}).get(peer_name(j, k), [])]  # extra peer flags (tests: --die-mid-step)
+                ex = [*ex, *_stage_flags(stage_paces, j)]
                 la.start_peer(j, k, steps=steps, extra=ex, delay_s=d)
+        if cfg.swarm.rebalance_period_s > 0:
+            from dilocox.swarm.mover import Mover
+
+            mover = Mover(la, steps, lambda j, k: _stage_flags(stage_paces, j))
+            mover.start()
         if on_started is not None:
             on_started(la)
         finished = la.wait(t0 + timeout_s)
         if not finished:
             log.error("swarm job did not finish within %.0fs; killing its peers", timeout_s)
     finally:
+        if mover is not None:
+            mover.stop()
+            mover.join(timeout=15.0)  # its waits check the stop flag; an RPC in flight ends within its timeout
         rcs = {}
         for i, p in enumerate(la.procs):  # a restarted peer: its earlier runs are "name#0", "name#1", ...
             earlier = sum(1 for q in la.procs[:i] if q.name == p.name)
             later = any(q.name == p.name for q in la.procs[i + 1 :])
             rcs[f"{p.name}#{earlier}" if later else p.name] = p.proc.poll()
         la.shutdown()
+    names += [n for n in (mover.joined if mover is not None else {}) if n not in names]  # moved by rebalancing
     peers, records = read_results(out_dir, names)
     return SwarmResult(out_dir, rcs, time.monotonic() - t0, peers, records)
 

@@ -1,0 +1,201 @@
+"""Launcher side of SWARM rebalancing (issue 11 point 5, SWARM Appendix D): the thread that moves peers.
+
+Every ``swarm.rebalance_period_s`` seconds the ``Mover`` (a thread of ``SwarmLauncher``, which owns the peer
+processes) asks every current peer for its ``stats`` (short timeout; a peer that does not answer is left out),
+turns the counters into each peer's mean queue length and microbatches per busy second over the period
+(``membership.window``) and asks ``rebalance.plan_move`` for a move. A move into stage 0 is refused (logged): a
+stage-0 peer is also a data source, drawing its shard ``replica=index, n_replicas=m_0``; a new stage-0 peer would
+change the job's batch per step and the shards. Otherwise:
+
+1. the job's member list (store key ``swarm/members``) is updated (the peer out of its stage, in the target stage
+   at the smallest index free there, ``s{j}p{m}``) and ``leave`` with ``move_to`` goes to the chosen peer. It
+   finishes its step (sync included), says bye to its neighbours, leaves its stage's torchft group, and the SAME
+   process then runs as peer ``s{j}p{m}`` with ``--join`` (``membership.moved_argv``): it downloads the target
+   stage's params and AdamW state from a live peer of that stage through torchft at the stage's next sync, says
+   hello to the neighbouring stages (their routers add it) and serves. No new process, so no start-up cost.
+2. tokens/s is measured on the stage-0 peers' counters over the period before the move and over one period after
+   the moved peer serves and finished 2 steps (one-off costs of the join left out); one log line
+   ``rebalance: ... measured X -> Y tokens/s`` and a record in ``OUT/rebalance.jsonl`` (also for refused moves and
+   failures).
+
+Every wait is bounded; the thread stops with the job (``stop``) and never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+
+from dilocox.swarm.membership import MEMBERS_KEY, window
+from dilocox.swarm.peer import peer_name, store_key
+from dilocox.swarm.rebalance import PeerLoad, plan_move
+from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
+
+log = logging.getLogger("dilocox.swarm.mover")
+
+
+class Mover(threading.Thread):
+    """Rebalancing thread of one job. ``extra_for(stage, index) -> list[str]``: extra peer arguments (the
+    per-stage injected delay of the tests); ``steps``: the job's ``--steps``."""
+
+    def __init__(self, launcher, steps: int | None, extra_for=None) -> None:
+        super().__init__(name="swarm-rebalance", daemon=True)
+        self.la, self.steps, self.extra_for = launcher, steps, extra_for or (lambda j, k: [])
+        s = launcher.cfg.swarm
+        self.s, self.period = s, float(s.rebalance_period_s)
+        self.members = [list(range(m)) for m in s.peers_per_stage]
+        self.tokens_per_mb = s.microbatch_size * launcher.cfg.train.seq_len
+        self.stop_event = threading.Event()
+        self.prev: dict[str, dict] = {}  # peer -> its stats at the previous poll
+        self.moves: list[dict] = []
+        self.joined: dict = {}  # new peer name -> the PeerProc of the process that moved there
+        self.path = os.path.join(launcher.out_dir, "rebalance.jsonl")
+        self._set_members()
+
+    # ------------------------------------------------------------------ helpers
+    def _set_members(self) -> None:
+        self.la.store.set(MEMBERS_KEY, json.dumps(self.members))
+
+    def _addr(self, name: str) -> str | None:
+        key = store_key(*_split(name))
+        try:  # (get would block until the key exists: check first)
+            return self.la.store.get(key).decode() if self.la.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - not published (yet)
+            return None
+
+    def _names(self) -> list[str]:
+        return [peer_name(j, k) for j, ks in enumerate(self.members) for k in ks]
+
+    def _stats(self, names: list[str]) -> dict[str, dict]:
+        out = {}
+        for n in names:
+            addr = self._addr(n)
+            if addr is None:
+                continue
+            try:
+                out[n], _ = call(addr, "stats", {}, timeout_s=min(2.0, self.s.rpc_timeout_s))
+            except (PeerUnavailable, RemoteError):
+                continue
+        return out
+
+    def _tokens_rate(self, a: dict[str, dict], b: dict[str, dict]) -> float | None:
+        """Stage-0 tokens/s between two polls, over the stage-0 peers present in both."""
+        both = [n for n in a if n in b and n.startswith("s0p")]
+        if not both:
+            return None
+        done = sum(b[n]["done"] - a[n]["done"] for n in both)
+        dt = max(b[n]["t"] - a[n]["t"] for n in both)
+        return done * self.tokens_per_mb / dt if dt > 0 else None
+
+    def _record(self, rec: dict) -> None:
+        rec = {"t": time.time(), **rec}
+        self.moves.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _proc(self, name: str):
+        procs = [p for p in self.la.procs if p.name == name]
+        return procs[-1] if procs else None
+
+    # ------------------------------------------------------------------ the loop
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.period):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - rebalancing is best effort; the job goes on without it
+                log.exception("rebalance: round failed")
+
+    def tick(self) -> None:
+        cur = self._stats(self._names())
+        prev, self.prev = self.prev, cur
+        loads = []
+        for n, b in cur.items():
+            a = prev.get(n)
+            w = window(a, b) if a is not None and b.get("serving") and not b.get("leaving") else None
+            if w is not None:
+                loads.append(PeerLoad(n, int(b["stage"]), w[0], w[1]))
+        warm = all(prev[n]["done"] > 0 and prev[n]["step"] >= 2 for n in cur if n in prev)
+        if len({p.stage for p in loads}) < 2 or not warm:
+            return  # not steady state (start-up: a peer had not finished 2 steps at the window's start): no decision
+        move = plan_move(loads, len(self.members), self.s.rebalance_min_gain)
+        if move is None:
+            return
+        before = self._tokens_rate(prev, cur)
+        if move.to_stage == 0:
+            why = "a stage-0 peer is a data source (its shard is replica=index of m_0): moves into stage 0 are refused"
+            log.info("%s; not done: %s", move.describe(), why)
+            self._record({"peer": move.peer, "from": move.from_stage, "to": 0, "refused": why})
+            return
+        self.carry_out(move, before)
+
+    def carry_out(self, move, before: float | None) -> None:
+        s, src, dst = self.s, move.from_stage, move.to_stage
+        name = str(move.peer)
+        t0 = time.monotonic()
+        new = min(set(range(sum(s.peers_per_stage))) - set(self.members[dst]))
+        joiner = peer_name(dst, new)
+        rec: dict = {"peer": name, "from": src, "to": dst, "joiner": joiner, "plan": move.describe()}
+        rec["tokens_s_before"] = before
+        old = [list(m) for m in self.members]
+        self.members[src].remove(_split(name)[1])
+        self.members[dst].append(new)
+        self._set_members()  # before the leave: the moved peer reads it when it joins its new stage
+        move_to = {"stage": dst, "index": new, "lighthouse": self.la.lighthouse(dst), "args": self.extra_for(dst, new)}
+        log.info("%s: asking %s to leave and serve as %s", move.describe(), name, joiner)
+        try:
+            call(self._addr(name), "leave", {"move_to": move_to}, timeout_s=min(5.0, s.rpc_timeout_s))
+        except (PeerUnavailable, RemoteError) as e:
+            self.members = old
+            self._set_members()
+            self._record({**rec, "error": f"leave not delivered: {e}"})
+            return
+        p = self._proc(name)
+        if p is not None:
+            self.joined[joiner] = p
+        # the same process serves the new stage once it has its state: bounded by a step, a sync and the join
+        deadline = time.monotonic() + s.step_timeout_s + 2 * s.sync_timeout_s + s.startup_timeout_s
+        serving = False
+        while not serving and time.monotonic() < deadline and (p is None or p.proc.poll() is None):
+            if self.stop_event.wait(0.2):
+                return
+            serving = bool(self._stats([joiner]).get(joiner, {}).get("serving"))
+        if not serving:
+            rc = None if p is None else p.proc.poll()
+            self._record({**rec, "error": f"{joiner} did not serve within the bound (process exit code {rc})"})
+            return
+        rec["move_s"] = time.monotonic() - t0
+        # settle: the first steps after a join carry one-off costs (the stages' next quorums, the router's first
+        # timings of the new peer); the after-window starts once the moved peer finished 2 steps (at most T s)
+        first = self._stats([joiner]).get(joiner, {}).get("step")
+        t_settle = time.monotonic() + self.period
+        while first is not None and time.monotonic() < t_settle and not self.stop_event.wait(0.2):
+            st = self._stats([joiner]).get(joiner)
+            if st is None or int(st["step"]) >= int(first) + 2:
+                break
+        a = self._stats(self._names())
+        t_end = time.monotonic() + self.period
+        b = a
+        while time.monotonic() < t_end and not self.stop_event.is_set():  # the job may end: keep the last answers
+            self.stop_event.wait(min(0.5, max(0.0, t_end - time.monotonic())))
+            got = self._stats([n for n in a if n.startswith("s0p")])
+            if not got:
+                break
+            b = {**b, **got}
+        after = self._tokens_rate(a, b)
+        rec["tokens_s_after"] = after
+        fmt = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
+        line = f"{move.describe()}; {joiner} serves; measured {fmt(before)} -> {fmt(after)} tokens/s"
+        log.info("%s", line)
+        rec["line"] = line
+        self._record(rec)
+        self.prev = {}  # the next decision measures a fresh window
+
+
+def _split(name: str) -> tuple[int, int]:
+    return int(name[1 : name.index("p")]), int(name[name.index("p") + 1 :])

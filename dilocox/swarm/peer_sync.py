@@ -1,0 +1,225 @@
+"""What a SWARM peer's stage sync adds to the plain step (issue 11): ``optim.grad_clip`` and the DiLoCo-SWARM join.
+
+Functions of the ``SwarmPeer`` (``peer.py`` calls them from its sync and its join; kept here because several
+features meet in peer.py). docs/SWARM.md, sections "Gradient clipping" and "Joining a running job".
+
+Gradient clipping (``optim.grad_clip`` > 0), the same formula as the pipeline engine
+(``dilocox.model.parallel_layers.clip_grad_norm_``): grads × min(1, c / (norm + 1e-6)).
+
+- ``swarm.sync=swarm``: after the stage all-reduce every peer of stage j holds the same mean gradient g_j, so the
+  global norm over the whole model is sqrt(Σ_j ||g_j||²), as in one pipeline. Each peer writes ||g_j||² of step k
+  under ``swarm/norm/{k}/stage{j}`` in the launcher's TCPStore (every peer of a stage writes the same value), waits
+  (bounded by ``swarm.sync_timeout_s``) for every stage's value and clips with the coefficient computed from them in
+  stage order: the same on every peer. Once a peer has read step k's values it deletes its stage's key of step
+  k-1: every live peer has read that one by then (the stage all-reduce of step k needs all the stage's live peers
+  past their sync of step k-1, and step k's values of every stage need the same of every stage).
+- ``swarm.sync=diloco``: each peer steps on its own gradient, which no peer of another stage shares; the rule is
+  this peer's stage-local norm (over its own stage's parameters) in the same formula, with no communication. With
+  one stage it is the global clip; with n stages it clips less than the global norm would (a stage's norm is at
+  most the model's).
+
+DiLoCo-SWARM join (``--join`` with ``swarm.sync=diloco``): the stage's peers meet only every H = ``outer.sync_every``
+steps, in the DiLoCo outer step over the torchft quorum (``build_outer(..., elastic=group)``). The joiner pings its
+stage's peers until one is in the last inner step of an outer phase (bounded by ``swarm.sync_timeout_s`` × H), then
+takes part in that outer step without contributing (``ElasticMixin.join``): torchft heals it with the live peer's
+snapshot (θ, outer momentum, outer step, schedule, inner step and, through ``hand_over_adamw``, the AdamW state), it
+applies the same outer step, so it leaves that sync with params and AdamW state bit-identical to the source's, and
+serves from the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import math
+import sys
+import time
+
+import torch
+from torch import Tensor
+
+from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
+
+log = logging.getLogger("dilocox.swarm.peer")
+
+
+def norm_key(step: int, stage: int) -> str:
+    return f"swarm/norm/{step}/stage{stage}"
+
+
+def _error(peer, msg: str) -> Exception:
+    """The peer module's ``SwarmError`` (taken from the peer's class: run as ``python -m dilocox.swarm.peer`` that
+    module is ``__main__``, whose class ``main()`` catches, not the one ``import dilocox.swarm.peer`` would give)."""
+    return getattr(sys.modules[type(peer).__module__], "SwarmError", RuntimeError)(msg)
+
+
+def _coef(max_norm: float, norm: float) -> float:
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+@torch.no_grad()
+def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
+    """``swarm.sync=swarm``: clip this stage's averaged gradient ``g`` (flat; None when the stage served no
+    microbatch) by the global norm over all stages of step ``k`` (module docstring). Logs ``grad_norm`` (before
+    clipping) and ``clip_coef`` in ``rec``. Returns ``g`` (scaled in place)."""
+    c = peer.cfg.optim.grad_clip
+    if c <= 0:
+        return g
+    sq = float(g.double().pow(2).sum()) if g is not None else 0.0
+    keys = [norm_key(k, j) for j in range(peer.n)]
+    with peer.store_lock:
+        peer.store.set(keys[peer.stage], sq.hex())
+    wait = peer.s.sync_timeout_s
+    deadline = time.monotonic() + wait
+    pause = 0.001
+    while True:
+        with peer.store_lock:
+            if peer.store.check(keys):
+                break
+            if time.monotonic() > deadline:
+                missing = [j for j, key in enumerate(keys) if not peer.store.check([key])]
+                raise _error(
+                    peer,
+                    f"{peer.name}: optim.grad_clip needs the gradient norm of every stage, and stage(s) {missing} sent "
+                    f"none for step {k} within swarm.sync_timeout_s={wait}s; is a stage without a live peer? (raise "
+                    f"the timeout for slow stages, or set optim.grad_clip=0)",
+                )
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    with peer.store_lock:
+        sqs = [float.fromhex(peer.store.get(key).decode()) for key in keys]
+        if k > 0:
+            peer.store.delete_key(norm_key(k - 1, peer.stage))
+    norm = math.sqrt(sum(sqs))
+    coef = _coef(c, norm)
+    rec["grad_norm"], rec["clip_coef"] = norm, coef
+    if g is not None and coef < 1.0:
+        g.mul_(coef)
+    return g
+
+
+@torch.no_grad()
+def clip_local(peer, g: Tensor, rec: dict) -> Tensor:
+    """``swarm.sync=diloco``: clip this peer's own mean gradient ``g`` (flat) by its stage-local norm."""
+    c = peer.cfg.optim.grad_clip
+    if c <= 0:
+        return g
+    norm = math.sqrt(float(g.double().pow(2).sum()))
+    coef = _coef(c, norm)
+    rec["grad_norm"], rec["clip_coef"] = norm, coef
+    return g.mul_(coef) if coef < 1.0 else g
+
+
+def state_digest(peer) -> str:
+    """sha1 of this peer's params and AdamW state, in parameter order (tests: two peers hold the same bytes)."""
+    h = hashlib.sha1()
+    for p in peer.params:
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for name, t in sorted(peer.opt.state.get(p, {}).items()):
+            h.update(name.encode())
+            if isinstance(t, Tensor):
+                h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                h.update(repr(t).encode())
+    return h.hexdigest()
+
+
+def hand_over_adamw(peer, outer) -> None:
+    """Add the peer's AdamW state to the DiLoCo outer snapshot that torchft sends a joiner (``ElasticMixin``
+    hooks). With outer.overlap none and no streaming delay the snapshot holds references: the main thread waits
+    for that all-reduce (which the joiner joins only after its download) before its next AdamW step. Otherwise
+    the inner steps go on while the all-reduce runs, and the state is copied at the snapshot."""
+    live = outer.overlap == "none" and outer.tau == 0
+
+    def snapshot():
+        sd = peer.opt.state_dict()
+        return sd if live else copy.deepcopy(sd)
+
+    outer.snapshot_extra, outer.load_extra = snapshot, peer.opt.load_state_dict
+
+
+def phase_info(peer) -> dict:
+    """For ``ping``: whether this peer is in its sync, and whether the sync of its current step is an outer step
+    (the DiLoCo outer all-reduce is launched then: a joiner times its quorum request by it)."""
+    out = {"syncing": peer.syncing}
+    sched = getattr(peer.outer, "schedule", None)
+    if sched is not None:
+        at = sched.launches_at if peer.outer.overlap == "none" else sched.syncs_at
+        out["outer_next"] = bool(at(peer.step + 1))
+    return out
+
+
+def _await_phase_end(peer) -> str:
+    """Ping the stage's other peers until one is in the last inner step of an outer phase and not yet in its sync
+    (bounded by swarm.sync_timeout_s × H); returns its name."""
+    H = peer.cfg.outer.sync_every
+    wait = peer.s.sync_timeout_s * H
+    members = getattr(peer, "members", None)  # the job's current peers (rebalancing may have moved some)
+    idx = members[peer.stage] if members else range(peer.m)
+    others = [f"s{peer.stage}p{i}" for i in idx if i != peer.index]
+    deadline = time.monotonic() + wait
+    seen: dict[str, object] = {}
+    answered = time.monotonic()  # the last time some peer of the stage answered
+    while time.monotonic() < deadline:
+        for p in others:
+            try:
+                meta, _ = call(peer.addrs[p], "ping", {}, timeout_s=min(2.0, peer.s.rpc_timeout_s))
+            except (PeerUnavailable, RemoteError) as e:
+                seen[p] = f"unreachable ({e})"[:80]
+                peer._refresh_addr(p)  # it may have been restarted at a new address
+                continue
+            seen[p], answered = meta.get("step"), time.monotonic()
+            if meta.get("outer_next") and not meta.get("syncing"):
+                return p
+        if time.monotonic() - answered > peer.s.rpc_timeout_s:
+            raise _error(
+                peer,
+                f"{peer.name}: cannot join: no peer of stage {peer.stage} answered for swarm.rpc_timeout_s="
+                f"{peer.s.rpc_timeout_s}s ({seen}); start a joiner only while its stage is training",
+            )
+        time.sleep(0.02)
+    raise _error(
+        peer,
+        f"{peer.name}: no live peer of stage {peer.stage} reached the end of an outer phase (outer.sync_every={H}) "
+        f"within swarm.sync_timeout_s x H = {wait:.0f}s (its peers: {seen}); start a joiner only while its stage "
+        f"is training, or raise swarm.sync_timeout_s",
+    )
+
+
+def join_diloco(peer) -> int:
+    """The DiLoCo-SWARM join (module docstring). Returns the step the peer serves from."""
+    t0 = time.monotonic()
+    source = _await_phase_end(peer)
+    try:
+        n = peer.outer.join()
+    except RuntimeError as e:
+        raise _error(peer, f"{peer.name}: joining stage {peer.stage}'s outer step failed: {e}") from e
+    peer.outer.pop_jump()  # join() returned it
+    if n is None:
+        raise _error(
+            peer,
+            f"{peer.name}: joined stage {peer.stage}'s outer step, but no live peer sent its state (contributors "
+            f"{peer.outer.contributors}); start a joiner only while its stage is training",
+        )
+    k = n - 1
+    rec = {"step": k, "peer": peer.name, "joined": True, "outer": True, "contributors": list(peer.outer.contributors)}
+    if peer.digests:
+        rec["digest"] = state_digest(peer)
+    with peer.cv:
+        peer.step = n
+        peer.serving = True
+        peer.cv.notify_all()
+    rec["seconds"] = time.monotonic() - t0
+    peer.records.append(rec)
+    peer._write_record(rec)
+    log.info(
+        "%s: joined stage %d's outer step at step %d (pinged %s; θ, momentum and AdamW state from a live peer), "
+        "serving from step %d",
+        peer.name,
+        peer.stage,
+        k,
+        source,
+        n,
+    )
+    return n

@@ -1,0 +1,128 @@
+"""The stage-sync extras of a SWARM peer (dilocox/swarm/peer_sync.py): optim.grad_clip's global norm through the
+store, the stage-local rule of DiLoCo-SWARM, and the bounded wait of a DiLoCo-SWARM joiner. In-process, no peers:
+the process-level checks are in test_swarm_runtime.py (1 x 1 with grad_clip vs the single process; the restart
+test, parametrized for diloco)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from dilocox.swarm import peer_sync
+from dilocox.swarm.transport import RpcServer
+
+
+def _peer(store, stage: int, n: int, clip: float = 1.0, sync_timeout_s: float = 10.0, **kw):
+    return SimpleNamespace(
+        cfg=SimpleNamespace(optim=SimpleNamespace(grad_clip=clip), outer=SimpleNamespace(sync_every=2)),
+        s=SimpleNamespace(sync_timeout_s=sync_timeout_s, rpc_timeout_s=kw.pop("rpc_timeout_s", 5.0)),
+        store=store,
+        store_lock=threading.Lock(),
+        n=n,
+        stage=stage,
+        name=f"s{stage}p0",
+        **kw,
+    )
+
+
+@pytest.fixture
+def store():
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield master
+
+
+def _client(master):
+    return TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+
+
+def test_clip_global_is_the_global_norm_on_every_stage(store):
+    torch.manual_seed(0)
+    grads = [torch.randn(50), torch.randn(30) * 3]
+    ref = [g.clone().requires_grad_(False) for g in grads]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref]
+    for p, g in zip(params, ref):
+        p.grad = g.clone()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+    for step in (0, 1):
+        peers = [_peer(_client(store), j, 2) for j in range(2)]
+        outs, recs = [None, None], [{}, {}]
+
+        def run(j, step=step, peers=peers, outs=outs, recs=recs):
+            outs[j] = peer_sync.clip_global(peers[j], step, grads[j].clone(), recs[j])
+
+        threads = [threading.Thread(target=run, args=(j,)) for j in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        for j in range(2):  # both stages: the same norm and coefficient, the single process's clipped grads
+            assert recs[j]["grad_norm"] == pytest.approx(want_norm, rel=1e-6)
+            assert recs[j]["clip_coef"] == recs[0]["clip_coef"] < 0.2
+            torch.testing.assert_close(outs[j], params[j].grad, rtol=1e-6, atol=1e-7)
+    # step 1 read: the keys of step 0 are gone, those of step 1 stay until step 2
+    assert not store.check([peer_sync.norm_key(0, 0)]) and not store.check([peer_sync.norm_key(0, 1)])
+    assert store.check([peer_sync.norm_key(1, 0), peer_sync.norm_key(1, 1)])
+
+
+def test_clip_global_off_and_stage_without_microbatches(store):
+    rec: dict = {}
+    g = torch.ones(4)
+    assert peer_sync.clip_global(_peer(store, 0, 1, clip=0.0), 0, g, rec) is g and rec == {}
+    # a stage that served nothing this step still sends its (zero) norm, so the other stages do not wait for it
+    assert peer_sync.clip_global(_peer(store, 0, 1), 0, None, rec) is None
+    assert rec == {"grad_norm": 0.0, "clip_coef": 1.0}
+
+
+def test_clip_global_missing_stage_is_bounded_and_named(store):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"stage\(s\) \[1\] sent none for step 3 within swarm.sync_timeout_s=0.3s"):
+        peer_sync.clip_global(_peer(store, 0, 2, sync_timeout_s=0.3), 3, torch.ones(4), {})
+    assert time.monotonic() - t0 < 3
+
+
+def test_clip_local_uses_the_peers_own_norm():
+    g = torch.tensor([3.0, 4.0])
+    rec: dict = {}
+    out = peer_sync.clip_local(_peer(None, 1, 2, clip=1.0), g.clone(), rec)
+    assert rec["grad_norm"] == pytest.approx(5.0) and rec["clip_coef"] == pytest.approx(1 / (5 + 1e-6))
+    torch.testing.assert_close(out, g / (5 + 1e-6))
+    rec = {}
+    assert torch.equal(peer_sync.clip_local(_peer(None, 1, 2, clip=10.0), g.clone(), rec), g)  # below: untouched
+
+
+def _stage_peer(addrs: dict, **kw):
+    p = _peer(None, 1, 2, m=2, index=1, addrs=addrs, members=None, **kw)
+    p._refresh_addr = lambda name: False
+    return p
+
+
+def test_joiner_waits_for_the_end_of_an_outer_phase():
+    pings = []
+
+    def handler(method, meta, tensors):
+        pings.append(method)
+        last = len(pings) >= 3  # the live peer reaches the last inner step of its phase at the third ping
+        return {"name": "s1p0", "step": 7 if last else 6, "outer_next": last, "syncing": False}, {}
+
+    srv = RpcServer(handler)
+    try:
+        assert peer_sync._await_phase_end(_stage_peer({"s1p0": srv.addr})) == "s1p0"
+        assert len(pings) == 3
+    finally:
+        srv.close()
+
+
+def test_joiner_wait_fails_fast_when_its_stage_is_gone():
+    srv = RpcServer(lambda *a: ({}, {}))
+    addr = srv.addr
+    srv.close()  # a dead stage peer: connection refused
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot join: no peer of stage 1 answered for swarm.rpc_timeout_s=0.5s"):
+        peer_sync._await_phase_end(_stage_peer({"s1p0": addr}, rpc_timeout_s=0.5))
+    assert time.monotonic() - t0 < 5
