@@ -27,7 +27,7 @@ train: install
 	$(PYTHON) -m dilocox.cli train configs/tiny.yaml
 
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 
 bench-kernels: install
 	$(PYTHON) -m dilocox.cli bench kernels
