@@ -1,6 +1,7 @@
 """The command line of SWARM mode: ``dilocox swarm ...`` and ``dilocox launch --swarm ...`` (issue 11 part 7).
 
     dilocox swarm CONFIG [--peers 2,2] [--steps N] [--out DIR] [--timeout-s S] [--section.key=value ...]
+                  [--netns [--rate 100mbit]]   (each peer in a network namespace, capped links: dilocox/swarm/netns.py)
     dilocox launch --swarm CONFIG [...same options...]
     dilocox swarm store --port P [--bind 0.0.0.0] [--max-s S]     (the address store, for launcher/slurm/swarm.sbatch)
     dilocox swarm peer --config C --stage J --index K --store H:P [...]   (one peer: python -m dilocox.swarm.peer)
@@ -72,7 +73,33 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
         help="each microbatch occupies the peer for max(SECONDS, its compute), e.g. s1p1=0.4: a peer paced at 2T is "
         "exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer experiments)",
     )  # fmt: skip
+    ap.add_argument(
+        "--netns", action="store_true",
+        help="each peer in its own network namespace (needs root and iproute2), the address store and lighthouses in "
+        "a hub namespace every peer reaches; the summary adds each peer's veth byte counts",
+    )  # fmt: skip
+    ap.add_argument(
+        "--rate", default=None, metavar="BW",
+        help="with --netns: cap every peer's link at BW each way (tc tbf), e.g. 100mbit, 1gbit (as dilocox launch)",
+    )  # fmt: skip
     return ap
+
+
+def parse_netns(netns: bool, rate: str | None) -> float | None:
+    """--netns / --rate -> the cap in Mbit/s (None: uncapped); a one-line error when they cannot be honoured."""
+    from dilocox.launch.netns import netns_available
+    from dilocox.plan import parse_bandwidth
+
+    if rate is not None and not netns:
+        raise SwarmUsageError(f"--rate {rate} needs --netns (the cap is a tc tbf on each peer's namespace link)")
+    try:
+        mbit = None if rate is None else parse_bandwidth(rate) / 1e6
+    except ValueError as e:
+        raise SwarmUsageError(f"--rate: {e}") from None
+    ok, why = netns_available() if netns else (True, "")
+    if not ok:
+        raise SwarmUsageError(f"--netns: network namespaces are unavailable here: {why}; run as root or drop --netns")
+    return mbit
 
 
 def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
@@ -105,6 +132,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     peers = parse_peers(a.peers) if a.peers is not None else None
     delays = parse_delays(a.delay)
     paces = parse_delays(a.pace, "--pace")
+    rate_mbit = parse_netns(a.netns, a.rate)
     overrides = list(rest)
     if peers is not None:
         overrides.append(f"--swarm.peers_per_stage=[{','.join(map(str, peers))}]")
@@ -112,14 +140,25 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         overrides.append(f"--swarm.rebalance_period_s={a.rebalance_s}")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
     validate_swarm_layout(cfg)
+    if a.netns and cfg.swarm.rebalance_period_s > 0:
+        raise SwarmUsageError("--netns with rebalancing (--rebalance-s, swarm.rebalance_period_s) is not built yet")
     pps = list(cfg.swarm.peers_per_stage)
+    if a.netns and sum(pps) > 250:
+        raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
     for flag, name in [*(("--delay", n) for n in delays), *(("--pace", n) for n in paces)]:
         j, _, k = name[1:].partition("p")
         if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
             raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = a.out or os.path.join(cfg.log.run_dir, "swarm")
-    res = launch(cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces)
+    try:
+        res = launch(
+            cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
+            netns=a.netns, rate_mbit=rate_mbit,
+        )  # fmt: skip
+    except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
+        print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)
+        return 130
     print(summarize(res))
     moves = os.path.join(out, "rebalance.jsonl")
     if os.path.exists(moves):  # rebalancing: one line per move made, refused or failed

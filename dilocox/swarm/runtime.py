@@ -45,6 +45,7 @@ class SwarmResult:
     seconds: float
     peers: dict[str, dict] = field(default_factory=dict)  # name -> the peer's saved .pt (None when it died)
     records: dict[str, list[dict]] = field(default_factory=dict)  # name -> its jsonl records
+    net_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)  # --netns: name -> its veth's (tx, rx) bytes
 
     def log_tail(self, name: str, n: int = 40) -> str:
         try:
@@ -107,7 +108,7 @@ class SwarmLauncher:
         name = peer_name(stage, index)
         cmd = [
             sys.executable, "-m", "dilocox.swarm.peer", "--config", self.config_path, "--stage", str(stage),
-            "--index", str(index), "--store", f"{self.cfg.swarm.host}:{self.store.port}", "--out", self.out_dir,
+            "--index", str(index), "--store", self.store_addr(), "--out", self.out_dir,
         ]  # fmt: skip
         lh = self.lighthouse(stage)
         if lh:
@@ -121,10 +122,18 @@ class SwarmLauncher:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(log_path, "ab") as logf:
-            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = self._spawn(stage, index, cmd, env, logf)
         pp = PeerProc(stage, index, proc, log_path, cmd)
         self.procs.append(pp)
         return pp
+
+    def store_addr(self) -> str:
+        """host:port of the address store, as the peers reach it (netns.NetnsSwarmLauncher: in the hub)."""
+        return f"{self.cfg.swarm.host}:{self.store.port}"
+
+    def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
+        """Start one peer's command in its own session (netns.NetnsSwarmLauncher: inside its namespace)."""
+        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def restart_peer(self, stage: int, index: int, steps: int | None = None, extra: list[str] | None = None):
         """Start peer (stage, index) again after it died: it joins the running job (``--join``)."""
@@ -179,6 +188,8 @@ def launch(
     paces: dict[str, float] | None = None,
     peer_args: dict[str, list[str]] | None = None,
     stage_paces: dict[int, float] | None = None,
+    netns: bool = False,
+    rate_mbit: float | None = None,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
@@ -189,13 +200,20 @@ def launch(
     ``stage_paces`` maps a stage to the pace of every peer of it, also of peers moved there by rebalancing
     (``swarm.rebalance_period_s``: a ``mover.Mover`` thread runs beside the job);
     ``on_started(launcher)`` runs once every peer process is started
-    (fault tests kill a peer from there). Every process started here is killed by the end, also on errors and timeouts.
+    (fault tests kill a peer from there). ``netns``: each peer in its own network namespace behind a tbf cap
+    of ``rate_mbit`` each way (``dilocox.swarm.netns``; the result's ``net_bytes``: each veth's byte counts).
+    Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
         cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
         validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
     t0 = time.monotonic()
-    la = SwarmLauncher(cfg, out_dir)
+    if netns:
+        from dilocox.swarm.netns import NetnsSwarmLauncher  # (lazy: it imports this module)
+
+        la = NetnsSwarmLauncher(cfg, out_dir, rate_mbit)
+    else:
+        la = SwarmLauncher(cfg, out_dir)
     names: list[str] = []
     mover = None
     try:
@@ -232,7 +250,7 @@ def launch(
         la.shutdown()
     names += [n for n in (mover.joined if mover is not None else {}) if n not in names]  # moved by rebalancing
     peers, records = read_results(out_dir, names)
-    return SwarmResult(out_dir, rcs, time.monotonic() - t0, peers, records)
+    return SwarmResult(out_dir, rcs, time.monotonic() - t0, peers, records, getattr(la, "net_bytes", {}))
 
 
 def summarize(res: SwarmResult) -> str:
@@ -249,6 +267,10 @@ def summarize(res: SwarmResult) -> str:
             line += f", {sum(sent) / len(sent) / 1e6:.3f} MB/step on its links"
         if recs:
             line += f", sync {sum(r['sync_s'] for r in recs) / len(recs) * 1e3:.1f} ms/step"
+        if name in res.net_bytes:  # --netns: what the kernel counted on its veth vs what it counted on its links
+            tx, rx = res.net_bytes[name]
+            lk = [sum(v[i] for r in recs for v in r.get("link_bytes", {}).values()) for i in (0, 1)]
+            line += f"; veth tx {tx / 1e6:.3f} MB rx {rx / 1e6:.3f} MB (links: {lk[0] / 1e6:.3f} / {lk[1] / 1e6:.3f})"
         lines.append(line)
     return "\n".join(lines)
 

@@ -1,0 +1,184 @@
+"""``dilocox swarm --netns [--rate 100mbit]``: every SWARM peer in its own network namespace, behind its own capped
+link (issue 11 point 7).
+
+Topology (``dilocox.launch.netns.Cluster`` with one member per peer, ``hub=True``)::
+
+    ns ...-r0 (s0p0, 198.18.0.1) ─veth─┐
+    ns ...-r1 (s0p1, 198.18.0.2) ─veth─┼─ bridge in ns ...-sw (198.18.0.254): the address store + the lighthouses
+    ns ...-r2 (s1p0, 198.18.0.3) ─veth─┤
+    ns ...-r3 (s1p1, 198.18.0.4) ─veth─┘   tc tbf of --rate on each veth, both ways
+
+Peer r (stages in order, then index) runs in namespace r, binds and advertises its namespace's address
+(``--swarm.host``) and uses its veth for gloo (``GLOO_SOCKET_IFNAME``). The address store (a TCPStore) and one torchft
+lighthouse per multi-peer stage run in ONE process in the switch namespace (``python -m dilocox.swarm.netns hub``),
+reachable at ``HUB_ADDR`` from every peer; its traffic crosses the capped links like the peers' own. Every process
+and namespace goes at the end (Cluster's teardown: ``with``/close, SIGINT/SIGTERM handlers, atexit, a reaper that
+outlives a SIGKILLed launcher). The kernel's byte counters of each peer's veth are read before the teardown and
+printed beside the bytes the peers counted on their pipeline links (``SwarmResult.net_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+
+from dilocox.config import Config, load_config
+from dilocox.launch.netns import HUB_ADDR, Cluster, netns_available
+from dilocox.swarm.peer import peer_name
+from dilocox.swarm.runtime import SwarmLauncher
+
+log = logging.getLogger("dilocox.swarm.netns")
+
+STORE_PORT = 29400  # in the switch namespace (fresh, so a fixed port is free)
+HUB_START_S = 60.0  # the hub process prints its addresses within this (torch + torchft import included)
+
+
+class NetnsUnavailable(RuntimeError):
+    """Network namespaces cannot be created here (not root, no iproute2): the CLI prints it in one line, exit 2."""
+
+
+def peer_slots(pps: list[int]) -> dict[str, int]:
+    """Peer name -> its namespace's index (stage by stage, then index): ``[2, 2]`` -> s0p0 0, s0p1 1, s1p0 2, ..."""
+    slots: dict[str, int] = {}
+    for j, m in enumerate(pps):
+        for k in range(m):
+            slots[peer_name(j, k)] = len(slots)
+    return slots
+
+
+class NetnsSwarmLauncher(SwarmLauncher):
+    """``SwarmLauncher`` whose peers each run in a network namespace (see the module doc). ``rate_mbit``: the tbf cap
+    of every peer's link in each direction (None: uncapped)."""
+
+    def __init__(self, cfg: Config, out_dir: str, rate_mbit: float | None = None) -> None:
+        ok, why = netns_available()
+        if not ok:
+            raise NetnsUnavailable(f"--netns: network namespaces are unavailable here: {why}")
+        if cfg.swarm.rebalance_period_s > 0:
+            raise ValueError(
+                f"--netns with swarm.rebalance_period_s={cfg.swarm.rebalance_period_s}: rebalancing is not built for "
+                "namespaces yet; drop --rebalance-s (or --netns)"
+            )
+        super().__init__(cfg, out_dir)  # (its loopback store stays unused: the peers use the hub's)
+        self.slots = peer_slots(list(cfg.swarm.peers_per_stage))
+        self.net_bytes: dict[str, tuple[int, int]] = {}  # peer -> (veth tx, veth rx) bytes, read at shutdown
+        self.cluster = Cluster(len(self.slots), rate_mbit, hub=True, stop_grace_s=1.0)
+        self.cluster.start()
+        try:
+            self._start_hub()
+        except BaseException:
+            self.cluster.close()
+            raise
+        c = self.cluster
+        log.info(
+            "--netns: %d peers in namespaces %s-r0..r%d (%s), store %s and lighthouses %s in %s; links %s each way",
+            c.n, c.tag, c.n - 1, ", ".join(f"{n} {c.addr(r)}" for n, r in self.slots.items()), self.hub_store,
+            self.hub_lighthouses, c.switch, f"{rate_mbit:g} Mbit/s (tc tbf)" if rate_mbit else "uncapped",
+        )  # fmt: skip
+
+    def _start_hub(self) -> None:
+        multi = [j for j, m in enumerate(self.cfg.swarm.peers_per_stage) if m > 1]
+        argv = [
+            sys.executable, "-m", "dilocox.swarm.netns", "hub", "--config", self.config_path, "--bind", HUB_ADDR,
+            "--store-port", str(STORE_PORT), "--stages", ",".join(map(str, multi)),
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with open(os.path.join(self.out_dir, "hub.log"), "ab") as err:
+            self.hub = self.cluster.exec_hub(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        lines: queue.Queue = queue.Queue()
+
+        def pump() -> None:  # the first line is the addresses; later lines (none expected) are dropped
+            for line in self.hub.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            line = lines.get(timeout=HUB_START_S)
+        except queue.Empty:
+            line = None
+        if not line:
+            raise RuntimeError(
+                f"the swarm hub (store + lighthouses) printed no addresses within {HUB_START_S:.0f}s "
+                f"(see {self.out_dir}/hub.log)"
+            )
+        got = json.loads(line)
+        self.hub_store = got["store"]
+        self.hub_lighthouses = {int(j): a for j, a in got["lighthouses"].items()}
+
+    # hooks of SwarmLauncher ------------------------------------------------------------------------------------
+    def store_addr(self) -> str:
+        return self.hub_store
+
+    def lighthouse(self, stage: int) -> str | None:
+        return self.hub_lighthouses.get(stage)
+
+    def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
+        r = self.slots[peer_name(stage, index)]
+        env = dict(env, GLOO_SOCKET_IFNAME=self.cluster.ifname(r))
+        cmd = [*cmd, "--", f"--swarm.host={self.cluster.addr(r)}"]  # (after --: the peer's config overrides)
+        return self.cluster.exec(r, cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+            if self.cluster._up:  # (a signal handler may have torn the namespaces down already)
+                for name, r in self.slots.items():
+                    try:
+                        self.net_bytes[name] = (self.cluster.tx_bytes(r), self.cluster.rx_bytes(r))
+                    except RuntimeError:
+                        pass
+        finally:
+            self.cluster.close()
+
+
+def hub_main(argv: list[str]) -> int:
+    """The switch namespace's process: the job's TCPStore and a lighthouse per listed stage; prints one JSON line
+    ``{"store": "H:P", "lighthouses": {"j": "http://H:P"}}`` once all listen, then serves until SIGTERM/--max-s."""
+    from torch.distributed import TCPStore
+
+    from dilocox.elastic import start_lighthouse
+
+    ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.netns hub")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--store-port", type=int, required=True)
+    ap.add_argument("--stages", default="", help="stages that get a lighthouse, e.g. 0,1")
+    ap.add_argument("--max-s", type=float, default=7 * 86400.0)
+    a = ap.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    s = load_config(a.config).swarm
+    store = TCPStore(
+        a.bind, a.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=s.startup_timeout_s)
+    )
+    lhs = {}
+    for j in (int(x) for x in a.stages.split(",") if x.strip()):
+        lhs[j] = start_lighthouse(
+            min_replicas=1,
+            bind=f"{a.bind}:0",
+            join_timeout_ms=int(s.sync_timeout_s * 1000),  # as SwarmLauncher.lighthouse
+            heartbeat_timeout_ms=2000,
+        )
+    addrs = {j: f"http://{a.bind}:{lh.address().rsplit(':', 1)[1]}" for j, lh in lhs.items()}
+    print(json.dumps({"store": f"{a.bind}:{store.port}", "lighthouses": addrs}), flush=True)
+    stop.wait(timeout=a.max_s)
+    for lh in lhs.values():
+        lh.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["hub"]:
+        sys.exit(hub_main(sys.argv[2:]))
+    sys.exit("usage: python -m dilocox.swarm.netns hub --config C --bind H --store-port P [--stages 0,1]")

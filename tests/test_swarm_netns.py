@@ -1,0 +1,124 @@
+"""``dilocox swarm --netns [--rate BW]`` (issue 11 point 7): every peer in its own network namespace behind a tc cap,
+the store and lighthouses in the hub namespace, the kernel's veth byte counts beside the peers' own link counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+import dilocox.launch.netns as netns_mod
+from dilocox.cli import main as cli_main
+from dilocox.launch.netns import netns_available
+from dilocox.swarm.netns import peer_slots
+from dilocox.swarm.runtime import SwarmResult, summarize
+from tests.test_launch_swarm import TINY, _dilocox
+
+NETNS_OK, NETNS_WHY = netns_available()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = cli_main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--rate", "100mbit"], "--rate 100mbit needs --netns"),
+        (["--netns", "--rate", "fast"], "--rate: bandwidth 'fast' is not a number with a unit"),
+        (["--netns", "--rate", "0mbit"], "must be a finite number > 0"),
+        (["--netns", "--rebalance-s", "5"], "--netns with rebalancing"),
+        (["--netns", "--peers", "200,51"], "--netns: 251 peers, at most 250"),
+    ],
+)
+def test_swarm_netns_flags_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
+    rc, _, err = _cli(["swarm", TINY_YAML, *args, "--out", str(tmp_path)], capsys)
+    assert rc == 2, err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not os.listdir(tmp_path)  # nothing was started
+
+
+def test_swarm_netns_without_namespaces_says_why_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(netns_mod, "_probe", (False, "not running as root (network namespaces need CAP_NET_ADMIN)"))
+    rc, _, err = _cli(["swarm", TINY_YAML, "--netns", "--rate", "100mbit", "--out", str(tmp_path)], capsys)
+    assert rc == 2, err
+    assert "--netns: network namespaces are unavailable here: not running as root" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    rc, out, _ = _cli(["swarm", "--help"], capsys)
+    assert rc == 0 and "--netns" in out and "--rate" in out
+
+
+def test_peer_slots_and_summary_show_veth_bytes_beside_link_bytes():
+    assert peer_slots([2, 1, 3]) == {"s0p0": 0, "s0p1": 1, "s1p0": 2, "s2p0": 3, "s2p1": 4, "s2p2": 5}
+    recs = [{"step": k, "sync_s": 0.0, "link_bytes": {"s1p0": [1_000_000, 500_000]}} for k in range(2)]
+    res = SwarmResult("o", {"s0p0": 0, "s1p0": 0}, 1.0, records={"s0p0": recs}, net_bytes={"s0p0": (3_000_000, 2e6)})
+    lines = summarize(res).splitlines()
+    assert lines[1].endswith("; veth tx 3.000 MB rx 2.000 MB (links: 2.000 / 1.000)"), lines
+    assert "veth" not in lines[2]  # no counters for that peer: nothing printed
+
+
+def _left_in(out_dir: str) -> list[str]:
+    """Live processes whose command line names ``out_dir`` (peers or the hub that outlived the job)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if out_dir in cmd and "dilocox.swarm." in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+def test_swarm_2x2_in_namespaces_counts_bytes_and_leaves_nothing(tmp_path):
+    out = str(tmp_path / "job")
+    p = _dilocox(
+        ["swarm", "configs/tiny.yaml", "--peers", "2,2", "--steps", "2", "--out", out, "--timeout-s", "150",
+         "--netns", "--rate", "100mbit", *TINY],
+        timeout=200,
+    )  # fmt: skip
+    assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    m = re.search(
+        r"--netns: 4 peers in namespaces (dilocox-\d+-\d+)-r0\.\.r3 \(s0p0 198\.18\.0\.1, .*s1p1 198\.18\.0\.4\)"
+        r".* links 100 Mbit/s \(tc tbf\)",
+        p.stderr,
+    )
+    assert m, p.stderr[-3000:]
+    veth, links = {}, {}
+    for name in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        line = next((x for x in p.stdout.splitlines() if x.strip().startswith(f"{name}: exit 0, 2 steps")), None)
+        assert line, p.stdout
+        g = re.search(r"veth tx ([\d.]+) MB rx ([\d.]+) MB \(links: ([\d.]+) / ([\d.]+)\)", line)
+        assert g, line
+        veth[name] = (float(g[1]) * 1e6, float(g[2]) * 1e6)
+        with open(os.path.join(out, f"{name}.jsonl")) as f:
+            links[name] = [r.get("link_bytes", {}) for r in map(json.loads, f)]
+    # what each stage-0 peer counted on its links to stage 1 (both ways) crossed its own veth ...
+    for name in ("s0p0", "s0p1"):
+        sent = sum(v[0] for rec in links[name] for v in rec.values())
+        got = sum(v[1] for rec in links[name] for v in rec.values())
+        assert 0 < sent <= veth[name][0] and 0 < got <= veth[name][1], (name, sent, got, veth[name])
+        # ... and its veth carried not much else (stage sync, store, lighthouse heartbeats, headers): a sane factor
+        assert veth[name][0] <= 40 * sent, (name, sent, veth[name])
+    # and the receiving stage-1 peer's veth: what stage 0 sent to it came in, its replies went out
+    for name in ("s1p0", "s1p1"):
+        to = sum(rec.get(name, [0, 0])[0] for s in ("s0p0", "s0p1") for rec in links[s])
+        back = sum(rec.get(name, [0, 0])[1] for s in ("s0p0", "s0p1") for rec in links[s])
+        assert 0 < to <= veth[name][1] and 0 < back <= veth[name][0], (name, to, back, veth[name])
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert m[1] not in listed, f"namespaces of {m[1]} left: {listed}"
+    assert not _left_in(out), "a process outlived the job"
