@@ -508,7 +508,9 @@ def test_rpc_timeout_bans_and_resends_without_double_counting(tmp_path):
 
 @pytest.mark.slow
 def test_int8_activations_count_link_bytes(tmp_path):
-    steps = 3
+    """int8 activations (both ways) cost 1 byte per element on the link, and after 200 steps the loss is within 1 %
+    of the uncompressed run's (issue 11: "loss after 200 steps within 1 % of uncompressed")."""
+    steps = 200
     out = {}
     for kind in ("none", "int8"):
         cfg = _cfg("--swarm.routing=fixed", f"--swarm.activations={kind}")
@@ -521,9 +523,10 @@ def test_int8_activations_count_link_bytes(tmp_path):
         n_mb = 2
         assert sent - n_mb * mb * s * 8 == pytest.approx(n_mb * mb * s * d * per_elem, rel=0.01), kind  # + labels
         assert recv == pytest.approx(n_mb * mb * s * d * per_elem, rel=0.01), kind
-    for a, b in zip(out["none"], out["int8"]):
-        assert abs(a["loss"] - b["loss"]) < 0.01 * a["loss"]
-        assert a["loss"] != b["loss"]  # the codec really ran
+    assert out["none"][0]["loss"] != out["int8"][0]["loss"]  # the codec really ran
+    last = {k: sum(r["loss"] for r in v[-10:]) / 10 for k, v in out.items()}  # the last 10 steps' mean loss
+    assert last["none"] < out["none"][0]["loss"] - 0.5, last  # it trained
+    assert abs(last["int8"] - last["none"]) < 0.01 * last["none"], last
 
 
 def _prewarmed_restart(la, stage: int, index: int, trigger: str) -> None:
