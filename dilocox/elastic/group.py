@@ -41,6 +41,19 @@ from dilocox.elastic.failover import DEFAULT_ATTEMPT_S, LighthouseFailover, Ligh
 log = logging.getLogger("dilocox.elastic")
 
 
+class _OneLineTorchftErrors(logging.Filter):
+    """torchft's manager logs a failed collective with ``logger.exception`` (message + traceback) before it reports
+    the error to the caller; the message already names the error and dilocox logs its own line for the retry or the
+    stop, so the traceback is dropped: a replica's stderr stays one line per event (docs/RELIABILITY.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("torchft.manager").addFilter(_OneLineTorchftErrors())
+
+
 class ElasticError(RuntimeError):
     """Base class of the elastic outer group's errors."""
 
