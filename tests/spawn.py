@@ -102,3 +102,18 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0) -> l
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def processes_naming(text: str, kind: str) -> list[str]:
+    """Live processes whose command line contains both ``text`` (e.g. a job's out dir) and ``kind`` (e.g.
+    ``dilocox.swarm.peer``): what a job left behind. Each as "pid: command line"."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and kind in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.fake_slurm import run_fake_sbatch
-from tests.spawn import free_port
+from tests.spawn import free_port, processes_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launcher", "slurm", "swarm.sbatch")
@@ -46,18 +46,7 @@ def _dilocox(args: list[str], timeout: float = 240, **kw) -> subprocess.Complete
 
 def _peer_processes(out_dir: str) -> list[str]:
     """Live processes whose command line names ``out_dir`` (peers of that job that outlived it)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if out_dir in cmd and "dilocox.swarm.peer" in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
+    return processes_naming(out_dir, "dilocox.swarm.peer")
 
 
 # --------------------------------------------------------------------------- dilocox swarm / launch --swarm

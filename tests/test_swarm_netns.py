@@ -15,6 +15,7 @@ from dilocox.cli import main as cli_main
 from dilocox.launch.netns import netns_available
 from dilocox.swarm.netns import peer_slots
 from dilocox.swarm.runtime import SwarmResult, summarize
+from tests.spawn import processes_naming
 from tests.test_launch_swarm import TINY, _dilocox
 
 NETNS_OK, NETNS_WHY = netns_available()
@@ -70,16 +71,7 @@ def test_peer_slots_and_summary_show_veth_bytes_beside_link_bytes():
 
 def _left_in(out_dir: str) -> list[str]:
     """Live processes whose command line names ``out_dir`` (peers or the hub that outlived the job)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if out_dir in cmd and "dilocox.swarm." in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
+    return processes_naming(out_dir, "dilocox.swarm.")
 
 
 @pytest.mark.slow
