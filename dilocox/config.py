@@ -271,7 +271,9 @@ class SwarmConfig:
     sync_timeout_s: float = 60.0  # bound on one stage sync (torchft quorum + all-reduce)
     host: str = "127.0.0.1"  # address each peer binds and advertises
     rebalance_period_s: float = 0.0  # every T s the launcher moves a peer of the least-loaded stage to the most-loaded
-    # one (SWARM App. D; the paper's T = 300); 0 = off. Needs swarm.sync=swarm; never moves a peer into stage 0
+    # one (SWARM App. D; the paper's T = 300); 0 = off. sync=diloco: the peer moves after an outer step and serves its
+    # new stage from that stage's next outer step on (needs outer.overlap=none). A peer moved into stage 0
+    # draws its own batch per step
     rebalance_min_gain: float = 0.1  # a move is made only if it lowers the predicted max stage load by this fraction
 
 
@@ -628,12 +630,13 @@ def _validate_swarm(cfg: Config) -> None:
         _fail("swarm.rebalance_period_s", s.rebalance_period_s, "must be >= 0 seconds (0 = no rebalancing), e.g. 300")
     if not 0 <= s.rebalance_min_gain < 1:
         _fail("swarm.rebalance_min_gain", s.rebalance_min_gain, "must be in [0, 1), e.g. 0.1")
-    if s.rebalance_period_s > 0 and s.sync != "swarm":
+    if s.rebalance_period_s > 0 and s.sync == "diloco" and cfg.outer.overlap != "none":
         _fail(
             "swarm.rebalance_period_s",
             s.rebalance_period_s,
-            f"needs swarm.sync=swarm (a peer moved by rebalancing joins like a restarted one; sync={s.sync!r} is not "
-            "supported yet): set swarm.rebalance_period_s=0 or swarm.sync=swarm",
+            f"with swarm.sync=diloco needs outer.overlap=none (a peer moves at an outer step boundary; with "
+            f"overlap={cfg.outer.overlap!r} its last pseudo-gradient is still in flight then): set "
+            "outer.overlap=none or swarm.rebalance_period_s=0",
         )
 
 

@@ -89,6 +89,26 @@ def test_rate_under_cap_and_tx_bytes(rate_mbit, payload):
 
 
 @needs_netns
+def test_per_replica_rates():
+    """rates_mbit: replica 1's link gets its own cap (20 Mbit/s), the others keep rate_mbit (100 Mbit/s)."""
+    with Cluster(3, 100, rates_mbit=[None, 20, None]) as c:
+        shows = [
+            subprocess.run(["tc", "-n", c.ns(r), "qdisc", "show", "dev", c.ifname(r)], capture_output=True, text=True)
+            for r in range(3)
+        ]
+        slow, n1, _, _ = transfer(c, 1, 0, 3_000_000)
+        fast, n2, _, _ = transfer(c, 2, 0, 15_000_000)
+    assert "rate 20Mbit" in shows[1].stdout and "rate 100Mbit" in shows[0].stdout + shows[2].stdout
+    assert n1 == 3_000_000 and n2 == 15_000_000
+    assert abs(slow - 20) / 20 < 0.15 and abs(fast - 100) / 100 < 0.15, (slow, fast)
+    with pytest.raises(ValueError, match="rates_mbit has 2 entries for 3 replicas"):
+        Cluster(3, 100, rates_mbit=[None, 20])
+    with pytest.raises(ValueError, match=r"rates_mbit\[1\]=0 must be > 0"):
+        Cluster(3, 100, rates_mbit=[None, 0, None])
+    assert not leftovers(c)
+
+
+@needs_netns
 def test_exception_inside_with_cleans_up():
     with pytest.raises(ZeroDivisionError):
         with Cluster(2, 50) as c:

@@ -38,8 +38,11 @@ def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
         (["--rate", "100mbit"], "--rate 100mbit needs --netns"),
         (["--netns", "--rate", "fast"], "--rate: bandwidth 'fast' is not a number with a unit"),
         (["--netns", "--rate", "0mbit"], "must be a finite number > 0"),
-        (["--netns", "--rebalance-s", "5"], "--netns with rebalancing"),
         (["--netns", "--peers", "200,51"], "--netns: 251 peers, at most 250"),
+        (["--peer-rate", "s1p1=20mbit"], "--peer-rate s1p1=20mbit needs --netns"),
+        (["--netns", "--peer-rate", "fast"], "--peer-rate 'fast' must be PEER=BW"),
+        (["--netns", "--peer-rate", "s1p1=fast"], "--peer-rate s1p1=fast: bandwidth 'fast' is not a number"),
+        (["--netns", "--peer-rate", "s9p0=1mbit"], "--peer-rate s9p0: no such peer"),
     ],
 )
 def test_swarm_netns_flags_bad_input_is_one_line_exit_2(args, needle, capsys, tmp_path):
@@ -58,6 +61,24 @@ def test_swarm_netns_without_namespaces_says_why_exit_2(capsys, monkeypatch, tmp
     assert len(err.strip().splitlines()) == 1, err
     rc, out, _ = _cli(["swarm", "--help"], capsys)
     assert rc == 0 and "--netns" in out and "--rate" in out
+
+
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+def test_hub_that_fails_to_start_is_one_line_exit_1(capsys, monkeypatch, tmp_path):
+    """The hub process dies at start (here: a port TCPStore refuses): one line naming the hub's own error, exit 1, no
+    traceback, no namespace or process left."""
+    import dilocox.swarm.netns as swarm_netns
+
+    monkeypatch.setattr(swarm_netns, "STORE_PORT", 70000)
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    rc, _, err = _cli(["swarm", TINY_YAML, "--netns", "--peers", "1,1", "--out", str(tmp_path), *TINY], capsys)
+    assert rc == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("swarm job: the swarm hub (store + lighthouses) exited with code"), err
+    assert "hub.log" in last and "Traceback" not in err, err
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert after == before, f"namespaces left: {after}"
+    assert not _left_in(str(tmp_path))
 
 
 def test_peer_slots_and_summary_show_veth_bytes_beside_link_bytes():
@@ -80,13 +101,13 @@ def test_swarm_2x2_in_namespaces_counts_bytes_and_leaves_nothing(tmp_path):
     out = str(tmp_path / "job")
     p = _dilocox(
         ["swarm", "configs/tiny.yaml", "--peers", "2,2", "--steps", "2", "--out", out, "--timeout-s", "150",
-         "--netns", "--rate", "100mbit", *TINY],
+         "--netns", "--rate", "100mbit", "--peer-rate", "s1p1=50mbit", *TINY],
         timeout=200,
     )  # fmt: skip
     assert p.returncode == 0, f"{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     m = re.search(
         r"--netns: 4 peers in namespaces (dilocox-\d+-\d+)-r0\.\.r3 \(s0p0 198\.18\.0\.1, .*s1p1 198\.18\.0\.4\)"
-        r".* links 100 Mbit/s \(tc tbf\)",
+        r".* links 100 Mbit/s \(tc tbf\); s1p1 50 Mbit/s each way",
         p.stderr,
     )
     assert m, p.stderr[-3000:]
@@ -113,4 +134,40 @@ def test_swarm_2x2_in_namespaces_counts_bytes_and_leaves_nothing(tmp_path):
         assert 0 < to <= veth[name][1] and 0 < back <= veth[name][0], (name, to, back, veth[name])
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert m[1] not in listed, f"namespaces of {m[1]} left: {listed}"
+    assert not _left_in(out), "a process outlived the job"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces unavailable: {NETNS_WHY}")
+def test_rebalancing_in_namespaces_moves_a_peer(tmp_path):
+    """--netns with rebalancing: the launcher's rebalancing thread enters the hub namespace (setns, that thread only)
+    and reaches the store and every peer from there; [2, 1] with stage 1 paced: a stage-0 peer moves to stage 1
+    (same process, same namespace and address; its command keeps ``-- --swarm.host=...``), serves, and stage 1's
+    peers end bit-identical; nothing is left over."""
+    import torch
+
+    from dilocox.config import load_config
+    from dilocox.swarm.runtime import launch
+
+    over = [
+        "--model.n_layers=2", "--model.d_model=64", "--data.max_bytes=200000", "--train.batch_size=8",
+        "--train.seq_len=32", "--optim.warmup_steps=0", "--optim.schedule=constant", "--swarm.microbatch_size=2",
+        "--swarm.max_inflight=4", "--swarm.step_timeout_s=60", "--swarm.sync_timeout_s=60",
+        "--swarm.rpc_timeout_s=20", "--swarm.ban_s=0.5", "--swarm.rebalance_period_s=2",
+    ]  # fmt: skip
+    cfg = load_config(TINY_YAML, over)
+    out = str(tmp_path / "job")
+    res = launch(cfg, out, peers_per_stage=[2, 1], steps=40, timeout_s=240, stage_paces={1: 0.08}, netns=True)
+    for name, rc in res.returncodes.items():
+        assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    with open(os.path.join(out, "rebalance.jsonl")) as f:
+        moves = [json.loads(line) for line in f]
+    done = [m for m in moves if "line" in m]
+    assert len(done) == 1 and not any("error" in m for m in moves), moves
+    assert done[0]["from"] == 0 and done[0]["to"] == 1 and done[0]["joiner"] == "s1p1", done[0]
+    served = [r for r in res.records["s1p1"] if not r.get("joined")]
+    assert served and sum(r["microbatches"] for r in served) > 0, "the moved peer never served"
+    a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a), "the moved peer differs from its new stage"
+    assert set(res.net_bytes) == {"s0p0", "s0p1", "s1p0"}  # the kernel's counts of the three namespaces
     assert not _left_in(out), "a process outlived the job"

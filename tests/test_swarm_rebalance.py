@@ -157,8 +157,9 @@ def test_rebalance_config_checked():
         load_config(*base, ["--swarm.rebalance_period_s=-1"])
     with pytest.raises(ConfigError, match="swarm.rebalance_min_gain"):
         load_config(*base, ["--swarm.rebalance_min_gain=1.5"])
-    with pytest.raises(ConfigError, match="needs swarm.sync=swarm"):
-        load_config(*base, ["--swarm.rebalance_period_s=5", "--swarm.sync=diloco"])
+    with pytest.raises(ConfigError, match="needs outer.overlap=none"):
+        load_config(*base, ["--swarm.rebalance_period_s=5", "--swarm.sync=diloco", "--outer.overlap=delayed"])
+    assert load_config(*base, ["--swarm.rebalance_period_s=5", "--swarm.sync=diloco"]).swarm.sync == "diloco"
     assert load_config(*base, ["--swarm.rebalance_period_s=300"]).swarm.rebalance_period_s == 300
 
 
@@ -234,3 +235,135 @@ def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
     assert all(r["digest"] == digests[r["step"]] for r in served), "params or AdamW state diverged after the join"
     a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
     assert all(torch.equal(a[n], b[n]) for n in a), "the moved peer differs from its new stage"
+
+
+@pytest.mark.slow
+def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch):
+    """swarm.sync=diloco, [2, 1] with stage 1 the bottleneck: the chosen stage-0 peer leaves only after an outer
+    step (its H local steps count), joins stage 1 at that stage's next outer step with θ, outer momentum and a
+    live peer's AdamW state (bit-identical there), serves, and the stage's peers end with the same params."""
+    from dilocox.swarm.peer import DIGEST_ENV
+    from dilocox.swarm.runtime import launch
+
+    monkeypatch.setenv(DIGEST_ENV, "1")
+    H = 4
+    over = [
+        "--model.n_layers=2", "--model.d_model=64", "--data.max_bytes=200000", "--train.batch_size=8",
+        "--train.seq_len=32", "--optim.warmup_steps=0", "--optim.schedule=constant", "--swarm.microbatch_size=2",
+        "--swarm.max_inflight=4", "--swarm.step_timeout_s=60", "--swarm.sync_timeout_s=60",
+        "--swarm.rpc_timeout_s=20", "--swarm.ban_s=0.5", "--swarm.rebalance_period_s=2", "--swarm.sync=diloco",
+        f"--outer.sync_every={H}",
+    ]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
+    steps = 48
+    out = str(tmp_path)
+    try:
+        res = launch(cfg, out, peers_per_stage=[2, 1], steps=steps, timeout_s=300, stage_paces={1: 0.08})
+    finally:
+        for line in _left_over(out):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not _left_over(out)
+    for name, rc in res.returncodes.items():
+        assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    with open(os.path.join(out, "rebalance.jsonl")) as f:
+        moves = [json.loads(line) for line in f]
+    done = [m for m in moves if "line" in m]
+    assert len(done) == 1, moves
+    mv = done[0]
+    assert mv["from"] == 0 and mv["to"] == 1 and mv["joiner"] == "s1p1" and "measured" in mv["line"]
+    assert set(res.returncodes) == {"s0p0", "s0p1", "s1p0"}  # the same process moved
+    left = [r for r in res.records[mv["peer"]] if r.get("left")]
+    assert len(left) == 1 and left[0]["moved_to"] == "s1p1"
+    k_left = left[0]["step"]
+    assert (k_left + 1) % H == 0, f"left at step {k_left}, not at the end of an outer phase (H={H})"
+    joined = [r for r in res.records["s1p1"] if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["outer"] and joined[0]["contributors"] == [0], joined
+    k_join = joined[0]["step"]
+    assert (k_join + 1) % H == 0 and k_left < k_join < steps - H, (k_left, k_join)
+    digests = {r["step"]: r["digest"] for r in res.records["s1p0"] if "digest" in r}
+    assert joined[0]["digest"] == digests[k_join], "params, θ or AdamW state differ from the stage's at the join"
+    served = [r for r in res.records["s1p1"] if r["step"] > k_join]
+    assert [r["step"] for r in served] == list(range(k_join + 1, steps))
+    assert sum(r["microbatches"] for r in served) > 0, "the joiner never served"
+    outer_steps = {r["step"] for r in res.records["s1p0"] if r.get("outer")}
+    assert outer_steps == set(range(H - 1, steps, H))  # the stage kept its outer schedule through the move
+    assert all(sorted(r.get("outer_contributors", [])) == [0, 1] for r in res.records["s1p0"] if r.get("outer")
+               and r["step"] > k_join), "the moved peer did not contribute to stage 1's later outer steps"  # fmt: skip
+    per_step = {}
+    for name in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        for r in res.records[name]:
+            if "microbatches" in r:
+                per_step.setdefault(r["step"], [0, 0])[int(name[1])] += r["microbatches"]
+    assert sorted(per_step) == list(range(steps))
+    for k, (n0, n1) in per_step.items():
+        assert n0 == (8 if k <= k_left else 4) and n1 == n0, (k, n0, n1)
+    a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a), "stage 1's peers differ after the last outer step"
+
+
+@pytest.mark.slow
+def test_peer_moves_into_stage0(tmp_path, monkeypatch):
+    """[1, 2] with stage 0 the bottleneck (paced 80 ms per microbatch): a stage-1 peer moves into stage 0, gets
+    stage 0's params and AdamW state, and from then on drives its own batch each step (a stream of its own: the
+    job's microbatches per step double), bit-identical to s0p0 at every sync."""
+    from dilocox.swarm.peer import DIGEST_ENV
+    from dilocox.swarm.runtime import launch
+
+    monkeypatch.setenv(DIGEST_ENV, "1")
+    over = [
+        "--model.n_layers=2", "--model.d_model=64", "--data.max_bytes=200000", "--train.batch_size=8",
+        "--train.seq_len=32", "--optim.warmup_steps=0", "--optim.schedule=constant", "--swarm.microbatch_size=2",
+        "--swarm.max_inflight=4", "--swarm.step_timeout_s=60", "--swarm.sync_timeout_s=60",
+        "--swarm.rpc_timeout_s=20", "--swarm.ban_s=0.5", "--swarm.rebalance_period_s=2",
+    ]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
+    steps = 40
+    out = str(tmp_path)
+    try:
+        res = launch(cfg, out, peers_per_stage=[1, 2], steps=steps, timeout_s=240, stage_paces={0: 0.08})
+    finally:
+        for line in _left_over(out):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not _left_over(out)
+    for name, rc in res.returncodes.items():
+        assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    with open(os.path.join(out, "rebalance.jsonl")) as f:
+        moves = [json.loads(line) for line in f]
+    done = [m for m in moves if "line" in m]
+    assert len(done) == 1 and not any("refused" in m or "error" in m for m in moves), moves
+    mv = done[0]
+    assert mv["from"] == 1 and mv["to"] == 0 and mv["joiner"] == "s0p1", mv
+    k_left = next(r["step"] for r in res.records[mv["peer"]] if r.get("left"))
+    joined = [r for r in res.records["s0p1"] if r.get("joined")]
+    assert len(joined) == 1 and joined[0]["contributors"] == [0], joined
+    k_join = joined[0]["step"]
+    assert k_left < k_join < steps - 2
+    per_step = {}
+    for name in ("s0p0", "s0p1", "s1p0", "s1p1"):
+        for r in res.records[name]:
+            if "microbatches" in r and not r.get("joined"):
+                per_step.setdefault(r["step"], [0, 0])[int(name[1])] += r["microbatches"]
+    assert sorted(per_step) == list(range(steps))
+    for k, (n0, n1) in per_step.items():
+        assert n0 == (4 if k <= k_join else 8) and n1 == n0, (k, n0, n1)
+    routes = {**res.peers["s0p0"]["routes"], **res.peers["s0p1"]["routes"]}
+    assert sum(mb.startswith("s0p1:") for mb in routes) == 4 * (steps - 1 - k_join)  # its own batches, every step
+    digests = {r["step"]: r["digest"] for r in res.records["s0p0"] if "digest" in r}
+    mine = [r for r in res.records["s0p1"] if "digest" in r]
+    assert mine and all(r["digest"] == digests[r["step"]] for r in mine), "the stage-0 peers diverged"
+    assert mv["tokens_s_after"] > mv["tokens_s_before"], mv["line"]
+
+
+def test_moved_argv_keeps_overrides_after_the_separator():
+    """A moved peer's command: its old place flags out, the new ones in, BEFORE ``--`` (a ``--netns`` peer ends with
+    ``-- --swarm.host=198.18.0.2``: a flag after it would be read as a config override)."""
+    from dilocox.swarm.membership import moved_argv
+
+    argv = ["--config", "c.yaml", "--stage", "0", "--index", "1", "--store", "h:1", "--lighthouse", "http://a:",
+            "--out", "o", "--pace-s", "0.1", "--delay-serial", "--", "--swarm.host=1.2.3.4", "--stage=9"]  # fmt: skip
+    move = {"stage": 1, "index": 3, "lighthouse": "http://b:4", "args": ["--pace-s", "0.08"]}
+    got = moved_argv(argv, move)
+    assert got == ["--config", "c.yaml", "--store", "h:1", "--out", "o", "--stage", "1", "--index", "3", "--join",
+                   "--lighthouse", "http://b:4", "--pace-s", "0.08", "--", "--swarm.host=1.2.3.4",
+                   "--stage=9"]  # fmt: skip
+    assert moved_argv(argv[:-3], move)[-3:] == ["http://b:4", "--pace-s", "0.08"]  # no separator: appended

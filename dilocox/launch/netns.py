@@ -50,6 +50,23 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
+def enter_netns(name: str) -> None:
+    """setns(2) the calling thread into the named network namespace (``ip netns`` keeps it in /run/netns)."""
+    fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python >= 3.12
+            os.setns(fd, os.CLONE_NEWNET)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def netns_available() -> tuple[bool, str]:
     """(True, "") when namespaces + veth + tbf can be created here, else (False, why). Cached."""
     global _probe
@@ -72,8 +89,10 @@ def netns_available() -> tuple[bool, str]:
 class Cluster:
     """R emulated clusters joined by capped links. Use as a context manager.
 
-    ``rate_mbit`` caps each replica's link in each direction (None = uncapped); ``burst_bytes``
-    defaults to max(64 KiB, 2 ms at the rate); ``latency_ms`` bounds the tbf queue.
+    ``rate_mbit`` caps each replica's link in each direction (None = uncapped); ``rates_mbit``
+    (one entry per replica, None = ``rate_mbit``) gives replicas caps of their own (heterogeneous
+    links); ``burst_bytes`` defaults to max(64 KiB, 2 ms at the link's rate); ``latency_ms`` bounds
+    the tbf queue.
     ``stop_grace_s``: on close (or SIGINT/SIGTERM), how long the processes started with
     ``exec`` get after SIGTERM to save a checkpoint and exit before they are SIGKILLed.
     """
@@ -87,13 +106,22 @@ class Cluster:
         latency_ms: float = 100.0,
         stop_grace_s: float = 3.0,
         hub: bool = False,
+        rates_mbit: Sequence[float | None] | None = None,
     ) -> None:
         if not 1 <= n_replicas <= 250:
             raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
-        if rate_mbit is not None and not rate_mbit > 0:
-            raise ValueError(f"rate_mbit={rate_mbit} must be > 0 (or None for no cap)")
+        if rates_mbit is not None and len(rates_mbit) != n_replicas:
+            raise ValueError(f"rates_mbit has {len(rates_mbit)} entries for {n_replicas} replicas (one each)")
+        per = list(rates_mbit) if rates_mbit is not None else [None] * n_replicas
+        for r, m in enumerate([rate_mbit, *per]):
+            if m is not None and not m > 0:
+                what = "rate_mbit" if r == 0 else f"rates_mbit[{r - 1}]"
+                raise ValueError(f"{what}={m} must be > 0 (or None for no cap)")
         self.n = n_replicas
         self.rate_bps = None if rate_mbit is None else float(rate_mbit) * 1e6
+        # each replica's cap (bits/s, None: uncapped) and its tbf burst
+        self.rates_bps = [self.rate_bps if m is None else float(m) * 1e6 for m in per]
+        self.bursts = [burst_bytes or (max(65536, int(b / 8 * 0.002)) if b else 0) for b in self.rates_bps]
         self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
         self.latency_ms = latency_ms
         self.stop_grace_s = stop_grace_s
@@ -164,7 +192,7 @@ class Cluster:
             _ip("ip", "-n", sw, "link", "set", outer, "master", "dxbr", "up")
             _ip("ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", inner)
             _ip("ip", "-n", ns, "link", "set", inner, "up")
-            if self.rate_bps:
+            if self.rates_bps[r]:
                 for where, dev in ((ns, inner), (sw, outer)):
                     _ip(
                         "tc",
@@ -177,9 +205,9 @@ class Cluster:
                         "root",
                         "tbf",
                         "rate",
-                        f"{int(self.rate_bps)}bit",
+                        f"{int(self.rates_bps[r])}bit",
                         "burst",
-                        str(self.burst),
+                        str(self.bursts[r]),
                         "latency",
                         f"{self.latency_ms:g}ms",
                     )
@@ -281,6 +309,13 @@ class Cluster:
         p = subprocess.Popen(["ip", "netns", "exec", self.switch, *argv], start_new_session=True, **popen_kw)
         self._procs.append(p)
         return p
+
+    def enter_hub(self) -> None:
+        """Move the CALLING THREAD into the switch namespace (setns(2) changes one thread's network namespace; the
+        other threads of this process stay where they are): its sockets then reach HUB_ADDR and every replica."""
+        if not self._up or not self.hub:
+            raise RuntimeError("enter_hub needs a running Cluster(..., hub=True)")
+        enter_netns(self.switch)
 
     def _stat(self, r: int, which: str) -> int:
         path = f"/sys/class/net/{self.ifname(r)}/statistics/{which}"

@@ -1,7 +1,8 @@
 """The command line of SWARM mode: ``dilocox swarm ...`` and ``dilocox launch --swarm ...`` (issue 11 part 7).
 
     dilocox swarm CONFIG [--peers 2,2] [--steps N] [--out DIR] [--timeout-s S] [--section.key=value ...]
-                  [--netns [--rate 100mbit]]   (each peer in a network namespace, capped links: dilocox/swarm/netns.py)
+                  [--netns [--rate 100mbit] [--peer-rate s1p1=20mbit ...]]   (each peer in a network namespace,
+                  capped links: dilocox/swarm/netns.py)
     dilocox launch --swarm CONFIG [...same options...]
     dilocox swarm store --port P [--bind 0.0.0.0] [--max-s S]     (the address store, for launcher/slurm/swarm.sbatch)
     dilocox swarm peer --config C --stage J --index K --store H:P [...]   (one peer: python -m dilocox.swarm.peer)
@@ -82,6 +83,11 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
         "--rate", default=None, metavar="BW",
         help="with --netns: cap every peer's link at BW each way (tc tbf), e.g. 100mbit, 1gbit (as dilocox launch)",
     )  # fmt: skip
+    ap.add_argument(
+        "--peer-rate", action="append", default=[], metavar="PEER=BW",
+        help="with --netns: this peer's link gets its own cap, e.g. s1p1=20mbit (heterogeneous links; the others keep "
+        "--rate, or no cap)",
+    )  # fmt: skip
     return ap
 
 
@@ -102,6 +108,25 @@ def parse_netns(netns: bool, rate: str | None) -> float | None:
     return mbit
 
 
+def parse_peer_rates(items: list[str], netns: bool) -> dict[str, float]:
+    """--peer-rate PEER=BW ... -> {peer: Mbit/s}; a one-line error for a bad item or without --netns."""
+    from dilocox.plan import parse_bandwidth
+
+    out = {}
+    for it in items:
+        if not netns:
+            raise SwarmUsageError(f"--peer-rate {it} needs --netns (the cap is a tc tbf on the peer's namespace link)")
+        name, _, bw = it.partition("=")
+        name = name.strip()
+        if not (name.startswith("s") and "p" in name and bw):
+            raise SwarmUsageError(f"--peer-rate {it!r} must be PEER=BW with PEER like s1p0, e.g. s1p1=20mbit")
+        try:
+            out[name] = parse_bandwidth(bw) / 1e6
+        except ValueError as e:
+            raise SwarmUsageError(f"--peer-rate {it}: {e}") from None
+    return out
+
+
 def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
     out = {}
     for it in items:
@@ -118,6 +143,7 @@ def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
     from dilocox.config import load_config, validate_swarm_layout
+    from dilocox.swarm.netns import HubStartError
     from dilocox.swarm.runtime import launch, summarize
 
     ap = _run_parser(prog)
@@ -132,6 +158,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     peers = parse_peers(a.peers) if a.peers is not None else None
     delays = parse_delays(a.delay)
     paces = parse_delays(a.pace, "--pace")
+    peer_rates = parse_peer_rates(a.peer_rate, a.netns)
     rate_mbit = parse_netns(a.netns, a.rate)
     overrides = list(rest)
     if peers is not None:
@@ -140,12 +167,11 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         overrides.append(f"--swarm.rebalance_period_s={a.rebalance_s}")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
     validate_swarm_layout(cfg)
-    if a.netns and cfg.swarm.rebalance_period_s > 0:
-        raise SwarmUsageError("--netns with rebalancing (--rebalance-s, swarm.rebalance_period_s) is not built yet")
     pps = list(cfg.swarm.peers_per_stage)
     if a.netns and sum(pps) > 250:
         raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
-    for flag, name in [*(("--delay", n) for n in delays), *(("--pace", n) for n in paces)]:
+    per_peer = (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates))
+    for flag, name in [(f, n) for f, d in per_peer for n in d]:
         j, _, k = name[1:].partition("p")
         if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
             raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
@@ -154,11 +180,14 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
-            netns=a.netns, rate_mbit=rate_mbit,
+            netns=a.netns, rate_mbit=rate_mbit, peer_rates=peer_rates,
         )  # fmt: skip
     except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
         print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)
         return 130
+    except HubStartError as e:  # --netns: the namespaces are deleted already
+        print(f"swarm job: {e}", file=sys.stderr)
+        return 1
     print(summarize(res))
     moves = os.path.join(out, "rebalance.jsonl")
     if os.path.exists(moves):  # rebalancing: one line per move made, refused or failed

@@ -5,7 +5,8 @@ A peer answers four membership RPCs (``SwarmPeer._handle`` hands them here):
 - ``stats``: its stage, index, step, whether it serves, and the cumulative counters of its ``LoadMeter`` (the
   launcher takes differences between two polls: mean queue length and microbatches per busy second over that
   window), so the peer keeps no window of its own.
-- ``leave``: finish the current step (its sync included), then stop serving (requests of the next step get
+- ``leave``: finish the current step (its sync included; ``swarm.sync=diloco``: the current outer phase, so
+  its local steps enter the stage's outer step), then stop serving (requests of the next step get
   ``NotServing``: callers ban it briefly and re-send), say ``bye`` to the peers of the stages around it, leave the
   stage's torchft group (record ``{"left": true}``); with ``move_to`` (rebalancing) the same process then runs as
   a joining peer of its new stage (``moved_argv``), else it exits 0.
@@ -112,7 +113,10 @@ def moved_argv(argv: list[str], move_to: dict) -> list[str]:
     """The peer command of a peer moved to ``move_to`` = {stage, index, lighthouse, args}: ``argv`` without its
     place flags, plus the new place and ``--join`` (it downloads the new stage's state first)."""
     out, skip = [], False
-    for tok in argv:
+    for i, tok in enumerate(argv):
+        if tok == "--":  # the config overrides: kept as they are
+            out += argv[i:]
+            break
         if skip:
             skip = False
             continue
@@ -121,10 +125,13 @@ def moved_argv(argv: list[str], move_to: dict) -> list[str]:
             skip = _PLACE_FLAGS[flag] and "=" not in tok
             continue
         out.append(tok)
-    out += ["--stage", str(int(move_to["stage"])), "--index", str(int(move_to["index"])), "--join"]
+    place = ["--stage", str(int(move_to["stage"])), "--index", str(int(move_to["index"])), "--join"]
     if move_to.get("lighthouse"):
-        out += ["--lighthouse", str(move_to["lighthouse"])]
-    return out + [str(x) for x in move_to.get("args", [])]
+        place += ["--lighthouse", str(move_to["lighthouse"])]
+    place += [str(x) for x in move_to.get("args", [])]
+    # before a ``--`` (after it every token is a config override: ``--netns`` peers end with ``-- --swarm.host=...``)
+    cut = out.index("--") if "--" in out else len(out)
+    return out[:cut] + place + out[cut:]
 
 
 def read_members(store, pps: list[int]) -> list[list[int]]:
@@ -149,7 +156,8 @@ def handle(peer, method: str, meta: dict):
         if meta.get("move_to") is not None:
             peer.move_to = dict(meta["move_to"])
         peer.leave_requested = True
-        log.info("%s: asked to leave stage %d after its current step (then: %s)", peer.name, peer.stage, peer.move_to)
+        when = "its current step" if peer.s.sync == "swarm" else "its current outer phase"
+        log.info("%s: asked to leave stage %d after %s (then: %s)", peer.name, peer.stage, when, peer.move_to)
         return {"step": peer.step}, {}
     sender = str(meta["sender"])
     j, _ = parse_name(sender)

@@ -3,16 +3,18 @@
 Every ``swarm.rebalance_period_s`` seconds the ``Mover`` (a thread of ``SwarmLauncher``, which owns the peer
 processes) asks every current peer for its ``stats`` (short timeout; a peer that does not answer is left out),
 turns the counters into each peer's mean queue length and microbatches per busy second over the period
-(``membership.window``) and asks ``rebalance.plan_move`` for a move. A move into stage 0 is refused (logged): a
-stage-0 peer is also a data source, drawing its shard ``replica=index, n_replicas=m_0``; a new stage-0 peer would
-change the job's batch per step and the shards. Otherwise:
+(``membership.window``) and asks ``rebalance.plan_move`` for a move. A peer moved into stage 0 becomes a data
+source too: it draws its own batch of ``train.batch_size`` windows per step (random windows seeded by its index),
+so the job's batch per step grows by one peer's, as it shrinks when a stage-0 peer moves out. The move:
 
 1. the job's member list (store key ``swarm/members``) is updated (the peer out of its stage, in the target stage
    at the smallest index free there, ``s{j}p{m}``) and ``leave`` with ``move_to`` goes to the chosen peer. It
-   finishes its step (sync included), says bye to its neighbours, leaves its stage's torchft group, and the SAME
-   process then runs as peer ``s{j}p{m}`` with ``--join`` (``membership.moved_argv``): it downloads the target
-   stage's params and AdamW state from a live peer of that stage through torchft at the stage's next sync, says
-   hello to the neighbouring stages (their routers add it) and serves. No new process, so no start-up cost.
+   finishes its step (sync included; ``swarm.sync=diloco``: its outer phase, up to the next outer step), says bye
+   to its neighbours, leaves its stage's torchft group, and the SAME process then runs as peer ``s{j}p{m}`` with
+   ``--join`` (``membership.moved_argv``): it downloads the target stage's params and AdamW state (diloco: with
+   θ and the outer momentum) from a live peer of that stage through torchft at the stage's next sync (diloco: its
+   next outer step; the peer is idle until then), says hello to the neighbouring stages (their routers add it)
+   and serves. No new process, so no start-up cost.
 2. tokens/s is measured on the stage-0 peers' counters over the period before the move and over one period after
    the moved peer serves and finished 2 steps (one-off costs of the join left out); one log line
    ``rebalance: ... measured X -> Y tokens/s`` and a record in ``OUT/rebalance.jsonl`` (also for refused moves and
@@ -53,16 +55,16 @@ class Mover(threading.Thread):
         self.moves: list[dict] = []
         self.joined: dict = {}  # new peer name -> the PeerProc of the process that moved there
         self.path = os.path.join(launcher.out_dir, "rebalance.jsonl")
-        self._set_members()
+        self.store = None  # the store client of this thread (``SwarmLauncher.control_store``), made in ``run``
 
     # ------------------------------------------------------------------ helpers
     def _set_members(self) -> None:
-        self.la.store.set(MEMBERS_KEY, json.dumps(self.members))
+        self.store.set(MEMBERS_KEY, json.dumps(self.members))
 
     def _addr(self, name: str) -> str | None:
         key = store_key(*_split(name))
         try:  # (get would block until the key exists: check first)
-            return self.la.store.get(key).decode() if self.la.store.check([key]) else None
+            return self.store.get(key).decode() if self.store.check([key]) else None
         except Exception:  # noqa: BLE001 - not published (yet)
             return None
 
@@ -105,6 +107,12 @@ class Mover(threading.Thread):
         self.stop_event.set()
 
     def run(self) -> None:
+        try:  # --netns: this thread enters the hub's namespace, where the store and every peer are reachable
+            self.store = self.la.control_store()
+            self._set_members()
+        except Exception:  # noqa: BLE001 - no rebalancing, the job goes on
+            log.exception("rebalance: cannot reach the job's store; no rebalancing in this job")
+            return
         while not self.stop_event.wait(self.period):
             try:
                 self.tick()
@@ -126,13 +134,7 @@ class Mover(threading.Thread):
         move = plan_move(loads, len(self.members), self.s.rebalance_min_gain)
         if move is None:
             return
-        before = self._tokens_rate(prev, cur)
-        if move.to_stage == 0:
-            why = "a stage-0 peer is a data source (its shard is replica=index of m_0): moves into stage 0 are refused"
-            log.info("%s; not done: %s", move.describe(), why)
-            self._record({"peer": move.peer, "from": move.from_stage, "to": 0, "refused": why})
-            return
-        self.carry_out(move, before)
+        self.carry_out(move, self._tokens_rate(prev, cur))
 
     def carry_out(self, move, before: float | None) -> None:
         s, src, dst = self.s, move.from_stage, move.to_stage
@@ -158,8 +160,10 @@ class Mover(threading.Thread):
         p = self._proc(name)
         if p is not None:
             self.joined[joiner] = p
-        # the same process serves the new stage once it has its state: bounded by a step, a sync and the join
-        deadline = time.monotonic() + s.step_timeout_s + 2 * s.sync_timeout_s + s.startup_timeout_s
+        # the same process serves the new stage once it has its state: bounded by a step, a sync and the join;
+        # sync=diloco: by the rest of its outer phase and the target stage's next outer step (2 H steps at most)
+        H = self.la.cfg.outer.sync_every if s.sync == "diloco" else 1
+        deadline = time.monotonic() + H * (s.step_timeout_s + 2 * s.sync_timeout_s) + s.startup_timeout_s
         serving = False
         while not serving and time.monotonic() < deadline and (p is None or p.proc.poll() is None):
             if self.stop_event.wait(0.2):

@@ -41,6 +41,11 @@ STORE_PORT = 29400  # in the switch namespace (fresh, so a fixed port is free)
 HUB_START_S = 60.0  # the hub process prints its addresses within this (torch + torchft import included)
 
 
+class HubStartError(RuntimeError):
+    """The hub process (store + lighthouses) did not come up: the CLI prints it in one line (with the hub log's last
+    line), exit 1; the namespaces are gone by then."""
+
+
 class NetnsUnavailable(RuntimeError):
     """Network namespaces cannot be created here (not root, no iproute2): the CLI prints it in one line, exit 2."""
 
@@ -58,19 +63,21 @@ class NetnsSwarmLauncher(SwarmLauncher):
     """``SwarmLauncher`` whose peers each run in a network namespace (see the module doc). ``rate_mbit``: the tbf cap
     of every peer's link in each direction (None: uncapped)."""
 
-    def __init__(self, cfg: Config, out_dir: str, rate_mbit: float | None = None) -> None:
+    def __init__(
+        self, cfg: Config, out_dir: str, rate_mbit: float | None = None, peer_rates: dict[str, float] | None = None
+    ) -> None:
         ok, why = netns_available()
         if not ok:
             raise NetnsUnavailable(f"--netns: network namespaces are unavailable here: {why}")
-        if cfg.swarm.rebalance_period_s > 0:
-            raise ValueError(
-                f"--netns with swarm.rebalance_period_s={cfg.swarm.rebalance_period_s}: rebalancing is not built for "
-                "namespaces yet; drop --rebalance-s (or --netns)"
-            )
+        slots = peer_slots(list(cfg.swarm.peers_per_stage))
+        unknown = sorted(set(peer_rates or {}) - set(slots))
+        if unknown:
+            raise ValueError(f"peer rate for {unknown[0]}: no such peer among {list(slots)}")
         super().__init__(cfg, out_dir)  # (its loopback store stays unused: the peers use the hub's)
-        self.slots = peer_slots(list(cfg.swarm.peers_per_stage))
+        self.slots = slots
         self.net_bytes: dict[str, tuple[int, int]] = {}  # peer -> (veth tx, veth rx) bytes, read at shutdown
-        self.cluster = Cluster(len(self.slots), rate_mbit, hub=True, stop_grace_s=1.0)
+        rates = [(peer_rates or {}).get(n) for n in slots]  # slot order; None: rate_mbit
+        self.cluster = Cluster(len(slots), rate_mbit, hub=True, stop_grace_s=1.0, rates_mbit=rates)
         self.cluster.start()
         try:
             self._start_hub()
@@ -78,14 +85,18 @@ class NetnsSwarmLauncher(SwarmLauncher):
             self.cluster.close()
             raise
         c = self.cluster
+        links = f"{rate_mbit:g} Mbit/s (tc tbf)" if rate_mbit else "uncapped"
+        if peer_rates:
+            links += "; " + ", ".join(f"{n} {m:g} Mbit/s" for n, m in sorted(peer_rates.items()))
         log.info(
             "--netns: %d peers in namespaces %s-r0..r%d (%s), store %s and lighthouses %s in %s; links %s each way",
             c.n, c.tag, c.n - 1, ", ".join(f"{n} {c.addr(r)}" for n, r in self.slots.items()), self.hub_store,
-            self.hub_lighthouses, c.switch, f"{rate_mbit:g} Mbit/s (tc tbf)" if rate_mbit else "uncapped",
+            self.hub_lighthouses, c.switch, links,
         )  # fmt: skip
 
     def _start_hub(self) -> None:
-        multi = [j for j, m in enumerate(self.cfg.swarm.peers_per_stage) if m > 1]
+        s = self.cfg.swarm  # (a lighthouse per multi-peer stage; with rebalancing every stage: peers may move in)
+        multi = [j for j, m in enumerate(s.peers_per_stage) if m > 1 or s.rebalance_period_s > 0]
         argv = [
             sys.executable, "-m", "dilocox.swarm.netns", "hub", "--config", self.config_path, "--bind", HUB_ADDR,
             "--store-port", str(STORE_PORT), "--stages", ",".join(map(str, multi)),
@@ -107,10 +118,9 @@ class NetnsSwarmLauncher(SwarmLauncher):
         except queue.Empty:
             line = None
         if not line:
-            raise RuntimeError(
-                f"the swarm hub (store + lighthouses) printed no addresses within {HUB_START_S:.0f}s "
-                f"(see {self.out_dir}/hub.log)"
-            )
+            rc = self.hub.poll()
+            why = f"exited with code {rc}" if rc is not None else f"printed no addresses within {HUB_START_S:.0f}s"
+            raise HubStartError(f"the swarm hub (store + lighthouses) {why}{_last_line(self.out_dir)}")
         got = json.loads(line)
         self.hub_store = got["store"]
         self.hub_lighthouses = {int(j): a for j, a in got["lighthouses"].items()}
@@ -121,6 +131,16 @@ class NetnsSwarmLauncher(SwarmLauncher):
 
     def lighthouse(self, stage: int) -> str | None:
         return self.hub_lighthouses.get(stage)
+
+    def control_store(self):
+        """The rebalancing thread's store client: the thread enters the switch namespace (setns, that thread only),
+        from where the hub's store and every peer's address are reachable."""
+        from torch.distributed import TCPStore
+
+        self.cluster.enter_hub()
+        host, _, port = self.hub_store.rpartition(":")
+        timeout = timedelta(seconds=self.cfg.swarm.startup_timeout_s)
+        return TCPStore(host, int(port), is_master=False, timeout=timeout)
 
     def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
         r = self.slots[peer_name(stage, index)]
@@ -139,6 +159,17 @@ class NetnsSwarmLauncher(SwarmLauncher):
                         pass
         finally:
             self.cluster.close()
+
+
+def _last_line(out_dir: str) -> str:
+    """``: <the hub log's last line> (OUT/hub.log)`` (the error of a hub that died), or just where the log is."""
+    path = os.path.join(out_dir, "hub.log")
+    try:
+        with open(path, errors="replace") as f:
+            lines = [x.strip() for x in f if x.strip()]
+    except OSError:
+        lines = []
+    return f": {lines[-1][:300]} ({path})" if lines else f" (see {path})"
 
 
 def hub_main(argv: list[str]) -> int:

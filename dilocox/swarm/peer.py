@@ -257,7 +257,10 @@ class SwarmPeer:
 
         tokens = prepare(self.cfg.data).train_tokens()
         t = self.cfg.train
-        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica=self.index, n_replicas=self.m)
+        # random windows seeded by (seed, index, step): a peer moved into stage 0 by rebalancing (index >= m_0) draws
+        # its own stream, a restarted one the same stream as before
+        n_rep = max(self.m, self.index + 1)
+        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica=self.index, n_replicas=n_rep)
 
     def start(self) -> None:
         """Publish this peer's address, wait (bounded) for every other peer's, build router and sync group.
@@ -551,7 +554,9 @@ class SwarmPeer:
                     rec["link_bytes"], self.link_bytes = self.link_bytes, {}
                 if self.last and self.count:
                     rec["loss_served"] = self.loss_sum / self.count
-            leaving = self.leave_requested  # rebalancing: this step is its last; the next one's requests go elsewhere
+            # rebalancing: this step is its last (diloco: the last of an outer phase, so its pseudo-gradient counts);
+            # the next step's requests go elsewhere
+            leaving = self.leave_requested and self._may_leave_after(k)
             if leaving:
                 self.serving = False
             rec.update(self._sync(k))
@@ -566,6 +571,11 @@ class SwarmPeer:
         with self.cv:  # requests still running (ones their caller gave up on) end within their budget
             if not self.cv.wait_for(lambda: self.active == 0, timeout=self.s.step_timeout_s):
                 log.warning("%s: %d request(s) still running at the end", self.name, self.active)
+
+    def _may_leave_after(self, k: int) -> bool:
+        """A peer asked to leave does so after step ``k``'s sync: any step with sync=swarm; with sync=diloco only
+        a step that ends an outer phase (its H local steps enter the stage's outer step, none is thrown away)."""
+        return self.s.sync == "swarm" or (k + 1) % self.cfg.outer.sync_every == 0
 
     def _drive(self, k: int) -> dict:
         tokens, labels = self.sampler.batch_at(k)

@@ -127,6 +127,11 @@ class SwarmLauncher:
         self.procs.append(pp)
         return pp
 
+    def control_store(self):
+        """A store client for the calling thread (the rebalancing thread), able to reach the store and every peer
+        (netns.NetnsSwarmLauncher: it moves the thread into the hub's namespace first)."""
+        return self.store
+
     def store_addr(self) -> str:
         """host:port of the address store, as the peers reach it (netns.NetnsSwarmLauncher: in the hub)."""
         return f"{self.cfg.swarm.host}:{self.store.port}"
@@ -190,6 +195,7 @@ def launch(
     stage_paces: dict[int, float] | None = None,
     netns: bool = False,
     rate_mbit: float | None = None,
+    peer_rates: dict[str, float] | None = None,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
@@ -201,7 +207,8 @@ def launch(
     (``swarm.rebalance_period_s``: a ``mover.Mover`` thread runs beside the job);
     ``on_started(launcher)`` runs once every peer process is started
     (fault tests kill a peer from there). ``netns``: each peer in its own network namespace behind a tbf cap
-    of ``rate_mbit`` each way (``dilocox.swarm.netns``; the result's ``net_bytes``: each veth's byte counts).
+    of ``rate_mbit`` each way, ``peer_rates`` (peer name -> Mbit/s) its own cap for a peer (``dilocox.swarm.netns``;
+    the result's ``net_bytes``: each veth's byte counts).
     Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
@@ -211,7 +218,7 @@ def launch(
     if netns:
         from dilocox.swarm.netns import NetnsSwarmLauncher  # (lazy: it imports this module)
 
-        la = NetnsSwarmLauncher(cfg, out_dir, rate_mbit)
+        la = NetnsSwarmLauncher(cfg, out_dir, rate_mbit, peer_rates)
     else:
         la = SwarmLauncher(cfg, out_dir)
     names: list[str] = []
