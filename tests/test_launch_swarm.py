@@ -144,8 +144,10 @@ def test_cli_runs_a_2x2_swarm_job_and_leaves_nothing(form, tmp_path):
 STUBS = {
     "scontrol": 'for h in $FAKE_HOSTS; do echo "$h"; done',
     # srun: log the step's node and run its task there (background steps interleave: compare sorted lines)
+    # (a fake task ignores the script's closing SIGTERM to its services: it has logged its line before it exits, however
+    # early the fake peers end)
     "srun": 'node=""\nwhile [[ $1 == --* ]]; do [[ $1 == --nodelist=* ]] && node=${1#--nodelist=}; shift; done\n'
-    'SLURMD_NODENAME=$node exec "$@"',
+    '[[ ${1##*/} == fakepython ]] && trap "" TERM\nSLURMD_NODENAME=$node exec "$@"',
     "fakepython": 'echo "$SLURMD_NODENAME python $*" >> "$LOG"',
 }
 
@@ -198,6 +200,31 @@ def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_
         )
     assert peers == sorted(want)
     assert p.stdout.count("exited with 0") == 6
+
+
+def test_swarm_sbatch_with_rebalancing_starts_the_rebalancer_and_every_lighthouse(tmp_path):
+    p, lines = run_sbatch(tmp_path, "gpu03 gpu04", peers="2,1", extra_env={"DILOCOX_SWARM_REBALANCE_S": "300"})
+    assert p.returncode == 0, p.stderr
+    run = str(tmp_path / "run")
+    services = [ln for ln in lines if "dilocox.swarm.peer" not in ln]
+    lh = "--heartbeat-timeout-ms 5000 --join-timeout-ms 60000"
+    ovr = "--train.steps=3 --swarm.peers_per_stage=[2,1] --swarm.rebalance_period_s=300"
+    assert services == sorted(
+        [
+            "gpu03 python -m dilocox.cli swarm store --port 29520",
+            f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29530 {lh}",
+            f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29531 {lh}",  # one-peer stage too
+            f"gpu03 python -m dilocox.cli swarm rebalance --config configs/tiny.yaml --store gpu03:29520 --out {run} "
+            f"--lighthouse 0=http://gpu03:29530 --lighthouse 1=http://gpu03:29531 -- {ovr}",
+        ]
+    ), services
+    peers = [ln for ln in lines if "dilocox.swarm.peer" in ln]
+    assert len(peers) == 3 and all(f"-- {ovr} --swarm.host=" in ln for ln in peers), peers
+    assert any("--stage 1 --index 0 --store gpu03:29520 --out " + run + " --lighthouse http://gpu03:29531" in ln
+               for ln in peers), peers  # fmt: skip
+    (tmp_path / "bad").mkdir()
+    p, lines = run_sbatch(tmp_path / "bad", "n1", extra_env={"DILOCOX_SWARM_REBALANCE_S": "soon"})
+    assert p.returncode == 2 and "DILOCOX_SWARM_REBALANCE_S=soon must be seconds" in p.stderr and not lines
 
 
 @pytest.mark.parametrize("peers", ["2,x", "0,2", "2,,2"])

@@ -367,3 +367,70 @@ def test_moved_argv_keeps_overrides_after_the_separator():
                    "--lighthouse", "http://b:4", "--pace-s", "0.08", "--", "--swarm.host=1.2.3.4",
                    "--stage=9"]  # fmt: skip
     assert moved_argv(argv[:-3], move)[-3:] == ["http://b:4", "--pace-s", "0.08"]  # no separator: appended
+
+
+@pytest.mark.slow
+def test_rebalance_command_moves_a_peer_of_a_job_it_did_not_start(tmp_path):
+    """``dilocox swarm rebalance`` (what launcher/slurm/swarm.sbatch starts with DILOCOX_SWARM_REBALANCE_S): a process
+    that owns no peer reaches the job through its store and moves a peer; the job runs without its own mover."""
+    import sys
+
+    from dilocox.swarm.runtime import launch
+
+    over = [
+        "--model.n_layers=2", "--model.d_model=64", "--data.max_bytes=200000", "--train.batch_size=8",
+        "--train.seq_len=32", "--optim.warmup_steps=0", "--optim.schedule=constant", "--swarm.microbatch_size=2",
+        "--swarm.max_inflight=4", "--swarm.step_timeout_s=60", "--swarm.sync_timeout_s=60",
+        "--swarm.rpc_timeout_s=20", "--swarm.ban_s=0.5", "--swarm.rebalance_period_s=2",
+    ]  # fmt: skip
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
+    out = str(tmp_path / "job")
+    procs = []
+
+    def start_rebalancer(la):
+        cmd = [sys.executable, "-m", "dilocox.cli", "swarm", "rebalance", "--config", la.config_path, "--store",
+               la.store_addr(), "--out", out, "--max-s", "200"]  # fmt: skip
+        for j in range(2):
+            cmd += ["--lighthouse", f"{j}={la.lighthouse(j)}"]
+        log = open(os.path.join(str(tmp_path), "rebalance.log"), "wb")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    try:
+        res = launch(cfg, out, peers_per_stage=[2, 1], steps=60, timeout_s=240, stage_paces={1: 0.08},
+                     on_started=start_rebalancer, rebalancer=False)  # fmt: skip
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    log = open(os.path.join(str(tmp_path), "rebalance.log")).read()
+    assert procs and procs[0].returncode == 0, log[-3000:]
+    assert "swarm rebalance: stopping (1 move(s) made)" in log, log[-3000:]
+    for name, rc in res.returncodes.items():
+        assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    with open(os.path.join(out, "rebalance.jsonl")) as f:
+        done = [m for m in map(json.loads, f) if "line" in m]
+    assert len(done) == 1 and done[0]["from"] == 0 and done[0]["to"] == 1 and done[0]["joiner"] == "s1p1", done
+    served = [r for r in res.records["s1p1"] if not r.get("joined")]
+    assert served and sum(r["microbatches"] for r in served) > 0, "the moved peer never served"
+    a, b = res.peers["s1p0"]["params"], res.peers["s1p1"]["params"]
+    assert all(torch.equal(a[n], b[n]) for n in a), "the moved peer differs from its new stage"
+    assert not _left_over(out)
+
+
+def test_rebalance_command_bad_input_is_one_line_exit_2(capsys):
+    from dilocox.cli import main as cli_main
+
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    base = ["swarm", "rebalance", "--config", tiny, "--store", "127.0.0.1:1", "--out", "/nonexistent"]
+    cases = [
+        ([], "swarm.rebalance_period_s is 0"),
+        (["--lighthouse", "0=http://a:1", "--", "--swarm.rebalance_period_s=5"], "no address for stage(s) [1]"),
+        (["--lighthouse", "zero=http://a:1", "--", "--swarm.rebalance_period_s=5"], "must be STAGE=URL"),
+    ]
+    for extra, needle in cases:
+        assert cli_main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err

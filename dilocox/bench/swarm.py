@@ -217,16 +217,19 @@ def _diloco_extra(H: int) -> list[str]:
     return ["--swarm.sync=diloco", "--swarm.routing=iwrr", f"--outer.sync_every={H}"]
 
 
-def part_a(root: str, steps: int, H: int, timeout_s: float) -> dict:
+def part_a(root: str, steps: int, H: int, timeout_s: float, sets: tuple[str, ...] = ()) -> dict:
+    """``sets``: config overrides of every run of (a) (``--set``, e.g. DiLoCo-SWARM's outer optimizer)."""
     runs = {
         "baseline 1x2": ([1, 1], ["--swarm.sync=swarm", "--swarm.routing=fixed"]),
         "SWARM 4x2": ([4, 4], ["--swarm.sync=swarm", "--swarm.routing=iwrr"]),
         diloco_label(H): ([4, 4], _diloco_extra(H)),
     }
-    return {label: _run_a(root, label, peers, extra, steps, H, timeout_s) for label, (peers, extra) in runs.items()}
+    return {label: _run_a(root, label, peers, [*ex, *sets], steps, H, timeout_s) for label, (peers, ex) in runs.items()}
 
 
-def part_d(root: str, steps: int, Hs: list[int], timeout_s: float, done: dict | None = None) -> dict:
+def part_d(
+    root: str, steps: int, Hs: list[int], timeout_s: float, done: dict | None = None, sets: tuple[str, ...] = ()
+) -> dict:
     """The H ablation: DiLoCo-SWARM 4x2 at each H of ``Hs``, same steps; a run of (a) with the same H is reused."""
     out = {}
     for H in Hs:
@@ -234,7 +237,7 @@ def part_d(root: str, steps: int, Hs: list[int], timeout_s: float, done: dict | 
         if done and label in done:
             out[label] = dict(done[label], reused=True)
         else:
-            out[label] = _run_a(root, label, [4, 4], _diloco_extra(H), steps, H, timeout_s)
+            out[label] = _run_a(root, label, [4, 4], [*_diloco_extra(H), *sets], steps, H, timeout_s)
     return out
 
 
@@ -330,7 +333,12 @@ def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-PART_PARAMS = {"a": ("steps", "H"), "d": ("steps", "ablation_H"), "b": ("hetero_steps", "pace", "hetero_mb"), "c": ()}
+PART_PARAMS = {
+    "a": ("steps", "H", "set"),
+    "d": ("steps", "ablation_H", "set"),
+    "b": ("hetero_steps", "pace", "hetero_mb"),
+    "c": (),
+}
 RUN_META = ("date", "machine", "load_before", "load_after", "command")
 
 
@@ -374,6 +382,11 @@ def markdown(res: dict) -> str:
             f"**(a) Paper 000's experiment, small scale** ({pa['steps']} steps each, tiny GPT-2 4 layers d=64, "
             f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
             + ("" if pa["H"] == 50 else " instead of the paper's 50")
+            + (
+                f"; every run with {' '.join(pa['set'])}"
+                if pa.get("set")
+                else "; outer Nesterov lr 0.7, momentum 0.9 as the paper"
+            )
             + ").",
             "",
             "| run | peers | tokens | final val loss | train loss (last 3) | stage syncs | pipeline MB | sync MB | "
@@ -404,8 +417,9 @@ def markdown(res: dict) -> str:
         d = res["d"]
         sw = next((r for k, r in res.get("a", {}).items() if k.startswith("SWARM")), None)
         lines += [
-            f"**(d) H ablation** (DiLoCo-SWARM 4x2, {_params(res, 'd')['steps']} steps each, same data and seed; "
-            "the paper's loss rises monotonically with H).",
+            f"**(d) H ablation** (DiLoCo-SWARM 4x2, {_params(res, 'd')['steps']} steps each, same data and seed"
+            + (f", every run with {' '.join(_params(res, 'd')['set'])}" if _params(res, "d").get("set") else "")
+            + "; the paper's loss rises monotonically with H).",
             "",
             "| H | stage syncs | final val loss | vs SWARM 4x2 | train loss (last 3) | sync MB |",
             "|---|---|---|---|---|---|",
@@ -495,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
     p.add_argument("--out", default="docs/bench/swarm", help="results.json, results.md and swarm.png go here")
     p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="--section.key=value",
+        help="a config override of every run of (a) and (d), e.g. --set=--outer.lr=0.5 (repeatable)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     parts = set(a.parts.replace(",", ""))
     if not parts or parts - set("abcd"):
@@ -510,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--hetero-steps {a.hetero_steps} must be at least 4")
     if not a.pace > 0:
         p.error(f"--pace {a.pace} must be > 0 seconds")
+    bad = [x for x in a.set if not (x.startswith("--") and "=" in x)]
+    if bad:
+        p.error(f"--set {bad[0]!r} must be a config override --section.key=value, e.g. --set=--outer.lr=0.5")
+    if a.set:
+        _cfg(list(a.set))  # a ConfigError names the key and the fix before any run starts
     if a.hetero_mb < 2:
         p.error(f"--hetero-mb {a.hetero_mb} must be at least 2 (microbatches per stage-0 peer and step)")
     res: dict = {
@@ -522,14 +545,15 @@ def main(argv: list[str] | None = None) -> int:
         "pace": a.pace,
         "hetero_mb": a.hetero_mb,
         "ablation_H": Hs,
+        "set": list(a.set),
         "command": " ".join(["dilocox bench swarm", *(argv if argv is not None else sys.argv[1:])]),
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = a.runs or tmp
         if "a" in parts:
-            res["a"] = part_a(root, a.steps, a.H, a.timeout_s)
+            res["a"] = part_a(root, a.steps, a.H, a.timeout_s, tuple(a.set))
         if "d" in parts:
-            res["d"] = part_d(root, a.steps, Hs, a.timeout_s, res.get("a"))
+            res["d"] = part_d(root, a.steps, Hs, a.timeout_s, res.get("a"), tuple(a.set))
         if "b" in parts:
             res["b"] = part_b(root, a.hetero_steps, a.pace, a.hetero_mb, a.timeout_s)
         if "c" in parts:

@@ -5,6 +5,7 @@
                   capped links: dilocox/swarm/netns.py)
     dilocox launch --swarm CONFIG [...same options...]
     dilocox swarm store --port P [--bind 0.0.0.0] [--max-s S]     (the address store, for launcher/slurm/swarm.sbatch)
+    dilocox swarm rebalance --config C --store H:P --out DIR --lighthouse J=URL ... [-- overrides]   (the mover)
     dilocox swarm peer --config C --stage J --index K --store H:P [...]   (one peer: python -m dilocox.swarm.peer)
 
 The first form starts the whole job on this host (``dilocox.swarm.runtime.launch``: the TCPStore, one torchft
@@ -224,10 +225,60 @@ def store_main(argv: list[str]) -> int:
     return 0
 
 
+def rebalance_main(argv: list[str]) -> int:
+    """``dilocox swarm rebalance``: the rebalancing thread of a job whose peers another launcher started (SLURM:
+    ``launcher/slurm/swarm.sbatch`` with DILOCOX_SWARM_REBALANCE_S), until SIGTERM/SIGINT or --max-s."""
+    from dilocox.config import load_config, validate_swarm_layout
+    from dilocox.swarm.mover import Mover, RemoteControl
+
+    ap = _Parser(
+        prog="dilocox swarm rebalance",
+        description="move peers of a running SWARM job to its most-loaded stage (docs/SWARM.md, Rebalancing)",
+    )
+    ap.add_argument("--config", required=True, help="the peers' config")
+    ap.add_argument("--store", required=True, help="host:port of the job's address store")
+    ap.add_argument("--out", required=True, help="the job's run directory (rebalance.jsonl goes there)")
+    ap.add_argument(
+        "--lighthouse", action="append", default=[], metavar="STAGE=URL",
+        help="every stage's torchft lighthouse, e.g. 1=http://node0:29531 (a peer moved there joins through it)",
+    )  # fmt: skip
+    ap.add_argument("--max-s", type=float, default=7 * 86400.0, help="stop after this many seconds at the latest")
+    ap.add_argument("overrides", nargs="*", help="config overrides, after --, as the peers get them")
+    a = ap.parse_args(argv)
+    lighthouses = {}
+    for it in a.lighthouse:
+        j, _, url = it.partition("=")
+        if not (j.strip().isdigit() and url.startswith("http")):
+            raise SwarmUsageError(f"--lighthouse {it!r} must be STAGE=URL, e.g. 1=http://node0:29531")
+        lighthouses[int(j)] = url
+    cfg = load_config(a.config, a.overrides)
+    validate_swarm_layout(cfg)
+    n = len(cfg.swarm.peers_per_stage)
+    if not cfg.swarm.rebalance_period_s > 0:
+        raise SwarmUsageError("swarm.rebalance_period_s is 0: nothing to do (e.g. -- --swarm.rebalance_period_s=300)")
+    missing = [j for j in range(n) if j not in lighthouses]
+    if missing:
+        raise SwarmUsageError(f"--lighthouse: no address for stage(s) {missing} (every stage needs one: peers move)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    mover = Mover(RemoteControl(cfg, a.out, a.store, lighthouses), steps=None)
+    mover.start()
+    print(f"swarm rebalance: every {cfg.swarm.rebalance_period_s:g} s, store {a.store}, moves in {a.out}", flush=True)
+    stop.wait(timeout=a.max_s)
+    mover.stop()
+    mover.join(timeout=30.0)
+    print(f"swarm rebalance: stopping ({len([m for m in mover.moves if 'line' in m])} move(s) made)", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    """``dilocox swarm ...``: run (default) | store | peer."""
+    """``dilocox swarm ...``: run (default) | store | rebalance | peer."""
     if argv and argv[0] == "store":
         return store_main(argv[1:])
+    if argv and argv[0] == "rebalance":
+        return rebalance_main(argv[1:])
     if argv and argv[0] == "peer":
         from dilocox.swarm.peer import main as peer_main
 

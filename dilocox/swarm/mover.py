@@ -1,11 +1,12 @@
 """Launcher side of SWARM rebalancing (issue 11 point 5, SWARM Appendix D): the thread that moves peers.
 
 Every ``swarm.rebalance_period_s`` seconds the ``Mover`` (a thread of ``SwarmLauncher``, which owns the peer
-processes) asks every current peer for its ``stats`` (short timeout; a peer that does not answer is left out),
-turns the counters into each peer's mean queue length and microbatches per busy second over the period
-(``membership.window``) and asks ``rebalance.plan_move`` for a move. A peer moved into stage 0 becomes a data
-source too: it draws its own batch of ``train.batch_size`` windows per step (random windows seeded by its index),
-so the job's batch per step grows by one peer's, as it shrinks when a stage-0 peer moves out. The move:
+processes, or of ``dilocox swarm rebalance`` beside a job another launcher started: ``RemoteControl``) asks
+every current peer for its ``stats`` (short timeout; a peer that does not answer is left out), turns the counters
+into each peer's mean queue length and microbatches per busy second over the period (``membership.window``) and
+asks ``rebalance.plan_move`` for a move. A peer moved into stage 0 becomes a data source too: it draws its own batch
+of ``train.batch_size`` windows per step (random windows seeded by its index), so the job's batch per step grows by
+one peer's, as it shrinks when a stage-0 peer moves out. The move:
 
 1. the job's member list (store key ``swarm/members``) is updated (the peer out of its stage, in the target stage
    at the smallest index free there, ``s{j}p{m}``) and ``leave`` with ``move_to`` goes to the chosen peer. It
@@ -203,3 +204,26 @@ class Mover(threading.Thread):
 
 def _split(name: str) -> tuple[int, int]:
     return int(name[1 : name.index("p")]), int(name[name.index("p") + 1 :])
+
+
+class RemoteControl:
+    """What a ``Mover`` needs from a launcher, for a rebalancer that owns no peer process (``dilocox swarm
+    rebalance``, started by ``launcher/slurm/swarm.sbatch``): the config, the run directory, the job's store and
+    each stage's lighthouse address. A moved peer is the same process either way, so no process handle is needed
+    (``procs`` is empty: the wait for the moved peer is bounded by time alone)."""
+
+    def __init__(self, cfg, out_dir: str, store_addr: str, lighthouses: dict[int, str]) -> None:
+        self.cfg, self.out_dir, self.store_addr, self.lighthouses = cfg, out_dir, store_addr, dict(lighthouses)
+        self.procs: list = []
+
+    def lighthouse(self, stage: int) -> str | None:
+        return self.lighthouses.get(stage)
+
+    def control_store(self):
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        host, _, port = self.store_addr.rpartition(":")
+        timeout = timedelta(seconds=self.cfg.swarm.startup_timeout_s)
+        return TCPStore(host, int(port), is_master=False, timeout=timeout)

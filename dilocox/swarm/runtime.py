@@ -196,6 +196,7 @@ def launch(
     netns: bool = False,
     rate_mbit: float | None = None,
     peer_rates: dict[str, float] | None = None,
+    rebalancer: bool = True,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
@@ -208,7 +209,8 @@ def launch(
     ``on_started(launcher)`` runs once every peer process is started
     (fault tests kill a peer from there). ``netns``: each peer in its own network namespace behind a tbf cap
     of ``rate_mbit`` each way, ``peer_rates`` (peer name -> Mbit/s) its own cap for a peer (``dilocox.swarm.netns``;
-    the result's ``net_bytes``: each veth's byte counts).
+    the result's ``net_bytes``: each veth's byte counts). ``rebalancer=False``: no rebalancing thread here even with
+    ``swarm.rebalance_period_s`` (``dilocox swarm rebalance`` in another process moves the peers).
     Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
@@ -235,7 +237,7 @@ def launch(
                 ex = [*ex, *(peer_args or {}).get(peer_name(j, k), [])]  # extra peer flags (tests: --die-mid-step)
                 ex = [*ex, *_stage_flags(stage_paces, j)]
                 la.start_peer(j, k, steps=steps, extra=ex, delay_s=d)
-        if cfg.swarm.rebalance_period_s > 0:
+        if cfg.swarm.rebalance_period_s > 0 and rebalancer:  # (False: another process moves the peers)
             from dilocox.swarm.mover import Mover
 
             mover = Mover(la, steps, lambda j, k: _stage_flags(stage_paces, j))
@@ -255,9 +257,28 @@ def launch(
             later = any(q.name == p.name for q in la.procs[i + 1 :])
             rcs[f"{p.name}#{earlier}" if later else p.name] = p.proc.poll()
         la.shutdown()
-    names += [n for n in (mover.joined if mover is not None else {}) if n not in names]  # moved by rebalancing
+    names += [n for n in moved_peers(out_dir) if n not in names]  # moved by rebalancing (this launcher's or not)
     peers, records = read_results(out_dir, names)
     return SwarmResult(out_dir, rcs, time.monotonic() - t0, peers, records, getattr(la, "net_bytes", {}))
+
+
+def moved_peers(out_dir: str) -> list[str]:
+    """The new names of the peers that rebalancing moved (``OUT/rebalance.jsonl``, written by whichever mover ran:
+    this launcher's thread or ``dilocox swarm rebalance``)."""
+    path = os.path.join(out_dir, "rebalance.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            j = rec.get("joiner")
+            if j and j not in out and os.path.exists(os.path.join(out_dir, f"{j}.jsonl")):  # (it ran under that name)
+                out.append(j)
+    return out
 
 
 def summarize(res: SwarmResult) -> str:
