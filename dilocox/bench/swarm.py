@@ -1,14 +1,15 @@
 """``dilocox bench swarm`` (issue 11): SWARM and DiLoCo-SWARM on real peer processes (``dilocox.swarm.runtime``).
 
-Tiny GPT-2 on the stdlib corpus, each peer one process on this host (loopback), short runs. Three parts:
+Tiny GPT-2 on the stdlib corpus, each peer one process on this host (loopback), short runs. Four parts:
 
 (a) paper 000's main experiment at small scale, equal steps: the weak baseline (one pipeline, 1 peer per stage:
     a quarter of the tokens), SWARM 4 x 2 (per-step gradient all-reduce in each stage) and DiLoCo-SWARM 4 x 2
-    (outer step every H steps; the paper's H = 50 by default). Final validation loss of the trained stages (peer 0
-    of each stage chained; SWARM's and, after the last outer step, DiLoCo-SWARM's peers of a stage are identical),
-    pipeline bytes (activations and their gradients, counted by the peers on their links) and stage-sync bytes
-    (``dilocox.swarm.plan``: fp32 ring all-reduce of the stage's parameters per sync, per peer, times peers and
-    syncs).
+    (outer step every H steps; the paper's H = 50 by default), and a control: the same 4 x 2 peers with fixed
+    wiring (s0pk -> s1pk), i.e. 4 plain DiLoCo replicas, so the cost of the stochastic wiring shows. Final
+    validation loss of the trained stages (peer 0 of each stage chained; SWARM's and, after the last outer step,
+    DiLoCo-SWARM's peers of a stage are identical), pipeline bytes (activations and their gradients, counted by
+    the peers on their links) and stage-sync bytes (``dilocox.swarm.plan``: fp32 ring all-reduce of the stage's
+    parameters per sync, per peer, times peers and syncs).
 (b) heterogeneous peers, 2 stages x 2 peers, peer s1p1 2x slower than s1p0: both stage-1 peers paced (``--pace``
     and twice that: ``--pace-s``, each microbatch occupies the peer for max(pace, its compute) seconds, so the
     ratio is 2 whatever the host's load as long as the pace exceeds the compute); tokens/s of IWRR, random wiring
@@ -213,6 +214,10 @@ def diloco_label(H: int) -> str:
     return f"DiLoCo-SWARM 4x2 H={H}"
 
 
+def control_label(H: int) -> str:
+    return f"control: 4 DiLoCo replicas, fixed wiring, H={H}"
+
+
 def _diloco_extra(H: int) -> list[str]:
     return ["--swarm.sync=diloco", "--swarm.routing=iwrr", f"--outer.sync_every={H}"]
 
@@ -223,6 +228,9 @@ def part_a(root: str, steps: int, H: int, timeout_s: float, sets: tuple[str, ...
         "baseline 1x2": ([1, 1], ["--swarm.sync=swarm", "--swarm.routing=fixed"]),
         "SWARM 4x2": ([4, 4], ["--swarm.sync=swarm", "--swarm.routing=iwrr"]),
         diloco_label(H): ([4, 4], _diloco_extra(H)),
+        # the control: the same 4 x 2 peers with fixed wiring (s0pk -> s1pk) are 4 plain DiLoCo replicas of a
+        # 2-stage pipeline: DiLoCo-SWARM minus the stochastic wiring
+        control_label(H): ([4, 4], ["--swarm.sync=diloco", "--swarm.routing=fixed", f"--outer.sync_every={H}"]),
     }
     return {label: _run_a(root, label, peers, [*ex, *sets], steps, H, timeout_s) for label, (peers, ex) in runs.items()}
 
@@ -411,6 +419,14 @@ def markdown(res: dict) -> str:
                 "own counts (planned by `dilocox plan --swarm`: "
                 + ", ".join(f"{r['pipeline_bytes_planned'] / 1e6:.2f}" for r in a.values())
                 + " MB); sync bytes are planned (fp32 ring all-reduce per peer x peers x syncs).",
+            ]
+        ctl = next((r for k, r in a.items() if k.startswith("control")), None)
+        if dl and ctl:
+            lines += [
+                "",
+                f"The control (the same peers with fixed wiring s0pk -> s1pk: 4 plain DiLoCo replicas) ends at "
+                f"{ctl['val_loss']:.4f}, DiLoCo-SWARM at {dl['val_loss']:.4f} "
+                f"({100 * (dl['val_loss'] / ctl['val_loss'] - 1):+.1f} %): what the stochastic wiring costs or gains.",
             ]
         lines.append("")
     if "d" in res:
