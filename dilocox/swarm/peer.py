@@ -193,6 +193,7 @@ class SwarmPeer:
         # paced at 2T is exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer benchmarks)
         self.pace_s = pace_s
         self.die_mid_step = die_mid_step  # --die-mid-step (tests): kill -9 itself mid-step, after serving a microbatch
+        self._dying, self._parked = False, 0  # (--die-mid-step: one request is about to kill; others wait for it)
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
@@ -738,13 +739,27 @@ class SwarmPeer:
         one of that step and before any end-of-step marker of it: the kill lands mid-step, after it served (its
         other requests are done and their replies out, so the senders hold those microbatches as completed)."""
         with self.cv:
+            if self._dying:  # another request is about to kill the process: this one waits here (still in flight
+                self._parked += 1  # for its sender, which re-sends it elsewhere once the peer is dead)
+                self.cv.notify_all()
+                try:
+                    self.cv.wait_for(lambda: not self._dying, timeout=10.0)
+                finally:
+                    self._parked -= 1
+                return
             if not self.counted.get(step) or self.markers.get(step):
                 return
-            idle = self.cv.wait_for(lambda: self.active <= 1, timeout=2.0)  # this request is the only one running
-        time.sleep(0.1)  # the last reply is written right after its handler returned
+            self._dying = True
+            # every other request still working has finished (the parked ones did nothing)
+            idle = self.cv.wait_for(lambda: self.active - self._parked <= 1, timeout=5.0)
+        time.sleep(0.02)  # the last reply is written right after its handler returned (one not out yet is re-sent)
         with self.cv:
             served = len(self.counted.get(step, ()))
             marked = bool(self.markers.get(step))
+            if not (idle and served and not marked):
+                self._dying = False  # not now: the parked requests go on
+                self.cv.notify_all()
+                return
         if idle and served and not marked:
             msg = "%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)"
             log.warning(msg, self.name, step, served)
