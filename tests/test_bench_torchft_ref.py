@@ -105,6 +105,21 @@ def test_run_reference_rejects_bad_input(tmp_path):
     assert r.returncode == 1 and "replica 5 is not in [0, 3)" in r.stderr, r.stderr
 
 
+def test_the_cli_and_the_benches_do_not_import_the_reference():
+    """torchft_ref is imported only when the reference row runs: not by ``dilocox.cli``, ``dilocox.bench``, the
+    elastic bench module or ``dilocox bench elastic --help`` (a fresh interpreter: this test module imports it)."""
+    code = (
+        "import contextlib, io, sys\n"
+        "import dilocox.bench, dilocox.bench.elastic, dilocox.cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    dilocox.cli.main(['bench', 'elastic', '--help'])\n"
+        "print(sorted(m for m in sys.modules if m.endswith('torchft_ref') or m.split('.')[0] == 'torchft'))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
 def test_start_barrier_waits_for_every_first_incarnation_but_not_a_restart(tmp_path):
     d = str(tmp_path / "ready")
     t = time.monotonic()

@@ -1,8 +1,8 @@
 """Elastic outer group on torchft (issue 10, first slice): quorum of live replicas per outer step.
 
-Every replica is its own process (``python -m dilocox.elastic.toy replica``) under a time bound,
+Every replica is its own process (``python -m tools.elastic_toy replica``) under a time bound,
 killed (process group) in ``finally``; the lighthouse runs in the test process. The toy replicas
-contribute known vectors, so the mean over the live set is computed here (``toy.oracle``).
+contribute known vectors, so the mean over the live set is computed here (``tools.elastic_toy.oracle``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dilocox.elastic import ElasticConfig
-from dilocox.elastic.toy import oracle, read_records, replica_cmd
+from tools.elastic_toy import oracle, read_records, replica_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,14 +1,13 @@
 """The lighthouse is not a single point of failure (issue 10 §6b): dilocox/elastic/failover.py.
 
-Process tests: toy replicas (``python -m dilocox.elastic.toy replica``) and the lighthouse, each in its own
-process group under a time bound (``toy.lighthouse_scenario`` kills them all in ``finally``). The lighthouse
-is SIGKILLed once replica 0 committed ``kill_step`` and restarted on the same port; the replicas are never
-restarted. Unit tests drive ``start_quorum_with_failover`` and the quorum guard with fakes.
+Process tests: toy replicas (``python -m tools.elastic_toy replica``) and the lighthouse, each in its own
+process group under a time bound (``tools.elastic_toy.lighthouse_scenario`` kills them all in ``finally``).
+The lighthouse is SIGKILLed once replica 0 committed ``kill_step`` and restarted on the same port; the
+replicas are never restarted. Unit tests drive ``start_quorum_with_failover`` and the quorum guard with fakes.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -28,7 +27,6 @@ from dilocox.elastic.failover import (
     start_quorum_with_failover,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTEMPT_S = 2.0
 
 
@@ -203,10 +201,9 @@ def test_quorum_guard_salts_the_rendezvous_and_forces_reconfigure_on_a_reused_id
 
 def _scenario(tmp_path, monkeypatch, **kw) -> tuple[dict, dict]:
     pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
-    from dilocox.elastic.toy import lighthouse_scenario, summarize_lighthouse
+    from tools.elastic_toy import lighthouse_scenario, summarize_lighthouse
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (the replicas find tools/ themselves: tools.child_env)
     res = lighthouse_scenario(str(tmp_path), attempt_s=ATTEMPT_S, **kw)
     return res, summarize_lighthouse(res)
 

@@ -561,10 +561,10 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed")
 def test_elastic_launch_kill_is_a_dead_replica_to_torchft(tmp_path):
-    """The launcher's real lighthouse and 3 toy replicas (dilocox.elastic.toy: one outer all-reduce per 1.5 s
+    """The launcher's real lighthouse and 3 toy replicas (tools.elastic_toy: one outer all-reduce per 1.5 s
     phase) on loopback; the schedule SIGKILLs replica 2's job mid-run. The lighthouse drops it, the survivors
     finish every step over contributors [0, 1] with bit-identical theta, and nothing is left behind."""
-    from dilocox.elastic.toy import read_records, replica_cmd
+    from tools.elastic_toy import read_records, replica_cmd
 
     steps = 18  # 1.5 s phases: the kill at 16 s comes after the replicas' start-up (up to ~10 s on 2 loaded cores)
     out = tmp_path / "out"

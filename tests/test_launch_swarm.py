@@ -3,16 +3,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.fake_slurm import run_fake_sbatch
-from tests.spawn import free_port, processes_naming
+from tests.spawn import processes_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launcher", "slurm", "swarm.sbatch")
@@ -144,16 +146,17 @@ def test_cli_runs_a_2x2_swarm_job_and_leaves_nothing(form, tmp_path):
 STUBS = {
     "scontrol": 'for h in $FAKE_HOSTS; do echo "$h"; done',
     # srun: log the step's node and run its task there (background steps interleave: compare sorted lines)
-    # (a fake task ignores the script's closing SIGTERM to its services: it has logged its line before it exits, however
-    # early the fake peers end)
+    # (the script's closing SIGTERM to its services cannot cut a fake service's line: run_fake_sbatch runs the script
+    # with SIGTERM ignored, from before it starts any step)
     "srun": 'node=""\nwhile [[ $1 == --* ]]; do [[ $1 == --nodelist=* ]] && node=${1#--nodelist=}; shift; done\n'
-    '[[ ${1##*/} == fakepython ]] && trap "" TERM\nSLURMD_NODENAME=$node exec "$@"',
+    'SLURMD_NODENAME=$node exec "$@"',
     "fakepython": 'echo "$SLURMD_NODENAME python $*" >> "$LOG"',
 }
 
 
 def run_sbatch(tmp_path, hosts: str, peers: str = "2,2", python: str = "fakepython", extra_env=None, args=(),
                timeout: float = 60) -> tuple[subprocess.CompletedProcess, list[str]]:  # fmt: skip
+    """``python``: a stub that logs each task (fakepython, or a test's own), or a real interpreter (sys.executable)."""
     env = dict(
         FAKE_HOSTS=hosts,
         SLURM_JOB_NODELIST="fake",
@@ -165,7 +168,7 @@ def run_sbatch(tmp_path, hosts: str, peers: str = "2,2", python: str = "fakepyth
     )
     env.update(extra_env or {})
     argv = ["configs/tiny.yaml", *(args or ["--train.steps=3"])]
-    p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, argv, env, timeout=timeout)
+    p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, argv, env, timeout=timeout, fake_tasks=python != sys.executable)
     return p, sorted(lines)
 
 
@@ -245,10 +248,21 @@ def test_swarm_sbatch_reports_a_failed_peer_but_waits_for_the_others(tmp_path):
     assert sum("dilocox.swarm.peer" in ln for ln in lines) == 4
 
 
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: the sockets are held together while chosen (two free_port() calls may return one port,
+    the first being closed again before the second is asked for)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 @pytest.mark.slow
 def test_swarm_sbatch_runs_a_real_job_on_localhost(tmp_path):
     """The script end to end with real processes (srun runs each step here): store, a lighthouse, 2+1 peers."""
-    ports = {"DILOCOX_STORE_PORT": str(free_port()), "DILOCOX_LIGHTHOUSE_PORT": str(free_port())}
+    store, lighthouse = _free_ports(2)  # (stage 0's lighthouse only: stage 1 has one peer)
+    ports = {"DILOCOX_STORE_PORT": str(store), "DILOCOX_LIGHTHOUSE_PORT": str(lighthouse)}
     ports["DILOCOX_WAIT_S"] = "60"
     p, _ = run_sbatch(
         tmp_path, "127.0.0.1", peers="2,1", python=sys.executable, extra_env=ports,

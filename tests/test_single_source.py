@@ -52,7 +52,7 @@ def test_each_helper_defined_once():
     for name in ("mix_seed", "text_seed", "splitmix64"):
         assert where[name] == ["dilocox/seeding.py"], (name, where[name])
     assert where["group_rank"] == where["group_world"] == ["dilocox/distributed/topology.py"]
-    assert where["check_outer_schedule"] == ["dilocox/config.py"]
+    assert where["check_outer_schedule"] == ["dilocox/config/checks.py"]
     for gone in ("_param_seed", "_mix64_int", "group_size", "reference_attention"):  # reference_attention: tests/
         assert where[gone] == [], (gone, where[gone])
 
@@ -67,7 +67,7 @@ def test_quant_kinds_listed_once():
                 values = {e.value for e in node.elts if isinstance(e, ast.Constant)}
                 if values == kinds:
                     found.append(f"{path}:{node.lineno}")
-    assert len(found) == 1 and found[0].startswith("dilocox/config.py:"), found
+    assert len(found) == 1 and found[0].startswith("dilocox/config/checks.py:"), found
 
 
 def test_linear_backend_te_rejected_at_validation():

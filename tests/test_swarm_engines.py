@@ -1,4 +1,4 @@
-"""The membership-engine measurement tool (dilocox/swarm/engines.py, issue 11 item 6): torchft side only.
+"""The membership-engine measurement tool (tools/swarm_engines.py, issue 11 item 6): torchft side only.
 
 hivemind is not a dependency of dilocox (it runs in a separate venv, docs/SWARM.md); here only the
 clear error for an interpreter without it is checked. Every peer is its own process, started in its
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dilocox.swarm import engines
+from tools import swarm_engines as engines
 
 
 def _torchft():
@@ -86,7 +86,7 @@ def test_hivemind_without_it_is_a_clear_error():
     if importlib.util.find_spec("hivemind") is not None:
         pytest.skip("hivemind is importable here; the error path needs an interpreter without it")
     r = subprocess.run(
-        [sys.executable, "-m", "dilocox.swarm.engines", "average", "--engine", "hivemind"],
+        [sys.executable, "-m", "tools.swarm_engines", "average", "--engine", "hivemind"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -95,7 +95,7 @@ def test_hivemind_without_it_is_a_clear_error():
     assert r.returncode == 2
     assert "--hivemind-python" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "dilocox.swarm.engines", "average", "--engine", "hivemind"]
+        [sys.executable, "-m", "tools.swarm_engines", "average", "--engine", "hivemind"]
         + ["--hivemind-python", sys.executable],
         capture_output=True,
         text=True,
@@ -103,6 +103,21 @@ def test_hivemind_without_it_is_a_clear_error():
         env=engines._env(),
     )
     assert r.returncode == 2 and "cannot import hivemind" in r.stderr and "pip install hivemind" in r.stderr
+
+
+def test_the_tool_runs_from_any_directory(tmp_path):
+    """The tool lives in tools/ (not installed): its children get the repository root on PYTHONPATH, so
+    ``python -m tools.swarm_engines`` resolves from any working directory."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.swarm_engines", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=engines._env(),
+    )
+    assert r.returncode == 0 and "python -m tools.swarm_engines" in r.stdout, r.stderr
+    assert engines._cmd("py", "rtt")[:3] == ["py", "-m", "tools.swarm_engines"]
 
 
 def test_footprint_follows_requirements():

@@ -81,6 +81,51 @@ def test_hub_that_fails_to_start_is_one_line_exit_1(capsys, monkeypatch, tmp_pat
     assert not _left_in(str(tmp_path))
 
 
+# a child's ready line (the hub's addresses): each way it can fail is named right, and none waits out start_s
+READY_CASES = [
+    # (child's script, start_s, exit_s, expected (line, why), at most seconds)
+    ("print('{}', flush=True); import time; time.sleep(30)", 30, 10, ("{}\n", ""), 20),
+    # its output ends (EOF) a moment before it exits: the exit code, not "printed nothing" (issue 19)
+    ("import os, time; os.close(1); time.sleep(0.5); raise SystemExit(3)", 30, 10, (None, "exited with code 3"), 20),
+    # it exits while a child of its holds its output open: the exit code at once, not after start_s
+    (
+        "import subprocess, sys; subprocess.Popen(['sleep', '30']); sys.exit(4)",
+        30,
+        10,
+        (None, "exited with code 4"),
+        20,
+    ),
+    (
+        "import os, time; os.close(1); time.sleep(30)",
+        30,
+        0.5,
+        (None, "closed its output without printing x but was still running 0.5s later"),
+        20,
+    ),
+    ("import time; time.sleep(30)", 1, 10, (None, "printed no x within 1s"), 20),
+]
+
+
+@pytest.mark.parametrize("script, start_s, exit_s, want, most_s", READY_CASES)
+def test_ready_line_names_why_a_child_printed_none(script, start_s, exit_s, want, most_s):
+    import contextlib
+    import signal
+    import sys
+    import time
+
+    from dilocox.swarm.netns import ready_line
+
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert ready_line(p, start_s, "x", exit_s=exit_s) == want
+        assert time.monotonic() - t0 < most_s
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # (the group: the sleeping child of the third case too)
+        p.wait(timeout=30)
+
+
 def test_peer_slots_and_summary_show_veth_bytes_beside_link_bytes():
     assert peer_slots([2, 1, 3]) == {"s0p0": 0, "s0p1": 1, "s1p0": 2, "s2p0": 3, "s2p1": 4, "s2p2": 5}
     recs = [{"step": k, "sync_s": 0.0, "link_bytes": {"s1p0": [1_000_000, 500_000]}} for k in range(2)]
@@ -147,6 +192,7 @@ def test_rebalancing_in_namespaces_moves_a_peer(tmp_path):
     import torch
 
     from dilocox.config import load_config
+    from dilocox.swarm.netns import netns_launcher
     from dilocox.swarm.runtime import launch
 
     over = [
@@ -157,7 +203,9 @@ def test_rebalancing_in_namespaces_moves_a_peer(tmp_path):
     ]  # fmt: skip
     cfg = load_config(TINY_YAML, over)
     out = str(tmp_path / "job")
-    res = launch(cfg, out, peers_per_stage=[2, 1], steps=40, timeout_s=240, stage_paces={1: 0.08}, netns=True)
+    res = launch(
+        cfg, out, peers_per_stage=[2, 1], steps=40, timeout_s=240, stage_paces={1: 0.08}, launcher=netns_launcher()
+    )
     for name, rc in res.returncodes.items():
         assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
     with open(os.path.join(out, "rebalance.jsonl")) as f:

@@ -144,7 +144,7 @@ def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
     from dilocox.config import load_config, validate_swarm_layout
-    from dilocox.swarm.netns import HubStartError
+    from dilocox.swarm.netns import HubStartError, netns_launcher
     from dilocox.swarm.runtime import launch, summarize
 
     ap = _run_parser(prog)
@@ -181,7 +181,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
-            netns=a.netns, rate_mbit=rate_mbit, peer_rates=peer_rates,
+            launcher=netns_launcher(rate_mbit, peer_rates) if a.netns else None,
         )  # fmt: skip
     except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
         print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)

@@ -20,6 +20,7 @@ printed beside the bytes the peers counted on their pipeline links (``SwarmResul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -28,7 +29,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
+from typing import Callable
 
 from dilocox.config import Config, load_config
 from dilocox.launch.netns import HUB_ADDR, Cluster, netns_available
@@ -39,6 +42,8 @@ log = logging.getLogger("dilocox.swarm.netns")
 
 STORE_PORT = 29400  # in the switch namespace (fresh, so a fixed port is free)
 HUB_START_S = 60.0  # the hub process prints its addresses within this (torch + torchft import included)
+HUB_EXIT_S = 10.0  # its output ended without the addresses: its exit code comes within this (see ready_line)
+POLL_S = 0.2  # while waiting for the ready line: how often to check that the hub still runs
 
 
 class HubStartError(RuntimeError):
@@ -105,25 +110,15 @@ class NetnsSwarmLauncher(SwarmLauncher):
         env.setdefault("OMP_NUM_THREADS", "1")
         with open(os.path.join(self.out_dir, "hub.log"), "ab") as err:
             self.hub = self.cluster.exec_hub(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        lines: queue.Queue = queue.Queue()
-
-        def pump() -> None:  # the first line is the addresses; later lines (none expected) are dropped
-            for line in self.hub.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
+        line, why = ready_line(self.hub, HUB_START_S, "addresses")
         try:
-            line = lines.get(timeout=HUB_START_S)
-        except queue.Empty:
-            line = None
-        if not line:
-            rc = self.hub.poll()
-            why = f"exited with code {rc}" if rc is not None else f"printed no addresses within {HUB_START_S:.0f}s"
-            raise HubStartError(f"the swarm hub (store + lighthouses) {why}{_last_line(self.out_dir)}")
-        got = json.loads(line)
-        self.hub_store = got["store"]
-        self.hub_lighthouses = {int(j): a for j, a in got["lighthouses"].items()}
+            got = json.loads(line) if line is not None else None
+            store, lhs = got["store"], {int(j): a for j, a in got["lighthouses"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            if line is not None:
+                why = f"printed {line.strip()[:200]!r} instead of its addresses"
+            raise HubStartError(f"the swarm hub (store + lighthouses) {why}{_last_line(self.out_dir)}") from None
+        self.hub_store, self.hub_lighthouses = store, lhs
 
     # hooks of SwarmLauncher ------------------------------------------------------------------------------------
     def store_addr(self) -> str:
@@ -159,6 +154,55 @@ class NetnsSwarmLauncher(SwarmLauncher):
                         pass
         finally:
             self.cluster.close()
+
+
+def netns_launcher(
+    rate_mbit: float | None = None, peer_rates: dict[str, float] | None = None
+) -> Callable[[Config, str], NetnsSwarmLauncher]:
+    """The ``launcher`` argument of ``dilocox.swarm.runtime.launch`` that puts every peer in its own namespace:
+    links capped at ``rate_mbit`` each way (None: uncapped), ``peer_rates`` (peer name -> Mbit/s) a peer's own cap."""
+    return functools.partial(NetnsSwarmLauncher, rate_mbit=rate_mbit, peer_rates=peer_rates)
+
+
+def ready_line(
+    proc: subprocess.Popen, start_s: float, what: str = "ready line", exit_s: float = HUB_EXIT_S
+) -> tuple[str | None, str]:
+    """``(line, "")``: the first line ``proc`` printed on its stdout (a text pipe) within ``start_s``; later lines
+    are read and dropped (the pipe never fills). Else ``(None, why)``, every wait bounded:
+
+    - ``exited with code N``: its output ended (EOF) and it exited. A process's pipe closes while it exits, a moment
+      before its exit code can be collected, so after EOF the exit code is awaited up to ``exit_s`` (a ``poll()``
+      right at EOF may still see it running); or it exited while something else (a child of its) holds its
+      output open: checked every ``POLL_S``, so that is reported at once too, not after ``start_s``;
+    - ``closed its output without printing <what> but was still running Ns later``: EOF, no exit within ``exit_s``;
+    - ``printed no <what> within Ns``: it runs and printed nothing for ``start_s``.
+    """
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True, name=f"ready-line-{proc.pid}").start()
+    deadline = time.monotonic() + start_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, f"printed no {what} within {start_s:g}s"
+        try:
+            line = lines.get(timeout=min(POLL_S, left))
+        except queue.Empty:
+            rc = proc.poll()
+            if rc is not None:  # exited; its output is still open (held by another process) or EOF is on its way
+                return None, f"exited with code {rc}"
+            continue
+        if line is not None:
+            return line, ""
+        try:  # EOF: it is exiting (or closed its stdout): its exit code, bounded
+            return None, f"exited with code {proc.wait(timeout=exit_s)}"
+        except subprocess.TimeoutExpired:
+            return None, f"closed its output without printing {what} but was still running {exit_s:g}s later"
 
 
 def _last_line(out_dir: str) -> str:

@@ -192,8 +192,7 @@ class SwarmPeer:
         # --pace-s T: each microbatch occupies the peer (compute lock held) for max(T, its compute) seconds, so a peer
         # paced at 2T is exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer benchmarks)
         self.pace_s = pace_s
-        self.die_mid_step = die_mid_step  # --die-mid-step (tests): kill -9 itself mid-step, after serving a microbatch
-        self._dying, self._parked = False, 0  # (--die-mid-step: one request is about to kill; others wait for it)
+        self.die_mid_step = die_mid_step  # --die-mid-step (tests): kill -9 itself mid-step, after serving (_die)
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
@@ -343,6 +342,7 @@ class SwarmPeer:
         )
         outer.bound_waits(2 * self.s.sync_timeout_s, self.cfg.outer.warn_after_s)
         peer_sync.hand_over_adamw(self, outer)  # a joiner gets a live peer's AdamW state with θ and v
+        peer_sync.note_quorums(self, self.group)  # (ping tells a joiner whether an outer quorum waits for it)
         return outer
 
     # ------------------------------------------------------------------ RPC handlers
@@ -361,6 +361,8 @@ class SwarmPeer:
                 self.cv.notify_all()
             return {}, {}
         if method == "ping":
+            if self.die_mid_step is not None and meta.get("held") and int(meta["step"]) >= self.die_mid_step:
+                self._die(int(meta["step"]))
             return {"name": self.name, "step": self.step, **peer_sync.phase_info(self)}, {}
         raise ValueError(f"{self.name}: unknown method {method!r}")
 
@@ -370,8 +372,9 @@ class SwarmPeer:
             ok = self.cv.wait_for(lambda: self.step >= step, timeout=max(0.0, wait))
             if not ok:
                 raise SwarmError(
-                    f"{self.name}: {what} of step {step} waited swarm.step_timeout_s={self.s.step_timeout_s}s for "
-                    f"this peer's sync of step {step - 1} (it is at step {self.step})"
+                    f"{self.name}: {what} of step {step} waited {max(0.0, wait):.1f}s (swarm.step_timeout_s="
+                    f"{self.s.step_timeout_s}s, or its caller's budget) for this peer's sync of step {step - 1} (it is "
+                    f"at step {self.step})"
                 )
             if self.step > step:
                 raise SwarmError(f"{self.name}: {what} of step {step} arrived after that step's sync (now {self.step})")
@@ -396,8 +399,6 @@ class SwarmPeer:
         # caller re-sends it elsewhere); the margin covers the backward and the reply after the last check
         budget = float(meta["budget_s"])
         deadline = time.monotonic() + budget - min(2.0, 0.1 * budget)
-        if self.die_mid_step is not None and step >= self.die_mid_step and not meta.get("replay"):
-            self._maybe_die(step)
         self._wait_step(step, f"microbatch {mb}", deadline)
         if not self.serving:  # it left its stage (rebalancing) while this request waited for the step
             raise NotServing(f"{self.name} left stage {self.stage}")
@@ -652,8 +653,9 @@ class SwarmPeer:
         with self.lock:
             holders = {p: list(e) for p, e in self.completed.get(k, {}).items() if e}
         for peer, entries in holders.items():
+            held = {"step": k, "held": len(entries)}  # (what a --die-mid-step peer waits for: _die)
             try:
-                call(self.addrs[peer], "ping", {}, timeout_s=min(5.0, self.s.rpc_timeout_s))
+                call(self.addrs[peer], "ping", held, timeout_s=min(5.0, self.s.rpc_timeout_s))
                 alive = True
             except PeerUnavailable:
                 alive = self._refresh_addr(peer) and self._ping(peer)
@@ -734,38 +736,18 @@ class SwarmPeer:
             )
         return set(targets)
 
-    def _maybe_die(self, step: int) -> None:
-        """--die-mid-step (tests): kill -9 this process when a forward of ``step`` arrives after this peer counted
-        one of that step and before any end-of-step marker of it: the kill lands mid-step, after it served (its
-        other requests are done and their replies out, so the senders hold those microbatches as completed)."""
-        with self.cv:
-            if self._dying:  # another request is about to kill the process: this one waits here (still in flight
-                self._parked += 1  # for its sender, which re-sends it elsewhere once the peer is dead)
-                self.cv.notify_all()
-                try:
-                    self.cv.wait_for(lambda: not self._dying, timeout=10.0)
-                finally:
-                    self._parked -= 1
-                return
-            if not self.counted.get(step) or self.markers.get(step):
-                return
-            self._dying = True
-            # every other request still working has finished (the parked ones did nothing)
-            idle = self.cv.wait_for(lambda: self.active - self._parked <= 1, timeout=5.0)
-        time.sleep(0.02)  # the last reply is written right after its handler returned (one not out yet is re-sent)
-        with self.cv:
+    def _die(self, step: int) -> None:
+        """--die-mid-step (tests): kill -9 of this process when a sender that holds microbatches of ``step`` (>= the
+        flag's step) completed here pings it at the end of that step, before its marker: a point every run reaches
+        in the first such step where this peer served, mid-step (it cannot sync the step before that marker) and
+        after serving (the sender received those replies). Every sender then replays what completed here; requests
+        still in flight here (another sender's) are re-sent."""
+        with self.lock:
             served = len(self.counted.get(step, ()))
-            marked = bool(self.markers.get(step))
-            if not (idle and served and not marked):
-                self._dying = False  # not now: the parked requests go on
-                self.cv.notify_all()
-                return
-        if idle and served and not marked:
-            msg = "%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)"
-            log.warning(msg, self.name, step, served)
-            for h in logging.getLogger().handlers:
-                h.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
+        log.warning("%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)", self.name, step, served)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _process_grad_only(
         self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None

@@ -20,11 +20,17 @@ Gradient clipping (``optim.grad_clip`` > 0), the same formula as the pipeline en
 
 DiLoCo-SWARM join (``--join`` with ``swarm.sync=diloco``): the stage's peers meet only every H = ``outer.sync_every``
 steps, in the DiLoCo outer step over the torchft quorum (``build_outer(..., elastic=group)``). The joiner pings its
-stage's peers until one is in the last inner step of an outer phase (bounded by ``swarm.sync_timeout_s`` × H), then
-takes part in that outer step without contributing (``ElasticMixin.join``): torchft heals it with the live peer's
-snapshot (θ, outer momentum, outer step, schedule, inner step and, through ``hand_over_adamw``, the AdamW state), it
-applies the same outer step, so it leaves that sync with params and AdamW state bit-identical to the source's, and
-serves from the next step.
+stage's peers until one is in the last inner step of an outer phase or in the outer sync that ends it, waiting for its
+quorum (bounded by ``swarm.sync_timeout_s`` × H), then takes part in that outer step without contributing
+(``ElasticMixin.join``): torchft heals it with the live peer's snapshot (θ, outer momentum, outer step, schedule, inner
+step and, through ``hand_over_adamw``, the AdamW state), it applies the same outer step, so it leaves that sync with
+params and AdamW state bit-identical to the source's, and serves from the next step. Why "or waiting for its
+quorum": the joiner's torchft manager heartbeats the lighthouse from its start, and the lighthouse forms no quorum
+while a heartbeating replica stays out of it (with two replicas: 1 participant of 2 healthy is not more than half;
+with more: it waits ``join_timeout`` for the straggler). A live peer already in its outer quorum when the joiner came
+up (or whose last inner step the joiner's pings missed) therefore waits for the joiner, and a joiner that waited for
+a peer "not yet in its sync" waited for it in turn: both hung until the quorum timeout, and the stage's next forwards
+with them (``note_quorums``, ``phase_info``: ``quorum_open``).
 """
 
 from __future__ import annotations
@@ -139,20 +145,29 @@ def hand_over_adamw(peer, outer) -> None:
     outer.snapshot_extra, outer.load_extra = snapshot, peer.opt.load_state_dict
 
 
+def note_quorums(peer, group) -> None:
+    """A live peer notes the step whose outer quorum formed (torchft's quorum thread calls ``on_quorum``; the step of a
+    sync is ``peer.step`` until it ends): ``phase_info`` tells a joiner whether a quorum is still waiting for it."""
+    peer.quorum_step = -1
+    group.on_quorum = lambda n_live: setattr(peer, "quorum_step", peer.step)
+
+
 def phase_info(peer) -> dict:
-    """For ``ping``: whether this peer is in its sync, and whether the sync of its current step is an outer step
-    (the DiLoCo outer all-reduce is launched then: a joiner times its quorum request by it)."""
+    """For ``ping``: whether this peer is in its sync, whether the sync of its current step is an outer step (the
+    DiLoCo outer all-reduce is launched then: a joiner times its quorum request by it), and whether it is in that
+    sync with its quorum not formed yet (``quorum_open``: a heartbeating joiner must join it, module docstring)."""
     out = {"syncing": peer.syncing}
     sched = getattr(peer.outer, "schedule", None)
     if sched is not None:
         at = sched.launches_at if peer.outer.overlap == "none" else sched.syncs_at
         out["outer_next"] = bool(at(peer.step + 1))
+        out["quorum_open"] = bool(peer.syncing and getattr(peer, "quorum_step", -1) != peer.step)
     return out
 
 
 def _await_phase_end(peer) -> str:
-    """Ping the stage's other peers until one is in the last inner step of an outer phase and not yet in its sync
-    (bounded by swarm.sync_timeout_s × H); returns its name."""
+    """Ping the stage's other peers until one is in the last inner step of an outer phase, or in its outer sync with
+    the quorum not formed yet (bounded by swarm.sync_timeout_s × H); returns its name."""
     H = peer.cfg.outer.sync_every
     wait = peer.s.sync_timeout_s * H
     members = getattr(peer, "members", None)  # the job's current peers (rebalancing may have moved some)
@@ -170,7 +185,8 @@ def _await_phase_end(peer) -> str:
                 peer._refresh_addr(p)  # it may have been restarted at a new address
                 continue
             seen[p], answered = meta.get("step"), time.monotonic()
-            if meta.get("outer_next") and not meta.get("syncing"):
+            # (a peer whose quorum formed without this joiner is past it: wait for the next phase's end)
+            if meta.get("outer_next") and (not meta.get("syncing") or meta.get("quorum_open")):
                 return p
         if time.monotonic() - answered > peer.s.rpc_timeout_s:
             raise _error(

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -193,9 +194,7 @@ def launch(
     paces: dict[str, float] | None = None,
     peer_args: dict[str, list[str]] | None = None,
     stage_paces: dict[int, float] | None = None,
-    netns: bool = False,
-    rate_mbit: float | None = None,
-    peer_rates: dict[str, float] | None = None,
+    launcher: Callable[[Config, str], SwarmLauncher] | None = None,
     rebalancer: bool = True,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
@@ -207,22 +206,19 @@ def launch(
     ``stage_paces`` maps a stage to the pace of every peer of it, also of peers moved there by rebalancing
     (``swarm.rebalance_period_s``: a ``mover.Mover`` thread runs beside the job);
     ``on_started(launcher)`` runs once every peer process is started
-    (fault tests kill a peer from there). ``netns``: each peer in its own network namespace behind a tbf cap
-    of ``rate_mbit`` each way, ``peer_rates`` (peer name -> Mbit/s) its own cap for a peer (``dilocox.swarm.netns``;
-    the result's ``net_bytes``: each veth's byte counts). ``rebalancer=False``: no rebalancing thread here even with
-    ``swarm.rebalance_period_s`` (``dilocox swarm rebalance`` in another process moves the peers).
+    (fault tests kill a peer from there). ``launcher(cfg, out_dir)`` makes the job's launcher: ``SwarmLauncher``
+    by default (every process on this host's network), or the caller's choice, e.g.
+    ``dilocox.swarm.netns.netns_launcher(rate_mbit, peer_rates)``: each peer in its own network namespace behind a
+    capped link (the result's ``net_bytes``: each veth's byte counts); this module imports no launcher but its own.
+    ``rebalancer=False``: no rebalancing thread here even with ``swarm.rebalance_period_s`` (``dilocox swarm
+    rebalance`` in another process moves the peers).
     Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
         cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
         validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
     t0 = time.monotonic()
-    if netns:
-        from dilocox.swarm.netns import NetnsSwarmLauncher  # (lazy: it imports this module)
-
-        la = NetnsSwarmLauncher(cfg, out_dir, rate_mbit, peer_rates)
-    else:
-        la = SwarmLauncher(cfg, out_dir)
+    la = (launcher or SwarmLauncher)(cfg, out_dir)
     names: list[str] = []
     mover = None
     try:

@@ -7,12 +7,12 @@ NOT a dependency of dilocox: its processes run under another interpreter (``--hi
 e.g. a venv made with ``--system-site-packages`` so it sees the same torch), and nothing here
 imports it in the main interpreter.
 
-    python -m dilocox.swarm.engines rtt --transport tcp|rpc|gloo|hivemind-unary|hivemind-stream [--iters 200]
-    python -m dilocox.swarm.engines average --engine torchft|hivemind --peers 2 [--rounds 8]
-    python -m dilocox.swarm.engines recovery --engine torchft|hivemind [--restart] [--joiner-initial heal]
-    python -m dilocox.swarm.engines footprint [--hivemind-python PY]
-    python -m dilocox.swarm.engines all --repeats 3 --hivemind-python /work/hmvenv/bin/python --out r.json
-    python -m dilocox.swarm.engines table r.json      # the markdown rows of docs/SWARM.md
+    python -m tools.swarm_engines rtt --transport tcp|rpc|gloo|hivemind-unary|hivemind-stream [--iters 200]
+    python -m tools.swarm_engines average --engine torchft|hivemind --peers 2 [--rounds 8]
+    python -m tools.swarm_engines recovery --engine torchft|hivemind [--restart] [--joiner-initial heal]
+    python -m tools.swarm_engines footprint [--hivemind-python PY]
+    python -m tools.swarm_engines all --repeats 3 --hivemind-python /work/hmvenv/bin/python --out r.json
+    python -m tools.swarm_engines table r.json      # the markdown rows of docs/SWARM.md
 
 What each measures (every process is its own OS process, started in its own session and killed in
 ``finally``; every wait is bounded):
@@ -55,7 +55,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import ROOT, child_env
+
 SHAPE = (8, 128, 64)
 _LEN = struct.Struct("!Q")
 
@@ -68,11 +69,13 @@ class EngineUnavailable(RuntimeError):
 
 
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """The children's environment: the repository root on PYTHONPATH (``-m tools.swarm_engines`` and this checkout's
+    dilocox resolve under any interpreter and directory), one OpenMP thread."""
+    return child_env(OMP_NUM_THREADS="1")
 
 
 def _cmd(python: str, *args: str) -> list[str]:
-    return [python, "-m", "dilocox.swarm.engines", *args]
+    return [python, "-m", "tools.swarm_engines", *args]
 
 
 def _popen(cmd: list[str], stdout=subprocess.PIPE, log: str | None = None) -> subprocess.Popen:
@@ -870,7 +873,7 @@ def footprint(dists: list[str]) -> dict:
 def footprint_all(hivemind_python: str | None) -> dict:
     res = {"torchft": footprint(["torchft"])}
     if hivemind_python:
-        code = "import json; from dilocox.swarm.engines import footprint; print(json.dumps(footprint(['hivemind'])))"
+        code = "import json; from tools.swarm_engines import footprint; print(json.dumps(footprint(['hivemind'])))"
         r = subprocess.run([hivemind_python, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
         res["hivemind"] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-500:]}
     return res
@@ -1022,7 +1025,7 @@ def _add_avg_opts(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.engines", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.swarm_engines", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("rtt", help="microbatch round trip")
     r.add_argument("--transport", required=True, choices=("tcp", "rpc", "gloo", "hivemind-unary", "hivemind-stream"))

@@ -1,10 +1,11 @@
 """Toy elastic "training" on loopback: the lighthouse, replica processes and the measurement driver.
 
-Used by tests/test_elastic.py and to measure torchft here (docs/ELASTIC.md):
+Used by tests/test_elastic.py, tests/test_elastic_lighthouse.py and tests/test_launch_elastic.py, and to measure
+torchft here (docs/ELASTIC.md); run from the repository root (a harness, not part of the dilocox package):
 
-    python3 -m dilocox.elastic.toy measure            # 3 replicas, kill -9 one, prints the numbers as JSON
-    python3 -m dilocox.elastic.toy lighthouse --min-replicas 2
-    python3 -m dilocox.elastic.toy replica --lighthouse http://HOST:PORT --rank 0 --steps 5 --out r0.jsonl
+    python3 -m tools.elastic_toy measure            # 3 replicas, kill -9 one, prints the numbers as JSON
+    python3 -m tools.elastic_toy lighthouse --min-replicas 2
+    python3 -m tools.elastic_toy replica --lighthouse http://HOST:PORT --rank 0 --steps 5 --out r0.jsonl
 
 Replica ``r`` contributes, at outer step ``s``, the vector ``v_r,s = (r + 1) * 1000 + s + arange(size)`` (exact
 in float32, and so are sums of a few of them) and applies ``theta <- theta - mean``. With ``--die-at-step k``
@@ -35,6 +36,7 @@ from dilocox.elastic.group import (
     ElasticOuterGroup,
     start_lighthouse,
 )
+from tools import child_env
 
 
 class PlainOuterGroup(ElasticOuterGroup):
@@ -190,10 +192,12 @@ def replica_cmd(
     attempt_s: float = DEFAULT_ATTEMPT_S,
     keep_last_quorum: bool = True,
 ) -> list[str]:
+    """The command of one toy replica (``python -m tools.elastic_toy replica ...``). Run it with ``env=child_env()``
+    (or the repository root on ``PYTHONPATH`` otherwise): then it finds ``tools`` from any working directory."""
     cmd = [
         sys.executable,
         "-m",
-        "dilocox.elastic.toy",
+        "tools.elastic_toy",
         "replica",
         "--lighthouse",
         addr,
@@ -258,6 +262,7 @@ def run_measure(a: argparse.Namespace) -> int:
                         a.die_mode,
                         initial_replicas=3,
                     ),
+                    env=child_env(),
                     start_new_session=True,
                 )
             )
@@ -361,7 +366,7 @@ def lighthouse_scenario(
                 attempt_s=attempt_s,
                 keep_last_quorum=keep_last_quorum,
             )
-            procs.append(subprocess.Popen(cmd, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=child_env(), start_new_session=True))
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             if any(x.get("step") == kill_step for x in read_records(f"{tmp}/r0.jsonl")):
@@ -448,7 +453,7 @@ def run_measure_lighthouse(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m dilocox.elastic.toy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python3 -m tools.elastic_toy", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replica")
     r.add_argument("--lighthouse", required=True)

@@ -1,0 +1,279 @@
+"""The report side of ``dilocox bench wan``: the markdown tables, the targets, the plots and the output files.
+
+Everything here reads a finished result (``{"meta", "rows"}`` as ``dilocox.bench.wan.bench`` returns it or
+``results.json`` holds it), so ``dilocox bench wan --render`` can re-write the outputs without running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from dilocox.bench.runner import series_style
+from dilocox.plan import fmt_bandwidth
+
+
+def _cap(bps: float | None) -> str:
+    return "uncapped" if bps is None else fmt_bandwidth(bps)
+
+
+def _f(x, fmt: str, unit: str = "", scale: float = 1.0) -> str:
+    return "-" if x is None else format(x / scale if scale != 1.0 else x, fmt) + unit
+
+
+def targets(rows: list[dict], caps: list[float]) -> list[str]:
+    """The issue's targets for dilocox, as measured (pass/fail)."""
+    get = {(r["method"], r["cap_bps"]): r for r in rows if r["cap_bps"] is not None}
+    for r in sorted((r for r in rows if r["cap_bps"] is None), key=lambda r: r["steps"]):
+        get[(r["method"], None)] = r  # the longest uncapped run: the loss at equal tokens
+    out = []
+    dx = [get.get(("dilocox", c)) for c in caps]
+    u = get.get(("dilocox", None))
+    if all(dx) and u:
+        worst = min(r["pct_of_uncapped"] if r["pct_of_uncapped"] is not None else math.inf for r in dx)
+        by_util = min(100.0 * r["utilization"] / u["utilization"] for r in dx)
+        out.append(
+            f"dilocox keeps >= 95 % of its uncapped tokens/s at every cap: worst {worst:.1f} % -> "
+            f"{'met' if worst >= 95 else 'NOT met'} "
+            f"(compute utilization relative to uncapped, which CPU contention moves less: worst {by_util:.1f} %)"
+        )
+    slow = min(caps) if caps else None
+    a, d = get.get(("allreduce", slow)), get.get(("dilocox", slow))
+    if a and d:
+        x = d["tokens_per_s"] / a["tokens_per_s"]  # tokens/s of runs of different lengths: the rate, not a total
+        out.append(
+            f"dilocox at {_cap(slow)} reaches >= 10x the tokens/s of allreduce: {x:.1f}x -> "
+            f"{'met' if x >= 10 else 'NOT met'}"
+        )
+    a, d = get.get(("allreduce", None)), get.get(("dilocox", None))
+    if a and d:
+        x = 100.0 * (d["final_val_loss"] / a["final_val_loss"] - 1.0)
+        out.append(
+            f"dilocox loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> "
+            f"{'met' if abs(x) <= 5 else 'NOT met'}"
+        )
+    return out
+
+
+def _steps_cell(r: dict) -> str:
+    """Steps, with the reason when a run is shorter than the others (said in the table itself)."""
+    if r.get("shortened_from"):
+        return f"{r['steps']} (shortened from {r['shortened_from']}: fewer tokens)"
+    if r.get("role") == "reference for a shortened run":
+        return f"{r['steps']} (reference for the shortened run)"
+    return str(r["steps"])
+
+
+def markdown(res: dict) -> str:
+    m, rows = res["meta"], res["rows"]
+    bl = m["baseline_payload_bytes"]
+    lines = [
+        f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; "
+        f"load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
+        f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
+        + (
+            f" ({m['why']})"
+            if m["emulation"] != "netns"
+            else " (one network namespace per replica, veth + tc tbf each way)"
+        )
+        + ".",
+        f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), "
+        f"8 x 128 tokens "
+        f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
+        f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
+        + (
+            f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run gets an '
+            f"uncapped run of its own length) and {m['loss_steps']} for the loss. "
+            if m["reference"]
+            else "no uncapped runs. "
+        )
+        + f"Bench wall {m['bench_wall_s'] / 60:.1f} min.",
+        "",
+        "### Throughput, utilization and the plan",
+        "",
+        "| method | cap | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err "
+        "| plan util | err (pp) | val loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {_steps_cell(r)} | {r['tokens_per_s']:,.0f} | "
+            f"{_f(r['pct_of_uncapped'], '.1f', ' %')} | "
+            f"{r['utilization']:.1%} | {r['blocked_s']:.2f} | {_f(r.get('plan_tokens_per_s'), ',.0f')} | "
+            f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | "
+            f"{_f(r.get('err_utilization_pp'), '+.1f')} | "
+            f"{r['final_val_loss']:.4f} |"
+        )
+    lines += [
+        "",
+        "### Bytes sent between replicas (per replica, whole run)",
+        "",
+        f"veth payload = tx_bytes - {m['frame_header_bytes']} B x tx_packets - the no-sync baseline "
+        f"({'n/a' if not bl else ', '.join(f'{b / 1e3:.1f} kB' for b in bl)} per replica: "
+        f"store, gloo setup, checkpoint barrier).",
+        "",
+        "| method | cap | framework | veth tx_bytes | diff | veth payload | diff | TCP retransmits | plan | err "
+        "| plan at run's H, rank | err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        q = r.get("plan_as_run") or {}
+        lines.append(
+            f"| {r['method']} | {_cap(r['cap_bps'])} | {r['bytes_framework'] / 1e6:.3f} MB | "
+            f"{_f(r.get('bytes_veth'), '.3f', ' MB', 1e6)} | "
+            f"{_f(r.get('veth_diff_raw_pct'), '+.2f', ' %')} | {_f(r.get('bytes_veth_payload'), '.3f', ' MB', 1e6)} | "
+            f"{_f(r.get('veth_diff_pct'), '+.2f', ' %')} | "
+            f"{'/'.join(str(x) for x in r.get('retrans_segs') or [] if x is not None) or '-'} | "
+            f"{_f(r.get('plan_bytes'), '.3f', ' MB', 1e6)} | {_f(r.get('err_bytes_pct'), '+.1f', ' %')} | "
+            f"{_f(r.get('plan_as_run_bytes'), '.3f', ' MB', 1e6)} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
+            f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |"
+        )
+    ref = [r for r in rows if r["cap_bps"] is None and r["steps"] == m["loss_steps"]]
+    base = next((r for r in ref if r["method"] == "allreduce"), None)
+    if ref:
+        lines += [
+            "",
+            f"### Loss at equal tokens (uncapped runs, {m['loss_steps']} steps)",
+            "",
+            "| method | final val loss | vs allreduce | H at the end | rank at the end | outer syncs |",
+            "|---|---|---|---|---|---|",
+        ]
+    for r in ref:
+        vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
+        lines.append(
+            f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | "
+            f"{_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
+        )
+    t = targets(rows, m["caps_bps"])
+    if t:
+        lines += ["", "### Targets (as measured)", ""] + [f"- {x}" for x in t]
+    return "\n".join(lines + ["", NOTES])
+
+
+NOTES = """### Notes
+
+- **tokens/s** = tokens of both replicas in steps 2..N / (wall time of the slowest rank - rank 0's step 1):
+  it leaves out the warm-up of step 1 and includes a replica running behind (with overlap, replicas can
+  drift up to a phase apart) and the wait for the last in-flight all-reduce. **% of uncapped** = tokens/s /
+  the same method's uncapped tokens/s over the same number of steps (a shortened run has its own reference).
+- **compute util** = 1 - blocked / wall, blocked = the largest time any rank's training thread waited for a
+  cross-replica collective. A stage that waits in the pipeline for the other stage (whose collective is
+  still running) is not "blocked", so at low caps this overstates utilization; tokens/s is end-to-end.
+- **tokens/s is noisy**: the 2 cores are shared with other jobs (each row's 1-min load average is in
+  results.json, `load_avg_1min`), so a capped run can beat its uncapped one. Utilization depends little on
+  CPU speed; "% of uncapped" does.
+- **plan**: `dilocox.plan.plan` with the run's settings (configured H and rank, not the adaptive ones
+  dilocox ends with), latency 0 and the method's uncapped compute time per step. It ignores the CPU time
+  of the collectives (gloo reductions, compression) and the skew between replicas, both inside the
+  measured blocked time even uncapped, and the TCP/IP headers (goodput is ~96 % of a tbf cap).
+- **loss**: the update rules do not read the bandwidth, so a method's capped runs of equal length end at
+  the same loss; DiLoCoX's adaptive H and rank read measured times, so its loss varies between runs.
+  Shortened runs (allreduce at the lowest cap) are at fewer tokens; compare losses in the uncapped table.
+- **bytes**: the framework counts the payload of the outer collectives. The veth tx_bytes also hold
+  the frame headers (a GSO frame counts once: +0.3 % uncapped; under tbf 1448-byte segments: +4-5 %),
+  the ACKs of the other replica's stream and the baseline, all removed in "veth payload", and what is
+  left: gloo's own messages (measured on the dev machine: ~290 B per rank per 2-rank all_gather,
+  ~580 B per all_reduce, i.e. +4 % for CocktailSGD's 7 kB all-gather every step), dilocox's 8-byte
+  "agree on H" all-reduce per outer step. "TCP retransmits" are the namespace's RetransSegs: at the
+  lowest cap most are segments the sender's own tbf queue dropped before the veth, so they never reach
+  tx_bytes (thousands of them, yet the payload is within 0.4 %)."""
+
+
+def plot(res: dict, out_dir: str) -> list[str]:
+    """throughput.png (tokens/s vs cap, measured and planned) and loss_vs_time.png (one panel per cap)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, caps, meta = res["rows"], res["meta"]["caps_bps"], res["meta"]
+    # one uncapped row per method: the like-for-like reference (same steps as the capped runs)
+    same = {r["method"] for r in rows if r["cap_bps"] is None and r["steps"] == meta.get("steps")}
+    rows = [r for r in rows if r["cap_bps"] is not None or r["method"] not in same or r["steps"] == meta["steps"]]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    top = max(caps) * 10 if caps else 1e10  # where "uncapped" is drawn
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    for i, m in enumerate(methods):
+        marker, _ = series_style(i)
+        mr = sorted((r for r in rows if r["method"] == m), key=lambda r: r["cap_bps"] or top)
+        xs = [r["cap_bps"] or top for r in mr]
+        (line,) = ax.plot(
+            xs, [r["tokens_per_s"] for r in mr], marker=marker, linestyle="-", ms=5, label=f"{m} (measured)"
+        )
+        ax.plot(
+            xs,
+            [r.get("plan_tokens_per_s") for r in mr],
+            marker=marker,
+            linestyle=":",
+            ms=4,
+            mfc="none",
+            color=line.get_color(),
+            alpha=0.7,
+            label=f"{m} (plan)",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks([*caps, top], [*(_cap(c) for c in caps), "uncapped"])
+    ax.set_xlabel("inter-replica link cap (each way)")
+    ax.set_ylabel("tokens/s (both replicas)")
+    ax.set_title("throughput vs link cap: measured (solid) and planned (dotted)")
+    ax.grid(alpha=0.3)
+    leg = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    paths = [os.path.join(out_dir, "throughput.png")]
+    fig.savefig(paths[0], dpi=110, bbox_inches="tight", bbox_extra_artists=[leg])
+    plt.close(fig)
+    panels = [*caps, None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, cap in zip(axes[0], panels):
+        for i, m in enumerate(methods):
+            r = next((r for r in rows if r["method"] == m and r["cap_bps"] == cap), None)
+            if r:
+                t, loss = zip(*r["loss_vs_time"])
+                k = 10  # moving average over 10 steps: the per-step training loss is noisy
+                sm = [
+                    sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1])
+                    for i in range(len(loss))
+                ]
+                marker, ls = series_style(i)
+                ax.plot(t, sm, label=m, linestyle=ls, marker=marker, markevery=max(1, len(t) // 8), ms=4)
+        ax.set_title(f"link cap {_cap(cap)}")
+        ax.set_xlabel("wall time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("training loss (replica 0, 10-step mean)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes[0][1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    extra = []
+    if handles:
+        extra.append(fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.9)))
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "loss_vs_time.png"))
+    fig.savefig(paths[1], dpi=110, bbox_inches="tight", bbox_extra_artists=extra)
+    plt.close(fig)
+    return paths
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_outputs(res: dict, out_dir: str, plots: bool = True) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(_json_safe(res), f, indent=1)
+    md = markdown(res)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(md + "\n")
+    if plots:
+        plot(res, out_dir)
+    return md

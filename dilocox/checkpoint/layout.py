@@ -1,0 +1,177 @@
+"""A checkpoint on disk: its names, atomic hashed writes, the COMPLETE.json record and its verification.
+
+One directory per saved step (``step_00000100/``), one shard per rank (``rank_00003.pt``), a
+``COMPLETE.json`` written by rank 0 once every shard is in (each shard's size and SHA-256) and a
+``latest`` file naming the newest complete step. Every file is written to a temporary name, fsynced
+and moved into place (``_atomic_write_bytes``, hashing the bytes as they are written). Finding the
+complete steps, reading COMPLETE.json and checking a shard against it are here too, with the
+checkpoint errors every part of ``dilocox.checkpoint`` raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+HASH = "sha256"  # hashlib name; ~1.2 GB/s with SHA-NI here vs ~0.5 GB/s for blake2b
+_MB = 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the run layout."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A shard's bytes do not match its size/hash in COMPLETE.json, or it cannot be unpickled."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to be saved holds NaN/Inf values; it was not saved."""
+
+
+class _HashingWriter:
+    """File wrapper for ``torch.save``: hashes and counts the bytes while they are written, and
+    keeps the OSError of a failed write (torch re-raises it as an opaque RuntimeError)."""
+
+    def __init__(self, f: Any):
+        self.f, self.h, self.nbytes, self.error = f, hashlib.new(HASH), 0, None
+
+    def write(self, b: Any) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+        self.h.update(b)
+        self.nbytes += len(b)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _atomic_write_bytes(path: str, write: Callable[[Any], None]) -> tuple[int, str]:
+    """Write through ``write(f)`` to a temp file, fsync, move into place; returns (bytes, hex hash).
+
+    On failure the temp file is removed and the error re-raised; an ENOSPC hidden inside
+    torch's RuntimeError is re-raised as that OSError."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    w = None
+    try:
+        with open(tmp, "wb") as f:
+            w = _HashingWriter(f)
+            write(w)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return w.nbytes, w.h.hexdigest()
+    except BaseException as e:
+        try:
+            os.remove(tmp)  # no half-written temp file left behind
+        except OSError:
+            pass
+        if w is not None and w.error is not None and not isinstance(e, OSError):
+            raise w.error from None
+        raise
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    _atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
+def file_hash(path: str, algo: str = HASH, chunk: int = 8 * _MB) -> str:
+    h = hashlib.new(algo)
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def shard_path(step_dir: str, rank: int) -> str:
+    return os.path.join(step_dir, f"rank_{rank:05d}.pt")
+
+
+def complete_steps(ckpt_dir: str) -> list[str]:
+    """Step directories that were fully written (have COMPLETE.json), oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for name in sorted(os.listdir(ckpt_dir)):
+        if _STEP_RE.match(name) and os.path.exists(os.path.join(ckpt_dir, name, "COMPLETE.json")):
+            out.append(os.path.join(ckpt_dir, name))
+    return out
+
+
+def find_latest(ckpt_dir: str) -> str | None:
+    """The step directory named by ``latest`` if it is complete, else the newest complete one."""
+    latest = os.path.join(ckpt_dir, "latest")
+    if os.path.exists(latest):
+        with open(latest) as f:
+            name = f.read().strip()
+        cand = os.path.join(ckpt_dir, name)
+        if os.path.exists(os.path.join(cand, "COMPLETE.json")):
+            return cand
+    steps = complete_steps(ckpt_dir)
+    return steps[-1] if steps else None
+
+
+def _sum_path(step_dir: str, rank: int) -> str:
+    """Per-rank sidecar with the shard's size and hash; rank 0 folds them into COMPLETE.json."""
+    return os.path.join(step_dir, f"rank_{rank:05d}.sum.json")
+
+
+def _step_of(step_dir: str) -> int:
+    return int(_STEP_RE.match(os.path.basename(step_dir)).group(1))
+
+
+def read_meta(step_dir: str) -> dict:
+    path = os.path.join(step_dir, "COMPLETE.json")
+    if not os.path.exists(path):
+        raise CheckpointError(
+            f"{step_dir} is not a complete checkpoint (no COMPLETE.json): it was interrupted while "
+            "saving; resume from an earlier step directory"
+        )
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{path} is corrupt ({type(e).__name__}: {e}); resume from an earlier step directory"
+        ) from None
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(
+            f"{path} is corrupt (a JSON {type(meta).__name__}, not an object); resume from an earlier step directory"
+        )
+    return meta
+
+
+def verify_shard(step_dir: str, rank: int, meta: dict | None = None) -> None:
+    """Check this rank's shard against the size and hash in COMPLETE.json (no-op for checkpoints
+    written before hashes were recorded). Raises :class:`CorruptCheckpointError` naming the file."""
+    meta = read_meta(step_dir) if meta is None else meta
+    path = shard_path(step_dir, rank)
+    rec = (meta.get("shards") or {}).get(os.path.basename(path))
+    if rec is None:
+        return
+    algo = meta.get("hash", HASH)
+    size = os.path.getsize(path)
+    if size != rec["bytes"]:
+        raise CorruptCheckpointError(
+            f"checkpoint shard {path} is corrupt or truncated: {size} bytes, COMPLETE.json records {rec['bytes']}"
+        )
+    if file_hash(path, algo) != rec[algo]:
+        raise CorruptCheckpointError(
+            f"checkpoint shard {path} is corrupt or truncated: its {algo} does not match "
+            "COMPLETE.json (flipped bits on disk or in transfer)"
+        )

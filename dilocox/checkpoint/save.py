@@ -1,0 +1,265 @@
+"""Saving a checkpoint on every rank, and the start-up check that one can be saved at all.
+
+``save_checkpoint`` refuses a non-finite state and a disk without room before writing anything,
+writes this rank's shard atomically, lets rank 0 fold the shards' sizes and hashes into
+COMPLETE.json, move ``latest`` and prune old checkpoints, and removes the partial step directory
+when any rank failed. Every decision that could differ between ranks goes through ``agree`` so all
+ranks raise the same error. ``preflight`` checks at start-up that ``checkpoint.dir`` is writable
+on every rank and has room for one checkpoint (warning below ``keep + 1``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+
+from dilocox.checkpoint.layout import (
+    _MB,
+    HASH,
+    CheckpointError,
+    NonFiniteStateError,
+    _atomic_write_bytes,
+    _atomic_write_text,
+    _sum_path,
+    complete_steps,
+    find_latest,
+    shard_path,
+    step_dir_name,
+)
+from dilocox.checkpoint.state import estimate_bytes, nonfinite_tensors
+
+
+def disk_free(path: str) -> int:
+    """Free bytes for an unprivileged writer on the filesystem of ``path`` (or its nearest parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return shutil.disk_usage(p).free
+
+
+def _no_space(path: str, need: int, where: str) -> str:
+    return (
+        f"no space left on device while writing {path} (needs ~{need / _MB:.1f} MB, free "
+        f"{disk_free(where) / _MB:.1f} MB)"
+    )
+
+
+def save_checkpoint(
+    ckpt_dir: str,
+    step: int,
+    rank: int,
+    world_size: int,
+    state: dict,
+    meta: dict | None = None,
+    agree: Callable[[bool], bool] | None = None,
+    keep: int = 2,
+) -> str:
+    """Write this rank's shard; rank 0 marks the step complete and moves ``latest``.
+
+    ``agree(flag)`` must be a collective over all ranks that returns whether ``flag`` is true
+    on every rank (``all_ranks_agree``); it also synchronises them. Every decision that could
+    differ between ranks goes through it, so all ranks take the same branch and raise the
+    same error instead of one rank raising while the others wait in a barrier forever (e.g.
+    ``checkpoint.dir`` on node-local disks, where rank 0 cannot see the other nodes' shards).
+
+    Refused on every rank, with nothing written: a state holding NaN/Inf
+    (:class:`NonFiniteStateError`) and a disk without room for this rank's shard. A write that
+    fails (e.g. the disk fills up meanwhile) removes the partial step directory. Older
+    checkpoints are pruned to ``keep`` only after the new one is complete. Returns the step directory.
+    """
+    agree = agree or (lambda flag: flag)
+    step_dir = os.path.join(ckpt_dir, step_dir_name(step))
+    # Already saved at this step (e.g. a run resumed at its last step saves again): never
+    # rewrite shards inside a directory that is marked complete.
+    if not agree(not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
+        return step_dir
+    bad = nonfinite_tensors(state)
+    if not agree(not bad):
+        last = find_latest(ckpt_dir)
+        what = (
+            f"rank {rank}'s state holds NaN/Inf in {', '.join(bad)}"
+            if bad
+            else "another rank's state holds NaN/Inf (see its log)"
+        )
+        raise NonFiniteStateError(
+            f"not saving the checkpoint of step {step}: {what}. The run diverged (lower optim.lr or set "
+            "optim.grad_clip); "
+            + (
+                f"the last good checkpoint is {last}, resume from it"
+                if last
+                else f"there is no earlier checkpoint in {ckpt_dir}"
+            )
+        )
+    err, path, need = "", shard_path(step_dir, rank), estimate_bytes(state)
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        if disk_free(ckpt_dir) < need:  # fail before creating anything
+            err = f"rank {rank}: " + _no_space(path, need, ckpt_dir)
+    except OSError as e:
+        err = f"rank {rank} cannot use checkpoint.dir {ckpt_dir}: {type(e).__name__}: {e}"
+    if not agree(not err):
+        raise CheckpointError(_save_failed(err, step, ckpt_dir, rank))
+    try:
+        os.makedirs(step_dir, exist_ok=True)
+        nbytes, digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
+        _atomic_write_text(_sum_path(step_dir, rank), json.dumps({"bytes": nbytes, HASH: digest}))
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            err = f"rank {rank}: " + _no_space(path, need, ckpt_dir)
+        else:
+            err = f"rank {rank} could not write its shard in {step_dir}: {type(e).__name__}: {e}"
+    if not agree(not err):
+        _remove_partial(step_dir, rank, agree)
+        raise CheckpointError(
+            _save_failed(
+                err or f"another rank could not write its shard in {step_dir} (see its log)", step, ckpt_dir, rank
+            )
+        )
+    if rank == 0:
+        try:
+            err = _mark_complete(ckpt_dir, step_dir, step, world_size, meta, keep)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+            err = f"rank 0 could not mark {step_dir} complete: {type(e).__name__}: {e}"
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                err = (
+                    f"rank 0: no space left on device while marking {step_dir} complete "
+                    f"(free {disk_free(ckpt_dir) / _MB:.1f} MB)"
+                )
+    if not agree(not err):
+        _remove_partial(step_dir, rank, agree)
+        raise CheckpointError(
+            _save_failed(
+                err
+                or f"rank 0 could not mark {step_dir} complete (see rank 0's error; if it cannot see the "
+                "other ranks' shards, checkpoint.dir must be one directory shared by all ranks)",
+                step,
+                ckpt_dir,
+                rank,
+            )
+        )
+    return step_dir
+
+
+def _save_failed(err: str, step: int, ckpt_dir: str, rank: int) -> str:
+    last = find_latest(ckpt_dir)
+    return (
+        f"{err}; checkpoint of step {step} not saved (no partial directory left), older checkpoints are intact"
+        + (f" (latest: {last})" if last else "")
+        + (
+            "; free space in checkpoint.dir, lower checkpoint.keep, or point checkpoint.dir at a larger disk"
+            if "no space left" in err
+            else ""
+        )
+    )
+
+
+def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, meta: dict | None, keep: int) -> str:
+    """Rank 0: fold the shards' sums into COMPLETE.json, move ``latest``, prune. Returns an error or ''."""
+    missing = [
+        r
+        for r in range(world_size)
+        if not (os.path.exists(shard_path(step_dir, r)) and os.path.exists(_sum_path(step_dir, r)))
+    ]
+    if missing:
+        return (
+            f"rank 0 cannot see the shards of ranks {missing} in {step_dir}; checkpoint not marked complete. "
+            "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)"
+        )
+    shards = {}
+    for r in range(world_size):  # O(world_size) small records: ~100 bytes each
+        with open(_sum_path(step_dir, r)) as f:
+            shards[os.path.basename(shard_path(step_dir, r))] = json.load(f)
+    info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {}), "hash": HASH, "shards": shards}
+    _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
+    for r in range(world_size):
+        try:
+            os.remove(_sum_path(step_dir, r))
+        except OSError:
+            pass
+    _atomic_write_text(os.path.join(ckpt_dir, "latest"), step_dir_name(step) + "\n")
+    # Only now, with the new one complete: every remaining step dir is complete and finite
+    # (non-finite states are never written), so keeping the newest `keep` keeps `keep` good ones.
+    for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+        if os.path.abspath(old) != os.path.abspath(step_dir):
+            shutil.rmtree(old, ignore_errors=True)
+    return ""
+
+
+def _remove_partial(step_dir: str, rank: int, agree: Callable[[bool], bool]) -> None:
+    """After a failed save (agreed by all ranks): remove this rank's files, then rank 0 the directory."""
+    if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
+        agree(True)
+        return  # marked complete (only ``latest`` failed): a valid checkpoint, keep it
+    for p in (shard_path(step_dir, rank), _sum_path(step_dir, rank)):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+    agree(True)  # every rank is done with the directory
+    if rank == 0 and not os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
+        shutil.rmtree(step_dir, ignore_errors=True)
+    agree(True)  # and no rank reports the failure before it is gone
+
+
+def preflight(
+    ckpt_dir: str,
+    shard_bytes: int,
+    world_size: int,
+    keep: int,
+    rank: int = 0,
+    agree: Callable[[bool], bool] | None = None,
+    check_space: bool = True,
+) -> str:
+    """Start-up check of ``checkpoint.dir``: writable on every rank, and room for a checkpoint.
+
+    ``shard_bytes`` is this rank's shard estimate (:func:`estimate_bytes`); a checkpoint is taken
+    as ``world_size`` such shards. Raises :class:`CheckpointError` on every rank when the dir is
+    not writable or has no room for even one checkpoint; returns a warning (else '') when it has
+    room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest)."""
+    agree = agree or (lambda flag: flag)
+    err = ""
+    probe = os.path.join(ckpt_dir, f".write_test.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        err = (
+            f"rank {rank}: checkpoint.dir {ckpt_dir} is not writable ({type(e).__name__}: {e}); set checkpoint.dir "
+            "(or log.run_dir) to a writable directory shared by all ranks"
+        )
+    if not agree(not err):
+        raise CheckpointError(err or f"checkpoint.dir {ckpt_dir} is not writable on another rank (see its log)")
+    if not check_space:
+        return ""
+    one, free = shard_bytes * world_size, disk_free(ckpt_dir)
+    if free < one:
+        err = (
+            f"checkpoint.dir {ckpt_dir} has {free / _MB:.1f} MB free but one checkpoint needs ~{one / _MB:.1f} MB "
+            f"({world_size} shard(s) of ~{shard_bytes / _MB:.1f} MB): the first save would fail. Free space, or "
+            "point checkpoint.dir at a larger disk (checkpoint.check_space=false skips this check)"
+        )
+    if not agree(not err):
+        raise CheckpointError(
+            err or f"checkpoint.dir {ckpt_dir} has no room for one checkpoint (see another rank's log)"
+        )
+    if keep <= 0:  # keep=0 keeps every checkpoint: no steady state to account for
+        return ""
+    have = min(len(complete_steps(ckpt_dir)), keep)  # already on disk, not in `free`
+    extra = keep + 1 - have
+    if free < extra * one:
+        return (
+            f"warning: checkpoint.dir {ckpt_dir} has {free / _MB:.1f} MB free; with checkpoint.keep={keep} a "
+            f"save needs room for {keep + 1} checkpoints of ~{one / _MB:.1f} MB ({have} present + {extra} to "
+            "write; the oldest is pruned only after the newest is complete), so a later save will fail with "
+            f"'no space left'. Free ~{(extra * one - free) / _MB:.1f} MB or lower checkpoint.keep"
+        )
+    return ""

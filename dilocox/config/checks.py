@@ -1,0 +1,407 @@
+"""The rules a configuration must satisfy, one checker per concern, each raising ``ConfigError``.
+
+``ConfigError`` and the shared vocabulary live here: ``QUANT_KINDS`` (the one list of quantization
+kinds every module imports), the allowed values of every choice field, and ``check_outer_schedule``
+(the DiLoCo sync-schedule rules, also called by the outer loop on sections that never went through
+validation). The ``check_*`` functions each look at the sections they name; ``dilocox.config.root.validate``
+calls them in a fixed order, so the first rule broken is the one reported. Every message names the
+field, its value and the constraint, e.g. ``model.n_heads=6 is not divisible by parallel.tensor=4``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Any
+
+import yaml
+
+from dilocox.config.sections import (
+    AdaptiveConfig,
+    CompressConfig,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    OuterConfig,
+    ParallelConfig,
+    SwarmConfig,
+    TrainConfig,
+)
+from dilocox.trackers import WANDB_MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration value is malformed or impossible. The message names the field."""
+
+
+QUANT_KINDS = ("none", "fp16", "int8", "int4")  # compress.quant; the one list every module imports
+
+_CHOICES = {
+    "model.arch": ("gpt2", "opt", "qwen"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "relu", "swiglu"),
+    "model.pos_emb": ("learned", "rope"),
+    "model.attn_backend": ("sdpa", "flash_attn", "te"),
+    "model.linear_backend": ("torch", "fp8"),
+    "parallel.schedule": ("gpipe", "1f1b", "reference"),
+    "data.source": ("stdlib", "text", "memmap", "hf"),
+    "data.tokenizer": ("byte", "bpe"),
+    "optim.schedule": ("cosine", "constant", "linear"),
+    "optim.name": ("adamw", "sgd"),
+    "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
+    "outer.overlap": ("none", "delayed", "eager"),
+    "outer.state_device": ("host", "device"),
+    "outer.streaming.pattern": ("sequential", "strided"),
+    "compress.quant": QUANT_KINDS,
+    "compress.collective": ("auto", "allgather", "reduce_scatter"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+    "checkpoint.resume_finished": ("error", "skip"),
+    "swarm.sync": ("swarm", "diloco"),
+    "swarm.routing": ("iwrr", "random", "fixed"),
+    "swarm.activations": ("none", "fp16", "int8"),
+}
+
+_POSITIVE = (  # checked in this order; None (an unset optional) passes
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.d_model",
+    "model.d_ff",
+    "model.vocab_size",
+    "model.max_seq_len",
+    "parallel.replicas",
+    "parallel.data",
+    "parallel.pipeline",
+    "parallel.tensor",
+    "parallel.microbatches",
+    "train.steps",
+    "train.batch_size",
+    "train.seq_len",
+    "outer.sync_every",
+    "compress.group_size",
+    "outer.streaming.fragments",
+    "compress.lowrank.rank",
+    "compress.adaptive.window",
+    "log.every",
+    "train.max_tokens",
+    "parallel.timeout_s",
+    "outer.timeout_s",
+    "outer.warn_after_s",
+    "train.stop_timeout_s",
+)
+
+_NON_NEGATIVE = ("train.eval_batches", "checkpoint.every", "checkpoint.keep")
+
+
+def _fail(name: str, value: Any, constraint: str) -> None:
+    raise ConfigError(f"{name}={value!r} {constraint}")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        v = _get(cfg, name)
+        if v is not None and v <= 0:
+            _fail(name, v, "must be > 0")
+
+
+def check_outer_schedule(
+    sync_every: int, fragments: int, tau: int, overlap: str = "none", adaptive: bool = False
+) -> None:
+    """The sync-schedule rules of the DiLoCo family (ALGORITHMS §2-§4, §7), raising ConfigError.
+
+    One definition for ``validate`` (fails at load time) and the outer loop / sync schedule
+    (which tests and benchmarks build from config sections that never went through validate)."""
+    if sync_every % fragments:
+        _fail("outer.streaming.fragments", fragments, f"must divide outer.sync_every={sync_every}")
+    if not 0 <= tau < max(sync_every // fragments, 1):
+        _fail("outer.streaming.tau", tau, f"must be in [0, sync_every/fragments={sync_every // fragments})")
+    if tau > 0 and overlap != "none":
+        _fail(
+            "outer.streaming.tau",
+            tau,
+            f"cannot be combined with outer.overlap={overlap!r} (the one-outer-step overlap "
+            "already hides the all-reduce behind a whole phase); set tau: 0 or overlap: none",
+        )
+    if adaptive and fragments > 1:
+        _fail(
+            "compress.adaptive.enabled",
+            True,
+            f"is not supported with outer.streaming.fragments={fragments} "
+            "(one controller sets one H for the whole shard); use fragments: 1 or disable adaptive",
+        )
+
+
+# --------------------------------------------------------------------------- per-concern checks
+
+
+def check_field_values(cfg: Any) -> None:
+    """Each field on its own: supported backends, choice fields, positive and non-negative numbers.
+
+    ``cfg`` is the root config (fields are looked up by their dotted names)."""
+    if cfg.model.linear_backend == "te":
+        _fail(
+            "model.linear_backend",
+            "te",
+            "is not supported: Transformer Engine's linear layers bring their own "
+            "tensor-parallel layout, which this version's TP layers do not use; use model.linear_backend=fp8 for "
+            "float8 GEMMs, or torch",
+        )
+    for name, choices in _CHOICES.items():
+        v = _get(cfg, name)
+        if v not in choices:
+            _fail(name, v, f"is not one of {list(choices)}")
+    _positive(cfg, *_POSITIVE)
+    for name in _NON_NEGATIVE:
+        if _get(cfg, name) < 0:
+            _fail(name, _get(cfg, name), "must be >= 0")
+
+
+def check_trackers(log: LogConfig) -> None:
+    if log.wandb and importlib.util.find_spec("wandb") is None:  # before any rank starts, not at the first log
+        raise ConfigError(WANDB_MISSING)
+    if not log.wandb_project.strip():
+        _fail("log.wandb_project", log.wandb_project, "must be a non-empty W&B project name")
+
+
+def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """The model's shape against itself and against the tensor and pipeline split."""
+    if m.d_model % m.n_heads:
+        _fail("model.d_model", m.d_model, f"is not divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % m.kv_heads:
+        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads} (GQA groups)")
+    if m.pos_emb == "rope" and m.head_dim % 2:
+        _fail("model.d_model", m.d_model, "gives an odd head_dim; RoPE needs an even head_dim")
+    t = p.tensor
+    if m.n_heads % t:
+        _fail(
+            "model.n_heads",
+            m.n_heads,
+            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole attention heads)",
+        )
+    if m.kv_heads % t:
+        _fail(
+            "model.n_kv_heads",
+            m.kv_heads,
+            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole key/value heads)",
+        )
+    if m.ffn_dim % t:
+        _fail("model.d_ff", m.ffn_dim, f"is not divisible by parallel.tensor={t}")
+    if m.vocab_size % t:
+        _fail(
+            "model.vocab_size",
+            m.vocab_size,
+            f"is not divisible by parallel.tensor={t} (vocab-parallel embedding and cross-entropy); pad the vocabulary",
+        )
+    if m.n_layers % p.pipeline:
+        _fail(
+            "model.n_layers",
+            m.n_layers,
+            f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns the same number of layers)",
+        )
+    if m.tie_embeddings and p.pipeline > 1:
+        _fail(
+            "model.tie_embeddings",
+            True,
+            f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding and head live on different stages)",
+        )
+    if m.init_from is not None and not str(m.init_from).strip():
+        _fail("model.init_from", m.init_from, "is empty; give a Hugging Face model directory (or hub name), or null")
+
+
+def check_batching(p: ParallelConfig, train: TrainConfig, m: ModelConfig) -> None:
+    """Microbatches, the batch split over microbatches and data-parallel ranks, the sequence length."""
+    if p.microbatches < p.pipeline and p.schedule != "reference":
+        _fail(
+            "parallel.microbatches",
+            p.microbatches,
+            f"must be >= parallel.pipeline={p.pipeline} so that every stage has work in the pipeline",
+        )
+    if train.batch_size % (p.microbatches * p.data):
+        _fail(
+            "train.batch_size",
+            train.batch_size,
+            f"must be divisible by parallel.microbatches*parallel.data={p.microbatches * p.data}",
+        )
+    if train.seq_len > m.max_seq_len:
+        _fail("train.seq_len", train.seq_len, f"exceeds model.max_seq_len={m.max_seq_len}")
+
+
+def check_data(d: DataConfig, m: ModelConfig) -> None:
+    """The data source and tokenizer, against the model's vocabulary."""
+    if d.tokenizer == "byte" and d.source != "memmap" and m.vocab_size < 256:
+        _fail("model.vocab_size", m.vocab_size, "is smaller than 256, the byte tokenizer's vocabulary")
+    if d.tokenizer == "bpe" and d.bpe_vocab_size > m.vocab_size:
+        _fail("data.bpe_vocab_size", d.bpe_vocab_size, f"exceeds model.vocab_size={m.vocab_size}")
+    if not 0.0 < d.val_fraction < 0.5:
+        _fail("data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
+    if d.source in ("text", "memmap") and not d.path:
+        _fail("data.path", d.path, f"must be set when data.source={d.source!r}")
+
+
+def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: AdaptiveConfig) -> None:
+    """The outer loop: a method for several replicas, the sync schedule, streaming, outer optimizer."""
+    if o.method == "none" and p.replicas > 1:
+        _fail(
+            "outer.method",
+            o.method,
+            f"must name an outer method when parallel.replicas={p.replicas} > 1 (e.g. diloco, allreduce)",
+        )
+    s = o.streaming
+    if s.fragments > 1 or o.method == "diloco":  # checked again by the outer loop; here so that they fail at load time
+        diloco = o.method == "diloco"
+        check_outer_schedule(
+            o.sync_every, s.fragments, s.tau, o.overlap if diloco else "none", diloco and adaptive.enabled
+        )
+    if s.fragments > 1 and m.n_layers // p.pipeline < s.fragments:
+        _fail("outer.streaming.fragments", s.fragments, f"exceeds the {m.n_layers // p.pipeline} layers of a stage")
+    if not 0.0 <= s.alpha <= 1.0:
+        _fail("outer.streaming.alpha", s.alpha, "must be in [0, 1]")
+    if not 0.0 <= o.momentum < 1.0:
+        _fail("outer.momentum", o.momentum, "must be in [0, 1)")
+    if o.lr <= 0:
+        _fail("outer.lr", o.lr, "must be > 0")
+
+
+def check_compress(c: CompressConfig) -> None:
+    """The adaptive controller's ranges and CocktailSGD's fractions."""
+    a = c.adaptive
+    if a.rank_min > a.rank_max:
+        _fail("compress.adaptive.rank_min", a.rank_min, f"exceeds compress.adaptive.rank_max={a.rank_max}")
+    if a.h_min > a.h_max:
+        _fail("compress.adaptive.h_min", a.h_min, f"exceeds compress.adaptive.h_max={a.h_max}")
+    if not 0.0 < a.energy_eps < 1.0:
+        _fail("compress.adaptive.energy_eps", a.energy_eps, "must be in (0, 1)")
+    for name in ("random_fraction", "topk_fraction"):
+        v = getattr(c, name)
+        if not 0.0 < v <= 1.0:
+            _fail(f"compress.{name}", v, "must be in (0, 1]")
+
+
+def check_optim(o: OptimConfig) -> None:
+    """The inner optimizer's learning-rate schedule."""
+    if o.lr <= 0 or not math.isfinite(o.lr):
+        _fail("optim.lr", o.lr, "must be a finite number > 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        _fail(
+            "optim.min_lr_ratio",
+            o.min_lr_ratio,
+            "must be in [0, 1] (the final lr is lr * min_lr_ratio; below 0 the schedule turns negative)",
+        )
+    if o.warmup_steps < 0:
+        _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+
+
+def check_train(train: TrainConfig) -> None:
+    if train.eval_every < 0:
+        _fail("train.eval_every", train.eval_every, "must be >= 0 (0 = never)")
+
+
+def check_elastic(o: OuterConfig, p: ParallelConfig, adaptive: AdaptiveConfig) -> None:
+    """outer.elastic.enabled: this job is one replica of an elastic DiLoCo run (docs/ELASTIC.md)."""
+    e = o.elastic
+    if p.replicas != 1:
+        _fail(
+            "parallel.replicas",
+            p.replicas,
+            "must be 1 with outer.elastic.enabled: each replica is its own job (dilocox launch --elastic N starts N)",
+        )
+    if o.method != "diloco":
+        _fail("outer.method", o.method, "must be diloco with outer.elastic.enabled (the DiLoCo family's outer step)")
+    if o.streaming.fragments != 1 or o.streaming.tau != 0:
+        _fail(
+            "outer.streaming.fragments",
+            o.streaming.fragments,
+            "must be 1 (and outer.streaming.tau 0) with outer.elastic.enabled: streaming fragments are not elastic yet",
+        )
+    if adaptive.enabled:
+        _fail(
+            "compress.adaptive.enabled",
+            True,
+            "is not supported with outer.elastic.enabled yet (H and rank are agreed over a fixed group); use a fixed "
+            "compress.lowrank.rank and outer.sync_every",
+        )
+    if p.data > 1 and o.shard_over_data:
+        _fail(
+            "outer.shard_over_data",
+            True,
+            "is not supported with outer.elastic.enabled yet; set outer.shard_over_data=false",
+        )
+    lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not lh or not str(lh).startswith(("http://", "https://")):
+        _fail(
+            "outer.elastic.lighthouse",
+            e.lighthouse,
+            "must be the torchft lighthouse address http://host:port (start one with `dilocox lighthouse`), or set "
+            "TORCHFT_LIGHTHOUSE",
+        )
+    if e.max_replicas < 1:
+        _fail("outer.elastic.max_replicas", e.max_replicas, "must be >= 1")
+    if not 0 <= e.replica_rank < e.max_replicas:
+        _fail(
+            "outer.elastic.replica_rank", e.replica_rank, f"must be in [0, outer.elastic.max_replicas={e.max_replicas})"
+        )
+    if not 1 <= e.min_replicas <= e.max_replicas:
+        _fail("outer.elastic.min_replicas", e.min_replicas, f"must be in [1, max_replicas={e.max_replicas}]")
+    if e.initial_replicas is not None and not e.min_replicas <= e.initial_replicas <= e.max_replicas:
+        _fail(
+            "outer.elastic.initial_replicas",
+            e.initial_replicas,
+            f"must be null or in [min_replicas={e.min_replicas}, max_replicas={e.max_replicas}]",
+        )
+    for name in ("timeout_s", "quorum_timeout_s"):
+        if getattr(e, name) <= 0:
+            _fail(f"outer.elastic.{name}", getattr(e, name), "must be > 0 seconds")
+    if e.max_attempts < 1:
+        _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
+    if e.heartbeat_ms < 1:
+        _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
+
+
+def check_swarm(s: SwarmConfig, o: OuterConfig) -> None:
+    """The swarm section (used only by `dilocox.swarm`; checked always so a typo fails early).
+
+    Normalises ``swarm.peers_per_stage`` to a tuple of ints (a YAML string or a bare int is accepted)."""
+    pps = s.peers_per_stage
+    if isinstance(pps, str):
+        try:
+            pps = yaml.safe_load(pps)
+        except yaml.YAMLError:
+            pass
+    if isinstance(pps, int) and not isinstance(pps, bool):
+        pps = [pps]
+    if (
+        not isinstance(pps, (list, tuple))
+        or not pps
+        or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in pps)
+    ):
+        _fail("swarm.peers_per_stage", s.peers_per_stage, "must be a list of integers >= 1, one per stage, e.g. [2, 2]")
+    s.peers_per_stage = tuple(pps)
+    if s.microbatch_size < 1:
+        _fail("swarm.microbatch_size", s.microbatch_size, "must be >= 1")
+    if s.max_inflight < 1:
+        _fail("swarm.max_inflight", s.max_inflight, "must be >= 1")
+    for name in ("rpc_timeout_s", "ban_s", "step_timeout_s", "startup_timeout_s", "sync_timeout_s"):
+        if getattr(s, name) <= 0:
+            _fail(f"swarm.{name}", getattr(s, name), "must be > 0 seconds")
+    if not (0 <= s.rebalance_period_s < math.inf):
+        _fail("swarm.rebalance_period_s", s.rebalance_period_s, "must be >= 0 seconds (0 = no rebalancing), e.g. 300")
+    if not 0 <= s.rebalance_min_gain < 1:
+        _fail("swarm.rebalance_min_gain", s.rebalance_min_gain, "must be in [0, 1), e.g. 0.1")
+    if s.rebalance_period_s > 0 and s.sync == "diloco" and o.overlap != "none":
+        _fail(
+            "swarm.rebalance_period_s",
+            s.rebalance_period_s,
+            f"with swarm.sync=diloco needs outer.overlap=none (a peer moves at an outer step boundary; with "
+            f"overlap={o.overlap!r} its last pseudo-gradient is still in flight then): set "
+            "outer.overlap=none or swarm.rebalance_period_s=0",
+        )

@@ -1,0 +1,202 @@
+"""Loading a configuration: YAML files with ``include:``, ``--section.key=value`` overrides, coercion.
+
+``load_config`` reads a YAML file (following its includes, relative to the including file; later
+keys win), deep-merges the command-line overrides over it, converts every value to its field's
+annotated type (``_coerce``: strings from the command line included), builds the dataclasses
+(unknown keys are refused with the known ones listed) and validates the result. ``to_yaml`` writes
+a config back out (the ``config.yaml`` of a run directory).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+import yaml
+
+from dilocox.config.checks import ConfigError
+from dilocox.config.root import Config, validate
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner[0])
+    if origin is tuple:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{name}={value!r} must be a list of {len(args)} numbers")
+        return tuple(_coerce(f"{name}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{name}={value!r} must be a boolean (true/false)")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be an integer, not a boolean")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}={value!r} must be an integer")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be a number, not a boolean")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}={value!r} must be a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}={value!r} must be a string")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            close = [k for k in known if k.startswith(str(key)[:3])]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown config key {prefix}{key!r} "
+                f"(known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}"
+            )
+        tp = hints[key]
+        if is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, tp)
+    if cls is Config:
+        obj = cls.__new__(cls)
+        for f in fields(cls):
+            setattr(obj, f.name, kwargs.get(f.name, f.default_factory()))  # type: ignore[misc]
+        return obj
+    return cls(**kwargs)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
+    path = os.path.abspath(path)
+    if path in seen:
+        raise ConfigError(f"include cycle: {' -> '.join(seen + (path,))}")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    if os.path.isdir(path):
+        ymls = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+        raise ConfigError(
+            f"config {path!r} is a directory; give a YAML file"
+            + (f", e.g. {os.path.join(path, ymls[0])}" if ymls else "")
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"malformed YAML in {path}: {' '.join(str(e).split())}") from None
+    if data is None:  # empty or only comments
+        print(f"warning: config file {path} is empty; using the defaults (docs/CONFIG.md)", file=sys.stderr)
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    includes = data.pop("include", []) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        merged = _deep_merge(merged, _read_yaml(os.path.join(os.path.dirname(path), inc), seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def parse_overrides(args: list[str]) -> dict:
+    """``["--train.steps=10", "--model.arch", "qwen"]`` -> nested dict (values parsed as YAML)."""
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or a == "--":
+            raise ConfigError(f"override {a!r} must look like --section.key=value")
+        body = a[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a!r} has no value; write --{body}=VALUE")
+            key, raw = body, args[i + 1]
+            i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+        i += 1
+    return out
+
+
+def from_dict(data: dict) -> Config:
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict | None = None) -> Config:
+    """Load a YAML config (with includes), apply overrides, validate."""
+    data = _read_yaml(path) if path else {}
+    if overrides:
+        ov = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _deep_merge(data, ov)
+    return from_dict(data)
+
+
+def to_yaml(cfg: Config) -> str:
+    def conv(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return list(x)
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return yaml.safe_dump(conv(cfg.to_dict()), sort_keys=False)

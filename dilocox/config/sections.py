@@ -1,0 +1,258 @@
+"""The configuration sections: one dataclass per YAML section (``model:``, ``parallel:``, ``data:``, ...).
+
+Plain data with a default for every field, so that a YAML file only states what differs; the
+comment after each field is its documentation (``dilocox.config.reference`` turns the comments into
+docs/CONFIG.md). The derived sizes a section implies (``ModelConfig.num_params``, ``kv_heads``,
+``ParallelConfig.world_size``) live here too. The root ``Config`` that holds one of each is in
+``dilocox.config.root``; the rules the values must satisfy are in ``dilocox.config.checks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"  # gpt2 | opt | qwen (qwen also covers llama-style blocks)
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads (no GQA)
+    d_model: int = 128
+    d_ff: int | None = None  # None = 4 * d_model
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu | relu | swiglu
+    pos_emb: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0
+    bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
+    qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    attn_backend: str = "sdpa"  # sdpa | flash_attn | te
+    linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
+    init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the model this config builds (used by plan and MFU)."""
+        d, f, L, V = self.d_model, self.ffn_dim, self.n_layers, self.vocab_size
+        hd, kv = self.head_dim, self.kv_heads
+        qkv_out = d + 2 * kv * hd
+        qkv_b = self.qkv_bias if self.qkv_bias is not None else self.bias
+        attn = d * qkv_out + (qkv_out if qkv_b else 0) + d * d + (d if self.bias else 0)
+        n_in = 2 if self.activation == "swiglu" else 1
+        mlp = n_in * d * f + f * d + ((n_in * f + d) if self.bias else 0)
+        norm_p = d if self.norm == "rmsnorm" else 2 * d
+        per_layer = attn + mlp + 2 * norm_p
+        total = L * per_layer + norm_p
+        if include_embedding:
+            total += V * d  # token embedding
+            if self.pos_emb == "learned":
+                total += self.max_seq_len * d
+            if not self.tie_embeddings:
+                total += V * d  # lm head
+        return total
+
+
+@dataclass
+class ParallelConfig:
+    replicas: int = 1  # R: DiLoCo workers ("clusters"), joined by slow links
+    data: int = 1  # D: inner data parallel ranks inside a replica (fast links)
+    pipeline: int = 1  # P: pipeline stages
+    tensor: int = 1  # T: tensor-parallel ranks
+    schedule: str = "1f1b"  # gpipe | 1f1b | reference (the small hand-written oracle)
+    microbatches: int = 1
+    timeout_s: float = 600.0  # bound on every collective inside a replica (process groups' timeout); a stuck rank
+    # ends the run
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.data * self.pipeline * self.tensor
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text | memmap | hf
+    path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: dataset name or local files
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+    tokenizer: str = "byte"  # byte | bpe
+    bpe_vocab_size: int = 4096
+    cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
+    val_fraction: float = 0.02
+    max_bytes: int | None = 8_000_000  # cap on the raw corpus read (None = all)
+
+
+@dataclass
+class OptimConfig:
+    """Inner optimizer (AdamW) and its schedule."""
+
+    lr: float = 4e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant | linear
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # global-norm clipping across TP and PP ranks; 0 = off
+    name: str = "adamw"  # adamw | sgd (sgd only for equivalence tests)
+
+
+@dataclass
+class StreamingConfig:
+    fragments: int = 1  # K; 1 = plain (non-streaming) DiLoCo
+    tau: int = 0  # overlap in inner steps
+    alpha: float = 0.5  # mixing of local and global fragment params
+    pattern: str = "sequential"  # sequential | strided
+
+
+@dataclass
+class ElasticSection:
+    """Elastic replicas (docs/ELASTIC.md): each replica is its own torchrun job; the outer groups are formed per
+    outer step by a torchft lighthouse quorum of the replicas alive then."""
+
+    enabled: bool = False  # true: this job is ONE replica (parallel.replicas must be 1) of an elastic run
+    lighthouse: str | None = None  # http://host:port of the torchft lighthouse (`dilocox lighthouse`); null: the
+    # TORCHFT_LIGHTHOUSE environment variable
+    replica_rank: int = 0  # this replica's identity in [0, max_replicas): its data shard; keep it across restarts
+    min_replicas: int = 1  # fewest replicas an outer step may be averaged over; below it the survivors wait
+    # (quorum_timeout_s, logged) for a join, then stop with a clear message
+    initial_replicas: int | None = None  # replicas the first outer step waits for (bounded); null: min_replicas
+    max_replicas: int = 8  # upper bound on replica_rank (data shards, contributor count buffer)
+    timeout_s: float = 60.0  # bound on one outer all-reduce / commit / state transfer
+    quorum_timeout_s: float = 120.0  # bound on forming a quorum and on the wait below min_replicas
+    max_attempts: int = 3  # retries of one outer step whose all-reduce failed (a replica died in flight)
+    heartbeat_ms: int = 100  # how often the replica heartbeats the lighthouse
+
+
+@dataclass
+class OuterConfig:
+    """The outer loop (DiLoCo family). method=none means a single replica, no outer loop."""
+
+    method: str = "none"  # none | allreduce | diloco | cocktailsgd
+    sync_every: int = 100  # H inner steps per outer step
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    overlap: str = "none"  # none | delayed | eager
+    state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
+    blocking: bool = False  # true: wait for the outer all-reduce on the critical path
+    shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the
+    # slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs
+    # all (D x the bytes)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
+    timeout_s: float = 600.0  # bound on every wait across replicas (outer all-reduce, world-wide agreements); then
+    # every rank exits non-zero
+    warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many
+    # seconds while a wait lasts
+    elastic: ElasticSection = field(default_factory=ElasticSection)
+
+
+@dataclass
+class LowRankConfig:
+    enabled: bool = False
+    rank: int = 16
+    min_compression: float = 1.0  # only factor a matrix when (n+m)*r*2 < n*m / min_compression
+
+
+@dataclass
+class AdaptiveConfig:
+    enabled: bool = False
+    energy_eps: float = 0.05
+    window: int = 5
+    rank_min: int = 2
+    rank_max: int = 64
+    h_min: int = 10
+    h_max: int = 1000
+
+
+@dataclass
+class CompressConfig:
+    quant: str = "none"  # none | fp16 | int8 | int4
+    group_size: int = 128
+    collective: str = "auto"  # auto | allgather | reduce_scatter
+    error_feedback: bool = True
+    lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    # CocktailSGD (ALGORITHMS §8)
+    random_fraction: float = 0.1
+    topk_fraction: float = 0.08
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8  # sequences per replica per step (split into microbatches)
+    seq_len: int = 128
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    eval_every: int = 50
+    eval_batches: int = 4
+    max_tokens: int | None = None  # stop once this many tokens per replica were trained
+    stop_timeout_s: float = 60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not
+    # saved and exited by then
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None = <run_dir>/checkpoints
+    every: int = 0  # 0 = only at the end
+    keep: int = 2
+    resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds
+    # checkpoints) | <path to a step dir>
+    fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete
+    # checkpoint; false: stop
+    check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
+    resume_finished: str = "error"  # resumed checkpoint at/past train.steps: error (exit 2) | skip (exit 0); no writes
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = "runs/default"
+    every: int = 10
+    jsonl: bool = True
+    tensorboard: bool = True  # when the tensorboard package is installed
+    progress: bool = True  # progress bar on a TTY
+    wandb: bool = False  # also log to Weights & Biases (rank 0, config attached; WANDB_MODE=offline: no network)
+    wandb_project: str = "dilocox"  # W&B project; the W&B run is named after log.run_dir and writes to RUN_DIR/wandb
+
+
+@dataclass
+class SwarmConfig:
+    """SWARM / DiLoCo-SWARM (issue 11; `dilocox/swarm/`): several peer processes serve each pipeline stage."""
+
+    peers_per_stage: tuple = (2, 2)  # m_j peers serving stage j; its length is the number of stages
+    sync: str = "swarm"  # swarm: the stage's grads all-reduced every step, then one AdamW step | diloco: AdamW per
+    # peer, every outer.sync_every steps the stage's peers take the outer step (outer.lr, momentum, nesterov)
+    routing: str = "iwrr"  # iwrr (weighted round-robin on measured time) | random | fixed (sender k -> peer k mod m)
+    microbatch_size: int = 2  # sequences per microbatch; must divide train.batch_size (per stage-0 peer and step)
+    max_inflight: int = 2  # microbatches a stage-0 peer keeps in flight at once
+    activations: str = "none"  # none | fp16 | int8: codec of activations and their grads between stages
+    rpc_timeout_s: float = 30.0  # bound on one hop (its downstream work, and the peer's wait for its previous
+    # stage sync, included); then the peer is banned and the microbatch re-sent
+    ban_s: float = 10.0  # how long a peer that failed or timed out stays banned before it is tried again
+    step_timeout_s: float = 120.0  # bound on waiting for upstream end-of-step markers and for the previous sync
+    startup_timeout_s: float = 120.0  # bound on waiting for every peer's address at start-up
+    sync_timeout_s: float = 60.0  # bound on one stage sync (torchft quorum + all-reduce)
+    host: str = "127.0.0.1"  # address each peer binds and advertises
+    rebalance_period_s: float = 0.0  # every T s the launcher moves a peer of the least-loaded stage to the most-loaded
+    # one (SWARM App. D; the paper's T = 300); 0 = off. sync=diloco: the peer moves after an outer step and serves its
+    # new stage from that stage's next outer step on (needs outer.overlap=none). A peer moved into stage 0
+    # draws its own batch per step
+    rebalance_min_gain: float = 0.1  # a move is made only if it lowers the predicted max stage load by this fraction

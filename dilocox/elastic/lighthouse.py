@@ -1,0 +1,82 @@
+"""``dilocox lighthouse``: a torchft lighthouse in the foreground until SIGINT/SIGTERM.
+
+(``dilocox launch --elastic`` starts this command as a child process: ``dilocox.elastic.supervisor``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Sequence
+
+
+def lighthouse_main(argv: Sequence[str] | None = None) -> int:
+    """``dilocox lighthouse``: a torchft lighthouse in the foreground until SIGINT/SIGTERM (exit 0).
+
+    The first line of stdout is ``dilocox lighthouse: http://HOST:PORT ...``: the address to give the replicas
+    as ``--outer.elastic.lighthouse`` (HOST is the bind host, or this machine's name when bound to all)."""
+    p = argparse.ArgumentParser(prog="dilocox lighthouse", description=lighthouse_main.__doc__)
+    p.add_argument("--min-replicas", type=int, required=True, help="fewest replicas a quorum may have")
+    p.add_argument("--bind", default="0.0.0.0:0", help="HOST:PORT to listen on (port 0: any free port)")
+    p.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=2000, help="a replica silent this long is dropped (detection)"
+    )
+    p.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="how long a quorum waits for live stragglers; keep it above the replicas' phase-time skew",
+    )
+    a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a.min_replicas < 1:
+        p.error(f"--min-replicas {a.min_replicas} must be >= 1")
+    for name in ("heartbeat_timeout_ms", "join_timeout_ms"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1 (milliseconds)")
+    host, sep, port = a.bind.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        p.error(f"--bind {a.bind!r} is not HOST:PORT (e.g. 0.0.0.0:29510, [::]:0)")
+    stop = threading.Event()
+    got: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        got.append(signum)
+        stop.set()
+
+    prev = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        from dilocox.elastic import start_lighthouse
+
+        try:
+            lh = start_lighthouse(
+                a.min_replicas,
+                bind=a.bind,
+                heartbeat_timeout_ms=a.heartbeat_timeout_ms,
+                join_timeout_ms=a.join_timeout_ms,
+            )
+        except ImportError as e:
+            print(f"dilocox lighthouse: needs torchft: pip install torchft==0.2.0 ({e})", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001 - e.g. the port is taken: one line naming the bind address
+            print(f"dilocox lighthouse: cannot listen on {a.bind}: {e}", file=sys.stderr)
+            return 1
+        real_port = lh.address().rsplit(":", 1)[1]
+        shown = lh.address() if host in ("0.0.0.0", "[::]", "::") else f"http://{host}:{real_port}"
+        print(
+            f"dilocox lighthouse: {shown} (min_replicas={a.min_replicas}, heartbeat_timeout_ms="
+            f"{a.heartbeat_timeout_ms}, join_timeout_ms={a.join_timeout_ms}); stop with Ctrl-C or SIGTERM",
+            flush=True,
+        )
+        try:
+            while not stop.wait(0.5):
+                pass
+        finally:
+            lh.shutdown()
+        name = signal.Signals(got[0]).name if got else "?"
+        print(f"dilocox lighthouse: stopped ({name})", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        for sig, h in prev.items():
+            signal.signal(sig, h)

@@ -1,0 +1,84 @@
+"""The kill/restart schedule of ``dilocox launch --elastic``: ``R@X`` specs, and the step clock they can run on.
+
+Also ``LaunchError``, the one-line error of bad elastic-launch input (shared by the launcher modules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+
+class LaunchError(Exception):
+    """Bad elastic-launch input or a start-up failure: printed as one line."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """``kill`` or ``restart`` replica ``replica`` at ``at_s`` seconds after the replicas were started."""
+
+    kind: str
+    replica: int
+    at_s: float
+
+
+def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> list[Action]:
+    """``R@SECONDS`` specs -> actions sorted by time. A restart needs an earlier kill of the same replica;
+    a replica is not killed twice without a restart in between."""
+    acts = []
+    for kind, specs in (("kill", kills), ("restart", restarts)):
+        for spec in specs:
+            r, sep, t = str(spec).partition("@")
+            try:
+                if not sep:
+                    raise ValueError
+                rr, tt = int(r), float(t)
+            except ValueError:
+                raise LaunchError(f"--{kind} {spec!r} is not R@SECONDS (e.g. --{kind} 2@40)") from None
+            if not 0 <= rr < n:
+                raise LaunchError(f"--{kind} {spec!r}: replica {rr} is not in [0, {n}) (--elastic {n})")
+            if not (tt >= 0 and tt < float("inf")):
+                raise LaunchError(f"--{kind} {spec!r}: the time must be a finite number of seconds >= 0")
+            acts.append(Action(kind, rr, tt))
+    acts.sort(key=lambda a: (a.at_s, a.kind != "kill"))
+    alive = [True] * n
+    for a in acts:
+        if a.kind == "kill" and not alive[a.replica]:
+            raise LaunchError(f"--kill {a.replica}@{a.at_s:g}: replica {a.replica} is already killed then")
+        if a.kind == "restart" and alive[a.replica]:
+            raise LaunchError(
+                f"--restart {a.replica}@{a.at_s:g}: replica {a.replica} is running then; restart needs an earlier "
+                f"--kill {a.replica}@SECONDS"
+            )
+        alive[a.replica] = a.kind == "restart"
+    return acts
+
+
+# --------------------------------------------------------------------------- the step clock
+
+
+def last_step(metrics_path: str) -> int:
+    """The last ``step`` logged in a ``metrics.jsonl`` (0 if none yet); reads only the file's tail."""
+    try:
+        with open(metrics_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(tail):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the seek or by a kill
+        if isinstance(rec, dict) and "step" in rec:
+            return int(rec["step"])
+    return 0
+
+
+def step_clock(run_dir: str, n: int) -> Callable[[], float]:
+    """A schedule clock in training steps: the highest step any replica logged in RUN/replica<r>/metrics.jsonl."""
+    paths = [os.path.join(run_dir, f"replica{r}", "metrics.jsonl") for r in range(n)]
+    return lambda: float(max(last_step(p) for p in paths))

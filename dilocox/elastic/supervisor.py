@@ -1,0 +1,300 @@
+"""The process side of ``dilocox launch --elastic``: ``ElasticLaunch`` starts the lighthouse and one job per
+replica (in network namespaces or on loopback), applies the kill/restart schedule, and stops everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Callable, Sequence
+
+from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged, tagged_pids
+from dilocox.elastic.schedule import Action, LaunchError
+from dilocox.launch.netns import HUB_ADDR, Cluster, kill_group
+
+LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
+LIGHTHOUSE_START_S = 60.0  # the lighthouse prints its address within this (torchft import included)
+HOST_ENV = "DILOCOX_ELASTIC_HOST"  # the address a replica's torchft manager advertises (netns: its namespace's)
+_ADDR_RE = re.compile(r"https?://\S+")
+
+
+class _Replica:
+    def __init__(self, r: int) -> None:
+        self.r = r
+        self.proc: subprocess.Popen | None = None
+        self.tag = ""
+        self.incarnation = -1
+        self.killed = False  # by the schedule; its exit is not a failure
+        self.code: int | None = None  # exit code of the current incarnation once it exited
+        self.log = None
+
+
+class ElasticLaunch:
+    """Start the lighthouse and N replica jobs, run the schedule, and clean everything up (``run``).
+
+    ``replica_argv(r, lighthouse_addr)``: the command of replica r. ``lighthouse_argv(bind)``: the
+    lighthouse's command (default: ``python -m dilocox.cli lighthouse``); the launcher reads the address it
+    prints. ``cluster``: a started ``Cluster(n, hub=True)`` to run in (None: this namespace, loopback).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        replica_argv: Callable[[int, str], list[str]],
+        run_dir: str,
+        *,
+        min_replicas: int = 1,
+        schedule: Sequence[Action] = (),
+        env: dict | None = None,
+        cluster: Cluster | None = None,
+        lighthouse_argv: Callable[[str], list[str]] | None = None,
+        lighthouse_opts: Sequence[str] = (),
+        timeout_s: float = 3600.0,
+        stop_timeout_s: float = 60.0,
+        log: Callable[[str], None] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if n < 1:
+            raise LaunchError(f"--elastic {n}: the number of replicas must be >= 1")
+        self.n, self.replica_argv, self.run_dir = n, replica_argv, run_dir
+        self.min_replicas, self.schedule = min_replicas, sorted(schedule, key=lambda a: a.at_s)
+        self.env = dict(os.environ if env is None else env)
+        self.cluster, self.timeout_s, self.stop_timeout_s = cluster, timeout_s, stop_timeout_s
+        self.clock = clock  # what the schedule's times are read against (None: seconds since the replicas started)
+        self.lighthouse_opts = list(lighthouse_opts)
+        self._lh_argv = lighthouse_argv or (
+            lambda bind: [
+                sys.executable,
+                "-m",
+                "dilocox.cli",
+                "lighthouse",
+                "--min-replicas",
+                str(min_replicas),
+                "--bind",
+                bind,
+                *self.lighthouse_opts,
+            ]
+        )
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.launch_id = uuid.uuid4().hex[:12]
+        self.replicas = [_Replica(r) for r in range(n)]
+        self.lighthouse: subprocess.Popen | None = None
+        self.lighthouse_addr = ""
+        self.t0 = time.time()
+        self.events_path = os.path.join(run_dir, "events.jsonl")
+        self._events = None
+        self._signals: list[int] = []
+
+    # events ---------------------------------------------------------------------------
+    def event(self, kind: str, **fields: object) -> dict:
+        now = time.time()
+        rec = {"event": kind, "wall": round(now, 3), "t": round(now - self.t0, 3), **fields}
+        if self._events is not None:
+            self._events.write(json.dumps(rec) + "\n")
+            self._events.flush()
+        return rec
+
+    # processes ------------------------------------------------------------------------
+    def _popen(self, argv: list[str], env: dict, r: int | None, **kw: object) -> subprocess.Popen:
+        if self.cluster is None:
+            return subprocess.Popen(argv, env=env, start_new_session=True, **kw)
+        if r is None:
+            return self.cluster.exec_hub(argv, env=env, **kw)
+        return self.cluster.exec(r, argv, env=env, **kw)
+
+    def _start_lighthouse(self) -> None:
+        bind = f"{HUB_ADDR}:{LIGHTHOUSE_PORT}" if self.cluster is not None else "127.0.0.1:0"
+        err = open(os.path.join(self.run_dir, "lighthouse.log"), "a")
+        argv = self._lh_argv(bind)
+        self.lighthouse = self._popen(argv, self.env, None, stdout=subprocess.PIPE, stderr=err, text=True)
+        err.close()
+        lines: queue.Queue = queue.Queue()
+
+        def pump(f) -> None:  # reads stdout to its end: the address line first, later lines are dropped
+            for line in f:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, args=(self.lighthouse.stdout,), daemon=True).start()
+        deadline = time.monotonic() + LIGHTHOUSE_START_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._signals:
+                raise LaunchError(
+                    f"the lighthouse printed no address within {LIGHTHOUSE_START_S:.0f} s (see {self.run_dir}/"
+                    f"lighthouse.log)"
+                    if not self._signals
+                    else "interrupted while starting the lighthouse"
+                )
+            try:
+                line = lines.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                code = self.lighthouse.wait(timeout=10)
+                raise LaunchError(
+                    f"the lighthouse exited ({code}) before printing its address; see {self.run_dir}/lighthouse.log"
+                )
+            m = _ADDR_RE.search(line)
+            if m:
+                self.lighthouse_addr = m.group(0)
+                break
+        self.event("lighthouse", address=self.lighthouse_addr, pid=self.lighthouse.pid)
+        self.log(f"dilocox launch: lighthouse at {self.lighthouse_addr}")
+
+    def _start_replica(self, rep: _Replica, kind: str) -> None:
+        rep.incarnation += 1
+        rep.tag = f"dilocox-elastic-{self.launch_id}-r{rep.r}-{rep.incarnation}"
+        env = dict(self.env, **{RUN_TAG_ENV: rep.tag})
+        if self.cluster is not None:
+            ifname = self.cluster.ifname(rep.r)
+            env.update(GLOO_SOCKET_IFNAME=ifname, DILOCOX_EMULATION="netns", **{HOST_ENV: self.cluster.addr(rep.r)})
+        log_path = os.path.join(self.run_dir, f"replica{rep.r}.log")
+        if rep.log is None:
+            rep.log = open(log_path, "a")
+        rep.log.write(f"==== {kind} (incarnation {rep.incarnation}) at {time.time():.3f}\n")
+        rep.log.flush()
+        argv = self.replica_argv(rep.r, self.lighthouse_addr)
+        rep.proc = self._popen(argv, env, rep.r, stdout=rep.log, stderr=subprocess.STDOUT)
+        rep.killed, rep.code = False, None
+        self.event(kind, replica=rep.r, pid=rep.proc.pid, incarnation=rep.incarnation)
+
+    def _kill_replica(self, rep: _Replica, sig: int = signal.SIGKILL) -> list[int]:
+        """``sig`` to the replica's process group and to every process with its tag (other sessions too)."""
+        if rep.proc is None:
+            return []
+        kill_group(rep.proc.pid, sig)
+        return kill_tagged(rep.tag, sig) if rep.tag else []
+
+    def _reap_replica(self, rep: _Replica, timeout_s: float = 10.0) -> None:
+        """Wait (bounded) until the replica's process and everything with its tag is gone (after a SIGKILL)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if rep.proc is not None and rep.proc.poll() is None:
+                time.sleep(0.05)
+                continue
+            if not tagged_pids(rep.tag):
+                return
+            kill_tagged(rep.tag, signal.SIGKILL)
+            time.sleep(0.05)
+        self.log(f"dilocox launch: replica {rep.r}: processes {tagged_pids(rep.tag)} still there after SIGKILL")
+
+    # the run --------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    def run(self) -> int:
+        """Run everything; return 0 when every replica's last incarnation exited 0 (128+sig after a signal)."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._events = open(self.events_path, "a")
+        main = threading.current_thread() is threading.main_thread()
+        prev = {}
+        if main:
+            prev = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.t0 = time.time()
+            self._start_lighthouse()
+            for rep in self.replicas:
+                self._start_replica(rep, "start")
+            return self._loop()
+        finally:
+            self._shutdown()
+            for sig, h in prev.items():
+                signal.signal(sig, h)
+            self._events.close()
+            self._events = None
+            for rep in self.replicas:
+                if rep.log is not None:
+                    rep.log.close()
+
+    def _loop(self) -> int:
+        t_start = time.monotonic()
+        pending = list(self.schedule)
+        while True:
+            now = time.monotonic() - t_start
+            at = now if self.clock is None else self.clock()
+            if self._signals:
+                sig = self._signals[0]
+                self.event("stop", signal=signal.Signals(sig).name)
+                self._stop_replicas(signal.SIGTERM)
+                return 128 + sig
+            if now > self.timeout_s:
+                self.event("stop", reason="timeout", timeout_s=self.timeout_s)
+                self.log(f"dilocox launch: the run passed --timeout {self.timeout_s:g} s: stopping it")
+                self._stop_replicas(signal.SIGTERM)
+                return 124
+            for rep in self.replicas:
+                if rep.proc is not None and rep.code is None and (code := rep.proc.poll()) is not None:
+                    rep.code = code
+                    if not rep.killed:
+                        self.event("exit", replica=rep.r, code=code, incarnation=rep.incarnation)
+                        level = "finished" if code == 0 else f"exited with code {code}"
+                        self.log(f"dilocox launch: replica {rep.r} {level} (log {self.run_dir}/replica{rep.r}.log)")
+            running = [rep for rep in self.replicas if rep.code is None]
+            while pending and pending[0].at_s <= at:
+                act = pending.pop(0)
+                rep = self.replicas[act.replica]
+                if act.kind == "kill":
+                    if rep.code is not None:
+                        self.event("kill", replica=rep.r, skipped="already exited")
+                        continue
+                    rep.killed = True
+                    pids = self._kill_replica(rep, signal.SIGKILL)
+                    self._reap_replica(rep)
+                    rep.code = rep.proc.poll() if rep.proc.poll() is not None else -signal.SIGKILL
+                    self.event(
+                        "kill", replica=rep.r, pid=rep.proc.pid, tagged_pids=pids, incarnation=rep.incarnation, at=at
+                    )
+                    self.log(f"dilocox launch: killed replica {rep.r} (SIGKILL) at {now:.1f} s{self._where(at)}")
+                else:
+                    if not running:
+                        self.event("restart", replica=rep.r, skipped="no replica left running")
+                        continue
+                    self._start_replica(rep, "restart")
+                    self.log(f"dilocox launch: restarted replica {rep.r} at {now:.1f} s{self._where(at)}")
+                running = [rep for rep in self.replicas if rep.code is None]
+            if not running:
+                break
+            time.sleep(0.05)
+        for act in pending:
+            self.event(act.kind, replica=act.replica, skipped="the run ended first", at_s=act.at_s)
+        codes = [rep.code for rep in self.replicas if not rep.killed]
+        return next((c for c in codes if c), 0)
+
+    def _where(self, at: float) -> str:
+        return "" if self.clock is None else f" (schedule clock {at:g})"
+
+    def _stop_replicas(self, sig: int) -> None:
+        """Ask (``sig``; torchrun forwards it: the ranks save and exit), wait ``stop_timeout_s``, then SIGKILL."""
+        live = [rep for rep in self.replicas if rep.proc is not None and rep.proc.poll() is None]
+        for rep in live:
+            kill_group(rep.proc.pid, sig)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for rep in live:
+            try:
+                rep.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.log(f"dilocox launch: replica {rep.r} did not stop within {self.stop_timeout_s:g} s: SIGKILL")
+
+    def _shutdown(self) -> None:
+        for rep in self.replicas:
+            if rep.proc is not None:
+                self._kill_replica(rep, signal.SIGKILL)
+                self._reap_replica(rep)
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            kill_group(self.lighthouse.pid, signal.SIGTERM)
+            try:
+                self.lighthouse.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_group(self.lighthouse.pid, signal.SIGKILL)
+                self.lighthouse.wait(timeout=10)
+        if self.lighthouse is not None and self._events is not None:
+            self.event("lighthouse_stopped", code=self.lighthouse.returncode)
