@@ -1,6 +1,6 @@
 # Two commands do all the set-up (see README):
 #   make train   -> installs, then trains the tiny GPT-2 on the embedded corpus (CPU is fine)
-#   make test    -> installs, then runs the test suite
+#   make test    -> installs, then runs the fast tier of the tests (make test-all: every test, as CI)
 PYTHON ?= python3
 export OMP_NUM_THREADS ?= 1
 # One stamp per interpreter (a hash of its sys.executable): a second virtual environment, or
@@ -11,7 +11,10 @@ $(error PYTHON=$(PYTHON) does not run; set PYTHON to a Python >= 3.10 interprete
 endif
 STAMP := .install-$(PY_ID).stamp
 
-.PHONY: install train test bench-kernels clean
+# test workers (pytest-xdist): most multi-process tests wait on sockets and timers, so 2 cores keep 2 busy
+XDIST ?= 2
+
+.PHONY: install train test test-all bench-kernels clean
 
 install: $(STAMP)
 
@@ -26,8 +29,13 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/*.cu)
 train: install
 	$(PYTHON) -m dilocox.cli train configs/tiny.yaml
 
+# the fast tier: every subsystem at least once (the tests not marked slow), minutes
 test: install
-	$(PYTHON) -m pytest -q --durations=25 tests
+	$(PYTHON) -m pytest -q -n $(XDIST) -m "not slow" --durations=15 tests
+
+# everything (CI): the fast tier + the slow tests (multi-process faults, convergence, namespaces)
+test-all: install
+	$(PYTHON) -m pytest -q -n $(XDIST) --durations=25 tests
 
 bench-kernels: install
 	$(PYTHON) -m dilocox.cli bench kernels

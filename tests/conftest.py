@@ -7,3 +7,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (a stable sort): with ``-n`` workers (pytest-xdist) the long ones start at once
+    instead of being dealt last, so no worker runs a 60 s test alone at the end."""
+    items.sort(key=lambda it: 0 if it.get_closest_marker("slow") else 1)

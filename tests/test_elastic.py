@@ -99,6 +99,7 @@ def _err_tail(tmp_path, r: int) -> str:
         return "".join(line for line in f.readlines() if "[INFO]" not in line)[-3000:]
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~10-15 s: 3 replica processes + torchft start-up on 2 shared cores
 @pytest.mark.parametrize("die_mode", ["inflight"])  # mid-phase: tests/test_elastic_outer.py (real outer loop)
 def test_kill9_one_of_three_survivors_average_over_live(tmp_path, die_mode):
@@ -171,6 +172,7 @@ def test_below_min_replicas_clear_error_within_wait(tmp_path):
         assert [x["step"] for x in recs[r] if x["event"] == "step"] == [0, 1]
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~15 s
 def test_late_replica_is_not_averaged_in_and_stops_clearly(tmp_path):
     """A replica started after the others committed step 1 is behind torchft's max step: its buffer is

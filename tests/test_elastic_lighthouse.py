@@ -212,6 +212,7 @@ def _steps(recs: list[dict]) -> list[dict]:
     return [x for x in recs if x["event"] == "step"]
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_lighthouse_restarted_replicas_wait_and_continue(tmp_path, monkeypatch):
     """Without keeping the quorum: the survivors wait for the new lighthouse and go on without a restart."""
@@ -234,6 +235,7 @@ def test_lighthouse_restarted_replicas_wait_and_continue(tmp_path, monkeypatch):
         assert nxt["t"] - res["t_lighthouse_kill"] < 1.0 + s["restart_to_listening_s"] + phase_s + 3.0, s
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_lighthouse_restart_keeps_the_quorum_without_a_stall(tmp_path, monkeypatch):
     """Keeping the last quorum: the survivors train through the outage at phase pace, then use the new
@@ -257,6 +259,7 @@ def test_lighthouse_restart_keeps_the_quorum_without_a_stall(tmp_path, monkeypat
         assert after[0]["kept_total"] == after[-1]["kept_total"], s  # new quorums from the restarted lighthouse
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.parametrize("keep", [True, False], ids=["keep", "wait"])
 def test_lighthouse_restart_with_a_replica_lost_during_the_outage(tmp_path, monkeypatch, keep):
@@ -280,6 +283,7 @@ def test_lighthouse_restart_with_a_replica_lost_during_the_outage(tmp_path, monk
     assert s["oracle_ok"][:2] == [True, True], s
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.parametrize("keep", [True], ids=["keep"])  # wait mode's bound: the unit test of the deadline above
 def test_lighthouse_that_stays_down_gives_the_clear_error_in_time(tmp_path, monkeypatch, keep):

@@ -30,6 +30,7 @@ def _records(path) -> list[dict]:
         return [json.loads(x) for x in f if x.strip()]
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~60-120 s
 @pytest.mark.skipif(not OK, reason=f"network namespaces unavailable: {WHY}")
 def test_link_down_is_a_dead_replica_and_it_rejoins_when_the_link_returns(tmp_path):

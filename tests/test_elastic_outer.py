@@ -107,6 +107,7 @@ def _err(tmp_path, r: int) -> str:
         return "".join(line for line in f if "[INFO]" not in line)[-3000:]
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~60-90 s: 3-4 replica processes with torchft on 2 shared cores
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
 def test_kill9_mid_phase_then_rejoin_matches_oracle(tmp_path, overlap):
@@ -141,6 +142,7 @@ def test_kill9_mid_phase_then_rejoin_matches_oracle(tmp_path, overlap):
     assert any((wrong[0][k] - got[0][k]).abs().max() > 1e-4 for k in got[0])
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~40-60 s
 def test_kill9_while_allreduce_in_flight_survivors_go_on(tmp_path):
     """Delayed overlap: replica 2 dies once the quorum of its sync at step 8 has formed (its peers' all-reduce with
@@ -163,6 +165,7 @@ def test_kill9_while_allreduce_in_flight_survivors_go_on(tmp_path):
         torch.testing.assert_close(got[0][k], ref[0][k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~60-90 s
 def test_compressed_outer_allreduce_across_kill_and_rejoin(tmp_path):
     """Low-rank + int4 outer all-reduce (the compressor's own collectives over the torchft quorum's group), delayed

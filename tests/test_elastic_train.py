@@ -99,6 +99,7 @@ class _Run:
         self.lh.shutdown()
 
 
+@pytest.mark.fault
 @pytest.mark.slow  # ~90-150 s: 3 training processes + a restart on 2 shared cores
 def test_train_kill9_replica_and_restart_rejoins_bit_identical(tmp_path):
     """3 replicas; replica 2 SIGKILLed mid-run and restarted with the same command: the survivors go on, the

@@ -167,6 +167,7 @@ def test_lighthouse_command_rejects_bad_input(capsys):
 # --------------------------------------------------------------------------- launch --elastic, fake replicas
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_elastic_launch_kills_and_restarts_on_schedule(tmp_path):
     run_dir = tmp_path / "run"
@@ -558,6 +559,7 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- launch --elastic + torchft, for real
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed")
 def test_elastic_launch_kill_is_a_dead_replica_to_torchft(tmp_path):

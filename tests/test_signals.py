@@ -43,6 +43,7 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> tuple[int | None, floa
         return None, time.monotonic() - t0
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_every_rank_with_a_checkpoint(tmp_path, sig):

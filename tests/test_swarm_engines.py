@@ -69,6 +69,7 @@ def test_torchft_average_two_peers_exact_mean():
     assert res["startup"]["lighthouse_s"] is not None and res["startup"]["start_s"]["n"] == 2
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_torchft_recovery_after_kill_within_heartbeat_bound():
     _torchft()

@@ -70,13 +70,19 @@ def test_hub_that_fails_to_start_is_one_line_exit_1(capsys, monkeypatch, tmp_pat
     import dilocox.swarm.netns as swarm_netns
 
     monkeypatch.setattr(swarm_netns, "STORE_PORT", 70000)
-    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    mine = f"dilocox-{os.getpid()}-"  # the namespaces this process creates (other tests run beside it: -n)
+    before = [
+        n
+        for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+        if n.startswith(mine)
+    ]
     rc, _, err = _cli(["swarm", TINY_YAML, "--netns", "--peers", "1,1", "--out", str(tmp_path), *TINY], capsys)
     assert rc == 1, err
     last = err.strip().splitlines()[-1]
     assert last.startswith("swarm job: the swarm hub (store + lighthouses) exited with code"), err
     assert "hub.log" in last and "Traceback" not in err, err
-    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    after = [n for n in listed.split() if n.startswith(mine)]
     assert after == before, f"namespaces left: {after}"
     assert not _left_in(str(tmp_path))
 

@@ -369,6 +369,7 @@ def _killer(tmp_path, victim_name: str, kill_at: int, killed: dict):
 DIE_WIRING = "--swarm.routing=random"
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_kill_stage1_peer_training_goes_on(tmp_path):
     """kill -9 of s1p1 mid-step, after it served microbatches of that step (``--die-mid-step``: it kills itself when
@@ -422,6 +423,7 @@ def test_kill_stage1_peer_training_goes_on(tmp_path):
     assert sum(loss[-4:]) / 4 < sum(loss[:4]) / 4 - 0.05, loss
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_kill_middle_peer_replays_without_double_count(tmp_path):
     """Stages [1, 2, 1]: s1p1 (the middle stage) dies mid-step after serving microbatches (``--die-mid-step``: at
@@ -462,6 +464,7 @@ def test_kill_middle_peer_replays_without_double_count(tmp_path):
                 torch.testing.assert_close(g, ref_grads[died][n], rtol=1e-3, atol=1e-5, msg=f"{name} {n}")
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 def test_kill_stage0_peer_downstream_drops_it_at_once(tmp_path):
     """A dead stage-0 peer never sends its end-of-step: the stage-1 peers find it unreachable (ping) and sync
@@ -607,6 +610,7 @@ def _prewarmed_restart(la, stage: int, index: int, trigger: str) -> None:
     la.procs.append(PeerProc(stage, index, proc, victim.log_path, cmd))
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["swarm", "diloco"])
 def test_killed_peer_restarts_joins_and_matches_its_stage(tmp_path, monkeypatch, sync):

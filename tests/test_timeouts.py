@@ -77,6 +77,7 @@ def _namespaces(pid: int) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"dilocox-{pid}-")]
 
 
+@pytest.mark.fault
 @pytest.mark.slow
 @needs_netns
 def test_link_down_ends_every_process_nonzero_within_60s(tmp_path):

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 
+from dilocox.swarm.common import peer_name
 from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
 
 log = logging.getLogger("dilocox.swarm.membership")
@@ -212,8 +213,6 @@ def _tell(peer, targets: list[str], method: str, meta: dict) -> dict[str, dict]:
 
 def announce(peer, first_step: int, members: list[list[int]]) -> None:
     """A joined peer (serving from ``first_step``) says hello to the peers of the stages before and after it."""
-    from dilocox.swarm.peer import peer_name
-
     meta = {"sender": peer.name, "addr": peer.server.addr, "from_step": first_step}
     if peer.stage > 0:
         ups = [peer_name(peer.stage - 1, i) for i in members[peer.stage - 1]]

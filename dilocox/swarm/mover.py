@@ -32,8 +32,8 @@ import os
 import threading
 import time
 
+from dilocox.swarm.common import peer_name, split_peer_name, store_key
 from dilocox.swarm.membership import MEMBERS_KEY, window
-from dilocox.swarm.peer import peer_name, store_key
 from dilocox.swarm.rebalance import PeerLoad, plan_move
 from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
 
@@ -63,7 +63,7 @@ class Mover(threading.Thread):
         self.store.set(MEMBERS_KEY, json.dumps(self.members))
 
     def _addr(self, name: str) -> str | None:
-        key = store_key(*_split(name))
+        key = store_key(*split_peer_name(name))
         try:  # (get would block until the key exists: check first)
             return self.store.get(key).decode() if self.store.check([key]) else None
         except Exception:  # noqa: BLE001 - not published (yet)
@@ -146,7 +146,7 @@ class Mover(threading.Thread):
         rec: dict = {"peer": name, "from": src, "to": dst, "joiner": joiner, "plan": move.describe()}
         rec["tokens_s_before"] = before
         old = [list(m) for m in self.members]
-        self.members[src].remove(_split(name)[1])
+        self.members[src].remove(split_peer_name(name)[1])
         self.members[dst].append(new)
         self._set_members()  # before the leave: the moved peer reads it when it joins its new stage
         move_to = {"stage": dst, "index": new, "lighthouse": self.la.lighthouse(dst), "args": self.extra_for(dst, new)}
@@ -200,10 +200,6 @@ class Mover(threading.Thread):
         rec["line"] = line
         self._record(rec)
         self.prev = {}  # the next decision measures a fresh window
-
-
-def _split(name: str) -> tuple[int, int]:
-    return int(name[1 : name.index("p")]), int(name[name.index("p") + 1 :])
 
 
 class RemoteControl:

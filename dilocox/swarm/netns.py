@@ -35,7 +35,7 @@ from typing import Callable
 
 from dilocox.config import Config, load_config
 from dilocox.launch.netns import HUB_ADDR, Cluster, netns_available
-from dilocox.swarm.peer import peer_name
+from dilocox.swarm.common import peer_name
 from dilocox.swarm.runtime import SwarmLauncher
 
 log = logging.getLogger("dilocox.swarm.netns")

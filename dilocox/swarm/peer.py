@@ -57,12 +57,10 @@ log, gradients dumped at the steps given by ``--dump-grads``) where name is ``s{
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -77,87 +75,24 @@ from dilocox.elastic import ElasticError
 from dilocox.model import build_stage_model
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import membership, peer_sync
+from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, store_key
+from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
-from dilocox.swarm.routing import NoLivePeer, RandomRouter, build_router
-from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
+from dilocox.swarm.peer_sync import DiLoCoStageSync
+from dilocox.swarm.routing import NoLivePeer
+from dilocox.swarm.step_end import StepEnd
+from dilocox.swarm.transport import NotServing, RemoteError, RpcServer
+
+# (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at, make_router, ...`` keeps working)
+__all__ = ["DIGEST_ENV", "DiLoCoStageSync", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
 
 log = logging.getLogger("dilocox.swarm.peer")
-DIGEST_ENV = "DILOCOX_SWARM_DIGESTS"  # set (tests): every sync record carries a hash of the params + AdamW state
 
 
-class SwarmError(RuntimeError):
-    """A SWARM peer cannot go on (a bounded wait ran out, or a stage lost every peer)."""
-
-
-def peer_name(stage: int, index: int) -> str:
-    return f"s{stage}p{index}"
-
-
-def store_key(stage: int, index: int) -> str:
-    return f"swarm/stage{stage}/peer{index}"
-
-
-class FixedRouter(RandomRouter):
-    """``swarm.routing=fixed``: a static pipeline: the sender with index k always sends to peer ``k mod m`` of the
-    next stage (with one peer per stage: peer 0), or to the next live one in order when that one is banned."""
-
-    offset = 0  # the sender's index within its stage
-
-    def choose(self):
-        live = set(self.live())
-        if not live:
-            raise self._no_live()
-        order = list(self.until)  # every known peer, in insertion (index) order
-        start = self.offset % len(order)
-        return next(p for p in order[start:] + order[:start] if p in live)
-
-
-def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int, offset: int = 0):
-    if kind == "fixed":
-        r = FixedRouter(peers, name=name, ban_s=ban_s)
-        r.offset = offset
-        return r
-    return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """The inner schedule of ``dilocox.train`` (imported lazily: train pulls in the whole trainer)."""
-    from dilocox.train import lr_at as train_lr_at
-
-    return train_lr_at(step, cfg)
-
-
-class DiLoCoStageSync:
-    """DiLoCo's outer step over the peers of one stage (ALGORITHMS §1, no overlap, one fragment).
-
-    Holds the stage's outer params θ and Nesterov momentum v (``OuterState``, flat fp32). ``step()``: the
-    pseudo-gradient Δ = θ - θ_m of this peer, its mean over the contributing peers of the stage (``group``:
-    anything with ``allreduce_mean(flat) -> result.mean/.contributors``, the ``ElasticOuterGroup``; None for
-    a one-peer stage), θ ← OuterOpt(θ, mean Δ), then every peer loads θ into its params.
-    """
-
-    def __init__(self, params: list[Tensor], ocfg, group=None) -> None:
-        from dilocox.outer.state import OuterState
-
-        self.params, self.ocfg, self.group = params, ocfg, group
-        self.state = OuterState(params, [list(range(len(params)))], "host")
-
-    @torch.no_grad()
-    def step(self) -> dict:
-        o, st = self.ocfg, self.state
-        delta = st.flatten(st.pseudo_gradient(0))
-        rec: dict = {"outer": True}
-        if self.group is not None:
-            res = self.group.allreduce_mean(delta)
-            delta = res.mean
-            rec["outer_contributors"] = res.contributors
-        st.outer_step(0, delta, o.lr, o.momentum, o.nesterov)
-        st.load_params(0)
-        return rec
-
-
-class SwarmPeer:
-    """Stage ``stage``, peer ``index`` of a SWARM job (module docstring)."""
+class SwarmPeer(MicrobatchHops, StepEnd):
+    """Stage ``stage``, peer ``index`` of a SWARM job (module docstring). The microbatch path is in
+    ``swarm/hops.py``, the end of a step (markers, replay) in ``swarm/step_end.py``, the stage sync helpers and the
+    join in ``swarm/peer_sync.py``."""
 
     def __init__(
         self,
@@ -317,7 +252,9 @@ class SwarmPeer:
                 )
             )
             if self.s.sync == "swarm":  # (diloco: the DiLoCo outer object sets its own state transfer)
-                self.group.set_state_fns(self._state_for_joiner, self._load_from_peer)
+                self.group.set_state_fns(
+                    lambda: peer_sync.state_for_joiner(self), lambda sd: peer_sync.load_from_peer(self, sd)
+                )
         if self.s.sync == "diloco":
             self.outer = self._build_outer()
         self.ready.set()
@@ -414,131 +351,9 @@ class SwarmPeer:
         info["gact"] = gmeta.to_dict()
         return info, {"grad": payload}
 
-    # ------------------------------------------------------------------ the microbatch
-    def _process(
-        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None, down_mode: str = ""
-    ) -> tuple[Tensor | None, dict]:
-        """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
-        busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
-        if self.delay_s and not self.delay_serial:
-            time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
-        with self.meter.hold(self.lock):  # (the meter: this peer's queue and throughput, for rebalancing)
-            t = time.monotonic()
-            if self.delay_s and self.delay_serial:
-                time.sleep(self.delay_s)  # injected slower compute: holds the compute lock (heterogeneous peers)
-            out = self.model(x)
-            self.visits.append((step, mb, "fwd"))
-            busy += time.monotonic() - t
-        if self.last:
-            with self.meter.hold(self.lock, done=True):
-                t = time.monotonic()
-                self._check_deadline(deadline, step, mb)
-                loss = self.model.loss(out.float(), labels)
-                loss.backward()
-                self.visits.append((step, mb, "bwd"))
-                self.count += 1
-                self.counted.setdefault(step, set()).add(mb)
-                self.loss_sum += float(loss.detach())
-                self._pace(busy + time.monotonic() - t)
-                self.busy_s += busy + time.monotonic() - t
-            info = {"loss": float(loss.detach()), "route": [self.name]}
-        else:
-            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline, mode=down_mode)
-            with self.meter.hold(self.lock, done=True):
-                t = time.monotonic()
-                self._check_deadline(deadline, step, mb)
-                out.backward(gy.to(out.dtype))
-                self.visits.append((step, mb, "bwd"))
-                self.count += 1
-                self.counted.setdefault(step, set()).add(mb)
-                self.routed[peer] = self.routed.get(peer, 0) + 1
-                self._pace(busy + time.monotonic() - t)
-                self.busy_s += busy + time.monotonic() - t
-            info["route"] = [self.name, *info["route"]]
-        return (x.grad if x.requires_grad else None), info
-
-    def _pace(self, spent: float) -> None:
-        """--pace-s: sleep the rest of the microbatch's pace (called with the compute lock held, so it occupies the
-        peer); ``spent``: its compute so far (forward + backward, lock held)."""
-        if self.pace_s > spent:
-            time.sleep(self.pace_s - spent)
-
-    def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
-        if deadline is not None and time.monotonic() > deadline:
-            self.visits.append((step, mb, "abandoned"))
-            raise SwarmError(f"{self.name}: microbatch {mb} came back after its caller's timeout: dropped here")
-        if self._sync_entered >= step:  # a replay that came too late: its gradient would miss (or corrupt) the sync
-            self.visits.append((step, mb, "late"))
-            raise SwarmError(f"{self.name}: microbatch {mb} arrived after that step's sync (step {step}): dropped")
-
-    def hop_timeout(self) -> float:
-        """Bound on a call from this stage: the next hop's work and one re-send per stage below it."""
-        return self.s.rpc_timeout_s * 2 ** max(0, self.n - 2 - self.stage)
-
-    def _send(
-        self,
-        step: int,
-        mb: str,
-        y: Tensor | None,
-        labels: Tensor,
-        deadline: float | None = None,
-        mode: str = "",
-        enc: tuple | None = None,
-    ) -> tuple[Tensor, dict, str]:
-        """``mode``: "" | "replay" | "grad_only" (a flag of the request, module doc); ``enc``: (payload, ActMeta)
-        already encoded (a replay re-sends what it sent before)."""
-        payload, ameta = enc if enc is not None else act_codec.encode(y, self.s.activations)
-        while True:
-            with self.router_lock:
-                try:
-                    peer = self.router.choose()
-                except NoLivePeer as e:
-                    raise SwarmError(f"{self.name}: {e}") from e
-            timeout = self.hop_timeout()
-            if deadline is not None:
-                timeout = min(timeout, deadline - time.monotonic())
-                if timeout <= 0:
-                    raise SwarmError(f"{self.name}: no time left to send microbatch {mb} on (its caller gave up)")
-            t0 = time.monotonic()
-            flag = {mode: True} if mode else {}
-            try:
-                meta, tens = call(
-                    self.addrs[peer],
-                    "forward",
-                    {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict(), **flag},
-                    {"x": payload, "labels": labels},
-                    timeout_s=timeout,
-                )
-            except PeerUnavailable as e:
-                if self._refresh_addr(peer):
-                    continue  # it was restarted at a new address: try it there
-                with self.router_lock:
-                    self.router.failed(peer)
-                self.bans.append({"step": step, "mb": mb, "peer": peer, "reason": e.reason, "t": time.time()})
-                msg = "%s: banned %s for %.0fs (%s); re-sending microbatch %s"
-                log.warning(msg, self.name, peer, self.s.ban_s, e.reason, mb)
-                continue
-            now = time.monotonic()
-            with self.router_lock:
-                # the peer's time per microbatch as this sender sees it: from the later of this request's send and
-                # the previous reply from that peer (when several of this sender's requests queue there, the round
-                # trip would count the queue too, and IWRR would equalise latencies instead of following throughput)
-                self.router.done(peer, now - max(t0, self.last_done.get(peer, t0)))
-                self.last_done[peer] = now
-            with self.lock:
-                link = self.link_bytes.setdefault(peer, [0, 0])
-                link[0] += payload.numel() + labels.numel() * labels.element_size()
-                link[1] += tens["grad"].numel()
-            gy = act_codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
-            if mode != "grad_only":  # it completed there: that peer holds its gradient (replayed if it dies)
-                with self.lock:
-                    entry = (mb, self.addrs[peer], payload, ameta.to_dict(), labels)
-                    self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
-            return gy, meta, peer
-
     # ------------------------------------------------------------------ steps
     def run(self) -> None:
-        start = self._join() if self.join else 0
+        start = peer_sync.join_swarm(self) if self.join else 0
         if self.join:  # tell the neighbouring stages (a peer moved here by rebalancing is new to them)
             membership.announce(self, start, self.members)
         for k in range(start, self.steps):
@@ -600,264 +415,7 @@ class SwarmPeer:
             self.routes[i] = info["route"]
         return {"loss": sum(losses) / len(losses), "mb_losses": losses}
 
-    def _end_of_step(self, k: int) -> None:
-        """Wait for every expected upstream marker (bounded), then tell every downstream peer."""
-        if not self.first:
-            self._marker_step = k
-            deadline = time.monotonic() + self.s.step_timeout_s
-            last_ping = time.monotonic()
-            with self.cv:
-                while True:
-                    got = self.markers.get(k, {})
-                    # (a peer that joined upstream by rebalancing sends markers from its first serving step on)
-                    missing = [p for p in self.expected_up if p not in got and self.up_from.get(p, 0) <= k]
-                    if not missing:
-                        break
-                    left = deadline - time.monotonic()
-                    dead = missing if left <= 0 else []
-                    if left > 0 and time.monotonic() - last_ping >= 1.0:  # waited a while: is it dead?
-                        dead, last_ping = self._unreachable(missing), time.monotonic()
-                    if dead:
-                        why = "unreachable" if left > 0 else f"silent for {self.s.step_timeout_s:.0f}s"
-                        log.warning("%s: no end-of-step %d from %s (%s): dropped", self.name, k, dead, why)
-                        self.dropped_up += [{"step": k, "peer": p, "why": why} for p in dead]
-                        self.expected_up = [p for p in self.expected_up if p not in dead]
-                        if not self.expected_up:
-                            raise SwarmError(f"{self.name}: stage {self.stage - 1} has no live peer left")
-                        continue
-                    self.cv.wait(timeout=min(left, 1.0))
-                self.markers.pop(k, None)
-        if not self.last:
-            self._send_markers(k)
-
-    def _deliver_marker(self, k: int, peer: str, n: int) -> bool:
-        """``end_step(k)`` to ``peer`` (at its new address when it was restarted); False when it is unreachable."""
-        meta = {"step": k, "sender": self.name, "n": n}
-        try:
-            call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
-        except PeerUnavailable as e:
-            try:
-                if not self._refresh_addr(peer):
-                    raise
-                call(self.addrs[peer], "end_step", meta, timeout_s=self.s.rpc_timeout_s)
-            except PeerUnavailable:
-                log.warning("%s: end-of-step %d not delivered to %s (%s)", self.name, k, peer, e.reason)
-                return False
-        return True
-
-    def _send_markers(self, k: int) -> None:
-        """End of step k on a sender: first replay the microbatches that completed at downstream peers that died
-        since (their gradients died with them) to live peers of that stage, then send the markers. A peer found
-        dead at its marker has its microbatches replayed too, and the replay targets get their marker again; a
-        target that already entered its sync refuses the replay: counted as lost (the remaining window)."""
-        with self.lock:
-            holders = {p: list(e) for p, e in self.completed.get(k, {}).items() if e}
-        for peer, entries in holders.items():
-            held = {"step": k, "held": len(entries)}  # (what a --die-mid-step peer waits for: _die)
-            try:
-                call(self.addrs[peer], "ping", held, timeout_s=min(5.0, self.s.rpc_timeout_s))
-                alive = True
-            except PeerUnavailable:
-                alive = self._refresh_addr(peer) and self._ping(peer)
-            except RemoteError:
-                alive = True
-            # a peer restarted at a new address is a new process: what the old one held is gone as well
-            lost = [e for e in entries if not alive or e[1] != self.addrs[peer]]
-            if lost:
-                self._replay(k, peer, lost)
-        with self.lock:  # the next stage's current peers (rebalancing: hello/bye change them, under this lock)
-            down = list(self.down_peers)
-            self.markers_sent = k
-        pending, sent = list(down), set()
-        for _ in range(4 * len(down)):  # a bound: each round either sends a marker or empties a dead peer's list
-            if not pending:
-                break
-            peer = pending.pop(0)
-            with self.lock:
-                n = self.routed.get(peer, 0)
-            ok = self._deliver_marker(k, peer, n)
-            if ok:
-                sent.add(peer)
-            with self.lock:
-                held = self.completed.get(k, {}).get(peer, [])
-                lost = [e for e in held if not ok or e[1] != self.addrs[peer]]
-            if lost:
-                for t in self._replay(k, peer, lost):
-                    if t in sent and t not in pending:  # it has its marker already: again, with the replays counted
-                        sent.discard(t)
-                        pending.append(t)
-        with self.lock:
-            self.routed = {}
-            for s in [s for s in self.completed if s <= k]:
-                del self.completed[s]
-
-    def _ping(self, peer: str) -> bool:
-        try:
-            call(self.addrs[peer], "ping", {}, timeout_s=min(5.0, self.s.rpc_timeout_s))
-        except PeerUnavailable:
-            return False
-        except RemoteError:
-            pass
-        return True
-
-    def _replay(self, k: int, peer: str, entries: list[tuple]) -> set[str]:
-        """Re-send the microbatches of step k that completed at dead ``peer`` to live peers of its stage (request
-        flag ``replay``: the first hop accumulates and counts it, the stages below only return the input's
-        gradient, they hold its gradient already). This peer does not backward the reply: its grads include it.
-        Returns the peers that took them."""
-        ids = {e[0] for e in entries}
-        with self.lock:  # they are no longer held there
-            at = self.completed.get(k, {})
-            at[peer] = [e for e in at.get(peer, []) if e[0] not in ids]
-        with self.router_lock:
-            self.router.failed(peer)
-        ban = {"step": k, "mb": None, "peer": peer, "reason": "dead at the end of the step", "t": time.time()}
-        self.bans.append(ban)
-        targets: dict[str, int] = {}
-        for mb, _, payload, ameta, labels in entries:
-            try:
-                enc = (payload, act_codec.ActMeta.from_dict(ameta))
-                _, _, to = self._send(k, mb, None, labels, mode="replay", enc=enc)
-            except (SwarmError, RemoteError) as e:
-                with self.lock:
-                    self.lost += 1
-                self.replays.append({"step": k, "mb": mb, "from": peer, "to": None, "error": str(e)})
-                log.warning("%s: microbatch %s of step %d lost with dead %s (%s)", self.name, mb, k, peer, e)
-                continue
-            targets[to] = targets.get(to, 0) + 1
-            self.replays.append({"step": k, "mb": mb, "from": peer, "to": to})
-            with self.lock:
-                self.replayed += 1
-                self.routed[to] = self.routed.get(to, 0) + 1
-        if targets:
-            n = sum(targets.values())
-            log.warning(
-                "%s: replayed %d microbatch(es) of step %d from dead %s to %s", self.name, n, k, peer, sorted(targets)
-            )
-        return set(targets)
-
-    def _die(self, step: int) -> None:
-        """--die-mid-step (tests): kill -9 of this process when a sender that holds microbatches of ``step`` (>= the
-        flag's step) completed here pings it at the end of that step, before its marker: a point every run reaches
-        in the first such step where this peer served, mid-step (it cannot sync the step before that marker) and
-        after serving (the sender received those replies). Every sender then replays what completed here; requests
-        still in flight here (another sender's) are re-sent."""
-        with self.lock:
-            served = len(self.counted.get(step, ()))
-        log.warning("%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)", self.name, step, served)
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def _process_grad_only(
-        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None
-    ) -> tuple[Tensor, dict]:
-        """A microbatch whose parameter gradient this peer (and every stage below) holds already (a replay below its
-        first hop, or an id it counted this step): forward, the rest of the route, and only the gradient of ``x``."""
-        with self.lock:
-            self._check_deadline(deadline, step, mb)
-            out = self.model(x)
-        if self.last:
-            with self.lock:
-                self._check_deadline(deadline, step, mb)
-                loss = self.model.loss(out.float(), labels)
-                (gx,) = torch.autograd.grad(loss, x)
-            info = {"loss": float(loss.detach()), "route": [self.name]}
-        else:
-            gy, info, _ = self._send(step, mb, out.detach(), labels, deadline, mode="grad_only")
-            with self.lock:
-                self._check_deadline(deadline, step, mb)
-                (gx,) = torch.autograd.grad(out, x, gy.to(out.dtype))
-            info["route"] = [self.name, *info["route"]]
-        with self.lock:
-            self.visits.append((step, mb, "grad_only"))
-        return gx, info
-
-    def _refresh_addr(self, peer: str) -> bool:
-        """Re-read ``peer``'s address from the store; True when it changed (the peer was restarted)."""
-        j, i = int(peer[1 : peer.index("p")]), int(peer[peer.index("p") + 1 :])
-        try:
-            with self.store_lock:
-                new = self.store.get(store_key(j, i)).decode()
-        except Exception:  # noqa: BLE001 - the store is gone (end of the job): keep the old address
-            return False
-        if new == self.addrs.get(peer):
-            return False
-        log.info("%s: %s moved to %s", self.name, peer, new)
-        self.addrs[peer] = new
-        return True
-
-    # ------------------------------------------------------------------ join (state transfer through torchft)
-    def _state_for_joiner(self) -> dict:
-        """What a joining peer of this stage receives (called by torchft during the sync of step ``self.step``,
-        before this peer's AdamW step: params and optimizer state as they enter that step)."""
-        with self.lock:
-            return {
-                "params": [p.detach().clone() for p in self.params],
-                "opt": copy.deepcopy(self.opt.state_dict()),
-                "step": self.step,
-            }
-
-    @torch.no_grad()
-    def _load_from_peer(self, sd: dict) -> None:
-        for p, t in zip(self.params, sd["params"], strict=True):
-            p.copy_(t)
-        self.opt.load_state_dict(sd["opt"])
-        self._healed_step = int(sd["step"])
-
-    def _join(self) -> int:
-        """Take part in the next sync of the stage without contributing: torchft heals this peer with a live
-        peer's state, it applies the same averaged step, so it leaves the sync bit-identical to the others; then
-        it serves from the next step on. Returns that step."""
-        if self.s.sync == "diloco":
-            return peer_sync.join_diloco(self)
-        t0 = time.monotonic()
-        n = sum(p.numel() for p in self.params)
-        res = self.group.allreduce_mean(torch.zeros(n + 1))
-        if not res.healed or self._healed_step is None:
-            raise SwarmError(
-                f"{self.name}: joined, but no live peer of stage {self.stage} sent its state (contributors "
-                f"{res.contributors}); start a joiner only while its stage is training"
-            )
-        k = self._healed_step
-        total = float(res.mean[-1])
-        for g in self.opt.param_groups:
-            g["lr"] = lr_at(k, self.cfg)
-        rec = {"step": k, "peer": self.name, "joined": True, "contributors": res.contributors}
-        g = peer_sync.clip_global(self, k, res.mean[:-1] / total if total > 0 else None, rec)
-        if total > 0:
-            self._set_grads(g)
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.digests:
-            rec["digest"] = peer_sync.state_digest(self)
-        with self.cv:
-            self.step = k + 1
-            self.serving = True
-            self.cv.notify_all()
-        rec["seconds"] = time.monotonic() - t0
-        self.records.append(rec)
-        self._write_record(rec)
-        log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", self.name, k, k + 1)
-        return k + 1
-
-    def _unreachable(self, peers: list[str]) -> list[str]:
-        """The upstream peers among ``peers`` that refuse a ping (dead); a slow live one answers and is waited for.
-        Called with ``self.cv`` held: released around the pings so that markers can still arrive."""
-        out = []
-        self.cv.release()
-        try:
-            for p in peers:
-                try:
-                    call(self.addrs[p], "ping", {}, timeout_s=min(2.0, self.s.rpc_timeout_s))
-                except PeerUnavailable:
-                    out.append(p)
-                except RemoteError:
-                    pass
-        finally:
-            self.cv.acquire()
-        return [p for p in out if p not in self.markers.get(self._marker_step, {})]
-
+    # ------------------------------------------------------------------ the stage sync
     def _flat_grads(self) -> Tensor:
         return torch.cat(
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in self.params]

@@ -39,12 +39,12 @@ import copy
 import hashlib
 import logging
 import math
-import sys
 import time
 
 import torch
 from torch import Tensor
 
+from dilocox.swarm.common import SwarmError, lr_at
 from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
 
 log = logging.getLogger("dilocox.swarm.peer")
@@ -52,12 +52,6 @@ log = logging.getLogger("dilocox.swarm.peer")
 
 def norm_key(step: int, stage: int) -> str:
     return f"swarm/norm/{step}/stage{stage}"
-
-
-def _error(peer, msg: str) -> Exception:
-    """The peer module's ``SwarmError`` (taken from the peer's class: run as ``python -m dilocox.swarm.peer`` that
-    module is ``__main__``, whose class ``main()`` catches, not the one ``import dilocox.swarm.peer`` would give)."""
-    return getattr(sys.modules[type(peer).__module__], "SwarmError", RuntimeError)(msg)
 
 
 def _coef(max_norm: float, norm: float) -> float:
@@ -85,8 +79,7 @@ def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
                 break
             if time.monotonic() > deadline:
                 missing = [j for j, key in enumerate(keys) if not peer.store.check([key])]
-                raise _error(
-                    peer,
+                raise SwarmError(
                     f"{peer.name}: optim.grad_clip needs the gradient norm of every stage, and stage(s) {missing} sent "
                     f"none for step {k} within swarm.sync_timeout_s={wait}s; is a stage without a live peer? (raise "
                     f"the timeout for slow stages, or set optim.grad_clip=0)",
@@ -189,14 +182,12 @@ def _await_phase_end(peer) -> str:
             if meta.get("outer_next") and (not meta.get("syncing") or meta.get("quorum_open")):
                 return p
         if time.monotonic() - answered > peer.s.rpc_timeout_s:
-            raise _error(
-                peer,
+            raise SwarmError(
                 f"{peer.name}: cannot join: no peer of stage {peer.stage} answered for swarm.rpc_timeout_s="
                 f"{peer.s.rpc_timeout_s}s ({seen}); start a joiner only while its stage is training",
             )
         time.sleep(0.02)
-    raise _error(
-        peer,
+    raise SwarmError(
         f"{peer.name}: no live peer of stage {peer.stage} reached the end of an outer phase (outer.sync_every={H}) "
         f"within swarm.sync_timeout_s x H = {wait:.0f}s (its peers: {seen}); start a joiner only while its stage "
         f"is training, or raise swarm.sync_timeout_s",
@@ -210,11 +201,10 @@ def join_diloco(peer) -> int:
     try:
         n = peer.outer.join()
     except RuntimeError as e:
-        raise _error(peer, f"{peer.name}: joining stage {peer.stage}'s outer step failed: {e}") from e
+        raise SwarmError(f"{peer.name}: joining stage {peer.stage}'s outer step failed: {e}") from e
     peer.outer.pop_jump()  # join() returned it
     if n is None:
-        raise _error(
-            peer,
+        raise SwarmError(
             f"{peer.name}: joined stage {peer.stage}'s outer step, but no live peer sent its state (contributors "
             f"{peer.outer.contributors}); start a joiner only while its stage is training",
         )
@@ -239,3 +229,88 @@ def join_diloco(peer) -> int:
         n,
     )
     return n
+
+
+def state_for_joiner(peer) -> dict:
+    """What a joining peer of this stage receives (called by torchft during the sync of step ``peer.step``,
+    before this peer's AdamW step: params and optimizer state as they enter that step)."""
+    with peer.lock:
+        return {
+            "params": [p.detach().clone() for p in peer.params],
+            "opt": copy.deepcopy(peer.opt.state_dict()),
+            "step": peer.step,
+        }
+
+
+@torch.no_grad()
+def load_from_peer(peer, sd: dict) -> None:
+    for p, t in zip(peer.params, sd["params"], strict=True):
+        p.copy_(t)
+    peer.opt.load_state_dict(sd["opt"])
+    peer._healed_step = int(sd["step"])
+
+
+def join_swarm(peer) -> int:
+    """Take part in the next sync of the stage without contributing: torchft heals this peer with a live
+    peer's state, it applies the same averaged step, so it leaves the sync bit-identical to the others; then
+    it serves from the next step on. Returns that step."""
+    if peer.s.sync == "diloco":
+        return join_diloco(peer)
+    t0 = time.monotonic()
+    n = sum(p.numel() for p in peer.params)
+    res = peer.group.allreduce_mean(torch.zeros(n + 1))
+    if not res.healed or peer._healed_step is None:
+        raise SwarmError(
+            f"{peer.name}: joined, but no live peer of stage {peer.stage} sent its state (contributors "
+            f"{res.contributors}); start a joiner only while its stage is training"
+        )
+    k = peer._healed_step
+    total = float(res.mean[-1])
+    for g in peer.opt.param_groups:
+        g["lr"] = lr_at(k, peer.cfg)
+    rec = {"step": k, "peer": peer.name, "joined": True, "contributors": res.contributors}
+    g = clip_global(peer, k, res.mean[:-1] / total if total > 0 else None, rec)
+    if total > 0:
+        peer._set_grads(g)
+        peer.opt.step()
+    peer.opt.zero_grad(set_to_none=True)
+    if peer.digests:
+        rec["digest"] = state_digest(peer)
+    with peer.cv:
+        peer.step = k + 1
+        peer.serving = True
+        peer.cv.notify_all()
+    rec["seconds"] = time.monotonic() - t0
+    peer.records.append(rec)
+    peer._write_record(rec)
+    log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", peer.name, k, k + 1)
+    return k + 1
+
+
+class DiLoCoStageSync:
+    """DiLoCo's outer step over the peers of one stage (ALGORITHMS §1, no overlap, one fragment).
+
+    Holds the stage's outer params θ and Nesterov momentum v (``OuterState``, flat fp32). ``step()``: the
+    pseudo-gradient Δ = θ - θ_m of this peer, its mean over the contributing peers of the stage (``group``:
+    anything with ``allreduce_mean(flat) -> result.mean/.contributors``, the ``ElasticOuterGroup``; None for
+    a one-peer stage), θ ← OuterOpt(θ, mean Δ), then every peer loads θ into its params.
+    """
+
+    def __init__(self, params: list[Tensor], ocfg, group=None) -> None:
+        from dilocox.outer.state import OuterState
+
+        self.params, self.ocfg, self.group = params, ocfg, group
+        self.state = OuterState(params, [list(range(len(params)))], "host")
+
+    @torch.no_grad()
+    def step(self) -> dict:
+        o, st = self.ocfg, self.state
+        delta = st.flatten(st.pseudo_gradient(0))
+        rec: dict = {"outer": True}
+        if self.group is not None:
+            res = self.group.allreduce_mean(delta)
+            delta = res.mean
+            rec["outer_contributors"] = res.contributors
+        st.outer_step(0, delta, o.lr, o.momentum, o.nesterov)
+        st.load_params(0)
+        return rec

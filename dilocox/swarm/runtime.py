@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from dilocox.config import Config, to_yaml, validate
-from dilocox.swarm.peer import peer_name
+from dilocox.swarm.common import peer_name
 
 log = logging.getLogger("dilocox.swarm.runtime")
 

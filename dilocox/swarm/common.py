@@ -1,0 +1,59 @@
+"""What every part of a SWARM job shares: peer names and store keys, the error a peer stops with, the routers'
+factory, the inner learning-rate schedule (the same as ``dilocox train``'s)."""
+
+from __future__ import annotations
+
+from dilocox.config import Config
+from dilocox.swarm.routing import RandomRouter, build_router
+
+DIGEST_ENV = "DILOCOX_SWARM_DIGESTS"  # set (tests): every sync record carries a hash of the params + AdamW state
+
+
+class SwarmError(RuntimeError):
+    """A SWARM peer cannot go on (a bounded wait ran out, or a stage lost every peer)."""
+
+
+def peer_name(stage: int, index: int) -> str:
+    return f"s{stage}p{index}"
+
+
+def store_key(stage: int, index: int) -> str:
+    return f"swarm/stage{stage}/peer{index}"
+
+
+class FixedRouter(RandomRouter):
+    """``swarm.routing=fixed``: a static pipeline: the sender with index k always sends to peer ``k mod m`` of the
+    next stage (with one peer per stage: peer 0), or to the next live one in order when that one is banned."""
+
+    offset = 0  # the sender's index within its stage
+
+    def choose(self):
+        live = set(self.live())
+        if not live:
+            raise self._no_live()
+        order = list(self.until)  # every known peer, in insertion (index) order
+        start = self.offset % len(order)
+        return next(p for p in order[start:] + order[:start] if p in live)
+
+
+def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int, offset: int = 0):
+    if kind == "fixed":
+        r = FixedRouter(peers, name=name, ban_s=ban_s)
+        r.offset = offset
+        return r
+    return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """The inner schedule of ``dilocox.train`` (imported lazily: train pulls in the whole trainer)."""
+    from dilocox.train import lr_at as train_lr_at
+
+    return train_lr_at(step, cfg)
+
+
+def split_peer_name(name: str) -> tuple[int, int]:
+    """``s{stage}p{index}`` -> (stage, index)."""
+    stage, sep, index = name[1:].partition("p")
+    if not name.startswith("s") or not sep or not stage.isdigit() or not index.isdigit():
+        raise ValueError(f"{name!r} is not a SWARM peer name s<stage>p<index> (e.g. s1p0)")
+    return int(stage), int(index)

@@ -1,0 +1,188 @@
+"""The microbatch path of a SWARM peer (``SwarmPeer`` mixes this in; the protocol: ``dilocox.swarm.peer``).
+
+A forward request runs this stage, sends the result on to a peer of the next stage (``_send``: router choice,
+timeouts, bans, re-sends, bytes counted per link as sent) and backwards the gradient that comes back; the last
+stage computes the loss. ``_process_grad_only``: a microbatch whose parameter gradient this peer already holds (a
+replay below its first hop) returns only its input's gradient.
+
+Uses the peer's state (set in ``SwarmPeer.__init__``): ``model``, ``lock``, ``meter``, ``router``/``router_lock``,
+``addrs``, ``store``/``store_lock``, the per-step counters and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from dilocox.swarm import activations as act_codec
+from dilocox.swarm.common import SwarmError, split_peer_name, store_key
+from dilocox.swarm.routing import NoLivePeer
+from dilocox.swarm.transport import PeerUnavailable, call
+
+log = logging.getLogger("dilocox.swarm.peer")
+
+
+class MicrobatchHops:
+    """Forward, send on, backward: one microbatch through this peer (module docstring)."""
+
+    def _process(
+        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None, down_mode: str = ""
+    ) -> tuple[Tensor | None, dict]:
+        """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
+        busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
+        if self.delay_s and not self.delay_serial:
+            time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
+        with self.meter.hold(self.lock):  # (the meter: this peer's queue and throughput, for rebalancing)
+            t = time.monotonic()
+            if self.delay_s and self.delay_serial:
+                time.sleep(self.delay_s)  # injected slower compute: holds the compute lock (heterogeneous peers)
+            out = self.model(x)
+            self.visits.append((step, mb, "fwd"))
+            busy += time.monotonic() - t
+        if self.last:
+            with self.meter.hold(self.lock, done=True):
+                t = time.monotonic()
+                self._check_deadline(deadline, step, mb)
+                loss = self.model.loss(out.float(), labels)
+                loss.backward()
+                self.visits.append((step, mb, "bwd"))
+                self.count += 1
+                self.counted.setdefault(step, set()).add(mb)
+                self.loss_sum += float(loss.detach())
+                self._pace(busy + time.monotonic() - t)
+                self.busy_s += busy + time.monotonic() - t
+            info = {"loss": float(loss.detach()), "route": [self.name]}
+        else:
+            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline, mode=down_mode)
+            with self.meter.hold(self.lock, done=True):
+                t = time.monotonic()
+                self._check_deadline(deadline, step, mb)
+                out.backward(gy.to(out.dtype))
+                self.visits.append((step, mb, "bwd"))
+                self.count += 1
+                self.counted.setdefault(step, set()).add(mb)
+                self.routed[peer] = self.routed.get(peer, 0) + 1
+                self._pace(busy + time.monotonic() - t)
+                self.busy_s += busy + time.monotonic() - t
+            info["route"] = [self.name, *info["route"]]
+        return (x.grad if x.requires_grad else None), info
+
+    def _process_grad_only(
+        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None
+    ) -> tuple[Tensor, dict]:
+        """A microbatch whose parameter gradient this peer (and every stage below) holds already (a replay below its
+        first hop, or an id it counted this step): forward, the rest of the route, and only the gradient of ``x``."""
+        with self.lock:
+            self._check_deadline(deadline, step, mb)
+            out = self.model(x)
+        if self.last:
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                loss = self.model.loss(out.float(), labels)
+                (gx,) = torch.autograd.grad(loss, x)
+            info = {"loss": float(loss.detach()), "route": [self.name]}
+        else:
+            gy, info, _ = self._send(step, mb, out.detach(), labels, deadline, mode="grad_only")
+            with self.lock:
+                self._check_deadline(deadline, step, mb)
+                (gx,) = torch.autograd.grad(out, x, gy.to(out.dtype))
+            info["route"] = [self.name, *info["route"]]
+        with self.lock:
+            self.visits.append((step, mb, "grad_only"))
+        return gx, info
+
+    def _send(
+        self,
+        step: int,
+        mb: str,
+        y: Tensor | None,
+        labels: Tensor,
+        deadline: float | None = None,
+        mode: str = "",
+        enc: tuple | None = None,
+    ) -> tuple[Tensor, dict, str]:
+        """``mode``: "" | "replay" | "grad_only" (a flag of the request, module doc); ``enc``: (payload, ActMeta)
+        already encoded (a replay re-sends what it sent before)."""
+        payload, ameta = enc if enc is not None else act_codec.encode(y, self.s.activations)
+        while True:
+            with self.router_lock:
+                try:
+                    peer = self.router.choose()
+                except NoLivePeer as e:
+                    raise SwarmError(f"{self.name}: {e}") from e
+            timeout = self.hop_timeout()
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise SwarmError(f"{self.name}: no time left to send microbatch {mb} on (its caller gave up)")
+            t0 = time.monotonic()
+            flag = {mode: True} if mode else {}
+            try:
+                meta, tens = call(
+                    self.addrs[peer],
+                    "forward",
+                    {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict(), **flag},
+                    {"x": payload, "labels": labels},
+                    timeout_s=timeout,
+                )
+            except PeerUnavailable as e:
+                if self._refresh_addr(peer):
+                    continue  # it was restarted at a new address: try it there
+                with self.router_lock:
+                    self.router.failed(peer)
+                self.bans.append({"step": step, "mb": mb, "peer": peer, "reason": e.reason, "t": time.time()})
+                msg = "%s: banned %s for %.0fs (%s); re-sending microbatch %s"
+                log.warning(msg, self.name, peer, self.s.ban_s, e.reason, mb)
+                continue
+            now = time.monotonic()
+            with self.router_lock:
+                # the peer's time per microbatch as this sender sees it: from the later of this request's send and
+                # the previous reply from that peer (when several of this sender's requests queue there, the round
+                # trip would count the queue too, and IWRR would equalise latencies instead of following throughput)
+                self.router.done(peer, now - max(t0, self.last_done.get(peer, t0)))
+                self.last_done[peer] = now
+            with self.lock:
+                link = self.link_bytes.setdefault(peer, [0, 0])
+                link[0] += payload.numel() + labels.numel() * labels.element_size()
+                link[1] += tens["grad"].numel()
+            gy = act_codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
+            if mode != "grad_only":  # it completed there: that peer holds its gradient (replayed if it dies)
+                with self.lock:
+                    entry = (mb, self.addrs[peer], payload, ameta.to_dict(), labels)
+                    self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
+            return gy, meta, peer
+
+    def _pace(self, spent: float) -> None:
+        """--pace-s: sleep the rest of the microbatch's pace (called with the compute lock held, so it occupies the
+        peer); ``spent``: its compute so far (forward + backward, lock held)."""
+        if self.pace_s > spent:
+            time.sleep(self.pace_s - spent)
+
+    def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            self.visits.append((step, mb, "abandoned"))
+            raise SwarmError(f"{self.name}: microbatch {mb} came back after its caller's timeout: dropped here")
+        if self._sync_entered >= step:  # a replay that came too late: its gradient would miss (or corrupt) the sync
+            self.visits.append((step, mb, "late"))
+            raise SwarmError(f"{self.name}: microbatch {mb} arrived after that step's sync (step {step}): dropped")
+
+    def hop_timeout(self) -> float:
+        """Bound on a call from this stage: the next hop's work and one re-send per stage below it."""
+        return self.s.rpc_timeout_s * 2 ** max(0, self.n - 2 - self.stage)
+
+    def _refresh_addr(self, peer: str) -> bool:
+        """Re-read ``peer``'s address from the store; True when it changed (the peer was restarted)."""
+        j, i = split_peer_name(peer)
+        try:
+            with self.store_lock:
+                new = self.store.get(store_key(j, i)).decode()
+        except Exception:  # noqa: BLE001 - the store is gone (end of the job): keep the old address
+            return False
+        if new == self.addrs.get(peer):
+            return False
+        log.info("%s: %s moved to %s", self.name, peer, new)
+        self.addrs[peer] = new
+        return True
