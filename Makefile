@@ -31,11 +31,11 @@ train: install
 
 # the fast tier: every subsystem at least once (the tests not marked slow), minutes
 test: install
-	$(PYTHON) -m pytest -q -n $(XDIST) -m "not slow" --durations=15 tests
+	$(PYTHON) -m pytest -q -n $(XDIST) --dist worksteal -m "not slow" --durations=15 tests
 
 # everything (CI): the fast tier + the slow tests (multi-process faults, convergence, namespaces)
 test-all: install
-	$(PYTHON) -m pytest -q -n $(XDIST) --durations=25 tests
+	$(PYTHON) -m pytest -q -n $(XDIST) --dist worksteal --durations=25 tests
 
 bench-kernels: install
 	$(PYTHON) -m dilocox.cli bench kernels

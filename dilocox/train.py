@@ -29,7 +29,7 @@ from dilocox import rundir
 from dilocox.config import Config, ConfigError, to_yaml
 from dilocox.data import TokenSampler, prepare
 from dilocox.distributed import signals
-from dilocox.distributed.topology import build_topology, init_distributed
+from dilocox.distributed.topology import build_topology, group_ranks, init_distributed
 from dilocox.elastic.group import ElasticError
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
@@ -100,14 +100,18 @@ class Trainer:
         world_timeout = cfg.outer.timeout_s if cfg.parallel.replicas > 1 else cfg.parallel.timeout_s
         rank, world, local = init_distributed("gloo" if cfg.train.device == "cpu" else None, timeout_s=world_timeout)
         self.topo = build_topology(cfg.parallel, rank, world, outer_timeout_s=cfg.outer.timeout_s)
-        # SIGINT/SIGTERM: stop at a step boundary agreed by all ranks, save, exit 128+signal (distributed/signals.py)
+        # SIGINT/SIGTERM: stop at a step boundary agreed by all ranks, save, exit 128+signal (distributed/signals.py);
+        # agreed inside each replica every step, across replicas only at outer syncs
         self.stop = signals.StopFlag()  # handlers: installed by train() (not by Trainers built inside tests)
+        pc = cfg.parallel
         self.stop.attach(
-            world,
-            world_timeout,
+            rank,
+            group_ranks("replica", pc.replicas, pc.data, pc.pipeline, pc.tensor),
+            group_ranks("outer", pc.replicas, pc.data, pc.pipeline, pc.tensor) if pc.replicas > 1 else None,
+            cfg.parallel.timeout_s,
+            cfg.outer.timeout_s,
             cfg.outer.warn_after_s,
             signals.replica_peers(self.topo),
-            "outer.timeout_s" if cfg.parallel.replicas > 1 else "parallel.timeout_s",
         )
         self.device = pick_device(cfg, local)
         # One run per run dir: rank 0 holds the lock until the run ends or dies; every rank learns the outcome.
@@ -467,7 +471,9 @@ class Trainer:
             self.logger.log(rec, printed=printed)
             if printed:
                 t_last, step_last = now, self.step
-            if self.stop.should_stop():  # some rank got SIGINT/SIGTERM: all stop at this step, save, exit 128+signal
+            # some rank got SIGINT/SIGTERM: all stop at one step, save, exit 128+signal; the replicas tell each other
+            # only at an outer sync (crossed_replicas), never between two (distributed/signals.py)
+            if self.stop.should_stop(self.outer is None or self.outer.crossed_replicas):
                 path = self.save()
                 ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
                 raise signals.Interrupted(self.stop.agreed_signum, self.step, path)

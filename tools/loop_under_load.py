@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--rounds", type=int, default=20)
     ap.add_argument("--busy", type=int, default=2, help="busy-loop processes competing for the cores (default 2)")
     ap.add_argument("-m", "--marker", default="fault", help="pytest -m expression (default: fault)")
+    ap.add_argument("-j", "--workers", type=int, default=1, help="pytest-xdist workers per round (default 1: serial)")
     ap.add_argument("--stop", action="store_true", help="stop at the first round with a failure")
     ap.add_argument("--round-timeout", type=float, default=3600.0, help="seconds one round may take")
     ap.add_argument("--out", help="write the per-test counts and times here as JSON")
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 xml = os.path.join(tmp, "junit.xml")
                 cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", xml]
                 cmd += ["-m", a.marker] if a.marker else []
+                cmd += ["-n", str(a.workers)] if a.workers > 1 else []
                 cmd += a.tests or ["tests"]
                 t0 = time.monotonic()
                 try:

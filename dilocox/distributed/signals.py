@@ -9,9 +9,12 @@ Three pieces (see docs/RELIABILITY.md for what each fault does and how long it t
   it SIGKILLs every process of the run, found by a tag in their environment
   (``DILOCOX_RUN_TAG``), so even workers orphaned by a dead torchrun are found.
 - :class:`StopFlag` (every worker): the handler only sets a flag. At each step boundary every
-  rank learns whether *any* rank got a signal by a one-integer all-reduce MAX over the world on
-  a dedicated process group (as Megatron's DistributedSignalHandler does each iteration). The
-  all-reduce is started at boundary k and read at boundary k+1, so it overlaps one step's
+  rank of a replica learns whether any rank *of its replica* got a signal by a one-integer
+  all-reduce MAX on a dedicated group of the replica's ranks (as Megatron's
+  DistributedSignalHandler does each iteration, but never across the slow links); the replicas
+  exchange their agreed signal only at the boundaries where an outer sync crosses the slow links
+  anyway (a second one-integer all-reduce, over the ranks of one coordinate in every replica).
+  Each all-reduce is started at one boundary and read at the next, so it overlaps one step's
   compute and costs no round trip on the critical path; every rank decides on the same step.
   The trainer then saves a checkpoint (unless one exists for this step) and exits with
   128 + signal number (130 for SIGINT, 143 for SIGTERM).
@@ -206,24 +209,33 @@ def replica_peers(topo) -> str:
 
 # ---------------------------------------------------------------------------------------------- workers
 class StopFlag:
-    """Per-rank signal flag plus the world-wide agreement at step boundaries (see module docstring).
+    """Per-rank signal flag plus the agreements at step boundaries (see module docstring).
 
-    ``install()`` (main thread) sets the handlers; ``should_stop()`` is called by every rank at
-    every step boundary and returns the same answer on all of them. ``close()`` finishes the
-    agreement in flight (all ranks started it, so it completes) and restores the handlers."""
+    ``install()`` (main thread) sets the handlers; ``should_stop(crossed)`` is called by every rank at
+    every step boundary and returns the same answer on all of them. Two agreements, so that nothing
+    crosses the slow links between outer syncs (issue 20):
+
+    - inside the replica, at every boundary: an all-reduce MAX of the signal over the replica's ranks
+      (a fast link), started at boundary k and read at k+1;
+    - across replicas, only at the boundaries where an outer sync uses the slow links anyway
+      (``crossed=True``: an outer all-reduce was launched or applied there; every step for the per-step
+      methods): an all-reduce MAX of the replica's agreed signal over the ranks of the same
+      (data, stage, tp) coordinate in every replica, started there and read at the next boundary.
+
+    A replica that agreed to stop therefore trains on to its next outer sync and every replica stops at
+    the boundary after it, each saving a checkpoint. ``close()`` finishes what is in flight (all ranks
+    started it, so it completes) and restores the handlers."""
 
     def __init__(self, log: Callable[[str], None] = _rank_log) -> None:
         self.signum: int | None = None
         self.agreed_signum: int | None = None
         self._log = log
         self._prev: dict[int, object] = {}
-        self._group = None
-        self._timeout_s: float | None = None
-        self._warn_after_s: float | None = None
-        self._what = "the stop-signal agreement"
-        self._timeout_key = "parallel.timeout_s"
-        self._work = None
-        self._buf: torch.Tensor | None = None
+        self._local = _Agreement("the stop-signal agreement (all-reduce MAX over this replica's ranks)")
+        self._cross = _Agreement("the stop-signal exchange of the outer sync")
+        self._cross_on = False
+        self._replica_agreed = 0  # the replica's agreed signal (sticky): what it sends at its next outer sync
+        self._told = False
 
     def install(self) -> "StopFlag":
         if threading.current_thread() is not threading.main_thread():
@@ -240,66 +252,116 @@ class StopFlag:
             os._exit(128 + signum)
         self.signum = signum
         _log(
-            f"[rank {os.environ.get('RANK', '0')}] received {name}: stopping at the next step boundary and saving a "
-            f"checkpoint (a second signal exits at once)"
+            f"[rank {os.environ.get('RANK', '0')}] received {name}: stopping at the next step boundary agreed with "
+            f"every rank (the next outer sync's when there are several replicas) and saving a checkpoint (a second "
+            f"signal exits at once)"
         )
 
     def attach(
         self,
-        world_size: int,
+        rank: int,
+        replica_groups: list[list[int]],
+        cross_groups: list[list[int]] | None,
         timeout_s: float,
+        cross_timeout_s: float,
         warn_after_s: float | None,
         peers: str,
-        timeout_key: str = "outer.timeout_s",
+        timeout_key: str = "parallel.timeout_s",
+        cross_timeout_key: str = "outer.timeout_s",
     ) -> None:
-        """Create the dedicated agreement group (collective: every rank calls it at the same point)."""
-        self._timeout_s, self._warn_after_s, self._timeout_key = timeout_s, warn_after_s, timeout_key
-        self._what = f"the stop-signal agreement (all-reduce MAX over all ranks, with {peers})"
-        if world_size > 1 and dist.is_initialized():
-            import datetime
+        """Create the dedicated agreement groups (collective: every rank calls it at the same point, with every
+        group's rank list in the same order). ``replica_groups``: the ranks of each replica; ``cross_groups``:
+        the ranks of each (data, stage, tp) coordinate across the replicas (None: one replica)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+            return
+        self._local.bind(rank, replica_groups, timeout_s, warn_after_s, timeout_key)
+        if cross_groups and max(len(g) for g in cross_groups) > 1:
+            self._cross.what = f"the stop-signal exchange of the outer sync (all-reduce MAX with {peers})"
+            self._cross.bind(rank, cross_groups, cross_timeout_s, warn_after_s, cross_timeout_key)
+            self._cross_on = self._cross.group is not None
 
-            self._group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=timeout_s))
-
-    def _collect(self) -> int:
-        if self._work is None:
-            return 0
-        work, buf, self._work = self._work, self._buf, None
-        t0 = time.monotonic()
-        try:
-            bounded_wait(work.is_completed, self._what, self._timeout_s, self._warn_after_s, self._log)
-            work.wait()  # re-raises a gloo error (e.g. its own timeout)
-        except (RuntimeError, CommTimeoutError) as e:  # DistBackendError is a RuntimeError
-            raise CommTimeoutError(
-                f"{self._what} failed after {time.monotonic() - t0:.0f} s "
-                f"({self._timeout_key}={self._timeout_s:g}): {e}; the last complete checkpoint "
-                f"is still valid"
-            ) from None
-        return int(buf.item())
-
-    def should_stop(self) -> bool:
+    def should_stop(self, crossed: bool = True) -> bool:
+        """The same answer on every rank at the same boundary. ``crossed``: an outer sync used the slow links
+        at this boundary (the only boundaries at which the replicas exchange their signal)."""
         if self.agreed_signum is not None:
             return True
-        if self._group is None:  # one process: the local flag is the answer
-            agreed = self.signum or 0
-        else:
-            agreed = self._collect()
-            if not agreed:
-                self._buf = torch.tensor([self.signum or 0], dtype=torch.int64)
-                self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if not self._replica_agreed:  # inside the replica: every step
+            if self._local.group is None:
+                self._replica_agreed = self.signum or 0
+            else:
+                self._replica_agreed = self._local.collect()
+                if not self._replica_agreed:
+                    self._local.start(self.signum or 0)
+        if not self._cross_on:
+            agreed = self._replica_agreed
+        else:  # across replicas: only at an outer sync
+            agreed = self._cross.collect()
+            if not agreed and crossed:
+                self._cross.start(self._replica_agreed)
+            elif not agreed and self._replica_agreed and not self._told:
+                self._told = True
+                self._log(
+                    f"[rank {os.environ.get('RANK', '0')}] this replica agreed to stop: training on to the next "
+                    f"outer sync, where every replica learns it and all stop together"
+                )
         if agreed:
             self.agreed_signum = agreed
         return bool(agreed)
 
     def close(self, drain: bool = True) -> None:
-        """Restore the handlers; ``drain``: first finish the agreement in flight (the normal end of a run)."""
+        """Restore the handlers; ``drain``: first finish the agreements in flight (the normal end of a run)."""
         try:
-            if drain and self._work is not None:
-                self._collect()
+            if drain:
+                self._local.collect()
+                self._cross.collect()
         finally:
             for sig, prev in self._prev.items():
                 if signal.getsignal(sig) == self._on_signal:
                     signal.signal(sig, prev)  # type: ignore[arg-type]
             self._prev.clear()
+
+
+class _Agreement:
+    """One asynchronous all-reduce MAX of an int64 on a dedicated gloo group: ``start`` at one boundary,
+    ``collect`` (bounded, naming the operation and its timeout key) at a later one."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.group = None
+        self._timeout_s: float | None = None
+        self._warn_after_s: float | None = None
+        self._timeout_key = ""
+        self._work = None
+        self._buf: torch.Tensor | None = None
+
+    def bind(self, rank: int, groups: list[list[int]], timeout_s: float, warn: float | None, key: str) -> None:
+        import datetime
+
+        self._timeout_s, self._warn_after_s, self._timeout_key = timeout_s, warn, key
+        for ranks in groups:  # new_group is collective over the world: every rank creates every group
+            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            if rank in ranks and len(ranks) > 1:
+                self.group = g
+
+    def start(self, value: int) -> None:
+        self._buf = torch.tensor([value], dtype=torch.int64)
+        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def collect(self) -> int:
+        """The result of the one in flight (0 when none is)."""
+        if self._work is None:
+            return 0
+        work, buf, self._work = self._work, self._buf, None
+        t0 = time.monotonic()
+        try:
+            bounded_wait(work.is_completed, self.what, self._timeout_s, self._warn_after_s, _rank_log)
+            work.wait()  # re-raises a gloo error (e.g. its own timeout)
+        except (RuntimeError, CommTimeoutError) as e:  # DistBackendError is a RuntimeError
+            raise CommTimeoutError(
+                f"{self.what} failed after {time.monotonic() - t0:.0f} s ({self._timeout_key}={self._timeout_s:g}): "
+                f"{e}; the last complete checkpoint is still valid"
+            ) from None
+        return int(buf.item())
 
 
 # ---------------------------------------------------------------------------------------------- the parent

@@ -51,6 +51,10 @@ class OuterBase:
         self.R = len(topo.ranks["outer"]) if topo is not None else 1
         self.H = ocfg.sync_every
         self.outer_step = 0
+        # did the last step's outer work use the links between replicas (an all-reduce launched or applied)? The
+        # per-step methods: always; the DiLoCo family sets it in after_inner_step. The trainer's stop-signal
+        # exchange between replicas rides on these steps only (distributed/signals.StopFlag)
+        self.crossed_replicas = True
         self.compressors: list = []
         self._counters = {"blocked_s": 0.0, "blocked_total_s": 0.0, "comm_s": 0.0, "n_syncs": 0}
         self._comm_total_before = 0.0  # comm-thread seconds of earlier runs (restored on resume)

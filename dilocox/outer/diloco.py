@@ -149,6 +149,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         n = step + 1
         self._blocked_now = 0.0
         syncing = self.schedule.syncs_at(n)
+        self.crossed_replicas = bool(syncing or self.schedule.launches_at(n))
         if self.overlap == "none":
             for p in self.schedule.launches_at(n):
                 if self.elastic is not None:
