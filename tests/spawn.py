@@ -112,9 +112,25 @@ def _pool_worker(rank: int, world: int, tasks: Any, results: Any) -> None:
         torch.manual_seed(_FRESH_SEED)
         torch.set_default_dtype(dtype0)
         status, payload = _run_task(rank, world, port, fn, args)
+        _release_run_dir_locks()
         left = [t for t in threading.enumerate() if t.ident not in threads0 and t.is_alive()]
         clean = not left and all(signal.getsignal(s) == handlers0[s] for s in sigs)
         results.put((rank, status, payload, clean))
+
+
+def _release_run_dir_locks() -> None:
+    """Drop the run-dir locks (``dilocox.rundir``) a task's Trainers still hold, as the exit of a fresh process
+    would: the next task, or another world size's pool, may open the same run dir (a resume)."""
+    import sys
+
+    rd = sys.modules.get("dilocox.rundir")
+    for fd, _ in list(getattr(rd, "_HELD", {}).values()):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if rd is not None:
+        rd._HELD.clear()
 
 
 class _Pool:
