@@ -11,7 +11,9 @@ $(error PYTHON=$(PYTHON) does not run; set PYTHON to a Python >= 3.10 interprete
 endif
 STAMP := .install-$(PY_ID).stamp
 
-# test workers (pytest-xdist): most multi-process tests wait on sockets and timers, so 2 cores keep 2 busy
+# test workers (pytest-xdist): most multi-process tests wait on sockets and timers, so 2 cores keep 2 busy.
+# In file order (xdist's default 'load'), heavy multi-process tests mix with light ones: 13.4 min for the full
+# suite on 2 cores; slow-first with --dist worksteal bunched the heavy ones together and took 16.3 min
 XDIST ?= 2
 
 .PHONY: install train test test-all bench-kernels clean
@@ -31,11 +33,11 @@ train: install
 
 # the fast tier: every subsystem at least once (the tests not marked slow), minutes
 test: install
-	$(PYTHON) -m pytest -q -n $(XDIST) --dist worksteal -m "not slow" --durations=15 tests
+	$(PYTHON) -m pytest -q -n $(XDIST) -m "not slow" --durations=15 tests
 
 # everything (CI): the fast tier + the slow tests (multi-process faults, convergence, namespaces)
 test-all: install
-	$(PYTHON) -m pytest -q -n $(XDIST) --dist worksteal --durations=25 tests
+	$(PYTHON) -m pytest -q -n $(XDIST) --durations=25 tests
 
 bench-kernels: install
 	$(PYTHON) -m dilocox.cli bench kernels

@@ -48,6 +48,7 @@ from dilocox.elastic.supervisor import LIGHTHOUSE_START_S as LIGHTHOUSE_START_S
 from dilocox.elastic.supervisor import ElasticLaunch as ElasticLaunch
 from dilocox.elastic.supervisor import _Replica as _Replica
 from dilocox.launch.netns import Cluster, netns_available
+from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
 
 BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"  # same name as dilocox.launch.emulate.BANDWIDTH_ENV
 
@@ -109,6 +110,9 @@ def launch_elastic(
     lighthouse_opts: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
     at: str = "time",
+    latency: str | None = None,
+    jitter: str | None = None,
+    loss: str | None = None,
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
@@ -124,6 +128,14 @@ def launch_elastic(
     if at not in ("time", "step"):
         raise LaunchError(f"--at {at!r} must be time or step")
     schedule = parse_schedule(kills, restarts, n)
+    try:  # the delay switch's settings (netns only)
+        rtt_ms, jitter_ms = parse_latency(latency, "--latency"), parse_latency(jitter, "--jitter")
+        loss_p = parse_loss(loss)
+    except SwitchError as e:
+        raise LaunchError(str(e)) from None
+    if jitter_ms > rtt_ms:
+        raise LaunchError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+    delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     # the config as replica 0 sees it: a bad key or layout is one line here, not N tracebacks later
     probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "runs/x", overrides)
     cfg = load_config(config, probe[probe.index("--nproc") + 2 :])
@@ -135,6 +147,8 @@ def launch_elastic(
     if netns and not ok:
         raise LaunchError(f"--netns requested but network namespaces are unavailable: {why}")
     use_netns = ok if netns is None else netns
+    if delayed and not use_netns:
+        raise LaunchError(f"--latency/--jitter/--loss need network namespaces: {why or '--no-netns was given'}")
     rate_bps = None if bandwidth is None else parse_bandwidth(bandwidth)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -164,8 +178,10 @@ def launch_elastic(
             f"{'token-bucket ' + cap + ' per replica (outer comm thread)' if rate_bps else 'no bandwidth cap'}"
         )
         return ElasticLaunch(n, argv, run_dir, env=env, **kw).run()
-    log(f"dilocox launch: elastic, {n} replicas x {nproc} ranks in network namespaces, tbf {cap} each way")
-    with Cluster(n, None if rate_bps is None else rate_bps / 1e6, hub=True, stop_grace_s=5.0) as c:
+    extra = f"; delay switch +{rtt_ms:g} ms RTT, jitter {jitter_ms:g} ms, loss {loss_p:.3%}" if delayed else ""
+    log(f"dilocox launch: elastic, {n} replicas x {nproc} ranks in network namespaces, tbf {cap} each way{extra}")
+    rate_mbit = None if rate_bps is None else rate_bps / 1e6
+    with Cluster(n, rate_mbit, hub=True, stop_grace_s=5.0, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss_p) as c:
         return ElasticLaunch(n, argv, run_dir, env=env, cluster=c, **kw).run()
 
 
@@ -185,6 +201,9 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--netns", dest="netns", action="store_true", default=None, help="namespaces (default if root)")
     p.add_argument("--no-netns", dest="netns", action="store_false", help="loopback, no namespaces")
     p.add_argument("--bandwidth", default=None, help="cap per replica link each way, e.g. 100mbit")
+    p.add_argument("--latency", default=None, help="round trip added between sites, e.g. 50ms (netns: delay switch)")
+    p.add_argument("--jitter", default=None, help="spread of that round trip, e.g. 5ms")
+    p.add_argument("--loss", default=None, help="frames lost crossing the switch, e.g. 0.1%%")
     p.add_argument(
         "--at", choices=("time", "step"), default="time", help="R@X: X seconds after the start, or at training step X"
     )
@@ -208,6 +227,9 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
             timeout_s=a.timeout,
             lighthouse_opts=lh_opts,
             at=a.at,
+            latency=a.latency,
+            jitter=a.jitter,
+            loss=a.loss,
         )
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)

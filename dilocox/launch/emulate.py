@@ -23,6 +23,7 @@ from typing import Sequence
 from dilocox.config import ConfigError, load_config
 from dilocox.distributed.signals import supervise
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
+from dilocox.launch.switch import parse_latency, parse_loss
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
 __all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available", "torchrun_argv", "BANDWIDTH_ENV"]
@@ -60,6 +61,9 @@ def launch(
     grace_s: float = 30.0,
     stop_timeout_s: float | None = None,
     log=print,
+    latency: str | float | None = None,
+    jitter: str | float | None = None,
+    loss: str | float | None = None,
 ) -> list[int]:
     """Run ``dilocox train CONFIG`` as R emulated clusters of N ranks each; return exit codes.
 
@@ -70,6 +74,11 @@ def launch(
     SIGINT/SIGTERM: the ranks get ``stop_timeout_s`` (default: the config's train.stop_timeout_s)
     to save a checkpoint and exit, then they are killed and the namespaces deleted.
     """
+    rtt_ms, jitter_ms = parse_latency(latency, "--latency"), parse_latency(jitter, "--jitter")
+    loss_p = parse_loss(loss)
+    delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
+    if jitter_ms > rtt_ms:
+        raise ValueError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
     if replicas < 1 or per_replica_nproc < 1:
         raise ValueError(f"replicas={replicas} and per_replica_nproc={per_replica_nproc} must be >= 1")
     if emulation not in ("auto", "netns", "token-bucket"):
@@ -100,6 +109,11 @@ def launch(
     ok, why = netns_available()
     if emulation == "netns" and not ok:
         raise RuntimeError(f"emulation=netns requested but unavailable: {why}")
+    if delayed and (emulation == "token-bucket" or not ok):
+        raise RuntimeError(
+            f"--latency/--jitter/--loss need network namespaces (the delay switch runs in them): "
+            f"{why or 'emulation=token-bucket was requested'}"
+        )
     if emulation == "token-bucket" or not ok:
         reason = why or "requested"
         cap = (
@@ -122,12 +136,17 @@ def launch(
         return [supervise(argv, env, 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
     log(
         f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
-        f"each way per replica, addresses {SUBNET}.1-{replicas})"
+        f"each way per replica, addresses {SUBNET}.1-{replicas}"
+        + (f"; delay switch: +{rtt_ms:g} ms RTT, jitter {jitter_ms:g} ms, loss {loss_p:.3%}" if delayed else "")
+        + ")"
     )
     with Cluster(
         replicas,
         None if rate_bps is None else rate_bps / 1e6,
         stop_grace_s=60.0 if stop_timeout_s is None else stop_timeout_s,
+        rtt_ms=rtt_ms,
+        jitter_ms=jitter_ms,
+        loss=loss_p,
     ) as c:
         procs = []
         for r in range(replicas):
@@ -165,6 +184,9 @@ _FLAGS = {
     "--master-port": int,
     "--emulation": str,
     "--grace": float,
+    "--latency": str,
+    "--jitter": str,
+    "--loss": str,
 }
 
 
@@ -172,7 +194,8 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     """``dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [--a.b=v ...]``."""
     usage = (
         "usage: dilocox launch --replicas R --nproc-per-replica N [--bandwidth 100mbit] "
-        "[--emulation auto|netns|token-bucket] [--master-port P] CONFIG [--section.key=value ...]\n"
+        "[--latency 50ms [--jitter 5ms] [--loss 0.1%]] [--emulation auto|netns|token-bucket] [--master-port P] "
+        "CONFIG [--section.key=value ...]\n"
         "       dilocox launch --elastic N CONFIG [...]   (elastic replicas + lighthouse; options: --elastic 1 --help)"
     )
     args = list(sys.argv[1:] if argv is None else argv)
@@ -218,6 +241,9 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
             master_port=opts.get("--master-port", 29500),
             emulation=opts.get("--emulation", "auto"),
             grace_s=opts.get("--grace", 30.0),
+            latency=opts.get("--latency"),
+            jitter=opts.get("--jitter"),
+            loss=opts.get("--loss"),
         )
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)

@@ -18,7 +18,10 @@ then the previous handler), interpreter exit (atexit), and even SIGKILL of this 
 shell "reaper" in its own session holds a pipe from us and tears everything down when the pipe
 closes. Processes left in a namespace (a killed rank's children, say) are killed first.
 
-netem is not available on the dev machine, so the links add no propagation delay.
+Latency: this kernel has no netem. ``Cluster(..., rtt_ms=50, jitter_ms=5, loss=0.001)`` puts the delay switch
+(``dilocox/launch/switch.py``, ``csrc/netswitch.cpp``) in the bridge's place: it forwards each frame between the
+``dxs<r>`` ports (and ``dxhp``, the hub's port, whose other end ``dxhub`` holds HUB_ADDR) after ``rtt_ms / 2``;
+the tbf caps stay where they are. Without these arguments the kernel bridge is used, as before.
 ``cleanup_stale()`` removes namespaces left by runs whose process no longer exists.
 """
 
@@ -39,6 +42,20 @@ from typing import Sequence
 SUBNET = "198.18.0"  # first /24 of 198.18.0.0/15
 HUB_ADDR = f"{SUBNET}.254"  # the bridge's own address in the switch namespace (Cluster(hub=True))
 _counter = itertools.count()
+
+
+def switch_argv(ports, rtt_ms, jitter_ms, loss):  # (lazy: the switch module compiles on first use)
+    from dilocox.launch.switch import argv
+
+    return argv(ports, rtt_ms, jitter_ms, loss)
+
+
+def wait_switch_ready(proc, what):
+    from dilocox.launch.switch import wait_ready
+
+    wait_ready(proc, what)
+
+
 _probe: tuple[bool, str] | None = None
 
 
@@ -107,6 +124,9 @@ class Cluster:
         stop_grace_s: float = 3.0,
         hub: bool = False,
         rates_mbit: Sequence[float | None] | None = None,
+        rtt_ms: float = 0.0,
+        jitter_ms: float = 0.0,
+        loss: float = 0.0,
     ) -> None:
         if not 1 <= n_replicas <= 250:
             raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
@@ -123,7 +143,11 @@ class Cluster:
         self.rates_bps = [self.rate_bps if m is None else float(m) * 1e6 for m in per]
         self.bursts = [burst_bytes or (max(65536, int(b / 8 * 0.002)) if b else 0) for b in self.rates_bps]
         self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
-        self.latency_ms = latency_ms
+        self.latency_ms = latency_ms  # tbf's queue bound (not a delay)
+        # the delay switch (dilocox/launch/switch.py) in place of the bridge: round trip added between any two sites
+        self.rtt_ms, self.jitter_ms, self.loss = float(rtt_ms), float(jitter_ms), float(loss)
+        self.delayed = self.rtt_ms > 0 or self.jitter_ms > 0 or self.loss > 0
+        self._switch: subprocess.Popen | None = None
         self.stop_grace_s = stop_grace_s
         self.hub = hub  # True: the bridge gets HUB_ADDR, so a service in the switch namespace (exec_hub) is reachable
         self.tag = f"dilocox-{os.getpid()}-{next(_counter)}"
@@ -180,16 +204,27 @@ class Cluster:
         sw = self.switch
         _ip("ip", "netns", "add", sw)
         _ip("ip", "-n", sw, "link", "set", "lo", "up")
-        _ip("ip", "-n", sw, "link", "add", "dxbr", "type", "bridge")
-        _ip("ip", "-n", sw, "link", "set", "dxbr", "up")
-        if self.hub:
-            _ip("ip", "-n", sw, "addr", "add", f"{HUB_ADDR}/24", "dev", "dxbr")
+        if self.delayed:  # the delay switch forwards between the ports; the hub is one more port (veth dxhub-dxhp)
+            argv_sw = switch_argv([], self.rtt_ms, self.jitter_ms, self.loss)  # (checks the values, builds it)
+            if self.hub:
+                _ip("ip", "-n", sw, "link", "add", "dxhub", "type", "veth", "peer", "name", "dxhp")
+                _ip("ip", "-n", sw, "addr", "add", f"{HUB_ADDR}/24", "dev", "dxhub")
+                _ip("ip", "-n", sw, "link", "set", "dxhub", "up")
+                _ip("ip", "-n", sw, "link", "set", "dxhp", "up")
+        else:
+            _ip("ip", "-n", sw, "link", "add", "dxbr", "type", "bridge")
+            _ip("ip", "-n", sw, "link", "set", "dxbr", "up")
+            if self.hub:
+                _ip("ip", "-n", sw, "addr", "add", f"{HUB_ADDR}/24", "dev", "dxbr")
         for r in range(self.n):
             ns, inner, outer = self.ns(r), self.ifname(r), f"dxs{r}"
             _ip("ip", "netns", "add", ns)
             _ip("ip", "-n", ns, "link", "set", "lo", "up")
             _ip("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", sw)
-            _ip("ip", "-n", sw, "link", "set", outer, "master", "dxbr", "up")
+            if self.delayed:
+                _ip("ip", "-n", sw, "link", "set", outer, "up")
+            else:
+                _ip("ip", "-n", sw, "link", "set", outer, "master", "dxbr", "up")
             _ip("ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", inner)
             _ip("ip", "-n", ns, "link", "set", inner, "up")
             if self.rates_bps[r]:
@@ -211,6 +246,16 @@ class Cluster:
                         "latency",
                         f"{self.latency_ms:g}ms",
                     )
+        if self.delayed:
+            ports = [f"dxs{r}" for r in range(self.n)] + (["dxhp"] if self.hub else [])
+            self._switch = subprocess.Popen(
+                ["ip", "netns", "exec", sw, *argv_sw, *ports],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            wait_switch_ready(self._switch, sw)  # (it stops with the namespace: the teardown kills its processes)
 
     def _teardown_script(self) -> str:
         """Shell commands that kill every process in our namespaces and delete them (idempotent)."""
@@ -218,6 +263,7 @@ class Cluster:
         for ns in self.namespaces():
             lines.append(f"for p in $(ip netns pids {ns} 2>/dev/null); do kill -9 $p 2>/dev/null; done")
         lines += [f"ip -n {self.switch} link del dxs{r} 2>/dev/null" for r in range(self.n)]
+        lines.append(f"ip -n {self.switch} link del dxhub 2>/dev/null")
         lines += [f"ip netns del {ns} 2>/dev/null" for ns in self.namespaces()]
         return "\n".join(lines) + "\ntrue\n"
 
@@ -283,6 +329,11 @@ class Cluster:
                 kill_group(p.pid, signal.SIGKILL)
                 p.wait()
         subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True)
+        if self._switch is not None:  # killed with the namespace's processes just above
+            try:
+                self._switch.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_group(self._switch.pid, signal.SIGKILL)
         if self._reaper is not None:
             self._reaper.stdin.close()  # the reaper re-runs the (now empty) teardown and exits
             self._reaper.wait()

@@ -89,7 +89,25 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
         help="with --netns: this peer's link gets its own cap, e.g. s1p1=20mbit (heterogeneous links; the others keep "
         "--rate, or no cap)",
     )  # fmt: skip
+    ap.add_argument("--latency", default=None, help="with --netns: round trip added between peers, e.g. 50ms")
+    ap.add_argument("--jitter", default=None, help="with --netns: spread of that round trip, e.g. 5ms")
+    ap.add_argument("--loss", default=None, help="with --netns: frames lost between peers, e.g. 0.1%%")
     return ap
+
+
+def parse_delay(netns: bool, latency: str | None, jitter: str | None, loss: str | None) -> tuple[float, float, float]:
+    """--latency/--jitter/--loss -> (round trip ms, jitter ms, loss); a one-line error when they cannot be honoured."""
+    from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
+
+    try:
+        out = (parse_latency(latency, "--latency"), parse_latency(jitter, "--jitter"), parse_loss(loss))
+    except SwitchError as e:
+        raise SwarmUsageError(str(e)) from None
+    if any(out) and not netns:
+        raise SwarmUsageError("--latency/--jitter/--loss need --netns (the delay switch runs in the hub namespace)")
+    if out[1] > out[0]:
+        raise SwarmUsageError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+    return out
 
 
 def parse_netns(netns: bool, rate: str | None) -> float | None:
@@ -161,6 +179,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     paces = parse_delays(a.pace, "--pace")
     peer_rates = parse_peer_rates(a.peer_rate, a.netns)
     rate_mbit = parse_netns(a.netns, a.rate)
+    delay = parse_delay(a.netns, a.latency, a.jitter, a.loss)
     overrides = list(rest)
     if peers is not None:
         overrides.append(f"--swarm.peers_per_stage=[{','.join(map(str, peers))}]")
@@ -181,7 +200,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
-            launcher=netns_launcher(rate_mbit, peer_rates) if a.netns else None,
+            launcher=netns_launcher(rate_mbit, peer_rates, delay) if a.netns else None,
         )  # fmt: skip
     except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
         print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)

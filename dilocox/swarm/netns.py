@@ -69,7 +69,12 @@ class NetnsSwarmLauncher(SwarmLauncher):
     of every peer's link in each direction (None: uncapped)."""
 
     def __init__(
-        self, cfg: Config, out_dir: str, rate_mbit: float | None = None, peer_rates: dict[str, float] | None = None
+        self,
+        cfg: Config,
+        out_dir: str,
+        rate_mbit: float | None = None,
+        peer_rates: dict[str, float] | None = None,
+        delay: tuple[float, float, float] = (0.0, 0.0, 0.0),
     ) -> None:
         ok, why = netns_available()
         if not ok:
@@ -82,7 +87,11 @@ class NetnsSwarmLauncher(SwarmLauncher):
         self.slots = slots
         self.net_bytes: dict[str, tuple[int, int]] = {}  # peer -> (veth tx, veth rx) bytes, read at shutdown
         rates = [(peer_rates or {}).get(n) for n in slots]  # slot order; None: rate_mbit
-        self.cluster = Cluster(len(slots), rate_mbit, hub=True, stop_grace_s=1.0, rates_mbit=rates)
+        rtt_ms, jitter_ms, loss = delay  # the delay switch (--latency/--jitter/--loss; dilocox.launch.switch)
+        self.cluster = Cluster(
+            len(slots), rate_mbit, hub=True, stop_grace_s=1.0, rates_mbit=rates, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
+            loss=loss,
+        )  # fmt: skip
         self.cluster.start()
         try:
             self._start_hub()
@@ -157,11 +166,14 @@ class NetnsSwarmLauncher(SwarmLauncher):
 
 
 def netns_launcher(
-    rate_mbit: float | None = None, peer_rates: dict[str, float] | None = None
+    rate_mbit: float | None = None,
+    peer_rates: dict[str, float] | None = None,
+    delay: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> Callable[[Config, str], NetnsSwarmLauncher]:
     """The ``launcher`` argument of ``dilocox.swarm.runtime.launch`` that puts every peer in its own namespace:
-    links capped at ``rate_mbit`` each way (None: uncapped), ``peer_rates`` (peer name -> Mbit/s) a peer's own cap."""
-    return functools.partial(NetnsSwarmLauncher, rate_mbit=rate_mbit, peer_rates=peer_rates)
+    links capped at ``rate_mbit`` each way (None: uncapped), ``peer_rates`` (peer name -> Mbit/s) a peer's own cap,
+    ``delay`` = (round trip ms, jitter ms, loss probability) added by the delay switch between any two peers."""
+    return functools.partial(NetnsSwarmLauncher, rate_mbit=rate_mbit, peer_rates=peer_rates, delay=delay)
 
 
 def ready_line(
