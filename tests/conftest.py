@@ -7,4 +7,3 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
