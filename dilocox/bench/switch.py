@@ -10,17 +10,20 @@ joined by the kernel bridge for reference:
 On a 2-core machine the senders, the receiver and the switch share the cores, so the UDP figure is a floor of the
 switch's ceiling (the bridge row shows what the same senders reach without it).
 
-    dilocox bench switch [--rtt-ms 0.01] [--seconds 3] [--senders 2] [--json out.json]
+    dilocox bench switch [--rtt-ms 0.01] [--seconds 3] [--senders 2] [--out docs/bench/switch]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECV = textwrap.dedent("""
     import socket, sys, threading, time
@@ -99,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=0.01, help="the switch's round trip (tiny: measure its cost)")
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each transfer")
     ap.add_argument("--senders", type=int, default=2, help="UDP sender processes")
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "switch"), help="results.md/json go here")
     a = ap.parse_args(argv)
     from dilocox.launch.netns import netns_available
 
@@ -109,18 +112,33 @@ def main(argv=None) -> int:
         return 2
     t0 = time.monotonic()
     rows = [measure(None, a.seconds, a.senders), measure(a.rtt_ms, a.seconds, a.senders)]
-    print("| path | TCP bulk (Gbit/s) | 1514-B frames sent/s | delivered/s | Gbit/s at 1500 B |")
-    print("|---|---|---|---|---|")
+    md = markdown(rows, a, time.monotonic() - t0)
+    print(md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump({"rows": rows, "argv": sys.argv[1:]}, f, indent=1)
+    print(f"wrote {a.out}/results.md (python -m dilocox.bench.report copies it into docs/BENCHMARKS.md)")
+    return 0
+
+
+def markdown(rows: list[dict], a, seconds: float) -> str:
+    from dilocox.bench.runner import machine_line
+
+    out = [
+        f"Machine: {machine_line()}; {time.strftime('%Y-%m-%d')}; `dilocox bench switch --rtt-ms {a.rtt_ms:g} "
+        f"--seconds {a.seconds:g} --senders {a.senders}` ({seconds:.0f} s).",
+        "",
+        "| path | TCP bulk (Gbit/s) | 1514-B frames sent/s | delivered/s | Gbit/s at 1500 B |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        print(
+        out.append(
             f"| {r['path']} | {r['tcp_gbit']:.2f} | {r['udp_frames_sent_per_s']:,.0f} | {r['udp_frames_per_s']:,.0f} | "
             f"{r['udp_gbit_1500B']:.2f} |"
         )
-    print(f"({a.senders} UDP senders, {a.seconds:g} s each, {time.monotonic() - t0:.0f} s in all)")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
