@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -111,7 +112,23 @@ def main(argv=None) -> int:
         print(f"dilocox bench switch: needs network namespaces: {why}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    rows = [measure(None, a.seconds, a.senders), measure(a.rtt_ms, a.seconds, a.senders)]
+    stopped: list[int] = []
+
+    def on_signal(signum, frame):  # (the Cluster's own handler tears the namespaces down first, then calls this)
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    prev = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rows = [measure(None, a.seconds, a.senders), measure(a.rtt_ms, a.seconds, a.senders)]
+    except (KeyboardInterrupt, RuntimeError, subprocess.SubprocessError, OSError):
+        if not stopped:
+            raise
+        print("dilocox bench switch: interrupted; the namespaces were removed, nothing written", file=sys.stderr)
+        return 128 + stopped[0]
+    finally:
+        for sig, h in prev.items():
+            signal.signal(sig, h)
     md = markdown(rows, a, time.monotonic() - t0)
     print(md)
     os.makedirs(a.out, exist_ok=True)
