@@ -65,7 +65,8 @@ def test_summarize_window_bytes_and_veth_payload():
     run["ranks"][2]["wall_s"] = 3.0  # the slowest rank ends the run
     s = wan.summarize(run, tokens_per_step=tokens, baseline=[4_000, 6_000])
     assert s["first_step_s"] == pytest.approx(0.5)
-    assert s["tokens_per_s"] == pytest.approx(3 * tokens / (3.0 - 0.5))  # steps 2..4, after step 1, to the slowest end
+    assert s["tokens_per_s"] == pytest.approx(3 * tokens / (2.0 - 0.5))  # steps 2..4 on rank 0: steady state
+    assert s["tokens_per_s_end_to_end"] == pytest.approx(3 * tokens / (3.0 - 0.5))  # to the slowest rank's end
     assert [t for t, _ in s["loss_vs_time"]] == pytest.approx([0.5, 0.75, 1.0, 2.0])
     assert s["bytes_framework_by_replica"] == [900_000, 1_100_000]
     assert s["bytes_framework"] == 1_000_000

@@ -7,7 +7,8 @@ outside the loop); one whose group holds ranks of both replicas crossed the slow
 the boundary right after it; the stop-signal agreement still runs every step, inside each replica.
 
 A SIGTERM seen by one rank of replica 1 mid-phase then stops every rank of both replicas at the same step,
-one step after the next outer sync, with a checkpoint of that step.
+the outer sync after the next one (the exchange rides the next sync and is read at the one after it, so it
+never waits on the slow link), with a checkpoint of that step.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _run(rank, world, tmp, signal_at):
         "--outer.overlap=none",
         "--checkpoint.every=0",
         "--train.eval_every=0",
-        steps=3 * H,
+        steps=4 * H,
     )
     interrupted = None
     try:
@@ -131,20 +132,20 @@ def test_nothing_crosses_the_replicas_between_outer_syncs(tmp_path):
         assert not bad, f"rank {rank}: collectives across the replicas between outer syncs: {bad[:5]}"
         # not vacuous: the outer syncs crossed, and the stop agreement ran inside the replica at every boundary
         synced = {e[1] for e in crossing if e[0] == "step"}
-        assert synced == {H - 1, 2 * H - 1, 3 * H - 1}, synced
+        assert synced == {H - 1, 2 * H - 1, 3 * H - 1, 4 * H - 1}, synced
         local = [e for e in in_loop if e[0] == "boundary" and not e[2] and e[3] == "all_reduce"]
-        assert len(local) >= 3 * H - 1, len(local)
+        assert len(local) >= 4 * H - 1, len(local)
 
 
-def test_a_signal_to_one_replica_stops_both_at_the_next_outer_sync(tmp_path):
-    at = H + 1  # mid-phase: inner step 5 of 12 (the next outer sync ends step 8)
+def test_a_signal_to_one_replica_stops_both_at_the_second_outer_sync(tmp_path):
+    at = H + 1  # mid-phase: inner step 5 of 16 (the next outer sync ends step 8)
     res = run_ranks(4, _run, str(tmp_path), at)
     stops = [interrupted for _, interrupted in res]
-    # replica 1 agrees at boundary at+2, tells replica 0 at the next outer sync (boundary 2H), all read it
-    # one boundary later: every rank stops at step 2H + 1 (exit 143) and saves a checkpoint there
-    assert stops == [(128 + signal.SIGTERM, 2 * H + 1)] * 4, stops
+    # replica 1 agrees at boundary at+2, sends it with the next outer sync (boundary 2H), all read it at the
+    # outer sync after that (boundary 3H): every rank stops there (exit 143) and saves a checkpoint there
+    assert stops == [(128 + signal.SIGTERM, 3 * H)] * 4, stops
     ckpts = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir() if p.name.startswith("step_"))
-    assert ckpts == [f"step_{2 * H + 1:08d}"], ckpts
+    assert ckpts == [f"step_{3 * H:08d}"], ckpts
 
 
 def _metrics_step(path) -> int:

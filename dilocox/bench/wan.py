@@ -11,11 +11,12 @@ root or netns the caps fall back to the outer comm layer's token bucket (said in
 
 Definitions (per run; "replica" = the 2 ranks in one namespace, which share one link):
 
-- tokens/s: tokens of both replicas in steps 2..N over the wall time from the end of step 1
-  (rank 0's log; step 1 holds one-off warm-up) to the end of training on the slowest rank, so
-  it includes a replica running behind (overlapped methods let replicas drift up to a phase
-  apart) and the drain of the last in-flight all-reduce; final validation and checkpoint are
-  outside.
+- tokens/s (steady state): tokens of both replicas in steps 2..N over rank 0's time from the end
+  of step 1 (step 1 holds one-off warm-up) to the end of step N. Rank 0's steps include its waits
+  for the outer collectives, so a replica running behind shows as rank 0 blocked at the sync.
+  Outside: the drain of the last in-flight all-reduce after step N (a one-off of the run's end, like
+  final validation and checkpoint; ``tokens_per_s_end_to_end`` in results.json includes it, up to
+  the end of training on the slowest rank).
 - blocked: max over ranks of the time the training thread waited for a cross-replica
   collective (``outer_blocked_total_s``); compute utilization = 1 - blocked / wall.
 - bytes: per replica (mean of the two), framework = sum of ``outer_bytes_sent`` of its ranks;
@@ -64,11 +65,18 @@ from dilocox.bench.wan_report import plot as plot
 from dilocox.bench.wan_report import targets as targets
 from dilocox.bench.wan_report import write_outputs as write_outputs
 from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
+from dilocox.launch.switch import SwitchError, parse_latency
 from dilocox.plan import Method, fmt_bandwidth, parse_bandwidth, plan
 
-METHODS = ["allreduce", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox"]
-CAPS = ["10mbit", "100mbit", "1gbit"]
+METHODS = ["allreduce", "diloco", "streaming", "dilocox"]
+CAPS = ["1mbit", "10mbit", "100mbit", "1gbit"]
+RTTS = ["0ms", "50ms", "150ms"]
 REPLICAS, PER_REPLICA = 2, 2
+# Round trips one step of a gloo collective pays: a gloo pair sends into a buffer its peer has announced
+# (the receiver's notification crosses first, then the data), so a step costs a round trip, not a one-way
+# delay. Measured through the delay switch, 2 ranks, 100 Mbit/s: a 1.8 MB all_reduce (2 steps) took 149 ms
+# at 0 ms and 441 ms at 150 ms RTT, i.e. +1.97 RTT.
+GLOO_STEP_RTTS = 1.0
 FRAME_HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps option 12
 TRAIN_FLAGS = [
     "--checkpoint.resume=none",
@@ -82,8 +90,12 @@ TRAIN_FLAGS = [
 # --------------------------------------------------------------------------- running
 
 
-def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[str], timeout: float = 900) -> dict:
-    """One torchrun node per replica namespace; returns ``read_run`` plus the veth counters."""
+def run_netns(
+    config: str, cap_bps: float | None, run_dir: str, overrides: list[str], timeout: float = 900, rtt_ms: float = 0.0
+) -> dict:
+    """One torchrun node per replica namespace; returns ``read_run`` plus the veth counters.
+
+    ``rtt_ms`` > 0 puts the delay switch between the namespaces (round trip added between the replicas)."""
     clear_run_dir(run_dir)
     entry = ["-m", "dilocox.cli", "train", config, f"--log.run_dir={os.path.abspath(run_dir)}", *overrides]
     env = {k: v for k, v in os.environ.items() if k != BANDWIDTH_ENV}
@@ -93,7 +105,7 @@ def run_netns(config: str, cap_bps: float | None, run_dir: str, overrides: list[
     )
     log_path = os.path.join(run_dir, "train.log")
     t0 = time.time()
-    with open(log_path, "w") as log, Cluster(REPLICAS, None if cap_bps is None else cap_bps / 1e6) as c:
+    with open(log_path, "w") as log, Cluster(REPLICAS, None if cap_bps is None else cap_bps / 1e6, rtt_ms=rtt_ms) as c:
         procs = []
         for r in range(REPLICAS):
             renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
@@ -125,9 +137,12 @@ def tcp_retrans_segs(ns: str) -> int:
     return int(vals[head.index("RetransSegs")])
 
 
-def run_token_bucket(config: str, cap_bps: float | None, run_dir: str, overrides: list[str]) -> dict:
+def run_token_bucket(
+    config: str, cap_bps: float | None, run_dir: str, overrides: list[str], rtt_ms: float = 0.0
+) -> dict:
     """The fallback: one local torchrun; each rank's outer comm thread paced at cap / ranks per
-    replica (the replica's ranks share one link). Only the outer collectives are paced."""
+    replica (the replica's ranks share one link). Only the outer collectives are paced; no delay
+    (``bench`` refuses an RTT without namespaces)."""
     env = {BANDWIDTH_ENV: f"{cap_bps / PER_REPLICA:.0f}" if cap_bps else ""}  # "" = no cap
     return {**run_train(config, REPLICAS * PER_REPLICA, run_dir, overrides, env=env), "veth": None}
 
@@ -165,7 +180,11 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
     blocked = max(r.get("outer_blocked_total_s", 0.0) for r in ranks)
     out = {
         "steps": s["steps"],
-        "tokens_per_s": tokens_per_step * (s["steps"] - 1) / (wall - el[0]),
+        # steady state: rank 0's steps 2..N (its step times include its outer waits, so a replica running
+        # behind shows up as rank 0 blocked at the sync); the end-to-end figure adds the drain of the last
+        # in-flight all-reduce on the slowest rank, a one-off of the run's end like the final checkpoint
+        "tokens_per_s": tokens_per_step * (recs[-1]["step"] - recs[0]["step"]) / max(el[-1] - el[0], 1e-9),
+        "tokens_per_s_end_to_end": tokens_per_step * (s["steps"] - 1) / (wall - el[0]),
         "first_step_s": el[0],
         "wall_s": wall,
         "blocked_s": blocked,
@@ -213,10 +232,17 @@ def run_method(cfg, name: str, H: int | None = None, rank: int | None = None) ->
 
 
 def predict(
-    cfg, method: str, cap_bps: float | None, step_time_s: float = 1.0, H: int | None = None, rank: int | None = None
+    cfg,
+    method: str,
+    cap_bps: float | None,
+    step_time_s: float = 1.0,
+    H: int | None = None,
+    rank: int | None = None,
+    rtt_ms: float = 0.0,
 ) -> dict:
-    """The plan for this config at this cap (2 replicas, latency 0: tbf adds none) and the run's own
-    layout; every method setting comes from the config (``H``/``rank`` override it)."""
+    """The plan for this config at this cap and round trip (2 replicas) and the run's own layout;
+    every method setting comes from the config (``H``/``rank`` override it). Each collective step
+    pays one full round trip (``GLOO_STEP_RTTS``), tbf adds none."""
     tokens = cfg.train.batch_size * cfg.train.seq_len
     return plan(
         cfg.model,
@@ -224,19 +250,19 @@ def predict(
         math.inf if cap_bps is None else cap_bps,
         method=run_method(cfg, method, H, rank),
         tokens_per_step=tokens,
-        latency_s=0.0,
+        latency_s=GLOO_STEP_RTTS * rtt_ms / 1e3,
         step_time_s=step_time_s,
         pipeline=cfg.parallel.pipeline,
         tensor=cfg.parallel.tensor,
     )
 
 
-def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> int:
+def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float, rtt_ms: float = 0.0) -> int:
     """``steps``, cut so the predicted communication time stays under ``max_comm_s``.
 
     Whole phases, at least 2 steps.
     """
-    p = predict(cfg, cfg.outer.method, cap_bps)
+    p = predict(cfg, cfg.outer.method, cap_bps, rtt_ms=rtt_ms)
     per_step = p["t_comm_s"] / p["H"]
     if per_step * steps <= max_comm_s:
         return steps
@@ -247,13 +273,13 @@ def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float) -> i
 def join(rows: list[dict]) -> list[dict]:
     """Add "% of uncapped" and the plan-vs-measured errors to measured rows (pure).
 
-    Each row has ``method``, ``cap_bps`` (None = uncapped), the ``summarize`` fields, and
-    ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides by
-    the same method's uncapped run of the SAME number of steps (None where there is none): the
+    Each row has ``method``, ``cap_bps`` (None = uncapped), ``rtt_ms`` (absent = 0), the ``summarize``
+    fields, and ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides
+    by the same method's uncapped no-delay run of the SAME number of steps (None where there is none): the
     first-step warm-up and the drain of the last all-reduce weigh differently in runs of other lengths. Errors are
     (plan - measured) / measured; utilization errors are in percentage points.
     """
-    ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None}
+    ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None and not r.get("rtt_ms")}
     for r in rows:
         u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length, or none
         r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
@@ -283,13 +309,14 @@ def bench(
     loss_steps: int | None,
     H: int,
     run_root: str,
-    max_comm_s: float = 60.0,
+    max_comm_s: float = 30.0,
     emulation: str = "auto",
     reference: bool = True,
     baseline_run: bool = True,
     log=print,
+    rtts_ms: list[float] = (0.0,),
 ) -> dict:
-    """Run every (method, cap) and the uncapped references; return ``{"meta", "rows"}``.
+    """Run every (method, cap, RTT) and the uncapped no-delay references; return ``{"meta", "rows"}``.
 
     ``reference=False`` skips the uncapped runs ("% of uncapped" stays empty and the plan takes
     the step time of each run itself); ``baseline_run=False`` skips the no-sync run (its few kB
@@ -297,10 +324,16 @@ def bench(
     """
     from dilocox.config import load_config
 
+    rtts_ms = sorted(set(float(x) for x in rtts_ms))
     ok, why = netns_available()
     if emulation == "netns" and not ok:
         raise RuntimeError(f"--emulation netns requested but unavailable: {why}")
     mode = "netns" if ok and emulation != "token-bucket" else "token-bucket"
+    if mode != "netns" and any(rtts_ms):
+        raise RuntimeError(
+            f"--rtt {', '.join(f'{x:g}ms' for x in rtts_ms)}: a delay needs the namespaces and the delay switch "
+            f"({why or 'token-bucket emulation requested'}); run as root or pass --rtt 0ms"
+        )
     runner = run_netns if mode == "netns" else run_token_bucket
     log(f"emulation: {mode}" + ("" if mode == "netns" else f" ({why or 'requested'}; veth byte counters unavailable)"))
     loss_steps = steps if loss_steps is None else max(loss_steps, steps)
@@ -321,18 +354,21 @@ def bench(
             cfg = load_config(path)
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
-            capped = [(cap, steps_within(cfg, cap, steps, max_comm_s)) for cap in caps]
-            # uncapped references of the same lengths as the capped runs (like-for-like "% of uncapped"),
+            capped = [(cap, rtt, steps_within(cfg, cap, steps, max_comm_s, rtt)) for rtt in rtts_ms for cap in caps]
+            # uncapped no-delay references of the same lengths as the capped runs (like-for-like "% of uncapped"),
             # the longest first (its compute time per step feeds the plan), plus the loss-at-equal-tokens run
-            lengths = sorted({steps, loss_steps, *(n for _, n in capped)}, reverse=True) if reference else []
-            for cap, n in [(None, k) for k in lengths] + capped:
+            lengths = sorted({steps, loss_steps, *(n for _, _, n in capped)}, reverse=True) if reference else []
+            for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
                 name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
+                if rtt:
+                    name += f"-{rtt:g}ms"
                 if cap is None and n != steps:
                     name += f"-{n}steps"
-                run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS])
+                run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS], rtt_ms=rtt)
                 row = {
                     "method": m,
                     "cap_bps": cap,
+                    "rtt_ms": rtt,
                     "load_avg_1min": os.getloadavg()[0],
                     **summarize(run, tokens, baseline),
                 }
@@ -346,17 +382,19 @@ def bench(
                     row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
                 if (cap is None and t_step is None) or not reference:
                     t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
-                row["plan"] = {k: v for k, v in predict(cfg, m, cap, t_step).items() if k != "bandwidth_for"}
+                p = predict(cfg, m, cap, t_step, rtt_ms=rtt)
+                row["plan"] = {k: v for k, v in p.items() if k != "bandwidth_for"}
                 if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs
                     H_run = max(1, round(row["steps"] * row["plan"]["fragments"] / row["n_syncs"]))
-                    p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"])
+                    p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"], rtt_ms=rtt)
                     row["plan_as_run"] = {
                         k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")
                     }
                 row["plan_step_time_s"] = t_step
                 rows.append(row)
                 log(
-                    f"{name:>22}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
+                    f"{name:>28}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
+                    f"plan {row['plan']['tokens_per_s']:,.0f} tok/s, "
                     f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
                     f"[{time.time() - t0:.0f} s]"
                 )
@@ -368,6 +406,7 @@ def bench(
         "why": why or "requested",
         "methods": methods,
         "caps_bps": caps,
+        "rtts_ms": rtts_ms,
         "steps": steps,
         "loss_steps": loss_steps,
         "H": H,
@@ -405,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--bandwidth", nargs="+", default=CAPS, help="caps per replica link, each way (e.g. 10mbit 100mbit 1gbit)"
     )
+    ap.add_argument(
+        "--rtt", nargs="+", default=RTTS, help="round trips added between the replicas (delay switch), e.g. 0ms 50ms"
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=100, help="steps of the capped runs")
     ap.add_argument(
@@ -418,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--max-comm-s",
         type=float,
-        default=60.0,
+        default=30.0,
         help="cut a capped run's steps to keep its predicted communication under this",
     )
     ap.add_argument("--emulation", choices=("auto", "netns", "token-bucket"), default="auto")
@@ -436,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         caps = sorted(parse_bandwidth(b) for b in a.bandwidth)
+        rtts = [parse_latency(x, "--rtt") for x in a.rtt]
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
         bad = [m for m in methods if not os.path.exists(os.path.join(ROOT, "configs", "methods", f"{m}.yaml"))]
         if bad:
@@ -455,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
             a.emulation,
             reference=not a.no_uncapped,
             baseline_run=not a.no_baseline,
+            rtts_ms=rtts,
         )
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, SwitchError) as e:
         print(f"dilocox bench wan: error: {e}", file=sys.stderr)
         return 2
     print(write_outputs(res, a.out))

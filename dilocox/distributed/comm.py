@@ -66,7 +66,7 @@ class CommHandle:
         if timeout is None and pol is not None and pol.bounded:
             what = f"{pol.what} ({self.name}) with {pol.peers}"
             try:
-                bounded_wait(self._event.is_set, what, pol.timeout_s, pol.warn_after_s, pol.log)
+                bounded_wait(self._event, what, pol.timeout_s, pol.warn_after_s, pol.log)
             except CommTimeoutError as e:
                 raise CommTimeoutError(
                     f"{e} ({pol.timeout_key}={pol.limit}); the last complete checkpoint is still valid"
@@ -180,7 +180,7 @@ class AsyncComm:
             self._queue.join()
             return
         what = f"{pol.what} ({last.name}) with {pol.peers} ({pol.timeout_key}={pol.limit})"
-        bounded_wait(last._event.is_set, what, pol.timeout_s, pol.warn_after_s, pol.log)
+        bounded_wait(last._event, what, pol.timeout_s, pol.warn_after_s, pol.log)
 
     def shutdown(self, timeout: float | None = None) -> bool:
         """Finish the queued tasks, then stop the thread. Safe to call twice.

@@ -44,6 +44,21 @@ HUB_ADDR = f"{SUBNET}.254"  # the bridge's own address in the switch namespace (
 _counter = itertools.count()
 
 
+# The replica namespaces' TCP settings. "wan": what a host tuned for a long fat link runs (ESnet's
+# fasterdata host tuning: buffers far above the bandwidth-delay product, which is 18.75 MB at 1 Gbit/s and
+# 150 ms; no return to slow start after an idle pause, which a DiLoCo link has between syncs and a
+# per-step method between steps). "default": the kernel's own (Linux: slow start again after one RTO idle,
+# buffers up to 4-6 MB). Applied per namespace (these sysctls are per network namespace).
+TCP_TUNINGS: dict[str, dict[str, str]] = {
+    "wan": {
+        "net.ipv4.tcp_slow_start_after_idle": "0",
+        "net.ipv4.tcp_rmem": "4096 131072 67108864",
+        "net.ipv4.tcp_wmem": "4096 16384 67108864",
+    },
+    "default": {},
+}
+
+
 def switch_argv(ports, rtt_ms, jitter_ms, loss):  # (lazy: the switch module compiles on first use)
     from dilocox.launch.switch import argv
 
@@ -127,7 +142,10 @@ class Cluster:
         rtt_ms: float = 0.0,
         jitter_ms: float = 0.0,
         loss: float = 0.0,
+        tcp_tuning: str = "wan",
     ) -> None:
+        if tcp_tuning not in TCP_TUNINGS:
+            raise ValueError(f"tcp_tuning={tcp_tuning!r} is not one of {sorted(TCP_TUNINGS)}")
         if not 1 <= n_replicas <= 250:
             raise ValueError(f"n_replicas={n_replicas} must be in [1, 250] (one /24 of 198.18.0.0/15)")
         if rates_mbit is not None and len(rates_mbit) != n_replicas:
@@ -147,6 +165,7 @@ class Cluster:
         # the delay switch (dilocox/launch/switch.py) in place of the bridge: round trip added between any two sites
         self.rtt_ms, self.jitter_ms, self.loss = float(rtt_ms), float(jitter_ms), float(loss)
         self.delayed = self.rtt_ms > 0 or self.jitter_ms > 0 or self.loss > 0
+        self.tcp_tuning = tcp_tuning  # the replica namespaces' TCP settings (TCP_TUNINGS)
         self._switch: subprocess.Popen | None = None
         self.stop_grace_s = stop_grace_s
         self.hub = hub  # True: the bridge gets HUB_ADDR, so a service in the switch namespace (exec_hub) is reachable
@@ -227,6 +246,9 @@ class Cluster:
                 _ip("ip", "-n", sw, "link", "set", outer, "master", "dxbr", "up")
             _ip("ip", "-n", ns, "addr", "add", f"{self.addr(r)}/24", "dev", inner)
             _ip("ip", "-n", ns, "link", "set", inner, "up")
+            sysctls = TCP_TUNINGS[self.tcp_tuning]
+            if sysctls:
+                _ip("ip", "netns", "exec", ns, "sysctl", "-q", "-w", *(f"{k}={v}" for k, v in sysctls.items()))
             if self.rates_bps[r]:
                 for where, dev in ((ns, inner), (sw, outer)):
                     _ip(

@@ -119,6 +119,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self.pending: list[CommHandle | None] = [None] * self.K
         self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
         self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
+        self._h_agree: CommHandle | None = None  # the outer-group max of the last H proposals (``_agree_max``)
         self._step_times: list[float] = []
         self._t_end: float | None = None
         self.elastic = None
@@ -227,19 +228,29 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self._step_times = []
 
     def _agree_max(self, value: int) -> int:
-        """The largest proposal over the outer group, then over this replica's ranks.
+        """The largest H proposed at the PREVIOUS outer step over the outer group, then over this replica's
+        ranks; this step's proposal ``value`` goes out now and is used at the next one.
 
-        H comes from measured times, which differ between ranks, but every rank must sync at
-        the same steps: the max (the slowest link/step still hidden) is taken over the outer
-        group on the comm thread (idle here) and over the replica group on this thread, so
-        all ranks of all replicas and stages agree. Costs one tiny collective per outer step.
+        H comes from measured times, which differ between ranks, but every rank must sync at the same
+        steps: the max (the slowest link/step still hidden) over the outer group and then over the
+        replica group makes all ranks of all replicas and stages agree. The outer-group max runs on the
+        comm thread, queued before this step's pseudo-gradient all-reduce, and is read at the next outer
+        step, after that all-reduce was waited for: it never waits on the slow link (a blocking tiny
+        all-reduce here cost about two round trips per outer step, 0.3 s at 150 ms RTT). So a new H
+        applies one phase later, like the all-reduce itself. The replica-group max (inside the replica)
+        stays blocking. The first outer step keeps the configured H (the same on every rank).
         """
         t = torch.tensor([value], dtype=torch.int64, device=self.params[0].device)
-        if self.group is not None:
-            self._wait(self.comm.submit(dist.all_reduce, t, op=dist.ReduceOp.MAX, group=self.group))
+        prev, self._h_agree = (
+            self._h_agree,
+            (self.comm.submit(_max_over, t, self.group) if self.group is not None else DoneHandle(t)),
+        )
+        if prev is None:
+            return self.H
+        got = self._wait(prev).clone()
         if self.replica_group is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.replica_group)
-        return int(t.item())
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.replica_group)
+        return int(got.item())
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -282,6 +293,8 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
             own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
             schedule=self.schedule.state_dict(),
             controller=self.controller.state_dict() if self.controller is not None else None,
+            # the H proposals of the last outer step, agreed over the outer group (FIFO: done once `pending` is)
+            h_agreed=int(self._wait(self._h_agree).item()) if self._h_agree is not None else None,
         )
 
     def _check_compatible(self, sd: dict) -> None:
@@ -310,3 +323,11 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])
+        h = sd.get("h_agreed")
+        self._h_agree = DoneHandle(torch.tensor([h], dtype=torch.int64, device=dev)) if h is not None else None
+
+
+def _max_over(t: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce MAX in place on the comm thread; returns the tensor (the handle's result)."""
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
