@@ -1,5 +1,5 @@
 """The ``dilocox`` command: train | data | bench | plan | launch | lighthouse | swarm | export | import | generate |
-report.
+report | secret.
 
     dilocox train CONFIG [--nproc N] [--section.key=value ...]
     dilocox data prepare CONFIG [--section.key=value ...]
@@ -13,6 +13,7 @@ report.
     dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
+    dilocox secret PATH                       (a new run secret, mode 0600: --security.secret_file=PATH)
 
 `dilocox COMMAND --help` prints a command's options; every config key is in docs/CONFIG.md.
 """
@@ -248,6 +249,22 @@ def _lighthouse(argv: list[str]) -> int:
     return lighthouse_main(argv) or 0
 
 
+def _secret(argv: list[str]) -> int:
+    """``dilocox secret PATH``: write a new run secret (32 random bytes, hex, mode 0600); never overwrites."""
+    from dilocox.security import create_secret
+
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise UsageError("usage: dilocox secret PATH  (writes a new run secret, mode 0600; docs/SECURITY.md)")
+    try:
+        create_secret(argv[0])
+    except FileExistsError:
+        raise UsageError(f"{argv[0]} exists: a secret is never overwritten (remove it first to rotate)") from None
+    except OSError as e:
+        raise UsageError(f"cannot write {argv[0]}: {e.strerror}") from None
+    print(f"wrote the run secret {argv[0]} (mode 0600): pass it as --security.secret_file={argv[0]}")
+    return 0
+
+
 def _export(argv: list[str]) -> int:
     from dilocox.export import export_main
 
@@ -311,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "import": _import,
         "generate": _generate,
         "report": _report,
+        "secret": _secret,
     }
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)

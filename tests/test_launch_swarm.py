@@ -199,7 +199,7 @@ def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_
         want.append(
             f"{node} python -m dilocox.swarm.peer --config configs/tiny.yaml --stage {j} --index {k} "
             f"--store gpu03:29520 --out {run}{lh} -- --train.steps=3 --swarm.peers_per_stage=[3,1,2] "
-            f"--swarm.host={node}"
+            f"--security.secret_file={run}/secret --swarm.host={node}"
         )
     assert peers == sorted(want)
     assert p.stdout.count("exited with 0") == 6
@@ -211,7 +211,10 @@ def test_swarm_sbatch_with_rebalancing_starts_the_rebalancer_and_every_lighthous
     run = str(tmp_path / "run")
     services = [ln for ln in lines if "dilocox.swarm.peer" not in ln]
     lh = "--heartbeat-timeout-ms 5000 --join-timeout-ms 60000"
-    ovr = "--train.steps=3 --swarm.peers_per_stage=[2,1] --swarm.rebalance_period_s=300"
+    ovr = (
+        f"--train.steps=3 --swarm.peers_per_stage=[2,1] --swarm.rebalance_period_s=300 "
+        f"--security.secret_file={run}/secret"
+    )
     assert services == sorted(
         [
             "gpu03 python -m dilocox.cli swarm store --port 29520",

@@ -25,8 +25,9 @@ Definitions (per run; "replica" = the 2 ranks in one namespace, which share one 
   minus the payload of a no-sync baseline run (torchrun's store, gloo connection setup, the
   checkpoint barrier: everything but the outer collectives).
 - plan: ``dilocox.plan.plan`` for the run's own settings (H, quant, rank, fragments, overlap),
-  2 replicas, the cap, latency 0 (tbf adds none) and the step time measured uncapped
-  (compute time per step = (wall - blocked) / steps of the method's uncapped run).
+  2 replicas, the cap, one RTT per collective step (``GLOO_STEP_RTTS``) and the step time measured
+  uncapped (wall / steps of the method's uncapped no-delay run: the collectives' own CPU time is in it,
+  the plan adds what the cap and the delay add).
 
 Capped and uncapped runs have the same length, so "% of uncapped" compares like with like.
 Slow combinations are shortened: a run's step count is cut so that its predicted
@@ -381,7 +382,9 @@ def bench(
                 if m in ("allreduce", "cocktailsgd"):
                     row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
                 if (cap is None and t_step is None) or not reference:
-                    t_step = (row["wall_s"] - row["blocked_s"]) / row["steps"]
+                    # the step time uncapped, the collectives' own CPU time (gloo's copies and reductions,
+                    # compression) included: the plan adds only what the cap and the delay add to it
+                    t_step = row["wall_s"] / row["steps"]
                 p = predict(cfg, m, cap, t_step, rtt_ms=rtt)
                 row["plan"] = {k: v for k, v in p.items() if k != "bandwidth_for"}
                 if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs

@@ -34,6 +34,7 @@ from dilocox.config.sections import (
     OptimConfig,
     OuterConfig,
     ParallelConfig,
+    SecurityConfig,
     SwarmConfig,
     TrainConfig,
 )
@@ -51,6 +52,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         validate(self)

@@ -256,3 +256,13 @@ class SwarmConfig:
     # new stage from that stage's next outer step on (needs outer.overlap=none). A peer moved into stage 0
     # draws its own batch per step
     rebalance_min_gain: float = 0.1  # a move is made only if it lowers the predicted max stage load by this fraction
+
+
+@dataclass
+class SecurityConfig:
+    """Who may talk to the run's own TCP services (docs/SECURITY.md): today the SWARM peers' tensor RPC."""
+
+    authenticate: bool = True  # every SWARM RPC connection proves the run secret both ways, every message is MACed;
+    # false: anyone who reaches a port is served (a closed lab network only)
+    secret_file: str = ""  # the run secret (hex, mode 0600); "" = <swarm out dir>/secret, written by `dilocox swarm`
+    # when absent. Give every host of a multi-host run the same file (never put the secret on a command line)

@@ -57,3 +57,27 @@ def split_peer_name(name: str) -> tuple[int, int]:
     if not name.startswith("s") or not sep or not stage.isdigit() or not index.isdigit():
         raise ValueError(f"{name!r} is not a SWARM peer name s<stage>p<index> (e.g. s1p0)")
     return int(stage), int(index)
+
+
+def largest_hop_bytes(cfg) -> int:
+    """Bytes of the largest legitimate SWARM message of this run: one microbatch's fp32 activations (or their
+    gradient) with its int64 tokens and targets."""
+    mb, seq = cfg.swarm.microbatch_size, cfg.train.seq_len
+    return mb * seq * cfg.model.d_model * 4 + 2 * mb * seq * 8
+
+
+def rpc_security(cfg):
+    """(secret or None, transport Limits) of a SWARM peer: ``transport.use_secret(*rpc_security(cfg))``."""
+    from dilocox.security import SecretError, load_secret
+    from dilocox.swarm.transport import Limits
+
+    limits = Limits.for_run(largest_hop_bytes(cfg))
+    sec = cfg.security
+    if not sec.authenticate:
+        return None, limits
+    if not sec.secret_file:
+        raise SecretError(
+            "security.secret_file is empty and security.authenticate is true: `dilocox swarm` writes one into its "
+            "output directory; a peer started by hand needs --security.secret_file=PATH (the run's file, mode 0600)"
+        )
+    return load_secret(sec.secret_file), limits

@@ -17,10 +17,11 @@ import time
 import torch
 from torch import Tensor
 
+from dilocox.security import open_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError, split_peer_name, store_key
 from dilocox.swarm.routing import NoLivePeer
-from dilocox.swarm.transport import PeerUnavailable, call
+from dilocox.swarm.transport import PeerUnavailable, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.peer")
 
@@ -178,8 +179,8 @@ class MicrobatchHops:
         j, i = split_peer_name(peer)
         try:
             with self.store_lock:
-                new = self.store.get(store_key(j, i)).decode()
-        except Exception:  # noqa: BLE001 - the store is gone (end of the job): keep the old address
+                new = open_value(run_secret(), store_key(j, i), self.store.get(store_key(j, i)).decode())
+        except Exception:  # noqa: BLE001 - the store is gone (end of the job) or the entry is not the run's: keep it
             return False
         if new == self.addrs.get(peer):
             return False

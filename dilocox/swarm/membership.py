@@ -24,8 +24,9 @@ import logging
 import threading
 import time
 
+from dilocox.security import open_value
 from dilocox.swarm.common import peer_name
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
+from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.membership")
 
@@ -140,8 +141,9 @@ def read_members(store, pps: list[int]) -> list[list[int]]:
     every index of ``swarm.peers_per_stage``."""
     try:
         if store.check([MEMBERS_KEY]):
-            return [list(map(int, s)) for s in json.loads(store.get(MEMBERS_KEY).decode())]
-    except Exception:  # noqa: BLE001 - an unreadable key: fall back to the configured layout
+            raw = open_value(run_secret(), MEMBERS_KEY, store.get(MEMBERS_KEY).decode())
+            return [list(map(int, s)) for s in json.loads(raw)]
+    except Exception:  # noqa: BLE001 - an unreadable key (or not the run's): fall back to the configured layout
         log.warning("could not read %s from the store; using swarm.peers_per_stage", MEMBERS_KEY)
     return [list(range(m)) for m in pps]
 

@@ -32,10 +32,11 @@ import os
 import threading
 import time
 
+from dilocox.security import open_value, sign_value
 from dilocox.swarm.common import peer_name, split_peer_name, store_key
 from dilocox.swarm.membership import MEMBERS_KEY, window
 from dilocox.swarm.rebalance import PeerLoad, plan_move
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
+from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.mover")
 
@@ -60,13 +61,13 @@ class Mover(threading.Thread):
 
     # ------------------------------------------------------------------ helpers
     def _set_members(self) -> None:
-        self.store.set(MEMBERS_KEY, json.dumps(self.members))
+        self.store.set(MEMBERS_KEY, sign_value(run_secret(), MEMBERS_KEY, json.dumps(self.members)))
 
     def _addr(self, name: str) -> str | None:
         key = store_key(*split_peer_name(name))
         try:  # (get would block until the key exists: check first)
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:  # noqa: BLE001 - not published (yet)
+            return open_value(run_secret(), key, self.store.get(key).decode()) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - not published (yet), or not by the run
             return None
 
     def _names(self) -> list[str]:

@@ -73,15 +73,16 @@ from torch import Tensor
 from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.model import build_stage_model
+from dilocox.security import SecretError, open_value, sign_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import membership, peer_sync
-from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, store_key
+from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, rpc_security, store_key
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.peer_sync import DiLoCoStageSync
 from dilocox.swarm.routing import NoLivePeer
 from dilocox.swarm.step_end import StepEnd
-from dilocox.swarm.transport import NotServing, RemoteError, RpcServer
+from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_secret, use_secret
 
 # (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at, make_router, ...`` keeps working)
 __all__ = ["DIGEST_ENV", "DiLoCoStageSync", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
@@ -209,7 +210,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.members = members
         if self.join and self.m == 1:
             raise SwarmError(f"{self.name}: cannot join: stage {self.stage} has no other peer to get its state from")
-        self.store.set(store_key(self.stage, self.index), self.server.addr)
+        me = store_key(self.stage, self.index)
+        self.store.set(me, sign_value(run_secret(), me, self.server.addr))  # (a stranger's entry fails the check)
         keys = [store_key(j, i) for j in range(self.n) for i in members[j]]
         try:
             self.store.wait(keys, timedelta(seconds=self.s.startup_timeout_s))
@@ -220,7 +222,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             ) from e
         for j in range(self.n):
             for i in members[j]:
-                self.addrs[peer_name(j, i)] = self.store.get(store_key(j, i)).decode()
+                key = store_key(j, i)
+                self.addrs[peer_name(j, i)] = open_value(run_secret(), key, self.store.get(key).decode())
         if self.stage:
             self.expected_up = [peer_name(self.stage - 1, i) for i in members[self.stage - 1]]
         if not self.last:
@@ -530,6 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cfg = load_config(a.config, a.overrides)
     validate_swarm_layout(cfg)
+    try:
+        use_secret(*rpc_security(cfg))  # every RPC this peer serves or makes: authenticated, bounded
+    except SecretError as e:
+        log.error("%s", e)
+        return 2
     from torch.distributed import TCPStore
 
     host, _, port = a.store.rpartition(":")

@@ -44,8 +44,9 @@ import time
 import torch
 from torch import Tensor
 
+from dilocox.security import open_value, sign_value
 from dilocox.swarm.common import SwarmError, lr_at
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
+from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.peer")
 
@@ -69,7 +70,7 @@ def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
     sq = float(g.double().pow(2).sum()) if g is not None else 0.0
     keys = [norm_key(k, j) for j in range(peer.n)]
     with peer.store_lock:
-        peer.store.set(keys[peer.stage], sq.hex())
+        peer.store.set(keys[peer.stage], sign_value(run_secret(), keys[peer.stage], sq.hex()))
     wait = peer.s.sync_timeout_s
     deadline = time.monotonic() + wait
     pause = 0.001
@@ -87,7 +88,7 @@ def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
     with peer.store_lock:
-        sqs = [float.fromhex(peer.store.get(key).decode()) for key in keys]
+        sqs = [float.fromhex(open_value(run_secret(), key, peer.store.get(key).decode())) for key in keys]
         if k > 0:
             peer.store.delete_key(norm_key(k - 1, peer.stage))
     norm = math.sqrt(sum(sqs))

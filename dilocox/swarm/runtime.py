@@ -21,7 +21,9 @@ from typing import Callable
 import torch
 
 from dilocox.config import Config, to_yaml, validate
-from dilocox.swarm.common import peer_name
+from dilocox.security import load_or_create_secret
+from dilocox.swarm.common import peer_name, rpc_security
+from dilocox.swarm.transport import use_secret
 
 log = logging.getLogger("dilocox.swarm.runtime")
 
@@ -74,8 +76,13 @@ class SwarmLauncher:
     def __init__(self, cfg: Config, out_dir: str) -> None:
         from torch.distributed import TCPStore
 
-        self.cfg, self.out_dir = cfg, out_dir
         os.makedirs(out_dir, exist_ok=True)
+        if cfg.security.authenticate:  # the run secret: the peers read it from this file (never a command line)
+            path = os.path.abspath(cfg.security.secret_file or os.path.join(out_dir, "secret"))
+            load_or_create_secret(path)  # (checks an existing one: mode 0600, long enough)
+            cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, secret_file=path))
+        use_secret(*rpc_security(cfg))  # this process calls the peers too (the rebalancing thread)
+        self.cfg, self.out_dir = cfg, out_dir
         s = cfg.swarm
         self.store = TCPStore(
             s.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=s.startup_timeout_s)

@@ -9,6 +9,16 @@ a reply's method is ``"ok"``, ``"error"`` (then ``meta["error"]`` holds the serv
 ``"unavailable"`` (the handler raised ``NotServing``: the caller sees ``PeerUnavailable``).
 Tensors travel as their raw contiguous bytes (any dtype, bf16 included), so nothing is pickled.
 
+With a run secret (``use_secret``, from ``security.secret_file``; ``dilocox.security``) every connection
+first runs the mutual HMAC challenge-response, and every message is followed by a 32-byte HMAC tag of the
+connection's key, direction and sequence number: a stranger is served nothing, a changed or replayed
+message closes the connection. Nothing read from the network is trusted before it is checked
+(``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
+agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
+``max_connections`` connections, drops one idle for ``idle_timeout_s`` or slower than
+``message_timeout_s`` per message, and a malformed message closes that connection only (logged once per
+peer address).
+
 ``RpcServer(handler)`` serves on a TCP port with one thread per connection; ``handler(method, meta,
 tensors) -> (meta, tensors)`` runs in that thread (it may itself call other peers). ``call(addr, ...)``
 opens a connection, sends, and waits for the reply under ONE deadline (``timeout_s``, enforced with
@@ -21,19 +31,67 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
+from dilocox.security import MAC_BYTES, AuthError, Sealer, client_handshake, server_handshake
+
 log = logging.getLogger("dilocox.swarm.transport")
 
 _LEN = struct.Struct("!Q")
-MAX_HEADER = 1 << 24  # a header above 16 MiB is a corrupt stream, not a real message
+MAX_HEADER = 1 << 16  # a header is a few hundred bytes of JSON; above 64 KiB it is not a dilocox message
+WIRE_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a message from the network may claim, checked before anything is allocated for it."""
+
+    max_header: int = MAX_HEADER
+    max_message_bytes: int = 256 << 20  # all tensors of one message (a peer sets it from its model: ``for_run``)
+    max_tensors: int = 64
+    max_dims: int = 8
+    max_connections: int = 64  # a server's open connections; one more is closed at once
+    idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
+    message_timeout_s: float = 60.0  # a message (or the handshake) that started must be complete within this
+
+    @staticmethod
+    def for_run(largest_message_bytes: int, **kw) -> "Limits":
+        """Limits for a run whose largest legitimate message carries ``largest_message_bytes`` (x2 + 1 MiB slack)."""
+        return Limits(max_message_bytes=2 * int(largest_message_bytes) + (1 << 20), **kw)
+
+
+class ProtocolError(ConnectionError):
+    """A message that breaks the wire format or the limits: the connection is closed."""
+
+
+_state = {"secret": None, "limits": Limits()}
+_DEFAULT = object()
+
+
+def run_secret() -> bytes | None:
+    """This process's run secret (``use_secret``), e.g. to sign the SWARM address book's entries."""
+    return _state["secret"]
+
+
+def use_secret(secret: bytes | None, limits: Limits | None = None) -> None:
+    """This process's run secret (None: unauthenticated, for a run without one) and, optionally, its limits:
+    the defaults of every ``RpcServer`` and ``call`` made after it."""
+    _state["secret"] = secret
+    if limits is not None:
+        _state["limits"] = limits
+
 
 Handler = Callable[[str, dict, dict[str, Tensor]], tuple[dict, dict[str, Tensor]]]
 
@@ -60,10 +118,41 @@ class RemoteError(RuntimeError):
 
 
 def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown tensor dtype {name!r} on the wire")
+    dt = WIRE_DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise ProtocolError(f"tensor dtype {name!r} is not one of {sorted(WIRE_DTYPES)}")
     return dt
+
+
+def _specs(header: object, limits: Limits) -> tuple[str, dict, list[tuple[str, torch.dtype, list[int], int]]]:
+    """The checked (method, meta, tensor specs) of a decoded header: every claim bounded and consistent."""
+    if not isinstance(header, dict) or set(header) != {"method", "meta", "tensors"}:
+        raise ProtocolError("the header is not {method, meta, tensors}")
+    method, meta, tensors = header["method"], header["meta"], header["tensors"]
+    if not isinstance(method, str) or not isinstance(meta, dict) or not isinstance(tensors, list):
+        raise ProtocolError("the header's method/meta/tensors have the wrong types")
+    if len(tensors) > limits.max_tensors:
+        raise ProtocolError(f"{len(tensors)} tensors in one message (limit {limits.max_tensors})")
+    out, total = [], 0
+    for spec in tensors:
+        if not isinstance(spec, list) or len(spec) != 4:
+            raise ProtocolError("a tensor spec is not [name, dtype, shape, nbytes]")
+        name, dtype, shape, nbytes = spec
+        dt = _dtype(dtype)
+        if not isinstance(name, str) or not isinstance(shape, list) or len(shape) > limits.max_dims:
+            raise ProtocolError(f"tensor spec {str(spec)[:80]}: bad name or shape")
+        if any(type(d) is not int or d < 0 for d in shape) or type(nbytes) is not int:
+            raise ProtocolError(f"tensor {name[:40]!r}: shape and nbytes must be non-negative integers")
+        want = math.prod(shape) * dt.itemsize
+        if nbytes != want:
+            raise ProtocolError(f"tensor {name[:40]!r}: nbytes {nbytes} != shape {shape} x {dt.itemsize} bytes")
+        total += nbytes
+        if total > limits.max_message_bytes:
+            raise ProtocolError(
+                f"a message of more than {total} tensor bytes (limit {limits.max_message_bytes}: the run's largest)"
+            )
+        out.append((name, dt, shape, nbytes))
+    return method, meta, out
 
 
 def encode(method: str, meta: dict, tensors: dict[str, Tensor] | None = None) -> list[bytes | memoryview]:
@@ -78,7 +167,12 @@ def encode(method: str, meta: dict, tensors: dict[str, Tensor] | None = None) ->
     return [_LEN.pack(len(header)), header, *bufs]
 
 
-def _send_all(sock: socket.socket, frames: list, deadline: float, addr: str) -> None:
+def _send_all(sock: socket.socket, frames: list, deadline: float, addr: str, seal: Sealer | None = None) -> None:
+    if seal is not None:  # the message's tag follows it
+        h = seal.sealer()
+        for f in frames:
+            h.update(f)
+        frames = [*frames, h.digest()]
     for f in frames:
         view = memoryview(f).cast("B") if not isinstance(f, bytes) else memoryview(f)
         while len(view):
@@ -107,19 +201,36 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearra
     return buf
 
 
-def read_message(sock: socket.socket, deadline: float | None) -> tuple[str, dict, dict[str, Tensor]]:
-    """One message from ``sock`` (deadline None: wait while the peer keeps the connection open)."""
-    (hlen,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-    if hlen > MAX_HEADER:
-        raise ConnectionResetError(f"header of {hlen} bytes: not a dilocox swarm stream")
-    header = json.loads(_recv_exact(sock, hlen, deadline).decode())
+def read_message(
+    sock: socket.socket, deadline: float | None, limits: Limits | None = None, seal: Sealer | None = None
+) -> tuple[str, dict, dict[str, Tensor]]:
+    """One message from ``sock`` (deadline None: wait while the peer keeps the connection open), its claims
+    checked against ``limits`` before anything is allocated and its tag against ``seal`` (if any)."""
+    limits = limits or _state["limits"]
+    raw_len = _recv_exact(sock, _LEN.size, deadline)
+    (hlen,) = _LEN.unpack(raw_len)
+    if hlen > limits.max_header:
+        raise ProtocolError(f"a header of {hlen} bytes (limit {limits.max_header}): not a dilocox swarm message")
+    raw_header = _recv_exact(sock, hlen, deadline)
+    try:
+        header = json.loads(raw_header.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(f"the header is not JSON ({type(e).__name__})") from None
+    method, meta, specs = _specs(header, limits)
+    h = seal.checker() if seal is not None else None
+    if h is not None:
+        h.update(raw_len)
+        h.update(raw_header)
     tensors = {}
-    for name, dtype, shape, nbytes in header["tensors"]:
+    for name, dt, shape, nbytes in specs:
         raw = _recv_exact(sock, nbytes, deadline) if nbytes else bytearray()
-        dt = _dtype(dtype)
+        if h is not None and nbytes:
+            h.update(raw)
         t = torch.frombuffer(raw, dtype=torch.uint8).view(dt) if nbytes else torch.empty(0, dtype=dt)
         tensors[name] = t.reshape(shape)
-    return header["method"], header["meta"], tensors
+    if h is not None:
+        Sealer.verify(h, bytes(_recv_exact(sock, MAC_BYTES, deadline)))
+    return method, meta, tensors
 
 
 def _parse(addr: str) -> tuple[str, int]:
@@ -130,24 +241,33 @@ def _parse(addr: str) -> tuple[str, int]:
 
 
 def call(
-    addr: str, method: str, meta: dict, tensors: dict[str, Tensor] | None = None, timeout_s: float = 30.0
+    addr: str,
+    method: str,
+    meta: dict,
+    tensors: dict[str, Tensor] | None = None,
+    timeout_s: float = 30.0,
+    secret=_DEFAULT,
+    limits: Limits | None = None,
 ) -> tuple[dict, dict[str, Tensor]]:
     """Send one request to ``addr`` (``host:port``) and return the reply's ``(meta, tensors)``.
 
-    Everything (connect, send, the remote handler's work, receive) must finish within ``timeout_s``,
-    else ``PeerUnavailable``; ``RemoteError`` when the remote handler raised.
+    Everything (connect, authentication, send, the remote handler's work, receive) must finish within
+    ``timeout_s``, else ``PeerUnavailable``; ``RemoteError`` when the remote handler raised. ``secret``
+    (default: ``use_secret``'s) authenticates both sides; a server without the secret is unavailable.
     """
+    secret = _state["secret"] if secret is _DEFAULT else secret
     deadline = time.monotonic() + timeout_s
     host, port = _parse(addr)
     frames = encode(method, meta, tensors)
     try:
         with socket.create_connection((host, port), timeout=max(0.01, timeout_s)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_all(sock, frames, deadline, addr)
-            status, rmeta, rtensors = read_message(sock, deadline)
+            seal = Sealer(client_handshake(sock, secret, deadline), "client") if secret is not None else None
+            _send_all(sock, frames, deadline, addr, seal)
+            status, rmeta, rtensors = read_message(sock, deadline, limits, seal)
     except (socket.timeout, TimeoutError) as e:
         raise PeerUnavailable(addr, f"no reply to {method!r} within {timeout_s:.1f}s ({e})") from e
-    except (OSError, json.JSONDecodeError, struct.error) as e:
+    except (OSError, json.JSONDecodeError, struct.error) as e:  # AuthError and ProtocolError are ConnectionErrors
         raise PeerUnavailable(addr, f"{method!r}: {type(e).__name__}: {e}") from e
     if status == "unavailable":
         raise PeerUnavailable(addr, f"{method!r}: not serving: {rmeta.get('error', '')}")
@@ -157,10 +277,23 @@ def call(
 
 
 class RpcServer:
-    """Serves ``handler`` on ``host:port`` (port 0: a free one; see ``.addr``), one thread per connection."""
+    """Serves ``handler`` on ``host:port`` (port 0: a free one; see ``.addr``), one thread per connection.
 
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, name: str = "rpc") -> None:
+    ``secret`` (default: ``use_secret``'s; None: no authentication) and ``limits`` (default: ``use_secret``'s)
+    as in the module docstring."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "rpc",
+        secret=_DEFAULT,
+        limits: Limits | None = None,
+    ) -> None:
         self.handler, self.name = handler, name
+        self.secret = _state["secret"] if secret is _DEFAULT else secret
+        self.limits = limits or _state["limits"]
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -170,30 +303,57 @@ class RpcServer:
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._logged: set[str] = set()  # peer addresses whose bad connection was logged already (once each)
+        self.rejected = {"over_cap": 0, "auth": 0, "malformed": 0, "idle": 0}  # counters (tests, logs)
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
+
+    def _note(self, kind: str, peer: str, why: str) -> None:
+        with self._lock:
+            self.rejected[kind] += 1
+            first = peer not in self._logged
+            self._logged.add(peer)
+        if first:  # once per peer address: a flood of bad messages does not flood the log
+            log.warning("%s: closed a connection from %s (%s): %s", self.name, peer, kind, why)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except (socket.timeout, TimeoutError):
                 continue
             except OSError:
                 break
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self.name}-conn", daemon=True).start()
+                full = len(self._conns) >= self.limits.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._note("over_cap", peer[0], f"{self.limits.max_connections} connections open (the cap)")
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer[0]), name=f"{self.name}-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str = "?") -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        seal = None
         try:
+            if self.secret is not None:
+                try:
+                    key = server_handshake(conn, self.secret, time.monotonic() + self.limits.message_timeout_s)
+                except (AuthError, OSError) as e:  # (socket.timeout is an OSError: a slow or silent stranger)
+                    self._note("auth", peer, str(e))
+                    return
+                seal = Sealer(key, "server")
             while not self._stop.is_set():
                 try:
                     # an idle connection may wait for its next request, but wakes up to see the stop flag
-                    method, meta, tensors = self._read_idle(conn)
-                except (ConnectionError, OSError, ValueError, json.JSONDecodeError):
+                    method, meta, tensors = self._read_idle(conn, seal)
+                except (ProtocolError, AuthError) as e:
+                    self._note("malformed" if isinstance(e, ProtocolError) else "auth", peer, str(e))
                     return
+                except (ConnectionError, OSError, ValueError, RuntimeError):
+                    return  # closed or timed out mid-message (RuntimeError: a reshape torch refused)
                 if method is None:
                     return
                 try:
@@ -206,7 +366,7 @@ class RpcServer:
                     first = str(e).splitlines()[0] if str(e) else ""
                     frames = encode("error", {"error": f"{type(e).__name__}: {first}"})
                 try:
-                    _send_all(conn, frames, time.monotonic() + 60.0, "caller")
+                    _send_all(conn, frames, time.monotonic() + self.limits.message_timeout_s, "caller", seal)
                 except (OSError, socket.timeout):
                     return  # the caller gave up (its timeout): nothing to answer to
         finally:
@@ -214,19 +374,24 @@ class RpcServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _read_idle(self, conn: socket.socket):
+    def _read_idle(self, conn: socket.socket, seal: Sealer | None = None):
         conn.settimeout(0.5)
+        idle_until = time.monotonic() + self.limits.idle_timeout_s
         while True:
             try:
                 first = conn.recv(1, socket.MSG_PEEK)
             except (socket.timeout, TimeoutError):
                 if self._stop.is_set():
                     return None, None, None
+                if time.monotonic() > idle_until:
+                    with self._lock:
+                        self.rejected["idle"] += 1
+                    return None, None, None
                 continue
             if not first:
                 return None, None, None
             # a message has started: the rest must follow within a bound
-            return read_message(conn, time.monotonic() + 60.0)
+            return read_message(conn, time.monotonic() + self.limits.message_timeout_s, self.limits, seal)
 
     def close(self) -> None:
         """Stop accepting, drop open connections (their callers see PeerUnavailable)."""
