@@ -38,6 +38,7 @@ BENCHES = {
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
     "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; peer killed; H sweep"),
     "switch": ("dilocox.bench.switch", "the delay switch's ceiling (TCP Gbit/s, 1500-B frames/s) next to the bridge"),
+    "rpc": ("dilocox.bench.rpc", "what authentication adds to a SWARM RPC call and hop (plain vs authenticated)"),
 }
 
 

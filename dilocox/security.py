@@ -52,11 +52,17 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 
 def create_secret(path: str) -> bytes:
     """Write a new random secret to ``path`` with mode 0600 (created exclusively: never overwrites)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
     key = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.link(tmp, path)  # whole or absent (a reader never sees it half-written); FileExistsError if it exists
+    finally:
+        os.unlink(tmp)
     return bytes.fromhex(key)
 
 
@@ -133,16 +139,30 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> byt
 
 def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> bytes:
     """Authenticate the server ``sock`` is connected to and prove the secret to it; return the session key."""
+    key, expect = client_hello(sock, secret, deadline)
+    check_server_proof(_recv(sock, MAC_BYTES, deadline), expect)
+    return key
+
+
+def client_hello(sock: socket.socket, secret: bytes, deadline: float) -> tuple[bytes, bytes]:
+    """The client's half without waiting for the server's proof: (session key, the proof the server must send).
+
+    A caller may send its (sealed) request right away and check the proof (``check_server_proof``) before it
+    reads the reply, which saves a round trip per connection on a far link; the request then reaches a server
+    before it proved the secret (it cannot forge a reply; it can read the request, as anyone on the path can,
+    since nothing is encrypted)."""
     hello = _recv(sock, len(MAGIC) + CHALLENGE_BYTES, deadline)
     if hello[: len(MAGIC)] != MAGIC:
         raise AuthError("the server did not start a dilocox authentication (no run secret on its side?)")
     cs = hello[len(MAGIC) :]
     cc = secrets.token_bytes(CHALLENGE_BYTES)
     _send(sock, cc + _mac(secret, b"client", cs, cc), deadline)
-    proof = _recv(sock, MAC_BYTES, deadline)
-    if not hmac.compare_digest(proof, _mac(secret, b"server", cs, cc)):
+    return _mac(secret, b"session", cs, cc), _mac(secret, b"server", cs, cc)
+
+
+def check_server_proof(proof: bytes, expect: bytes) -> None:
+    if not hmac.compare_digest(proof, expect):
         raise AuthError("the server does not hold the run secret")
-    return _mac(secret, b"session", cs, cc)
 
 
 def sign_value(secret: bytes | None, key: str, value: str) -> str:
@@ -160,7 +180,8 @@ def open_value(secret: bytes | None, key: str, raw: str) -> str:
     if secret is None:
         return raw
     value, sep, tag = raw.rpartition("#")
-    if not sep or not hmac.compare_digest(tag, _mac(secret, b"store", key.encode(), value.encode()).hex()):
+    want = _mac(secret, b"store", key.encode(), value.encode()).hex()
+    if not sep or not tag.isascii() or not hmac.compare_digest(tag, want):
         raise AuthError(f"the store entry {key!r} is not signed with the run secret (written by a stranger?)")
     return value
 

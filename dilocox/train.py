@@ -37,23 +37,9 @@ from dilocox.launch.emulate import BANDWIDTH_ENV
 from dilocox.metrics import MetricsLogger, peak_flops
 from dilocox.model.parallel_layers import clip_grad_norm_
 from dilocox.model.transformer import build_stage_model, model_flops_per_token
+from dilocox.optim import build_inner_optimizer, lr_at  # (re-exported: ``from dilocox.train import lr_at`` works)
 from dilocox.outer import build_outer
 from dilocox.reshard import resharded_state, restart_notes
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Inner learning rate at (0-based) step: linear warm-up, then cosine/linear/constant decay."""
-    o, total = cfg.optim, cfg.train.steps
-    if o.warmup_steps and step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    if o.schedule == "constant":
-        return o.lr
-    span = max(1, total - o.warmup_steps)
-    frac = min(1.0, (step - o.warmup_steps) / span)
-    floor = o.lr * o.min_lr_ratio
-    if o.schedule == "linear":
-        return floor + (o.lr - floor) * (1.0 - frac)
-    return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * frac))
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
@@ -66,21 +52,6 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def build_inner_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms (Megatron/nanoGPT convention)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.optim.lr)
-    kw: dict[str, Any] = {"lr": cfg.optim.lr, "betas": tuple(cfg.optim.betas), "eps": cfg.optim.eps}
-    if device.type == "cuda":
-        kw["fused"] = True
-    return torch.optim.AdamW(groups, **kw)
 
 
 def emulated_bandwidth_bytes() -> float | None:
@@ -446,6 +417,7 @@ class Trainer:
         t_start = time.time()
         t_last, step_last = t_start, self.step
         val_loss = None
+        ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway
         while self.step < cfg.train.steps:
             if cfg.train.max_tokens and self.tokens_seen >= cfg.train.max_tokens:
                 break
@@ -477,7 +449,13 @@ class Trainer:
                 path = self.save()
                 ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
                 raise signals.Interrupted(self.stop.agreed_signum, self.step, path)
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0 and self.step < cfg.train.steps:
+            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                ckpt_due = True
+            # the save agrees over every rank of every replica: with several replicas it waits for a boundary where
+            # an outer sync used the slow links anyway (the first at or after the due step), never between two
+            crossed = self.outer is None or self.topo.R == 1 or self.outer.crossed_replicas
+            if ckpt_due and crossed and self.step < cfg.train.steps:
+                ckpt_due = False
                 self.save()
         if self.outer is not None:
             self.outer.finish()

@@ -65,8 +65,16 @@ def test_summarize_window_bytes_and_veth_payload():
     run["ranks"][2]["wall_s"] = 3.0  # the slowest rank ends the run
     s = wan.summarize(run, tokens_per_step=tokens, baseline=[4_000, 6_000])
     assert s["first_step_s"] == pytest.approx(0.5)
-    assert s["tokens_per_s"] == pytest.approx(3 * tokens / (2.0 - 0.5))  # steps 2..4 on rank 0: steady state
-    assert s["tokens_per_s_end_to_end"] == pytest.approx(3 * tokens / (3.0 - 0.5))  # to the slowest rank's end
+    assert s["tokens_per_s"] == pytest.approx(3 * tokens / (3.0 - 0.5))  # steps 2..4, to the slowest rank's end
+    assert s["tokens_per_s_end_to_end"] == s["tokens_per_s"]  # nothing in flight at the end: no drain
+    run["ranks"][2]["outer_drain_s"] = 1.0  # the slowest rank waited 1 s for the last all-reduce after step 4
+    assert wan.summarize(run, tokens_per_step=tokens)["tokens_per_s"] == pytest.approx(3 * tokens / (2.5 - 0.5))
+    del run["ranks"][2]["outer_drain_s"]
+    for r in run["ranks"]:
+        r["outer_comm_s"] = 0.25  # a run before the drain counter: the last all-reduce's time stands in for it
+    over = wan.summarize(run, tokens_per_step=tokens, overlapped=True)
+    assert over["tokens_per_s"] == pytest.approx(3 * tokens / (2.75 - 0.5))
+    assert wan.summarize(run, tokens_per_step=tokens)["tokens_per_s"] == s["tokens_per_s"]  # blocking: no drain
     assert [t for t, _ in s["loss_vs_time"]] == pytest.approx([0.5, 0.75, 1.0, 2.0])
     assert s["bytes_framework_by_replica"] == [900_000, 1_100_000]
     assert s["bytes_framework"] == 1_000_000
@@ -133,6 +141,7 @@ def test_join_markdown_and_targets():
         row("dilocox", 1e7, 19_500.0, 0.98, 3.1, 4e6, 20_000.0, 1.0, 8e5, 20),
     ]
     rows[3]["plan_as_run"] = {"H": 10, "rank": 16, "wire_bytes_per_replica": 4e5}  # adaptive: H 20 -> 10, rank 8 -> 16
+    rows[1]["rtt_ms"] = rows[3]["rtt_ms"] = 150.0  # the capped runs behind a 150 ms round trip
     rows = wan.join(rows)
     by = {(r["method"], r["cap_bps"]): r for r in rows}
     assert by[("dilocox", 1e7)]["pct_of_uncapped"] == pytest.approx(97.5)
@@ -149,9 +158,10 @@ def test_join_markdown_and_targets():
     ] == pytest.approx(0.0)
     assert "plan_as_run_bytes" not in by[("dilocox", None)]
     t = wan.targets(rows, [1e7])
-    assert "worst 97.5 % -> met" in t[0] and "worst 99.0 %)" in t[0]  # utilization 0.98 / 0.99
-    assert "39.0x" in t[1] and t[1].endswith("met")
-    assert "+3.3 %" in t[2] and t[2].endswith("met")
+    assert t[0] == ("dilocox utilization (tokens/s / uncapped, no delay) at 10 Mbit/s + 150 ms >= 97 %: 97.5 % -> met")
+    assert "at 10 Mbit/s + 150 ms >= 30x: 39.0x -> met" in t[1]
+    assert "1/2 rows within; worst +20.0 % (allreduce, 10 Mbit/s, 150 ms) -> NOT met" in t[2]
+    assert "+3.3 %" in t[3] and t[3].endswith("met") and len(t) == 4
     res = {
         "meta": {
             "machine": "m",
@@ -174,7 +184,7 @@ def test_join_markdown_and_targets():
         "rows": rows,
     }
     md = wan.markdown(res)
-    assert "| dilocox | 10 Mbit/s | 100 | 19,500 | 97.5 % | 98.0% |" in md
+    assert "| dilocox | 10 Mbit/s | 150 ms | 100 | 19,500 | 97.5 % | 98.0% |" in md
     assert "| dilocox | 3.1000 | +3.3 % | 20 | 0 | 5 |" in md
     assert "6.0 kB, 8.0 kB per replica" in md
     assert "| 4.000 MB (H 10, r 16) | +0.0 % |" in md
@@ -227,7 +237,7 @@ def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path)
         assert abs(r["veth_diff_pct"]) < PAYLOAD_TOLERANCE_PCT, r
         assert 0.0 < r["veth_diff_raw_pct"] < 8.0, r  # frame headers are on the wire too
         assert r["err_bytes_pct"] == pytest.approx(0.0, abs=1e-9)
-        assert f"| {r['method']} | 100 Mbit/s | 4 |" in md
+        assert f"| {r['method']} | 100 Mbit/s | 0 ms | 4 |" in md
 
 
 def test_percent_of_uncapped_compares_runs_of_the_same_length():
@@ -283,5 +293,5 @@ def test_percent_of_uncapped_compares_runs_of_the_same_length():
         "caps_bps": [1e7, 1e8],
     }
     md = wan.markdown({"meta": meta, "rows": rows})
-    assert "| allreduce | 10 Mbit/s | 20 (shortened from 100: fewer tokens) | 80 | 10.0 % |" in md
-    assert "| allreduce | uncapped | 20 (reference for the shortened run) |" in md
+    assert "| allreduce | 10 Mbit/s | 0 ms | 20 (shortened from 100: fewer tokens) | 80 | 10.0 % |" in md
+    assert "| allreduce | uncapped | 0 ms | 20 (reference for the shortened run) |" in md

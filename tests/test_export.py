@@ -254,7 +254,7 @@ def test_diloco_export_is_theta_and_mid_run_checkpoint_is_refused(tmp_path):
             "--outer.sync_every=2",
             "--checkpoint.every=3",
             "--checkpoint.keep=5",
-            "--train.steps=4",
+            "--train.steps=6",
         ],
     )
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
@@ -262,8 +262,9 @@ def test_diloco_export_is_theta_and_mid_run_checkpoint_is_refused(tmp_path):
     r0, r1 = (gather_full(last, cfg.model, replica=r)["model"] for r in (0, 1))
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k  # θ: identical on every replica after finish()
+    assert mid.endswith("step_00000004")  # due at 3, saved at the next outer sync (nothing crosses between syncs)
     m0, m1 = (gather_full(mid, cfg.model, replica=r)["model"] for r in (0, 1))
-    assert any(not torch.equal(m0[k], m1[k]) for k in m0)  # step 3: one local step past the sync
+    assert all(torch.equal(m0[k], m1[k]) for k in m0)  # saved right after a sync: θ on both replicas
     with pytest.raises(ckpt.CheckpointError, match="mid-run"):
         final_model(mid, cfg.model)
     assert main(["export", run_dir, "--to", "hf", str(tmp_path / "mid"), "--checkpoint", mid]) == 2

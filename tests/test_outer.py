@@ -342,6 +342,7 @@ def test_build_outer_picks_the_class_and_keeps_the_checkpoint_keys():
                 "own_prev",
                 "schedule",
                 "controller",
+                "h_agreed",  # (issue 20: the H agreed one sync late; older checkpoints without it load as None)
             },
         ),
     }

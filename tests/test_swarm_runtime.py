@@ -22,6 +22,7 @@ from dilocox.data.prepare import prepare
 from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
 from dilocox.model.parallel_layers import clip_grad_norm_
+from dilocox.optim import build_inner_optimizer
 from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at
 from dilocox.swarm.runtime import PeerProc, launch
 from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
@@ -132,8 +133,7 @@ def _reference(cfg, m0: int, steps: int, norms: list | None = None):
     then AdamW on sum / count, clipped to the global norm optim.grad_clip as the pipeline engine does (the norms
     before clipping go to ``norms``). Returns (losses per step, grad sums per step, final params)."""
     model = build_model(cfg.model, seed=cfg.train.seed)
-    o = cfg.optim
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    opt = build_inner_optimizer(cfg, model, torch.device("cpu"))  # the one builder of dilocox train and the peers
     losses, grads = [], []
     for k in range(steps):
         mbs = _microbatches(cfg, m0, k)

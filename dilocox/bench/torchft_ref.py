@@ -85,7 +85,7 @@ def worker_main(argv: list[str]) -> int:
     from dilocox.config import load_config
     from dilocox.data import TokenSampler, prepare
     from dilocox.model.transformer import build_stage_model
-    from dilocox.train import build_inner_optimizer, lr_at
+    from dilocox.optim import build_inner_optimizer, lr_at
 
     p = argparse.ArgumentParser(prog="dilocox.bench.torchft_ref worker")
     p.add_argument("config")

@@ -11,12 +11,11 @@ root or netns the caps fall back to the outer comm layer's token bucket (said in
 
 Definitions (per run; "replica" = the 2 ranks in one namespace, which share one link):
 
-- tokens/s (steady state): tokens of both replicas in steps 2..N over rank 0's time from the end
-  of step 1 (step 1 holds one-off warm-up) to the end of step N. Rank 0's steps include its waits
-  for the outer collectives, so a replica running behind shows as rank 0 blocked at the sync.
+- tokens/s (steady state): tokens of both replicas in steps 2..N over the time from the end of
+  step 1 (rank 0's log; step 1 holds one-off warm-up) to the end of step N on the slowest rank.
   Outside: the drain of the last in-flight all-reduce after step N (a one-off of the run's end, like
-  final validation and checkpoint; ``tokens_per_s_end_to_end`` in results.json includes it, up to
-  the end of training on the slowest rank).
+  final validation and checkpoint; a rank's ``outer_drain_s``, or its last ``outer_comm_s`` for a
+  run that predates it); ``tokens_per_s_end_to_end`` in results.json includes it.
 - blocked: max over ranks of the time the training thread waited for a cross-replica
   collective (``outer_blocked_total_s``); compute utilization = 1 - blocked / wall.
 - bytes: per replica (mean of the two), framework = sum of ``outer_bytes_sent`` of its ranks;
@@ -162,11 +161,13 @@ def elapsed_at_steps(records: list[dict], tokens_per_step: int) -> list[float]:
     return out
 
 
-def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None) -> dict:
+def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None, overlapped: bool = False) -> dict:
     """The measured numbers of one run (pure: reads only ``run``, see ``read_run``).
 
     ``tokens_per_step``: both replicas together; ``baseline``: per-replica veth payload bytes of
-    the no-sync run (None: not subtracted).
+    the no-sync run (None: not subtracted); ``overlapped``: the method leaves an all-reduce in flight at
+    the end (its drain is not steady state: a rank's ``outer_drain_s``, or its last ``outer_comm_s`` where
+    a run predates that counter).
     """
     recs, s, ranks = run["steps"], run["summary"], run["ranks"]
     if len(recs) < 2 or not ranks:
@@ -178,13 +179,14 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
         sent[rep] = sent.get(rep, 0) + int(r.get("outer_bytes_sent", 0))
     fw = [sent[k] for k in sorted(sent)]
     wall = max(r["wall_s"] for r in ranks)
+    drain = [float(r.get("outer_drain_s", r.get("outer_comm_s", 0.0) if overlapped else 0.0) or 0.0) for r in ranks]
+    loop_end = max(r["wall_s"] - d for r, d in zip(ranks, drain))
     blocked = max(r.get("outer_blocked_total_s", 0.0) for r in ranks)
     out = {
         "steps": s["steps"],
-        # steady state: rank 0's steps 2..N (its step times include its outer waits, so a replica running
-        # behind shows up as rank 0 blocked at the sync); the end-to-end figure adds the drain of the last
-        # in-flight all-reduce on the slowest rank, a one-off of the run's end like the final checkpoint
-        "tokens_per_s": tokens_per_step * (recs[-1]["step"] - recs[0]["step"]) / max(el[-1] - el[0], 1e-9),
+        # steady state: from the end of step 1 (rank 0) to the end of step N on the slowest rank, without the
+        # drain of the last in-flight all-reduce (a one-off of the run's end, like the final checkpoint)
+        "tokens_per_s": tokens_per_step * (s["steps"] - 1) / max(loop_end - el[0], 1e-9),
         "tokens_per_s_end_to_end": tokens_per_step * (s["steps"] - 1) / (wall - el[0]),
         "first_step_s": el[0],
         "wall_s": wall,
@@ -360,18 +362,16 @@ def bench(
             # the longest first (its compute time per step feeds the plan), plus the loss-at-equal-tokens run
             lengths = sorted({steps, loss_steps, *(n for _, _, n in capped)}, reverse=True) if reference else []
             for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
-                name = f"{m}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
-                if rtt:
-                    name += f"-{rtt:g}ms"
-                if cap is None and n != steps:
-                    name += f"-{n}steps"
+                name = run_name(m, cap, rtt, n, steps)
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS], rtt_ms=rtt)
                 row = {
                     "method": m,
                     "cap_bps": cap,
                     "rtt_ms": rtt,
+                    "run": name,
+                    "overlapped": cfg.outer.overlap != "none",
                     "load_avg_1min": os.getloadavg()[0],
-                    **summarize(run, tokens, baseline),
+                    **summarize(run, tokens, baseline, overlapped=cfg.outer.overlap != "none"),
                 }
                 row["shortened_from"] = steps if cap is not None and n < steps else None
                 row["role"] = (
@@ -425,6 +425,41 @@ def bench(
     return {"meta": meta, "rows": join(rows)}
 
 
+def run_name(method: str, cap: float | None, rtt: float, n: int, steps: int) -> str:
+    """The run directory's name under ``--run-root`` (``dilocox-100Mbitps-150ms``, ``diloco-uncapped-20steps``)."""
+    name = f"{method}-{'uncapped' if cap is None else fmt_bandwidth(cap).replace(' ', '').replace('/', 'p')}"
+    if rtt:
+        name += f"-{rtt:g}ms"
+    if cap is None and n != steps:
+        name += f"-{n}steps"
+    return name
+
+
+def resummarize(res: dict, run_root: str) -> dict:
+    """Recompute every row's tokens/s from its run directory under ``run_root`` (the per-step logs and rank
+    summaries the runs left) with the current definition, then "% of uncapped" and the plan errors; the veth
+    counters, bytes and plans stay as measured. For a change of definition without re-running the bench."""
+    from dilocox.config import load_config
+
+    meta = res["meta"]
+    overlapped: dict[str, bool] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in meta["methods"]:
+            body = method_body(m, meta.get("H", 20))
+            path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], body)
+            overlapped[m] = load_config(path).outer.overlap != "none"
+    for row in res["rows"]:
+        m = row["method"]
+        name = row.get("run") or run_name(m, row["cap_bps"], row.get("rtt_ms") or 0.0, row["steps"], meta["steps"])
+        d = os.path.join(run_root, name)
+        run, rcfg = read_run(d), load_config(os.path.join(d, "config.yaml"))
+        tokens = rcfg.train.batch_size * rcfg.train.seq_len * REPLICAS
+        s = summarize(run, tokens, overlapped=row.get("overlapped", overlapped[m]))
+        row["tokens_per_s"], row["tokens_per_s_end_to_end"] = s["tokens_per_s"], s["tokens_per_s_end_to_end"]
+    meta["resummarized"] = time.strftime("%Y-%m-%d")
+    return {"meta": meta, "rows": join(res["rows"])}
+
+
 def git_state() -> str | None:
     """The commit the bench ran on, and the files that differed from it (None outside git)."""
     try:
@@ -472,12 +507,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--render", metavar="RESULTS_JSON", help="only re-write results.md and the plots from a results.json"
     )
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="with --render: first recompute tokens/s from the run directories under --run-root",
+    )
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
     if a.render:
         with open(a.render) as f:
-            print(write_outputs(json.load(f), a.out))
+            res = json.load(f)
+        if a.resummarize:
+            res = resummarize(res, a.run_root)
+        print(write_outputs(res, a.out))
         return 0
     try:
         caps = sorted(parse_bandwidth(b) for b in a.bandwidth)

@@ -110,7 +110,12 @@ def markdown(res: dict) -> str:
             if m["reference"]
             else "no uncapped runs. "
         )
-        + f"Bench wall {m['bench_wall_s'] / 60:.1f} min.",
+        + f"Bench wall {m['bench_wall_s'] / 60:.1f} min."
+        + (
+            f" Tokens/s re-derived from the run directories on {m['resummarized']} (`--resummarize`)."
+            if m.get("resummarized")
+            else ""
+        ),
         "",
         "### Throughput, utilization and the plan",
         "",
@@ -176,10 +181,11 @@ def markdown(res: dict) -> str:
 
 NOTES = """### Notes
 
-- **tokens/s** (steady state) = tokens of both replicas in steps 2..N / rank 0's time from the end of step 1
-  to the end of step N. Rank 0's steps include its waits at the outer syncs, so a replica running behind
-  shows; the drain of the last in-flight all-reduce after step N is a one-off of the run's end (like the
-  final checkpoint) and is outside (`tokens_per_s_end_to_end` in results.json has it). **% of uncapped** =
+- **tokens/s** (steady state) = tokens of both replicas in steps 2..N / the time from the end of step 1
+  (rank 0) to the end of step N on the slowest rank; the drain of the last in-flight all-reduce after
+  step N is a one-off of the run's end (like the final checkpoint) and is outside (a rank's
+  `outer_drain_s`, or its last `outer_comm_s` for runs before that counter; `tokens_per_s_end_to_end` in
+  results.json has it). **% of uncapped** =
   tokens/s / the same method's tokens/s uncapped **with no delay** over the same number of steps (a
   shortened run has its own reference): the issue's "utilization".
 - **RTT**: added between the replicas by the delay switch (`csrc/netswitch.cpp`, BENCHMARKS §10) in place of

@@ -268,6 +268,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
                 self.own_prev[p] = None
             st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
             self.outer_step += 1
+        self._counters["drain_s"] = self._blocked_now  # the wait for the last in-flight all-reduces (run's end)
         for p in range(self.K):
             st.load_params(p, 0.0)
         self._dp_broadcast(range(self.K))

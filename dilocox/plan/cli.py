@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--step-time", type=float, default=None, help="seconds per inner step (overrides the FLOP estimate)"
     )
-    ap.add_argument("--latency", type=float, default=DEFAULT_LATENCY_S, help="seconds per collective step")
+    ap.add_argument(
+        "--latency",
+        type=float,
+        default=DEFAULT_LATENCY_S,
+        help="seconds per collective step; over gloo a step costs one round trip: pass the link's RTT "
+        "(measured: docs/BENCHMARKS.md section 5)",
+    )
     ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages per replica (each syncs its own layers)")
     ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (low-rank is decided per shard)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")

@@ -271,10 +271,10 @@ def rebalance_main(argv: list[str]) -> int:
             raise SwarmUsageError(f"--lighthouse {it!r} must be STAGE=URL, e.g. 1=http://node0:29531")
         lighthouses[int(j)] = url
     cfg = load_config(a.config, a.overrides)
+    from dilocox.security import SecretError
     from dilocox.swarm.common import rpc_security
     from dilocox.swarm.transport import use_secret
 
-    use_secret(*rpc_security(cfg))  # the mover calls the peers: the job's secret
     validate_swarm_layout(cfg)
     n = len(cfg.swarm.peers_per_stage)
     if not cfg.swarm.rebalance_period_s > 0:
@@ -282,6 +282,10 @@ def rebalance_main(argv: list[str]) -> int:
     missing = [j for j in range(n) if j not in lighthouses]
     if missing:
         raise SwarmUsageError(f"--lighthouse: no address for stage(s) {missing} (every stage needs one: peers move)")
+    try:
+        use_secret(*rpc_security(cfg))  # the mover calls the peers: the job's secret
+    except SecretError as e:
+        raise SwarmUsageError(str(e)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,7 +3,7 @@ factory, the inner learning-rate schedule (the same as ``dilocox train``'s)."""
 
 from __future__ import annotations
 
-from dilocox.config import Config
+from dilocox.optim import lr_at as lr_at  # the inner schedule of every trainer (re-exported for the peer modules)
 from dilocox.swarm.routing import RandomRouter, build_router
 
 DIGEST_ENV = "DILOCOX_SWARM_DIGESTS"  # set (tests): every sync record carries a hash of the params + AdamW state
@@ -44,13 +44,6 @@ def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int,
     return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """The inner schedule of ``dilocox.train`` (imported lazily: train pulls in the whole trainer)."""
-    from dilocox.train import lr_at as train_lr_at
-
-    return train_lr_at(step, cfg)
-
-
 def split_peer_name(name: str) -> tuple[int, int]:
     """``s{stage}p{index}`` -> (stage, index)."""
     stage, sep, index = name[1:].partition("p")
@@ -71,7 +64,10 @@ def rpc_security(cfg):
     from dilocox.security import SecretError, load_secret
     from dilocox.swarm.transport import Limits
 
-    limits = Limits.for_run(largest_hop_bytes(cfg))
+    # connections a stage may legitimately hold at once: one per microbatch in flight from every upstream peer
+    # (a forward waits downstream with its connection open), plus pings, markers and stats
+    conns = max(64, 4 * sum(cfg.swarm.peers_per_stage) * cfg.swarm.max_inflight + 16)
+    limits = Limits.for_run(largest_hop_bytes(cfg), max_connections=conns)
     sec = cfg.security
     if not sec.authenticate:
         return None, limits

@@ -73,6 +73,7 @@ from torch import Tensor
 from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.model import build_stage_model
+from dilocox.optim import build_inner_optimizer
 from dilocox.security import SecretError, open_value, sign_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import membership, peer_sync
@@ -139,8 +140,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         torch.manual_seed(cfg.train.seed)
         self.model = build_stage_model(cfg.model, stage=stage, n_stages=self.n, seed=cfg.train.seed)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        # the inner optimizer of `dilocox train` (dilocox.optim): optim.name, no weight decay on biases and norms
+        self.opt = build_inner_optimizer(cfg, self.model, torch.device("cpu"))
         self.lock = threading.Lock()  # model compute + grad accumulation + counters
         self.cv = threading.Condition()  # self.step and the end-of-step markers
         self.step = 0  # the step whose microbatches this peer accumulates now

@@ -15,9 +15,10 @@ connection's key, direction and sequence number: a stranger is served nothing, a
 message closes the connection. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
-``max_connections`` connections, drops one idle for ``idle_timeout_s`` or slower than
-``message_timeout_s`` per message, and a malformed message closes that connection only (logged once per
-peer address).
+``max_connections`` connections, of which at most ``max_unauthenticated`` in their handshake, which must end
+within ``handshake_timeout_s`` (further connections wait in the listen backlog, unaccepted); it drops a connection
+idle for ``idle_timeout_s`` or slower than ``message_timeout_s`` per message, and a malformed message closes
+that connection only (logged once per peer address).
 
 ``RpcServer(handler)`` serves on a TCP port with one thread per connection; ``handler(method, meta,
 tensors) -> (meta, tensors)`` runs in that thread (it may itself call other peers). ``call(addr, ...)``
@@ -42,7 +43,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dilocox.security import MAC_BYTES, AuthError, Sealer, client_handshake, server_handshake
+from dilocox.security import MAC_BYTES, AuthError, Sealer, check_server_proof, client_hello, server_handshake
 
 log = logging.getLogger("dilocox.swarm.transport")
 
@@ -62,14 +63,20 @@ class Limits:
     max_message_bytes: int = 256 << 20  # all tensors of one message (a peer sets it from its model: ``for_run``)
     max_tensors: int = 64
     max_dims: int = 8
-    max_connections: int = 64  # a server's open connections; one more is closed at once
+    max_connections: int = 64  # a server's open connections; more wait in the listen backlog (not accepted)
+    max_unauthenticated: int = 32  # of those, still in their handshake (bounded apart, done within ...)
+    handshake_timeout_s: float = 5.0  # ... this: a silent stranger holds a slot for 5 s at most
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
-    message_timeout_s: float = 60.0  # a message (or the handshake) that started must be complete within this
+    message_timeout_s: float = 60.0  # a message that started must be complete within this
 
     @staticmethod
     def for_run(largest_message_bytes: int, **kw) -> "Limits":
         """Limits for a run whose largest legitimate message carries ``largest_message_bytes`` (x2 + 1 MiB slack)."""
         return Limits(max_message_bytes=2 * int(largest_message_bytes) + (1 << 20), **kw)
+
+    @property
+    def max_dim(self) -> int:
+        return max(1, self.max_message_bytes)  # no dimension of a tensor that fits can exceed its bytes
 
 
 class ProtocolError(ConnectionError):
@@ -141,8 +148,8 @@ def _specs(header: object, limits: Limits) -> tuple[str, dict, list[tuple[str, t
         dt = _dtype(dtype)
         if not isinstance(name, str) or not isinstance(shape, list) or len(shape) > limits.max_dims:
             raise ProtocolError(f"tensor spec {str(spec)[:80]}: bad name or shape")
-        if any(type(d) is not int or d < 0 for d in shape) or type(nbytes) is not int:
-            raise ProtocolError(f"tensor {name[:40]!r}: shape and nbytes must be non-negative integers")
+        if any(type(d) is not int or not 0 <= d <= limits.max_dim for d in shape) or type(nbytes) is not int:
+            raise ProtocolError(f"tensor {name[:40]!r}: shape and nbytes must be integers in [0, the message limit]")
         want = math.prod(shape) * dt.itemsize
         if nbytes != want:
             raise ProtocolError(f"tensor {name[:40]!r}: nbytes {nbytes} != shape {shape} x {dt.itemsize} bytes")
@@ -214,7 +221,7 @@ def read_message(
     raw_header = _recv_exact(sock, hlen, deadline)
     try:
         header = json.loads(raw_header.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, a 4300-digit integer)
         raise ProtocolError(f"the header is not JSON ({type(e).__name__})") from None
     method, meta, specs = _specs(header, limits)
     h = seal.checker() if seal is not None else None
@@ -226,8 +233,11 @@ def read_message(
         raw = _recv_exact(sock, nbytes, deadline) if nbytes else bytearray()
         if h is not None and nbytes:
             h.update(raw)
-        t = torch.frombuffer(raw, dtype=torch.uint8).view(dt) if nbytes else torch.empty(0, dtype=dt)
-        tensors[name] = t.reshape(shape)
+        try:
+            t = torch.frombuffer(raw, dtype=torch.uint8).view(dt) if nbytes else torch.empty(0, dtype=dt)
+            tensors[name] = t.reshape(shape)
+        except RuntimeError as e:  # (shape and nbytes were checked to agree: this is a corner torch refuses)
+            raise ProtocolError(f"tensor {name[:40]!r}: {str(e).splitlines()[0][:80]}") from None
     if h is not None:
         Sealer.verify(h, bytes(_recv_exact(sock, MAC_BYTES, deadline)))
     return method, meta, tensors
@@ -262,8 +272,22 @@ def call(
     try:
         with socket.create_connection((host, port), timeout=max(0.01, timeout_s)) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seal = Sealer(client_handshake(sock, secret, deadline), "client") if secret is not None else None
-            _send_all(sock, frames, deadline, addr, seal)
+            seal = None
+            if secret is not None:  # the request follows the client's proof at once; the server's proof is
+                key, expect = client_hello(sock, secret, deadline)  # checked before its reply is read
+                seal = Sealer(key, "client")
+            try:
+                _send_all(sock, frames, deadline, addr, seal)
+                proof = bytes(_recv_exact(sock, MAC_BYTES, deadline)) if secret is not None else b""
+            except ConnectionError:
+                if secret is None:
+                    raise
+                raise AuthError(
+                    "the server closed the connection right after our proof: it holds another run secret "
+                    "(security.secret_file must be the same file on every host), or it died"
+                ) from None
+            if secret is not None:
+                check_server_proof(proof, expect)
             status, rmeta, rtensors = read_message(sock, deadline, limits, seal)
     except (socket.timeout, TimeoutError) as e:
         raise PeerUnavailable(addr, f"no reply to {method!r} within {timeout_s:.1f}s ({e})") from e
@@ -304,6 +328,8 @@ class RpcServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._logged: set[str] = set()  # peer addresses whose bad connection was logged already (once each)
+        self._pending: dict[str, int] = {}  # source address -> its connections still in the handshake
+        self._was_full = False  # (over_cap counts the times a cap was reached, not the polls while it holds)
         self.rejected = {"over_cap": 0, "auth": 0, "malformed": 0, "idle": 0}  # counters (tests, logs)
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
@@ -318,32 +344,55 @@ class RpcServer:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
+            with self._lock:  # at a cap: accept nothing; new connections wait in the kernel's listen backlog
+                full = len(self._conns) >= self.limits.max_connections or (
+                    self.secret is not None and sum(self._pending.values()) >= self.limits.max_unauthenticated
+                )
+            if full:
+                self.rejected["over_cap"] += 1 if not self._was_full else 0
+                self._was_full = True
+                time.sleep(0.01)
+                continue
+            self._was_full = False
             try:
                 conn, peer = self._sock.accept()
             except (socket.timeout, TimeoutError):
                 continue
-            except OSError:
-                break
-            with self._lock:
-                full = len(self._conns) >= self.limits.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                self._note("over_cap", peer[0], f"{self.limits.max_connections} connections open (the cap)")
-                conn.close()
+            except OSError as e:
+                if self._stop.is_set():
+                    break
+                log.warning("%s: accept failed (%s); retrying", self.name, e)  # e.g. out of file descriptors
+                time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer[0]), name=f"{self.name}-conn", daemon=True).start()
+            ip = peer[0]
+            with self._lock:
+                self._conns.add(conn)
+                if self.secret is not None:
+                    self._pending[ip] = self._pending.get(ip, 0) + 1
+            threading.Thread(target=self._serve, args=(conn, ip), name=f"{self.name}-conn", daemon=True).start()
+
+    def _handshake_done(self, ip: str) -> None:
+        with self._lock:
+            n = self._pending.get(ip, 0) - 1
+            if n > 0:
+                self._pending[ip] = n
+            else:
+                self._pending.pop(ip, None)
 
     def _serve(self, conn: socket.socket, peer: str = "?") -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         seal = None
+        pending = self.secret is not None
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.secret is not None:
                 try:
-                    key = server_handshake(conn, self.secret, time.monotonic() + self.limits.message_timeout_s)
+                    key = server_handshake(conn, self.secret, time.monotonic() + self.limits.handshake_timeout_s)
                 except (AuthError, OSError) as e:  # (socket.timeout is an OSError: a slow or silent stranger)
                     self._note("auth", peer, str(e))
                     return
+                finally:
+                    self._handshake_done(peer)
+                    pending = False
                 seal = Sealer(key, "server")
             while not self._stop.is_set():
                 try:
@@ -353,7 +402,7 @@ class RpcServer:
                     self._note("malformed" if isinstance(e, ProtocolError) else "auth", peer, str(e))
                     return
                 except (ConnectionError, OSError, ValueError, RuntimeError):
-                    return  # closed or timed out mid-message (RuntimeError: a reshape torch refused)
+                    return  # closed or timed out mid-message
                 if method is None:
                     return
                 try:
@@ -370,6 +419,8 @@ class RpcServer:
                 except (OSError, socket.timeout):
                     return  # the caller gave up (its timeout): nothing to answer to
         finally:
+            if pending:  # (setsockopt failed before the handshake)
+                self._handshake_done(peer)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
