@@ -8,7 +8,7 @@ median call time, the time authentication adds, and that time against one SWARM 
 measured forward + backward of stage 0 on one microbatch plus the plain call). The outer sync (gloo) is not
 touched by ``security``: its cost there is 0 by construction.
 
-    dilocox bench rpc [CONFIG] [--calls 200] [--out docs/bench/rpc]
+    dilocox bench rpc [CONFIG] [--calls 200] [--out docs/bench/rpc]      (about 10 s)
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def bench(config: str, calls: int) -> dict:
         "meta": {
             "machine": machine_line(),
             "date": time.strftime("%Y-%m-%d"),
-            "config": config,
+            "config": os.path.relpath(config, ROOT) if os.path.abspath(config).startswith(ROOT) else config,
             "hop_compute_ms": compute * 1e3,
             "load_avg": os.getloadavg(),
         },
