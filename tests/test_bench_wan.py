@@ -295,3 +295,13 @@ def test_percent_of_uncapped_compares_runs_of_the_same_length():
     md = wan.markdown({"meta": meta, "rows": rows})
     assert "| allreduce | 10 Mbit/s | 0 ms | 20 (shortened from 100: fewer tokens) | 80 | 10.0 % |" in md
     assert "| allreduce | uncapped | 0 ms | 20 (reference for the shortened run) |" in md
+
+
+def test_render_of_a_missing_or_bad_results_file_is_one_line_exit_2(tmp_path, capsys):
+    bad = tmp_path / "results.json"
+    bad.write_text("{not json")
+    for path in (tmp_path / "missing.json", bad):
+        assert wan.main(["--render", str(path), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dilocox bench wan: error: --render") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/bench/rpc")
     a = ap.parse_args(argv)
     if a.calls < 1:
-        print("dilocox bench rpc: error: --calls must be >= 1", flush=True)
+        print("dilocox bench rpc: error: --calls must be >= 1", file=sys.stderr)
         return 2
     res = bench(a.config, a.calls)
     os.makedirs(a.out, exist_ok=True)

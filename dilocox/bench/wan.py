@@ -516,8 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
     if a.render:
-        with open(a.render) as f:
-            res = json.load(f)
+        try:
+            with open(a.render) as f:
+                res = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"dilocox bench wan: error: --render {a.render}: {e}", file=sys.stderr)
+            return 2
         if a.resummarize:
             res = resummarize(res, a.run_root)
         print(write_outputs(res, a.out))
