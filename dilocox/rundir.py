@@ -71,7 +71,7 @@ SCHEDULE_KEYS = frozenset(
         "outer.elastic.heartbeat_ms",
     }
 )
-SCHEDULE_PREFIXES = ("log.", "checkpoint.")
+SCHEDULE_PREFIXES = ("log.", "checkpoint.", "security.")  # (security: who may connect, not what is computed)
 UNREPORTED_KEYS = frozenset({"checkpoint.resume", "checkpoint.resume_finished"})  # how to resume, not what
 
 

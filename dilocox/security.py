@@ -93,6 +93,20 @@ def load_secret(path: str) -> bytes:
     return key
 
 
+def secret_for(sec, writer: str) -> bytes | None:
+    """The run secret a process of this run uses, from its ``security`` config section: None when
+    ``security.authenticate`` is false, else the file's secret; ``writer`` names who writes the file when the
+    setting is empty (the one-line fix in the error)."""
+    if not sec.authenticate:
+        return None
+    if not sec.secret_file:
+        raise SecretError(
+            f"security.secret_file is empty and security.authenticate is true: {writer}; a process started by hand "
+            "needs --security.secret_file=PATH (the run's file, mode 0600: `dilocox secret PATH` writes one)"
+        )
+    return load_secret(sec.secret_file)
+
+
 def load_or_create_secret(path: str) -> bytes:
     """``load_secret(path)``, after creating the file (0600) if there is none."""
     if not os.path.exists(path):

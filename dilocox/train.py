@@ -469,6 +469,7 @@ def build_elastic_group(cfg: Config, topo):
     """This rank's ``ElasticOuterGroup`` (one torchft quorum per replica job; rank 0 hosts the store its ranks meet
     on). The address advertised to the other replicas: DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
+    from dilocox.security import secret_for
 
     e = cfg.outer.elastic
     host = os.environ.get("DILOCOX_ELASTIC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
@@ -483,6 +484,7 @@ def build_elastic_group(cfg: Config, topo):
         max_attempts=e.max_attempts,
         heartbeat_ms=e.heartbeat_ms,
         host=host,
+        secret=secret_for(cfg.security, "`dilocox launch --elastic` and elastic.sbatch write one into the run dir"),
     )
     if topo.world_size == 1:
         return ElasticOuterGroup(ecfg)

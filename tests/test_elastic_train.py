@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dilocox.launch.emulate import BANDWIDTH_ENV
+from dilocox.security import create_secret
 from tests.small_run import TINY_RUN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +55,10 @@ class _Run:
         self.tmp, self.steps, self.min = tmp_path, steps, min_replicas
         self.lh = start_lighthouse(min_replicas, heartbeat_timeout_ms=1500, join_timeout_ms=30000)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **{BANDWIDTH_ENV: bandwidth})
+        # the run secret: a restarted replica's state transfer (heal) is authenticated with it (elastic/transfer.py)
+        self.secret = str(tmp_path / "secret")
+        if not os.path.exists(self.secret):
+            create_secret(self.secret)
         self.procs: dict[int, list[subprocess.Popen]] = {}
 
     def run_dir(self, r: int) -> str:
@@ -68,6 +73,7 @@ class _Run:
             "--outer.elastic.timeout_s=10",
             "--outer.elastic.quorum_timeout_s=20",
             f"--log.run_dir={self.run_dir(r)}",
+            f"--security.secret_file={self.secret}",
         ]
         p = subprocess.Popen(
             cmd + list(extra),

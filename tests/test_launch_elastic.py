@@ -377,7 +377,7 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
             f"{first}:29500 --rdzv_id 42-r{r} -m dilocox.cli train configs/x.yaml --train.steps=3 "
             f"--parallel.replicas=1 --outer.elastic.enabled=true --outer.elastic.lighthouse={lh} "
             f"--outer.elastic.replica_rank={r} --outer.elastic.min_replicas=1 --outer.elastic.initial_replicas=2 "
-            f"--log.run_dir={run}/replica{r}"
+            f"--log.run_dir={run}/replica{r} --security.secret_file={run}/secret"
         )
 
     want = [
@@ -390,6 +390,13 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
     ]
     assert lines == sorted(want)
     assert "2 replicas x 2 node(s)" in p.stdout
+    # the run secret: written once, mode 0600, 32 bytes as hex (docs/SECURITY.md); a second job keeps it
+    secret = run / "secret"
+    assert (secret.stat().st_mode & 0o777) == 0o600 and len(bytes.fromhex(secret.read_text())) == 32
+    before = secret.read_text()
+    p2, _ = run_elastic_sbatch(tmp_path, "gpu03 gpu04 gpu07 gpu08", DILOCOX_NODES_PER_REPLICA="2")
+    assert p2.returncode == 0, p2.stderr
+    assert secret.read_text() == before
 
 
 def test_elastic_sbatch_rejects_uneven_layout(tmp_path):
@@ -532,6 +539,7 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
         log=lambda m: None,
     )
     assert rc == 7 and seen["n"] == 3 and seen["run_dir"] == run and seen["min_replicas"] == 2
+    assert os.stat(f"{run}/secret").st_mode & 0o777 == 0o600  # the run secret, written by the launch
     assert seen["schedule"] == [Action("kill", 2, 5.0), Action("restart", 2, 9.0)]
     assert seen["env"]["DILOCOX_EMULATED_BANDWIDTH_BPS"] == f"{100e6 / 4:.0f}"  # 4 ranks share the replica's link
     assert seen["argv"][1] == [
@@ -544,6 +552,7 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
         "4",
         "--outer.method=diloco",
         "--train.steps=20",
+        f"--security.secret_file={run}/secret",  # written by the launch (mode 0600), passed by path
         "--parallel.replicas=1",
         "--outer.elastic.enabled=true",
         "--outer.elastic.lighthouse=http://10.1.2.3:4",

@@ -385,3 +385,82 @@ def test_bench_rpc_measures_plain_and_authenticated_calls(tmp_path):
     assert [r["bytes"] for r in res["rows"]] == [hop // 4 * 4, 1 << 20, 16 << 20]
     assert all(r["plain_ms"] > 0 and r["auth_ms"] > 0 for r in res["rows"]) and res["meta"]["hop_compute_ms"] > 0
     assert "Target (issue 21)" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------- a run under noise
+@pytest.mark.slow
+def test_swarm_run_under_noise_ends_bit_equal_to_an_undisturbed_run(tmp_path):
+    """A SWARM job (2 stages x 1 peer, fixed routing) while strangers hammer every peer's port (random and
+    mutated messages with wrong tags, unauthenticated garbage, silent connections) and register a rogue peer in
+    the address book: every peer ends with parameters bit-equal to the same job undisturbed, and the noise
+    reached the servers (their logs name the rejected connections)."""
+    from dilocox.security import open_value
+    from dilocox.swarm.common import store_key
+    from dilocox.swarm.runtime import launch
+    from dilocox.swarm.transport import run_secret
+    from tests.test_swarm_runtime import _cfg
+
+    cfg = _cfg("--swarm.routing=fixed")
+    steps = 4
+    quiet = launch(cfg, str(tmp_path / "quiet"), peers_per_stage=[1, 1], steps=steps, timeout_s=240)
+    stop = threading.Event()
+    sent = {"messages": 0}
+    rng = random.Random(3)
+    good = b"".join(bytes(f) for f in encode("fwd", {"step": 0}, {"x": torch.ones(8)}))
+
+    def noise(la):
+        secret = run_secret()
+        addrs = []
+        deadline = time.monotonic() + 60
+        while len(addrs) < 2 and time.monotonic() < deadline and not stop.is_set():
+            try:
+                addrs = [open_value(secret, store_key(j, 0), la.store.get(store_key(j, 0)).decode()) for j in (0, 1)]
+            except Exception:  # noqa: BLE001 - not registered yet
+                time.sleep(0.05)
+        rogue = RpcServer(lambda m, meta, t: ({}, {}), secret=None)
+        la.store.set(store_key(1, 1), rogue.addr)  # a stranger registers itself as a peer of stage 1 (unsigned)
+        idle = []
+        try:
+            while not stop.is_set():
+                host, port = rng.choice(addrs).rsplit(":", 1)
+                try:
+                    s = socket.create_connection((host, int(port)), timeout=2)
+                    if rng.random() < 0.1:
+                        idle.append(s)  # a silent stranger: holds a handshake slot until its timeout
+                        continue
+                    s.sendall(_mutations(rng, good) + bytes(MAC_BYTES))
+                    s.shutdown(socket.SHUT_WR)
+                    s.close()
+                    sent["messages"] += 1
+                except OSError:
+                    pass
+                time.sleep(0.002)
+        finally:
+            for s in idle:
+                s.close()
+            rogue.close()
+
+    threads = []
+
+    def start_noise(la):
+        t = threading.Thread(target=noise, args=(la,), daemon=True)
+        t.start()
+        threads.append(t)
+
+    try:
+        loud = launch(
+            cfg, str(tmp_path / "loud"), peers_per_stage=[1, 1], steps=steps, timeout_s=240, on_started=start_noise
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    for res in (quiet, loud):
+        for name, rc in res.returncodes.items():
+            assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    assert sent["messages"] >= 50, sent
+    for name in ("s0p0", "s1p0"):
+        a, b = quiet.peers[name]["params"], loud.peers[name]["params"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    logs = "".join(loud.log_tail(n, 10**6) for n in ("s0p0", "s1p0"))
+    assert "closed a connection" in logs  # (once per source address: the noise did reach the servers)

@@ -261,9 +261,11 @@ class SwarmConfig:
 
 @dataclass
 class SecurityConfig:
-    """Who may talk to the run's own TCP services (docs/SECURITY.md): today the SWARM peers' tensor RPC."""
+    """Who may talk to the run's own TCP services (docs/SECURITY.md): the SWARM peers' tensor RPC and the state
+    transfer to a joining elastic replica or SWARM peer."""
 
-    authenticate: bool = True  # every SWARM RPC connection proves the run secret both ways, every message is MACed;
-    # false: anyone who reaches a port is served (a closed lab network only)
-    secret_file: str = ""  # the run secret (hex, mode 0600); "" = <swarm out dir>/secret, written by `dilocox swarm`
-    # when absent. Give every host of a multi-host run the same file (never put the secret on a command line)
+    authenticate: bool = True  # every SWARM RPC connection and every elastic state transfer proves the run secret
+    # both ways, every message is MACed; false: anyone who reaches a port is served (a closed lab network only)
+    secret_file: str = ""  # the run secret (hex, mode 0600); "" = <out dir>/secret, written by `dilocox swarm` and
+    # `dilocox launch --elastic` (RUN/secret) when absent. Give every host of a multi-host run the same file (never
+    # put the secret on a command line)

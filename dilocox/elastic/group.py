@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -37,6 +37,7 @@ from torch import Tensor
 
 from dilocox.distributed.topology import ExternalGroup
 from dilocox.elastic.failover import DEFAULT_ATTEMPT_S, LighthouseFailover, LighthouseUnreachable, QuorumTimeout
+from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
 
@@ -87,7 +88,9 @@ class ElasticConfig:
     quorum_timeout_s: bound on forming a quorum, and on waiting below ``min_replicas``.
     max_attempts: retries of one outer step after a failed all-reduce.
     heartbeat_ms: how often the replica's manager heartbeats the lighthouse.
-    host: address this replica advertises and binds its store to (loopback by default).
+    host: address this replica advertises and binds its store and its state server to (loopback by default).
+    secret: the run secret (``security.secret_file``): a joiner's state transfer is authenticated both ways
+        (``elastic/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
     """
 
     lighthouse_addr: str
@@ -100,6 +103,7 @@ class ElasticConfig:
     max_attempts: int = 3
     heartbeat_ms: int = 100
     host: str = "127.0.0.1"
+    secret: bytes | None = field(default=None, repr=False)
 
     def validate(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -169,19 +173,6 @@ def start_lighthouse(
         quorum_tick_ms=quorum_tick_ms,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
-
-
-def _host_http_transport(host: str, timeout_s: float):
-    """torchft's HTTP checkpoint transport (the live join's state transfer), advertising ``host``: torchft's own
-    advertises ``socket.gethostname()``, which another network namespace (or a node without that name in its
-    resolver) cannot reach."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class _Transport(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    return _Transport(timeout=timedelta(seconds=timeout_s), num_chunks=0)
 
 
 class TorchftGroup(ExternalGroup):
@@ -271,6 +262,7 @@ class ElasticOuterGroup:
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed = False
+        self.transport = StateTransport(cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}")
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=None,
@@ -289,7 +281,8 @@ class ElasticOuterGroup:
             hostname=cfg.host,
             heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
             init_sync=False,
-            checkpoint_transport=_host_http_transport(cfg.host, cfg.timeout_s),
+            # a joiner's state: our own transport (torchft's HTTPTransport unpickles what it receives, serves anyone)
+            checkpoint_transport=self.transport,
         )
         # the lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
         # requests in short attempts, a restarted lighthouse is used at once, and meanwhile a replica of one
@@ -306,10 +299,16 @@ class ElasticOuterGroup:
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
         self.on_quorum: Callable[[int], None] | None = None
 
-    def set_state_fns(self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+    def set_state_fns(
+        self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None], max_state_bytes: int | None = None
+    ) -> None:
         """What a live replica sends a joiner (``state_fn``, called on the sender's quorum thread) and how a
-        joiner takes it (``load_fn``). Every replica of a run must set them (torchft heals only then)."""
+        joiner takes it (``load_fn``). Every replica of a run must set them (torchft heals only then).
+        ``max_state_bytes``: the most tensor bytes a received state may carry (from the caller's model; checked
+        before anything is allocated for it)."""
         self._state_fn, self._load_fn = state_fn, load_fn
+        if max_state_bytes is not None:
+            self.transport.set_max_state_bytes(max_state_bytes)
 
         def _load(sd: dict) -> None:
             self._healed = True

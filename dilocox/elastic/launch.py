@@ -49,6 +49,7 @@ from dilocox.elastic.supervisor import ElasticLaunch as ElasticLaunch
 from dilocox.elastic.supervisor import _Replica as _Replica
 from dilocox.launch.netns import Cluster, netns_available
 from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
+from dilocox.security import SecretError, load_or_create_secret
 
 BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"  # same name as dilocox.launch.emulate.BANDWIDTH_ENV
 
@@ -156,6 +157,13 @@ def launch_elastic(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     env.pop(BANDWIDTH_ENV, None)
     os.makedirs(run_dir, exist_ok=True)
+    if cfg.security.authenticate:  # the run secret (docs/SECURITY.md): replicas read it from a file, by path
+        path = os.path.abspath(cfg.security.secret_file or os.path.join(run_dir, "secret"))
+        try:
+            load_or_create_secret(path)  # (checks an existing one: mode 0600, long enough)
+        except SecretError as e:
+            raise LaunchError(str(e)) from None
+        overrides = [*overrides, f"--security.secret_file={path}"]
 
     def argv(r: int, addr: str) -> list[str]:
         return train_argv(config, r, n, nproc, addr, min_replicas, run_dir, overrides)

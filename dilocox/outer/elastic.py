@@ -57,7 +57,10 @@ class ElasticMixin:
         # while that all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
         self.snapshot_extra: Callable[[], object] | None = None
         self.load_extra: Callable[[object], None] | None = None
-        elastic.set_state_fns(self._elastic_state, self._elastic_load)
+        # a received state holds θ, the outer momentum and the owner's extra (a SWARM peer's AdamW: 2 x params):
+        # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (elastic/transfer.py)
+        st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
+        elastic.set_state_fns(self._elastic_state, self._elastic_load, max_state_bytes=4 * st_bytes + (64 << 20))
 
     @property
     def stats(self) -> dict:

@@ -61,19 +61,11 @@ def largest_hop_bytes(cfg) -> int:
 
 def rpc_security(cfg):
     """(secret or None, transport Limits) of a SWARM peer: ``transport.use_secret(*rpc_security(cfg))``."""
-    from dilocox.security import SecretError, load_secret
+    from dilocox.security import secret_for
     from dilocox.swarm.transport import Limits
 
     # connections a stage may legitimately hold at once: one per microbatch in flight from every upstream peer
     # (a forward waits downstream with its connection open), plus pings, markers and stats
     conns = max(64, 4 * sum(cfg.swarm.peers_per_stage) * cfg.swarm.max_inflight + 16)
     limits = Limits.for_run(largest_hop_bytes(cfg), max_connections=conns)
-    sec = cfg.security
-    if not sec.authenticate:
-        return None, limits
-    if not sec.secret_file:
-        raise SecretError(
-            "security.secret_file is empty and security.authenticate is true: `dilocox swarm` writes one into its "
-            "output directory; a peer started by hand needs --security.secret_file=PATH (the run's file, mode 0600)"
-        )
-    return load_secret(sec.secret_file), limits
+    return secret_for(cfg.security, "`dilocox swarm` writes one into its output directory"), limits

@@ -253,11 +253,14 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                     timeout_s=self.s.sync_timeout_s,
                     quorum_timeout_s=self.s.sync_timeout_s,
                     host=self.s.host,
+                    secret=run_secret(),  # (the peers' RPC secret also guards a joiner's state)
                 )
             )
             if self.s.sync == "swarm":  # (diloco: the DiLoCo outer object sets its own state transfer)
                 self.group.set_state_fns(
-                    lambda: peer_sync.state_for_joiner(self), lambda sd: peer_sync.load_from_peer(self, sd)
+                    lambda: peer_sync.state_for_joiner(self),
+                    lambda sd: peer_sync.load_from_peer(self, sd),
+                    max_state_bytes=4 * sum(p.numel() * p.element_size() for p in self.params) + (64 << 20),
                 )
         if self.s.sync == "diloco":
             self.outer = self._build_outer()

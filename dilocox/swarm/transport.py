@@ -21,7 +21,8 @@ idle for ``idle_timeout_s`` or slower than ``message_timeout_s`` per message, an
 that connection only (logged once per peer address).
 
 ``RpcServer(handler)`` serves on a TCP port with one thread per connection; ``handler(method, meta,
-tensors) -> (meta, tensors)`` runs in that thread (it may itself call other peers). ``call(addr, ...)``
+tensors) -> (meta, tensors[, release])`` runs in that thread (it may itself call other peers; ``release()``, when
+given, is called once the reply's bytes are sent: the handler may hand out live tensors until then). ``call(addr, ...)``
 opens a connection, sends, and waits for the reply under ONE deadline (``timeout_s``, enforced with
 socket timeouts on every connect/send/recv). A connection refused / reset / timed out raises
 ``PeerUnavailable`` naming the address (the SWARM rule: the caller bans that peer and re-sends); an
@@ -405,8 +406,10 @@ class RpcServer:
                     return  # closed or timed out mid-message
                 if method is None:
                     return
+                release = None
                 try:
-                    rmeta, rtensors = self.handler(method, meta, tensors)
+                    rmeta, rtensors, *rest = self.handler(method, meta, tensors)
+                    release = rest[0] if rest else None
                     frames = encode("ok", rmeta or {}, rtensors)
                 except NotServing as e:
                     frames = encode("unavailable", {"error": str(e)})
@@ -418,6 +421,9 @@ class RpcServer:
                     _send_all(conn, frames, time.monotonic() + self.limits.message_timeout_s, "caller", seal)
                 except (OSError, socket.timeout):
                     return  # the caller gave up (its timeout): nothing to answer to
+                finally:
+                    if release is not None:  # the handler's tensors may change from now on
+                        release()
         finally:
             if pending:  # (setsockopt failed before the handshake)
                 self._handshake_done(peer)
