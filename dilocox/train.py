@@ -29,11 +29,11 @@ from dilocox import rundir
 from dilocox.config import Config, ConfigError, to_yaml
 from dilocox.data import TokenSampler, prepare
 from dilocox.distributed import signals
+from dilocox.distributed.comm import emulated_bandwidth_bytes
 from dilocox.distributed.topology import build_topology, group_ranks, init_distributed
 from dilocox.elastic.group import ElasticError
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
-from dilocox.launch.emulate import BANDWIDTH_ENV
 from dilocox.metrics import MetricsLogger, peak_flops
 from dilocox.model.parallel_layers import clip_grad_norm_
 from dilocox.model.transformer import build_stage_model, model_flops_per_token
@@ -52,13 +52,6 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def emulated_bandwidth_bytes() -> float | None:
-    """Token-bucket cap (bytes/s) on the outer link, set by ``dilocox launch`` when it cannot use
-    network namespaces + tc (no root): BANDWIDTH_ENV is in bits per second."""
-    bps = os.environ.get(BANDWIDTH_ENV)
-    return float(bps) / 8.0 if bps else None
 
 
 class Trainer:

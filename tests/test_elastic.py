@@ -225,6 +225,21 @@ def test_config_errors_name_field_and_fix(field, value, fix):
     assert f"elastic.{field}={value!r}" in str(e.value) and fix in str(e.value)
 
 
+def test_elastic_config_defaults_are_the_config_sections():
+    """One source of defaults: the group's settings default to ``outer.elastic``'s (issue 25)."""
+    import dataclasses
+
+    from dilocox.config.sections import ElasticSection
+
+    section = {f.name: f.default for f in dataclasses.fields(ElasticSection)}
+    shared = [
+        f for f in dataclasses.fields(ElasticConfig) if f.name in section and f.default is not dataclasses.MISSING
+    ]
+    assert len(shared) >= 7
+    for f in shared:
+        assert f.default == section[f.name], f.name
+
+
 def test_allreduce_mean_rejects_bad_input_and_runs_alone(tmp_path):
     """One replica with min_replicas=1: the mean is the input itself; 2-D or integer input is refused."""
     _torchft()

@@ -31,12 +31,23 @@ The thread is a daemon: a collective stuck forever cannot keep the process alive
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from typing import Any, Callable
 
 from dilocox.distributed.signals import CommTimeoutError, bounded_wait
+
+# The token bucket's cap, set by ``dilocox launch`` (and ``dilocox launch --elastic``) for every rank when it cannot
+# use network namespaces + tc: bits per second of the replica's outer link, shared by its ranks
+BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"
+
+
+def emulated_bandwidth_bytes() -> float | None:
+    """The token-bucket cap in bytes/s from ``BANDWIDTH_ENV`` (None: no cap)."""
+    bps = os.environ.get(BANDWIDTH_ENV)
+    return float(bps) / 8.0 if bps else None
 
 
 class CommHandle:

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dilocox.config.sections import ElasticSection
 from dilocox.distributed.topology import ExternalGroup
 from dilocox.elastic.failover import DEFAULT_ATTEMPT_S, LighthouseFailover, LighthouseUnreachable, QuorumTimeout
 from dilocox.elastic.transfer import StateTransport
@@ -73,6 +74,9 @@ class ElasticBehindError(ElasticError):
     """This replica is behind the live replicas' outer step (a late joiner): it needs the live join of issue 10."""
 
 
+_SECTION = ElasticSection()
+
+
 @dataclass
 class ElasticConfig:
     """Settings of one replica's elastic outer group (validated by ``validate``).
@@ -95,13 +99,14 @@ class ElasticConfig:
 
     lighthouse_addr: str
     replica_rank: int
-    min_replicas: int = 1
-    initial_replicas: int | None = None
-    max_replicas: int = 64
-    timeout_s: float = 30.0
-    quorum_timeout_s: float = 60.0
-    max_attempts: int = 3
-    heartbeat_ms: int = 100
+    # the defaults are the config section's (``outer.elastic``, one source: ``ElasticSection``)
+    min_replicas: int = _SECTION.min_replicas
+    initial_replicas: int | None = _SECTION.initial_replicas
+    max_replicas: int = _SECTION.max_replicas
+    timeout_s: float = _SECTION.timeout_s
+    quorum_timeout_s: float = _SECTION.quorum_timeout_s
+    max_attempts: int = _SECTION.max_attempts
+    heartbeat_ms: int = _SECTION.heartbeat_ms
     host: str = "127.0.0.1"
     secret: bytes | None = field(default=None, repr=False)
 

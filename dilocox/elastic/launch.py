@@ -33,6 +33,8 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from dilocox.distributed.comm import BANDWIDTH_ENV
+
 # the lighthouse command, the process supervisor and the schedule live in their own modules; re-exported here
 # so every ``dilocox.elastic.launch.X`` import (and a test's monkeypatch of ``ElasticLaunch``) keeps working
 from dilocox.elastic.lighthouse import lighthouse_main as lighthouse_main
@@ -50,9 +52,6 @@ from dilocox.elastic.supervisor import _Replica as _Replica
 from dilocox.launch.netns import Cluster, netns_available
 from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
 from dilocox.security import SecretError, load_or_create_secret
-
-BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"  # same name as dilocox.launch.emulate.BANDWIDTH_ENV
-
 
 # --------------------------------------------------------------------------- `dilocox launch --elastic`
 

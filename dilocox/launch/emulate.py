@@ -21,14 +21,13 @@ import time
 from typing import Sequence
 
 from dilocox.config import ConfigError, load_config
+from dilocox.distributed.comm import BANDWIDTH_ENV
 from dilocox.distributed.signals import supervise
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.launch.switch import parse_latency, parse_loss
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
 __all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available", "torchrun_argv", "BANDWIDTH_ENV"]
-
-BANDWIDTH_ENV = "DILOCOX_EMULATED_BANDWIDTH_BPS"
 
 
 def torchrun_argv(
