@@ -478,6 +478,7 @@ def build_elastic_group(cfg: Config, topo):
         heartbeat_ms=e.heartbeat_ms,
         host=host,
         secret=secret_for(cfg.security, "`dilocox launch --elastic` and elastic.sbatch write one into the run dir"),
+        encrypt=cfg.security.encrypt,
     )
     if topo.world_size == 1:
         return ElasticOuterGroup(ecfg)

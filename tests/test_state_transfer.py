@@ -359,3 +359,21 @@ def test_fuzz_the_state_server():
     finally:
         threading.excepthook = hook
         src.shutdown()
+
+
+def test_transport_encrypted_round_trip_and_mismatch():
+    """security.encrypt: the state crosses ChaCha20-Poly1305 sealed; a receiver without encryption is refused."""
+    key = os.urandom(32)
+    src = StateTransport("127.0.0.1", 5.0, key, encrypt=True)
+    dst = StateTransport("127.0.0.1", 5.0, key, encrypt=True)
+    plain = StateTransport("127.0.0.1", 5.0, key, encrypt=False)
+    try:
+        sd = _state()
+        src.send_checkpoint([1], 2, sd, T)
+        assert _equal(sd, dst.recv_checkpoint(0, src.metadata(), 2, T))
+        with pytest.raises((PeerUnavailable, AuthError)):
+            plain.recv_checkpoint(0, src.metadata(), 2, T)
+        assert src.served == 1
+    finally:
+        for t in (src, dst, plain):
+            t.shutdown()

@@ -3,10 +3,11 @@
 One ``RpcServer`` on loopback whose handler returns its input (a stand-in for a stage's work), called with
 messages of the run's hop size (``swarm.common.largest_hop_bytes`` of the config: one microbatch of fp32
 activations), 1 MiB and 16 MiB, each ``--calls`` times without a secret and with one (the handshake on every
-connection, as the peers connect per call, and an HMAC-SHA256 over every message both ways). Reported: the
-median call time, the time authentication adds, and that time against one SWARM hop of the config (the
-measured forward + backward of stage 0 on one microbatch plus the plain call). The outer sync (gloo) is not
-touched by ``security``: its cost there is 0 by construction.
+connection, as the peers connect per call, and an HMAC-SHA256 over every message both ways) and with
+``security.encrypt`` (ChaCha20-Poly1305 instead of the MAC). Reported: the median call time, the time authentication
+and encryption add, that time against one SWARM hop of the config (the measured forward + backward of stage 0
+on one microbatch plus the plain call), and the payload rate of an encrypted call against a plain one. The outer
+sync (gloo) is not touched by ``security``: its cost there is 0 by construction.
 
     dilocox bench rpc [CONFIG] [--calls 200] [--out docs/bench/rpc]      (about 10 s)
 """
@@ -25,15 +26,15 @@ import torch
 from dilocox.bench.runner import ROOT, machine_line
 
 
-def _median_call_s(addr: str, x: torch.Tensor, calls: int, secret, limits) -> float:
+def _median_call_s(addr: str, x: torch.Tensor, calls: int, secret, limits, encrypt: bool = False) -> float:
     from dilocox.swarm.transport import call
 
     for _ in range(3):  # warm-up
-        call(addr, "echo", {}, {"x": x}, timeout_s=30, secret=secret, limits=limits)
+        call(addr, "echo", {}, {"x": x}, timeout_s=30, secret=secret, limits=limits, encrypt=encrypt)
     ts = []
     for _ in range(calls):
         t = time.perf_counter()
-        call(addr, "echo", {}, {"x": x}, timeout_s=30, secret=secret, limits=limits)
+        call(addr, "echo", {}, {"x": x}, timeout_s=30, secret=secret, limits=limits, encrypt=encrypt)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -64,9 +65,11 @@ def bench(config: str, calls: int) -> dict:
     hop = largest_hop_bytes(cfg)
     limits = Limits(max_message_bytes=64 << 20)
     rows = []
+    echo = lambda m, meta, t: ({}, t)  # noqa: E731
     servers = {
-        False: RpcServer(lambda m, meta, t: ({}, t), secret=None, limits=limits, name="bench-plain"),
-        True: RpcServer(lambda m, meta, t: ({}, t), secret=secret, limits=limits, name="bench-auth"),
+        "plain": RpcServer(echo, secret=None, limits=limits, name="bench-plain"),
+        "auth": RpcServer(echo, secret=secret, limits=limits, name="bench-auth"),
+        "enc": RpcServer(echo, secret=secret, limits=limits, name="bench-enc", encrypt=True),
     }
     try:
         compute = hop_compute_s(cfg)
@@ -74,8 +77,9 @@ def bench(config: str, calls: int) -> dict:
         for label, nbytes in sizes:
             x = torch.zeros(max(1, nbytes // 4))
             n = calls if nbytes <= (1 << 20) else max(10, calls // 10)
-            plain = _median_call_s(servers[False].addr, x, n, None, limits)
-            auth = _median_call_s(servers[True].addr, x, n, secret, limits)
+            plain = _median_call_s(servers["plain"].addr, x, n, None, limits)
+            auth = _median_call_s(servers["auth"].addr, x, n, secret, limits)
+            enc = _median_call_s(servers["enc"].addr, x, n, secret, limits, encrypt=True)
             rows.append(
                 {
                     "message": label,
@@ -86,6 +90,11 @@ def bench(config: str, calls: int) -> dict:
                     "added_ms": (auth - plain) * 1e3,
                     "added_pct_of_call": 100.0 * (auth / plain - 1.0),
                     "added_pct_of_hop": 100.0 * (auth - plain) / (plain + compute),
+                    "enc_ms": enc * 1e3,
+                    "enc_added_pct_of_hop": 100.0 * (enc - plain) / (plain + compute),
+                    # payload both ways per second (the echo sends the tensor back)
+                    "plain_mb_s": 2 * x.numel() * 4 / plain / 1e6,
+                    "enc_mb_s": 2 * x.numel() * 4 / enc / 1e6,
                 }
             )
     finally:
@@ -111,13 +120,19 @@ def markdown(res: dict) -> str:
         f"Stage 0 forward + backward of one microbatch of `{m['config']}`: {m['hop_compute_ms']:.1f} ms.",
         "",
         "| message | bytes | calls | plain (ms) | authenticated (ms) | added (ms) | added, % of the call | "
-        "added, % of a hop (call + stage work) |",
-        "|---|---|---|---|---|---|---|---|",
+        "added, % of a hop (call + stage work) | encrypted (ms) | encrypted: added, % of a hop | "
+        "payload MB/s plain / encrypted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
+        enc = (
+            f"{r['enc_ms']:.2f} | {r['enc_added_pct_of_hop']:+.1f} % | {r['plain_mb_s']:,.0f} / {r['enc_mb_s']:,.0f}"
+            if "enc_ms" in r
+            else "- | - | -"
+        )
         lines.append(
             f"| {r['message']} | {r['bytes']:,} | {r['calls']} | {r['plain_ms']:.2f} | {r['auth_ms']:.2f} | "
-            f"{r['added_ms']:+.2f} | {r['added_pct_of_call']:+.1f} % | {r['added_pct_of_hop']:+.1f} % |"
+            f"{r['added_ms']:+.2f} | {r['added_pct_of_call']:+.1f} % | {r['added_pct_of_hop']:+.1f} % | {enc} |"
         )
     hop = res["rows"][0]["added_pct_of_hop"] if res["rows"] else None
     if hop is not None:

@@ -301,6 +301,11 @@ def check_optim(o: OptimConfig) -> None:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
 
 
+def check_security(sec: Any) -> None:
+    if sec.encrypt and not sec.authenticate:
+        _fail("security.encrypt", True, "needs security.authenticate=true (the key comes from the handshake)")
+
+
 def check_train(train: TrainConfig) -> None:
     if train.eval_every < 0:
         _fail("train.eval_every", train.eval_every, "must be >= 0 (0 = never)")

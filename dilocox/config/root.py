@@ -21,6 +21,7 @@ from dilocox.config.checks import (
     check_model_layout,
     check_optim,
     check_outer,
+    check_security,
     check_swarm,
     check_trackers,
     check_train,
@@ -79,6 +80,7 @@ def validate(cfg: Config) -> None:
     if cfg.outer.elastic.enabled:
         check_elastic(cfg.outer, cfg.parallel, cfg.compress.adaptive)
     check_swarm(cfg.swarm, cfg.outer)
+    check_security(cfg.security)
 
 
 def validate_swarm_layout(cfg: Config) -> None:

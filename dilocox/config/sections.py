@@ -269,3 +269,6 @@ class SecurityConfig:
     secret_file: str = ""  # the run secret (hex, mode 0600); "" = <out dir>/secret, written by `dilocox swarm` and
     # `dilocox launch --elastic` (RUN/secret) when absent. Give every host of a multi-host run the same file (never
     # put the secret on a command line)
+    encrypt: bool = False  # also encrypt every message of those connections (ChaCha20-Poly1305, key from the
+    # handshake); needs authenticate. Costs CPU per byte: docs/BENCHMARKS.md (`dilocox bench rpc`). The gloo outer
+    # all-reduce is not covered (docs/SECURITY.md)

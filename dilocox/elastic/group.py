@@ -95,6 +95,7 @@ class ElasticConfig:
     host: address this replica advertises and binds its store and its state server to (loopback by default).
     secret: the run secret (``security.secret_file``): a joiner's state transfer is authenticated both ways
         (``elastic/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
+    encrypt: the state transfer is also encrypted (``security.encrypt``).
     """
 
     lighthouse_addr: str
@@ -109,6 +110,7 @@ class ElasticConfig:
     heartbeat_ms: int = _SECTION.heartbeat_ms
     host: str = "127.0.0.1"
     secret: bytes | None = field(default=None, repr=False)
+    encrypt: bool = False
 
     def validate(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -267,7 +269,9 @@ class ElasticOuterGroup:
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed = False
-        self.transport = StateTransport(cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}")
+        self.transport = StateTransport(
+            cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
+        )
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=None,

@@ -128,14 +128,21 @@ class StateTransport:
     """torchft ``CheckpointTransport`` over the authenticated, pickle-free tensor RPC (module docstring).
 
     ``host``: the address advertised to the other replicas (and bound); ``secret``: the run secret (None: no
-    authentication); ``max_state_bytes``: the most tensor bytes a received state may carry (the caller's
-    bound from its own model; ``set_max_state_bytes`` changes it once the model is known)."""
+    authentication); ``encrypt``: ChaCha20-Poly1305 on the connection (``security.encrypt``); ``max_state_bytes``: the
+    most tensor bytes a received state may carry (the caller's bound from its own model; ``set_max_state_bytes``
+    changes it once the model is known)."""
 
     def __init__(
-        self, host: str, timeout_s: float, secret: bytes | None, max_state_bytes: int = 256 << 20, name: str = "heal"
+        self,
+        host: str,
+        timeout_s: float,
+        secret: bytes | None,
+        max_state_bytes: int = 256 << 20,
+        name: str = "heal",
+        encrypt: bool = False,
     ) -> None:
         self._timeout_s = float(timeout_s)
-        self._secret = secret
+        self._secret, self._encrypt = secret, bool(encrypt)
         self._cond = threading.Condition()
         self._step, self._allowed, self._readers = -1, False, 0
         self._skeleton: object = None
@@ -146,7 +153,9 @@ class StateTransport:
         req = Limits(
             max_header=4096, max_message_bytes=0, max_tensors=0, max_connections=16, message_timeout_s=self._timeout_s
         )
-        self._server = RpcServer(self._handle, host=host, port=0, name=name, secret=secret, limits=req)
+        self._server = RpcServer(
+            self._handle, host=host, port=0, name=name, secret=secret, limits=req, encrypt=self._encrypt
+        )
 
     def set_max_state_bytes(self, n: int) -> None:
         self._recv_limits = Limits(
@@ -177,7 +186,7 @@ class StateTransport:
         t0 = time.monotonic()
         meta, tensors = call(
             addr, "state", {"step": int(step)}, timeout_s=timeout.total_seconds(), secret=self._secret,
-            limits=self._recv_limits,
+            limits=self._recv_limits, encrypt=self._encrypt,
         )  # fmt: skip
         if meta.get("step") != int(step) or "skeleton" not in meta:
             raise ProtocolError(f"the state server at {addr} answered with step {meta.get('step')!r}, not {step}")

@@ -60,7 +60,7 @@ def largest_hop_bytes(cfg) -> int:
 
 
 def rpc_security(cfg):
-    """(secret or None, transport Limits) of a SWARM peer: ``transport.use_secret(*rpc_security(cfg))``."""
+    """(secret or None, transport Limits, encrypt) of a SWARM peer: ``transport.use_secret(*rpc_security(cfg))``."""
     from dilocox.security import secret_for
     from dilocox.swarm.transport import Limits
 
@@ -68,4 +68,5 @@ def rpc_security(cfg):
     # (a forward waits downstream with its connection open), plus pings, markers and stats
     conns = max(64, 4 * sum(cfg.swarm.peers_per_stage) * cfg.swarm.max_inflight + 16)
     limits = Limits.for_run(largest_hop_bytes(cfg), max_connections=conns)
-    return secret_for(cfg.security, "`dilocox swarm` writes one into its output directory"), limits
+    secret = secret_for(cfg.security, "`dilocox swarm` writes one into its output directory")
+    return secret, limits, bool(cfg.security.encrypt)

@@ -83,7 +83,7 @@ from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.peer_sync import DiLoCoStageSync
 from dilocox.swarm.routing import NoLivePeer
 from dilocox.swarm.step_end import StepEnd
-from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_secret, use_secret
+from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 
 # (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at, make_router, ...`` keeps working)
 __all__ = ["DIGEST_ENV", "DiLoCoStageSync", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
@@ -254,6 +254,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                     quorum_timeout_s=self.s.sync_timeout_s,
                     host=self.s.host,
                     secret=run_secret(),  # (the peers' RPC secret also guards a joiner's state)
+                    encrypt=run_encrypts(),
                 )
             )
             if self.s.sync == "swarm":  # (diloco: the DiLoCo outer object sets its own state transfer)

@@ -12,7 +12,9 @@ Tensors travel as their raw contiguous bytes (any dtype, bf16 included), so noth
 With a run secret (``use_secret``, from ``security.secret_file``; ``dilocox.security``) every connection
 first runs the mutual HMAC challenge-response, and every message is followed by a 32-byte HMAC tag of the
 connection's key, direction and sequence number: a stranger is served nothing, a changed or replayed
-message closes the connection. Nothing read from the network is trusted before it is checked
+message closes the connection. With ``security.encrypt`` (``use_secret(..., encrypt=True)``) each message is
+instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the same bytes (``security.Crypter``): the
+same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
 ``max_connections`` connections, of which at most ``max_unauthenticated`` in their handshake, which must end
@@ -44,7 +46,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dilocox.security import MAC_BYTES, AuthError, Sealer, check_server_proof, client_hello, server_handshake
+from dilocox.security import MAC_BYTES, AuthError, Crypter, Sealer, check_server_proof, client_hello, server_handshake
 
 log = logging.getLogger("dilocox.swarm.transport")
 
@@ -84,8 +86,14 @@ class ProtocolError(ConnectionError):
     """A message that breaks the wire format or the limits: the connection is closed."""
 
 
-_state = {"secret": None, "limits": Limits()}
+_state = {"secret": None, "limits": Limits(), "encrypt": False}
 _DEFAULT = object()
+MAX_SEALED = (1 << 31) - 1  # the AEAD's largest message in the cryptography package (security.encrypt)
+
+
+def channel(key: bytes, role: str, encrypt: bool) -> Sealer | Crypter:
+    """The per-connection protection after the handshake: a MAC per message, or an AEAD (``encrypt``)."""
+    return Crypter(key, role) if encrypt else Sealer(key, role)
 
 
 def run_secret() -> bytes | None:
@@ -93,12 +101,21 @@ def run_secret() -> bytes | None:
     return _state["secret"]
 
 
-def use_secret(secret: bytes | None, limits: Limits | None = None) -> None:
-    """This process's run secret (None: unauthenticated, for a run without one) and, optionally, its limits:
-    the defaults of every ``RpcServer`` and ``call`` made after it."""
+def use_secret(secret: bytes | None, limits: Limits | None = None, encrypt: bool = False) -> None:
+    """This process's run secret (None: unauthenticated, for a run without one), optionally its limits, and
+    whether messages are encrypted (``security.encrypt``; needs a secret): the defaults of every ``RpcServer``
+    and ``call`` made after it."""
+    if encrypt and secret is None:
+        raise ValueError("security.encrypt needs security.authenticate=true (the key comes from the handshake)")
     _state["secret"] = secret
+    _state["encrypt"] = bool(encrypt)
     if limits is not None:
         _state["limits"] = limits
+
+
+def run_encrypts() -> bool:
+    """Whether this process's connections are encrypted (``use_secret``)."""
+    return _state["encrypt"]
 
 
 Handler = Callable[[str, dict, dict[str, Tensor]], tuple[dict, dict[str, Tensor]]]
@@ -175,8 +192,16 @@ def encode(method: str, meta: dict, tensors: dict[str, Tensor] | None = None) ->
     return [_LEN.pack(len(header)), header, *bufs]
 
 
-def _send_all(sock: socket.socket, frames: list, deadline: float, addr: str, seal: Sealer | None = None) -> None:
-    if seal is not None:  # the message's tag follows it
+def _send_all(
+    sock: socket.socket, frames: list, deadline: float, addr: str, seal: Sealer | Crypter | None = None
+) -> None:
+    if isinstance(seal, Crypter):  # the whole message, sealed: [8-byte length][ciphertext + tag]
+        plain = b"".join(frames)
+        if len(plain) > MAX_SEALED:
+            raise ValueError(f"a message of {len(plain)} bytes: security.encrypt seals at most {MAX_SEALED} bytes")
+        sealed = seal.encrypt(plain)
+        frames = [_LEN.pack(len(sealed)), sealed]
+    elif seal is not None:  # the message's tag follows it
         h = seal.sealer()
         for f in frames:
             h.update(f)
@@ -209,19 +234,48 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearra
     return buf
 
 
+class _Buffer:
+    """``_recv_exact`` over bytes already received (a decrypted message)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.view, self.pos = memoryview(bytearray(data)), 0
+
+    def read(self, n: int, deadline: float | None = None) -> bytearray | memoryview:
+        if self.pos + n > len(self.view):
+            raise ProtocolError("a sealed message shorter than its header claims")
+        out = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+
 def read_message(
-    sock: socket.socket, deadline: float | None, limits: Limits | None = None, seal: Sealer | None = None
+    sock: socket.socket, deadline: float | None, limits: Limits | None = None, seal: Sealer | Crypter | None = None
 ) -> tuple[str, dict, dict[str, Tensor]]:
     """One message from ``sock`` (deadline None: wait while the peer keeps the connection open), its claims
-    checked against ``limits`` before anything is allocated and its tag against ``seal`` (if any)."""
+    checked against ``limits`` before anything is allocated and its tag against ``seal`` (if any; a ``Crypter``:
+    the sealed message's length is bounded by the limits, then it is decrypted whole and parsed)."""
     limits = limits or _state["limits"]
-    raw_len = _recv_exact(sock, _LEN.size, deadline)
+    if isinstance(seal, Crypter):
+        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
+        most = _LEN.size + limits.max_header + limits.max_message_bytes + Crypter.TAG_BYTES
+        if n > most:
+            raise ProtocolError(f"a sealed message of {n} bytes (limit {most}: the run's largest)")
+        buf = _Buffer(seal.decrypt(_recv_exact(sock, n, deadline)))
+        out = _parse(buf.read, None, limits, None)
+        if buf.pos != len(buf.view):
+            raise ProtocolError("a sealed message longer than its header claims")
+        return out
+    return _parse(lambda k, d: _recv_exact(sock, k, d), deadline, limits, seal)
+
+
+def _parse(read, deadline: float | None, limits: Limits, seal: Sealer | None) -> tuple[str, dict, dict[str, Tensor]]:
+    raw_len = read(_LEN.size, deadline)
     (hlen,) = _LEN.unpack(raw_len)
     if hlen > limits.max_header:
         raise ProtocolError(f"a header of {hlen} bytes (limit {limits.max_header}): not a dilocox swarm message")
-    raw_header = _recv_exact(sock, hlen, deadline)
+    raw_header = read(hlen, deadline)
     try:
-        header = json.loads(raw_header.decode())
+        header = json.loads(bytes(raw_header).decode())
     except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, a 4300-digit integer)
         raise ProtocolError(f"the header is not JSON ({type(e).__name__})") from None
     method, meta, specs = _specs(header, limits)
@@ -231,7 +285,7 @@ def read_message(
         h.update(raw_header)
     tensors = {}
     for name, dt, shape, nbytes in specs:
-        raw = _recv_exact(sock, nbytes, deadline) if nbytes else bytearray()
+        raw = read(nbytes, deadline) if nbytes else bytearray()
         if h is not None and nbytes:
             h.update(raw)
         try:
@@ -240,11 +294,11 @@ def read_message(
         except RuntimeError as e:  # (shape and nbytes were checked to agree: this is a corner torch refuses)
             raise ProtocolError(f"tensor {name[:40]!r}: {str(e).splitlines()[0][:80]}") from None
     if h is not None:
-        Sealer.verify(h, bytes(_recv_exact(sock, MAC_BYTES, deadline)))
+        Sealer.verify(h, bytes(read(MAC_BYTES, deadline)))
     return method, meta, tensors
 
 
-def _parse(addr: str) -> tuple[str, int]:
+def _parse_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"peer address {addr!r} is not host:port")
@@ -259,6 +313,7 @@ def call(
     timeout_s: float = 30.0,
     secret=_DEFAULT,
     limits: Limits | None = None,
+    encrypt=_DEFAULT,
 ) -> tuple[dict, dict[str, Tensor]]:
     """Send one request to ``addr`` (``host:port``) and return the reply's ``(meta, tensors)``.
 
@@ -267,8 +322,9 @@ def call(
     (default: ``use_secret``'s) authenticates both sides; a server without the secret is unavailable.
     """
     secret = _state["secret"] if secret is _DEFAULT else secret
+    encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
     deadline = time.monotonic() + timeout_s
-    host, port = _parse(addr)
+    host, port = _parse_addr(addr)
     frames = encode(method, meta, tensors)
     try:
         with socket.create_connection((host, port), timeout=max(0.01, timeout_s)) as sock:
@@ -276,7 +332,7 @@ def call(
             seal = None
             if secret is not None:  # the request follows the client's proof at once; the server's proof is
                 key, expect = client_hello(sock, secret, deadline)  # checked before its reply is read
-                seal = Sealer(key, "client")
+                seal = channel(key, "client", encrypt)
             try:
                 _send_all(sock, frames, deadline, addr, seal)
                 proof = bytes(_recv_exact(sock, MAC_BYTES, deadline)) if secret is not None else b""
@@ -285,7 +341,8 @@ def call(
                     raise
                 raise AuthError(
                     "the server closed the connection right after our proof: it holds another run secret "
-                    "(security.secret_file must be the same file on every host), or it died"
+                    "(security.secret_file must be the same file on every host), runs with another "
+                    "security.encrypt, or it died"
                 ) from None
             if secret is not None:
                 check_server_proof(proof, expect)
@@ -304,8 +361,8 @@ def call(
 class RpcServer:
     """Serves ``handler`` on ``host:port`` (port 0: a free one; see ``.addr``), one thread per connection.
 
-    ``secret`` (default: ``use_secret``'s; None: no authentication) and ``limits`` (default: ``use_secret``'s)
-    as in the module docstring."""
+    ``secret`` (default: ``use_secret``'s; None: no authentication), ``limits`` and ``encrypt`` (defaults:
+    ``use_secret``'s) as in the module docstring."""
 
     def __init__(
         self,
@@ -315,9 +372,11 @@ class RpcServer:
         name: str = "rpc",
         secret=_DEFAULT,
         limits: Limits | None = None,
+        encrypt=_DEFAULT,
     ) -> None:
         self.handler, self.name = handler, name
         self.secret = _state["secret"] if secret is _DEFAULT else secret
+        self.encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
         self.limits = limits or _state["limits"]
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -394,7 +453,7 @@ class RpcServer:
                 finally:
                     self._handshake_done(peer)
                     pending = False
-                seal = Sealer(key, "server")
+                seal = channel(key, "server", self.encrypt)
             while not self._stop.is_set():
                 try:
                     # an idle connection may wait for its next request, but wakes up to see the stop flag
