@@ -77,6 +77,39 @@ def test_flatten_refuses_objects_it_cannot_send():
         flatten({"f": lambda: 0})
     with pytest.raises(StateFormatError, match="a set cannot be sent"):
         flatten({"s": {1, 2}})
+    with pytest.raises(StateFormatError, match="complex64 tensor cannot be sent"):  # (the receiver would refuse it)
+        flatten({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(StateFormatError, match="mapping key"):
+        flatten({(1, 2): 3})
+
+
+def test_a_state_that_cannot_be_sent_fails_the_joiner_not_the_source():
+    """send_checkpoint runs on the LIVE replica's quorum thread: it must not raise there (torchft would fail that
+    replica's step); the joiner's fetch fails with the reason instead."""
+    from dilocox.swarm.transport import RemoteError
+
+    src, dst = _pair()
+    try:
+        src.send_checkpoint([1], 1, {"x": {1, 2}}, T)  # does not raise
+        with pytest.raises(RemoteError, match="a set cannot be sent"):
+            dst.recv_checkpoint(0, src.metadata(), 1, T)
+        src.disallow_checkpoint()
+        src.send_checkpoint([1], 2, {"x": torch.ones(2)}, T)  # the next offer is served again
+        assert torch.equal(dst.recv_checkpoint(0, src.metadata(), 2, T)["x"], torch.ones(2))
+    finally:
+        src.shutdown()
+        dst.shutdown()
+
+
+def test_a_host_of_another_machine_binds_every_interface_and_advertises_this_one():
+    """A rank on node 2 of a multi-node replica is given the replica's MASTER_ADDR (node 1): it must still start."""
+    import socket as so
+
+    t = StateTransport("192.0.2.10", 5.0, None)  # (TEST-NET-1: never an address of this machine)
+    try:
+        assert t.metadata().startswith(f"dxstate:{so.gethostname()}:")
+    finally:
+        t.shutdown()
 
 
 @pytest.mark.parametrize(

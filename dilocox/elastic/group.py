@@ -272,27 +272,31 @@ class ElasticOuterGroup:
         self.transport = StateTransport(
             cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
         )
-        self._manager = Manager(
-            pg=self._pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,
-            timeout=timedelta(seconds=cfg.timeout_s),
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=cfg.timeout_s),
-            rank=group_rank,
-            world_size=group_world,
-            store_addr=store[0],
-            store_port=store[1],
-            lighthouse_addr=cfg.lighthouse_addr,
-            replica_id=f"replica{cfg.replica_rank}",
-            hostname=cfg.host,
-            heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
-            init_sync=False,
-            # a joiner's state: our own transport (torchft's HTTPTransport unpickles what it receives, serves anyone)
-            checkpoint_transport=self.transport,
-        )
+        try:
+            self._manager = Manager(
+                pg=self._pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=cfg.min_replicas,
+                use_async_quorum=False,
+                timeout=timedelta(seconds=cfg.timeout_s),
+                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=cfg.timeout_s),
+                rank=group_rank,
+                world_size=group_world,
+                store_addr=store[0],
+                store_port=store[1],
+                lighthouse_addr=cfg.lighthouse_addr,
+                replica_id=f"replica{cfg.replica_rank}",
+                hostname=cfg.host,
+                heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
+                init_sync=False,
+                # a joiner's state: our own transport (torchft's HTTPTransport unpickles what it gets, serves anyone)
+                checkpoint_transport=self.transport,
+            )
+        except BaseException:
+            self.transport.shutdown()  # (its server would outlive the failed construction)
+            raise
         # the lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
         # requests in short attempts, a restarted lighthouse is used at once, and meanwhile a replica of one
         # process keeps its last quorum (the ranks of a bigger replica would have to decide that together)

@@ -23,13 +23,14 @@ state may change) waits, bounded, until the replies in flight are sent, then ser
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from datetime import timedelta
 
 from torch import Tensor
 
-from dilocox.swarm.transport import Limits, NotServing, ProtocolError, RpcServer, call
+from dilocox.swarm.transport import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer, call
 
 log = logging.getLogger("dilocox.elastic.transfer")
 
@@ -51,6 +52,8 @@ def flatten(obj, path: str = "state") -> tuple[object, list[Tensor]]:
         if depth > MAX_DEPTH:
             raise StateFormatError(f"{p}: nested more than {MAX_DEPTH} deep")
         if isinstance(x, Tensor):
+            if str(x.dtype).removeprefix("torch.") not in WIRE_DTYPES:
+                raise StateFormatError(f"{p}: a {x.dtype} tensor cannot be sent (dtypes: {sorted(WIRE_DTYPES)})")
             tensors.append(x.detach())
             return {"T": len(tensors) - 1}
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -58,6 +61,8 @@ def flatten(obj, path: str = "state") -> tuple[object, list[Tensor]]:
         if isinstance(x, dict):
             if all(isinstance(k, str) for k in x):
                 return {"d": {k: enc(v, f"{p}.{k}", depth + 1) for k, v in x.items()}}
+            if not all(k is None or isinstance(k, (bool, int, float, str)) for k in x):
+                raise StateFormatError(f"{p}: a mapping key that is not a number, string, boolean or None")
             return {"m": [[enc(k, f"{p}[key]", depth + 1), enc(v, f"{p}[{k!r}]", depth + 1)] for k, v in x.items()]}
         if isinstance(x, (list, tuple)):
             return {"l" if isinstance(x, list) else "t": [enc(v, f"{p}[{i}]", depth + 1) for i, v in enumerate(x)]}
@@ -124,6 +129,18 @@ def parse_metadata(metadata: str) -> str:
     return metadata[len(SCHEME) :]
 
 
+def _bind_address(host: str) -> tuple[str, str]:
+    """(address to bind, address to advertise): ``host`` itself when it is an address of this machine; else (a rank
+    on another node of a multi-node replica, given the replica's MASTER_ADDR) every interface, advertising this
+    machine's host name, as torchft's own transport does."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+        return host, host
+    except OSError:
+        return "0.0.0.0", socket.gethostname()
+
+
 class StateTransport:
     """torchft ``CheckpointTransport`` over the authenticated, pickle-free tensor RPC (module docstring).
 
@@ -146,15 +163,22 @@ class StateTransport:
         self._cond = threading.Condition()
         self._step, self._allowed, self._readers = -1, False, 0
         self._skeleton: object = None
+        self._error: str | None = None  # why the offered state cannot be sent (told to the joiner)
         self._tensors: dict[str, Tensor] = {}
         self.served = 0  # replies sent (tests, logs)
         self.set_max_state_bytes(max_state_bytes)
         # requests carry no tensors and a tiny header; the reply (the whole state) must be sent within the timeout
         req = Limits(
-            max_header=4096, max_message_bytes=0, max_tensors=0, max_connections=16, message_timeout_s=self._timeout_s
+            max_header=4096,
+            max_message_bytes=0,
+            max_tensors=0,
+            max_connections=16,  # joiners of one step are few; strangers beyond the caps wait in the backlog
+            max_unauthenticated=8,
+            message_timeout_s=self._timeout_s,
         )
+        bind, self._host = _bind_address(host)
         self._server = RpcServer(
-            self._handle, host=host, port=0, name=name, secret=secret, limits=req, encrypt=self._encrypt
+            self._handle, host=bind, port=0, name=name, secret=secret, limits=req, encrypt=self._encrypt
         )
 
     def set_max_state_bytes(self, n: int) -> None:
@@ -164,12 +188,18 @@ class StateTransport:
 
     # ------------------------------------------------------------------ CheckpointTransport
     def metadata(self) -> str:
-        return SCHEME + self._server.addr
+        return f"{SCHEME}{self._host}:{self._server.addr.rsplit(':', 1)[1]}"
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: object, timeout: timedelta) -> None:
-        skeleton, tensors = flatten(state_dict)
+        # (runs on torchft's quorum thread: an error raised here would fail this LIVE replica's step; a state that
+        # cannot be sent is reported to the joiner instead, by the handler)
+        try:
+            skeleton, tensors, err = *flatten(state_dict), None
+        except StateFormatError as e:
+            skeleton, tensors, err = None, [], str(e)
+            log.error("the state for a joiner cannot be sent: %s", e)
         with self._cond:
-            self._skeleton = skeleton
+            self._skeleton, self._error = skeleton, err
             self._tensors = {str(i): t.cpu() for i, t in enumerate(tensors)}
             self._step, self._allowed = int(step), True
             self._cond.notify_all()
@@ -177,8 +207,11 @@ class StateTransport:
     def disallow_checkpoint(self) -> None:
         with self._cond:
             self._allowed = False
-            if not self._cond.wait_for(lambda: self._readers == 0, timeout=self._timeout_s):
-                log.warning("a joiner's state download did not finish within %.0f s; it will fail", self._timeout_s)
+            # a reply in flight is bounded by timeout_s from the end of its encoding (the RPC server's send
+            # deadline), which started after its reader was counted: 2 x timeout_s covers both, so the state is not
+            # changed under a reply that is still being sent
+            if not self._cond.wait_for(lambda: self._readers == 0, timeout=2 * self._timeout_s + 1.0):
+                log.warning("a joiner's state download did not finish within %.0f s", 2 * self._timeout_s + 1.0)
             self._skeleton, self._tensors = None, {}
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> object:
@@ -189,7 +222,9 @@ class StateTransport:
             limits=self._recv_limits, encrypt=self._encrypt,
         )  # fmt: skip
         if meta.get("step") != int(step) or "skeleton" not in meta:
-            raise ProtocolError(f"the state server at {addr} answered with step {meta.get('step')!r}, not {step}")
+            raise ProtocolError(
+                f"the state server at {addr} answered with step {str(meta.get('step'))[:20]!r}, not {step}"
+            )
         sd = unflatten(meta["skeleton"], tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         log.info("received the state of step %d from %s: %.1f MB in %.2f s", step, addr, nbytes / 1e6,
@@ -208,6 +243,8 @@ class StateTransport:
             ok = self._cond.wait_for(lambda: self._allowed and self._step == step, timeout=self._timeout_s)
             if not ok:
                 raise NotServing(f"serving step {self._step if self._allowed else 'none'}, asked for {step}")
+            if self._error is not None:
+                raise StateFormatError(self._error)  # (the joiner sees RemoteError; this replica goes on)
             self._readers += 1
             skeleton, out = self._skeleton, self._tensors
         self.served += 1
