@@ -34,11 +34,12 @@ BENCHES = {
     "compression": ("dilocox.bench.compression", "compression ratio and reconstruction error per compressor"),
     "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2)"),
     "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
+    "frontier": ("dilocox.bench.frontier", "val loss vs bytes sent: every method family swept, two corpora, the front"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
     "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; peer killed; H sweep"),
     "switch": ("dilocox.bench.switch", "the delay switch's ceiling (TCP Gbit/s, 1500-B frames/s) next to the bridge"),
-    "rpc": ("dilocox.bench.rpc", "what authentication adds to a SWARM RPC call and hop (plain vs authenticated)"),
+    "rpc": ("dilocox.bench.rpc", "what authentication and encryption add to a SWARM RPC call and hop"),
 }
 
 

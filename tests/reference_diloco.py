@@ -115,13 +115,18 @@ def run_reference(
     inner: str = "adamw",
     members: list[list[int]] | None = None,
     fresh_inner: dict[int, list[int]] | None = None,
+    sparse: dict | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
 
     Elastic runs (K = 1): ``members[t - 1]`` are the replicas whose pseudo-gradients the average of outer
     sync t is taken over (the others keep training here but are left out: dead, or healing);
     ``fresh_inner[t]`` lists replicas whose inner optimizer restarts from scratch after sync t (a replica
-    that joined the run there: it starts from θ like everyone, with a new AdamW)."""
+    that joined the run there: it starts from θ like everyone, with a new AdamW).
+
+    ``sparse`` = dict(chunk, density, bits, ef_decay) (K = 1): the average is SparseLoCo's (compress/sparse.py):
+    per replica and tensor e = β e + Δ, the chunked top-k payload in plain loops (``reference_encode``), what it
+    decodes to is sent and taken out of e; the mean is the sum of the decoded payloads in replica order / R."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -145,7 +150,27 @@ def run_reference(
 
     n_sync = [0]  # outer syncs so far (K = 1 with members)
 
+    ef: list[list[torch.Tensor] | None] = [None] * R  # sparse: the error buffers per replica
+
+    def sparse_mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        from dilocox.compress.sparse import reference_decode, reference_encode
+
+        sp = sparse
+        out = [torch.zeros(d.numel()) for d in ds[0]]
+        for m in range(R):
+            if ef[m] is None:
+                ef[m] = [torch.zeros_like(d) for d in ds[m]]
+            for j, d in enumerate(ds[m]):
+                ef[m][j] = ef[m][j] * sp["ef_decay"] + d.float()
+                payload = reference_encode(ef[m][j], sp["chunk"], sp["density"], sp["bits"])
+                sent = reference_decode(payload, d.numel(), sp["chunk"], sp["density"], sp["bits"])
+                ef[m][j] = ef[m][j] - sent.view(d.shape)
+                out[j] = out[j] + sent
+        return [(o / R).view(d.shape) for o, d in zip(out, ds[0])]
+
     def mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if sparse is not None:
+            return sparse_mean(ds)
         who = range(R) if members is None else members[n_sync[0] - 1]
         return [torch.stack([ds[m][j] for m in who]).mean(0) for j in range(len(ds[0]))]
 

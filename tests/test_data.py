@@ -69,6 +69,19 @@ def test_stdlib_corpus_found_and_deterministic(tmp_path):
     assert [d.encode() for d in a.docs[:-1]] == want[:-1]  # last one may be cut mid-character
 
 
+def test_prose_corpus_is_pydoc_topics_in_name_order(tmp_path):
+    """data.source=prose: the second corpus of the frontier benchmark, shipped with the interpreter."""
+    import pydoc_data.topics as t
+
+    cfg = _cfg(tmp_path, source="prose", max_bytes=None)
+    c = read_corpus(cfg)
+    assert c.docs == [t.topics[k] for k in sorted(t.topics)] and sum(map(len, c.docs)) > 400_000
+    p = prepare(cfg)
+    text = p.train_tokens().astype(np.uint8).tobytes() + p.val_tokens().astype(np.uint8).tobytes()
+    assert text.replace(b"\0", b"") == "".join(c.docs).encode("utf-8")
+    assert prepare(cfg).cache_hit
+
+
 def test_split_is_document_level_suffix():
     docs = [f"doc{i} " * (i + 1) for i in range(50)]
     train, val = split_documents(docs, 0.1)

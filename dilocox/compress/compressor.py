@@ -301,10 +301,15 @@ class Compressor:
             self.errors = None
 
 
-def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None) -> Compressor:
+def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None):
     """Build the shard's compressor from a ``CompressConfig``. ``seed`` must be the same on every
     replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding);
     ``ids`` are stable per-tensor ids for the shared draws (see ``PowerSGD``)."""
+    if ccfg.sparse.enabled:  # chunked top-k + error feedback + low-bit values (compress/sparse.py)
+        from dilocox.compress.sparse import SparseCompressor
+
+        sp = ccfg.sparse
+        return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay)
     lr = ccfg.lowrank
     rank = lr.rank
     if lr.enabled and ccfg.adaptive.enabled:

@@ -46,7 +46,7 @@ _CHOICES = {
     "model.attn_backend": ("sdpa", "flash_attn", "te"),
     "model.linear_backend": ("torch", "fp8"),
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
-    "data.source": ("stdlib", "text", "memmap", "hf"),
+    "data.source": ("stdlib", "prose", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
     "optim.schedule": ("cosine", "constant", "linear"),
     "optim.name": ("adamw", "sgd"),
@@ -285,6 +285,23 @@ def check_compress(c: CompressConfig) -> None:
         v = getattr(c, name)
         if not 0.0 < v <= 1.0:
             _fail(f"compress.{name}", v, "must be in (0, 1]")
+    sp = c.sparse
+    if sp.enabled:
+        if not 0.0 < sp.density <= 1.0:
+            _fail("compress.sparse.density", sp.density, "must be in (0, 1]")
+        if sp.chunk < 2:
+            _fail("compress.sparse.chunk", sp.chunk, "must be >= 2")
+        if sp.bits not in (2, 4, 8):
+            _fail("compress.sparse.bits", sp.bits, "must be 2, 4 or 8")
+        if not 0.0 <= sp.ef_decay <= 1.0:
+            _fail("compress.sparse.ef_decay", sp.ef_decay, "must be in [0, 1]")
+        if c.quant != "none" or c.lowrank.enabled or c.adaptive.enabled:
+            _fail(
+                "compress.sparse.enabled",
+                True,
+                "replaces the other outer compression: set compress.quant=none, compress.lowrank.enabled=false and "
+                "compress.adaptive.enabled=false",
+            )
 
 
 def check_optim(o: OptimConfig) -> None:

@@ -87,7 +87,7 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | text | memmap | hf
+    source: str = "stdlib"  # stdlib (Python's stdlib sources) | prose (pydoc_data.topics) | text | memmap | hf
     path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: dataset name or local files
     hf_split: str = "train"
     hf_text_field: str = "text"
@@ -171,6 +171,17 @@ class LowRankConfig:
 
 
 @dataclass
+class SparseConfig:
+    """Chunked top-k of the pseudo-gradient with error feedback and low-bit values (SparseLoCo; compress/sparse.py)."""
+
+    enabled: bool = False  # replaces compress.quant / lowrank for the outer sync (they must stay off)
+    density: float = 0.015625  # fraction kept per chunk (1/64: 64 of 4096)
+    chunk: int = 4096  # top-k is taken within chunks of this many consecutive elements of a tensor
+    bits: int = 2  # 2 | 4 | 8: bits per kept value (one bf16 scale per chunk)
+    ef_decay: float = 0.95  # beta of the error buffer e = beta e + delta (SparseLoCo's replacement for outer momentum)
+
+
+@dataclass
 class AdaptiveConfig:
     enabled: bool = False
     energy_eps: float = 0.05
@@ -188,6 +199,7 @@ class CompressConfig:
     collective: str = "auto"  # auto | allgather | reduce_scatter
     error_feedback: bool = True
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     # CocktailSGD (ALGORITHMS §8)
     random_fraction: float = 0.1

@@ -336,7 +336,7 @@ PREPARE_HELP = """usage: dilocox data prepare [CONFIG] [--out DIR] [--section.ke
 
 Tokenize the config's corpus once into train.bin / val.bin / meta.json (cached; a run with the
 same data keys reuses it). Only the data section is used:
-  --data.source=stdlib|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
+  --data.source=stdlib|prose|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
   --data.bpe_vocab_size=N  --data.max_bytes=N  --data.val_fraction=F  --data.cache_dir=DIR
   --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key>
 Every key and its default: docs/CONFIG.md."""

@@ -1,10 +1,13 @@
 """Corpus sources: where the raw text comes from, as an ordered list of documents.
 
-Four sources (``data.source``):
+Five sources (``data.source``):
 
 - ``stdlib``  the embedded default corpus: the ``.py`` files of the running Python's standard
               library (``sysconfig.get_paths()["stdlib"]``), sorted walk, ``site-packages`` and
               test directories skipped, one file = one document. Always present, no download.
+- ``prose``   English prose that also ships with every interpreter: the help texts of CPython's
+              ``pydoc_data.topics`` (about 465k characters, one topic = one document, sorted by name);
+              the second corpus of ``dilocox bench frontier`` (no download).
 - ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden and
               binary files skipped) or a glob; one file = one document.
 - ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension) or a hub
@@ -171,6 +174,10 @@ def fingerprint(cfg: DataConfig) -> str:
     """
     if cfg.source == "stdlib":
         return _stat_digest(stdlib_files()) + f"|python {sys.version}"
+    if cfg.source == "prose":
+        import pydoc_data.topics as t
+
+        return _stat_digest([t.__file__]) + f"|python {sys.version}"
     if cfg.source == "text":
         return _stat_digest(local_files(cfg.path, "text"))
     if cfg.source == "hf":
@@ -262,6 +269,14 @@ def read_corpus(cfg: DataConfig) -> Corpus:
         root = stdlib_root()
         docs = _read_files(stdlib_files(root), cfg.max_bytes)
         desc = f"stdlib {root} (Python {sys.version.split()[0]})"
+    elif cfg.source == "prose":
+        import pydoc_data.topics as t
+
+        acc = _Capped(cfg.max_bytes)
+        for name in sorted(t.topics):
+            if not acc.full:
+                acc.add(t.topics[name].encode("utf-8"))
+        docs, desc = acc.docs, f"prose: pydoc_data.topics (Python {sys.version.split()[0]})"
     elif cfg.source == "text":
         docs = _read_files(local_files(cfg.path, "text"), cfg.max_bytes)
         desc = f"text {cfg.path}"

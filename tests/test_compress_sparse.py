@@ -1,0 +1,110 @@
+"""compress.sparse (dilocox/compress/sparse.py): the vectorised encoder/decoder against the plain-loop reference
+beside it, the byte format, error feedback, and the config's refusals. The outer-level oracle test is
+tests/test_outer.py::test_sparse_topk_matches_reference_and_counts_its_bytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dilocox.compress.sparse import (
+    SparseCompressor,
+    decode_accumulate,
+    encode,
+    layout,
+    reference_decode,
+    reference_encode,
+    tensor_payload_bytes,
+)
+from dilocox.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    yield "randn", torch.randn(1000, generator=g), 64, 0.05, 2
+    yield "short tensor", torch.randn(37, generator=g), 64, 0.1, 4
+    yield "partial last chunk", torch.randn(4096 * 2 + 5, generator=g), 4096, 1 / 64, 2
+    yield "ties", torch.randn(300, generator=g).round(), 7, 0.3, 4
+    yield "all kept", torch.randn(200, generator=g), 16, 1.0, 8
+    yield "zeros", torch.zeros(130), 64, 0.1, 2  # every scale 0: decodes to zeros
+    yield "one element", torch.tensor([-3.25]), 4096, 0.01, 2
+    yield "matrix", torch.randn(24, 40, generator=g) * 1e-3, 128, 0.02, 2
+
+
+@pytest.mark.parametrize("case", list(_inputs()), ids=lambda c: c[0])
+def test_encode_and_decode_equal_the_reference(case):
+    _, e, chunk, density, bits = case
+    got = encode(e, chunk, density, bits)
+    assert torch.equal(got, reference_encode(e, chunk, density, bits))
+    assert got.numel() == tensor_payload_bytes(e.numel(), chunk, density, bits)
+    out = torch.zeros(e.numel())
+    decode_accumulate(got, out, chunk, density, bits)
+    assert torch.equal(out, reference_decode(got, e.numel(), chunk, density, bits))
+    c, k, n_c = layout(e.numel(), chunk, density)
+    assert int((out != 0).sum()) <= k * n_c
+    if e.abs().sum() == 0:
+        assert not out.any()
+
+
+def test_the_kept_entries_are_the_largest_and_the_levels_are_nearest():
+    e = torch.tensor([0.1, -4.0, 0.2, 3.0, -0.05, 1.0, 0.0, -2.0])  # one chunk of 8, keep 4, 2 bits
+    out = torch.zeros(8)
+    decode_accumulate(encode(e, 8, 0.5, 2), out, 8, 0.5, 2)
+    assert out.nonzero().flatten().tolist() == [1, 3, 5, 7]  # |-4|, |3|, |-2|, |1|
+    s = float(torch.tensor(4.0 / 1.5).to(torch.bfloat16).float())  # levels ±0.5s, ±1.5s
+    assert out[[1, 3, 5, 7]].tolist() == pytest.approx([-1.5 * s, 1.5 * s, 0.5 * s, -0.5 * s])
+
+
+def test_error_feedback_keeps_what_was_not_sent():
+    """One rank: after each sync e = β e + Δ − sent, so with β = 1 the sum of what was sent plus e is the sum
+    of the Δs exactly (nothing is lost, only delayed); with β < 1 old residue decays."""
+    shapes = [torch.Size([16, 16]), torch.Size([16])]
+    comp = SparseCompressor(shapes, chunk=64, density=0.1, bits=2, ef_decay=1.0)
+    g = torch.Generator().manual_seed(0)
+    total = [torch.zeros(s) for s in shapes]
+    sent = [torch.zeros(s) for s in shapes]
+    for step in range(5):
+        ds = [torch.randn(s, generator=g) for s in shapes]
+        out = comp.allreduce_mean(ds, None, step)
+        for t, x, d, o in zip(total, sent, ds, out):
+            t += d
+            x += o
+    for t, x, e in zip(total, sent, comp.errors):
+        torch.testing.assert_close(x + e, t, rtol=0, atol=1e-5)
+    sd = comp.state_dict()
+    again = SparseCompressor(shapes, chunk=64, density=0.1, bits=2, ef_decay=1.0)
+    again.load_state_dict(sd)
+    d = [torch.randn(s, generator=g) for s in shapes]
+    a, b = comp.allreduce_mean(d, None, 9), again.allreduce_mean(d, None, 9)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))  # exact resume of the error buffers
+    with pytest.raises(ValueError, match="NaN/inf"):
+        comp.allreduce_mean([torch.full((16, 16), float("nan")), torch.zeros(16)], None, 10)
+
+
+def test_payload_is_far_below_fp32_at_the_preset():
+    n = 4096 * 256
+    assert tensor_payload_bytes(n, 4096, 1 / 64, 2) == 256 * (96 + 16 + 2)  # 12-bit indices, 2-bit codes, bf16
+    assert 4 * n / tensor_payload_bytes(n, 4096, 1 / 64, 2) > 140
+
+
+@pytest.mark.parametrize(
+    "overrides,msg",
+    [
+        (["--compress.sparse.enabled=true", "--compress.sparse.bits=3"], "compress.sparse.bits"),
+        (["--compress.sparse.enabled=true", "--compress.sparse.density=0"], "compress.sparse.density"),
+        (["--compress.sparse.enabled=true", "--compress.quant=int4"], "set compress.quant=none"),
+        (["--compress.sparse.enabled=true", "--compress.sparse.ef_decay=1.5"], "compress.sparse.ef_decay"),
+    ],
+)
+def test_config_refusals_name_the_field(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["--outer.method=diloco", *overrides])
+
+
+def test_the_preset_loads():
+    cfg = load_config(os.path.join(ROOT, "configs", "methods", "sparseloco.yaml"))
+    assert cfg.compress.sparse.enabled and cfg.outer.method == "diloco" and cfg.outer.momentum == 0.0
