@@ -2,8 +2,11 @@
 the torchft reference), so a config trains the same way whichever runs it.
 
 ``build_inner_optimizer``: AdamW (or SGD, ``optim.name``) with weight decay on the matrices only, none on
-biases and norms (the Megatron / nanoGPT convention); ``lr_at``: linear warm-up, then cosine / linear /
-constant decay to ``optim.min_lr_ratio``; ``set_lr`` applies it to every parameter group.
+biases and norms (the Megatron / nanoGPT convention), or ``optim.name=muon``: ``torch.optim.Muon`` on the
+hidden matrices of the transformer blocks and AdamW on the rest (embeddings, head, biases, norms), the split of
+Muon's authors and of MuLoCo (Thérien et al. 2025: Muon as DiLoCo's inner optimizer); ``lr_at``: linear
+warm-up, then cosine / linear / constant decay to ``optim.min_lr_ratio``; ``set_lr`` applies it to every
+parameter group. ``param_order`` is the index order of the optimizer's state (checkpoints, resharding).
 """
 
 from __future__ import annotations
@@ -31,18 +34,80 @@ def lr_at(step: int, cfg: Config) -> float:
     return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * frac))
 
 
+def is_muon_param(name: str, is_matrix: bool) -> bool:
+    """A hidden matrix of a transformer block (``layers.<i>....weight``, 2-D): Muon's; the embeddings, the head,
+    biases and norms stay with AdamW."""
+    return is_matrix and (name.startswith("layers.") or ".layers." in name)
+
+
+def param_order(params: list[tuple[str, bool]], optim_name: str) -> list[list[str]]:
+    """The parameter groups of ``build_inner_optimizer`` as names, in optimizer index order, from
+    ``(name, is_matrix)`` in ``named_parameters`` order: [matrices, vectors], or for muon [Muon's matrices,
+    AdamW's matrices, vectors]."""
+    if optim_name == "muon":
+        return [
+            [n for n, m in params if is_muon_param(n, m)],
+            [n for n, m in params if m and not is_muon_param(n, m)],
+            [n for n, m in params if not m],
+        ]
+    return [[n for n, m in params if m], [n for n, m in params if not m]]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """``optim.name=muon``: ``torch.optim.Muon`` over its matrices, ``torch.optim.AdamW`` over the rest, seen as
+    ONE optimizer: ``param_groups`` is both lists (the same dicts, so ``set_lr`` reaches both), ``state`` is one
+    dict both write to, and ``state_dict`` / ``load_state_dict`` are torch's own over those (index order =
+    ``param_order``)."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], muon_kw: dict, adamw_kw: dict) -> None:
+        self._muon = torch.optim.Muon(muon_groups, **muon_kw)
+        self._adamw = torch.optim.AdamW(adamw_groups, **adamw_kw)
+        groups = self._muon.param_groups + self._adamw.param_groups
+        super().__init__([{"params": g["params"]} for g in groups], {})
+        self._n_muon = len(self._muon.param_groups)
+        self._link(groups)
+
+    def _link(self, groups: list[dict]) -> None:
+        self.param_groups = groups
+        self._muon.param_groups, self._adamw.param_groups = groups[: self._n_muon], groups[self._n_muon :]
+        self._muon.state = self._adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        self._muon.step()
+        self._adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # (replaces param_groups and state: link them again)
+        self._link(self.param_groups)
+
+
 def build_inner_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW without weight decay on biases and norms (Megatron/nanoGPT convention)."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if cfg.optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.optim.lr)
+    """AdamW without weight decay on biases and norms (Megatron/nanoGPT convention), SGD, or Muon + AdamW."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    by_name = dict(named)
+    order = param_order([(n, p.dim() >= 2) for n, p in named], cfg.optim.name)
+    wd = cfg.optim.weight_decay
     kw: dict[str, Any] = {"lr": cfg.optim.lr, "betas": tuple(cfg.optim.betas), "eps": cfg.optim.eps}
     if device.type == "cuda":
         kw["fused"] = True
+    if cfg.optim.name == "muon":
+        muon, mats, vecs = ([by_name[n] for n in g] for g in order)
+        # adjust_lr_fn="match_rms_adamw": Muon's update scaled to AdamW's RMS, so optim.lr and its schedule are
+        # the same numbers as for AdamW (Liu et al. 2025, "Muon is scalable for LLM training")
+        muon_kw = {"lr": cfg.optim.lr, "momentum": cfg.optim.muon_momentum, "adjust_lr_fn": "match_rms_adamw"}
+        return MuonAdamW(
+            [{"params": muon, "weight_decay": wd}],
+            [{"params": mats, "weight_decay": wd}, {"params": vecs, "weight_decay": 0.0}],
+            muon_kw,
+            kw,
+        )
+    decay, no_decay = ([by_name[n] for n in g] for g in order)
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.optim.lr)
     return torch.optim.AdamW(groups, **kw)
 
 

@@ -4,9 +4,10 @@ A checkpoint (``dilocox.checkpoint``) holds one shard per rank of an R x D x P x
 parameters are named by GLOBAL layer index and each TP-sharded parameter is split into T equal
 contiguous slices along its ``partition_dim`` (dilocox.model.parallel_layers), so the full tensor
 of any name is the concatenation of the slices of the ranks ``(replica, data, stage owning it,
-tp = 0..T-1)``. The inner AdamW state is stored by parameter index in the order
-``build_inner_optimizer`` lists the stage's parameters (matrices first, then vectors); that order
-is rebuilt here from a meta-device model, so ``exp_avg``/``exp_avg_sq`` gather the same way.
+tp = 0..T-1)``. The inner optimizer state is stored by parameter index in the order
+``build_inner_optimizer`` lists the stage's parameters (``optim.param_order``: matrices first, then vectors;
+Muon's matrices first with optim.name=muon); that order is rebuilt here from a meta-device model and the
+checkpoint's ``optim.name``, so ``exp_avg``/``exp_avg_sq``/``momentum_buffer`` gather the same way.
 
 Resuming on another layout (``Trainer._maybe_resume`` when the saved ``layout`` differs; the
 number of replicas R must be the same):
@@ -75,9 +76,11 @@ def stage_params(mcfg: ModelConfig, stage: int, n_stages: int) -> list[tuple[str
     return [(n, p.partition_dim if is_tensor_parallel(p) else None, p.dim() >= 2) for n, p in m.named_parameters()]
 
 
-def optimizer_order(params: list[tuple[str, int | None, bool]]) -> list[str]:
-    """Parameter names by optimizer state index (``build_inner_optimizer``: matrices, then the rest)."""
-    return [n for n, _, mat in params if mat] + [n for n, _, mat in params if not mat]
+def optimizer_order(params: list[tuple[str, int | None, bool]], optim_name: str = "adamw") -> list[str]:
+    """Parameter names by optimizer state index (``optim.param_order``: the groups of ``build_inner_optimizer``)."""
+    from dilocox.optim import param_order
+
+    return [n for g in param_order([(n, mat) for n, _, mat in params], optim_name) for n in g]
 
 
 def _cat(parts: list[torch.Tensor], dim: int | None) -> torch.Tensor:
@@ -114,7 +117,7 @@ def gather_full(
         if "head.weight" in shards[0]["model"] and "head.weight" not in model:  # tied: named_parameters dedups
             model["head.weight"] = model["embed.weight"]
         if optimizer:
-            order = optimizer_order(params)
+            order = optimizer_order(params, (meta.get("config") or {}).get("optim", {}).get("name", "adamw"))
             dims = {n: d for n, d, _ in params}
             states = [s["optimizer"]["state"] for s in shards]
             for idx, name in enumerate(order):
@@ -202,7 +205,7 @@ def resharded_state(
     sd["model"] = model.shard_full_state_dict(full["model"])
     osd = optimizer.state_dict()
     named = list(model.named_parameters())
-    order = [n for n, p in named if p.dim() >= 2] + [n for n, p in named if p.dim() < 2]
+    order = optimizer_order([(n, None, p.dim() >= 2) for n, p in named], cfg.optim.name)
     params = dict(model.named_parameters())
     from dilocox.model.parallel_layers import is_tensor_parallel, shard_tensor
 

@@ -320,3 +320,13 @@ def test_outer_state_needs_an_outer_method(tmp_path):
 
     with pytest.raises(ckpt.CheckpointError, match="no outer method"):
         resharded_state(str(step_dir), cfg, Topo(), model, opt)
+
+
+@pytest.mark.slow  # 2 + 1 ranks
+def test_muon_pp2_checkpoint_resumes_on_one_rank(tmp_path):
+    """optim.name=muon: the inner state (Muon's momentum buffers, AdamW's moments) is stored in Muon's index order
+    (optim.param_order); resharding rebuilds that order from the checkpoint's optim.name."""
+    full = run_ranks(2, _full_and_save, str(tmp_path), ["--parallel.pipeline=2", "--optim.name=muon"])[0]
+    for losses in run_ranks(1, _resume, str(tmp_path / "part"), ["--optim.name=muon"]):
+        assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (losses, full[STOP:])
+        assert losses != pytest.approx(full[: STEPS - STOP], rel=1e-3)

@@ -45,6 +45,8 @@ POINTS = [
     ("sparseloco H=20 1/16 2-bit", "sparseloco", "sparseloco",
      ["--outer.sync_every=20", "--compress.sparse.density=0.0625"]),
     ("sparseloco H=20 1/64 4-bit", "sparseloco", "sparseloco", ["--outer.sync_every=20", "--compress.sparse.bits=4"]),
+    ("muloco H=20 1/64 2-bit (Muon inner)", "muloco", "muloco", ["--outer.sync_every=20"]),
+    ("diloco H=20, Muon inner", "muloco", "diloco", ["--outer.sync_every=20", "--optim.name=muon"]),
 ]  # fmt: skip
 QUICK = [
     "allreduce",

@@ -22,7 +22,7 @@ import time
 
 from dilocox.bench.runner import line_plot, machine_line, run_train, write_config, write_results
 
-METHODS = ["allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox", "sparseloco"]
+METHODS = ["allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox", "sparseloco", "muloco"]
 LAYOUT = """parallel: {replicas: 2, pipeline: 2, microbatches: 2}
 """
 

@@ -49,7 +49,7 @@ _CHOICES = {
     "data.source": ("stdlib", "prose", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
     "optim.schedule": ("cosine", "constant", "linear"),
-    "optim.name": ("adamw", "sgd"),
+    "optim.name": ("adamw", "muon", "sgd"),
     "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
     "outer.overlap": ("none", "delayed", "eager"),
     "outer.state_device": ("host", "device"),
@@ -316,6 +316,18 @@ def check_optim(o: OptimConfig) -> None:
         )
     if o.warmup_steps < 0:
         _fail("optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    if o.name == "muon" and not 0.0 <= o.muon_momentum < 1.0:
+        _fail("optim.muon_momentum", o.muon_momentum, "must be in [0, 1)")
+
+
+def check_muon_layout(o: OptimConfig, p: ParallelConfig) -> None:
+    if o.name == "muon" and p.tensor > 1:
+        _fail(
+            "optim.name",
+            "muon",
+            f"is not supported with parallel.tensor={p.tensor} yet (Muon orthogonalizes whole matrices; a TP shard "
+            "is a slice of one): use parallel.tensor=1 or optim.name=adamw",
+        )
 
 
 def check_security(sec: Any) -> None:

@@ -19,6 +19,7 @@ from dilocox.config.checks import (
     check_elastic,
     check_field_values,
     check_model_layout,
+    check_muon_layout,
     check_optim,
     check_outer,
     check_security,
@@ -76,6 +77,7 @@ def validate(cfg: Config) -> None:
     check_outer(cfg.outer, cfg.parallel, cfg.model, cfg.compress.adaptive)
     check_compress(cfg.compress)
     check_optim(cfg.optim)
+    check_muon_layout(cfg.optim, cfg.parallel)
     check_train(cfg.train)
     if cfg.outer.elastic.enabled:
         check_elastic(cfg.outer, cfg.parallel, cfg.compress.adaptive)

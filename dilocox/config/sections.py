@@ -110,7 +110,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global-norm clipping across TP and PP ranks; 0 = off
-    name: str = "adamw"  # adamw | sgd (sgd only for equivalence tests)
+    name: str = "adamw"  # adamw | muon (torch.optim.Muon on the blocks' hidden matrices, AdamW on the rest) | sgd
+    # (sgd only for equivalence tests)
+    muon_momentum: float = 0.95  # optim.name=muon: Muon's momentum (Nesterov)
 
 
 @dataclass
