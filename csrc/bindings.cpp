@@ -9,6 +9,8 @@
 //       contained NaN/inf (those groups are not written); the caller raises on != 0.
 //   torch.ops.dilocox.dequantize_into(payload, out, group_size, bits, accumulate) -> ()
 //       out: contiguous fp32 with n elements; out = deq(payload) or out += deq(payload).
+//   torch.ops.dilocox.sparse_encode(e, payload, chunk, k, bits) -> ()
+//       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only).
 //
 // CUDA kernels for the same schemas live in bindings_cuda.cpp (extension dilocox._C_cuda,
 // which must be imported after this one).
@@ -101,6 +103,9 @@ void dequantize_into_cpu(const at::Tensor& payload, const at::Tensor& out, int64
 }
 
 }  // namespace
+
+void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits);
+
 }  // namespace dilocox
 
 TORCH_LIBRARY(dilocox, m) {
@@ -108,11 +113,13 @@ TORCH_LIBRARY(dilocox, m) {
       "ef_quantize_pack(Tensor x, Tensor(a!)? error, Tensor(b!) payload, int group_size, int bits, "
       "bool stochastic=False, int seed=0, int step=0) -> Tensor");
   m.def("dequantize_into(Tensor payload, Tensor(a!) out, int group_size, int bits, bool accumulate) -> ()");
+  m.def("sparse_encode(Tensor e, Tensor(a!) payload, int chunk, int k, int bits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dilocox, CPU, m) {
   m.impl("ef_quantize_pack", &dilocox::ef_quantize_pack_cpu);
   m.impl("dequantize_into", &dilocox::dequantize_into_cpu);
+  m.impl("sparse_encode", &dilocox::sparse_encode_cpu);
 }
 
 // Minimal Python module so that `import dilocox._C` loads the library (and thereby runs

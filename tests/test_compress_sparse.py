@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from dilocox.compress import kernels
 from dilocox.compress.sparse import (
     SparseCompressor,
     decode_accumulate,
@@ -40,6 +41,7 @@ def test_encode_and_decode_equal_the_reference(case):
     _, e, chunk, density, bits = case
     got = encode(e, chunk, density, bits)
     assert torch.equal(got, reference_encode(e, chunk, density, bits))
+    assert torch.equal(encode(e, chunk, density, bits, use_kernel=False), got)  # torch ops == kernel (if built)
     assert got.numel() == tensor_payload_bytes(e.numel(), chunk, density, bits)
     out = torch.zeros(e.numel())
     decode_accumulate(got, out, chunk, density, bits)
@@ -48,6 +50,18 @@ def test_encode_and_decode_equal_the_reference(case):
     assert int((out != 0).sum()) <= k * n_c
     if e.abs().sum() == 0:
         assert not out.any()
+
+
+@pytest.mark.skipif(not kernels.have_extension("cpu"), reason="the compiled extension is not built (CI builds it)")
+def test_the_compiled_kernel_equals_the_torch_ops_on_large_random_tensors():
+    """csrc/sparse_cpu.cpp against the vectorised torch encoder (itself equal to the loops above), on sizes
+    where every chunk runs in parallel, with ties (rounded values) and every bit width."""
+    g = torch.Generator().manual_seed(9)
+    for n, chunk, density, bits in [(300_001, 4096, 1 / 64, 2), (100_000, 1000, 0.05, 4), (50_000, 333, 0.2, 8)]:
+        for e in (torch.randn(n, generator=g), (torch.randn(n, generator=g) * 3).round()):
+            a = encode(e, chunk, density, bits)
+            b = encode(e, chunk, density, bits, use_kernel=False)
+            assert torch.equal(a, b), (n, chunk, bits, int((a != b).sum()))
 
 
 def test_the_kept_entries_are_the_largest_and_the_levels_are_nearest():

@@ -41,6 +41,8 @@ import torch
 from dilocox.bench.runner import machine_line
 from dilocox.compress import kernels
 from dilocox.compress.quant import payload_nbytes
+from dilocox.compress.sparse import encode as sparse_encode
+from dilocox.compress.sparse import tensor_payload_bytes
 
 DEFAULT_SIZES = [1 << 16, 1 << 20, 1 << 22, 1 << 24]
 
@@ -126,11 +128,16 @@ def run(
             def deq(use_kernel):
                 return lambda: kernels.dequantize_into(payload, out, group_size, 4, True, use_kernel=use_kernel)
 
+            def sparse(use_kernel):  # compress.sparse's preset: top 1/64 of each 4096-chunk, 2-bit values
+                return lambda: sparse_encode(x, 4096, 1 / 64, 2, use_kernel=use_kernel)
+
+            sbytes = tensor_payload_bytes(n, 4096, 1 / 64, 2)
             a, b = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
             ops = [
                 ("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + 2 * pbytes),
                 ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + 2 * pbytes),
                 ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes),
+                ("sparse_encode (top 1/64, 2-bit)", sparse(True), sparse(False), 4.0 * n + 2 * sbytes),
             ]
             t_add, t_copy, *t_ops = _timeit(
                 [lambda: a.add_(b), lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev
@@ -190,9 +197,11 @@ CONVENTION = (
     "Bytes moved per element: `add_` (roofline) 12 = read a, b + write a in place; copy 12 = read src + "
     "write-allocate and write dst; ef_quantize_pack 12 + 2(0.5 + 2/G) = read x, e + write e in place + "
     "write-allocate and write the payload; dequantize_accumulate 8 + 0.5 + 2/G = read payload, out + write "
-    "out in place. GB/s = bytes moved / time; % of roofline = GB/s / the in-place add's GB/s of the same "
-    "size and thread count; load = 1-minute load average after the size's timings (cores: {cores}; "
-    "a load above the core count marks an oversubscribed machine, its timings are upper bounds)."
+    "out in place; sparse_encode 4 + 2 x 0.028 = read x + write-allocate and write the payload (its reference "
+    "is the vectorised torch encoder, itself checked against plain loops). GB/s = bytes moved / time; % of "
+    "roofline = GB/s / the in-place add's GB/s of the same size and thread count; load = 1-minute load average "
+    "after the size's timings (cores: {cores}; a load above the core count marks an oversubscribed machine, its "
+    "timings are upper bounds)."
 )
 
 

@@ -24,9 +24,10 @@ the n_c scales as little-endian bf16. ``payload_bytes`` counts exactly those byt
 payload (all-gather), which ``CommStats`` records. At density 1/64, b = 2, C = 4096: 114 bytes per 4096
 elements, 144x fewer than fp32 per sync.
 
-``encode``/``decode`` are the vectorised ops (top-k per chunk, ties to the lower index; packing with tensor ops);
-``reference_encode``/``reference_decode`` beside them are plain per-chunk Python loops of the same rule, and the
-tests compare the two bit for bit.
+``encode`` runs the compiled CPU kernel ``torch.ops.dilocox.sparse_encode`` (csrc/sparse_cpu.cpp) when the
+extension is built, else the vectorised torch ops (any device: top-k per chunk, ties to the lower index; packing
+with tensor ops); ``decode_accumulate`` is torch ops. ``reference_encode``/``reference_decode`` beside them are
+plain per-chunk Python loops of the same rule; the tests compare all three byte for byte.
 """
 
 from __future__ import annotations
@@ -36,10 +37,15 @@ import time
 
 import torch
 
+from dilocox.compress import kernels
 from dilocox.compress.collectives import CommStats, _all_gather
 from dilocox.distributed.topology import group_world
 
 SPARSE_BITS = (2, 4, 8)
+
+
+def _has_op() -> bool:  # (an extension built before the op existed lacks it)
+    return hasattr(torch.ops.dilocox, "sparse_encode")
 
 
 def layout(numel: int, chunk: int, density: float) -> tuple[int, int, int]:
@@ -100,13 +106,18 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.nonzero()[:, 1].view(mag.shape[0], k)
 
 
-def encode(e: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tensor:
-    """One tensor's payload (uint8) from its error-fed values ``e`` (any shape, fp32)."""
+def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: bool = True) -> torch.Tensor:
+    """One tensor's payload (uint8) from its error-fed values ``e`` (any shape, fp32): the compiled CPU kernel
+    (csrc/sparse_cpu.cpp) when the extension is built, else the vectorised torch ops below (any device)."""
     flat = e.reshape(-1).float()
     n = flat.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.uint8, device=e.device)
     c, k, n_c = layout(n, chunk, density)
+    if use_kernel and flat.device.type == "cpu" and kernels.have_extension("cpu") and _has_op():
+        out = torch.empty(tensor_payload_bytes(n, chunk, density, bits), dtype=torch.uint8)
+        torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits)
+        return out
     padded = torch.zeros(n_c * c, dtype=torch.float32, device=e.device)
     padded[:n] = flat
     rows = padded.view(n_c, c)
