@@ -4,7 +4,8 @@
 // byte for byte).
 //
 // Per chunk r of c elements (the tensor's tail zero-padded): the k entries of largest |e|, ties to the lower
-// index (std::nth_element with that total order, then the k indices sorted ascending); s = bf16(max|kept| / h),
+// index (a radix select of the k-th largest |e| on its fp32 bits, 8 bits per pass, then one ascending scan that
+// keeps every entry above it and the lowest-index entries equal to it); s = bf16(max|kept| / h),
 // h = (2^b - 1)/2, rounded to nearest even; code = clamp(floor(v / s + 2^(b-1)), 0, 2^b - 1) in fp32 (s = 0:
 // code 2^(b-1)); indices (ceil(log2 c) bits) and codes (b bits) packed LSB-first, one byte-aligned row per
 // chunk; the scales as little-endian bf16 after both blocks. Chunks run in parallel (at::parallel_for).
@@ -59,33 +60,48 @@ void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t c
   const float off = static_cast<float>(1 << (bits - 1));
   const uint32_t top = (1u << bits) - 1u;
   at::parallel_for(0, n_c, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> idx(static_cast<size_t>(c));
-    std::vector<float> mag(static_cast<size_t>(c));
+    std::vector<uint32_t> key(static_cast<size_t>(c));
     for (int64_t r = begin; r < end; ++r) {
       const int64_t base = r * c;
-      for (int64_t j = 0; j < c; ++j) {
-        idx[j] = static_cast<int32_t>(j);
-        mag[j] = base + j < n ? std::fabs(x[base + j]) : 0.0f;
+      const int64_t len = std::min(c, n - base);
+      // |x| as its fp32 bits: for non-negative floats the integer order is the value order (NaN/inf are refused
+      // by the caller); the zero padding of the last chunk is key 0
+      uint32_t kmax = 0;
+      for (int64_t j = 0; j < len; ++j) {
+        key[j] = f32_bits(x[base + j]) & 0x7fffffffu;
+        kmax = std::max(kmax, key[j]);
       }
-      auto before = [&](int32_t a, int32_t b) { return mag[a] > mag[b] || (mag[a] == mag[b] && a < b); };
-      if (k < c) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), before);
-      std::sort(idx.begin(), idx.begin() + k);
-      float amax = 0.0f;
-      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, mag[idx[j]]);
-      const uint16_t sb = f32_to_bf16_bits(amax / h);
+      for (int64_t j = len; j < c; ++j) key[j] = 0;
+      // radix select of the k-th largest key, 8 bits at a time from the top: T, and how many entries equal to T
+      // are kept (the lowest-index ones: the tie rule of the reference)
+      uint32_t prefix = 0, mask = 0;
+      int64_t remaining = k;
+      for (int shift = 24; shift >= 0; shift -= 8) {
+        int64_t hist[256] = {0};
+        for (int64_t j = 0; j < c; ++j)
+          if ((key[j] & mask) == prefix) ++hist[(key[j] >> shift) & 0xffu];
+        int b = 255;
+        for (; b > 0 && hist[b] < remaining; --b) remaining -= hist[b];
+        prefix |= static_cast<uint32_t>(b) << shift;
+        mask |= 0xffu << shift;
+      }
+      const uint32_t T = prefix;
+      const uint16_t sb = f32_to_bf16_bits(bits_f32(kmax) / h);
       const float s = bf16_bits_to_f32(sb);
       uint8_t* irow = p + r * ib_bytes;
       uint8_t* crow = codes_base + r * cb_bytes;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t g = base + idx[j];
-        const float v = g < n ? x[g] : 0.0f;
+      int64_t taken = 0, eq = 0;
+      for (int64_t j = 0; j < c && taken < k; ++j) {
+        if (key[j] < T || (key[j] == T && eq++ >= remaining)) continue;
+        const float v = j < len ? x[base + j] : 0.0f;
         uint32_t code = static_cast<uint32_t>(off);
         if (s > 0.0f) {
           const float q = std::floor(v / s + off);
           code = q <= 0.0f ? 0u : (q >= static_cast<float>(top) ? top : static_cast<uint32_t>(q));
         }
-        put_bits(irow, j, ib, static_cast<uint32_t>(idx[j]));
-        put_bits(crow, j, static_cast<int>(bits), code);
+        put_bits(irow, taken, ib, static_cast<uint32_t>(j));
+        put_bits(crow, taken, static_cast<int>(bits), code);
+        ++taken;
       }
       scales[2 * r] = static_cast<uint8_t>(sb & 0xff);
       scales[2 * r + 1] = static_cast<uint8_t>(sb >> 8);
