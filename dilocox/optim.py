@@ -72,12 +72,19 @@ class MuonAdamW(torch.optim.Optimizer):
         self._muon.param_groups, self._adamw.param_groups = groups[: self._n_muon], groups[self._n_muon :]
         self._muon.state = self._adamw.state = self.state
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._muon.step()
         self._adamw.step()
         return loss
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_n_muon"):  # (torch's __init__ adds the groups once, before the halves are linked)
+            raise NotImplementedError("MuonAdamW: build a new optimizer (optim.name=muon) instead of adding groups")
+        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # (replaces param_groups and state: link them again)

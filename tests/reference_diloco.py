@@ -155,6 +155,7 @@ def run_reference(
     def sparse_mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         from dilocox.compress.sparse import reference_decode, reference_encode
 
+        assert K == 1 and members is None, "the sparse oracle is for one fragment and a fixed membership"
         sp = sparse
         out = [torch.zeros(d.numel()) for d in ds[0]]
         for m in range(R):

@@ -67,7 +67,8 @@ def estimate_bytes(state: Any, optimizer: torch.optim.Optimizer | None = None) -
     n = state_nbytes(state)
     if optimizer is not None and not optimizer.state:
         for g in optimizer.param_groups:
-            per = 2 if "betas" in g else (1 if g.get("momentum", 0) else 0)
+            # Adam-style: 2 moments; Muon ("ns_steps"): its momentum buffer, always; SGD: one with momentum
+            per = 2 if "betas" in g else (1 if "ns_steps" in g or g.get("momentum", 0) else 0)
             n += per * sum(p.numel() * p.element_size() for p in g["params"])
     return int(n * 1.01) + 64 * 1024
 

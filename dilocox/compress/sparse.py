@@ -124,7 +124,9 @@ def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: b
     idx = _topk_indices(rows.abs(), k)
     vals = torch.gather(rows, 1, idx)
     h, off = _levels(bits)
-    scale = (vals.abs().amax(dim=1) / h).to(torch.bfloat16)
+    amax = vals.abs().amax(dim=1)
+    scale = (amax / torch.full_like(amax, h)).to(torch.bfloat16)  # (a tensor divisor: CUDA turns a scalar one into
+    # a multiply by its reciprocal, which can differ in the last bit from the kernel and the loops)
     s = scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
     codes = torch.clamp(torch.floor(vals / safe.unsqueeze(1) + off), 0, 2**bits - 1)
@@ -283,11 +285,13 @@ class SparseCompressor:
             self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
         if self.errors[0].device != device:
             self.errors = [e.to(device) for e in self.errors]
-        for e, t in zip(self.errors, tensors):
-            v = t.detach().float()
-            if not torch.isfinite(v).all():
-                raise ValueError("the pseudo-gradient has NaN/inf entries: the inner steps diverged")
+        vs = [t.detach().float() for t in tensors]
+        if not all(bool(torch.isfinite(v).all()) for v in vs):  # (checked before any buffer changes)
+            raise ValueError("the pseudo-gradient has NaN/inf entries: the inner steps diverged")
+        for e, v in zip(self.errors, vs):
             e.mul_(self.ef_decay).add_(v)
+        if not all(bool(torch.isfinite(e).all()) for e in self.errors):
+            raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
         mine = torch.cat([encode(e, self.chunk, self.density, self.bits) for e in self.errors])
         world = group_world(group)
         if world > 1:

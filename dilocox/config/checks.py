@@ -295,6 +295,10 @@ def check_compress(c: CompressConfig) -> None:
             _fail("compress.sparse.bits", sp.bits, "must be 2, 4 or 8")
         if not 0.0 <= sp.ef_decay <= 1.0:
             _fail("compress.sparse.ef_decay", sp.ef_decay, "must be in [0, 1]")
+        if not c.error_feedback:
+            _fail("compress.error_feedback", False, "must be true with compress.sparse (its error buffer is the rule)")
+        if c.collective not in ("auto", "allgather"):
+            _fail("compress.collective", c.collective, "must be auto or allgather with compress.sparse (all-gather)")
         if c.quant != "none" or c.lowrank.enabled or c.adaptive.enabled:
             _fail(
                 "compress.sparse.enabled",
@@ -302,6 +306,16 @@ def check_compress(c: CompressConfig) -> None:
                 "replaces the other outer compression: set compress.quant=none, compress.lowrank.enabled=false and "
                 "compress.adaptive.enabled=false",
             )
+
+
+def check_sparse_method(o: OuterConfig, c: CompressConfig) -> None:
+    if c.sparse.enabled and o.method != "diloco":
+        _fail(
+            "compress.sparse.enabled",
+            True,
+            f"compresses the outer pseudo-gradients of outer.method=diloco, not outer.method={o.method!r} "
+            "(cocktailsgd has its own top-k; allreduce is per-step gradients)",
+        )
 
 
 def check_optim(o: OptimConfig) -> None:

@@ -23,6 +23,7 @@ from dilocox.config.checks import (
     check_optim,
     check_outer,
     check_security,
+    check_sparse_method,
     check_swarm,
     check_trackers,
     check_train,
@@ -76,6 +77,7 @@ def validate(cfg: Config) -> None:
     check_data(cfg.data, cfg.model)
     check_outer(cfg.outer, cfg.parallel, cfg.model, cfg.compress.adaptive)
     check_compress(cfg.compress)
+    check_sparse_method(cfg.outer, cfg.compress)
     check_optim(cfg.optim)
     check_muon_layout(cfg.optim, cfg.parallel)
     check_train(cfg.train)

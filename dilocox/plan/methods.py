@@ -71,6 +71,9 @@ class Method:
         q = {"none": "fp32"}.get(c.quant, c.quant) + (f"/G{c.group_size}" if c.quant in ("int4", "int8") else "")
         if self.outer.method == "cocktailsgd":
             return f"random {c.random_fraction:g} x top-k {c.topk_fraction:g} + {q}"
+        if c.sparse.enabled:
+            sp = c.sparse
+            return f"top {sp.density:g} of {sp.chunk}-chunks, int{sp.bits} + EF {sp.ef_decay:g}"
         if c.lowrank.enabled:
             r = c.lowrank.rank
             if c.adaptive.enabled:

@@ -122,7 +122,7 @@ def sync_bytes(model: ModelConfig | int, method: Method, replicas: int, pipeline
                 if fact:
                     n_coll = 2
                     lowrank += sum(sum(shapes[idx[i]]) * comp.rank for i in fact if len(shapes[idx[i]]) == 2)
-    if method.outer.method == "cocktailsgd":
+    if method.outer.method == "cocktailsgd" or c.sparse.enabled:  # (compress.sparse all-gathers its payloads)
         coll = "allgather"
     elif c.quant == "none":
         coll = "ring"
