@@ -45,6 +45,9 @@ POINTS = [
     ("sparseloco H=20 1/16 2-bit", "sparseloco", "sparseloco",
      ["--outer.sync_every=20", "--compress.sparse.density=0.0625"]),
     ("sparseloco H=20 1/64 4-bit", "sparseloco", "sparseloco", ["--outer.sync_every=20", "--compress.sparse.bits=4"]),
+    ("streaming-sparse H=20 K=2 1/32 2-bit", "streaming", "streaming-sparse", ["--outer.sync_every=20"]),
+    ("streaming-sparse H=20 K=2 1/16 2-bit", "streaming", "streaming-sparse",
+     ["--outer.sync_every=20", "--compress.sparse.density=0.0625"]),
     ("muloco H=20 1/64 2-bit (Muon inner)", "muloco", "muloco", ["--outer.sync_every=20"]),
     ("diloco H=20, Muon inner", "muloco", "diloco", ["--outer.sync_every=20", "--optim.name=muon"]),
 ]  # fmt: skip
@@ -54,7 +57,7 @@ QUICK = [
     "streaming H=20 K=2 int4",
     "dilocox H=20",
     "sparseloco H=20 1/64 2-bit",
-    "sparseloco H=50 1/64 2-bit",
+    "streaming-sparse H=20 K=2 1/32 2-bit",
 ]
 H_BASE = 20  # method_body's H (the presets' sync_every unless a point overrides it; dilocox's adaptive range)
 

@@ -22,7 +22,10 @@ import time
 
 from dilocox.bench.runner import line_plot, machine_line, run_train, write_config, write_results
 
-METHODS = ["allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox", "sparseloco", "muloco"]
+METHODS = [
+    "allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox", "sparseloco", "muloco",
+    "streaming-sparse",
+]  # fmt: skip
 LAYOUT = """parallel: {replicas: 2, pipeline: 2, microbatches: 2}
 """
 
