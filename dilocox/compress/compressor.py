@@ -285,20 +285,24 @@ class Compressor:
             self.lowrank.load_state_dict({"rank": sd["rank"], "q": sd.get("q", {})})
         tail = sd.get("tail_energy")
         self._tail = tail.detach().clone().double() if tail is not None and self.tail_sketch else None
-        errs = sd.get("errors") or {}
-        if errs:
-            if len(errs) != len(self.shapes):
-                raise ValueError(
-                    f"compressor state has {len(errs)} error buffers, this shard has {len(self.shapes)} tensors"
-                )
-            self.errors = []
-            for i, s in enumerate(self.shapes):
-                e = errs[str(i)]
-                if e.shape != s:
-                    raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
-                self.errors.append(e.detach().clone().float())
-        else:
-            self.errors = None
+        self.errors = load_error_buffers(sd, self.shapes)
+
+
+def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor] | None:
+    """The error-feedback buffers of a compressor's ``state_dict`` (``{"errors": {"0": tensor, ...}}``), checked
+    against this shard's tensor shapes; None when the state holds none."""
+    errs = sd.get("errors") or {}
+    if not errs:
+        return None
+    if len(errs) != len(shapes):
+        raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(shapes)} tensors")
+    out = []
+    for i, s in enumerate(shapes):
+        e = errs[str(i)]
+        if e.shape != s:
+            raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
+        out.append(e.detach().clone().float())
+    return out
 
 
 def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None):

@@ -39,7 +39,7 @@ import torch
 
 from dilocox.compress import kernels
 from dilocox.compress.collectives import CommStats, _all_gather
-from dilocox.distributed.topology import group_world
+from dilocox.distributed.topology import group_rank, group_world
 
 SPARSE_BITS = (2, 4, 8)
 
@@ -306,7 +306,7 @@ class SparseCompressor:
         for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
             for i, out in enumerate(outs):
                 decode_accumulate(b[offs[i] : offs[i + 1]], out, self.chunk, self.density, self.bits)
-        me = 0 if world <= 1 else _my_index(group)
+        me = 0 if world <= 1 else group_rank(group)
         for i, e in enumerate(self.errors):  # e -= what this rank sent (its own payload, decoded)
             sent = torch.zeros(e.numel(), dtype=torch.float32, device=device)
             decode_accumulate(bufs[me][offs[i] : offs[i + 1]], sent, self.chunk, self.density, self.bits)
@@ -323,21 +323,6 @@ class SparseCompressor:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        errs = sd.get("errors") or {}
-        if not errs:
-            self.errors = None
-            return
-        if len(errs) != len(self.shapes):
-            raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(self.shapes)}")
-        self.errors = []
-        for i, s in enumerate(self.shapes):
-            e = errs[str(i)]
-            if e.shape != s:
-                raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
-            self.errors.append(e.detach().clone().float())
+        from dilocox.compress.compressor import load_error_buffers  # (compressor imports this module lazily)
 
-
-def _my_index(group) -> int:
-    from dilocox.distributed.topology import group_rank
-
-    return group_rank(group)
+        self.errors = load_error_buffers(sd, self.shapes)
