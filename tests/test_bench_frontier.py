@@ -63,3 +63,8 @@ def test_render_redraws_from_results(tmp_path):
     assert frontier.main(["--render", "--out", str(tmp_path)]) == 0
     assert os.path.getsize(tmp_path / "frontier.png") > 10_000
     assert "| prose | 0 | 300 | dilocox H=20 * |" in (tmp_path / "results.md").read_text()
+
+
+def test_render_without_results_is_one_line_exit_2(tmp_path, capsys):
+    assert frontier.main(["--render", "--out", str(tmp_path / "none")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -215,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     res_path = os.path.join(a.out, "results.json")
     if a.render:
-        with open(res_path) as f:
-            saved = json.load(f)
-        rows, meta = saved["rows"], saved["meta"]
+        try:
+            with open(res_path) as f:
+                saved = json.load(f)
+            rows, meta = saved["rows"], saved["meta"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"dilocox bench frontier --render: cannot read {res_path} ({type(e).__name__}: {e}); run the "
+                  "bench first (without --render) or give --out the directory that holds its results.json",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     else:
         corpora = a.corpora.split(",")
         bad = [c for c in corpora if c not in CORPORA]
