@@ -42,6 +42,7 @@ import torch
 
 from dilocox.compress.collectives import CommStats, nbytes, quantized_allreduce, resolve_mode, wire_bytes
 from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD, as_matrix_shape
+from dilocox.compress.sparse import SparseCompressor, load_error_buffers
 from dilocox.config import QUANT_KINDS
 from dilocox.distributed.topology import group_world
 from dilocox.seeding import mix_seed
@@ -288,30 +289,11 @@ class Compressor:
         self.errors = load_error_buffers(sd, self.shapes)
 
 
-def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor] | None:
-    """The error-feedback buffers of a compressor's ``state_dict`` (``{"errors": {"0": tensor, ...}}``), checked
-    against this shard's tensor shapes; None when the state holds none."""
-    errs = sd.get("errors") or {}
-    if not errs:
-        return None
-    if len(errs) != len(shapes):
-        raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(shapes)} tensors")
-    out = []
-    for i, s in enumerate(shapes):
-        e = errs[str(i)]
-        if e.shape != s:
-            raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
-        out.append(e.detach().clone().float())
-    return out
-
-
 def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None):
     """Build the shard's compressor from a ``CompressConfig``. ``seed`` must be the same on every
     replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding);
     ``ids`` are stable per-tensor ids for the shared draws (see ``PowerSGD``)."""
     if ccfg.sparse.enabled:  # chunked top-k + error feedback + low-bit values (compress/sparse.py)
-        from dilocox.compress.sparse import SparseCompressor
-
         sp = ccfg.sparse
         return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay)
     lr = ccfg.lowrank

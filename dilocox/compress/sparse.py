@@ -228,6 +228,23 @@ def reference_decode(payload: torch.Tensor, numel: int, chunk: int, density: flo
 # --------------------------------------------------------------------------- the compressor
 
 
+def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor] | None:
+    """The error-feedback buffers of a compressor's ``state_dict`` (``{"errors": {"0": tensor, ...}}``), checked
+    against this shard's tensor shapes; None when the state holds none."""
+    errs = sd.get("errors") or {}
+    if not errs:
+        return None
+    if len(errs) != len(shapes):
+        raise ValueError(f"compressor state has {len(errs)} error buffers, this shard has {len(shapes)} tensors")
+    out = []
+    for i, s in enumerate(shapes):
+        e = errs[str(i)]
+        if e.shape != s:
+            raise ValueError(f"error buffer {i} has shape {tuple(e.shape)}, expected {tuple(s)}")
+        out.append(e.detach().clone().float())
+    return out
+
+
 class SparseCompressor:
     """``compress.sparse``: the ``Compressor`` interface (``build_compressor``) for the rule above."""
 
@@ -323,6 +340,4 @@ class SparseCompressor:
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        from dilocox.compress.compressor import load_error_buffers  # (compressor imports this module lazily)
-
         self.errors = load_error_buffers(sd, self.shapes)
