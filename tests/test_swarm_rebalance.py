@@ -1,6 +1,7 @@
 """SWARM adaptive rebalancing (dilocox/swarm/rebalance.py, SWARM Appendix D): which peer moves where."""
 
 import json
+import logging
 import math
 import os
 import signal
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from dilocox.config import ConfigError, load_config
-from dilocox.swarm.membership import LoadMeter, window
+from dilocox.swarm.membership import LoadMeter, peer_loads, window
 from dilocox.swarm.rebalance import PeerLoad, Rebalancer, plan_move
 from dilocox.swarm.routing import IWRRRouter, RandomRouter
 
@@ -151,6 +152,51 @@ def test_load_meter_window():
     assert window(b, m.snapshot()) is None  # nothing done: no throughput to measure
 
 
+def _snap(t, area, busy, done, stage, step=5, **kw):
+    return {"t": t, "area": area, "busy": busy, "done": done, "stage": stage, "step": step, "serving": True, **kw}
+
+
+def test_an_idle_peer_is_spare_capacity_of_its_stage_and_moves():
+    """The CI failure of test_peer_moves_into_stage0: stage 1's router starved s1p1 (its first microbatch was slow on
+    a loaded host), so s1p1 did no work in any window; leaving it out left stage 1 with one measured peer and no move
+    was ever made. An idle serving peer counts with queue 0 at its stage's mean speed, and it is the one that moves."""
+    prev = {"s0p0": _snap(0, 0, 0, 0, 0), "s1p0": _snap(0, 0, 0, 0, 1), "s1p1": _snap(0, 0, 0, 1, 1)}
+    cur = {
+        "s0p0": _snap(2, 5.0, 1.9, 20, 0),  # always busy, 2.5 queued: the bottleneck
+        "s1p0": _snap(2, 0.1, 0.1, 20, 1),  # 200 mb/s when busy
+        "s1p1": _snap(2, 0.0, 0.0, 1, 1),  # idle the whole window
+    }
+    loads, warm = peer_loads(prev, cur)
+    assert warm
+    by = {p.peer: p for p in loads}
+    assert by["s1p1"].queue == 0.0 and by["s1p1"].throughput == pytest.approx(by["s1p0"].throughput)
+    mv = plan_move(loads, 2)
+    assert mv is not None and (mv.peer, mv.from_stage, mv.to_stage) == ("s1p1", 1, 0)
+    # left out: a peer that held work without finishing any (speed unknown), one not serving, one leaving
+    cur["s1p1"] = _snap(2, 1.0, 1.0, 1, 1)
+    assert "s1p1" not in {p.peer for p in peer_loads(prev, cur)[0]}
+    for extra in ({"serving": False}, {"leaving": True}):
+        cur["s1p1"] = _snap(2, 0.0, 0.0, 1, 1, **extra)
+        assert "s1p1" not in {p.peer for p in peer_loads(prev, cur)[0]}
+    # an idle stage with no measured peer gives no speed to borrow: left out
+    cur["s1p0"] = _snap(2, 0.0, 0.0, 0, 1)
+    cur["s1p1"] = _snap(2, 0.0, 0.0, 1, 1)
+    assert {p.stage for p in peer_loads(prev, cur)[0]} == {0}
+    # not warm while a peer had not finished 2 steps at the window's start
+    prev["s1p0"] = _snap(0, 0, 0, 0, 1, step=1)
+    assert not peer_loads(prev, cur)[1]
+
+
+def _moves(out: str, caplog) -> list[dict]:
+    """The records of OUT/rebalance.jsonl; when there is none, the mover's decisions in the failure message."""
+    path = os.path.join(out, "rebalance.jsonl")
+    if not os.path.exists(path):
+        said = "\n".join(r.getMessage() for r in caplog.records if r.name == "dilocox.swarm.mover")
+        pytest.fail(f"no move was made or refused (no {path}); the mover said:\n{said or '(nothing)'}")
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
 def test_rebalance_config_checked():
     base = [os.path.join(ROOT, "configs", "tiny.yaml")]
     with pytest.raises(ConfigError, match="swarm.rebalance_period_s=-1.0"):
@@ -170,7 +216,7 @@ def _left_over(out_dir: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
+def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch, caplog):
     """[2, 1] with stage 1 the bottleneck (every stage-1 peer, the moved one too, takes 80 ms per
     microbatch): the launcher moves a stage-0 peer to stage 1; it downloads stage 1's state, serves, and the job's
     measured tokens/s goes up; every step's microbatches are trained once by each stage, before and after."""
@@ -188,6 +234,7 @@ def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
     steps = 50
     out = str(tmp_path)
+    caplog.set_level(logging.INFO, logger="dilocox.swarm.mover")
     try:
         res = launch(cfg, out, peers_per_stage=[2, 1], steps=steps, timeout_s=240, stage_paces={1: 0.08})
     finally:
@@ -196,8 +243,7 @@ def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
     assert not _left_over(out)
     for name, rc in res.returncodes.items():
         assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
-    with open(os.path.join(out, "rebalance.jsonl")) as f:
-        moves = [json.loads(line) for line in f]
+    moves = _moves(out, caplog)
     done = [m for m in moves if "line" in m]
     assert len(done) == 1, moves
     mv = done[0]
@@ -238,7 +284,7 @@ def test_peer_moves_to_the_slow_stage(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch):
+def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch, caplog):
     """swarm.sync=diloco, [2, 1] with stage 1 the bottleneck: the chosen stage-0 peer leaves only after an outer
     step (its H local steps count), joins stage 1 at that stage's next outer step with θ, outer momentum and a
     live peer's AdamW state (bit-identical there), serves, and the stage's peers end with the same params."""
@@ -257,6 +303,7 @@ def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch):
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
     steps = 48
     out = str(tmp_path)
+    caplog.set_level(logging.INFO, logger="dilocox.swarm.mover")
     try:
         res = launch(cfg, out, peers_per_stage=[2, 1], steps=steps, timeout_s=300, stage_paces={1: 0.08})
     finally:
@@ -265,8 +312,7 @@ def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch):
     assert not _left_over(out)
     for name, rc in res.returncodes.items():
         assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
-    with open(os.path.join(out, "rebalance.jsonl")) as f:
-        moves = [json.loads(line) for line in f]
+    moves = _moves(out, caplog)
     done = [m for m in moves if "line" in m]
     assert len(done) == 1, moves
     mv = done[0]
@@ -302,7 +348,7 @@ def test_diloco_peer_moves_at_an_outer_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_peer_moves_into_stage0(tmp_path, monkeypatch):
+def test_peer_moves_into_stage0(tmp_path, monkeypatch, caplog):
     """[1, 2] with stage 0 the bottleneck (paced 80 ms per microbatch): a stage-1 peer moves into stage 0, gets
     stage 0's params and AdamW state, and from then on drives its own batch each step (a stream of its own: the
     job's microbatches per step double), bit-identical to s0p0 at every sync."""
@@ -319,6 +365,7 @@ def test_peer_moves_into_stage0(tmp_path, monkeypatch):
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
     steps = 40
     out = str(tmp_path)
+    caplog.set_level(logging.INFO, logger="dilocox.swarm.mover")
     try:
         res = launch(cfg, out, peers_per_stage=[1, 2], steps=steps, timeout_s=240, stage_paces={0: 0.08})
     finally:
@@ -327,8 +374,7 @@ def test_peer_moves_into_stage0(tmp_path, monkeypatch):
     assert not _left_over(out)
     for name, rc in res.returncodes.items():
         assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
-    with open(os.path.join(out, "rebalance.jsonl")) as f:
-        moves = [json.loads(line) for line in f]
+    moves = _moves(out, caplog)
     done = [m for m in moves if "line" in m]
     assert len(done) == 1 and not any("refused" in m or "error" in m for m in moves), moves
     mv = done[0]

@@ -26,6 +26,7 @@ import time
 
 from dilocox.security import open_value
 from dilocox.swarm.common import peer_name
+from dilocox.swarm.rebalance import PeerLoad
 from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.membership")
@@ -103,6 +104,33 @@ def window(a: dict, b: dict) -> tuple[float, float] | None:
     if dt <= 0 or busy <= 0 or done <= 0:
         return None
     return (b["area"] - a["area"]) / dt, done / busy
+
+
+def peer_loads(prev: dict[str, dict], cur: dict[str, dict]) -> tuple[list, bool]:
+    """(``rebalance.PeerLoad`` of each serving peer over the window between two polls of ``stats``, warm).
+
+    A peer that worked in the window reports its mean queue and throughput (``window``). A serving peer that was
+    idle the whole window (no queue at all: the routers sent it nothing) is spare capacity of its stage: queue 0 and
+    the mean throughput of the stage's working peers (it is one of them; the SWARM router starves a peer whose
+    first microbatch was slow, e.g. on a loaded host, so an idle peer is common and the best one to move). A peer
+    that held work without finishing any is left out (its speed is unknown). ``warm``: every peer had finished 2
+    steps at the window's start (start-up costs are not steady state)."""
+    loads, idle = [], []
+    for n, b in cur.items():
+        a = prev.get(n)
+        if a is None or not b.get("serving") or b.get("leaving"):
+            continue
+        w = window(a, b)
+        if w is not None:
+            loads.append(PeerLoad(n, int(b["stage"]), w[0], w[1]))
+        elif b["t"] > a["t"] and b["busy"] == a["busy"]:
+            idle.append((n, int(b["stage"])))
+    for n, j in idle:
+        speeds = [p.throughput for p in loads if p.stage == j]
+        if speeds:
+            loads.append(PeerLoad(n, j, 0.0, sum(speeds) / len(speeds)))
+    warm = all(prev[n]["step"] >= 2 for n in cur if n in prev)
+    return loads, warm
 
 
 # the peer command's flags that belong to its old place (stage, index, stage lighthouse, injected slowness, test

@@ -34,8 +34,8 @@ import time
 
 from dilocox.security import open_value, sign_value
 from dilocox.swarm.common import peer_name, split_peer_name, store_key
-from dilocox.swarm.membership import MEMBERS_KEY, window
-from dilocox.swarm.rebalance import PeerLoad, plan_move
+from dilocox.swarm.membership import MEMBERS_KEY, peer_loads
+from dilocox.swarm.rebalance import plan_move
 from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.mover")
@@ -124,17 +124,14 @@ class Mover(threading.Thread):
     def tick(self) -> None:
         cur = self._stats(self._names())
         prev, self.prev = self.prev, cur
-        loads = []
-        for n, b in cur.items():
-            a = prev.get(n)
-            w = window(a, b) if a is not None and b.get("serving") and not b.get("leaving") else None
-            if w is not None:
-                loads.append(PeerLoad(n, int(b["stage"]), w[0], w[1]))
-        warm = all(prev[n]["done"] > 0 and prev[n]["step"] >= 2 for n in cur if n in prev)
+        loads, warm = peer_loads(prev, cur)
         if len({p.stage for p in loads}) < 2 or not warm:
             return  # not steady state (start-up: a peer had not finished 2 steps at the window's start): no decision
         move = plan_move(loads, len(self.members), self.s.rebalance_min_gain)
         if move is None:
+            load = {j: [f"{p.peer}:q{p.queue:.2f}/{p.throughput:.3g}mb/s" for p in loads if p.stage == j]
+                    for j in range(len(self.members))}  # fmt: skip
+            log.info("rebalance: no move (answered %d of %d peers): %s", len(cur), len(self._names()), load)
             return
         self.carry_out(move, self._tokens_rate(prev, cur))
 
@@ -169,6 +166,7 @@ class Mover(threading.Thread):
         serving = False
         while not serving and time.monotonic() < deadline and (p is None or p.proc.poll() is None):
             if self.stop_event.wait(0.2):
+                self._record({**rec, "error": f"the job ended before {joiner} served"})
                 return
             serving = bool(self._stats([joiner]).get(joiner, {}).get("serving"))
         if not serving:
