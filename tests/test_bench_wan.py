@@ -92,8 +92,10 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
     ar = wan.predict(_cfg(tmp_path, "allreduce"), "allreduce", 1e8, step_time_s=0.1)
     # fp32 ring all-reduce over 2 replicas: each replica sends the whole model once per step
     assert ar["H"] == 1 and ar["wire_bytes_per_replica"] == 4 * n
-    assert ar["t_comm_s"] == pytest.approx(4 * n * 8 / 1e8)
-    assert ar["utilization"] == pytest.approx(0.1 / (0.1 + 4 * n * 8 / 1e8))
+    # tbf caps Ethernet frames: the payload moves at 1448/1514 of the cap
+    assert wan.TBF_GOODPUT == pytest.approx(1448 / 1514)
+    assert ar["t_comm_s"] == pytest.approx(4 * n * 8 / (1e8 * wan.TBF_GOODPUT))
+    assert ar["utilization"] == pytest.approx(0.1 / (0.1 + 4 * n * 8 / (1e8 * wan.TBF_GOODPUT)))
     od = wan.predict(_cfg(tmp_path, "opendiloco", H=10), "opendiloco", 1e7, step_time_s=0.1)
     assert (od["H"], od["overlap"], od["wire_bytes_per_replica"]) == (10, "none", 2 * n)  # fp16, blocking
     st = wan.predict(_cfg(tmp_path, "streaming"), "streaming", 1e7)
@@ -111,7 +113,8 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
     nominal = survivors / 8 + k / 2 + 2 * k / 128
     assert nominal < ck["payload_bytes"] < 1.02 * nominal
     # a run is cut to whole phases when its predicted communication exceeds the budget
-    assert wan.steps_within(_cfg(tmp_path, "allreduce"), 1e7, 100, 60.0) == int(60.0 / (4 * n * 8 / 1e7))
+    per_step = 4 * n * 8 / (1e7 * wan.TBF_GOODPUT)
+    assert wan.steps_within(_cfg(tmp_path, "allreduce"), 1e7, 100, 60.0) == int(60.0 / per_step)
     assert wan.steps_within(_cfg(tmp_path, "opendiloco", H=10), 1e5, 100, 60.0) == 10
     assert wan.steps_within(_cfg(tmp_path, "dilocox"), 1e7, 100, 60.0) == 100
 
@@ -305,3 +308,24 @@ def test_render_of_a_missing_or_bad_results_file_is_one_line_exit_2(tmp_path, ca
         err = capsys.readouterr().err
         assert err.startswith("dilocox bench wan: error: --render") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_at_the_runs_own_compute_speed(tmp_path):
+    """The plan at a run's own compute speed: its steady window (steps 2..N) less its blocked time, per step, plus the
+    uncapped run's collective time per step; a per-step method's step-1 block is outside the window."""
+    ref = {"steps": 10, "blocked_s": 0.5}
+    row = {"method": "allreduce", "steps": 5, "tokens_per_step": 1000, "tokens_per_s": 1000.0, "blocked_s": 1.0}
+    row["cap_bps"] = 1e8
+    assert wan.own_step_time(row, ref, per_step=False) == pytest.approx((4.0 - 1.0) / 4 + 0.05)
+    assert wan.own_step_time(row, ref, per_step=True) == pytest.approx((4.0 - 0.8) / 4 + 0.05)
+    cfg = _cfg(tmp_path, "allreduce")
+    wan.add_own_plan(row, ref, cfg, "allreduce")
+    t = wan.own_step_time(row, ref, per_step=True)
+    assert row["plan_own"]["step_time_s"] == pytest.approx(t)
+    assert row["plan_own"]["tokens_per_s"] == pytest.approx(wan.predict(cfg, "allreduce", 1e8, t)["tokens_per_s"])
+    (joined,) = wan.join([dict(row)])
+    err = 100 * (row["plan_own"]["tokens_per_s"] / 1000.0 - 1)
+    assert joined["err_own_tokens_per_s_pct"] == pytest.approx(err)
+    uncapped = {k: v for k, v in row.items() if k != "plan_own"} | {"cap_bps": None}
+    wan.add_own_plan(uncapped, ref, cfg, "allreduce")
+    assert "plan_own" not in uncapped  # uncapped rows are the reference, not predicted from themselves

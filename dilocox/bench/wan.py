@@ -78,6 +78,9 @@ REPLICAS, PER_REPLICA = 2, 2
 # at 0 ms and 441 ms at 150 ms RTT, i.e. +1.97 RTT.
 GLOO_STEP_RTTS = 1.0
 FRAME_HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps option 12
+# tc tbf caps the Ethernet frames: a full frame carries 1448 bytes of TCP payload in 1514, so the payload moves at
+# 95.6 % of the cap (measured: diloco at 1 Mbit/s blocked 31.5 s on a sync the payload-only model put at 28.5 s)
+TBF_GOODPUT = 1448 / (1448 + FRAME_HEADER_BYTES)
 TRAIN_FLAGS = [
     "--checkpoint.resume=none",
     "--log.progress=false",
@@ -257,7 +260,29 @@ def predict(
         step_time_s=step_time_s,
         pipeline=cfg.parallel.pipeline,
         tensor=cfg.parallel.tensor,
+        goodput=1.0 if cap_bps is None else TBF_GOODPUT,
     )
+
+
+def own_step_time(row: dict, ref: dict, per_step: bool) -> float:
+    """The plan's step time at THIS run's own compute speed: its steady-state window (steps 2..N) minus the time it
+    was blocked on outer collectives there, per step, plus what the collectives cost per step uncapped (``ref``: the
+    method's uncapped no-delay run, whose step time the plan otherwise takes). On 2 shared cores the compute speed of
+    two runs differs by up to ~20 %; at the run's own speed the plan's error is its communication model's alone.
+    ``per_step``: the method blocks on every step, step 1 included (its share is outside the window)."""
+    n = row["steps"]
+    window_s = row["tokens_per_step"] * (n - 1) / row["tokens_per_s"]
+    blocked = row["blocked_s"] * ((n - 1) / n if per_step else 1.0)
+    return max(window_s - blocked, 0.0) / (n - 1) + ref["blocked_s"] / ref["steps"]
+
+
+def add_own_plan(row: dict, ref: dict | None, cfg, method: str) -> None:
+    """``row["plan_own"]``: the plan at the run's own compute speed (``own_step_time``); capped rows only."""
+    if row["cap_bps"] is None or ref is None:
+        return
+    t = own_step_time(row, ref, per_step=method in ("allreduce", "cocktailsgd"))
+    p = predict(cfg, method, row["cap_bps"], t, rtt_ms=row.get("rtt_ms") or 0.0)
+    row["plan_own"] = {"step_time_s": t, "tokens_per_s": p["tokens_per_s"], "utilization": p["utilization"]}
 
 
 def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float, rtt_ms: float = 0.0) -> int:
@@ -286,6 +311,10 @@ def join(rows: list[dict]) -> list[dict]:
     for r in rows:
         u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length, or none
         r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
+        q = r.get("plan_own")
+        if q:
+            r["plan_own_tokens_per_s"] = q["tokens_per_s"]
+            r["err_own_tokens_per_s_pct"] = 100.0 * (q["tokens_per_s"] / r["tokens_per_s"] - 1.0)
         p = r.get("plan")
         if not p:
             continue
@@ -394,6 +423,9 @@ def bench(
                         k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")
                     }
                 row["plan_step_time_s"] = t_step
+                row["tokens_per_step"] = tokens
+                ref = next((r for r in rows if r["method"] == m and r["role"] == "reference"), None)
+                add_own_plan(row, ref, cfg, m)
                 rows.append(row)
                 log(
                     f"{name:>28}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
@@ -435,6 +467,18 @@ def run_name(method: str, cap: float | None, rtt: float, n: int, steps: int) -> 
     return name
 
 
+def method_configs(meta: dict) -> dict:
+    """Each method's config of a finished bench (its ``meta``), as ``bench`` wrote it for its runs."""
+    from dilocox.config import load_config
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for m in meta["methods"]:
+            body = method_body(m, meta.get("H", 20))
+            out[m] = load_config(write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], body))
+    return out
+
+
 def resummarize(res: dict, run_root: str) -> dict:
     """Recompute every row's tokens/s from its run directory under ``run_root`` (the per-step logs and rank
     summaries the runs left) with the current definition, then "% of uncapped" and the plan errors; the veth
@@ -442,12 +486,7 @@ def resummarize(res: dict, run_root: str) -> dict:
     from dilocox.config import load_config
 
     meta = res["meta"]
-    overlapped: dict[str, bool] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for m in meta["methods"]:
-            body = method_body(m, meta.get("H", 20))
-            path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], body)
-            overlapped[m] = load_config(path).outer.overlap != "none"
+    overlapped = {m: cfg.outer.overlap != "none" for m, cfg in method_configs(meta).items()}
     for row in res["rows"]:
         m = row["method"]
         name = row.get("run") or run_name(m, row["cap_bps"], row.get("rtt_ms") or 0.0, row["steps"], meta["steps"])
@@ -458,6 +497,28 @@ def resummarize(res: dict, run_root: str) -> dict:
         row["tokens_per_s"], row["tokens_per_s_end_to_end"] = s["tokens_per_s"], s["tokens_per_s_end_to_end"]
     meta["resummarized"] = time.strftime("%Y-%m-%d")
     return {"meta": meta, "rows": join(res["rows"])}
+
+
+def replan(res: dict) -> dict:
+    """``--render --replan``: recompute every row's plans (at the step time it was planned with, and at the run's
+    own compute speed) with the current planner, from the measured rows alone; the measurements stay as they are.
+    For a change of the time model without re-running the bench."""
+    meta, rows = res["meta"], res["rows"]
+    cfgs = method_configs(meta)
+    for r in rows:
+        m, cfg = r["method"], cfgs[r["method"]]
+        r["tokens_per_step"] = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
+        rtt = r.get("rtt_ms") or 0.0
+        p = predict(cfg, m, r["cap_bps"], r["plan_step_time_s"], rtt_ms=rtt)
+        r["plan"] = {k: v for k, v in p.items() if k != "bandwidth_for"}
+        if r.get("plan_as_run"):
+            q = predict(cfg, m, r["cap_bps"], r["plan_step_time_s"], H=r["plan_as_run"]["H"],
+                        rank=r["plan_as_run"]["rank"], rtt_ms=rtt)  # fmt: skip
+            r["plan_as_run"] = {k: q[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")}
+        ref = next((x for x in rows if x["method"] == m and x.get("role") == "reference"), None)
+        add_own_plan(r, ref, cfg, m)
+    meta["replanned"] = f"{time.strftime('%Y-%m-%d')} (code {git_state()})"
+    return {"meta": meta, "rows": join(rows)}
 
 
 def git_state() -> str | None:
@@ -512,6 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --render: first recompute tokens/s from the run directories under --run-root",
     )
+    ap.add_argument(
+        "--replan",
+        action="store_true",
+        help="with --render: recompute the plans of every row with the current planner (measurements unchanged)",
+    )
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
@@ -524,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if a.resummarize:
             res = resummarize(res, a.run_root)
+        if a.replan:
+            res = replan(res)
         print(write_outputs(res, a.out))
         return 0
     try:

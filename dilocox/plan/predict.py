@@ -75,18 +75,23 @@ def plan(
     tensor: int = 1,
     targets: tuple[float, ...] = TARGETS,
     cdir: str | None = None,
+    goodput: float = 1.0,
 ) -> dict:
     """Predict one method's communication, utilization and throughput (ALGORITHMS §10).
 
     ``model`` is a ModelConfig or a bare parameter count; ``method`` a preset name in
     ``configs/methods/`` (its settings overridden by the keyword arguments that are not None, see
     ``load_method``) or a loaded ``Method``; ``peak_flops`` is per replica (all its GPUs);
-    ``step_time_s`` overrides the 6*N*tokens/(peak*MFU) estimate.
+    ``step_time_s`` overrides the 6*N*tokens/(peak*MFU) estimate; ``goodput`` is the fraction of the link's bit
+    rate that carries payload (1.0: none lost to headers; a link capped on Ethernet frames of 1448 TCP payload
+    bytes carries 1448/1514 = 0.956 of it, see ``dilocox bench wan``).
     """
     if replicas < 1:
         raise ValueError(f"replicas={replicas} must be >= 1")
     if not bandwidth_bps > 0:
         raise ValueError(f"bandwidth_bps={bandwidth_bps} must be > 0")
+    if not 0.0 < goodput <= 1.0:
+        raise ValueError(f"goodput={goodput} must be in (0, 1] (the payload fraction of the link's bit rate)")
     if isinstance(method, str):
         method = load_method(
             method,
@@ -103,7 +108,7 @@ def plan(
     H, K, tau_steps, ov = method.H, method.fragments, method.tau, method.overlap
     wire = float(by["wire_bytes"])
     lat = latency_s * by["collective_steps"]  # every fragment's collective pays the latency
-    t_comm = lat + wire * 8.0 / bandwidth_bps
+    t_comm = lat + wire * 8.0 / (bandwidth_bps * goodput)
     t_step = step_time_s if step_time_s is not None else step_time(by["n_params"], tokens_per_step, peak_flops, mfu)
     compute = H * t_step
     # one-outer-step overlap: each fragment's sync hides behind its H/K-step slot of the next phase
@@ -143,7 +148,7 @@ def plan(
         "idle_s": wall - compute,
         "utilization": compute / wall,
         "tokens_per_s": replicas * tokens_per_step * H / wall,
-        "bandwidth_for": {f"{u:.2f}": bandwidth_for(u, compute, wire, lat, overlap_s, K) for u in targets},
+        "bandwidth_for": {f"{u:.2f}": bandwidth_for(u, compute, wire, lat, overlap_s, K) / goodput for u in targets},
     }
 
 
