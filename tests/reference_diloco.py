@@ -116,6 +116,7 @@ def run_reference(
     members: list[list[int]] | None = None,
     fresh_inner: dict[int, list[int]] | None = None,
     sparse: dict | None = None,
+    lookahead: float = 0.0,
 ) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
 
@@ -126,7 +127,10 @@ def run_reference(
 
     ``sparse`` = dict(chunk, density, bits, ef_decay) (K = 1): the average is SparseLoCo's (compress/sparse.py):
     per replica and tensor e = β e + Δ, the chunked top-k payload in plain loops (``reference_encode``), what it
-    decodes to is sent and taken out of e; the mean is the sum of the decoded payloads in replica order / R."""
+    decodes to is sent and taken out of e; the mean is the sum of the decoded payloads in replica order / R.
+
+    ``lookahead`` = γ (overlap delayed): after each outer step the replicas start from θ − γ·lr·v (v: the outer SGD's
+    momentum buffer) and the pseudo-gradient is taken from that start: Δ = θ − γ·lr·v − θ_m."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -145,8 +149,19 @@ def run_reference(
     def is_sync(p: int, n: int) -> bool:
         return n > 0 and n % H == (p * H // K) % H
 
+    shift = lookahead * lr if overlap == "delayed" else 0.0
+
+    def v(p: int, n: str) -> torch.Tensor:
+        st = outer_opt[0][p].state.get(theta[0][n], {})
+        buf = st.get("momentum_buffer")
+        return torch.zeros_like(theta[0][n]) if buf is None else buf
+
+    def start(m: int, p: int, n: str) -> torch.Tensor:
+        th = theta[m if n_outer > 1 else 0][n]
+        return th - shift * v(p, n) if shift else th
+
     def deltas(p: int) -> list[list[torch.Tensor]]:
-        return [[theta[m if n_outer > 1 else 0][n] - w[m][n].detach() for n in frags[p]] for m in range(R)]
+        return [[start(m, p, n) - w[m][n].detach() for n in frags[p]] for m in range(R)]
 
     n_sync = [0]  # outer syncs so far (K = 1 with members)
 
@@ -175,11 +190,11 @@ def run_reference(
         who = range(R) if members is None else members[n_sync[0] - 1]
         return [torch.stack([ds[m][j] for m in who]).mean(0) for j in range(len(ds[0]))]
 
-    def load(p: int, m: int, a: float) -> None:
+    def load(p: int, m: int, a: float, final: bool = False) -> None:
         th = theta[m if n_outer > 1 else 0]
         with torch.no_grad():
             for n in frags[p]:
-                w[m][n].copy_(a * w[m][n] + (1 - a) * th[n])
+                w[m][n].copy_(a * w[m][n] + (1 - a) * (th[n] if final else start(m, p, n)))
 
     with torch.no_grad():
         for step in range(steps):
@@ -227,5 +242,5 @@ def run_reference(
                 _outer_update(outer_opt[m][p], [theta[m][x] for x in frags[p]], g)
         for p in range(K):
             for m in range(R):
-                load(p, m, 0.0)
+                load(p, m, 0.0, final=True)
     return [{n: t.detach().clone() for n, t in w[m].items()} for m in range(R)]

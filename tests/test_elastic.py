@@ -16,6 +16,7 @@ import time
 import pytest
 
 from dilocox.elastic import ElasticConfig
+from dilocox.elastic.failover import CLIENT_PRIVATE, MANAGER_PRIVATE, check_torchft_version, quorum_id
 from tools.elastic_toy import oracle, read_records, replica_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,6 +241,12 @@ def test_elastic_config_defaults_are_the_config_sections():
         assert f.default == section[f.name], f.name
 
 
+def test_unsupported_torchft_is_refused_with_the_fix():
+    assert check_torchft_version("0.2.0") == "0.2.0"
+    with pytest.raises(ImportError, match=r"torchft 0\.3\.1 is not supported.*_quorum_id.*torchft==0\.2\.0"):
+        check_torchft_version("0.3.1")
+
+
 def test_allreduce_mean_rejects_bad_input_and_runs_alone(tmp_path):
     """One replica with min_replicas=1: the mean is the input itself; 2-D or integer input is refused."""
     _torchft()
@@ -263,6 +270,13 @@ def test_allreduce_mean_rejects_bad_input_and_runs_alone(tmp_path):
         x = torch.arange(10, dtype=torch.float32) * 0.1
         res = g.allreduce_mean(x)
         assert res.contributors == [3] and torch.equal(res.mean, x) and res.step == 1
+        # the contract with torchft: the real Manager (no fake) has every private name failover.py touches
+        m = g._manager
+        missing = [n for n in MANAGER_PRIVATE if n not in vars(m)]
+        client = getattr(m._client, "_inner", m._client)  # under failover's quorum guard
+        missing += [f"_client.{n}" for n in CLIENT_PRIVATE if not callable(getattr(client, n, None))]
+        assert not missing, f"torchft {check_torchft_version()} renamed {missing}: update dilocox/elastic/failover.py"
+        assert res.quorum_id == quorum_id(m) >= 0 and isinstance(m._commit_failures, int)
         assert torch.equal(x, torch.arange(10, dtype=torch.float32) * 0.1), "input must not be modified"
         with pytest.raises(ValueError, match="1-D floating"):
             g.allreduce_mean(torch.zeros(2, 2))

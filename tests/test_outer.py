@@ -26,6 +26,8 @@ CASES = {
     "streaming": dict(H=4, steps=13, overlap="none", K=2, tau=1, alpha=0.5),  # ends with fragment 1 in flight
     "streaming_strided": dict(H=4, steps=12, overlap="none", K=2, tau=1, alpha=0.5, pattern="strided"),
     "delayed_fragments": dict(H=4, steps=12, overlap="delayed", K=2),
+    "delayed_lookahead": dict(H=3, steps=12, overlap="delayed", lookahead=1.0),
+    "delayed_fragments_lookahead": dict(H=4, steps=12, overlap="delayed", K=2, lookahead=0.5),
 }
 
 
@@ -42,6 +44,7 @@ def _configs(c: dict) -> tuple[OuterConfig, CompressConfig]:
         overlap=c["overlap"],
         blocking=c.get("blocking", False),
         streaming=s,
+        lookahead=c.get("lookahead", 0.0),
     )
     cc = CompressConfig(quant=c.get("quant", "none"), group_size=c.get("G", 128))
     cc.lowrank.enabled = c.get("lowrank", False)
@@ -124,9 +127,16 @@ def test_matches_reference(R):
             tau=c.get("tau", 0),
             alpha=c.get("alpha", 0.5),
             pattern=c.get("pattern", "sequential"),
+            lookahead=c.get("lookahead", 0.0),
         )
         for m in range(R):
             _close(res[m][name]["params"], ref[m], 1e-6)
+        if c.get("lookahead"):  # the look-ahead changes the run (the test can fail): not the plain delayed oracle
+            plain = run_reference(R, c["steps"], SEED, c["H"], overlap="delayed", K=c.get("K", 1))
+            assert (
+                max(float((plain[0][n] - torch.as_tensor(res[0][name]["params"][n])).abs().max()) for n in plain[0])
+                > 1e-4
+            )
         # sanity: the oracle's replicas really trained apart (the test can fail)
         start = _params(make_model(SEED))
         assert max(abs(ref[0][n] - torch.as_tensor(start[n])).max() for n in start) > 1e-2
@@ -181,6 +191,7 @@ RESUME = {
     "streaming": (dict(H=4, steps=13, overlap="none", K=2, tau=1, alpha=0.5), (3, 9)),  # fragment 0 in flight
     # compressor state (error feedback, PowerSGD Q) and an in-flight compressed average
     "delayed_lowrank_int4": (dict(H=3, steps=12, overlap="delayed", quant="int4", lowrank=True, rank=2), (4, 6)),
+    "delayed_lookahead": (dict(H=3, steps=12, overlap="delayed", lookahead=1.0), (4, 6)),
     "cocktail": (dict(method="cocktailsgd", H=1, steps=6, overlap="none", inner="sgd", quant="int4"), (3,)),
 }
 

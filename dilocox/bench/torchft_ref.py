@@ -39,6 +39,7 @@ import time
 from datetime import timedelta
 
 from dilocox.bench.runner import write_config
+from dilocox.elastic.failover import check_torchft_version, quorum_id
 
 TRAIN_DEFAULTS = ("--train.eval_batches=4",)
 
@@ -79,6 +80,8 @@ def worker_main(argv: list[str]) -> int:
     """``python -m dilocox.bench.torchft_ref worker CONFIG --replica R ... [--section.key=value ...]``."""
     import torch
     from torch.distributed import TCPStore
+
+    check_torchft_version()
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
@@ -201,7 +204,7 @@ def worker_main(argv: list[str]) -> int:
                     rec.update(
                         participants=manager.num_participants(),
                         committed=committed,
-                        quorum_id=manager._quorum_id,
+                        quorum_id=quorum_id(manager),
                         sync_s=now - t_step,  # inner step + torchft's quorum (heal), all-reduce, outer step
                         pre_sync_sum=st["pre_sync_sum"],
                     )

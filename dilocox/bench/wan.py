@@ -41,20 +41,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 
 from dilocox.bench.methods import method_body
 from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, read_run, run_train, write_config
 
-# the tables, targets, plots and output files live in wan_report (they only read a finished result);
-# re-exported here so ``wan.markdown``, ``wan.targets``, ``wan.write_outputs``, ... keep working
+# the plan side lives in wan_plan, the tables, targets, plots and output files in wan_report (both only read a
+# finished result); re-exported here so ``wan.predict``, ``wan.markdown``, ``wan.write_outputs``, ... keep working
+from dilocox.bench.wan_plan import FRAME_HEADER_BYTES, REPLICAS, add_own_plan, join, predict, steps_within
+from dilocox.bench.wan_plan import GLOO_STEP_RTTS as GLOO_STEP_RTTS
+from dilocox.bench.wan_plan import PER_REPLICA as PER_REPLICA
+from dilocox.bench.wan_plan import TBF_GOODPUT as TBF_GOODPUT
+from dilocox.bench.wan_plan import own_step_time as own_step_time
+from dilocox.bench.wan_plan import run_method as run_method
 from dilocox.bench.wan_report import NOTES as NOTES
 from dilocox.bench.wan_report import _cap as _cap
 from dilocox.bench.wan_report import _f as _f
@@ -66,21 +70,11 @@ from dilocox.bench.wan_report import targets as targets
 from dilocox.bench.wan_report import write_outputs as write_outputs
 from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torchrun_argv
 from dilocox.launch.switch import SwitchError, parse_latency
-from dilocox.plan import Method, fmt_bandwidth, parse_bandwidth, plan
+from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
 METHODS = ["allreduce", "diloco", "streaming", "dilocox"]
 CAPS = ["1mbit", "10mbit", "100mbit", "1gbit"]
 RTTS = ["0ms", "50ms", "150ms"]
-REPLICAS, PER_REPLICA = 2, 2
-# Round trips one step of a gloo collective pays: a gloo pair sends into a buffer its peer has announced
-# (the receiver's notification crosses first, then the data), so a step costs a round trip, not a one-way
-# delay. Measured through the delay switch, 2 ranks, 100 Mbit/s: a 1.8 MB all_reduce (2 steps) took 149 ms
-# at 0 ms and 441 ms at 150 ms RTT, i.e. +1.97 RTT.
-GLOO_STEP_RTTS = 1.0
-FRAME_HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + TCP timestamps option 12
-# tc tbf caps the Ethernet frames: a full frame carries 1448 bytes of TCP payload in 1514, so the payload moves at
-# 95.6 % of the cap (measured: diloco at 1 Mbit/s blocked 31.5 s on a sync the payload-only model put at 28.5 s)
-TBF_GOODPUT = 1448 / (1448 + FRAME_HEADER_BYTES)
 TRAIN_FLAGS = [
     "--checkpoint.resume=none",
     "--log.progress=false",
@@ -223,113 +217,7 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
     return out
 
 
-# --------------------------------------------------------------------------- planning
-
-
-def run_method(cfg, name: str, H: int | None = None, rank: int | None = None) -> Method:
-    """The planner's ``Method`` for a loaded run config (``H``/``rank`` override the configured ones)."""
-    o, c = cfg.outer, cfg.compress
-    if H is not None and o.method not in ("allreduce", "cocktailsgd"):
-        o = replace(o, sync_every=H)
-    if rank and c.lowrank.enabled:
-        ad = replace(c.adaptive, rank_min=min(c.adaptive.rank_min, rank), rank_max=max(c.adaptive.rank_max, rank))
-        c = replace(c, lowrank=replace(c.lowrank, rank=rank), adaptive=ad)
-    return Method(name, o, c)
-
-
-def predict(
-    cfg,
-    method: str,
-    cap_bps: float | None,
-    step_time_s: float = 1.0,
-    H: int | None = None,
-    rank: int | None = None,
-    rtt_ms: float = 0.0,
-) -> dict:
-    """The plan for this config at this cap and round trip (2 replicas) and the run's own layout;
-    every method setting comes from the config (``H``/``rank`` override it). Each collective step
-    pays one full round trip (``GLOO_STEP_RTTS``), tbf adds none."""
-    tokens = cfg.train.batch_size * cfg.train.seq_len
-    return plan(
-        cfg.model,
-        REPLICAS,
-        math.inf if cap_bps is None else cap_bps,
-        method=run_method(cfg, method, H, rank),
-        tokens_per_step=tokens,
-        latency_s=GLOO_STEP_RTTS * rtt_ms / 1e3,
-        step_time_s=step_time_s,
-        pipeline=cfg.parallel.pipeline,
-        tensor=cfg.parallel.tensor,
-        goodput=1.0 if cap_bps is None else TBF_GOODPUT,
-    )
-
-
-def own_step_time(row: dict, ref: dict, per_step: bool) -> float:
-    """The plan's step time at THIS run's own compute speed: its steady-state window (steps 2..N) minus the time it
-    was blocked on outer collectives there, per step, plus what the collectives cost per step uncapped (``ref``: the
-    method's uncapped no-delay run, whose step time the plan otherwise takes). On 2 shared cores the compute speed of
-    two runs differs by up to ~20 %; at the run's own speed the plan's error is its communication model's alone.
-    ``per_step``: the method blocks on every step, step 1 included (its share is outside the window)."""
-    n = row["steps"]
-    window_s = row["tokens_per_step"] * (n - 1) / row["tokens_per_s"]
-    blocked = row["blocked_s"] * ((n - 1) / n if per_step else 1.0)
-    return max(window_s - blocked, 0.0) / (n - 1) + ref["blocked_s"] / ref["steps"]
-
-
-def add_own_plan(row: dict, ref: dict | None, cfg, method: str) -> None:
-    """``row["plan_own"]``: the plan at the run's own compute speed (``own_step_time``); capped rows only."""
-    if row["cap_bps"] is None or ref is None:
-        return
-    t = own_step_time(row, ref, per_step=method in ("allreduce", "cocktailsgd"))
-    p = predict(cfg, method, row["cap_bps"], t, rtt_ms=row.get("rtt_ms") or 0.0)
-    row["plan_own"] = {"step_time_s": t, "tokens_per_s": p["tokens_per_s"], "utilization": p["utilization"]}
-
-
-def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float, rtt_ms: float = 0.0) -> int:
-    """``steps``, cut so the predicted communication time stays under ``max_comm_s``.
-
-    Whole phases, at least 2 steps.
-    """
-    p = predict(cfg, cfg.outer.method, cap_bps, rtt_ms=rtt_ms)
-    per_step = p["t_comm_s"] / p["H"]
-    if per_step * steps <= max_comm_s:
-        return steps
-    cut = max(1, int(max_comm_s / per_step))
-    return max(p["H"], 2, cut // p["H"] * p["H"])  # >= 2: tokens/s leaves out step 1
-
-
-def join(rows: list[dict]) -> list[dict]:
-    """Add "% of uncapped" and the plan-vs-measured errors to measured rows (pure).
-
-    Each row has ``method``, ``cap_bps`` (None = uncapped), ``rtt_ms`` (absent = 0), the ``summarize``
-    fields, and ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides
-    by the same method's uncapped no-delay run of the SAME number of steps (None where there is none): the
-    first-step warm-up and the drain of the last all-reduce weigh differently in runs of other lengths. Errors are
-    (plan - measured) / measured; utilization errors are in percentage points.
-    """
-    ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None and not r.get("rtt_ms")}
-    for r in rows:
-        u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length, or none
-        r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
-        q = r.get("plan_own")
-        if q:
-            r["plan_own_tokens_per_s"] = q["tokens_per_s"]
-            r["err_own_tokens_per_s_pct"] = 100.0 * (q["tokens_per_s"] / r["tokens_per_s"] - 1.0)
-        p = r.get("plan")
-        if not p:
-            continue
-        r["plan_tokens_per_s"] = p["tokens_per_s"]
-        r["plan_utilization"] = p["utilization"]
-        r["plan_bytes"] = p["wire_bytes_per_replica"] * r["steps"] / p["H"]
-        r["err_tokens_per_s_pct"] = 100.0 * (p["tokens_per_s"] / r["tokens_per_s"] - 1.0)
-        r["err_utilization_pp"] = 100.0 * (p["utilization"] - r["utilization"])
-        r["err_bytes_pct"] = 100.0 * (r["plan_bytes"] / r["bytes_framework"] - 1.0) if r["bytes_framework"] else None
-        q = r.get("plan_as_run")
-        if q and r["bytes_framework"]:
-            r["plan_as_run_bytes"] = q["wire_bytes_per_replica"] * r["steps"] / q["H"]
-            r["err_as_run_bytes_pct"] = 100.0 * (r["plan_as_run_bytes"] / r["bytes_framework"] - 1.0)
-    return rows
-
+# --------------------------------------------------------------------------- planning: bench/wan_plan.py
 
 # --------------------------------------------------------------------------- the bench
 

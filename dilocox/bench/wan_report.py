@@ -134,7 +134,7 @@ def markdown(res: dict) -> str:
         "",
         "*plan tokens/s*: at the step time of the method's uncapped run; *plan at own compute*: at the run's own "
         "compute speed (its steady window less its blocked time, plus the uncapped run's collective time per step), "
-        "so the error is the communication model's alone (`bench.wan.own_step_time`).",
+        "so the error is the communication model's alone (`dilocox/bench/wan_plan.py`).",
         "",
         "### Throughput, utilization and the plan",
         "",

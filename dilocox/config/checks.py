@@ -270,6 +270,17 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         _fail("outer.momentum", o.momentum, "must be in [0, 1)")
     if o.lr <= 0:
         _fail("outer.lr", o.lr, "must be > 0")
+    if not (0.0 <= o.lookahead <= 4.0):
+        _fail("outer.lookahead", o.lookahead, "must be in [0, 4] (1 = start each phase at the predicted outer step)")
+    if o.lookahead > 0 and (o.method != "diloco" or o.overlap != "delayed"):
+        _fail(
+            "outer.lookahead",
+            o.lookahead,
+            f"needs outer.method=diloco with outer.overlap=delayed (it predicts the step the in-flight average makes; "
+            f"here method={o.method!r}, overlap={o.overlap!r}); set outer.lookahead=0 or overlap=delayed",
+        )
+    if o.lookahead > 0 and o.elastic.enabled:
+        _fail("outer.lookahead", o.lookahead, "is not supported with outer.elastic.enabled yet; set outer.lookahead=0")
 
 
 def check_compress(c: CompressConfig) -> None:

@@ -152,6 +152,9 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     overlap: str = "none"  # none | delayed | eager
+    lookahead: float = 0.0  # overlap=delayed: each inner phase starts from θ − lookahead·lr·v, the step the
+    # in-flight average will make as predicted by the outer momentum v (0 = off; 1 = the full prediction); the
+    # pseudo-gradient is taken from that start, so only the start point moves (outer/diloco.py docstring)
     state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
     shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the

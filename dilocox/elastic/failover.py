@@ -58,6 +58,38 @@ DEFAULT_ATTEMPT_S = 2.0  # seconds per quorum request: bounds the wait on a requ
 MIN_ATTEMPT_S = 0.1  # quorum requests are at least this far apart
 MAX_ATTEMPT_FACTOR = 8  # LighthouseFailover: requests on a live lighthouse grow up to this x attempt_s
 
+# This module is the one place in dilocox that touches torchft's private names (issue 25 item 3). They are those
+# of the torchft release below; ``check_torchft_version`` refuses another at the start of an elastic run, and
+# tests/test_elastic.py checks that a real torchft Manager (not a fake) has every one of them, so an upgrade that
+# renames one fails there rather than in a run.
+TORCHFT_TESTED = "0.2."
+MANAGER_PRIVATE = ("_quorum_future", "_client", "_quorum_id", "_commit_failures", "_errored", "_healing")
+CLIENT_PRIVATE = ("_quorum",)  # of ``Manager._client`` (torchft's Rust ManagerClient)
+
+
+def check_torchft_version(version: str | None = None) -> str:
+    """The installed torchft's version (``version`` overrides it, for tests); ImportError naming the fix when it is
+    not the release whose Manager internals this module uses."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("torchft")
+        except PackageNotFoundError as e:
+            raise ImportError("the elastic mode needs torchft: pip install torchft==0.2.0") from e
+    if not version.startswith(TORCHFT_TESTED):
+        raise ImportError(
+            f"torchft {version} is not supported: dilocox's elastic mode uses torchft {TORCHFT_TESTED}x's Manager "
+            f"internals ({', '.join(MANAGER_PRIVATE)}); pip install torchft==0.2.0"
+        )
+    return version
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of ``manager``'s current quorum (-1 before the first; torchft keeps it private)."""
+    return int(manager._quorum_id)
+
 
 class QuorumTimeout(RuntimeError):
     """No quorum within the deadline; ``lighthouse_down_s`` says how long the lighthouse refused connections."""

@@ -37,7 +37,14 @@ from torch import Tensor
 
 from dilocox.config.sections import ElasticSection
 from dilocox.distributed.topology import ExternalGroup
-from dilocox.elastic.failover import DEFAULT_ATTEMPT_S, LighthouseFailover, LighthouseUnreachable, QuorumTimeout
+from dilocox.elastic.failover import (
+    DEFAULT_ATTEMPT_S,
+    LighthouseFailover,
+    LighthouseUnreachable,
+    QuorumTimeout,
+    check_torchft_version,
+    quorum_id,
+)
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -246,9 +253,10 @@ class ElasticOuterGroup:
     ) -> None:
         cfg.validate()
         try:  # lazy: torchft is an optional dependency of the elastic mode only
+            check_torchft_version()
             from torchft import Manager, ProcessGroupGloo
         except ImportError as e:
-            raise ElasticError(f"the elastic outer group needs torchft: pip install torchft==0.2.0 ({e})") from e
+            raise ElasticError(f"the elastic outer group needs torchft 0.2: {e}") from e
         from torch.distributed import TCPStore
 
         self.cfg = cfg
@@ -482,7 +490,7 @@ class ElasticOuterGroup:
                 return ElasticResult(
                     mean=total,
                     contributors=contributors,
-                    quorum_id=self._manager._quorum_id,
+                    quorum_id=quorum_id(self._manager),
                     step=self._manager.current_step(),
                     attempts=attempts,
                     quorum_s=quorum_s,

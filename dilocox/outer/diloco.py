@@ -18,6 +18,12 @@ streaming there is one fragment holding every parameter and sync points n = H, 2
   **θ_{m,p} ← θ_p^t**: the next phase starts from the outer params updated with the
   *previous* average, and this phase's local progress reaches θ only through Δ̄^t at the end
   of the next phase. θ^t is identical on all replicas (Δ̄ is bit-identical).
+  ``outer.lookahead: γ`` > 0 (delay compensation by weight prediction, as SpecTrain predicts pipelined weights
+  from the momentum, Chen et al. 2018): the in-flight average will move θ by about η·v (the Nesterov step with
+  Δ̄^t ≈ (1 − μ) v, the momentum's steady state), so the next phase starts from **θ_{m,p} ← θ_p^t − γ η v_p^t**
+  and its pseudo-gradient is taken from that start, Δ_p^{t+1} = θ_p^t − γ η v_p^t − θ_{m,p} (v is unchanged
+  until that sync, so nothing is stored). θ and the averages stay as without it; only where the replicas
+  compute their next phase moves. θ_{m,p} ← θ_p^t at ``finish``.
 - ``overlap: eager`` (§3, needs τ = 0). As delayed, but with the replica's own fresh
   pseudo-gradient in place of its stale one: Δ̃_m^t = Δ̄^{t−1} + (Δ_m^t − Δ_m^{t−1})/R
   (Δ_m^0 = Δ̄^0 = 0; Δ_m^{t−1} is the uncompressed local pseudo-gradient, as in the paper's
@@ -93,6 +99,9 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self.overlap, self.K, self.tau = ocfg.overlap, s.fragments, s.tau
         streaming = s.fragments > 1 or s.tau > 0
         self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
+        if ocfg.lookahead and (self.overlap != "delayed" or elastic is not None):
+            raise ValueError(f"outer.lookahead={ocfg.lookahead} needs overlap=delayed without elastic mode")
+        self.shift = float(ocfg.lookahead) * ocfg.lr if self.overlap == "delayed" else 0.0  # look-ahead: shift·v
         self.replica_group = topo.group("replica") if topo is not None else None
         self.tp_group = topo.group("tp") if topo is not None else None
         layer_of = layer_of or (lambda name: None)
@@ -175,7 +184,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
             self.outer_step += 1
             self.schedule.advance(p, self.H)
             return
-        delta = st.pseudo_gradient(p)
+        delta = st.pseudo_gradient(p, self.shift)
         delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
         h, self.pending[p] = self.pending[p], None
         prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
@@ -193,7 +202,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         if self.elastic is None:  # launch first: the all-reduce overlaps the outer step below
             self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
         st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
-        st.load_params(p, 0.0)
+        st.load_params(p, 0.0, self.shift)
         self.outer_step += 1
         self.schedule.advance(p, self.H)
         if self.elastic is not None:  # after the outer step: a joiner healed by this all-reduce gets θ^t (elastic.py)

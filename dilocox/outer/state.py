@@ -59,12 +59,16 @@ class OuterState:
 
     # ------------------------------------------------------------------ the rules
     @torch.no_grad()
-    def pseudo_gradient(self, p: int) -> list[Tensor]:
-        """Δ_p = θ_p − θ_{m,p}: fresh fp32 tensors on the params' device, one per parameter."""
+    def pseudo_gradient(self, p: int, shift: float = 0.0) -> list[Tensor]:
+        """Δ_p = θ_p − shift·v_p − θ_{m,p}: fresh fp32 tensors on the params' device, one per parameter. ``shift``:
+        the look-ahead the phase started from (``load_params``), so Δ is the phase's own work from its start."""
         out = []
         for i in self.fragments[p]:
             w = self.params[i]
-            out.append(self.view(self.theta, i).to(w.device, non_blocking=True) - w.detach().float())
+            d = self.view(self.theta, i).to(w.device, non_blocking=True) - w.detach().float()
+            if shift:
+                d.sub_(self.view(self.momentum, i).to(w.device), alpha=shift)
+            out.append(d)
         return out
 
     def flatten(self, tensors: list[Tensor]) -> Tensor:
@@ -82,11 +86,14 @@ class OuterState:
             theta.sub_(v, alpha=lr)
 
     @torch.no_grad()
-    def load_params(self, p: int, alpha: float = 0.0) -> None:
-        """θ_{m,p} ← α θ_{m,p} + (1 − α) θ_p (α = 0: plain reset to the outer params)."""
+    def load_params(self, p: int, alpha: float = 0.0, shift: float = 0.0) -> None:
+        """θ_{m,p} ← α θ_{m,p} + (1 − α) θ_p (α = 0: plain reset to the outer params); ``shift`` (α = 0 only): the
+        reset goes to θ_p − shift·v_p instead (``outer.lookahead``; computed in fp32, then cast)."""
         for i in self.fragments[p]:
             w, theta = self.params[i], self.view(self.theta, i)
-            if alpha == 0.0:
+            if shift and alpha == 0.0:
+                w.copy_((theta - shift * self.view(self.momentum, i)).to(w.device))
+            elif alpha == 0.0:
                 w.copy_(theta)
             else:
                 w.mul_(alpha).add_(theta.to(w.device, w.dtype), alpha=1.0 - alpha)
