@@ -33,6 +33,7 @@ def _knobs(cfg):
         "quant": cfg.compress.quant,
         "lowrank": cfg.compress.lowrank.enabled,
         "adaptive": cfg.compress.adaptive.enabled,
+        "lookahead": cfg.outer.lookahead,
     }
 
 
@@ -45,6 +46,7 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
         "quant": "int4",
         "lowrank": True,
         "adaptive": True,
+        "lookahead": 0.0,
     }
     labels = [label for label, _, _ in ABLATION]
     assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox" in labels
@@ -67,6 +69,9 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
             expect.add("lowrank")
         if "no adaptive" in label:
             expect.add("adaptive")
+        if "look-ahead" in label:
+            expect.add("lookahead")
+            assert got["lookahead"] == float(label.rsplit("lookahead ", 1)[1].rstrip(")"))
         if "0.7/0.9" in label:
             expect |= {"lr", "momentum"}
             assert (got["lr"], got["momentum"]) == (0.7, 0.9)

@@ -60,7 +60,16 @@ ABLATION = [
         "dilocox",
         ["--outer.overlap=none", *_OFF, "--outer.lr=0.7", "--outer.momentum=0.9"],
     ),
-]
+    # the delay remedy tried for issue 23 item 2c (outer.lookahead, ALGORITHMS §3b); without the adaptive
+    # controller the runs are deterministic, so the delay's own cost is read without its timing noise
+    ("dilocox, look-ahead start (lookahead 1)", "dilocox", ["--outer.lookahead=1.0"]),
+    ("dilocox, no adaptive, no delay (blocking)", "dilocox",
+     ["--compress.adaptive.enabled=false", "--outer.overlap=none"]),
+    ("dilocox, no adaptive, look-ahead start (lookahead 1)", "dilocox",
+     ["--compress.adaptive.enabled=false", "--outer.lookahead=1.0"]),
+    ("dilocox, no adaptive, look-ahead start (lookahead 0.5)", "dilocox",
+     ["--compress.adaptive.enabled=false", "--outer.lookahead=0.5"]),
+]  # fmt: skip
 
 
 def run(
