@@ -329,3 +329,9 @@ def test_plan_at_the_runs_own_compute_speed(tmp_path):
     uncapped = {k: v for k, v in row.items() if k != "plan_own"} | {"cap_bps": None}
     wan.add_own_plan(uncapped, ref, cfg, "allreduce")
     assert "plan_own" not in uncapped  # uncapped rows are the reference, not predicted from themselves
+
+
+def test_replan_without_render_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        wan.main(["--replan"])
+    assert e.value.code == 2 and "add --render RESULTS_JSON" in capsys.readouterr().err

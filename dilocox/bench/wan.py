@@ -469,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
     a = ap.parse_args(argv)
+    if (a.replan or a.resummarize) and not a.render:
+        ap.error("--replan and --resummarize work on a finished result: add --render RESULTS_JSON")
     if a.render:
         try:
             with open(a.render) as f:
