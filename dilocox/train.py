@@ -125,7 +125,7 @@ class Trainer:
             layer_of=self.model.param_layer_id,
             n_layers_total=cfg.model.n_layers,
             comm_bandwidth=emulated_bandwidth_bytes(),
-            elastic=self.elastic,
+            group=self.elastic,
         )
         if self.outer is not None:  # every wait on the outer all-reduce: warned about, then bounded
             self.outer.bound_waits(
@@ -459,9 +459,11 @@ class Trainer:
 
 
 def build_elastic_group(cfg: Config, topo):
-    """This rank's ``ElasticOuterGroup`` (one torchft quorum per replica job; rank 0 hosts the store its ranks meet
-    on). The address advertised to the other replicas: DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
+    """This rank's outer group of an elastic run: a ``QuorumGroup`` over an ``ElasticOuterGroup`` (one torchft quorum
+    per replica job; rank 0 hosts the store its ranks meet on). The address advertised to the other replicas:
+    DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
+    from dilocox.elastic.quorum import QuorumGroup
     from dilocox.security import secret_for
 
     e = cfg.outer.elastic
@@ -481,7 +483,7 @@ def build_elastic_group(cfg: Config, topo):
         encrypt=cfg.security.encrypt,
     )
     if topo.world_size == 1:
-        return ElasticOuterGroup(ecfg)
+        return QuorumGroup(ElasticOuterGroup(ecfg))
     store, port = None, [0]
     if topo.rank == 0:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=e.timeout_s))
@@ -489,7 +491,7 @@ def build_elastic_group(cfg: Config, topo):
     dist.broadcast_object_list(port, src=0)
     group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=(host, port[0]))
     group.replica_store = store  # rank 0 keeps the store alive as long as the group
-    return group
+    return QuorumGroup(group)
 
 
 def train(cfg: Config) -> dict:

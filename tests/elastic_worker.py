@@ -20,6 +20,7 @@ import torch
 
 from dilocox.config import CompressConfig, OuterConfig
 from dilocox.elastic import ElasticConfig, ElasticOuterGroup
+from dilocox.elastic.quorum import QuorumGroup
 from dilocox.outer import build_outer
 from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model
 
@@ -72,7 +73,9 @@ def main() -> None:
     ccfg = CompressConfig(quant=a.quant)
     if a.lowrank:
         ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
-    outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, elastic=group)
+    outer = build_outer(
+        list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, group=QuorumGroup(group)
+    )
     n0 = outer.join()
     outer.pop_jump()
     if n0 is not None:

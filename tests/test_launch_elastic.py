@@ -629,7 +629,9 @@ def test_step_clock_reads_the_replicas_progress(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_launch_schedule_by_training_step(tmp_path):
-    """--at step: the kill and restart happen when a replica has logged step 10 and step 25 (0.1 s per step)."""
+    """--at step: the kill and restart happen when a replica has logged step 10 and step 25 (0.1 s per step); a kill
+    scheduled after the run's end is said to be skipped on the console, and every replica's final val loss is
+    printed at the end (issue 22 item 6)."""
     from dilocox.elastic.launch import step_clock
 
     writer = tmp_path / "writer.py"
@@ -639,20 +641,26 @@ def test_elastic_launch_schedule_by_training_step(tmp_path):
         "with open(os.path.join(d, 'metrics.jsonl'), 'a') as f:\n"
         "    for s in range(1, 41):\n"
         "        time.sleep(0.1); f.write(json.dumps({'step': s, 'wall': time.time()}) + '\\n'); f.flush()\n"
+        "    f.write(json.dumps({'summary': {'steps': 40, 'final_val_loss': 2.5 + int(d[-1]) / 8}}) + '\\n')\n"
     )
+    lines: list[str] = []
     run = tmp_path / "run"
     la = ElasticLaunch(
         3,
         lambda r, a: [sys.executable, str(writer), str(run / f"replica{r}")],
         str(run),
-        schedule=parse_schedule(["1@10"], ["1@25"], 3),
+        schedule=parse_schedule(["1@10", "0@100"], ["1@25"], 3),
         env=ENV,
         lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
         timeout_s=60,
-        log=lambda m: None,
+        log=lines.append,
         clock=step_clock(str(run), 3),
     )
     assert la.run() == 0
+    assert "dilocox launch: --kill 0@100 (step) skipped: the run ended first" in lines, lines
+    for r in range(3):  # replica 1's second incarnation wrote its summary: it is the one reported
+        want = f"replica {r}: final val loss {2.5 + r / 8:.4f} after 40 steps (incarnation {int(r == 1)})"
+        assert f"dilocox launch: {want}" in lines, lines
     ev = _events(run)
     kill = next(e for e in ev if e["event"] == "kill")
     restart = next(e for e in ev if e["event"] == "restart")

@@ -23,7 +23,7 @@ from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
 from dilocox.model.parallel_layers import clip_grad_norm_
 from dilocox.optim import build_inner_optimizer
-from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at
+from dilocox.swarm.peer import DIGEST_ENV, lr_at
 from dilocox.swarm.runtime import PeerProc, launch
 from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
 
@@ -261,13 +261,14 @@ def test_two_by_two_routes_and_stage_grads_equal_single_process(tmp_path):
 # ---------------------------------------------------------------------------------------------- DiLoCo-SWARM
 
 
-def _diloco_replica(rank, world, lighthouse, steps, H, seed, impl):
+def _diloco_replica(rank, world, lighthouse, steps, H, seed):
     """One peer of a stage: the reference's model, data and inner AdamW; the stage's outer sync is the peer's
-    (``impl``: the one-peer ``DiLoCoStageSync`` path, or ``build_outer(elastic=...)`` as a multi-peer stage)."""
+    (``build_outer(group=QuorumGroup(...))``, as a multi-peer stage)."""
     from reference_diloco import forward_backward, make_inner_opt, make_model
 
     from dilocox.config import CompressConfig, OuterConfig
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup
+    from dilocox.elastic.quorum import QuorumGroup
     from dilocox.outer import build_outer
 
     group = ElasticOuterGroup(
@@ -279,32 +280,24 @@ def _diloco_replica(rank, world, lighthouse, steps, H, seed, impl):
     model = make_model(seed)
     opt = make_inner_opt(model)
     ocfg = OuterConfig(method="diloco", sync_every=H)
-    if impl == "stage_sync":
-        sync = DiLoCoStageSync(list(model.parameters()), ocfg, group)
-    else:
-        outer = build_outer(list(model.named_parameters()), None, ocfg, CompressConfig(), seed, elastic=group)
+    outer = build_outer(list(model.named_parameters()), None, ocfg, CompressConfig(), seed, group=QuorumGroup(group))
     contributors = []
     try:
         for step in range(steps):
             forward_backward(model, seed, rank, step)
             opt.step()
             opt.zero_grad()
-            if impl == "stage_sync" and (step + 1) % H == 0:
-                contributors.append(sync.step()["outer_contributors"])
-            elif impl != "stage_sync":
-                outer.after_inner_step(step)
-                if (step + 1) % H == 0:
-                    contributors.append(list(outer.contributors))
-        if impl != "stage_sync":
-            outer.finish()
+            outer.after_inner_step(step)
+            if (step + 1) % H == 0:
+                contributors.append(list(outer.contributors))
+        outer.finish()
     finally:
         group.close()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, contributors
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["stage_sync", "build_outer"])
-def test_diloco_stage_sync_equals_reference(impl):
+def test_diloco_stage_sync_equals_reference():
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -316,7 +309,7 @@ def test_diloco_stage_sync_equals_reference(impl):
     steps, H, seed, R = 6, 2, 7, 2
     lh = start_lighthouse(min_replicas=1, bind="127.0.0.1:0", join_timeout_ms=30000)
     try:
-        out = run_ranks(R, _diloco_replica, lh.address(), steps, H, seed, impl, timeout=240)
+        out = run_ranks(R, _diloco_replica, lh.address(), steps, H, seed, timeout=240)
     finally:
         lh.shutdown()
     ref = run_reference(R=R, steps=steps, seed=seed, H=H)

@@ -205,3 +205,27 @@ def cocktail_allreduce(
         sent = (world - 1) * payload.numel()
         stats.add(sent, sent, time.perf_counter() - t0)
     return out
+
+
+class CocktailCodec:
+    """CocktailSGD as the codec of an outer group (``OuterGroup.allreduce_mean(..., codec=)``, outer/group.py): the
+    tensors are concatenated (per-tensor top-k and groups kept), exchanged with ``cocktail_allreduce`` and split back.
+    Its state is the error feedback ``error`` (flat fp32 of every element, updated in place by each call)."""
+
+    lossy = True
+
+    def __init__(self, cfg, numel: int, seed: int, device: torch.device | None = None) -> None:
+        self.cfg, self.seed = cfg, seed
+        self.error = torch.zeros(numel, dtype=torch.float32, device=device or torch.device("cpu"))
+
+    def allreduce_mean(self, tensors: list[torch.Tensor], group, step: int, stats=None) -> list[torch.Tensor]:
+        sizes = [t.numel() for t in tensors]
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        out = cocktail_allreduce(flat, group, self.error, self.cfg, step, stats, self.seed, sizes)
+        return [o.view(t.shape) for o, t in zip(out.split(sizes), tensors)]
+
+    def state_dict(self) -> dict:
+        return {"error": self.error.detach().cpu().clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.error.copy_(sd["error"])

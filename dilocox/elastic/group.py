@@ -386,12 +386,12 @@ class ElasticOuterGroup:
         """
         if flat.dim() != 1 or not torch.is_floating_point(flat):
             raise ValueError(f"allreduce_mean takes a 1-D floating tensor, got shape {tuple(flat.shape)} {flat.dtype}")
-        res = self.run_step(lambda contribute: self._flat_sum(flat, contribute))
+        res = self.run_step(lambda contribute: self.flat_sum(flat, contribute))
         if res.mean is not None and res.contributors:
             res.mean.div_(len(res.contributors))
         return res
 
-    def _flat_sum(self, flat: Tensor, contribute: bool) -> tuple[Tensor, Tensor]:
+    def flat_sum(self, flat: Tensor, contribute: bool) -> tuple[Tensor, Tensor]:
         """ONE all-reduce of ``[flat | one-hot(replica_rank)]`` (zeros when not contributing); (sum, counts)."""
         from torch.distributed import ReduceOp
 
@@ -409,7 +409,7 @@ class ElasticOuterGroup:
 
     def count_contributors(self, contribute: bool) -> Tensor:
         """The one-hot contributor counts alone (a ``max_replicas``-float all-reduce); for the compressed path."""
-        return self._flat_sum(torch.zeros(0), contribute)[1]
+        return self.flat_sum(torch.zeros(0), contribute)[1]
 
     def run_step(self, body: Callable[[bool], tuple[Tensor | None, Tensor]], contribute: bool = True) -> ElasticResult:
         """One outer step: quorum (healing this replica if it is behind), ``body(contribute)`` -> (sum or None,

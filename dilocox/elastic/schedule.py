@@ -59,23 +59,33 @@ def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> lis
 # --------------------------------------------------------------------------- the step clock
 
 
-def last_step(metrics_path: str) -> int:
-    """The last ``step`` logged in a ``metrics.jsonl`` (0 if none yet); reads only the file's tail."""
+def _tail_records(metrics_path: str, nbytes: int):
+    """The JSON objects of the last ``nbytes`` of a ``metrics.jsonl``, newest first (a line cut by the seek or by a
+    kill is skipped); nothing when the file is missing."""
     try:
         with open(metrics_path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
+            f.seek(max(0, f.tell() - nbytes))
             tail = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
-        return 0
+        return
     for line in reversed(tail):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut by the seek or by a kill
-        if isinstance(rec, dict) and "step" in rec:
-            return int(rec["step"])
-    return 0
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def last_step(metrics_path: str) -> int:
+    """The last ``step`` logged in a ``metrics.jsonl`` (0 if none yet); reads only the file's tail."""
+    return next((int(rec["step"]) for rec in _tail_records(metrics_path, 8192) if "step" in rec), 0)
+
+
+def last_summary(metrics_path: str) -> dict | None:
+    """The ``summary`` record a run logged last in ``metrics.jsonl`` (None if there is none yet)."""
+    return next((r["summary"] for r in _tail_records(metrics_path, 65536) if isinstance(r.get("summary"), dict)), None)
 
 
 def step_clock(run_dir: str, n: int) -> Callable[[], float]:

@@ -17,7 +17,7 @@ import uuid
 from typing import Callable, Sequence
 
 from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged, tagged_pids
-from dilocox.elastic.schedule import Action, LaunchError
+from dilocox.elastic.schedule import Action, LaunchError, last_summary
 from dilocox.launch.netns import HUB_ADDR, Cluster, kill_group
 
 LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
@@ -244,7 +244,7 @@ class ElasticLaunch:
                 rep = self.replicas[act.replica]
                 if act.kind == "kill":
                     if rep.code is not None:
-                        self.event("kill", replica=rep.r, skipped="already exited")
+                        self._skip(act, "already exited")
                         continue
                     rep.killed = True
                     pids = self._kill_replica(rep, signal.SIGKILL)
@@ -256,7 +256,7 @@ class ElasticLaunch:
                     self.log(f"dilocox launch: killed replica {rep.r} (SIGKILL) at {now:.1f} s{self._where(at)}")
                 else:
                     if not running:
-                        self.event("restart", replica=rep.r, skipped="no replica left running")
+                        self._skip(act, "no replica left running")
                         continue
                     self._start_replica(rep, "restart")
                     self.log(f"dilocox launch: restarted replica {rep.r} at {now:.1f} s{self._where(at)}")
@@ -265,12 +265,35 @@ class ElasticLaunch:
                 break
             time.sleep(0.05)
         for act in pending:
-            self.event(act.kind, replica=act.replica, skipped="the run ended first", at_s=act.at_s)
+            self._skip(act, "the run ended first")
+        self._report_losses()
         codes = [rep.code for rep in self.replicas if not rep.killed]
         return next((c for c in codes if c), 0)
 
     def _where(self, at: float) -> str:
         return "" if self.clock is None else f" (schedule clock {at:g})"
+
+    def _skip(self, act: Action, why: str) -> None:
+        """A scheduled kill/restart that did not happen: in events.jsonl and on the console (a user who asked for a
+        restart must see that none happened, and why)."""
+        self.event(act.kind, replica=act.replica, skipped=why, at_s=act.at_s)
+        unit = "step" if self.clock is not None else "s"
+        self.log(f"dilocox launch: --{act.kind} {act.replica}@{act.at_s:g} ({unit}) skipped: {why}")
+
+    def _report_losses(self) -> None:
+        """One line per replica: its final validation loss (the summary its last incarnation logged), or why none."""
+        for rep in self.replicas:
+            summary = None
+            if not rep.killed and rep.code == 0:  # (a summary in the file could be an earlier run's otherwise)
+                summary = last_summary(os.path.join(self.run_dir, f"replica{rep.r}", "metrics.jsonl"))
+            if summary is None or summary.get("final_val_loss") is None:
+                why = "killed" if rep.killed else f"exit code {rep.code}" if rep.code else "no summary logged"
+                self.log(f"dilocox launch: replica {rep.r}: no final val loss ({why})")
+                continue
+            self.log(
+                f"dilocox launch: replica {rep.r}: final val loss {float(summary['final_val_loss']):.4f} "
+                f"after {summary.get('steps')} steps (incarnation {rep.incarnation})"
+            )
 
     def _stop_replicas(self, sig: int) -> None:
         """Ask (``sig``; torchrun forwards it: the ranks save and exit), wait ``stop_timeout_s``, then SIGKILL."""

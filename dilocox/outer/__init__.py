@@ -4,6 +4,8 @@
 - ``gradsync.GradientSync``: per-step methods (allreduce, cocktailsgd): the mean of the gradients.
 - ``diloco.DiLoCoOuter``: the DiLoCo family (overlap none/delayed/eager, streaming fragments, adaptive).
 - ``base.OuterBase``: their common comm thread, stats and checkpoint fields.
+- ``group.OuterGroup``: the replicas they average over (a fixed process group, or a torchft quorum:
+  ``dilocox.elastic.quorum.QuorumGroup``).
 - ``state.OuterState``: flat fp32 outer params θ and Nesterov momentum v of the shard.
 - ``fragments``: Streaming DiLoCo fragment assignment and sync schedule; ``dp_shard``: inner-DP sharding.
 """
@@ -20,6 +22,7 @@ from dilocox.outer.diloco import METHODS as FAMILY
 from dilocox.outer.diloco import DiLoCoOuter
 from dilocox.outer.gradsync import METHODS as PER_STEP
 from dilocox.outer.gradsync import GradientSync
+from dilocox.outer.group import FixedGroup, OuterGroup
 
 
 def build_outer(
@@ -32,22 +35,22 @@ def build_outer(
     n_layers_total: int = 0,
     comm_delay_s: float = 0.0,
     comm_bandwidth: float | None = None,
-    elastic=None,
+    group: OuterGroup | None = None,
 ) -> OuterBase | None:
     """The outer object of ``ocfg.method`` over this rank's ``named_params`` (None for ``none``).
 
     ``layer_of``/``n_layers_total`` place parameters in streaming fragments (DiLoCo family only);
     ``comm_delay_s``/``comm_bandwidth`` emulate the link on the comm thread (distributed/comm.py).
-    ``elastic``: an ``ElasticOuterGroup`` (DiLoCo family only): the outer group is the torchft quorum of the
-    replicas alive at each outer step (outer/elastic.py).
+    ``group``: the replicas to average over (group.py); default the fixed ``outer`` process group of ``topo``. A
+    group that heals (the torchft quorum of ``outer.elastic``) needs the DiLoCo family.
     """
     if ocfg.method == "none":
         return None
-    if elastic is not None and ocfg.method not in FAMILY:
+    if group is not None and group.heals and ocfg.method not in FAMILY:
         raise ConfigError(f"outer.elastic needs outer.method in {list(FAMILY)}, not {ocfg.method!r}")
     if ocfg.method in PER_STEP:
         return GradientSync(
-            named_params, topo, ocfg, ccfg, seed, comm_delay_s=comm_delay_s, comm_bandwidth=comm_bandwidth
+            named_params, topo, ocfg, ccfg, seed, comm_delay_s=comm_delay_s, comm_bandwidth=comm_bandwidth, group=group
         )
     if ocfg.method in FAMILY:
         return DiLoCoOuter(
@@ -60,9 +63,9 @@ def build_outer(
             n_layers_total=n_layers_total,
             comm_delay_s=comm_delay_s,
             comm_bandwidth=comm_bandwidth,
-            elastic=elastic,
+            group=group,
         )
     raise ConfigError(f"outer.method={ocfg.method!r} is not one of {['none', *PER_STEP, *FAMILY]}")
 
 
-__all__ = ["DiLoCoOuter", "GradientSync", "OuterBase", "build_outer"]
+__all__ = ["DiLoCoOuter", "FixedGroup", "GradientSync", "OuterBase", "OuterGroup", "build_outer"]

@@ -19,6 +19,7 @@ from torch import nn
 from dilocox.compress.collectives import CommStats
 from dilocox.config import CompressConfig, OuterConfig
 from dilocox.distributed.comm import AsyncComm, CommHandle
+from dilocox.outer.group import FixedGroup, OuterGroup
 
 
 class OuterBase:
@@ -26,11 +27,13 @@ class OuterBase:
 
     Args:
         named_params: this rank's ``(name, parameter)`` list (its stage and TP slice).
-        topo: the Topology (None: a single process); ``group("outer")`` and ``ranks["outer"]`` are used.
+        topo: the Topology (None: a single process).
         ocfg, ccfg: ``outer`` and ``compress`` config sections.
         seed: shared by all replicas (compressor random projections/masks).
         comm_delay_s, comm_bandwidth: link emulation on the comm thread (seconds per
             all-reduce; bytes/s token bucket), see distributed/comm.py.
+        group: the replicas to average over (``OuterGroup``, group.py); default: the fixed process group
+            ``topo.group("outer")`` (``FixedGroup``).
     """
 
     def __init__(
@@ -42,12 +45,13 @@ class OuterBase:
         seed: int,
         comm_delay_s: float = 0.0,
         comm_bandwidth: float | None = None,
+        group: OuterGroup | None = None,
     ) -> None:
         self.ocfg, self.ccfg, self.method, self.seed = ocfg, ccfg, ocfg.method, seed
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.topo = topo
-        self.group = topo.group("outer") if topo is not None else None
+        self.group: OuterGroup = group if group is not None else FixedGroup.of(topo)
         self.R = len(topo.ranks["outer"]) if topo is not None else 1
         self.H = ocfg.sync_every
         self.outer_step = 0

@@ -44,9 +44,22 @@ never communicated is dropped (choose train.steps as a multiple of H to lose not
 With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
 1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
 outer step (``dp_shard.py``): same parameters, 1/D of the slow-link bytes.
-With a single replica (outer group None) nothing is sent and the "all-reduce" is the
-compressor's local round trip (the identity for quant none): one replica sees the same
-compression error as many.
+The replicas are an ``OuterGroup`` (group.py), the only way out of the replica: the fixed ``outer`` process
+group (``FixedGroup``; with a single replica nothing is sent and the "all-reduce" is the compressor's local round
+trip, the identity for quant none: one replica sees the same compression error as many), or a torchft quorum of
+the replicas alive at each outer step (``elastic/quorum.QuorumGroup``: ``outer.elastic`` and a SWARM stage's
+peers). One order for every group: the outer step, then the launch of the next all-reduce, so a snapshot taken
+right before the launch holds θ^t.
+
+Live join (a group that ``heals``, docs/ELASTIC.md): a replica that is behind (new, restarted, or one whose
+commit failed) is healed inside the quorum: rank i of it receives the snapshot of rank i of a live replica taken
+on the main thread right before that replica's launch: θ, the outer momentum, the outer step, the schedule and the
+inner step ``n`` of the sync point (tensors by reference: the main thread does not touch θ or v until it has
+waited for that all-reduce, and the peer has fetched them before it). The healed replica contributes nothing to
+that step, takes the average like everyone, resets its error feedback and starts its next phase from θ at step
+``n`` (``pop_jump``); from then on it is bit-identical to the others (overlap none/delayed). The owner may add its
+own state to the snapshot (``snapshot_extra`` / ``load_extra``; the SWARM peer hands over its AdamW state so).
+Eager's 1/R is the number of replicas that contributed to the last average.
 """
 
 from __future__ import annotations
@@ -64,19 +77,20 @@ from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
 from dilocox.distributed.comm import CommHandle, DoneHandle
 from dilocox.outer.base import OuterBase
 from dilocox.outer.dp_shard import DataShard, shard_over_data
-from dilocox.outer.elastic import ElasticMixin, elastic_allreduce
 from dilocox.outer.fragments import SyncSchedule, assign_fragments
+from dilocox.outer.group import OuterGroup
 from dilocox.outer.state import OuterState
 
 METHODS = ("diloco",)
 
 
-class DiLoCoOuter(ElasticMixin, OuterBase):
+class DiLoCoOuter(OuterBase):
     """Outer optimizer and communication of one rank's shard (see the module docstring).
 
     Args (besides OuterBase's):
         layer_of: parameter name -> global layer id, None outside the layers (fragments).
         n_layers_total: number of layers of the whole model (checks layer ids).
+        group: the replicas (``OuterGroup``; default the fixed ``outer`` process group of ``topo``).
     """
 
     def __init__(
@@ -90,16 +104,16 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         n_layers_total: int = 0,
         comm_delay_s: float = 0.0,
         comm_bandwidth: float | None = None,
-        elastic=None,
+        group: OuterGroup | None = None,
     ) -> None:
         if ocfg.method not in METHODS:
             raise ValueError(f"DiLoCoOuter handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
-        super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth)
+        super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth, group)
         s = ocfg.streaming
         self.overlap, self.K, self.tau = ocfg.overlap, s.fragments, s.tau
         streaming = s.fragments > 1 or s.tau > 0
         self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
-        if ocfg.lookahead and (self.overlap != "delayed" or elastic is not None):
+        if ocfg.lookahead and (self.overlap != "delayed" or self.group.heals):
             raise ValueError(f"outer.lookahead={ocfg.lookahead} needs overlap=delayed without elastic mode")
         self.shift = float(ocfg.lookahead) * ocfg.lr if self.overlap == "delayed" else 0.0  # look-ahead: shift·v
         self.replica_group = topo.group("replica") if topo is not None else None
@@ -131,19 +145,33 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self._h_agree: CommHandle | None = None  # the outer-group max of the last H proposals (``_agree_max``)
         self._step_times: list[float] = []
         self._t_end: float | None = None
-        self.elastic = None
-        if elastic is not None:
-            self._init_elastic(elastic)
+        # the live join (module docstring)
+        self.contributors: list[int] = list(self.group.contributors)  # of the last average
+        self._c_prev = max(1, len(self.contributors))  # eager's 1/R
+        self._snap: dict | None = None  # what a joiner gets (set on the main thread at each launch)
+        self._healed_sd: dict | None = None  # what this replica got (set on the comm thread by a heal)
+        self._jump: int | None = None  # set by a heal: the inner step to continue from
+        self.healed_at: int | None = None
+        # the owner's part of the snapshot (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called with every
+        # snapshot (main thread, right before the launch: return copies of what the main thread changes while that
+        # all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
+        self.snapshot_extra: Callable[[], object] | None = None
+        self.load_extra: Callable[[object], None] | None = None
+        if self.group.heals:
+            # a received state holds θ, the outer momentum and the owner's extra (a SWARM peer's AdamW: 2 x params):
+            # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (elastic/transfer.py)
+            st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
+            self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
 
     def _allreduce(self, comp, tensors: list[Tensor], step: int, contribute: bool = True) -> list[Tensor]:
-        """Runs on the comm thread: the compressor's blocking mean over the outer group.
+        """Runs on the comm thread: the mean over the outer group with the compressor ``comp`` (group.py)."""
+        return self.group.allreduce_mean(tensors, step, contribute, codec=comp, stats=self.comm_stats)
 
-        With one replica (group None) nothing is sent; the compressor still applies its
-        round trip, so the result is Δ itself for quant none and C(Δ) otherwise.
-        Elastic (``outer.elastic``): the mean over the replicas alive and contributing now (elastic.py)."""
-        if self.elastic is not None:
-            return elastic_allreduce(self, comp, tensors, step, contribute)
-        return comp.allreduce_mean(tensors, self.group, step, self.comm_stats)
+    def _launch(self, p: int, delta: list[Tensor], n: int) -> None:
+        """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce."""
+        if self.group.heals:
+            self._snapshot(n)
+        self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
 
     def _dp_broadcast(self, frags) -> None:
         if self.dp_shard is not None:
@@ -162,9 +190,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         self.crossed_replicas = bool(syncing or self.schedule.launches_at(n))
         if self.overlap == "none":
             for p in self.schedule.launches_at(n):
-                if self.elastic is not None:
-                    self._elastic_snapshot(n)
-                self.pending[p] = self._submit(self._allreduce, self.compressors[p], self.state.pseudo_gradient(p), n)
+                self._launch(p, self.state.pseudo_gradient(p), n)
         for p in syncing:
             self._sync(p, n)
         self._dp_broadcast(syncing)
@@ -177,7 +203,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         if self.overlap == "none":
             h, self.pending[p] = self.pending[p], None
             avg = st.flatten(self._wait(h))
-            self._after_elastic_wait()
+            self._after_wait()
             st.outer_step(p, avg, o.lr, o.momentum, o.nesterov)
             self._adapt(p, h)
             st.load_params(p, self.alpha)
@@ -188,26 +214,22 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
         h, self.pending[p] = self.pending[p], None
         prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
-        if self._after_elastic_wait():  # healed: this phase started from a stale θ; restart it from the live θ
+        if self._after_wait():  # healed: this phase started from a stale θ; restart it from the live θ
             self._resume_healed(p, prev)
             return
         if h is not None:
             self._adapt(p, h)
         if self.overlap == "eager":
             own = self.own_prev[p] if self.own_prev[p] is not None else torch.zeros_like(delta_flat)
-            grad = prev + (delta_flat - own) / self._R_prev()
+            grad = prev + (delta_flat - own) / self._c_prev
             self.own_prev[p] = delta_flat
         else:
             grad = prev
-        if self.elastic is None:  # launch first: the all-reduce overlaps the outer step below
-            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
         st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
         st.load_params(p, 0.0, self.shift)
         self.outer_step += 1
         self.schedule.advance(p, self.H)
-        if self.elastic is not None:  # after the outer step: a joiner healed by this all-reduce gets θ^t (elastic.py)
-            self._elastic_snapshot(n)
-            self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
+        self._launch(p, delta, n)  # after the outer step: a joiner healed by this all-reduce gets θ^t
 
     def _adapt(self, p: int, h: CommHandle) -> None:
         """§7: new rank for the next launch, new H for the next phase (thread is idle here)."""
@@ -250,10 +272,7 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
         stays blocking. The first outer step keeps the configured H (the same on every rank).
         """
         t = torch.tensor([value], dtype=torch.int64, device=self.params[0].device)
-        prev, self._h_agree = (
-            self._h_agree,
-            (self.comm.submit(_max_over, t, self.group) if self.group is not None else DoneHandle(t)),
-        )
+        prev, self._h_agree = self._h_agree, self.comm.submit(self.group.agree_max, t)
         if prev is None:
             return self.H
         got = self._wait(prev).clone()
@@ -271,9 +290,9 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
             if h is None:
                 continue
             grad = st.flatten(self._wait(h))
-            self._after_elastic_wait()
+            self._after_wait()
             if self.overlap == "eager" and self.own_prev[p] is not None:
-                grad = grad - self.own_prev[p] / self._R_prev()
+                grad = grad - self.own_prev[p] / self._c_prev
                 self.own_prev[p] = None
             st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
             self.outer_step += 1
@@ -282,6 +301,99 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
             st.load_params(p, 0.0)
         self._dp_broadcast(range(self.K))
         self.comm.shutdown()
+
+    @property
+    def stats(self) -> dict:
+        out = super().stats
+        out["replicas"] = len(self.contributors)  # replicas averaged in the last outer step (an outage shows)
+        return out
+
+    # ------------------------------------------------------------------ the live join (module docstring)
+    def _snapshot(self, n: int) -> None:
+        self._snap = {
+            "valid": True,
+            "n": n,
+            "outer_step": self.outer_step,
+            "H": self.H,
+            "schedule": self.schedule.state_dict(),
+            "theta": self.state.theta,
+            "momentum": self.state.momentum,
+            "overlap": self.overlap,
+            "extra": self.snapshot_extra() if self.snapshot_extra is not None else None,
+        }
+
+    def _heal_state(self) -> dict:
+        return self._snap if self._snap is not None else {"valid": False}
+
+    def _heal_load(self, sd: dict) -> None:
+        if not sd.get("valid", False):
+            raise RuntimeError("the live replica chosen to heal this one has not launched an outer step yet")
+        self._healed_sd = sd  # applied on the main thread (_after_wait)
+
+    def _after_wait(self) -> bool:
+        """Main thread, after waiting for an all-reduce: who contributed; apply a heal. True if this replica was
+        healed."""
+        self.contributors = list(self.group.contributors)
+        self._c_prev = max(1, len(self.contributors))
+        sd, self._healed_sd = self._healed_sd, None
+        if sd is None:
+            return False
+        st = self.state
+        if sd["overlap"] != self.overlap:
+            raise RuntimeError(
+                f"the live replicas run outer.overlap={sd['overlap']!r}, this replica {self.overlap!r}: use one setting"
+            )
+        st.theta.copy_(sd["theta"].to(st.theta.device))
+        st.momentum.copy_(sd["momentum"].to(st.momentum.device))
+        self.outer_step = int(sd["outer_step"])
+        self.H = int(sd["H"])
+        self.schedule.load_state_dict(sd["schedule"])
+        for c in self.compressors:
+            c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left
+        self.own_prev = [None] * self.K
+        self.healed_at = self._jump = int(sd["n"])
+        if self.load_extra is not None and sd.get("extra") is not None:
+            self.load_extra(sd["extra"])
+        return True
+
+    def _resume_healed(self, p: int, avg: Tensor) -> None:
+        """delayed/eager after a heal: θ^t is the source's (it already stepped); the average ``avg`` of that step is
+        consumed at the end of the next phase, which starts now from θ (the caller continues at ``pop_jump()``)."""
+        shapes = self.state.shapes(p)
+        parts = avg.split([s.numel() for s in shapes])
+        self.pending[p] = DoneHandle([t.view(s).clone() for t, s in zip(parts, shapes)], 0.0)
+        self.state.load_params(p, 0.0)
+
+    def pop_jump(self) -> int | None:
+        """After a heal: the inner step the live replicas are at (the caller continues there, from θ); else None."""
+        n, self._jump = self._jump, None
+        return n
+
+    @torch.no_grad()
+    def join(self) -> int | None:
+        """Take part in the live replicas' current outer step without contributing (start-up of every elastic
+        replica). Returns the inner step ``n`` to continue from when a live replica's state was received
+        (θ, momentum, outer step, schedule; params set to θ), None when nobody was ahead (a fresh start, a
+        whole-job restart from checkpoints: every replica keeps its own state, or a fixed group)."""
+        if not self.group.heals:
+            return None
+        for c in self.compressors:
+            c.errors = None  # nothing of this replica enters the step it joins
+        zeros = [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in self.state.shapes(0)]
+        h = self.comm.submit(self._allreduce, self.compressors[0], zeros, 0, False)
+        avg = self.state.flatten(self._wait(h))
+        if not self._after_wait():
+            return None
+        n = self.healed_at
+        st, o = self.state, self.ocfg
+        if self.overlap == "none":  # the source launched before its outer step: finish it as the source will
+            st.outer_step(0, avg, o.lr, o.momentum, o.nesterov)
+            self.outer_step += 1
+            self.schedule.advance(0, self.H)
+        else:
+            self._resume_healed(0, avg)
+        st.load_params(0, 0.0)
+        return n
 
     # ------------------------------------------------------------------ checkpoints
     def _method_state_dict(self) -> dict:
@@ -335,9 +447,3 @@ class DiLoCoOuter(ElasticMixin, OuterBase):
             self.controller.load_state_dict(sd["controller"])
         h = sd.get("h_agreed")
         self._h_agree = DoneHandle(torch.tensor([h], dtype=torch.int64, device=dev)) if h is not None else None
-
-
-def _max_over(t: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce MAX in place on the comm thread; returns the tensor (the handle's result)."""
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t

@@ -80,13 +80,12 @@ from dilocox.swarm import membership, peer_sync
 from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, rpc_security, store_key
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
-from dilocox.swarm.peer_sync import DiLoCoStageSync
 from dilocox.swarm.routing import NoLivePeer
 from dilocox.swarm.step_end import StepEnd
 from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 
-# (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, DiLoCoStageSync, lr_at, make_router, ...`` keeps working)
-__all__ = ["DIGEST_ENV", "DiLoCoStageSync", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
+# (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, lr_at, make_router, ...`` keeps working)
+__all__ = ["DIGEST_ENV", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
 
 log = logging.getLogger("dilocox.swarm.peer")
 
@@ -240,21 +239,24 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             )
         if self.m > 1 or self.s.rebalance_period_s > 0:  # rebalancing: a one-peer stage may gain a peer later
             from dilocox.elastic import ElasticConfig, ElasticOuterGroup
+            from dilocox.elastic.quorum import QuorumGroup
 
             if not self.lighthouse:
                 raise SwarmError(f"{self.name}: stage {self.stage} has {self.m} peers but no lighthouse address")
-            self.group = ElasticOuterGroup(
-                ElasticConfig(
-                    lighthouse_addr=self.lighthouse,
-                    replica_rank=self.index,
-                    min_replicas=1,
-                    initial_replicas=1 if self.join else self.m,  # a joiner meets the live peers, however many
-                    max_replicas=max(self.m, sum(self.pps)),  # room for the index of a peer moved here
-                    timeout_s=self.s.sync_timeout_s,
-                    quorum_timeout_s=self.s.sync_timeout_s,
-                    host=self.s.host,
-                    secret=run_secret(),  # (the peers' RPC secret also guards a joiner's state)
-                    encrypt=run_encrypts(),
+            self.group = QuorumGroup(
+                ElasticOuterGroup(
+                    ElasticConfig(
+                        lighthouse_addr=self.lighthouse,
+                        replica_rank=self.index,
+                        min_replicas=1,
+                        initial_replicas=1 if self.join else self.m,  # a joiner meets the live peers, however many
+                        max_replicas=max(self.m, sum(self.pps)),  # room for the index of a peer moved here
+                        timeout_s=self.s.sync_timeout_s,
+                        quorum_timeout_s=self.s.sync_timeout_s,
+                        host=self.s.host,
+                        secret=run_secret(),  # (the peers' RPC secret also guards a joiner's state)
+                        encrypt=run_encrypts(),
+                    )
                 )
             )
             if self.s.sync == "swarm":  # (diloco: the DiLoCo outer object sets its own state transfer)
@@ -268,11 +270,9 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.ready.set()
 
     def _build_outer(self):
-        """The stage's DiLoCo outer loop: ``dilocox.outer.build_outer`` over the torchft group of the stage's peers
-        (so outer.overlap and the compress options apply as in the replica mode); a one-peer stage has no group
-        to average over and takes the plain outer step on its own (``DiLoCoStageSync``)."""
-        if self.group is None:
-            return DiLoCoStageSync(self.params, self.cfg.outer, None)
+        """The stage's DiLoCo outer loop: ``dilocox.outer.build_outer`` over the torchft quorum of the stage's peers
+        (so outer.overlap and the compress options apply as in the replica mode); a one-peer stage without
+        rebalancing has no quorum and is a single replica (``FixedGroup(None)``: the same outer step on its own)."""
         from dilocox.outer import build_outer
 
         outer = build_outer(
@@ -283,11 +283,12 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             seed=self.cfg.train.seed,
             layer_of=self.model.param_layer_id,
             n_layers_total=self.cfg.model.n_layers,
-            elastic=self.group,
+            group=self.group,
         )
         outer.bound_waits(2 * self.s.sync_timeout_s, self.cfg.outer.warn_after_s)
-        peer_sync.hand_over_adamw(self, outer)  # a joiner gets a live peer's AdamW state with θ and v
-        peer_sync.note_quorums(self, self.group)  # (ping tells a joiner whether an outer quorum waits for it)
+        if self.group is not None:
+            peer_sync.hand_over_adamw(self, outer)  # a joiner gets a live peer's AdamW state with θ and v
+            peer_sync.note_quorums(self, self.group)  # (ping tells a joiner whether an outer quorum waits for it)
         return outer
 
     # ------------------------------------------------------------------ RPC handlers
@@ -391,7 +392,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             if leaving:
                 membership.leave(self, k)
                 break
-        if self.outer is not None and not isinstance(self.outer, DiLoCoStageSync):
+        if self.outer is not None:
             self.outer.finish()  # applies what is in flight (outer.overlap delayed/eager)
         with self.cv:  # requests still running (ones their caller gave up on) end within their budget
             if not self.cv.wait_for(lambda: self.active == 0, timeout=self.s.step_timeout_s):
@@ -455,9 +456,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         if self.s.sync == "swarm":
             flat = torch.cat([grad_sum, torch.tensor([float(count)])])
             if self.group is not None:
-                res = self.group.allreduce_mean(flat)
-                flat = res.mean
-                rec["contributors"] = res.contributors
+                [flat] = self.group.allreduce_mean([flat], k)
+                rec["contributors"] = list(self.group.contributors)
             total = float(flat[-1])  # mean count; the ratio below is sum / total count exactly as weights cancel
             g = peer_sync.clip_global(self, k, flat[:-1] / total if total > 0 else None, rec)  # optim.grad_clip
             if total > 0:
@@ -467,14 +467,11 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             if count:
                 self._set_grads(peer_sync.clip_local(self, grad_sum / count, rec))  # optim.grad_clip: own norm
                 self.opt.step()
-            H = self.cfg.outer.sync_every
-            if isinstance(self.outer, DiLoCoStageSync):
-                if (k + 1) % H == 0:
-                    rec.update(self.outer.step())
-            else:
-                self.outer.after_inner_step(k)
-                if (k + 1) % H == 0:
-                    rec.update({"outer": True, "outer_contributors": list(getattr(self.outer, "contributors", []))})
+            self.outer.after_inner_step(k)
+            if (k + 1) % self.cfg.outer.sync_every == 0:
+                rec["outer"] = True
+                if self.group is not None:
+                    rec["outer_contributors"] = list(self.outer.contributors)
         self.opt.zero_grad(set_to_none=True)
         rec["sync_s"] = time.monotonic() - t0
         if self.digests:
@@ -510,7 +507,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
     def close(self) -> None:
         self.server.close()
-        if self.outer is not None and not isinstance(self.outer, DiLoCoStageSync):
+        if self.outer is not None:
             self.outer.close(timeout=5.0)
         if self.group is not None:
             self.group.close()

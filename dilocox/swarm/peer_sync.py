@@ -19,10 +19,10 @@ Gradient clipping (``optim.grad_clip`` > 0), the same formula as the pipeline en
   most the model's).
 
 DiLoCo-SWARM join (``--join`` with ``swarm.sync=diloco``): the stage's peers meet only every H = ``outer.sync_every``
-steps, in the DiLoCo outer step over the torchft quorum (``build_outer(..., elastic=group)``). The joiner pings its
+steps, in the DiLoCo outer step over the torchft quorum (``build_outer(..., group=QuorumGroup)``). The joiner pings its
 stage's peers until one is in the last inner step of an outer phase or in the outer sync that ends it, waiting for its
 quorum (bounded by ``swarm.sync_timeout_s`` × H), then takes part in that outer step without contributing
-(``ElasticMixin.join``): torchft heals it with the live peer's snapshot (θ, outer momentum, outer step, schedule, inner
+(``DiLoCoOuter.join``): torchft heals it with the live peer's snapshot (θ, outer momentum, outer step, schedule, inner
 step and, through ``hand_over_adamw``, the AdamW state), it applies the same outer step, so it leaves that sync with
 params and AdamW state bit-identical to the source's, and serves from the next step. Why "or waiting for its
 quorum": the joiner's torchft manager heartbeats the lighthouse from its start, and the lighthouse forms no quorum
@@ -126,10 +126,11 @@ def state_digest(peer) -> str:
 
 
 def hand_over_adamw(peer, outer) -> None:
-    """Add the peer's AdamW state to the DiLoCo outer snapshot that torchft sends a joiner (``ElasticMixin``
-    hooks). With outer.overlap none and no streaming delay the snapshot holds references: the main thread waits
-    for that all-reduce (which the joiner joins only after its download) before its next AdamW step. Otherwise
-    the inner steps go on while the all-reduce runs, and the state is copied at the snapshot."""
+    """Add the peer's AdamW state to the DiLoCo outer snapshot that torchft sends a joiner (``DiLoCoOuter``'s
+    ``snapshot_extra``/``load_extra``). With outer.overlap none and no streaming delay the snapshot holds
+    references: the main thread waits for that all-reduce (which the joiner joins only after its download) before
+    its next AdamW step. Otherwise the inner steps go on while the all-reduce runs, and the state is copied at the
+    snapshot."""
     live = outer.overlap == "none" and outer.tau == 0
 
     def snapshot():
@@ -259,18 +260,19 @@ def join_swarm(peer) -> int:
         return join_diloco(peer)
     t0 = time.monotonic()
     n = sum(p.numel() for p in peer.params)
-    res = peer.group.allreduce_mean(torch.zeros(n + 1))
-    if not res.healed or peer._healed_step is None:
+    group = peer.group
+    [mean] = group.allreduce_mean([torch.zeros(n + 1)], 0)  # healed: contributes nothing, receives the mean
+    if not group.healed or peer._healed_step is None:
         raise SwarmError(
             f"{peer.name}: joined, but no live peer of stage {peer.stage} sent its state (contributors "
-            f"{res.contributors}); start a joiner only while its stage is training"
+            f"{group.contributors}); start a joiner only while its stage is training"
         )
     k = peer._healed_step
-    total = float(res.mean[-1])
+    total = float(mean[-1])
     for g in peer.opt.param_groups:
         g["lr"] = lr_at(k, peer.cfg)
-    rec = {"step": k, "peer": peer.name, "joined": True, "contributors": res.contributors}
-    g = clip_global(peer, k, res.mean[:-1] / total if total > 0 else None, rec)
+    rec = {"step": k, "peer": peer.name, "joined": True, "contributors": list(group.contributors)}
+    g = clip_global(peer, k, mean[:-1] / total if total > 0 else None, rec)
     if total > 0:
         peer._set_grads(g)
         peer.opt.step()
@@ -286,32 +288,3 @@ def join_swarm(peer) -> int:
     peer._write_record(rec)
     log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", peer.name, k, k + 1)
     return k + 1
-
-
-class DiLoCoStageSync:
-    """DiLoCo's outer step over the peers of one stage (ALGORITHMS §1, no overlap, one fragment).
-
-    Holds the stage's outer params θ and Nesterov momentum v (``OuterState``, flat fp32). ``step()``: the
-    pseudo-gradient Δ = θ - θ_m of this peer, its mean over the contributing peers of the stage (``group``:
-    anything with ``allreduce_mean(flat) -> result.mean/.contributors``, the ``ElasticOuterGroup``; None for
-    a one-peer stage), θ ← OuterOpt(θ, mean Δ), then every peer loads θ into its params.
-    """
-
-    def __init__(self, params: list[Tensor], ocfg, group=None) -> None:
-        from dilocox.outer.state import OuterState
-
-        self.params, self.ocfg, self.group = params, ocfg, group
-        self.state = OuterState(params, [list(range(len(params)))], "host")
-
-    @torch.no_grad()
-    def step(self) -> dict:
-        o, st = self.ocfg, self.state
-        delta = st.flatten(st.pseudo_gradient(0))
-        rec: dict = {"outer": True}
-        if self.group is not None:
-            res = self.group.allreduce_mean(delta)
-            delta = res.mean
-            rec["outer_contributors"] = res.contributors
-        st.outer_step(0, delta, o.lr, o.momentum, o.nesterov)
-        st.load_params(0)
-        return rec

@@ -1,0 +1,120 @@
+"""The ``OuterGroup`` of a torchft quorum (dilocox/outer/group.py): the elastic replicas and a SWARM stage's peers.
+
+``QuorumGroup`` wraps an ``ElasticOuterGroup`` (group.py: quorum, commit vote, retries, live join). One call of
+``allreduce_mean`` is one outer step of the quorum of the replicas alive now:
+
+- plain (``codec`` None or lossless): ONE flat all-reduce of ``[tensors | one-hot(replica)]``; the mean is the sum
+  over the contributors divided by their count (the count carried by the same buffer).
+- compressed: a ``max_replicas``-float count, then the codec's own collectives over the quorum's process group
+  (``TorchftGroup``); its mean over the group is rescaled to the mean over the contributors. A failed attempt is
+  retried from the codec's state as it was before it (warm start, error feedback).
+- a replica behind the newest outer step is healed inside the quorum (``set_state_fns``): it receives a live
+  replica's state, contributes nothing and receives the mean like everyone (``healed`` is True after that call).
+
+``DILOCOX_ELASTIC_TRACE=DIR`` records every committed step (contributors, what this replica sent, the mean) as
+``DIR/r{replica}_g{rank}_s{step:05d}.pt`` for the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dilocox.compress.collectives import wire_bytes
+from dilocox.elastic.group import ElasticError, ElasticOuterGroup
+
+TRACE_ENV = "DILOCOX_ELASTIC_TRACE"  # a directory: every elastic outer step is recorded there (tests)
+
+
+class QuorumGroup:
+    """``OuterGroup`` over the torchft quorum of ``elastic`` (module docstring)."""
+
+    heals = True
+
+    def __init__(self, elastic: ElasticOuterGroup) -> None:
+        self.elastic = elastic
+        self.contributors: list[int] = []  # of the last committed call
+        self.healed = False  # the last call healed this replica
+        self.world = 0  # members of the last quorum (contributors + healing replicas)
+        self._trace = os.environ.get(TRACE_ENV)
+
+    @property
+    def on_quorum(self) -> Callable[[int], None] | None:
+        return self.elastic.on_quorum
+
+    @on_quorum.setter
+    def on_quorum(self, fn: Callable[[int], None] | None) -> None:
+        self.elastic.on_quorum = fn
+
+    def set_state_fns(
+        self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None], max_state_bytes: int | None = None
+    ) -> None:
+        self.elastic.set_state_fns(state_fn, load_fn, max_state_bytes=max_state_bytes)
+
+    def agree_max(self, t: Tensor) -> Tensor:
+        raise ElasticError(
+            "agreeing on a value over an elastic quorum is not supported: adaptive rank/H needs a fixed outer group "
+            "(compress.adaptive.enabled=false with outer.elastic)"
+        )
+
+    def allreduce_mean(
+        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None
+    ) -> list[Tensor]:
+        el = self.elastic
+        shapes = [t.shape for t in tensors]
+        flat_in = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
+        lossy = codec is not None and codec.lossy
+        if not lossy:
+
+            def body(c: bool):
+                return el.flat_sum(flat_in, c)
+
+        else:
+            saved = codec.state_dict()
+            tries = [0]
+
+            def body(c: bool):
+                if tries[0]:
+                    codec.load_state_dict(saved)  # a failed attempt may have moved the warm start / error feedback
+                tries[0] += 1
+                onehot = el.count_contributors(c)
+                ins = tensors if c else [torch.zeros_like(t) for t in tensors]
+                outs = codec.allreduce_mean(ins, el.group, step, stats)
+                world = el.group.size()
+                return torch.cat([o.reshape(-1).float() for o in outs]).mul_(world), onehot
+
+        res = el.run_step(body, contribute)
+        n_c = len(res.contributors)
+        mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
+        if not lossy and stats is not None:  # the codec counts its own bytes
+            b = wire_bytes(flat_in.numel() + el.cfg.max_replicas, max(res.world, 1), "none")
+            stats.add(b, b, res.allreduce_s)
+        self.contributors, self.healed, self.world = list(res.contributors), res.healed, res.world
+        if self._trace:
+            self._record(res, step, mean, flat_in if (contribute and not res.healed) else None)
+        out, off = [], 0
+        for s in shapes:
+            k = s.numel()
+            out.append(mean[off : off + k].view(s))
+            off += k
+        return out
+
+    def _record(self, res, n: int, mean: Tensor, sent: Tensor | None) -> None:
+        el = self.elastic
+        os.makedirs(self._trace, exist_ok=True)
+        rec = {
+            "step": res.step,
+            "n": n,
+            "contributors": res.contributors,
+            "healed": res.healed,
+            "attempts": res.attempts,
+            "sent": sent.clone() if sent is not None else None,
+            "mean": mean.clone(),
+        }
+        torch.save(rec, os.path.join(self._trace, f"r{el.cfg.replica_rank}_g{el.group_rank}_s{res.step:05d}.pt"))
+
+    def close(self) -> None:
+        self.elastic.close()

@@ -1,0 +1,133 @@
+"""The one outer-group protocol (dilocox/outer/group.py, issue 25): ``FixedGroup`` on gloo ranks against plain
+sums, and the order every ``DiLoCoOuter`` keeps with any group (outer step, snapshot, launch).
+
+The torchft ``QuorumGroup`` is checked against the oracle through the same protocol in tests/test_elastic_outer.py
+and tests/test_swarm_runtime.py (real lighthouse, real processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocox.compress.cocktail import CocktailCodec, cocktail_allreduce
+from dilocox.compress.collectives import CommStats, wire_bytes
+from dilocox.compress.compressor import build_compressor
+from dilocox.config import CompressConfig, OuterConfig
+from dilocox.outer import FixedGroup, build_outer
+from tests.reference_diloco import forward_backward, make_inner_opt, make_model
+from tests.spawn import run_ranks
+
+
+def _fixed_group_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    g = FixedGroup(dist.group.WORLD, world)
+    torch.manual_seed(100 + rank)
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    stats = CommStats()
+    plain = g.allreduce_mean(ts, step=0, stats=stats)
+    cc = CompressConfig(quant="int8", group_size=4)
+    codec = build_compressor(cc, [t.shape for t in ts], seed=3)
+    twin = build_compressor(cc, [t.shape for t in ts], seed=3)  # the same codec called directly
+    via = g.allreduce_mean(ts, step=1, codec=codec)
+    direct = twin.allreduce_mean(ts, dist.group.WORLD, 1, None)
+    ccfg = CompressConfig(random_fraction=0.5, topk_fraction=0.5, quant="int8", group_size=4)
+    n = sum(t.numel() for t in ts)
+    cocktail = g.allreduce_mean(ts, step=2, codec=CocktailCodec(ccfg, n, seed=5))
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    err = torch.zeros(n)
+    ref = cocktail_allreduce(flat, dist.group.WORLD, err, ccfg, 2, None, 5, [t.numel() for t in ts])
+    mx = g.agree_max(torch.tensor([10 + rank], dtype=torch.int64))
+    return dict(
+        ts=ts, plain=plain, via=via, direct=direct, cocktail=cocktail, ref=ref, max=int(mx), sent=stats.bytes_sent
+    )
+
+
+def test_fixed_group_means_and_agrees_over_gloo_ranks():
+    out = run_ranks(2, _fixed_group_rank, timeout=120)
+    for o in out:
+        for i in range(2):
+            want = (out[0]["ts"][i] + out[1]["ts"][i]) / 2
+            torch.testing.assert_close(o["plain"][i], want, rtol=1e-6, atol=1e-7)
+            assert torch.equal(o["via"][i], o["direct"][i])  # the codec runs as itself, over the group's ranks
+            assert not torch.equal(o["via"][i], o["plain"][i])  # (int8: lossy, so the codec really ran)
+        assert torch.equal(torch.cat([t.reshape(-1) for t in o["cocktail"]]), o["ref"])
+        assert o["max"] == 11
+        assert o["sent"] == wire_bytes(3 * 4 + 5, 2, "none") > 0  # the plain mean counts its bytes
+    assert torch.equal(out[0]["plain"][0], out[1]["plain"][0])
+
+
+def test_fixed_group_refuses_what_only_an_elastic_group_does():
+    g = FixedGroup(None)
+    assert g.contributors == [0] and not g.heals
+    t = [torch.randn(4)]
+    assert torch.equal(g.allreduce_mean(t, 0)[0], t[0])  # one replica: the mean is itself
+    with pytest.raises(ValueError, match="no joiners"):
+        g.allreduce_mean(t, 0, contribute=False)
+    with pytest.raises(ValueError, match="never heals"):
+        g.set_state_fns(dict, print)
+    with pytest.raises(ValueError, match="need a process group"):
+        FixedGroup(None, 2)
+
+
+class _RecordingGroup(FixedGroup):
+    """A one-replica group that claims to heal: records, at every all-reduce, what a joiner would receive."""
+
+    heals = True
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.seen: list[dict] = []
+
+    def set_state_fns(self, state_fn, load_fn, max_state_bytes=None) -> None:
+        self.state_fn = state_fn
+
+    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None):
+        sd = self.state_fn()
+        self.seen.append({"n": sd["n"], "outer_step": sd["outer_step"], "theta": sd["theta"].clone()})
+        return super().allreduce_mean(tensors, step, True, codec, stats)
+
+
+@pytest.mark.parametrize("overlap", ["none", "delayed", "eager"])
+def test_every_group_sees_the_outer_step_before_the_launch(overlap):
+    """One order for every group: a snapshot taken at a launch holds θ after that sync's outer step (delayed/eager:
+    θ^t; none: θ^{t-1}, its outer step comes after the wait), and a heal-capable group does not change the math."""
+    H, steps, seed = 2, 8, 7
+    runs = {}
+    for kind in ("fixed", "recording"):
+        model = make_model(seed)
+        opt = make_inner_opt(model)
+        group = _RecordingGroup() if kind == "recording" else None
+        outer = build_outer(
+            list(model.named_parameters()),
+            None,
+            OuterConfig(method="diloco", sync_every=H, overlap=overlap),
+            CompressConfig(),
+            seed,
+            group=group,
+        )
+        theta0 = outer.state.theta.clone()
+        thetas = []
+        for step in range(steps):
+            forward_backward(model, seed, 0, step)
+            opt.step()
+            opt.zero_grad()
+            outer.after_inner_step(step)
+            if (step + 1) % H == 0:
+                outer.comm.drain()
+                thetas.append(outer.state.theta.clone())
+        outer.finish()
+        runs[kind] = (thetas, {n: p.detach().clone() for n, p in model.named_parameters()}, group, theta0)
+    (t_fixed, p_fixed, _, _), (t_rec, p_rec, group, theta0) = runs["fixed"], runs["recording"]
+    for a, b in zip(t_fixed, t_rec):
+        assert torch.equal(a, b)
+    for n in p_fixed:
+        assert torch.equal(p_fixed[n], p_rec[n]), n
+    assert [s["n"] for s in group.seen] == [H * (i + 1) for i in range(steps // H)]
+    for i, s in enumerate(group.seen):
+        if overlap == "none":  # launched before this sync's outer step
+            assert s["outer_step"] == i
+            assert torch.equal(s["theta"], t_rec[i - 1] if i else theta0)
+        else:  # after it: a joiner gets θ^t
+            assert s["outer_step"] == i + 1
+            assert torch.equal(s["theta"], t_rec[i])
