@@ -39,6 +39,10 @@ def main() -> None:
     ap.add_argument("--overlap", default="none")
     ap.add_argument("--quant", default="none")
     ap.add_argument("--lowrank", type=int, default=0)
+    ap.add_argument("--adaptive", action="store_true", help="adaptive rank (1..4) and H (2..6), window 2")
+    ap.add_argument(
+        "--vary-h", action="store_true", help="adaptive: each replica proposes its own H sequence (not from times)"
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--min-replicas", type=int, default=2)
     ap.add_argument("--initial-replicas", type=int, default=None)
@@ -73,6 +77,11 @@ def main() -> None:
     ccfg = CompressConfig(quant=a.quant)
     if a.lowrank:
         ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
+    if a.adaptive:
+        ad = ccfg.adaptive
+        ad.enabled, ad.window, ad.rank_min, ad.rank_max, ad.h_min, ad.h_max = True, 2, 1, 4, 2, 6
+    if a.vary_h:  # H from measured times hardly moves here; proposals that differ per replica and step test the max
+        _vary_h(a.replica)
     outer = build_outer(
         list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, group=QuorumGroup(group)
     )
@@ -103,9 +112,12 @@ def main() -> None:
             rec(event="kill", step=step + 1)
             os.kill(os.getpid(), signal.SIGKILL)
         armed[0] = a.die_mode == "inflight" and a.die_at == step + 1
+        before = outer.outer_step
         outer.after_inner_step(step)
-        if (step + 1) % a.H == 0:
-            rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors)
+        if (outer.outer_step != before) if a.adaptive else (step + 1) % a.H == 0:
+            rank = outer.compressors[0].rank
+            rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors, rank=rank,
+                H=outer.H)  # fmt: skip
         jump = outer.pop_jump()
         if jump is not None:  # healed mid-run (it was behind): continue at the live step from θ, fresh AdamW
             rec(event="healed", step=jump)
@@ -119,6 +131,20 @@ def main() -> None:
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, a.out + ".pt")
     rec(event="done", step=step, contributors=outer.contributors)
     group.close()
+
+
+def _vary_h(replica: int) -> None:
+    from dilocox.compress.adaptive import AdaptiveController
+
+    update = AdaptiveController.update
+
+    def varied(self, *args, **kw):
+        rank, _ = update(self, *args, **kw)
+        self.calls = getattr(self, "calls", 0) + 1  # (a joiner starts counting at its join: any proposal goes)
+        self.h = self.h_min + (3 * replica + 2 * self.calls) % (self.h_max - self.h_min + 1)
+        return rank, self.h
+
+    AdaptiveController.update = varied
 
 
 if __name__ == "__main__":

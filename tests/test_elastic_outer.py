@@ -183,3 +183,38 @@ def test_compressed_outer_allreduce_across_kill_and_rejoin(tmp_path):
     got = [_final(tmp_path, r) for r in range(3)]
     for k in got[0]:
         assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
+
+
+@pytest.mark.fault
+@pytest.mark.slow  # ~60-90 s
+def test_adaptive_rank_and_h_across_kill_and_rejoin(tmp_path):
+    """DiLoCoX's adaptive controller in elastic mode (issue 22 item 1): low-rank + int4, delayed overlap, rank and
+    H adapted every outer step (each replica proposing its own H sequence, ``--vary-h``). Replica 2 is killed
+    mid-phase and restarted: the H proposals ride on each step's all-reduce (the max over that step's
+    contributors), a joiner receives the rank window and the rank with θ, so every replica takes the same (rank, H)
+    at every outer step, and the three end bit-identical."""
+    procs, recs, _ = _run(
+        tmp_path,
+        "delayed",
+        "phase",
+        die_at=6,
+        restart=True,
+        sleep=0.4,
+        compress=("--quant", "int4", "--lowrank", "2", "--adaptive", "--vary-h"),
+    )
+    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _err(tmp_path, 0) + _err(tmp_path, 2)
+    starts = [i for i, x in enumerate(recs[2]) if x["event"] == "start"]
+    assert len(starts) == 2 and recs[2][starts[1]]["healed"], recs[2]
+    recs[2] = recs[2][starts[1] :]  # the restarted incarnation's records
+    syncs = [{x["outer_step"]: (x["rank"], x["H"], x["contributors"]) for x in r if x["event"] == "sync"} for r in recs]
+    joined = sorted(syncs[2])  # the restarted replica's outer steps after its heal step
+    assert len(joined) >= 3, syncs[2]
+    for s in joined:  # the same decisions on all three, from the same averaged statistics and agreed proposals
+        assert syncs[0][s][:2] == syncs[1][s][:2] == syncs[2][s][:2], (s, syncs[0][s], syncs[1][s], syncs[2][s])
+    assert syncs[0][max(joined)][2] == [0, 1, 2]
+    decided = [v[:2] for _, v in sorted(syncs[0].items())]
+    assert len(set(decided)) > 1 and any(h != H for _, h in decided), decided  # the controller really moved them
+    assert len({syncs[2][s][1] for s in joined}) > 1, syncs[2]  # H changed after the join too
+    got = [_final(tmp_path, r) for r in range(3)]
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k

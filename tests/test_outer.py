@@ -396,6 +396,7 @@ def test_build_outer_picks_the_class_and_keeps_the_checkpoint_keys():
                 "schedule",
                 "controller",
                 "h_agreed",  # (issue 20: the H agreed one sync late; older checkpoints without it load as None)
+                "h_proposed",  # (issue 22: the proposal rides on the next all-reduce; not sent yet at a checkpoint)
             },
         ),
     }

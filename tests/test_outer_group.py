@@ -37,7 +37,8 @@ def _fixed_group_rank(rank: int, world: int) -> dict:
     flat = torch.cat([t.reshape(-1) for t in ts])
     err = torch.zeros(n)
     ref = cocktail_allreduce(flat, dist.group.WORLD, err, ccfg, 2, None, 5, [t.numel() for t in ts])
-    mx = g.agree_max(torch.tensor([10 + rank], dtype=torch.int64))
+    g.allreduce_mean(ts, step=3, propose=10 + rank)
+    mx = g.agreed
     return dict(
         ts=ts, plain=plain, via=via, direct=direct, cocktail=cocktail, ref=ref, max=int(mx), sent=stats.bytes_sent
     )
@@ -52,16 +53,20 @@ def test_fixed_group_means_and_agrees_over_gloo_ranks():
             assert torch.equal(o["via"][i], o["direct"][i])  # the codec runs as itself, over the group's ranks
             assert not torch.equal(o["via"][i], o["plain"][i])  # (int8: lossy, so the codec really ran)
         assert torch.equal(torch.cat([t.reshape(-1) for t in o["cocktail"]]), o["ref"])
-        assert o["max"] == 11
+        assert o["max"] == 11  # the max of the proposals, on every rank
         assert o["sent"] == wire_bytes(3 * 4 + 5, 2, "none") > 0  # the plain mean counts its bytes
     assert torch.equal(out[0]["plain"][0], out[1]["plain"][0])
 
 
 def test_fixed_group_refuses_what_only_an_elastic_group_does():
     g = FixedGroup(None)
-    assert g.contributors == [0] and not g.heals
+    assert g.contributors == [0] and not g.heals and g.agreed is None
     t = [torch.randn(4)]
     assert torch.equal(g.allreduce_mean(t, 0)[0], t[0])  # one replica: the mean is itself
+    g.allreduce_mean(t, 0, propose=5)
+    assert g.agreed == 5
+    g.allreduce_mean(t, 1)
+    assert g.agreed is None  # of the last call
     with pytest.raises(ValueError, match="no joiners"):
         g.allreduce_mean(t, 0, contribute=False)
     with pytest.raises(ValueError, match="never heals"):
@@ -82,10 +87,10 @@ class _RecordingGroup(FixedGroup):
     def set_state_fns(self, state_fn, load_fn, max_state_bytes=None) -> None:
         self.state_fn = state_fn
 
-    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None):
+    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None, propose=None):
         sd = self.state_fn()
         self.seen.append({"n": sd["n"], "outer_step": sd["outer_step"], "theta": sd["theta"].clone()})
-        return super().allreduce_mean(tensors, step, True, codec, stats)
+        return super().allreduce_mean(tensors, step, True, codec, stats, propose)
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed", "eager"])

@@ -365,7 +365,7 @@ def check_train(train: TrainConfig) -> None:
         _fail("train.eval_every", train.eval_every, "must be >= 0 (0 = never)")
 
 
-def check_elastic(o: OuterConfig, p: ParallelConfig, adaptive: AdaptiveConfig) -> None:
+def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
     """outer.elastic.enabled: this job is one replica of an elastic DiLoCo run (docs/ELASTIC.md)."""
     e = o.elastic
     if p.replicas != 1:
@@ -381,13 +381,6 @@ def check_elastic(o: OuterConfig, p: ParallelConfig, adaptive: AdaptiveConfig) -
             "outer.streaming.fragments",
             o.streaming.fragments,
             "must be 1 (and outer.streaming.tau 0) with outer.elastic.enabled: streaming fragments are not elastic yet",
-        )
-    if adaptive.enabled:
-        _fail(
-            "compress.adaptive.enabled",
-            True,
-            "is not supported with outer.elastic.enabled yet (H and rank are agreed over a fixed group); use a fixed "
-            "compress.lowrank.rank and outer.sync_every",
         )
     if p.data > 1 and o.shard_over_data:
         _fail(

@@ -82,7 +82,7 @@ def validate(cfg: Config) -> None:
     check_muon_layout(cfg.optim, cfg.parallel)
     check_train(cfg.train)
     if cfg.outer.elastic.enabled:
-        check_elastic(cfg.outer, cfg.parallel, cfg.compress.adaptive)
+        check_elastic(cfg.outer, cfg.parallel)
     check_swarm(cfg.swarm, cfg.outer)
     check_security(cfg.security)
 

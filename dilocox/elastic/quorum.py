@@ -10,6 +10,10 @@
   retried from the codec's state as it was before it (warm start, error feedback).
 - a replica behind the newest outer step is healed inside the quorum (``set_state_fns``): it receives a live
   replica's state, contributes nothing and receives the mean like everyone (``healed`` is True after that call).
+- ``propose``: each replica writes its value into its own slot of ``max_replicas`` more floats of the same buffer
+  (the count's buffer when compressed; always there, so a joiner that proposes nothing has the live replicas'
+  layout); ``agreed`` is the max over the slots, i.e. over this call's contributors (a replica that does not
+  contribute sends zeros), None when none proposed. Exact for integers below 2^24.
 
 ``DILOCOX_ELASTIC_TRACE=DIR`` records every committed step (contributors, what this replica sent, the mean) as
 ``DIR/r{replica}_g{rank}_s{step:05d}.pt`` for the tests' oracle.
@@ -24,7 +28,7 @@ import torch
 from torch import Tensor
 
 from dilocox.compress.collectives import wire_bytes
-from dilocox.elastic.group import ElasticError, ElasticOuterGroup
+from dilocox.elastic.group import ElasticOuterGroup
 
 TRACE_ENV = "DILOCOX_ELASTIC_TRACE"  # a directory: every elastic outer step is recorded there (tests)
 
@@ -39,6 +43,7 @@ class QuorumGroup:
         self.contributors: list[int] = []  # of the last committed call
         self.healed = False  # the last call healed this replica
         self.world = 0  # members of the last quorum (contributors + healing replicas)
+        self.agreed: int | None = None  # the max of the last call's proposals
         self._trace = os.environ.get(TRACE_ENV)
 
     @property
@@ -54,43 +59,54 @@ class QuorumGroup:
     ) -> None:
         self.elastic.set_state_fns(state_fn, load_fn, max_state_bytes=max_state_bytes)
 
-    def agree_max(self, t: Tensor) -> Tensor:
-        raise ElasticError(
-            "agreeing on a value over an elastic quorum is not supported: adaptive rank/H needs a fixed outer group "
-            "(compress.adaptive.enabled=false with outer.elastic)"
-        )
-
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None
+        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
     ) -> list[Tensor]:
         el = self.elastic
         shapes = [t.shape for t in tensors]
         flat_in = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
+        n = flat_in.numel()
+        side = torch.zeros(el.cfg.max_replicas)
+        if propose is not None:
+            if not 0 < int(propose) < 1 << 24:
+                raise ValueError(f"propose={propose} must be a positive integer below 2^24 (exact in fp32)")
+            side[el.cfg.replica_rank] = float(propose)
+        sides = [side]  # the slots of the attempt that committed
         lossy = codec is not None and codec.lossy
         if not lossy:
+            buf = torch.cat([flat_in, side])
 
             def body(c: bool):
-                return el.flat_sum(flat_in, c)
+                total, onehot = el.flat_sum(buf, c)
+                sides[0] = total[n:]
+                return total[:n], onehot
 
         else:
-            saved = codec.state_dict()
+            saved: list[dict] = []
             tries = [0]
 
             def body(c: bool):
-                if tries[0]:
-                    codec.load_state_dict(saved)  # a failed attempt may have moved the warm start / error feedback
+                if tries[0]:  # a failed attempt may have moved the warm start / error feedback (a heal, the rank)
+                    rank = codec.rank
+                    codec.load_state_dict(saved[0])
+                    if rank != codec.rank:
+                        codec.set_rank(rank)
+                else:
+                    saved.append(codec.state_dict())  # (after this call's heal, if any, set the rank)
                 tries[0] += 1
-                onehot = el.count_contributors(c)
+                sides[0], onehot = el.flat_sum(side, c)
                 ins = tensors if c else [torch.zeros_like(t) for t in tensors]
                 outs = codec.allreduce_mean(ins, el.group, step, stats)
                 world = el.group.size()
                 return torch.cat([o.reshape(-1).float() for o in outs]).mul_(world), onehot
 
         res = el.run_step(body, contribute)
+        top = int(sides[0].max().item())
+        self.agreed = top if top > 0 else None
         n_c = len(res.contributors)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not lossy and stats is not None:  # the codec counts its own bytes
-            b = wire_bytes(flat_in.numel() + el.cfg.max_replicas, max(res.world, 1), "none")
+            b = wire_bytes(n + 2 * el.cfg.max_replicas, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed, self.world = list(res.contributors), res.healed, res.world
         if self._trace:

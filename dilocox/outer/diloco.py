@@ -142,7 +142,11 @@ class DiLoCoOuter(OuterBase):
         self.pending: list[CommHandle | None] = [None] * self.K
         self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
         self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
-        self._h_agree: CommHandle | None = None  # the outer-group max of the last H proposals (``_agree_max``)
+        # H agreement (``_agree_max``): this replica's H proposal not yet sent, the one the in-flight all-reduce
+        # carries, and the group's max of the last carried proposals not yet applied
+        self._proposal: int | None = None
+        self._carried: int | None = None
+        self._agreed: int | None = None
         self._step_times: list[float] = []
         self._t_end: float | None = None
         # the live join (module docstring)
@@ -163,15 +167,19 @@ class DiLoCoOuter(OuterBase):
             st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
             self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
 
-    def _allreduce(self, comp, tensors: list[Tensor], step: int, contribute: bool = True) -> list[Tensor]:
+    def _allreduce(
+        self, comp, tensors: list[Tensor], step: int, contribute: bool = True, propose: int | None = None
+    ) -> list[Tensor]:
         """Runs on the comm thread: the mean over the outer group with the compressor ``comp`` (group.py)."""
-        return self.group.allreduce_mean(tensors, step, contribute, codec=comp, stats=self.comm_stats)
+        return self.group.allreduce_mean(tensors, step, contribute, codec=comp, stats=self.comm_stats, propose=propose)
 
     def _launch(self, p: int, delta: list[Tensor], n: int) -> None:
-        """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce."""
+        """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce with the H
+        proposal of the last outer step (``_agree_max``)."""
         if self.group.heals:
             self._snapshot(n)
-        self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n)
+        self._carried, self._proposal = self._proposal, None
+        self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n, True, self._carried)
 
     def _dp_broadcast(self, frags) -> None:
         if self.dp_shard is not None:
@@ -260,22 +268,24 @@ class DiLoCoOuter(OuterBase):
 
     def _agree_max(self, value: int) -> int:
         """The largest H proposed at the PREVIOUS outer step over the outer group, then over this replica's
-        ranks; this step's proposal ``value`` goes out now and is used at the next one.
+        ranks; this step's proposal ``value`` goes out with the next launch and is used at the next outer step.
 
         H comes from measured times, which differ between ranks, but every rank must sync at the same
         steps: the max (the slowest link/step still hidden) over the outer group and then over the
-        replica group makes all ranks of all replicas and stages agree. The outer-group max runs on the
-        comm thread, queued before this step's pseudo-gradient all-reduce, and is read at the next outer
-        step, after that all-reduce was waited for: it never waits on the slow link (a blocking tiny
-        all-reduce here cost about two round trips per outer step, 0.3 s at 150 ms RTT). So a new H
-        applies one phase later, like the all-reduce itself. The replica-group max (inside the replica)
-        stays blocking. The first outer step keeps the configured H (the same on every rank).
+        replica group makes all ranks of all replicas and stages agree. The outer-group max rides on the
+        next pseudo-gradient all-reduce (``OuterGroup.allreduce_mean(propose=)``: a MAX before it on a fixed
+        group, a slot per replica in the same buffer on a torchft quorum, so the max is over the replicas
+        that contributed to that very step) and is read at the next outer step, after that all-reduce was
+        waited for: it never waits on the slow link (a blocking tiny all-reduce here cost about two round trips
+        per outer step, 0.3 s at 150 ms RTT). So a new H applies one phase later, like the all-reduce itself. The
+        replica-group max (inside the replica) stays blocking. The first outer step keeps the configured H (the
+        same on every rank); a healed replica takes the max its heal step carried.
         """
-        t = torch.tensor([value], dtype=torch.int64, device=self.params[0].device)
-        prev, self._h_agree = self._h_agree, self.comm.submit(self.group.agree_max, t)
-        if prev is None:
+        agreed, self._agreed = self._agreed, None
+        self._proposal = int(value)
+        if agreed is None:
             return self.H
-        got = self._wait(prev).clone()
+        got = torch.tensor([agreed], dtype=torch.int64, device=self.params[0].device)
         if self.replica_group is not None:
             dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.replica_group)
         return int(got.item())
@@ -319,6 +329,8 @@ class DiLoCoOuter(OuterBase):
             "theta": self.state.theta,
             "momentum": self.state.momentum,
             "overlap": self.overlap,
+            "ranks": [c.rank for c in self.compressors],  # the rank this launch is compressed at (adaptive)
+            "controller": self.controller.state_dict() if self.controller is not None else None,
             "extra": self.snapshot_extra() if self.snapshot_extra is not None else None,
         }
 
@@ -328,7 +340,11 @@ class DiLoCoOuter(OuterBase):
     def _heal_load(self, sd: dict) -> None:
         if not sd.get("valid", False):
             raise RuntimeError("the live replica chosen to heal this one has not launched an outer step yet")
-        self._healed_sd = sd  # applied on the main thread (_after_wait)
+        # comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank
+        for c, r in zip(self.compressors, sd.get("ranks") or []):
+            if c.rank > 0 and int(r) != c.rank:
+                c.set_rank(int(r))
+        self._healed_sd = sd  # the rest is applied on the main thread (_after_wait)
 
     def _after_wait(self) -> bool:
         """Main thread, after waiting for an all-reduce: who contributed; apply a heal. True if this replica was
@@ -337,6 +353,8 @@ class DiLoCoOuter(OuterBase):
         self._c_prev = max(1, len(self.contributors))
         sd, self._healed_sd = self._healed_sd, None
         if sd is None:
+            if self._carried is not None:  # the max of the proposals that all-reduce carried (``_agree_max``)
+                self._agreed, self._carried = self.group.agreed, None
             return False
         st = self.state
         if sd["overlap"] != self.overlap:
@@ -352,6 +370,9 @@ class DiLoCoOuter(OuterBase):
             c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left
         self.own_prev = [None] * self.K
         self.healed_at = self._jump = int(sd["n"])
+        if self.controller is not None and sd.get("controller") is not None:
+            self.controller.load_state_dict(sd["controller"])  # the same rank window: the same next rank
+        self._agreed, self._carried, self._proposal = self.group.agreed, None, None  # as the live replicas'
         if self.load_extra is not None and sd.get("extra") is not None:
             self.load_extra(sd["extra"])
         return True
@@ -388,6 +409,7 @@ class DiLoCoOuter(OuterBase):
         st, o = self.state, self.ocfg
         if self.overlap == "none":  # the source launched before its outer step: finish it as the source will
             st.outer_step(0, avg, o.lr, o.momentum, o.nesterov)
+            self._adapt(0, h)  # (the same σ's, rank window and agreed H as the source: the same rank and H)
             self.outer_step += 1
             self.schedule.advance(0, self.H)
         else:
@@ -415,8 +437,10 @@ class DiLoCoOuter(OuterBase):
             own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
             schedule=self.schedule.state_dict(),
             controller=self.controller.state_dict() if self.controller is not None else None,
-            # the H proposals of the last outer step, agreed over the outer group (FIFO: done once `pending` is)
-            h_agreed=int(self._wait(self._h_agree).item()) if self._h_agree is not None else None,
+            # H agreement (``_agree_max``): the agreed max not yet applied (the in-flight all-reduce's, done now), and
+            # the proposal not yet sent
+            h_agreed=self.group.agreed if self._carried is not None else self._agreed,
+            h_proposed=self._proposal,
         )
 
     def _check_compatible(self, sd: dict) -> None:
@@ -445,5 +469,4 @@ class DiLoCoOuter(OuterBase):
         self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])
-        h = sd.get("h_agreed")
-        self._h_agree = DoneHandle(torch.tensor([h], dtype=torch.int64, device=dev)) if h is not None else None
+        self._agreed, self._proposal, self._carried = sd.get("h_agreed"), sd.get("h_proposed"), None

@@ -3,17 +3,18 @@
 ``DiLoCoOuter`` and ``GradientSync`` reach the other replicas through an ``OuterGroup`` only (issue 25), on their
 comm thread. The protocol:
 
-- ``allreduce_mean(tensors, step, contribute=True, codec=None, stats=None) -> list[Tensor]``: the mean of
-  ``tensors`` over the replicas that contribute to this call (the inputs are not modified). ``codec``: the
+- ``allreduce_mean(tensors, step, contribute=True, codec=None, stats=None, propose=None) -> list[Tensor]``: the
+  mean of ``tensors`` over the replicas that contribute to this call (the inputs are not modified). ``codec``: the
   compressor that carries it (``compress/compressor.py``: anything with ``lossy`` and ``allreduce_mean(tensors,
   process_group, step, stats)``; it counts its bytes in ``stats``), None for the plain fp32 mean.
   ``contribute=False``: take part and receive the mean without adding to it (a replica joining a live run).
-- ``contributors``: the replicas whose tensors entered the last mean (read after waiting for that call).
+  ``propose``: a positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of
+  the values the contributors of this call proposed, the same on all of them.
+- ``contributors``, ``agreed``: of the last call (read after waiting for it; ``agreed`` None when nothing was
+  proposed).
 - ``heals``: whether a call may hand this replica a live replica's state. Then ``set_state_fns(state_fn, load_fn,
   max_state_bytes)`` says what a live replica sends (``state_fn``) and how this one takes it (``load_fn``, called
   on the comm thread inside the call; the owner applies it after its wait).
-- ``agree_max(t)``: ``t`` (a small integer tensor) becomes its elementwise MAX over the group, in place (the
-  adaptive controller's H, ALGORITHMS §7); returns ``t``.
 
 Implementations: ``FixedGroup`` (below: a ``torch.distributed`` process group, or None for a single replica) and
 ``dilocox.elastic.quorum.QuorumGroup`` (a torchft quorum of the replicas alive at each call: the replicas of
@@ -37,12 +38,11 @@ class OuterGroup(Protocol):
 
     heals: bool
     contributors: list[int]
+    agreed: int | None
 
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None
+        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
     ) -> list[Tensor]: ...
-
-    def agree_max(self, t: Tensor) -> Tensor: ...
 
     def set_state_fns(
         self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None], max_state_bytes: int | None = None
@@ -61,6 +61,7 @@ class FixedGroup:
             raise ValueError(f"FixedGroup: {size} replicas need a process group")
         self.pg, self.size = pg, size
         self.contributors = list(range(size))
+        self.agreed: int | None = None
 
     @classmethod
     def of(cls, topo) -> FixedGroup:
@@ -70,10 +71,16 @@ class FixedGroup:
         return cls(topo.group("outer"), len(topo.ranks["outer"]))
 
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None
+        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
     ) -> list[Tensor]:
         if not contribute:
             raise ValueError("a fixed outer group has no joiners: every replica contributes to every all-reduce")
+        self.agreed = None
+        if propose is not None:  # a tiny MAX before the mean (latency only: it is not waited for on the main thread)
+            t = torch.tensor([int(propose)], dtype=torch.int64)
+            if self.pg is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+            self.agreed = int(t.item())
         if codec is not None:
             return codec.allreduce_mean(tensors, self.pg, step, stats)
         out = [t.detach().float().clone() for t in tensors]
@@ -86,11 +93,6 @@ class FixedGroup:
                 stats.add(b, b, 0.0)
             out = [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in out]), out)]
         return out
-
-    def agree_max(self, t: Tensor) -> Tensor:
-        if self.pg is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
-        return t
 
     def set_state_fns(self, state_fn, load_fn, max_state_bytes: int | None = None) -> None:
         raise ValueError("a fixed outer group never heals a replica (use an elastic group: outer.elastic)")
