@@ -382,12 +382,6 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
             o.streaming.fragments,
             "must be 1 (and outer.streaming.tau 0) with outer.elastic.enabled: streaming fragments are not elastic yet",
         )
-    if p.data > 1 and o.shard_over_data:
-        _fail(
-            "outer.shard_over_data",
-            True,
-            "is not supported with outer.elastic.enabled yet; set outer.shard_over_data=false",
-        )
     lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not lh or not str(lh).startswith(("http://", "https://")):
         _fail(

@@ -484,8 +484,11 @@ class ElasticOuterGroup:
                         f"and no state transfer is set up: joining a running job needs the live join "
                         f"(ElasticOuterGroup.set_state_fns; `dilocox train` with outer.elastic sets it up)"
                     )
-                if contributors and len(contributors) < c.min_replicas:
-                    # members of the quorum that were not participating (e.g. behind the max step)
+                world = self.group.size()
+                if contributors and max(len(contributors), world) < c.min_replicas:
+                    # too few members took part. A member healed in this step (a restarted replica) is live and
+                    # contributes from the next step on: it counts, or min_replicas = N would stop a job of N
+                    # replicas at the step that brings the N-th back
                     raise ElasticMinReplicasError(self._below_msg(len(contributors)))
                 return ElasticResult(
                     mean=total,
@@ -496,7 +499,7 @@ class ElasticOuterGroup:
                     quorum_s=quorum_s,
                     allreduce_s=allreduce_s,
                     healed=healed,
-                    world=self.group.size(),
+                    world=world,
                 )
             last_err = str(err.original_exception if err is not None else "should_commit returned False")
             log.warning(

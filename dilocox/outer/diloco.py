@@ -415,6 +415,7 @@ class DiLoCoOuter(OuterBase):
         else:
             self._resume_healed(0, avg)
         st.load_params(0, 0.0)
+        self._dp_broadcast(range(self.K))  # (outer.shard_over_data: the other DP ranks' tensors, from their owners)
         return n
 
     # ------------------------------------------------------------------ checkpoints
