@@ -42,7 +42,6 @@ class QuorumGroup:
         self.elastic = elastic
         self.contributors: list[int] = []  # of the last committed call
         self.healed = False  # the last call healed this replica
-        self.world = 0  # members of the last quorum (contributors + healing replicas)
         self.agreed: int | None = None  # the max of the last call's proposals
         self._trace = os.environ.get(TRACE_ENV)
 
@@ -108,7 +107,7 @@ class QuorumGroup:
         if not lossy and stats is not None:  # the codec counts its own bytes
             b = wire_bytes(n + 2 * el.cfg.max_replicas, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
-        self.contributors, self.healed, self.world = list(res.contributors), res.healed, res.world
+        self.contributors, self.healed = list(res.contributors), res.healed
         if self._trace:
             self._record(res, step, mean, flat_in if (contribute and not res.healed) else None)
         out, off = [], 0

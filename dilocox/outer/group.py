@@ -77,7 +77,8 @@ class FixedGroup:
             raise ValueError("a fixed outer group has no joiners: every replica contributes to every all-reduce")
         self.agreed = None
         if propose is not None:  # a tiny MAX before the mean (latency only: it is not waited for on the main thread)
-            t = torch.tensor([int(propose)], dtype=torch.int64)
+            dev = tensors[0].device if tensors else torch.device("cpu")  # (NCCL groups take device tensors only)
+            t = torch.tensor([int(propose)], dtype=torch.int64, device=dev)
             if self.pg is not None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
             self.agreed = int(t.item())
