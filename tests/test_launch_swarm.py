@@ -80,6 +80,7 @@ BAD_INPUT = [
     (["launch", "--swarm", "configs/tiny.yaml", "--swarm.routing=nope"], "swarm.routing"),
     (["swarm", "configs/tiny.yaml", "--model.tie_embeddings=true"], "model.tie_embeddings=True must be false"),
     (["swarm", "configs/tiny.yaml", "--swarm.microbatch_size=3"], "must divide train.batch_size"),
+    (["swarm", "configs/tiny.yaml", "--resume", "--checkpoint.every=2"], "--resume: no complete SWARM checkpoint in"),
 ]
 
 # every case in ONE child process (an interpreter + torch import per case cost ~5 s each): the child calls the CLI's
@@ -118,6 +119,11 @@ def test_swarm_bad_input_is_one_line_exit_2(tmp_path):
         assert needle in err, (args, err)
         assert len(err.strip().splitlines()) == 1, (args, err)
     assert not _peer_processes(str(tmp_path))
+    # a fresh run into a directory that holds an earlier run's SWARM checkpoints: refused before any peer starts
+    os.makedirs(tmp_path / "checkpoints" / "step_00000004")
+    [(rc, _, err)] = _cli_cases([["swarm", "configs/tiny.yaml", "--out", str(tmp_path), "--checkpoint.every=2"]])
+    assert rc == 2 and "already holds SWARM checkpoints of an earlier run (steps 4..4): resume it with --resume" in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
@@ -249,6 +255,17 @@ def test_swarm_sbatch_reports_a_failed_peer_but_waits_for_the_others(tmp_path):
     assert p.returncode == 3, p.stderr
     assert "peer s1p0 exited with 3" in p.stdout and p.stdout.count("exited with 0") == 3
     assert sum("dilocox.swarm.peer" in ln for ln in lines) == 4
+    assert f"DILOCOX_RUN_DIR={tmp_path / 'run'} DILOCOX_SWARM_RESUME=1" in p.stdout  # how to go on
+
+
+def test_swarm_sbatch_resume_passes_it_to_every_peer(tmp_path):
+    p, lines = run_sbatch(tmp_path, "n1 n2", peers="2,1", extra_env={"DILOCOX_SWARM_RESUME": "1"})
+    assert p.returncode == 0, p.stderr
+    peers = [ln for ln in lines if "dilocox.swarm.peer" in ln]
+    assert len(peers) == 3 and all(f"--out {tmp_path / 'run'} --resume" in ln for ln in peers), peers
+    (tmp_path / "bad").mkdir()
+    p, lines = run_sbatch(tmp_path / "bad", "n1", extra_env={"DILOCOX_SWARM_RESUME": "yes"})
+    assert p.returncode == 2 and "DILOCOX_SWARM_RESUME=yes must be 1" in p.stderr and not lines
 
 
 def _free_ports(n: int) -> list[int]:

@@ -230,7 +230,8 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = None  # None = <run_dir>/checkpoints
     every: int = 0  # 0 = only at the end; with several replicas the save waits for the first outer sync at or
-    # after each multiple (the save agrees over every rank of every replica: nothing crosses them between syncs)
+    # after each multiple (the save agrees over every rank of every replica: nothing crosses them between syncs).
+    # SWARM: 0 = no checkpoints; E > 0 = every E steps and at the end, into OUT/checkpoints (docs/SWARM.md)
     keep: int = 2
     resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds
     # checkpoints) | <path to a step dir>

@@ -62,6 +62,11 @@ def _run_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output directory (default: <log.run_dir>/swarm)")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole job; then every peer is killed")
     ap.add_argument(
+        "--resume", action="store_true",
+        help="start every peer from the newest SWARM checkpoint that every stage completed (checkpoint.every > 0 "
+        "writes them to OUT/checkpoints; --steps can go past the first run's)",
+    )  # fmt: skip
+    ap.add_argument(
         "--delay", action="append", default=[], metavar="PEER=SECONDS",
         help="inject a delay per microbatch on a peer, e.g. s1p1=0.2 (heterogeneous-peer experiments)",
     )  # fmt: skip
@@ -162,6 +167,8 @@ def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
     from dilocox.config import load_config, validate_swarm_layout
+    from dilocox.swarm import checkpoint as peer_ckpt
+    from dilocox.swarm.common import SwarmError
     from dilocox.swarm.netns import HubStartError, netns_launcher
     from dilocox.swarm.runtime import launch, summarize
 
@@ -200,7 +207,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
-            launcher=netns_launcher(rate_mbit, peer_rates, delay) if a.netns else None,
+            launcher=netns_launcher(rate_mbit, peer_rates, delay) if a.netns else None, resume=a.resume,
         )  # fmt: skip
     except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
         print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)
@@ -208,6 +215,8 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     except HubStartError as e:  # --netns: the namespaces are deleted already
         print(f"swarm job: {e}", file=sys.stderr)
         return 1
+    except SwarmError as e:  # refused before any peer started (--resume without a checkpoint, a stale one without)
+        raise SwarmUsageError(str(e)) from None
     print(summarize(res))
     moves = os.path.join(out, "rebalance.jsonl")
     if os.path.exists(moves):  # rebalancing: one line per move made, refused or failed
@@ -218,6 +227,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     failed = {n: rc for n, rc in res.returncodes.items() if rc != 0}
     if failed:
         print(f"swarm job: peers {failed} did not exit 0; their logs are in {out}", file=sys.stderr)
+        print(f"swarm job: {peer_ckpt.describe_newest(cfg, out, len(pps))}", file=sys.stderr)
     return 0 if not failed else 1
 
 

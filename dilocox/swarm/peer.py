@@ -76,6 +76,7 @@ from dilocox.model import build_stage_model
 from dilocox.optim import build_inner_optimizer
 from dilocox.security import SecretError, open_value, sign_value
 from dilocox.swarm import activations as act_codec
+from dilocox.swarm import checkpoint as peer_ckpt
 from dilocox.swarm import membership, peer_sync
 from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, rpc_security, store_key
 from dilocox.swarm.hops import MicrobatchHops
@@ -110,6 +111,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         delay_serial: bool = False,
         pace_s: float = 0.0,
         die_mid_step: int | None = None,
+        resume: bool = False,
     ) -> None:
         self.cfg, self.s = cfg, cfg.swarm
         self.pps = list(self.s.peers_per_stage)
@@ -132,6 +134,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
+        self.resume = resume  # --resume: start from the newest complete SWARM checkpoint (swarm/checkpoint.py)
         self.serving = not join
         self._healed_step: int | None = None
         self.syncing = False  # in the sync of self.step (a DiLoCo joiner asks, to time its quorum request)
@@ -210,6 +213,10 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.members = members
         if self.join and self.m == 1:
             raise SwarmError(f"{self.name}: cannot join: stage {self.stage} has no other peer to get its state from")
+        # (before publishing: no peer trains, so none saves, until every peer has picked its resume step)
+        resume_from = peer_ckpt.pick_for(self) if self.resume else None
+        if not self.resume and not self.join:
+            peer_ckpt.refuse_stale(self.cfg, self.out_dir)
         me = store_key(self.stage, self.index)
         self.store.set(me, sign_value(run_secret(), me, self.server.addr))  # (a stranger's entry fails the check)
         keys = [store_key(j, i) for j in range(self.n) for i in members[j]]
@@ -267,6 +274,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                 )
         if self.s.sync == "diloco":
             self.outer = self._build_outer()
+        if resume_from is not None:
+            peer_ckpt.resume(self, *resume_from)
         self.ready.set()
 
     def _build_outer(self):
@@ -362,7 +371,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
     # ------------------------------------------------------------------ steps
     def run(self) -> None:
-        start = peer_sync.join_swarm(self) if self.join else 0
+        start = peer_sync.join_swarm(self) if self.join else self.step  # (--resume: the checkpoint's step)
         if self.join:  # tell the neighbouring stages (a peer moved here by rebalancing is new to them)
             membership.announce(self, start, self.members)
         for k in range(start, self.steps):
@@ -392,6 +401,11 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             if leaving:
                 membership.leave(self, k)
                 break
+            if peer_ckpt.due(self.cfg, k + 1):
+                peer_ckpt.save(self, k + 1)
+        else:  # the end of the run (before outer.finish: a longer run's next step starts from what is pending)
+            if self.cfg.checkpoint.every > 0:
+                peer_ckpt.save(self, self.step)
         if self.outer is not None:
             self.outer.finish()  # applies what is in flight (outer.overlap delayed/eager)
         with self.cv:  # requests still running (ones their caller gave up on) end within their budget
@@ -528,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-serial", action="store_true", help="the delay occupies the peer (slower compute)")
     ap.add_argument("--pace-s", type=float, default=0.0, help="each microbatch occupies the peer >= this many seconds")
     ap.add_argument("--die-mid-step", type=int, default=None, help="(tests) kill -9 itself mid-step >= this step")
+    ap.add_argument("--resume", action="store_true", help="start from the newest complete SWARM checkpoint")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args(argv)
     fmt = f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s"
@@ -559,13 +574,14 @@ def main(argv: list[str] | None = None) -> int:
         a.delay_serial,
         pace_s=a.pace_s,
         die_mid_step=a.die_mid_step,
+        resume=a.resume,
     )
     try:
         peer.start()
         peer.run()
         peer.save()
     except (SwarmError, NoLivePeer, RemoteError, ElasticError) as e:
-        log.error("%s", e)
+        log.error("%s; %s", e, peer_ckpt.describe_newest(cfg, a.out, len(cfg.swarm.peers_per_stage)))
         return 3
     finally:
         peer.close()

@@ -203,6 +203,7 @@ def launch(
     stage_paces: dict[int, float] | None = None,
     launcher: Callable[[Config, str], SwarmLauncher] | None = None,
     rebalancer: bool = True,
+    resume: bool = False,
 ) -> SwarmResult:
     """Run a SWARM job of ``steps`` steps on this host and return what the peers wrote.
 
@@ -218,18 +219,26 @@ def launch(
     ``dilocox.swarm.netns.netns_launcher(rate_mbit, peer_rates)``: each peer in its own network namespace behind a
     capped link (the result's ``net_bytes``: each veth's byte counts); this module imports no launcher but its own.
     ``rebalancer=False``: no rebalancing thread here even with ``swarm.rebalance_period_s`` (``dilocox swarm
-    rebalance`` in another process moves the peers).
+    rebalance`` in another process moves the peers). ``resume``: every peer starts from the newest complete SWARM
+    checkpoint (``dilocox.swarm.checkpoint``); without it a checkpoint dir that holds an earlier run's is refused.
     Every process started here is killed by the end, also on errors and timeouts.
     """
     if peers_per_stage is not None:
         cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
         validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
+    from dilocox.swarm import checkpoint as peer_ckpt
+
+    if resume:
+        peer_ckpt.pick(peer_ckpt.checkpoint_dir(cfg, out_dir), len(cfg.swarm.peers_per_stage), 0, 0)  # (or say why)
+    else:
+        peer_ckpt.refuse_stale(cfg, out_dir)  # before anything starts
     t0 = time.monotonic()
     la = (launcher or SwarmLauncher)(cfg, out_dir)
     names: list[str] = []
     mover = None
     try:
         extra = ["--dump-grads", ",".join(map(str, dump_grads))] if dump_grads else []
+        extra += ["--resume"] if resume else []
         for j, m in enumerate(cfg.swarm.peers_per_stage):
             for k in range(m):
                 names.append(peer_name(j, k))

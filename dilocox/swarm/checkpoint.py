@@ -1,0 +1,378 @@
+"""SWARM checkpoints and resume (issue 22 item 4; docs/SWARM.md "Checkpoints and resume").
+
+SWARM peers keep their state on their own, so a stage that loses its last peer used to lose the run. With
+``checkpoint.every`` = E > 0 every stage is saved after the sync of each step S-1 with S a multiple of E, and at
+the end of the run (S = the last step), into ``CKPT/step_{S:08d}/`` (CKPT = ``checkpoint.dir``, else
+``OUT/checkpoints``; on several hosts it must be a shared directory):
+
+- ``s{j}p{i}.pt``: the writer's stage parameters (by name), its inner optimizer's state, its DiLoCo outer state
+  (``swarm.sync=diloco``: the ``DiLoCoOuter`` state dict, in-flight work waited for and kept pending, as a
+  ``dilocox train`` checkpoint holds it) and its RNG state, written atomically (temp file, fsync, rename);
+- ``s{j}p{i}.json``: its size and SHA-256 (hashed while it is written, as the rest of dilocox's checkpoints), the
+  step, the stage layout and the config; written after the ``.pt`` is in place, so a ``.json`` means a whole file.
+
+Who writes: ``swarm.sync=swarm`` leaves every live peer of a stage with the same bytes after each sync, so ONE peer
+writes, the lowest index among that sync's contributors (every peer computes the same answer from the same agreed
+list, no message); ``swarm.sync=diloco`` peers differ between outer steps (own AdamW state, own θ with overlap),
+so each live peer writes its own file. A step is complete when every stage has at least one file there; the
+newest complete step is the one a resume starts from. Older step directories are pruned to ``checkpoint.keep``
+complete ones once a newer one is complete (never the newest ones).
+
+Resume (``dilocox swarm --resume``, a peer's ``--resume``): every peer picks the newest complete step (before it
+publishes its address: no peer trains, so none writes, until every peer has picked), loads its own file of that
+step when there is one (its hash checked), else the lowest-index file of its stage (a new peer of a DiLoCo stage
+then starts from that peer's inner state, as a joiner does), and the peers check through the address store that
+they all picked the same step. Records of the steps after it move to ``s{j}p{i}.discarded.jsonl``. A peer that
+stops with an error names the newest complete checkpoint and the resume command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+
+import torch
+
+from dilocox.checkpoint.layout import HASH, _atomic_write_bytes, _atomic_write_text, file_hash, step_dir_name
+from dilocox.checkpoint.state import nonfinite_tensors, rng_state, set_rng_state
+from dilocox.rundir import config_changes
+from dilocox.swarm.common import SwarmError
+
+log = logging.getLogger("dilocox.swarm.peer")
+
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+_FILE_RE = re.compile(r"^s(\d+)p(\d+)\.json$")
+VERSION = 1
+# config keys a resume may change without a warning beyond the log line: where and how many peers serve a stage,
+# how microbatches are routed and timed (the stage state is the same whoever serves it)
+LAYOUT_KEYS = frozenset(
+    {
+        "swarm.peers_per_stage",
+        "swarm.host",
+        "swarm.routing",
+        "swarm.max_inflight",
+        "swarm.ban_s",
+        "swarm.rebalance_period_s",
+        "swarm.rebalance_min_gain",
+    }
+)
+
+
+def checkpoint_dir(cfg, out_dir: str) -> str:
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"))
+
+
+def due(cfg, step: int) -> bool:
+    """Is the state entering ``step`` (``step`` steps done) saved? (``checkpoint.every`` > 0 multiples.)"""
+    e = cfg.checkpoint.every
+    return e > 0 and step > 0 and step % e == 0
+
+
+def file_stem(stage: int, index: int) -> str:
+    return f"s{stage}p{index}"
+
+
+def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
+    if not os.path.isdir(ckpt_dir):
+        return []
+    out = []
+    for name in os.listdir(ckpt_dir):
+        m = _STEP_RE.match(name)
+        if m:
+            out.append((int(m.group(1)), os.path.join(ckpt_dir, name)))
+    return sorted(out)
+
+
+def stage_files(step_dir: str) -> dict[int, dict[int, dict]]:
+    """{stage: {index: its .json record}} of the whole files in ``step_dir`` (a .json whose .pt is gone: skipped)."""
+    out: dict[int, dict[int, dict]] = {}
+    try:
+        names = os.listdir(step_dir)
+    except OSError:
+        return out
+    for name in names:
+        m = _FILE_RE.match(name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(step_dir, name)) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(rec, dict) or not os.path.exists(os.path.join(step_dir, rec.get("file", ""))):
+            continue
+        out.setdefault(int(m.group(1)), {})[int(m.group(2))] = rec
+    return out
+
+
+def complete_steps(ckpt_dir: str, n_stages: int) -> list[tuple[int, str]]:
+    """(step, step dir) of the steps where every one of the ``n_stages`` stages has a file, oldest first."""
+    return [(s, d) for s, d in _steps(ckpt_dir) if all(j in stage_files(d) for j in range(n_stages))]
+
+
+def newest_complete(ckpt_dir: str, n_stages: int) -> tuple[int, str] | None:
+    steps = complete_steps(ckpt_dir, n_stages)
+    return steps[-1] if steps else None
+
+
+def describe_newest(cfg, out_dir: str, n_stages: int) -> str:
+    """One clause for an error line: the newest complete checkpoint and how to resume from it (or that none)."""
+    if cfg.checkpoint.every <= 0:
+        return "no SWARM checkpoints are written (checkpoint.every=0): the run cannot be resumed"
+    ckpt = checkpoint_dir(cfg, out_dir)
+    newest = newest_complete(ckpt, n_stages)
+    if newest is None:
+        return f"no complete SWARM checkpoint in {ckpt} yet (checkpoint.every={cfg.checkpoint.every})"
+    return (
+        f"the newest complete checkpoint is {newest[1]} (step {newest[0]}, every stage); resume from it with "
+        f"`dilocox swarm CONFIG --out {out_dir} --resume`"
+    )
+
+
+def refuse_stale(cfg, out_dir: str) -> None:
+    """A fresh (not --resume) run whose checkpoint dir holds step directories of an earlier run is refused: its
+    saves would mix with them, and a resume could not tell them apart."""
+    if cfg.checkpoint.every <= 0:
+        return
+    ckpt = checkpoint_dir(cfg, out_dir)
+    steps = _steps(ckpt)
+    if steps:
+        raise SwarmError(
+            f"{ckpt} already holds SWARM checkpoints of an earlier run (steps {steps[0][0]}..{steps[-1][0]}): resume "
+            f"it with --resume, or give this run another --out (or --checkpoint.dir), or remove them"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def writes(peer) -> bool:
+    """Does this peer write its stage's file? sync=diloco: every live peer; sync=swarm: the lowest index among the
+    last sync's contributors (itself on a one-peer stage; module docstring)."""
+    if peer.s.sync == "diloco" or peer.group is None:
+        return True
+    live = list(peer.group.contributors) or [peer.index]
+    return peer.index == min(live)
+
+
+def peer_state(peer, step: int) -> dict:
+    return {
+        "version": VERSION,
+        "step": step,
+        "stage": peer.stage,
+        "index": peer.index,
+        "sync": peer.s.sync,
+        "params": {n: p.detach() for n, p in peer.model.named_parameters()},
+        "opt": peer.opt.state_dict(),
+        "outer": peer.outer.state_dict() if peer.outer is not None else None,
+        "rng": rng_state(),
+    }
+
+
+def save(peer, step: int) -> str | None:
+    """Write this peer's checkpoint of ``step`` if it is a writer (``writes``); returns the .pt path or None.
+    A state holding NaN/Inf is not written (SwarmError naming the newest good checkpoint)."""
+    if not writes(peer):
+        return None
+    ckpt = checkpoint_dir(peer.cfg, peer.out_dir)
+    step_dir = os.path.join(ckpt, step_dir_name(step))
+    stem = file_stem(peer.stage, peer.index)
+    pt, meta_path = os.path.join(step_dir, stem + ".pt"), os.path.join(step_dir, stem + ".json")
+    if os.path.exists(meta_path):  # (a resumed run's last step, saved again at its end: never rewritten)
+        return pt
+    t0 = time.monotonic()
+    state = peer_state(peer, step)
+    bad = nonfinite_tensors(state)
+    if bad:
+        raise SwarmError(
+            f"{peer.name}: not saving the checkpoint of step {step}: the state holds NaN/Inf in {', '.join(bad)}; "
+            + describe_newest(peer.cfg, peer.out_dir, peer.n)
+        )
+    os.makedirs(step_dir, exist_ok=True)
+    size, digest = _atomic_write_bytes(pt, lambda f: torch.save(state, f))
+    rec = {
+        "version": VERSION,
+        "step": step,
+        "stage": peer.stage,
+        "index": peer.index,
+        "n_stages": peer.n,
+        "sync": peer.s.sync,
+        "file": os.path.basename(pt),
+        "bytes": size,
+        "hash": HASH,
+        HASH: digest,
+        "config": peer.cfg.to_dict(),
+        "time": time.time(),
+    }
+    _atomic_write_text(meta_path, json.dumps(rec, indent=1, sort_keys=True) + "\n")
+    log.info("%s: checkpoint of step %d: %s (%.1f MB, %.2f s)", peer.name, step, pt, size / 1e6, time.monotonic() - t0)
+    prune(ckpt, peer.n, peer.cfg.checkpoint.keep)
+    return pt
+
+
+def prune(ckpt_dir: str, n_stages: int, keep: int) -> None:
+    """Remove step directories older than the ``keep``-th newest complete step (any writer may run it: it never
+    touches a complete step among the newest ``keep``, nor anything newer)."""
+    complete = complete_steps(ckpt_dir, n_stages)
+    if keep <= 0 or len(complete) <= keep:
+        return
+    oldest_kept = complete[-keep][0]
+    for s, d in _steps(ckpt_dir):
+        if s < oldest_kept:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- resuming
+
+
+def _verify(step_dir: str, rec: dict) -> str | None:
+    """None when the file matches its record, else why not."""
+    path = os.path.join(step_dir, rec["file"])
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if size != rec.get("bytes"):
+        return f"{path} is corrupt or truncated: {size} bytes, {rec['file'][:-3]}.json records {rec.get('bytes')}"
+    algo = rec.get("hash", HASH)
+    if file_hash(path, algo) != rec.get(algo):
+        return f"{path} is corrupt: its {algo} does not match {rec['file'][:-3]}.json (flipped bits on disk?)"
+    return None
+
+
+def pick(ckpt_dir: str, n_stages: int, stage: int, index: int) -> tuple[int, str]:
+    """The step to resume from and this peer's file of it: the newest complete step where this stage has a file
+    that verifies (its own, else the lowest index of its stage). Damaged files are logged and skipped."""
+    complete = complete_steps(ckpt_dir, n_stages)
+    if not complete:
+        found = [s for s, _ in _steps(ckpt_dir)]
+        raise SwarmError(
+            f"--resume: no complete SWARM checkpoint in {ckpt_dir} (a step where every one of the {n_stages} stages "
+            f"saved; step directories found: {found or 'none'}); start a fresh run without --resume"
+        )
+    for step, step_dir in reversed(complete):
+        files = stage_files(step_dir)[stage]
+        order = ([index] if index in files else []) + sorted(i for i in files if i != index)
+        for i in order:
+            why = _verify(step_dir, files[i])
+            if why is None:
+                return step, os.path.join(step_dir, files[i]["file"])
+            log.warning("--resume: %s; skipped", why)
+    raise SwarmError(f"--resume: every checkpoint of stage {stage} in {ckpt_dir} is damaged (see the warnings above)")
+
+
+def check_config(peer, path: str) -> None:
+    """Refuse a resume whose config changes what a step computes (the keys named), log the allowed changes."""
+    with open(path[:-3] + ".json") as f:
+        saved = json.load(f).get("config")
+    if not isinstance(saved, dict):
+        return
+    math_, sched = config_changes(saved, peer.cfg.to_dict())
+    layout = [c for c in math_ if c[0] in LAYOUT_KEYS]
+    math_ = [c for c in math_ if c[0] not in LAYOUT_KEYS]
+    if math_:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in math_)
+        raise SwarmError(
+            f"--resume: the config differs from the one {path} was trained with in keys that change the "
+            f"computation: {listed}. A resume must keep them; set them back, or start a fresh run in another --out"
+        )
+    if sched or layout:
+        listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in sched + layout)
+        log.info("%s: resuming with changed settings (schedule/layout, allowed): %s", peer.name, listed)
+
+
+@torch.no_grad()
+def load(peer, path: str) -> int:
+    """Load ``path`` into ``peer`` (params, inner optimizer, outer state, RNG); returns its step."""
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if sd.get("stage") != peer.stage or sd.get("sync") != peer.s.sync:
+        raise SwarmError(
+            f"--resume: {path} holds stage {sd.get('stage')} with swarm.sync={sd.get('sync')}; {peer.name} serves "
+            f"stage {peer.stage} with swarm.sync={peer.s.sync}"
+        )
+    named = dict(peer.model.named_parameters())
+    if set(named) != set(sd["params"]):
+        raise SwarmError(
+            f"--resume: {path} holds parameters {sorted(set(sd['params']) ^ set(named))[:4]} that {peer.name}'s stage "
+            "does not (or the other way round): the model or swarm.peers_per_stage's stage count changed"
+        )
+    for n, p in named.items():
+        p.copy_(sd["params"][n])
+    peer.opt.load_state_dict(sd["opt"])
+    if peer.outer is not None:
+        peer.outer.load_state_dict(sd["outer"])
+    set_rng_state(sd["rng"])
+    return int(sd["step"])
+
+
+def discard_records(out_dir: str, name: str, step: int) -> int:
+    """Move ``name``'s records of steps >= ``step`` (a run past the checkpoint) to ``name.discarded.jsonl``."""
+    path = os.path.join(out_dir, f"{name}.jsonl")
+    if not os.path.exists(path):
+        return 0
+    keep, drop = [], []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                s = int(json.loads(line).get("step", -1))
+            except (ValueError, AttributeError, TypeError):
+                s = -1
+            (drop if s >= step else keep).append(line if line.endswith("\n") else line + "\n")
+    if drop:
+        with open(os.path.join(out_dir, f"{name}.discarded.jsonl"), "a") as f:
+            f.writelines(drop)
+        _atomic_write_text(path, "".join(keep))
+    return len(drop)
+
+
+def pick_for(peer) -> tuple[int, str]:
+    """``pick`` for this peer, and the config check against what the picked file was trained with."""
+    step, path = pick(checkpoint_dir(peer.cfg, peer.out_dir), peer.n, peer.stage, peer.index)
+    check_config(peer, path)
+    return step, path
+
+
+def resume(peer, step: int, path: str) -> None:
+    """Check through the address store that every peer of the job picked ``step`` (a peer that sees another
+    directory, or a damaged file, would start elsewhere), then load ``path`` and drop the records past it."""
+    from datetime import timedelta
+
+    from dilocox.security import open_value, sign_value
+    from dilocox.swarm.transport import run_secret
+
+    key = lambda name: f"swarm/resume/{name}"  # noqa: E731
+    names = [file_stem(j, i) for j, idx in enumerate(peer.members) for i in idx]
+    with peer.store_lock:
+        peer.store.set(key(peer.name), sign_value(run_secret(), key(peer.name), str(step)))
+    try:
+        peer.store.wait([key(n) for n in names], timedelta(seconds=peer.s.startup_timeout_s))
+    except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
+        raise SwarmError(
+            f"{peer.name}: --resume: not every peer said which step it resumes from within swarm.startup_timeout_s="
+            f"{peer.s.startup_timeout_s}s: start every peer with --resume"
+        ) from e
+    with peer.store_lock:
+        picked = {n: int(open_value(run_secret(), key(n), peer.store.get(key(n)).decode())) for n in names}
+    if len(set(picked.values())) > 1:
+        raise SwarmError(
+            f"{peer.name}: --resume: the peers picked different steps {picked} (a checkpoint dir that is not shared "
+            "between hosts, or a damaged file on one of them); give every host the same checkpoint.dir"
+        )
+    got = load(peer, path)
+    if os.path.basename(path) != file_stem(peer.stage, peer.index) + ".pt":
+        log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
+    with peer.cv:
+        peer.step = got
+    dropped = discard_records(peer.out_dir, peer.name, got)
+    log.info(
+        "%s: resumed from %s at step %d%s", peer.name, path, got,
+        f" ({dropped} record(s) of later steps moved to {peer.name}.discarded.jsonl)" if dropped else "",
+    )  # fmt: skip
+    if got >= peer.steps:
+        log.info("%s: step %d is at or past the run's %d steps: nothing to train", peer.name, got, peer.steps)
