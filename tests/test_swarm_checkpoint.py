@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 
 import pytest
@@ -99,8 +100,9 @@ def test_fresh_run_refuses_an_earlier_runs_checkpoints_and_records_past_the_resu
     _fake(ck.checkpoint_dir(cfg, out), 4, 0, 0)
     with pytest.raises(SwarmError, match=r"already holds SWARM checkpoints .*--resume"):
         ck.refuse_stale(cfg, out)
-    cfg.checkpoint.every = 0
-    ck.refuse_stale(cfg, out)  # no checkpoints written by this run: nothing to mix
+    cfg.checkpoint.every = 0  # (a later --resume would go back to them, past this run's records)
+    with pytest.raises(SwarmError, match=r"already holds SWARM checkpoints"):
+        ck.refuse_stale(cfg, out)
     assert "checkpoint.every=0" in ck.describe_newest(cfg, out, 2)
     with open(os.path.join(out, "s0p0.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": k, "loss": 1.0 / (k + 1)}) + "\n" for k in range(6))
@@ -109,6 +111,28 @@ def test_fresh_run_refuses_an_earlier_runs_checkpoints_and_records_past_the_resu
         assert [json.loads(line)["step"] for line in f] == [0, 1, 2, 3]
     with open(os.path.join(out, "s0p0.discarded.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [4, 5]
+
+
+def test_resume_refuses_another_stage_count_and_a_computation_change(tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), TINY)
+    d = _fake(str(tmp_path), 4, 0, 0)
+    rec_path = os.path.join(d, "s0p0.json")
+    with open(rec_path) as f:
+        rec = json.load(f)
+    rec["config"] = cfg.to_dict()
+    with open(rec_path, "w") as f:
+        json.dump(rec, f)
+
+    def peer(c, pps):
+        return types.SimpleNamespace(cfg=c, n=len(pps), pps=pps, name="s0p0")
+
+    ck.check_config(peer(cfg, [2, 2]), os.path.join(d, "s0p0.pt"))  # the same config
+    moved = _cfg("--swarm.peers_per_stage=[3,1]", "--swarm.routing=iwrr")  # peers and routing may change
+    ck.check_config(peer(moved, [3, 1]), os.path.join(d, "s0p0.pt"))
+    with pytest.raises(SwarmError, match=r"a job of 2 stages, this one has 3"):
+        ck.check_config(peer(_cfg("--swarm.peers_per_stage=[1,1,1]"), [1, 1, 1]), os.path.join(d, "s0p0.pt"))
+    with pytest.raises(SwarmError, match=r"change the computation: optim.weight_decay"):
+        ck.check_config(peer(_cfg("--optim.weight_decay=0.5"), [2, 2]), os.path.join(d, "s0p0.pt"))
 
 
 def test_writer_is_the_lowest_live_index_with_sync_swarm_and_every_peer_with_diloco():
@@ -160,15 +184,25 @@ def test_stop_and_resume_equals_one_run(tmp_path, sync):
         assert sorted(f for f in os.listdir(os.path.join(ckpt, d)) if f.endswith(".pt")) == writers
     with pytest.raises(SwarmError, match="--resume"):  # a fresh run into it is refused, nothing started
         launch(cfg, out, peers_per_stage=[2, 2], steps=6, timeout_s=60)
+    if sync == "swarm":  # a flipped byte in stage 1's file of step 3: every stage goes back to step 2 together
+        with open(os.path.join(ckpt, "step_00000003", "s1p0.pt"), "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 1]))
     again = launch(cfg, out, peers_per_stage=[2, 2], steps=6, timeout_s=240, resume=True)
     _check(again)
+    if sync == "swarm":
+        with open(os.path.join(out, "s1p1.log")) as f:
+            assert re.search(r"resumed from \S+/step_00000002/s1p0\.pt at step 2\b", f.read())
+        assert [d for d in os.listdir(ckpt) if d.startswith("step_00000003.stale-")], os.listdir(ckpt)
     _assert_same_params(whole, again, ["s0p0", "s0p1", "s1p0", "s1p1"])
     for name in ("s0p0", "s0p1"):  # the records: each step once, the resumed steps' losses those of one run
         recs = again.records[name]
         assert [r["step"] for r in recs] == list(range(6))
         assert [r["loss"] for r in recs] == [r["loss"] for r in whole.records[name]]
-    # keep=2 complete steps: 2 and 3 are older than 4 and 6
-    assert sorted(os.listdir(ckpt)) == ["step_00000004", "step_00000006"]
+    # keep=2 complete steps: 2 and 3 are older than 4 and 6 (a moved-aside directory stays)
+    assert sorted(d for d in os.listdir(ckpt) if ".stale-" not in d) == ["step_00000004", "step_00000006"]
 
 
 @pytest.mark.fault

@@ -405,14 +405,34 @@ def test_moved_argv_keeps_overrides_after_the_separator():
     ``-- --swarm.host=198.18.0.2``: a flag after it would be read as a config override)."""
     from dilocox.swarm.membership import moved_argv
 
-    argv = ["--config", "c.yaml", "--stage", "0", "--index", "1", "--store", "h:1", "--lighthouse", "http://a:",
-            "--out", "o", "--pace-s", "0.1", "--delay-serial", "--", "--swarm.host=1.2.3.4", "--stage=9"]  # fmt: skip
+    argv = [
+        "--config",
+        "c.yaml",
+        "--stage",
+        "0",
+        "--index",
+        "1",
+        "--store",
+        "h:1",
+        "--lighthouse",
+        "http://a:",
+        "--out",
+        "o",
+        "--resume",
+        "--pace-s",
+        "0.1",
+        "--delay-serial",
+        "--",
+        "--swarm.host=1.2.3.4",
+        "--stage=9",
+    ]  # fmt: skip (--resume: a peer of a resumed job, moved later, joins: it does not resume)
     move = {"stage": 1, "index": 3, "lighthouse": "http://b:4", "args": ["--pace-s", "0.08"]}
     got = moved_argv(argv, move)
     assert got == ["--config", "c.yaml", "--store", "h:1", "--out", "o", "--stage", "1", "--index", "3", "--join",
                    "--lighthouse", "http://b:4", "--pace-s", "0.08", "--", "--swarm.host=1.2.3.4",
                    "--stage=9"]  # fmt: skip
     assert moved_argv(argv[:-3], move)[-3:] == ["http://b:4", "--pace-s", "0.08"]  # no separator: appended
+    assert "--resume" not in moved_argv(argv, move)
 
 
 @pytest.mark.slow

@@ -18,12 +18,19 @@ so each live peer writes its own file. A step is complete when every stage has a
 newest complete step is the one a resume starts from. Older step directories are pruned to ``checkpoint.keep``
 complete ones once a newer one is complete (never the newest ones).
 
-Resume (``dilocox swarm --resume``, a peer's ``--resume``): every peer picks the newest complete step (before it
-publishes its address: no peer trains, so none writes, until every peer has picked), loads its own file of that
-step when there is one (its hash checked), else the lowest-index file of its stage (a new peer of a DiLoCo stage
-then starts from that peer's inner state, as a joiner does), and the peers check through the address store that
-they all picked the same step. Records of the steps after it move to ``s{j}p{i}.discarded.jsonl``. A peer that
-stops with an error names the newest complete checkpoint and the resume command.
+Resume (``dilocox swarm --resume``, a peer's ``--resume``; not with ``--join``): before it publishes its address
+(no peer trains, so none saves, until every peer has done this) every peer lists the complete steps whose file for
+it verifies (its own file of the step, else the lowest index of its stage: a new peer of a DiLoCo stage then starts
+from that peer's inner state, as a joiner does); through the address store the peers take the newest step on every
+list (a damaged file in one stage moves every stage back together), the job's first peer moves newer step
+directories aside (``step_X.stale-T``: partial ones would mix with this run's saves), and each peer loads its file.
+The config must not change what a step computes, nor the number of stages (a changed stage-0 peer count is allowed
+with a warning: it changes the batch). Records of the steps after it move to ``s{j}p{i}.discarded.jsonl``. A peer
+that stops with an error names the newest complete checkpoint and the resume command.
+
+Saving is on the peer's main thread, between its sync and its next step: the stage's other peers wait for it at
+their next sync (keep a save well under ``swarm.sync_timeout_s``). Not saved: the routers' throughput estimates,
+rebalancing history, and gradients of a step in progress (checkpoints are taken between steps only).
 """
 
 from __future__ import annotations
@@ -103,7 +110,8 @@ def stage_files(step_dir: str) -> dict[int, dict[int, dict]]:
                 rec = json.load(f)
         except (OSError, ValueError):
             continue
-        if not isinstance(rec, dict) or not os.path.exists(os.path.join(step_dir, rec.get("file", ""))):
+        f = rec.get("file") if isinstance(rec, dict) else None
+        if not isinstance(f, str) or f != name[:-5] + ".pt" or not os.path.exists(os.path.join(step_dir, f)):
             continue
         out.setdefault(int(m.group(1)), {})[int(m.group(2))] = rec
     return out
@@ -129,15 +137,14 @@ def describe_newest(cfg, out_dir: str, n_stages: int) -> str:
         return f"no complete SWARM checkpoint in {ckpt} yet (checkpoint.every={cfg.checkpoint.every})"
     return (
         f"the newest complete checkpoint is {newest[1]} (step {newest[0]}, every stage); resume from it with "
-        f"`dilocox swarm CONFIG --out {out_dir} --resume`"
+        f"`dilocox swarm CONFIG --out {out_dir} --resume` (SLURM: DILOCOX_SWARM_RESUME=1)"
     )
 
 
 def refuse_stale(cfg, out_dir: str) -> None:
     """A fresh (not --resume) run whose checkpoint dir holds step directories of an earlier run is refused: its
-    saves would mix with them, and a resume could not tell them apart."""
-    if cfg.checkpoint.every <= 0:
-        return
+    saves would mix with them, and a resume could not tell them apart; with checkpoint.every=0 a later --resume
+    would go back to them past this run's records)."""
     ckpt = checkpoint_dir(cfg, out_dir)
     steps = _steps(ckpt)
     if steps:
@@ -192,8 +199,17 @@ def save(peer, step: int) -> str | None:
             f"{peer.name}: not saving the checkpoint of step {step}: the state holds NaN/Inf in {', '.join(bad)}; "
             + describe_newest(peer.cfg, peer.out_dir, peer.n)
         )
-    os.makedirs(step_dir, exist_ok=True)
-    size, digest = _atomic_write_bytes(pt, lambda f: torch.save(state, f))
+    try:
+        os.makedirs(step_dir, exist_ok=True)
+        size, digest = _atomic_write_bytes(pt, lambda f: torch.save(state, f))
+    except FileNotFoundError:  # a faster writer completed a newer step and pruned this one meanwhile (sync=diloco)
+        log.warning("%s: checkpoint of step %d skipped: %s was pruned (a newer one is complete)", peer.name, step, pt)
+        return None
+    except OSError as e:
+        raise SwarmError(
+            f"{peer.name}: writing the checkpoint of step {step} to {pt} failed ({e}); "
+            + describe_newest(peer.cfg, peer.out_dir, peer.n)
+        ) from e
     rec = {
         "version": VERSION,
         "step": step,
@@ -244,33 +260,121 @@ def _verify(step_dir: str, rec: dict) -> str | None:
     return None
 
 
-def pick(ckpt_dir: str, n_stages: int, stage: int, index: int) -> tuple[int, str]:
-    """The step to resume from and this peer's file of it: the newest complete step where this stage has a file
-    that verifies (its own, else the lowest index of its stage). Damaged files are logged and skipped."""
+def candidates_in(ckpt_dir: str, n_stages: int, stage: int, index: int) -> list[tuple[int, str]]:
+    """(step, this peer's file) of every complete step where this stage has a file that verifies (its own, else the
+    lowest index of its stage), newest first. Damaged files are logged and skipped."""
     complete = complete_steps(ckpt_dir, n_stages)
     if not complete:
         found = [s for s, _ in _steps(ckpt_dir)]
         raise SwarmError(
             f"--resume: no complete SWARM checkpoint in {ckpt_dir} (a step where every one of the {n_stages} stages "
-            f"saved; step directories found: {found or 'none'}); start a fresh run without --resume"
+            f"saved; step directories found: {found or 'none'}); start a fresh run without --resume in another --out "
+            "(or move those directories away)"
         )
+    out = []
     for step, step_dir in reversed(complete):
         files = stage_files(step_dir)[stage]
-        order = ([index] if index in files else []) + sorted(i for i in files if i != index)
-        for i in order:
+        for i in ([index] if index in files else []) + sorted(i for i in files if i != index):
             why = _verify(step_dir, files[i])
             if why is None:
-                return step, os.path.join(step_dir, files[i]["file"])
+                out.append((step, os.path.join(step_dir, files[i]["file"])))
+                break
             log.warning("--resume: %s; skipped", why)
-    raise SwarmError(f"--resume: every checkpoint of stage {stage} in {ckpt_dir} is damaged (see the warnings above)")
+    return out
+
+
+def pick(ckpt_dir: str, n_stages: int, stage: int, index: int) -> tuple[int, str]:
+    """The newest ``candidates_in`` (one peer on its own; ``resume`` agrees on a step with the others)."""
+    got = candidates_in(ckpt_dir, n_stages, stage, index)
+    if not got:
+        raise SwarmError(f"--resume: every checkpoint of stage {stage} in {ckpt_dir} is damaged (see the warnings)")
+    return got[0]
+
+
+def candidates(peer) -> list[tuple[int, str]]:
+    """``candidates_in`` for this peer (before it publishes its address), with the config checked against the
+    newest one's."""
+    ckpt = checkpoint_dir(peer.cfg, peer.out_dir)
+    got = candidates_in(ckpt, peer.n, peer.stage, peer.index)
+    if got:
+        check_config(peer, got[0][1])
+    return got
+
+
+def resume(peer, cands: list[tuple[int, str]]) -> None:
+    """Agree through the address store on the newest step that every peer of the job can load (each publishes the
+    steps whose files verify for it: a damaged file in one stage moves all to an older step together), move step
+    directories newer than it aside (one peer: the first of the job; they would mix with this run's saves), then
+    load this peer's file of that step and move its records of later steps aside."""
+    from datetime import timedelta
+
+    from dilocox.security import open_value, sign_value
+    from dilocox.swarm.transport import run_secret
+
+    key = lambda name: f"swarm/resume/{name}"  # noqa: E731
+    names = [file_stem(j, i) for j, idx in enumerate(peer.members) for i in idx]
+    mine = json.dumps(sorted(s for s, _ in cands))
+    with peer.store_lock:
+        peer.store.set(key(peer.name), sign_value(run_secret(), key(peer.name), mine))
+    try:
+        peer.store.wait([key(n) for n in names], timedelta(seconds=peer.s.startup_timeout_s))
+    except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
+        raise SwarmError(
+            f"{peer.name}: --resume: not every peer said which steps it can resume from within "
+            f"swarm.startup_timeout_s={peer.s.startup_timeout_s}s: start every peer with --resume"
+        ) from e
+    with peer.store_lock:
+        can = {n: set(json.loads(open_value(run_secret(), key(n), peer.store.get(key(n)).decode()))) for n in names}
+    common = set.intersection(*can.values())
+    if not common:
+        raise SwarmError(
+            f"{peer.name}: --resume: no checkpoint step that every peer can load (steps per peer: "
+            f"{ {n: sorted(v) for n, v in can.items()} }): a checkpoint dir that is not shared between hosts, or "
+            "damaged files (see the warnings); give every host the same checkpoint.dir"
+        )
+    step = max(common)
+    path = dict(cands)[step]
+    ckpt = checkpoint_dir(peer.cfg, peer.out_dir)
+    if peer.name == names[0]:  # newer (partial, or unloadable) step directories: kept, out of the way
+        for s, d in _steps(ckpt):
+            if s > step:
+                aside = f"{d}.stale-{int(time.time())}"
+                os.replace(d, aside)
+                log.warning("%s: --resume from step %d: moved %s aside to %s", peer.name, step, d, aside)
+    got = load(peer, path)
+    if os.path.basename(path) != file_stem(peer.stage, peer.index) + ".pt":
+        log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
+    with peer.cv:
+        peer.step = got
+    dropped = discard_records(peer.out_dir, peer.name, got)
+    log.info(
+        "%s: resumed from %s at step %d%s", peer.name, path, got,
+        f" ({dropped} record(s) of later steps moved to {peer.name}.discarded.jsonl)" if dropped else "",
+    )  # fmt: skip
+    if got >= peer.steps:
+        log.info("%s: step %d is at or past the run's %d steps: nothing to train", peer.name, got, peer.steps)
 
 
 def check_config(peer, path: str) -> None:
     """Refuse a resume whose config changes what a step computes (the keys named), log the allowed changes."""
     with open(path[:-3] + ".json") as f:
-        saved = json.load(f).get("config")
+        rec = json.load(f)
+    if int(rec.get("n_stages", peer.n)) != peer.n:
+        raise SwarmError(
+            f"--resume: {path} was written by a job of {rec.get('n_stages')} stages, this one has {peer.n} "
+            f"(swarm.peers_per_stage={list(peer.pps)}): a resume keeps the stages (their layers); set it back, or "
+            "start a fresh run in another --out"
+        )
+    saved = rec.get("config")
     if not isinstance(saved, dict):
         return
+    before = (saved.get("swarm") or {}).get("peers_per_stage") or [peer.pps[0]]
+    if int(before[0]) != peer.pps[0]:
+        log.warning(
+            "%s: --resume with %d stage-0 peers instead of %d: each step's batch (stage-0 peers x train.batch_size) "
+            "and every stage-0 peer's data shard change from here on",
+            peer.name, peer.pps[0], int(before[0]),
+        )  # fmt: skip
     math_, sched = config_changes(saved, peer.cfg.to_dict())
     layout = [c for c in math_ if c[0] in LAYOUT_KEYS]
     math_ = [c for c in math_ if c[0] not in LAYOUT_KEYS]
@@ -302,9 +406,12 @@ def load(peer, path: str) -> int:
         )
     for n, p in named.items():
         p.copy_(sd["params"][n])
-    peer.opt.load_state_dict(sd["opt"])
-    if peer.outer is not None:
-        peer.outer.load_state_dict(sd["outer"])
+    try:
+        peer.opt.load_state_dict(sd["opt"])
+        if peer.outer is not None:
+            peer.outer.load_state_dict(sd["outer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise SwarmError(f"--resume: {path} does not fit {peer.name}'s optimizer or outer state: {e}") from e
     set_rng_state(sd["rng"])
     return int(sd["step"])
 
@@ -329,50 +436,3 @@ def discard_records(out_dir: str, name: str, step: int) -> int:
             f.writelines(drop)
         _atomic_write_text(path, "".join(keep))
     return len(drop)
-
-
-def pick_for(peer) -> tuple[int, str]:
-    """``pick`` for this peer, and the config check against what the picked file was trained with."""
-    step, path = pick(checkpoint_dir(peer.cfg, peer.out_dir), peer.n, peer.stage, peer.index)
-    check_config(peer, path)
-    return step, path
-
-
-def resume(peer, step: int, path: str) -> None:
-    """Check through the address store that every peer of the job picked ``step`` (a peer that sees another
-    directory, or a damaged file, would start elsewhere), then load ``path`` and drop the records past it."""
-    from datetime import timedelta
-
-    from dilocox.security import open_value, sign_value
-    from dilocox.swarm.transport import run_secret
-
-    key = lambda name: f"swarm/resume/{name}"  # noqa: E731
-    names = [file_stem(j, i) for j, idx in enumerate(peer.members) for i in idx]
-    with peer.store_lock:
-        peer.store.set(key(peer.name), sign_value(run_secret(), key(peer.name), str(step)))
-    try:
-        peer.store.wait([key(n) for n in names], timedelta(seconds=peer.s.startup_timeout_s))
-    except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
-        raise SwarmError(
-            f"{peer.name}: --resume: not every peer said which step it resumes from within swarm.startup_timeout_s="
-            f"{peer.s.startup_timeout_s}s: start every peer with --resume"
-        ) from e
-    with peer.store_lock:
-        picked = {n: int(open_value(run_secret(), key(n), peer.store.get(key(n)).decode())) for n in names}
-    if len(set(picked.values())) > 1:
-        raise SwarmError(
-            f"{peer.name}: --resume: the peers picked different steps {picked} (a checkpoint dir that is not shared "
-            "between hosts, or a damaged file on one of them); give every host the same checkpoint.dir"
-        )
-    got = load(peer, path)
-    if os.path.basename(path) != file_stem(peer.stage, peer.index) + ".pt":
-        log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
-    with peer.cv:
-        peer.step = got
-    dropped = discard_records(peer.out_dir, peer.name, got)
-    log.info(
-        "%s: resumed from %s at step %d%s", peer.name, path, got,
-        f" ({dropped} record(s) of later steps moved to {peer.name}.discarded.jsonl)" if dropped else "",
-    )  # fmt: skip
-    if got >= peer.steps:
-        log.info("%s: step %d is at or past the run's %d steps: nothing to train", peer.name, got, peer.steps)

@@ -135,8 +135,18 @@ def peer_loads(prev: dict[str, dict], cur: dict[str, dict]) -> tuple[list, bool]
 
 # the peer command's flags that belong to its old place (stage, index, stage lighthouse, injected slowness, test
 # hooks); a moved peer gets its new stage's from the launcher: name -> whether the flag takes a value
-_PLACE_FLAGS = {"--stage": True, "--index": True, "--lighthouse": True, "--delay-s": True, "--pace-s": True,
-                "--die-mid-step": True, "--dump-grads": True, "--delay-serial": False, "--join": False}  # fmt: skip
+_PLACE_FLAGS = {
+    "--stage": True,
+    "--index": True,
+    "--lighthouse": True,
+    "--delay-s": True,
+    "--pace-s": True,
+    "--die-mid-step": True,
+    "--dump-grads": True,
+    "--delay-serial": False,
+    "--join": False,
+    "--resume": False,
+}  # fmt: skip (--resume: a moved peer joins its new stage, it does not resume)
 
 
 def moved_argv(argv: list[str], move_to: dict) -> list[str]:

@@ -214,7 +214,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         if self.join and self.m == 1:
             raise SwarmError(f"{self.name}: cannot join: stage {self.stage} has no other peer to get its state from")
         # (before publishing: no peer trains, so none saves, until every peer has picked its resume step)
-        resume_from = peer_ckpt.pick_for(self) if self.resume else None
+        resume_from = peer_ckpt.candidates(self) if self.resume and not self.join else None
         if not self.resume and not self.join:
             peer_ckpt.refuse_stale(self.cfg, self.out_dir)
         me = store_key(self.stage, self.index)
@@ -275,7 +275,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         if self.s.sync == "diloco":
             self.outer = self._build_outer()
         if resume_from is not None:
-            peer_ckpt.resume(self, *resume_from)
+            peer_ckpt.resume(self, resume_from)
         self.ready.set()
 
     def _build_outer(self):
@@ -398,11 +398,11 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             rec["seconds"] = time.monotonic() - t0
             self.records.append(rec)
             self._write_record(rec)
+            if peer_ckpt.due(self.cfg, k + 1):  # (a leaving peer too: it may be its stage's writer)
+                peer_ckpt.save(self, k + 1)
             if leaving:
                 membership.leave(self, k)
                 break
-            if peer_ckpt.due(self.cfg, k + 1):
-                peer_ckpt.save(self, k + 1)
         else:  # the end of the run (before outer.finish: a longer run's next step starts from what is pending)
             if self.cfg.checkpoint.every > 0:
                 peer_ckpt.save(self, self.step)
