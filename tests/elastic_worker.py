@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--overlap", default="none")
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo: fragments (strided)")
+    ap.add_argument("--tau", type=int, default=0, help="Streaming DiLoCo: launch tau steps before a fragment's sync")
+    ap.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo: θ_m <- α θ_m + (1 - α) θ")
     ap.add_argument("--quant", default="none")
     ap.add_argument("--lowrank", type=int, default=0)
     ap.add_argument("--adaptive", action="store_true", help="adaptive rank (1..4) and H (2..6), window 2")
@@ -74,6 +77,9 @@ def main() -> None:
     model = make_model(a.seed)
     opt = make_inner_opt(model)
     ocfg = OuterConfig(method="diloco", sync_every=a.H, overlap=a.overlap)
+    st = ocfg.streaming
+    st.fragments, st.tau, st.alpha, st.pattern = a.fragments, a.tau, a.alpha, "strided"
+    streaming = a.fragments > 1 or a.tau > 0
     ccfg = CompressConfig(quant=a.quant)
     if a.lowrank:
         ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
@@ -114,7 +120,7 @@ def main() -> None:
         armed[0] = a.die_mode == "inflight" and a.die_at == step + 1
         before = outer.outer_step
         outer.after_inner_step(step)
-        if (outer.outer_step != before) if a.adaptive else (step + 1) % a.H == 0:
+        if (outer.outer_step != before) if (a.adaptive or streaming) else (step + 1) % a.H == 0:
             rank = outer.compressors[0].rank
             rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors, rank=rank,
                 H=outer.H)  # fmt: skip

@@ -117,13 +117,17 @@ def run_reference(
     fresh_inner: dict[int, list[int]] | None = None,
     sparse: dict | None = None,
     lookahead: float = 0.0,
+    rejoin: dict[int, list[int]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
 
-    Elastic runs (K = 1): ``members[t - 1]`` are the replicas whose pseudo-gradients the average of outer
-    sync t is taken over (the others keep training here but are left out: dead, or healing);
-    ``fresh_inner[t]`` lists replicas whose inner optimizer restarts from scratch after sync t (a replica
-    that joined the run there: it starts from θ like everyone, with a new AdamW).
+    Elastic runs: ``members[t - 1]`` are the replicas whose pseudo-gradients the average of outer round t is
+    taken over (rounds in launch order: every fragment's all-reduce is one; the others keep training here but are
+    left out: dead, or healing); ``fresh_inner[t]`` (K = 1) lists replicas whose inner optimizer restarts from
+    scratch after sync t (a replica that joined the run there: it starts from θ like everyone, with a new AdamW).
+    ``rejoin[t]`` (overlap none, any K and tau): replicas that join in round t: right after that round's average
+    is taken (at its launch, tau steps before its sync), ALL their params start from θ, with a new AdamW; the
+    round's sync then treats them like everyone (mixing with α when streaming).
 
     ``sparse`` = dict(chunk, density, bits, ef_decay) (K = 1): the average is SparseLoCo's (compress/sparse.py):
     per replica and tensor e = β e + Δ, the chunked top-k payload in plain loops (``reference_encode``), what it
@@ -204,18 +208,23 @@ def run_reference(
                     opts[m].step()
                     opts[m].zero_grad()
             n = step + 1
-            if members is not None and n % H == 0:
-                n_sync[0] += 1
             for p in range(K):
                 if overlap == "none":
                     if is_sync(p, n + tau):
+                        n_sync[0] += 1  # (a round: one fragment's all-reduce)
                         pending[p] = mean(deltas(p))
+                        for m in (rejoin or {}).get(n_sync[0], []):
+                            for x in names:
+                                w[m][x].copy_(theta[0][x])
+                            opts[m] = make_inner_opt(models[m], inner)
                     if is_sync(p, n):
                         _outer_update(outer_opt[0][p], [theta[0][x] for x in frags[p]], pending[p])
                         pending[p] = None
                         for m in range(R):
                             load(p, m, mix)
                 elif is_sync(p, n):
+                    assert not rejoin, "rejoin is modelled for overlap none"
+                    n_sync[0] += 1
                     ds = deltas(p)
                     prev = pending[p] if pending[p] is not None else [torch.zeros_like(d) for d in ds[0]]
                     pending[p] = mean(ds)

@@ -669,3 +669,18 @@ def test_elastic_launch_schedule_by_training_step(tmp_path):
     logged = [json.loads(x) for r in range(3) for x in (run / f"replica{r}" / "metrics.jsonl").read_text().splitlines()]
     at_restart = max(x["step"] for x in logged if "step" in x and x["wall"] <= restart["wall"])
     assert 25 <= at_restart < 30, (at_restart, restart)
+
+
+@pytest.mark.parametrize("method", ["dilocox", "dilocox-adaptive", "streaming"])
+def test_bench_elastic_presets_are_elastic_configs(tmp_path, method):
+    """Each ``dilocox bench elastic --method`` config validates as an elastic replica's (streaming: 2 fragments with
+    tau, overlap none; adaptive: the controller on), and the results text names the method."""
+    from dilocox.bench.elastic import body, describe, preset
+    from dilocox.bench.runner import write_config
+    from dilocox.config import load_config
+
+    path = write_config(str(tmp_path / "e.yaml"), ["tiny.yaml", preset(method)], body(10, method=method))
+    cfg = load_config(path, ["--outer.elastic.enabled=true", "--outer.elastic.lighthouse=http://x:1"])
+    assert (cfg.outer.streaming.fragments, cfg.outer.streaming.tau) == ((2, 2) if method == "streaming" else (1, 0))
+    assert cfg.compress.adaptive.enabled == (method == "dilocox-adaptive")
+    assert ("Streaming" in describe(method, 8, 10)) == (method == "streaming")

@@ -1,6 +1,8 @@
 """``dilocox bench elastic`` (issue 10): 3 elastic replicas x 2 pipeline stages, one killed and restarted.
 
-Tiny GPT-2, the dilocox preset (fixed rank and H: the adaptive controller is not elastic yet), each replica
+Tiny GPT-2, the dilocox preset (``--method dilocox``: fixed rank 8 and H, comparable with the recorded runs;
+``dilocox-adaptive``: the preset's adaptive rank and H as well) or the Streaming DiLoCo preset (``streaming``: 2
+fragments, tau 2, int4), each replica
 one ``dilocox train`` job of 2 ranks (``dilocox launch --elastic``), in network namespaces behind a
 ``--bandwidth`` (100 Mbit/s) tbf cap each way when root can create them, else on loopback with the outer
 comm thread's token bucket (the output says which). Two runs of equal length:
@@ -11,7 +13,8 @@ comm thread's token bucket (the output says which). Two runs of equal length:
    progress, not wall time (on a few shared CPU cores the survivors run faster while a replica is down, so
    a wall-time schedule would restart the victim when the others are nearly done).
 
-    dilocox bench elastic [--steps 150] [--H 10] [--bandwidth 100mbit] [--out docs/bench/elastic] [--runs DIR]
+    dilocox bench elastic [--method dilocox|dilocox-adaptive|streaming] [--steps 150] [--H 10]
+                          [--bandwidth 100mbit] [--out docs/bench/elastic] [--runs DIR]
 
 Measured from each replica's ``metrics.jsonl`` (one record per step, ``wall`` = epoch seconds) and the
 launcher's ``events.jsonl`` (``analyze``, pure):
@@ -50,10 +53,32 @@ TRAIN_FLAGS = [
 ]
 
 
-def body(H: int, rank: int = 8) -> str:
-    """The dilocox preset scaled to a short CPU run, with what elastic mode supports (no adaptive H/rank)."""
-    compress = f"compress: {{lowrank: {{rank: {rank}}}, adaptive: {{enabled: false}}}}\n"
+METHODS = ("dilocox", "dilocox-adaptive", "streaming")
+
+
+def body(H: int, rank: int = 8, method: str = "dilocox") -> str:
+    """The method's preset scaled to a short CPU run (``METHODS``; module docstring)."""
+    if method == "streaming":
+        return LAYOUT + f"outer: {{sync_every: {H}, streaming: {{fragments: 2, tau: 2}}}}\n"
+    adaptive = (
+        f"{{enabled: true, h_min: {max(2, H // 2)}, h_max: {2 * H}}}"
+        if method == "dilocox-adaptive"
+        else ("{enabled: false}")
+    )
+    compress = f"compress: {{lowrank: {{rank: {rank}}}, adaptive: {adaptive}}}\n"
     return LAYOUT + f"outer: {{sync_every: {H}}}\n" + compress
+
+
+def preset(method: str) -> str:
+    return "methods/streaming.yaml" if method == "streaming" else "methods/dilocox.yaml"
+
+
+def describe(method: str, rank: int, H: int) -> str:
+    if method == "streaming":
+        return f"Streaming DiLoCo preset (2 fragments, tau 2, alpha 0.5, int4) with H={H}"
+    if method == "dilocox-adaptive":
+        return f"dilocox preset with adaptive rank (from {rank}) and H (from {H}, in [{max(2, H // 2)}, {2 * H}])"
+    return f"dilocox preset with rank {rank} and H={H} fixed"
 
 
 # --------------------------------------------------------------------------- reading
@@ -273,7 +298,7 @@ def markdown(res: dict) -> str:
     i, u, lo = res["interrupted"], res["uninterrupted"], res["loss"]
     lines = [
         f"{REPLICAS} replicas x {STAGES} pipeline stages (one `dilocox train` job of 2 ranks each), tiny GPT-2, "
-        f"dilocox preset with rank {res['rank']} and H={res['H']} fixed, {res['steps']} steps per replica, "
+        f"{describe(res.get('method', 'dilocox'), res['rank'], res['H'])}, {res['steps']} steps per replica, "
         f"{res['emulation']}. "
         f"Replica {res['victim']} SIGKILLed (whole job) at step {res['steps'] // 3} of the others "
         f"({_f(i.get('kill_t'), '.1f')} s after the start) and started again at their step {2 * res['steps'] // 3} "
@@ -334,7 +359,14 @@ def _run(config: str, run_dir: str, overrides: list[str], bandwidth: str | None,
 
 
 def bench(
-    steps: int, H: int, bandwidth: str | None, victim: int, run_root: str, netns: bool | None, reuse: bool = False
+    steps: int,
+    H: int,
+    bandwidth: str | None,
+    victim: int,
+    run_root: str,
+    netns: bool | None,
+    reuse: bool = False,
+    method: str = "dilocox",
 ) -> tuple[dict, dict, dict, int]:
     """Both runs; returns (results, uninterrupted run, interrupted run, tokens per replica step)."""
     from dilocox.config import load_config
@@ -348,7 +380,9 @@ def bench(
         else f"loopback ({why or 'namespaces off'}), outer comm token bucket {bandwidth}"
     )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg_path = write_config(os.path.join(tmp, "elastic.yaml"), ["tiny.yaml", "methods/dilocox.yaml"], body(H))
+        cfg_path = write_config(
+            os.path.join(tmp, "elastic.yaml"), ["tiny.yaml", preset(method)], body(H, method=method)
+        )
         overrides = [*TRAIN_FLAGS, f"--train.steps={steps}", f"--train.eval_every={H * 2}"]
         cfg = load_config(
             cfg_path, [*overrides, "--outer.elastic.enabled=true", "--outer.elastic.lighthouse=http://x:1"]
@@ -370,6 +404,7 @@ def bench(
         )
     res = {
         "steps": steps,
+        "method": method,
         "H": H,
         "rank": 8,
         "victim": victim,
@@ -388,6 +423,7 @@ def bench(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dilocox bench elastic", description=__doc__.split("\n\n")[0])
+    p.add_argument("--method", choices=METHODS, default="dilocox", help="the preset each replica trains")
     p.add_argument("--steps", type=int, default=150, help="inner steps per replica (a multiple of --H)")
     p.add_argument("--H", type=int, default=10, help="inner steps per outer step")
     p.add_argument("--bandwidth", default="100mbit", help="cap per replica link each way ('none': uncapped)")
@@ -398,13 +434,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="keep a complete RUNS/uninterrupted from an earlier call")
     a = p.parse_args(argv)
+    if a.method == "streaming" and a.H % 2:
+        p.error(f"--H {a.H} must be even with --method streaming (2 fragments sync H/2 steps apart)")
     if a.steps < 3 * a.H or a.steps % a.H:
         p.error(f"--steps {a.steps} must be a multiple of --H {a.H} and at least 3 outer steps")
     if not 0 <= a.victim < REPLICAS:
         p.error(f"--victim {a.victim} must be in [0, {REPLICAS})")
     bw = None if a.bandwidth in ("none", "") else a.bandwidth
     with tempfile.TemporaryDirectory() as tmp:
-        res, full, cut, tps = bench(a.steps, a.H, bw, a.victim, a.runs or tmp, a.netns, a.reuse)
+        res, full, cut, tps = bench(a.steps, a.H, bw, a.victim, a.runs or tmp, a.netns, a.reuse, a.method)
         res["command"] = " ".join(["dilocox bench elastic", *(argv if argv is not None else sys.argv[1:])])
         os.makedirs(a.out, exist_ok=True)
         res["plot"] = plot(full, cut, res, tps, os.path.join(a.out, "elastic.png"))

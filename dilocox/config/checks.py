@@ -376,11 +376,13 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
         )
     if o.method != "diloco":
         _fail("outer.method", o.method, "must be diloco with outer.elastic.enabled (the DiLoCo family's outer step)")
-    if o.streaming.fragments != 1 or o.streaming.tau != 0:
+    if o.streaming.fragments > 1 and o.overlap != "none":
         _fail(
             "outer.streaming.fragments",
             o.streaming.fragments,
-            "must be 1 (and outer.streaming.tau 0) with outer.elastic.enabled: streaming fragments are not elastic yet",
+            f"must be 1 with outer.elastic.enabled and outer.overlap={o.overlap!r} (a joiner cannot get the other "
+            "fragments' averages in flight); use outer.overlap=none (Streaming DiLoCo's own overlap is "
+            "outer.streaming.tau) or one fragment",
         )
     lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not lh or not str(lh).startswith(("http://", "https://")):

@@ -59,61 +59,75 @@ class QuorumGroup:
         self.elastic.set_state_fns(state_fn, load_fn, max_state_bytes=max_state_bytes)
 
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
+        self,
+        tensors: list[Tensor],
+        step: int,
+        contribute: bool = True,
+        codec=None,
+        stats=None,
+        propose=None,
+        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
     ) -> list[Tensor]:
         el = self.elastic
-        shapes = [t.shape for t in tensors]
-        flat_in = torch.cat([t.reshape(-1).float() for t in tensors]) if tensors else torch.zeros(0)
-        n = flat_in.numel()
         side = torch.zeros(el.cfg.max_replicas)
         if propose is not None:
             if not 0 < int(propose) < 1 << 24:
                 raise ValueError(f"propose={propose} must be a positive integer below 2^24 (exact in fp32)")
             side[el.cfg.replica_rank] = float(propose)
         sides = [side]  # the slots of the attempt that committed
-        lossy = codec is not None and codec.lossy
-        if not lossy:
-            buf = torch.cat([flat_in, side])
+        io: dict = {}  # the inputs, resolved at the first attempt (``layout``: after this replica's heal, if any)
 
-            def body(c: bool):
-                total, onehot = el.flat_sum(buf, c)
+        def inputs() -> dict:
+            if not io:
+                ts, cd = layout() if layout is not None else (tensors, codec)
+                flat = torch.cat([t.reshape(-1).float() for t in ts]) if ts else torch.zeros(0)
+                io.update(tensors=ts, codec=cd, flat=flat, lossy=cd is not None and cd.lossy)
+                if not io["lossy"]:
+                    io["buf"] = torch.cat([flat, side])
+            return io
+
+        saved: list[dict] = []
+        tries = [0]
+
+        def body(c: bool):
+            x = inputs()
+            n = x["flat"].numel()
+            if not x["lossy"]:
+                total, onehot = el.flat_sum(x["buf"], c)
                 sides[0] = total[n:]
                 return total[:n], onehot
-
-        else:
-            saved: list[dict] = []
-            tries = [0]
-
-            def body(c: bool):
-                if tries[0]:  # a failed attempt may have moved the warm start / error feedback (a heal, the rank)
-                    rank = codec.rank
-                    codec.load_state_dict(saved[0])
-                    if rank != codec.rank:
-                        codec.set_rank(rank)
-                else:
-                    saved.append(codec.state_dict())  # (after this call's heal, if any, set the rank)
-                tries[0] += 1
-                sides[0], onehot = el.flat_sum(side, c)
-                ins = tensors if c else [torch.zeros_like(t) for t in tensors]
-                outs = codec.allreduce_mean(ins, el.group, step, stats)
-                world = el.group.size()
-                return torch.cat([o.reshape(-1).float() for o in outs]).mul_(world), onehot
+            cd = x["codec"]
+            if tries[0]:  # a failed attempt may have moved the warm start / error feedback (a heal, the rank)
+                rank = cd.rank
+                cd.load_state_dict(saved[0])
+                if rank != cd.rank:
+                    cd.set_rank(rank)
+            else:
+                saved.append(cd.state_dict())  # (after this call's heal, if any, set the rank)
+            tries[0] += 1
+            sides[0], onehot = el.flat_sum(side, c)
+            ins = x["tensors"] if c else [torch.zeros_like(t) for t in x["tensors"]]
+            outs = cd.allreduce_mean(ins, el.group, step, stats)
+            world = el.group.size()
+            return torch.cat([o.reshape(-1).float() for o in outs]).mul_(world), onehot
 
         res = el.run_step(body, contribute)
+        x = inputs()
+        flat_in, n = x["flat"], x["flat"].numel()
         top = int(sides[0].max().item())
         self.agreed = top if top > 0 else None
         n_c = len(res.contributors)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
-        if not lossy and stats is not None:  # the codec counts its own bytes
+        if not x["lossy"] and stats is not None:  # the codec counts its own bytes
             b = wire_bytes(n + 2 * el.cfg.max_replicas, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = list(res.contributors), res.healed
         if self._trace:
             self._record(res, step, mean, flat_in if (contribute and not res.healed) else None)
         out, off = [], 0
-        for s in shapes:
-            k = s.numel()
-            out.append(mean[off : off + k].view(s))
+        for t in x["tensors"]:
+            k = t.numel()
+            out.append(mean[off : off + k].view(t.shape))
             off += k
         return out
 

@@ -113,6 +113,11 @@ class DiLoCoOuter(OuterBase):
         self.overlap, self.K, self.tau = ocfg.overlap, s.fragments, s.tau
         streaming = s.fragments > 1 or s.tau > 0
         self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
+        if self.group.heals and self.K > 1 and self.overlap != "none":
+            raise ValueError(
+                f"outer.streaming.fragments={self.K} with outer.overlap={self.overlap!r} is not elastic: a joiner "
+                "cannot get the other fragments' averages in flight; use overlap none (with tau) or one fragment"
+            )
         if ocfg.lookahead and (self.overlap != "delayed" or self.group.heals):
             raise ValueError(f"outer.lookahead={ocfg.lookahead} needs overlap=delayed without elastic mode")
         self.shift = float(ocfg.lookahead) * ocfg.lr if self.overlap == "delayed" else 0.0  # look-ahead: shift·v
@@ -155,6 +160,7 @@ class DiLoCoOuter(OuterBase):
         self._snap: dict | None = None  # what a joiner gets (set on the main thread at each launch)
         self._healed_sd: dict | None = None  # what this replica got (set on the comm thread by a heal)
         self._jump: int | None = None  # set by a heal: the inner step to continue from
+        self._heal_frag = 0  # set by a heal: the fragment whose round it was
         self.healed_at: int | None = None
         # the owner's part of the snapshot (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called with every
         # snapshot (main thread, right before the launch: return copies of what the main thread changes while that
@@ -168,16 +174,19 @@ class DiLoCoOuter(OuterBase):
             self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
 
     def _allreduce(
-        self, comp, tensors: list[Tensor], step: int, contribute: bool = True, propose: int | None = None
+        self, comp, tensors: list[Tensor], step: int, contribute: bool = True, propose: int | None = None, layout=None
     ) -> list[Tensor]:
         """Runs on the comm thread: the mean over the outer group with the compressor ``comp`` (group.py)."""
-        return self.group.allreduce_mean(tensors, step, contribute, codec=comp, stats=self.comm_stats, propose=propose)
+        late = {"layout": layout} if layout is not None else {}  # (only a joiner's call of a group that heals)
+        return self.group.allreduce_mean(
+            tensors, step, contribute, codec=comp, stats=self.comm_stats, propose=propose, **late
+        )
 
     def _launch(self, p: int, delta: list[Tensor], n: int) -> None:
         """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce with the H
         proposal of the last outer step (``_agree_max``)."""
         if self.group.heals:
-            self._snapshot(n)
+            self._snapshot(n, p)
         self._carried, self._proposal = self._proposal, None
         self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n, True, self._carried)
 
@@ -211,7 +220,10 @@ class DiLoCoOuter(OuterBase):
         if self.overlap == "none":
             h, self.pending[p] = self.pending[p], None
             avg = st.flatten(self._wait(h))
-            self._after_wait()
+            if self._after_wait():  # healed in the round launched tau steps ago: from θ now, at this step
+                for q in range(self.K):
+                    st.load_params(q, 0.0)
+                self.healed_at = self._jump = n
             st.outer_step(p, avg, o.lr, o.momentum, o.nesterov)
             self._adapt(p, h)
             st.load_params(p, self.alpha)
@@ -319,10 +331,11 @@ class DiLoCoOuter(OuterBase):
         return out
 
     # ------------------------------------------------------------------ the live join (module docstring)
-    def _snapshot(self, n: int) -> None:
+    def _snapshot(self, n: int, p: int = 0) -> None:
         self._snap = {
             "valid": True,
             "n": n,
+            "frag": p,  # the fragment whose round this is (its shapes and compressor: a joiner's ``layout``)
             "outer_step": self.outer_step,
             "H": self.H,
             "schedule": self.schedule.state_dict(),
@@ -370,6 +383,7 @@ class DiLoCoOuter(OuterBase):
             c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left
         self.own_prev = [None] * self.K
         self.healed_at = self._jump = int(sd["n"])
+        self._heal_frag = int(sd.get("frag", 0))
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])  # the same rank window: the same next rank
         self._agreed, self._carried, self._proposal = self.group.agreed, None, None  # as the live replicas'
@@ -392,29 +406,44 @@ class DiLoCoOuter(OuterBase):
 
     @torch.no_grad()
     def join(self) -> int | None:
-        """Take part in the live replicas' current outer step without contributing (start-up of every elastic
+        """Take part in the live replicas' current outer round without contributing (start-up of every elastic
         replica). Returns the inner step ``n`` to continue from when a live replica's state was received
         (θ, momentum, outer step, schedule; params set to θ), None when nobody was ahead (a fresh start, a
-        whole-job restart from checkpoints: every replica keeps its own state, or a fixed group)."""
+        whole-job restart from checkpoints: every replica keeps its own state, or a fixed group).
+
+        Streaming (fragments > 1 or tau > 0; overlap none): the round is fragment p's, launched tau steps before its
+        sync (the joiner learns p from its heal: the call's ``layout``). Every fragment's params start from θ (the
+        live replicas' own mixes θ_m are theirs; a joiner has none), fragment p's average is kept until its sync
+        tau steps later, or applied now when tau = 0, as on the live replicas."""
         if not self.group.heals:
             return None
         for c in self.compressors:
             c.errors = None  # nothing of this replica enters the step it joins
-        zeros = [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in self.state.shapes(0)]
-        h = self.comm.submit(self._allreduce, self.compressors[0], zeros, 0, False)
-        avg = self.state.flatten(self._wait(h))
+        self._heal_frag = 0
+
+        def layout():  # comm thread, after the heal (if any): the round's fragment, its zeros and its compressor
+            p = int(self._healed_sd.get("frag", 0)) if self._healed_sd is not None else 0
+            shapes = self.state.shapes(p)
+            return [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in shapes], self.compressors[p]
+
+        h = self.comm.submit(self._allreduce, None, None, 0, False, None, layout)
+        res = self._wait(h)
         if not self._after_wait():
             return None
-        n = self.healed_at
+        n, p = self.healed_at, self._heal_frag
         st, o = self.state, self.ocfg
-        if self.overlap == "none":  # the source launched before its outer step: finish it as the source will
-            st.outer_step(0, avg, o.lr, o.momentum, o.nesterov)
-            self._adapt(0, h)  # (the same σ's, rank window and agreed H as the source: the same rank and H)
+        for q in range(self.K):
+            st.load_params(q, 0.0)
+        if self.overlap == "none" and self.tau == 0:  # the source launched at its sync point: finish it as it will
+            st.outer_step(p, st.flatten(res), o.lr, o.momentum, o.nesterov)
+            self._adapt(p, h)  # (the same σ's, rank window and agreed H as the source: the same rank and H)
             self.outer_step += 1
-            self.schedule.advance(0, self.H)
+            self.schedule.advance(p, self.H)
+            st.load_params(p, self.alpha)
+        elif self.overlap == "none":  # applied at fragment p's sync, tau steps from now
+            self.pending[p] = DoneHandle([t.clone() for t in res], h.comm_s)
         else:
-            self._resume_healed(0, avg)
-        st.load_params(0, 0.0)
+            self._resume_healed(p, st.flatten(res))
         self._dp_broadcast(range(self.K))  # (outer.shard_over_data: the other DP ranks' tensors, from their owners)
         return n
 

@@ -10,6 +10,8 @@ comm thread. The protocol:
   ``contribute=False``: take part and receive the mean without adding to it (a replica joining a live run).
   ``propose``: a positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of
   the values the contributors of this call proposed, the same on all of them.
+  ``layout``: a function returning ``(tensors, codec)`` that takes their place, called inside the call once this
+  replica's heal (if any) is done: a replica joining a streaming run learns there which fragment's round it joins.
 - ``contributors``, ``agreed``: of the last call (read after waiting for it; ``agreed`` None when nothing was
   proposed).
 - ``heals``: whether a call may hand this replica a live replica's state. Then ``set_state_fns(state_fn, load_fn,
@@ -41,7 +43,14 @@ class OuterGroup(Protocol):
     agreed: int | None
 
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
+        self,
+        tensors: list[Tensor],
+        step: int,
+        contribute: bool = True,
+        codec=None,
+        stats=None,
+        propose=None,
+        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
     ) -> list[Tensor]: ...
 
     def set_state_fns(
@@ -71,8 +80,17 @@ class FixedGroup:
         return cls(topo.group("outer"), len(topo.ranks["outer"]))
 
     def allreduce_mean(
-        self, tensors: list[Tensor], step: int, contribute: bool = True, codec=None, stats=None, propose=None
+        self,
+        tensors: list[Tensor],
+        step: int,
+        contribute: bool = True,
+        codec=None,
+        stats=None,
+        propose=None,
+        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
     ) -> list[Tensor]:
+        if layout is not None:  # (no heal here: the layout is known now)
+            tensors, codec = layout()
         if not contribute:
             raise ValueError("a fixed outer group has no joiners: every replica contributes to every all-reduce")
         self.agreed = None
