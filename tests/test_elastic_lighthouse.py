@@ -20,6 +20,7 @@ from dilocox.elastic.failover import (
     LighthouseFailover,
     LighthouseUnreachable,
     QuorumTimeout,
+    ReplicaAgreement,
     install_quorum_guard,
     lighthouse_endpoints,
     lighthouse_listening,
@@ -175,6 +176,74 @@ def test_no_kept_quorum_after_a_failed_step_or_before_the_first_quorum():
         assert [round(c, 1) for c in m.calls] == [0.2, 0.4, 0.8, 1.6], m.calls
 
 
+def test_ranks_of_one_replica_keep_or_ask_together_by_rank_0s_decision():
+    """A replica of 2 ranks (issue 22 item 5): rank 0 probes the lighthouse and decides for both through the
+    replica's store. Rank 1 here sees a lighthouse that listens (it came back between the two probes): it still keeps
+    the quorum when rank 0 keeps, sends no request, and both stop together when rank 0 finds the outage too long."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    down = f"http://127.0.0.1:{_free_port()}"
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        threading.Thread(target=_accept_all, args=(srv,), daemon=True).start()
+        up = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        m0, m1 = _FakeQuorumManager([]), _FakeQuorumManager([])
+        f0 = LighthouseFailover(m0, down, max_outage_s=0.8, attempt_s=ATTEMPT_S, agreement=ReplicaAgreement(store, 0))
+        f1 = LighthouseFailover(m1, up, max_outage_s=30.0, attempt_s=ATTEMPT_S, agreement=ReplicaAgreement(store, 1))
+        for _ in range(3):  # rank 0 writes its decision, rank 1 reads it (the n-th call reads the n-th decision)
+            assert f0.quorum(time.monotonic() + 10).kept_last_quorum
+            assert f1.quorum(time.monotonic() + 10).kept_last_quorum
+        assert m0.calls == [] and m1.calls == []  # neither asked: rank 1 did not go to the lighthouse it saw
+        time.sleep(0.9)  # the outage outlasts rank 0's bound: both raise, together
+        with pytest.raises(LighthouseUnreachable, match="refused connections"):
+            f0.quorum(time.monotonic() + 10)
+        with pytest.raises(LighthouseUnreachable, match=r"rank 0 of this replica"):
+            f1.quorum(time.monotonic() + 10)
+        # rank 0 may not keep (its last step failed): both ask; rank 1 reaches its lighthouse, rank 0 waits (bounded)
+        m0, m1 = _FakeQuorumManager([]), _FakeQuorumManager([])
+        m0._commit_failures = 1
+        f0 = LighthouseFailover(m0, down, max_outage_s=30.0, attempt_s=ATTEMPT_S, agreement=ReplicaAgreement(store, 0))
+        f1 = LighthouseFailover(m1, up, max_outage_s=30.0, attempt_s=ATTEMPT_S, agreement=ReplicaAgreement(store, 1))
+        f0.agreement.calls = f1.agreement.calls = 10  # (fresh keys)
+        with pytest.raises(LighthouseUnreachable):
+            f0.quorum(time.monotonic() + 0.3)
+        r = f1.quorum(time.monotonic() + 10)
+        assert not r.kept_last_quorum and len(m1.calls) == 1
+        # rank 0 gone: rank 1 waits for its decision only until its deadline
+        t0 = time.monotonic()
+        with pytest.raises(QuorumTimeout, match="rank 0 of this replica did not say"):
+            f1.quorum(time.monotonic() + 0.3)
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_a_kept_quorum_is_left_by_all_its_replicas_at_the_same_step():
+    """The exit race: the lighthouse comes back between two replicas' probes of one step; one would keep (and wait in
+    the kept all-reduce), the other ask the lighthouse (and wait there for the first). With the slot of the kept
+    step's all-reduce (``peers_saw_up``: did ANY replica see it listening just before that step) every replica of
+    the kept quorum keeps once more when none saw it, even one whose own probe sees it listening now, and all ask at
+    the step after one saw it. The stay is bounded like the outage."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        threading.Thread(target=_accept_all, args=(srv,), daemon=True).start()
+        up = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        m = _FakeQuorumManager([])
+        f = LighthouseFailover(m, up, max_outage_s=30.0, attempt_s=ATTEMPT_S)
+        f._last_kept, f.down_since = True, time.monotonic()  # the last step ran on a kept quorum (outage began)
+        f.peers_saw_up = False  # ... and no replica saw the lighthouse before it
+        r = f.quorum(time.monotonic() + 10)
+        assert r.kept_last_quorum and m.calls == [] and f.on_kept_quorum  # kept although it listens now
+        f.peers_saw_up = True  # some replica saw it before this kept step: everyone asks now
+        r = f.quorum(time.monotonic() + 10)
+        assert not r.kept_last_quorum and len(m.calls) == 1 and not f.on_kept_quorum
+        m2 = _FakeQuorumManager([])
+        f2 = LighthouseFailover(m2, up, max_outage_s=0.2, attempt_s=ATTEMPT_S)
+        f2._last_kept, f2.down_since, f2.peers_saw_up = True, time.monotonic() - 1.0, False
+        assert not f2.quorum(time.monotonic() + 10).kept_last_quorum  # past the outage bound: no more staying
+
+
 def _qr(quorum_id: int, ids: list[str], max_step: int = 4) -> SimpleNamespace:
     return SimpleNamespace(quorum_id=quorum_id, replica_ids=ids, max_step=max_step, store_address="h:1", heal=False)
 
@@ -305,3 +374,77 @@ def test_lighthouse_that_stays_down_gives_the_clear_error_in_time(tmp_path, monk
         else:  # waited at the first step after the kill
             assert st[-1]["step"] == kill_step and err[0]["step"] == kill_step + 1, s
             assert qt - 0.5 <= err[0]["wait_s"] <= qt + 1.5, s
+
+
+@pytest.mark.fault
+@pytest.mark.slow  # ~40-60 s: 2 replicas x 2 ranks of `dilocox train` and a lighthouse, on 2 cores
+def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tmp_path):
+    """Two `dilocox train --nproc 2` replicas (2 pipeline stages each, H = 5): the lighthouse is SIGKILLed at step 40
+    and started again on the same port once every rank kept its quorum (bounded: 20 s) and 1 s more. Rank 0 of
+    each replica keeps the quorum for both its ranks (``ReplicaAgreement``): both ranks log the kept quorum, the
+    outer steps go on through the outage, both replicas finish with the same final validation loss (the same θ).
+    Before, replicas of several ranks waited for the lighthouse (no kept quorum; a 2.5-2.7 s stall here)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    secret = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "dilocox.cli", "secret", str(secret)], env=env, check=True, cwd=root)
+    lh_log = open(tmp_path / "lighthouse.log", "ab")
+
+    def lighthouse() -> subprocess.Popen:
+        cmd = [sys.executable, os.path.join(root, "dilocox", "elastic", "failover.py"), "lighthouse", "--min-replicas",
+               "2", "--bind", f"127.0.0.1:{port}", "--join-timeout-ms", "20000"]  # fmt: skip
+        return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=lh_log, stderr=subprocess.STDOUT)
+
+    def metrics(r: int) -> list[dict]:
+        try:
+            with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except OSError:
+            return []
+
+    procs = [lighthouse()]
+    try:
+        for r in range(2):
+            cmd = [sys.executable, "-m", "dilocox.cli", "train", "configs/tiny.yaml", "--nproc", "2",
+                   "--parallel.pipeline=2", "--parallel.microbatches=2", "--outer.method=diloco",
+                   "--outer.sync_every=5", "--train.steps=100", "--train.eval_every=0", "--log.every=1",
+                   "--log.progress=false", "--log.tensorboard=false", "--checkpoint.every=0", "--model.n_layers=2",
+                   "--outer.elastic.enabled=true",
+                   f"--outer.elastic.lighthouse=http://127.0.0.1:{port}", f"--outer.elastic.replica_rank={r}",
+                   "--outer.elastic.min_replicas=2", "--outer.elastic.initial_replicas=2",
+                   "--outer.elastic.quorum_timeout_s=30", f"--security.secret_file={secret}",
+                   f"--log.run_dir={tmp_path / f'replica{r}'}"]  # fmt: skip
+            log = open(tmp_path / f"r{r}.log", "wb")
+            procs.append(subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True, stdout=log, stderr=log))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and max([x.get("step", 0) for x in metrics(0)] or [0]) < 40:
+            assert all(p.poll() is None for p in procs[1:]), "a replica exited before the outage"
+            time.sleep(0.1)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(timeout=10)
+        down_until = time.monotonic() + 20  # (< quorum_timeout_s) until both ranks of both replicas kept a quorum
+        while time.monotonic() < down_until and not all(
+            (tmp_path / f"r{r}.log").read_text(errors="replace").count("keeping the last quorum") >= 2 for r in range(2)
+        ):
+            time.sleep(0.1)
+        time.sleep(1.0)  # an outer step or two more on the kept quorum
+        procs[0] = lighthouse()
+        rcs = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    logs = [(tmp_path / f"r{r}.log").read_text(errors="replace") for r in range(2)]
+    assert rcs == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    for text in logs:  # both ranks of each replica kept the quorum (each logs it once per outage)
+        assert text.count("keeping the last quorum") >= 2, text[-3000:]
+    finals = [next(x["summary"]["final_val_loss"] for x in metrics(r) if "summary" in x) for r in range(2)]
+    assert finals[0] == finals[1], finals

@@ -281,7 +281,9 @@ def plot(full: dict, cut: dict, res: dict, tokens_per_step: int, path: str) -> s
     a1.set_ylabel(f"tokens/s, all replicas ({res['bin_s']:g} s bins)")
     a2.set_ylabel("validation loss")
     a2.set_xlabel("wall time since the replicas were started (s)")
-    a1.set_title(f"Elastic DiLoCoX: {REPLICAS} replicas x {STAGES} stages, {res['emulation']}")
+    name = {"streaming": "Streaming DiLoCo", "dilocox-adaptive": "DiLoCoX (adaptive)"}.get(res.get("method"), "DiLoCoX")
+    where = "namespaces" if res["emulation"].startswith("network") else "loopback"
+    a1.set_title(f"Elastic {name}: {REPLICAS} replicas x {STAGES} stages, {where}, {res.get('bandwidth')}", fontsize=10)
     a1.legend(fontsize=7)
     a2.legend(fontsize=6, ncol=2)
     fig.tight_layout()

@@ -261,6 +261,39 @@ def install_quorum_guard(manager: Any) -> _QuorumGuard:
     return guard
 
 
+class ReplicaAgreement:
+    """One keep-or-wait decision for every rank of a replica (a replica of several ranks, each with its own torchft
+    Manager): rank 0 decides from its own probe of the lighthouse and its manager's state, and writes the decision
+    under a per-call key in the replica's own store (the TCPStore its ranks' managers meet on: nothing crosses the
+    replica); the other ranks read it (bounded by the caller's deadline). Ranks call ``quorum`` in step (a quorum, a
+    retry and the commit vote are replica-wide), so the n-th call of every rank reads the n-th decision."""
+
+    PREFIX = "dilocox/failover/"
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.rank, self.calls = store, rank, 0
+
+    def decide(self, mine: str, deadline: float) -> str:
+        """``mine`` (rank 0's decision: "keep", "ask" or "down:<seconds>") for every rank."""
+        key = f"{self.PREFIX}{self.calls}"
+        self.calls += 1
+        if self.rank == 0:
+            self.store.set(key, mine)
+            if self.calls > 3:  # every rank has read it: they are at most one call apart
+                self.store.delete_key(f"{self.PREFIX}{self.calls - 4}")
+            return mine
+        left = max(0.01, deadline - time.monotonic())
+        try:
+            self.store.wait([key], timedelta(seconds=left))
+        except Exception as e:  # noqa: BLE001 - the store raises a plain RuntimeError on timeout
+            raise QuorumTimeout(
+                f"rank {self.rank}: rank 0 of this replica did not say whether to keep the quorum within {left:.1f}s",
+                0.0,
+                0,
+            ) from e
+        return self.store.get(key).decode()
+
+
 class LighthouseFailover:
     """One replica's quorum that survives the lighthouse: ``quorum(deadline)`` replaces ``manager.start_quorum``.
 
@@ -275,8 +308,10 @@ class LighthouseFailover:
     lighthouse at every step (``start_quorum_with_failover``).
 
     Conditions for keeping the quorum: this replica had one (``Manager._quorum_id >= 0``), it participates in
-    it, its last step was committed, and its last quorum request did not fail. In this slice each replica is
-    one process; a replica with several ranks must take this decision once for all its ranks (not done yet).
+    it, its last step was committed, and its last quorum request did not fail. A replica of several ranks takes
+    the decision once for all its ranks (``agreement``: rank 0's, through the replica's store); without it such a
+    replica would have ranks that keep next to ranks that ask the restarted lighthouse (the ones that ask wait
+    for the others at their ManagerServer, the ones that keep wait for them in the all-reduce).
     """
 
     def __init__(
@@ -286,6 +321,7 @@ class LighthouseFailover:
         max_outage_s: float,
         attempt_s: float = DEFAULT_ATTEMPT_S,
         keep_last_quorum: bool = True,
+        agreement: ReplicaAgreement | None = None,
     ) -> None:
         lighthouse_endpoints(lighthouse_addr)  # a bad address fails here, with the field named
         self.manager = manager
@@ -293,10 +329,30 @@ class LighthouseFailover:
         self.max_outage_s = max_outage_s
         self.attempt_s = attempt_s
         self.keep_last_quorum = keep_last_quorum
+        self.agreement = agreement
         self.guard = install_quorum_guard(manager)
         self.down_since: float | None = None  # first refused connection of the current outage (monotonic)
         self.kept_steps = 0  # outer steps run on a kept quorum
         self._last_kept = False
+        # set by the group after a step on a kept quorum: whether ANY replica of it saw the lighthouse listening just
+        # before that step (one slot of the step's all-reduce: the same answer on every one of them)
+        self.peers_saw_up: bool | None = None
+
+    @property
+    def on_kept_quorum(self) -> bool:
+        """The current step runs on a kept quorum (set by ``quorum``)."""
+        return self._last_kept
+
+    def _stay(self, was_kept: bool) -> bool:
+        """Keep again without a probe: the last step ran on a kept quorum, committed, and no replica of it saw the
+        lighthouse back. Every replica of that quorum decides the same (from the same all-reduced slot): the ones
+        that would probe the returned lighthouse a moment after the others kept no longer wait for them at it
+        while those wait in the kept all-reduce (that cost an all-reduce timeout, and ended a run whose
+        quorum_timeout_s equals its timeout_s). They all ask at the step after one saw it."""
+        in_bound = self.down_since is None or time.monotonic() - self.down_since < self.max_outage_s
+        stay = was_kept and self.peers_saw_up is False and self._can_keep() and in_bound
+        self.peers_saw_up = None
+        return stay
 
     def _can_keep(self) -> bool:
         m = self.manager
@@ -328,6 +384,35 @@ class LighthouseFailover:
         self.kept_steps += 1
         return QuorumAttempts(time.monotonic() - t0, attempts, down, kept_last_quorum=True)
 
+    def _agreed_keep(self, t0: float, deadline: float, was_kept: bool) -> QuorumAttempts | None:
+        """A replica of several ranks: keep the quorum when rank 0 says so (the lighthouse refuses connections and
+        it may keep), stop together when rank 0 found the outage too long, else None (ask, every rank)."""
+        mine = "ask"
+        stay = self._stay(was_kept)
+        if self.agreement.rank == 0 and stay:
+            mine = "keep"
+        elif self.agreement.rank == 0 and not lighthouse_listening(self.lighthouse_addr, timeout_s=0.5):
+            now = time.monotonic()
+            self.down_since = self.down_since or now
+            down = now - self.down_since
+            if down >= self.max_outage_s or now >= deadline:
+                mine = f"down:{down:.3f}"
+            elif self.keep_last_quorum and self._can_keep():
+                mine = "keep"
+        said = self.agreement.decide(mine, deadline)
+        if said == "keep":
+            down = 0.0 if self.down_since is None else time.monotonic() - self.down_since
+            return self._keep(t0, 0, down, announce=not was_kept)
+        if said.startswith("down:"):
+            down = float(said[5:])
+            raise LighthouseUnreachable(
+                f"the lighthouse at {self.lighthouse_addr} refused connections for the last {down:.1f}s (rank 0 of "
+                f"this replica; {self.kept_steps} outer step(s) on a kept quorum)",
+                down,
+                0,
+            )
+        return None
+
     def quorum(self, deadline: float, allow_heal: bool = False) -> QuorumAttempts:
         """A quorum for this outer step (kept or new) before ``deadline`` (monotonic); see the class docstring.
 
@@ -341,6 +426,12 @@ class LighthouseFailover:
         was_kept, self._last_kept = self._last_kept, False
         t0 = time.monotonic()
         attempts = span_k = 0
+        if self.agreement is not None:  # one decision for the replica's ranks, then each rank as usual
+            kept = self._agreed_keep(t0, deadline, was_kept)
+            if kept is not None:
+                return kept
+        elif self._stay(was_kept):
+            return self._keep(t0, 0, 0.0, announce=False)
         while True:
             now = time.monotonic()
             if not lighthouse_listening(self.lighthouse_addr, timeout_s=min(0.5, max(0.05, deadline - now))):
@@ -355,7 +446,7 @@ class LighthouseFailover:
                         down,
                         attempts,
                     )
-                if self._can_keep():
+                if self.agreement is None and self._can_keep():
                     return self._keep(t0, attempts, down, announce=not was_kept)
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                 continue

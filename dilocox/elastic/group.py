@@ -42,7 +42,9 @@ from dilocox.elastic.failover import (
     LighthouseFailover,
     LighthouseUnreachable,
     QuorumTimeout,
+    ReplicaAgreement,
     check_torchft_version,
+    lighthouse_listening,
     quorum_id,
 )
 from dilocox.elastic.transfer import StateTransport
@@ -306,14 +308,20 @@ class ElasticOuterGroup:
             self.transport.shutdown()  # (its server would outlive the failed construction)
             raise
         # the lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
-        # requests in short attempts, a restarted lighthouse is used at once, and meanwhile a replica of one
-        # process keeps its last quorum (the ranks of a bigger replica would have to decide that together)
+        # requests in short attempts, a restarted lighthouse is used at once, and meanwhile the replica keeps its
+        # last quorum (a replica of several ranks decides that once for all its ranks, through its own store)
+        agreement = None
+        if group_world > 1:
+            self._agree_store = TCPStore(
+                store[0], store[1], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
+            )
+            agreement = ReplicaAgreement(self._agree_store, group_rank)
         self.failover = LighthouseFailover(
             self._manager,
             cfg.lighthouse_addr,
             max_outage_s=cfg.quorum_timeout_s,
             attempt_s=DEFAULT_ATTEMPT_S if group_world == 1 else cfg.quorum_timeout_s,
-            keep_last_quorum=group_world == 1,
+            agreement=agreement,
         )
         self.group = TorchftGroup(self._pg, cfg.timeout_s)
         self.closed = False
@@ -392,20 +400,28 @@ class ElasticOuterGroup:
         return res
 
     def flat_sum(self, flat: Tensor, contribute: bool) -> tuple[Tensor, Tensor]:
-        """ONE all-reduce of ``[flat | one-hot(replica_rank)]`` (zeros when not contributing); (sum, counts)."""
+        """ONE all-reduce of ``[flat | one-hot(replica_rank) | lighthouse seen]`` (zeros when not contributing);
+        (sum, counts). The last slot: on a step run on a kept quorum (lighthouse down), 1 when this replica's probe
+        just before it found the lighthouse listening again; the sum tells every replica of the kept quorum the same
+        thing, so they all leave the kept quorum at the same next step (``LighthouseFailover.peers_saw_up``)."""
         from torch.distributed import ReduceOp
 
         n_el, c = flat.numel(), self.cfg
-        buf = torch.zeros(n_el + c.max_replicas, dtype=flat.dtype, device=flat.device)
+        kept = self.failover.on_kept_quorum
+        buf = torch.zeros(n_el + c.max_replicas + 1, dtype=flat.dtype, device=flat.device)
         if contribute:
             buf[:n_el].copy_(flat)
             buf[n_el + c.replica_rank] = 1
+        if kept and lighthouse_listening(c.lighthouse_addr, timeout_s=0.2):
+            buf[-1] = 1
         work = self._manager.allreduce(buf, reduce_op=ReduceOp.SUM)
         try:
             work.wait(timedelta(seconds=c.timeout_s))
         except Exception as e:  # torchft normally records errors in the manager instead of raising
             self._manager.report_error(e)
-        return buf[:n_el], buf[n_el:]
+        if kept:
+            self.failover.peers_saw_up = bool(buf[-1].item() > 0)
+        return buf[:n_el], buf[n_el : n_el + c.max_replicas]
 
     def count_contributors(self, contribute: bool) -> Tensor:
         """The one-hot contributor counts alone (a ``max_replicas``-float all-reduce); for the compressed path."""

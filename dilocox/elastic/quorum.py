@@ -119,7 +119,7 @@ class QuorumGroup:
         n_c = len(res.contributors)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not x["lossy"] and stats is not None:  # the codec counts its own bytes
-            b = wire_bytes(n + 2 * el.cfg.max_replicas, max(res.world, 1), "none")
+            b = wire_bytes(n + 2 * el.cfg.max_replicas + 1, max(res.world, 1), "none")  # (+1: lighthouse seen)
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = list(res.contributors), res.healed
         if self._trace:
