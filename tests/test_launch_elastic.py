@@ -627,6 +627,29 @@ def test_step_clock_reads_the_replicas_progress(tmp_path):
     assert step_clock(str(tmp_path), 3)() == 7.0
 
 
+def test_a_replicas_own_error_line_is_found_in_its_latest_incarnation(tmp_path):
+    """``dilocox launch --elastic`` prints the one-line error of a replica that exits non-zero (issue 22 item 6):
+    the last such line after the launcher's latest ``====`` marker (an earlier incarnation's error is not it)."""
+    from dilocox.elastic.schedule import last_error
+
+    log = tmp_path / "replica2.log"
+    assert last_error(str(log)) is None  # no log yet
+    log.write_text(
+        "==== start (incarnation 0) at 1.0\n"
+        "elastic run stopped (rank 1): replica 2: no quorum within elastic.quorum_timeout_s=30.0s: ...\n"
+        "==== restart (incarnation 1) at 9.0\n"
+        "step 5/10 | loss 2.5\n"
+        "config error: the checkpoint resumed from (/r/step_00000300) is already at step 300, at or past "
+        "train.steps=300: this run is finished and nothing was trained\n"
+        "[rank0]: Traceback (most recent call last):\n"
+    )
+    assert last_error(str(log)).startswith("config error: the checkpoint resumed from")
+    log.write_text(log.read_text() + "==== restart (incarnation 2) at 20.0\nstep 1/10\n")
+    assert last_error(str(log)) is None  # the latest incarnation has none (yet)
+    log.write_text(log.read_text() + "[rank 1] error: the outer all-reduce with replica(s) 0 failed after 20 s\n")
+    assert last_error(str(log)) == "[rank 1] error: the outer all-reduce with replica(s) 0 failed after 20 s"
+
+
 @pytest.mark.slow
 def test_elastic_launch_schedule_by_training_step(tmp_path):
     """--at step: the kill and restart happen when a replica has logged step 10 and step 25 (0.1 s per step); a kill

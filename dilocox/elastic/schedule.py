@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -86,6 +87,29 @@ def last_step(metrics_path: str) -> int:
 def last_summary(metrics_path: str) -> dict | None:
     """The ``summary`` record a run logged last in ``metrics.jsonl`` (None if there is none yet)."""
     return next((r["summary"] for r in _tail_records(metrics_path, 65536) if isinstance(r.get("summary"), dict)), None)
+
+
+# the one-line errors `dilocox train` prints (cli.py: ``<label>[ (rank R)]: <message>``; a timed-out wait:
+# ``[rank R] error: ...``)
+_ERROR_LINE = re.compile(
+    r"^(?:(?:config|data|export|checkpoint) error|training stopped|elastic run stopped)(?: \(rank \d+\))?: "
+    r"|^\[rank \d+\] error: "
+)
+
+
+def last_error(log_path: str, nbytes: int = 65536) -> str | None:
+    """The last one-line error of the replica's latest incarnation in its log (the part after the launcher's last
+    ``==== `` marker line), or None."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    start = max((i for i, line in enumerate(lines) if line.startswith("==== ")), default=-1)
+    hits = [line.strip() for line in lines[start + 1 :] if _ERROR_LINE.match(line)]
+    return hits[-1][:400] if hits else None
 
 
 def step_clock(run_dir: str, n: int) -> Callable[[], float]:

@@ -17,7 +17,7 @@ import uuid
 from typing import Callable, Sequence
 
 from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged, tagged_pids
-from dilocox.elastic.schedule import Action, LaunchError, last_summary
+from dilocox.elastic.schedule import Action, LaunchError, last_error, last_summary
 from dilocox.launch.netns import HUB_ADDR, Cluster, kill_group
 
 LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
@@ -237,7 +237,10 @@ class ElasticLaunch:
                     if not rep.killed:
                         self.event("exit", replica=rep.r, code=code, incarnation=rep.incarnation)
                         level = "finished" if code == 0 else f"exited with code {code}"
-                        self.log(f"dilocox launch: replica {rep.r} {level} (log {self.run_dir}/replica{rep.r}.log)")
+                        log_path = os.path.join(self.run_dir, f"replica{rep.r}.log")
+                        self.log(f"dilocox launch: replica {rep.r} {level} (log {log_path})")
+                        if code != 0 and (why := last_error(log_path)):  # its own one line, not just a code
+                            self.log(f"dilocox launch: replica {rep.r}: {why}")
             running = [rep for rep in self.replicas if rep.code is None]
             while pending and pending[0].at_s <= at:
                 act = pending.pop(0)
