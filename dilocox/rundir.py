@@ -273,7 +273,13 @@ def truncate_metrics(run_dir: str, step: int) -> int:
     """Drop the ``metrics.jsonl`` records logged after ``step`` (moved to metrics.discarded.jsonl); return how many.
 
     Records without a step (summaries, resume marks) are kept when they precede the first dropped record."""
-    path = os.path.join(run_dir, METRICS_NAME)
+    return move_records_after(os.path.join(run_dir, METRICS_NAME), os.path.join(run_dir, DISCARDED_NAME), step)
+
+
+def move_records_after(path: str, discarded_path: str, step: int, mark: bool = True) -> int:
+    """Move the JSON-lines records of ``path`` whose ``step`` is above ``step`` (with the step-less ones after the
+    first of them, and lines cut by a crash) to the end of ``discarded_path`` (``mark``: after a
+    ``discarded_after_step`` line); return how many moved. ``path`` is rewritten atomically."""
     if not os.path.exists(path):
         return 0
     keep, drop = [], []
@@ -281,19 +287,18 @@ def truncate_metrics(run_dir: str, step: int) -> int:
         for line in f:
             if not line.strip():
                 continue
+            line = line if line.endswith("\n") else line + "\n"
             try:
                 rec = json.loads(line)
             except ValueError:  # a line cut by a crash mid-write
-                drop.append(line if line.endswith("\n") else line + "\n")
+                drop.append(line)
                 continue
             s = rec.get("step") if isinstance(rec, dict) else None
-            if (isinstance(s, int) and s > step) or (s is None and drop):
-                drop.append(line if line.endswith("\n") else line + "\n")
-            else:
-                keep.append(line if line.endswith("\n") else line + "\n")
+            (drop if (isinstance(s, int) and s > step) or (s is None and drop) else keep).append(line)
     if drop:
-        with open(os.path.join(run_dir, DISCARDED_NAME), "a") as f:
-            f.write(json.dumps({"discarded_after_step": step, "time": time.time()}) + "\n")
+        with open(discarded_path, "a") as f:
+            if mark:
+                f.write(json.dumps({"discarded_after_step": step, "time": time.time()}) + "\n")
             f.writelines(drop)
         _atomic_write(path, "".join(keep))
     return len(drop)

@@ -21,22 +21,14 @@ from dilocox.config import Config, load_config
 from dilocox.swarm import checkpoint as ck
 from dilocox.swarm.common import SwarmError
 from dilocox.swarm.runtime import launch
+from tests.test_swarm_runtime import TINY as SWARM_TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "--model.n_layers=2",
-    "--model.d_model=64",
-    "--data.max_bytes=200000",
-    "--train.batch_size=4",
-    "--train.seq_len=32",
-    "--optim.warmup_steps=0",
-    "--swarm.microbatch_size=2",
+TINY = [  # the SWARM runtime tests' tiny model; one order of microbatches per stage-1 peer; checkpoints every 2 steps
+    *SWARM_TINY,
     "--swarm.max_inflight=1",
     "--swarm.routing=fixed",
-    "--swarm.step_timeout_s=60",
-    "--swarm.sync_timeout_s=60",
-    "--swarm.rpc_timeout_s=20",
-    "--train.steps=6",  # the lr schedule (cosine over train.steps) is the same for every run below
+    "--train.steps=6",
     "--checkpoint.every=2",
 ]
 

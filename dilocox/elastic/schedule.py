@@ -60,17 +60,21 @@ def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> lis
 # --------------------------------------------------------------------------- the step clock
 
 
+def _tail_lines(path: str, nbytes: int) -> list[str] | None:
+    """The lines of the last ``nbytes`` of a file (the first may be cut by the seek); None when it is missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+
+
 def _tail_records(metrics_path: str, nbytes: int):
     """The JSON objects of the last ``nbytes`` of a ``metrics.jsonl``, newest first (a line cut by the seek or by a
     kill is skipped); nothing when the file is missing."""
-    try:
-        with open(metrics_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - nbytes))
-            tail = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return
-    for line in reversed(tail):
+    for line in reversed(_tail_lines(metrics_path, nbytes) or []):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -100,12 +104,8 @@ _ERROR_LINE = re.compile(
 def last_error(log_path: str, nbytes: int = 65536) -> str | None:
     """The last one-line error of the replica's latest incarnation in its log (the part after the launcher's last
     ``==== `` marker line), or None."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - nbytes))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
+    lines = _tail_lines(log_path, nbytes)
+    if lines is None:
         return None
     start = max((i for i, line in enumerate(lines) if line.startswith("==== ")), default=-1)
     hits = [line.strip() for line in lines[start + 1 :] if _ERROR_LINE.match(line)]

@@ -46,7 +46,7 @@ import torch
 
 from dilocox.checkpoint.layout import HASH, _atomic_write_bytes, _atomic_write_text, file_hash, step_dir_name
 from dilocox.checkpoint.state import nonfinite_tensors, rng_state, set_rng_state
-from dilocox.rundir import config_changes
+from dilocox.rundir import config_changes, move_records_after
 from dilocox.swarm.common import SwarmError
 
 log = logging.getLogger("dilocox.swarm.peer")
@@ -419,20 +419,4 @@ def load(peer, path: str) -> int:
 def discard_records(out_dir: str, name: str, step: int) -> int:
     """Move ``name``'s records of steps >= ``step`` (a run past the checkpoint) to ``name.discarded.jsonl``."""
     path = os.path.join(out_dir, f"{name}.jsonl")
-    if not os.path.exists(path):
-        return 0
-    keep, drop = [], []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                s = int(json.loads(line).get("step", -1))
-            except (ValueError, AttributeError, TypeError):
-                s = -1
-            (drop if s >= step else keep).append(line if line.endswith("\n") else line + "\n")
-    if drop:
-        with open(os.path.join(out_dir, f"{name}.discarded.jsonl"), "a") as f:
-            f.writelines(drop)
-        _atomic_write_text(path, "".join(keep))
-    return len(drop)
+    return move_records_after(path, os.path.join(out_dir, f"{name}.discarded.jsonl"), step - 1, mark=False)
