@@ -193,6 +193,8 @@ def test_stop_and_resume_equals_one_run(tmp_path, sync):
         recs = again.records[name]
         assert [r["step"] for r in recs] == list(range(6))
         assert [r["loss"] for r in recs] == [r["loss"] for r in whole.records[name]]
+    with pytest.raises(SwarmError, match="at or past --steps 6: this run is finished"):  # refused before any start
+        launch(cfg, out, peers_per_stage=[2, 2], steps=6, timeout_s=60, resume=True)
     # keep=2 complete steps: 2 and 3 are older than 4 and 6 (a moved-aside directory stays)
     assert sorted(d for d in os.listdir(ckpt) if ".stale-" not in d) == ["step_00000004", "step_00000006"]
 

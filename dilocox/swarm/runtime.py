@@ -22,7 +22,7 @@ import torch
 
 from dilocox.config import Config, to_yaml, validate
 from dilocox.security import load_or_create_secret
-from dilocox.swarm.common import peer_name, rpc_security
+from dilocox.swarm.common import SwarmError, peer_name, rpc_security
 from dilocox.swarm.transport import use_secret
 
 log = logging.getLogger("dilocox.swarm.runtime")
@@ -228,8 +228,14 @@ def launch(
         validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
     from dilocox.swarm import checkpoint as peer_ckpt
 
-    if resume:
-        peer_ckpt.pick(peer_ckpt.checkpoint_dir(cfg, out_dir), len(cfg.swarm.peers_per_stage), 0, 0)  # (or say why)
+    if resume:  # (no complete checkpoint: one line; a finished run: one line, as `dilocox train` says it)
+        ckpt = peer_ckpt.checkpoint_dir(cfg, out_dir)
+        at, _ = peer_ckpt.pick(ckpt, len(cfg.swarm.peers_per_stage), 0, 0)
+        if at >= (steps or cfg.train.steps):
+            raise SwarmError(
+                f"--resume: the newest checkpoint in {ckpt} is at step {at}, at or past --steps "
+                f"{steps or cfg.train.steps}: this run is finished and there is nothing to train; pass a larger --steps"
+            )
     else:
         peer_ckpt.refuse_stale(cfg, out_dir)  # before anything starts
     t0 = time.monotonic()
