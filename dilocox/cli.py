@@ -37,7 +37,10 @@ BENCHES = {
     "frontier": ("dilocox.bench.frontier", "val loss vs bytes sent: every method family swept, two corpora, the front"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
-    "swarm": ("dilocox.bench.swarm", "SWARM vs DiLoCo-SWARM vs 1 pipeline; IWRR on slow peers; peer killed; H sweep"),
+    "swarm": (
+        "dilocox.bench.swarm",
+        "SWARM vs DiLoCo-SWARM; IWRR on slow peers; peer killed; H sweep; (e) activation codecs",
+    ),
     "switch": ("dilocox.bench.switch", "the delay switch's ceiling (TCP Gbit/s, 1500-B frames/s) next to the bridge"),
     "rpc": ("dilocox.bench.rpc", "what authentication and encryption add to a SWARM RPC call and hop"),
 }

@@ -15,6 +15,7 @@ starts from those weights, split over any layout (continued pre-training).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -28,6 +29,7 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
     from dilocox import hf
     from dilocox.config import load_config
     from dilocox.generate import run_tokenizer
+    from dilocox.model.subspace import dense_state_dict
     from dilocox.reshard import final_model
 
     cfg_path = os.path.join(run_dir, "config.yaml")
@@ -43,7 +45,9 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
         if step_dir is None:
             raise FileNotFoundError(f"{run_dir}: no complete checkpoint under {ckpt_dir}; nothing to export")
     full = final_model(step_dir, cfg.model, allow_replica_params)
-    hf.save_hf_dir(out_dir, cfg.model, full, run_tokenizer(cfg))
+    # a subspace-constrained model (model.subspace_rank) exports as the dense model with the same function
+    full, mcfg = dense_state_dict(cfg.model, full), dataclasses.replace(cfg.model, subspace_rank=0)
+    hf.save_hf_dir(out_dir, mcfg, full, run_tokenizer(cfg))
     return step_dir
 
 

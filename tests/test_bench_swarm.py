@@ -229,3 +229,21 @@ def test_iwrr_gives_a_3x_slower_peer_its_throughput_share_on_real_processes(tmp_
     assert predicted["iwrr"] < 1 / 3, predicted
     assert abs(shares["iwrr"] - predicted["iwrr"]) <= 0.10, (shares, predicted)
     assert abs(shares["random"] - 0.5) <= 0.15, shares
+
+
+def test_part_e_gap_and_reduction_are_against_fp32_of_the_same_corpus_and_sync():
+    from dilocox.bench import swarm_act as sa
+
+    def row(point, act_bytes, val, corpus="code"):
+        return dict(corpus=corpus, sync="swarm", point=point, act_bytes=act_bytes, tokens=100, val_loss=val,
+                    values_per_token=64, counted_equals_planned=True)  # fmt: skip
+
+    rows = [row("fp32", 51200, 2.0), row("subspace-int4 k=4", 425, 2.03), row("fp32", 51200, 3.0, "prose"),
+            row("subspace-int4 k=4", 425, 3.3, "prose"), row("int8", 12812, 2.0)]  # fmt: skip
+    sa.analyse(rows)
+    assert rows[1]["reduction"] == pytest.approx(51200 / 425) and rows[1]["gap"] == pytest.approx(0.015)
+    assert rows[3]["gap"] == pytest.approx(0.1) and rows[0]["gap"] == 0.0
+    md = sa.markdown({"rows": rows, "date": "d", "machine": "m", "command": "c", "steps": 4, "H": 2})
+    assert "code, swarm: best point at >= 100x: subspace-int4 k=4 (120x, gap +1.50%): meets" in md
+    assert "prose, swarm: best point at >= 100x: subspace-int4 k=4 (120x, gap +10.00%): misses" in md
+    assert sa.act_bytes_per_token(rows[1]) == 4.25

@@ -274,3 +274,26 @@ def test_diloco_export_is_theta_and_mid_run_checkpoint_is_refused(tmp_path):
     back = hf.load_hf_full_state_dict(out, cfg.model)
     for k in r0:
         assert torch.equal(back[k], r0[k]), k
+
+
+@pytest.mark.slow
+def test_export_of_a_subspace_model_is_its_dense_equivalent(tmp_path):
+    """Issue 24 item 2: a model trained with model.subspace_rank (k-wide out-projections and embedding, fixed parts
+    rebuilt from the shape) exports as the dense GPT-2 with the same function: transformers' logits equal ours."""
+    from dilocox import checkpoint as ckpt
+    from dilocox.cli import main
+    from dilocox.reshard import final_model
+
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    run_ranks(1, _train, run_dir, ["--model.subspace_rank=8"])
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    full = final_model(ckpt.find_latest(os.path.join(run_dir, "checkpoints")), cfg.model)
+    assert cfg.model.subspace_rank == 8 and full["embed.weight"].shape == (256, 8)
+    assert main(["export", run_dir, "--to", "hf", out]) == 0
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = _dilocox_model(cfg.model, full)
+    x = _tokens()
+    with torch.no_grad():
+        a, b = ours(x), theirs(x).logits
+    assert a.abs().max() > 0.1
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-5)

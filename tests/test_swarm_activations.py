@@ -59,7 +59,7 @@ def test_wire_bytes_equals_the_payload(kind, shape):
     assert meta == ActMeta(kind, tuple(shape), "float32", 128)
     assert ActMeta.from_dict(meta.to_dict()) == meta
     n = x.numel()
-    per = {"none": 4 * n, "fp16": 2 * n, "int8": n + 2 * -(-n // 128)}[kind]
+    per = {"none": 4 * n, "fp16": 2 * n, "int8": n + 2 * -(-n // 128), "int4": -(-n // 2) + 2 * -(-n // 128)}[kind]
     assert payload.numel() == per
 
 
@@ -87,7 +87,7 @@ def test_kernel_equals_reference(block):
 def test_bad_input_gives_clear_errors():
     x = activations((2, 4, 8))
     with pytest.raises(ValueError, match="not one of"):
-        encode(x, "int4")
+        encode(x, "int2")
     with pytest.raises(ValueError, match="block"):
         encode(x, "int8", 0)
     with pytest.raises(ValueError, match="floating-point"):

@@ -43,7 +43,8 @@ def test_sync_share_grows_with_model_size(family_rows, act):
 
 def test_int8_activations_shrink_pipeline_bytes_about_4x(family_rows):
     for a, b in zip(family_rows["none"], family_rows["int8"]):
-        assert a["pipeline_bytes"] / b["pipeline_bytes"] == pytest.approx(4 / (1 + 2 / 2048), rel=1e-3)
+        assert a["act_bytes_per_link"] / b["act_bytes_per_link"] == pytest.approx(4 / (1 + 2 / 2048), rel=1e-3)
+        assert a["ids_bytes_per_link"] == b["ids_bytes_per_link"] > 0
         assert a["swarm_sync_bytes"] == b["swarm_sync_bytes"]
 
 
@@ -63,12 +64,12 @@ def test_pipeline_bytes_are_the_codecs_wire_bytes_of_the_real_stage_output(act):
         h1.sum().backward()  # the gradient that goes back over the link has h's shape
         fwd, _ = encode(h, act, 64)
         bwd, _ = encode(h.grad, act, 64)
-        link += fwd.numel() + bwd.numel()
+        link += fwd.numel() + bwd.numel() + 2 * b * 16  # + the ids: inputs and targets, uint8 (vocab 64)
         assert h1.shape == h.shape  # the 1->2 link carries the same shape
     assert row["microbatches_per_step"] == 2 * 3
     assert row["pipeline_bytes_per_link"] == 2 * link  # two stage-0 peers
     assert row["pipeline_bytes"] == 2 * 2 * link  # two links
-    assert row["pipeline_bytes_per_link"] == 2 * sum(2 * wire_bytes(b * 16 * 32, act, 64) for b in (2, 2, 1))
+    assert row["act_bytes_per_link"] == 2 * sum(2 * wire_bytes(b * 16 * 32, act, 64) for b in (2, 2, 1))
 
 
 def test_sync_bytes_are_the_compressors():
@@ -112,7 +113,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="DiLoCo-family preset"):
         swarm_plan(m, preset="allreduce")
     with pytest.raises(ValueError, match="activation codec"):
-        swarm_plan(m, act="int4")
+        swarm_plan(m, act="int2")
 
 
 def test_cli(tmp_path, capsys):
@@ -142,7 +143,7 @@ def test_plan_of_a_run_config(tmp_path, capsys):
     assert row["peers"] == [3, 2] and row["act"] == "int8" and row["H"] == 7
     assert row["microbatches_per_step"] == 3 * 3
     d = cfg.model.d_model
-    assert row["pipeline_bytes_per_link"] == 3 * 3 * 2 * wire_bytes(2 * 32 * d, "int8")
+    assert row["pipeline_bytes_per_link"] == 3 * 3 * (2 * wire_bytes(2 * 32 * d, "int8") + 2 * 2 * 32)
     ref = swarm_plan(cfg.model, peers=[3, 2], batch_size=6, microbatch_size=2, seq_len=32, act="int8", H=7)
     assert row["swarm_sync_bytes"] == ref["swarm_sync_bytes"]
     # int8 all-gathered among 3 (2 payloads of ~1 B/param) vs the fp32 ring (2 x 2/3 x 4 B/param)

@@ -36,6 +36,9 @@ CONFIGS = {
         d_ff=88,
         **SMALL,
     ),
+    # issue 24: the residual stream in an 8-dim subspace (k-wide out-projections all-reduced over TP, k-wide
+    # vocab-parallel embedding + the fixed part)
+    "gpt2-subspace": ModelConfig(subspace_rank=8, **SMALL),
 }
 GRAD_RTOL = 1e-4
 

@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hetero-steps", type=int, default=12, help="steps of each run of parts (b) and (c)")
     p.add_argument("--pace", type=float, default=0.2, help="(b) pace of the fast stage-1 peer (the slow one: 2x)")
     p.add_argument("--hetero-mb", type=int, default=12, help="(b) microbatches per stage-0 peer and step")
-    p.add_argument("--parts", default="abcd", help="which parts to run: any of a, b, c, d (e.g. a,b,d)")
+    p.add_argument("--parts", default="abcd", help="any of a, b, c, d (e.g. a,b,d); or e alone (its own options)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
     p.add_argument("--out", default="docs/bench/swarm", help="results.json, results.md and swarm.png go here")
     p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
@@ -529,10 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="--section.key=value",
         help="a config override of every run of (a) and (d), e.g. --set=--outer.lr=0.5 (repeatable)",
     )  # fmt: skip
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
     parts = set(a.parts.replace(",", ""))
-    if not parts or parts - set("abcd"):
-        p.error(f"--parts {a.parts!r} must be letters among a, b, c, d (e.g. a,b,d)")
+    if parts == {"e"}:  # (e) the activation codecs: own options and results (dilocox/bench/swarm_act.py)
+        from dilocox.bench import swarm_act
+
+        return swarm_act.main(argv if argv is not None else sys.argv[1:])
+    if not parts or parts - set("abcd") or rest:
+        p.error(f"--parts {a.parts!r} must be letters among a, b, c, d (e.g. a,b,d), or e alone; unknown: {rest}")
     try:
         Hs = [int(h) for h in a.ablation_H.split(",")]
     except ValueError:

@@ -61,7 +61,19 @@ _CHOICES = {
     "checkpoint.resume_finished": ("error", "skip"),
     "swarm.sync": ("swarm", "diloco"),
     "swarm.routing": ("iwrr", "random", "fixed"),
-    "swarm.activations": ("none", "fp16", "int8"),
+    # == dilocox.swarm.activations.CODECS (a test keeps them equal; config does not import the swarm package)
+    "swarm.activations": (
+        "none",
+        "fp16",
+        "int8",
+        "int4",
+        "subspace",
+        "subspace-int8",
+        "subspace-int4",
+        "colk",
+        "colk-int8",
+        "colk-int4",
+    ),
 }
 
 _POSITIVE = (  # checked in this order; None (an unset optional) passes
@@ -216,6 +228,26 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
         )
     if m.init_from is not None and not str(m.init_from).strip():
         _fail("model.init_from", m.init_from, "is empty; give a Hugging Face model directory (or hub name), or null")
+    check_subspace(m)
+
+
+def check_subspace(m: ModelConfig) -> None:
+    """``model.subspace_rank`` (dilocox/model/subspace.py) and the settings the constraint cannot hold with."""
+    k = m.subspace_rank
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < m.d_model:
+        _fail("model.subspace_rank", k, f"must be an int in [0, model.d_model={m.d_model}) (0: no constraint)")
+    n = m.subspace_layers
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= m.n_layers):
+        _fail("model.subspace_layers", n, f"must be null (all layers) or an int in [1, model.n_layers={m.n_layers}]")
+    if k == 0:
+        return
+    for bad, name, value, rule in (
+        (m.dropout > 0, "model.dropout", m.dropout, "must be 0 (a dropout mask leaves the subspace)"),
+        (m.tie_embeddings, "model.tie_embeddings", True, "must be false (the head reads the dense embedding)"),
+        (m.init_from, "model.init_from", m.init_from, "must be null (a dense checkpoint is not in a subspace)"),
+    ):
+        if bad:
+            _fail(name, value, f"{rule} with model.subspace_rank={k}; set one of them to its default")
 
 
 def check_batching(p: ParallelConfig, train: TrainConfig, m: ModelConfig) -> None:
@@ -413,6 +445,31 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
         _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
     if e.heartbeat_ms < 1:
         _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
+
+
+def check_swarm_activations(s: SwarmConfig, m: ModelConfig) -> None:
+    """The activation codec against the model (issue 24): a subspace codec needs the constrained model."""
+    b = s.activation_block
+    if not isinstance(b, int) or isinstance(b, bool) or b < 1 or ("int4" in s.activations and b % 2):
+        _fail("swarm.activation_block", b, "must be a positive int (even with an int4 codec), e.g. 2048 or 64")
+    if not 0 < s.activation_cols <= 1:
+        _fail("swarm.activation_cols", s.activation_cols, "must be in (0, 1]: the fraction of columns colk keeps")
+    if s.activations.startswith("subspace") and not m.subspace_rank:
+        _fail(
+            "swarm.activations",
+            s.activations,
+            "needs a model whose residual stream lies in a subspace: set model.subspace_rank (e.g. 8 or 16), or "
+            "pick a codec that does not (int8, int4, colk-int8)",
+        )
+    n_stages = len(s.peers_per_stage) if isinstance(s.peers_per_stage, (list, tuple)) else 1
+    need = m.n_layers - m.n_layers // max(1, n_stages)  # the layers before the last stage boundary
+    if s.activations.startswith("subspace") and m.subspace_layers is not None and m.subspace_layers < need:
+        _fail(
+            "model.subspace_layers",
+            m.subspace_layers,
+            f"must be >= {need} with swarm.activations={s.activations} and {n_stages} stages (every layer before "
+            "the last stage boundary writes into the subspace, or a boundary is not exact); raise it or set null",
+        )
 
 
 def check_swarm(s: SwarmConfig, o: OuterConfig) -> None:

@@ -25,6 +25,7 @@ from dilocox.config.checks import (
     check_security,
     check_sparse_method,
     check_swarm,
+    check_swarm_activations,
     check_trackers,
     check_train,
 )
@@ -84,6 +85,7 @@ def validate(cfg: Config) -> None:
     if cfg.outer.elastic.enabled:
         check_elastic(cfg.outer, cfg.parallel)
     check_swarm(cfg.swarm, cfg.outer)
+    check_swarm_activations(cfg.swarm, cfg.model)
     check_security(cfg.security)
 
 

@@ -35,6 +35,16 @@ class ModelConfig:
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
     init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
+    subspace_rank: int = 0  # k > 0: every write into the residual stream lies in one fixed k-dim subspace and the
+    # embedding is a fixed part + a trained part in it, so a pipeline boundary can send k values per token instead of
+    # d_model (swarm.activations=subspace*; dilocox/model/subspace.py). 0 = the plain model
+    subspace_layers: int | None = None  # only the first N layers write into the subspace (null: all); the layers
+    # after the last pipeline boundary need not (a 2-stage SWARM: n_layers / 2)
+
+    def in_subspace(self, layer: int) -> bool:
+        """Whether layer ``layer`` writes into the residual stream through the subspace (model/subspace.py)."""
+        n = self.n_layers if self.subspace_layers is None else self.subspace_layers
+        return bool(self.subspace_rank) and layer < n
 
     @property
     def kv_heads(self) -> int:
@@ -54,16 +64,20 @@ class ModelConfig:
         hd, kv = self.head_dim, self.kv_heads
         qkv_out = d + 2 * kv * hd
         qkv_b = self.qkv_bias if self.qkv_bias is not None else self.bias
-        attn = d * qkv_out + (qkv_out if qkv_b else 0) + d * d + (d if self.bias else 0)
         n_in = 2 if self.activation == "swiglu" else 1
-        mlp = n_in * d * f + f * d + ((n_in * f + d) if self.bias else 0)
         norm_p = d if self.norm == "rmsnorm" else 2 * d
-        per_layer = attn + mlp + 2 * norm_p
-        total = L * per_layer + norm_p
+
+        def layer(r: int) -> int:  # r: outputs of the residual out-projections (k in the subspace, else d)
+            attn = d * qkv_out + (qkv_out if qkv_b else 0) + d * r + (r if self.bias else 0)
+            mlp = n_in * d * f + f * r + ((n_in * f + r) if self.bias else 0)
+            return attn + mlp + 2 * norm_p
+
+        r = self.subspace_rank or d  # the trained embedding's width
+        total = sum(layer(self.subspace_rank if self.in_subspace(i) else d) for i in range(L)) + norm_p
         if include_embedding:
-            total += V * d  # token embedding
+            total += V * r  # token embedding (its trained part, with the constraint)
             if self.pos_emb == "learned":
-                total += self.max_seq_len * d
+                total += self.max_seq_len * r
             if not self.tie_embeddings:
                 total += V * d  # lm head
         return total
@@ -262,7 +276,11 @@ class SwarmConfig:
     routing: str = "iwrr"  # iwrr (weighted round-robin on measured time) | random | fixed (sender k -> peer k mod m)
     microbatch_size: int = 2  # sequences per microbatch; must divide train.batch_size (per stage-0 peer and step)
     max_inflight: int = 2  # microbatches a stage-0 peer keeps in flight at once
-    activations: str = "none"  # none | fp16 | int8: codec of activations and their grads between stages
+    activations: str = "none"  # codec of activations and their grads between stages: none | fp16 | int8 | int4 |
+    # subspace[-int8|-int4] (k values per token; needs model.subspace_rank = k) | colk[-int8|-int4] (the
+    # activation_cols fraction of columns with the largest norm); dilocox/swarm/activations.py, docs/SWARM.md
+    activation_block: int = 2048  # values per scale of the int8/int4 value codes (Dettmers et al. use 2048)
+    activation_cols: float = 0.125  # colk: fraction of the d_model columns kept per microbatch
     rpc_timeout_s: float = 30.0  # bound on one hop (its downstream work, and the peer's wait for its previous
     # stage sync, included); then the peer is banned and the microbatch re-sent
     ban_s: float = 10.0  # how long a peer that failed or timed out stays banned before it is tried again

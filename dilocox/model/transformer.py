@@ -33,7 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dilocox.config import ConfigError, ModelConfig
+from dilocox.config.checks import check_subspace
 from dilocox.distributed.topology import group_rank, group_world
+from dilocox.model import subspace
 from dilocox.model.attention import make_attention
 from dilocox.model.fp8 import select_linear_fn
 from dilocox.model.parallel_layers import (
@@ -55,6 +57,33 @@ RESIDUAL_OUT_NAMES = ("o_proj", "down_proj")  # projections into the residual st
 
 
 # --------------------------------------------------------------------------- building blocks
+
+
+class SubspaceExpand(nn.Module):
+    """``y -> y U^T``: k coefficients to the d-dim residual stream (``model.subspace_rank``; model/subspace.py).
+    ``U`` is no buffer: a function of the shape, cached per device and dtype, so no build path (meta device,
+    ``to_empty``, a checkpoint load) can leave it unset."""
+
+    def __init__(self, d: int, k: int):
+        super().__init__()
+        self.d, self.k = d, k
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return F.linear(y, subspace.basis(self.d, self.k, y.device, y.dtype))
+
+    def extra_repr(self) -> str:
+        return f"d={self.d}, k={self.k}"
+
+
+def residual_width(mcfg: ModelConfig, constrained: bool = True) -> int:
+    """Outputs of a residual out-projection (or the trained embedding): d_model, or k under the subspace
+    constraint (``constrained``: this layer is one of the first ``model.subspace_layers``)."""
+    return mcfg.subspace_rank if mcfg.subspace_rank and constrained else mcfg.d_model
+
+
+def make_expand(mcfg: ModelConfig, constrained: bool = True) -> nn.Module:
+    k = mcfg.subspace_rank if constrained else 0
+    return SubspaceExpand(mcfg.d_model, k) if k else nn.Identity()
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +123,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal self-attention; heads split over TP ranks (q/k/v column-, o row-parallel)."""
 
-    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None):
+    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None, constrained=True):
         super().__init__()
         d, hd = mcfg.d_model, mcfg.head_dim
         self.group, self.head_dim = tp_group, hd
@@ -105,8 +134,15 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(d, mcfg.kv_heads * hd, qkv_bias, **col)
         self.v_proj = ColumnParallelLinear(d, mcfg.kv_heads * hd, qkv_bias, **col)
         self.o_proj = RowParallelLinear(
-            mcfg.n_heads * hd, d, mcfg.bias, tp_group, tp_size, linear_fn=linear_fn, device=device
+            mcfg.n_heads * hd,
+            residual_width(mcfg, constrained),
+            mcfg.bias,
+            tp_group,
+            tp_size,
+            linear_fn=linear_fn,
+            device=device,
         )
+        self.o_expand = make_expand(mcfg, constrained)
         self.kernel = make_attention(mcfg.attn_backend, self.n_heads, self.n_kv_heads, hd, mcfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -118,13 +154,13 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = self.kernel(q, k, v).reshape(b, s, self.n_heads * self.head_dim)
-        return self.o_proj(y)
+        return self.o_expand(self.o_proj(y))
 
 
 class MLP(nn.Module):
     """``down(act(up(x)))`` or SwiGLU ``down(silu(gate(x)) * up(x))``; d_ff split over TP."""
 
-    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None):
+    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None, constrained=True):
         super().__init__()
         d, f, bias = mcfg.d_model, mcfg.ffn_dim, mcfg.bias
         self.group, self.activation = tp_group, mcfg.activation
@@ -132,7 +168,10 @@ class MLP(nn.Module):
         if self.activation == "swiglu":
             self.gate_proj = ColumnParallelLinear(d, f, bias, **col)
         self.up_proj = ColumnParallelLinear(d, f, bias, **col)
-        self.down_proj = RowParallelLinear(f, d, bias, tp_group, tp_size, linear_fn=linear_fn, device=device)
+        self.down_proj = RowParallelLinear(
+            f, residual_width(mcfg, constrained), bias, tp_group, tp_size, linear_fn=linear_fn, device=device
+        )
+        self.down_expand = make_expand(mcfg, constrained)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.group)
@@ -142,18 +181,18 @@ class MLP(nn.Module):
             h = F.gelu(self.up_proj(x), approximate="tanh")
         else:
             h = F.relu(self.up_proj(x))
-        return self.down_proj(h)
+        return self.down_expand(self.down_proj(h))
 
 
 class Block(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None):
+    def __init__(self, mcfg: ModelConfig, tp_group, tp_size: int, linear_fn, device=None, constrained=True):
         super().__init__()
         self.ln_1 = make_norm(mcfg, device)
-        self.attn = Attention(mcfg, tp_group, tp_size, linear_fn, device)
+        self.attn = Attention(mcfg, tp_group, tp_size, linear_fn, device, constrained)
         self.ln_2 = make_norm(mcfg, device)
-        self.mlp = MLP(mcfg, tp_group, tp_size, linear_fn, device)
+        self.mlp = MLP(mcfg, tp_group, tp_size, linear_fn, device, constrained)
         self.drop = nn.Dropout(mcfg.dropout)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
@@ -189,6 +228,7 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
             bad(name, n, f"is not divisible by parallel.tensor={tp_size}")
     if mcfg.tie_embeddings and n_stages > 1:
         bad("model.tie_embeddings", True, f"is not supported with parallel.pipeline={n_stages} > 1")
+    check_subspace(mcfg)
     if mcfg.dropout > 0 and tp_size > 1:
         bad("model.dropout", mcfg.dropout, f"must be 0 with parallel.tensor={tp_size} > 1 (no TP-synchronised RNG)")
     if group_world(tp_group) != tp_size:
@@ -229,11 +269,15 @@ class StageModel(nn.Module):
         linear_fn = select_linear_fn(mcfg.linear_backend)
         d, V = mcfg.d_model, mcfg.vocab_size
         if self.is_first:
-            self.embed = VocabParallelEmbedding(V, d, tp_group, tp_rank, tp_size, device=device)
+            w = residual_width(mcfg)  # under the subspace constraint: the trained part, k wide (model/subspace.py)
+            self.embed = VocabParallelEmbedding(V, w, tp_group, tp_rank, tp_size, device=device)
             if mcfg.pos_emb == "learned":
-                self.pos_embed = nn.Embedding(mcfg.max_seq_len, d, device=device)
+                self.pos_embed = nn.Embedding(mcfg.max_seq_len, w, device=device)
+            self.embed_expand = make_expand(mcfg)
             self.drop = nn.Dropout(mcfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(mcfg, tp_group, tp_size, linear_fn, device) for i in self.layer_ids})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(mcfg, tp_group, tp_size, linear_fn, device, mcfg.in_subspace(i)) for i in self.layer_ids}
+        )
         if self.is_last:
             self.norm_f = make_norm(mcfg, device)
             self.head = ColumnParallelLinear(
@@ -255,6 +299,8 @@ class StageModel(nn.Module):
                 if x.shape[1] > self.mcfg.max_seq_len:
                     raise ValueError(f"sequence length {x.shape[1]} exceeds model.max_seq_len={self.mcfg.max_seq_len}")
                 h = h + self.pos_embed(torch.arange(x.shape[1], device=x.device))
+            if self.mcfg.subspace_rank:  # x0(tokens) + U (B[token] + C[pos])
+                h = self.embed_expand(h) + subspace.stream_base(self.mcfg, x, h.device, h.dtype)
             h = self.drop(h)
         else:
             if x.dim() != 3 or x.shape[-1] != self.mcfg.d_model:

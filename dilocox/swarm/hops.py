@@ -30,9 +30,10 @@ class MicrobatchHops:
     """Forward, send on, backward: one microbatch through this peer (module docstring)."""
 
     def _process(
-        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None = None, down_mode: str = ""
+        self, step: int, mb: str, x: Tensor, ids: Tensor, deadline: float | None = None, down_mode: str = ""
     ) -> tuple[Tensor | None, dict]:
-        """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info)."""
+        """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info). ``ids``: the
+        microbatch's ``[2, B, S]`` input ids and targets (``activations.pack_ids``)."""
         busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
         if self.delay_s and not self.delay_serial:
             time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
@@ -47,7 +48,7 @@ class MicrobatchHops:
             with self.meter.hold(self.lock, done=True):
                 t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
-                loss = self.model.loss(out.float(), labels)
+                loss = self.model.loss(out.float(), ids[1].long())
                 loss.backward()
                 self.visits.append((step, mb, "bwd"))
                 self.count += 1
@@ -57,7 +58,7 @@ class MicrobatchHops:
                 self.busy_s += busy + time.monotonic() - t
             info = {"loss": float(loss.detach()), "route": [self.name]}
         else:
-            gy, info, peer = self._send(step, mb, out.detach(), labels, deadline, mode=down_mode)
+            gy, info, peer = self._send(step, mb, out.detach(), ids, deadline, mode=down_mode)
             with self.meter.hold(self.lock, done=True):
                 t = time.monotonic()
                 self._check_deadline(deadline, step, mb)
@@ -72,7 +73,7 @@ class MicrobatchHops:
         return (x.grad if x.requires_grad else None), info
 
     def _process_grad_only(
-        self, step: int, mb: str, x: Tensor, labels: Tensor, deadline: float | None
+        self, step: int, mb: str, x: Tensor, ids: Tensor, deadline: float | None
     ) -> tuple[Tensor, dict]:
         """A microbatch whose parameter gradient this peer (and every stage below) holds already (a replay below its
         first hop, or an id it counted this step): forward, the rest of the route, and only the gradient of ``x``."""
@@ -82,11 +83,11 @@ class MicrobatchHops:
         if self.last:
             with self.lock:
                 self._check_deadline(deadline, step, mb)
-                loss = self.model.loss(out.float(), labels)
+                loss = self.model.loss(out.float(), ids[1].long())
                 (gx,) = torch.autograd.grad(loss, x)
             info = {"loss": float(loss.detach()), "route": [self.name]}
         else:
-            gy, info, _ = self._send(step, mb, out.detach(), labels, deadline, mode="grad_only")
+            gy, info, _ = self._send(step, mb, out.detach(), ids, deadline, mode="grad_only")
             with self.lock:
                 self._check_deadline(deadline, step, mb)
                 (gx,) = torch.autograd.grad(out, x, gy.to(out.dtype))
@@ -100,14 +101,14 @@ class MicrobatchHops:
         step: int,
         mb: str,
         y: Tensor | None,
-        labels: Tensor,
+        ids: Tensor,
         deadline: float | None = None,
         mode: str = "",
         enc: tuple | None = None,
     ) -> tuple[Tensor, dict, str]:
         """``mode``: "" | "replay" | "grad_only" (a flag of the request, module doc); ``enc``: (payload, ActMeta)
         already encoded (a replay re-sends what it sent before)."""
-        payload, ameta = enc if enc is not None else act_codec.encode(y, self.s.activations)
+        payload, ameta = enc if enc is not None else self.codec.encode_act(y, ids)
         while True:
             with self.router_lock:
                 try:
@@ -126,7 +127,7 @@ class MicrobatchHops:
                     self.addrs[peer],
                     "forward",
                     {"step": step, "mb": mb, "budget_s": timeout, "act": ameta.to_dict(), **flag},
-                    {"x": payload, "labels": labels},
+                    {"x": payload, "ids": ids},
                     timeout_s=timeout,
                 )
             except PeerUnavailable as e:
@@ -147,12 +148,12 @@ class MicrobatchHops:
                 self.last_done[peer] = now
             with self.lock:
                 link = self.link_bytes.setdefault(peer, [0, 0])
-                link[0] += payload.numel() + labels.numel() * labels.element_size()
+                link[0] += payload.numel() + ids.numel() * ids.element_size()
                 link[1] += tens["grad"].numel()
-            gy = act_codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
+            gy = self.codec.decode(tens["grad"], act_codec.ActMeta.from_dict(meta.pop("gact")))
             if mode != "grad_only":  # it completed there: that peer holds its gradient (replayed if it dies)
                 with self.lock:
-                    entry = (mb, self.addrs[peer], payload, ameta.to_dict(), labels)
+                    entry = (mb, self.addrs[peer], payload, ameta.to_dict(), ids)
                     self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
             return gy, meta, peer
 

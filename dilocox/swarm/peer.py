@@ -9,7 +9,7 @@ The protocol (docs: the SWARM section of README; issue 11):
 - Step k: a stage-0 peer draws its batch of step k from its own shard (``TokenSampler(replica=k,
   n_replicas=m_0)``), splits it into microbatches and sends each (``max_inflight`` at a time) forward to a
   stage-1 peer chosen by its router. A request ``forward`` carries (step, microbatch id, activation,
-  labels); the receiving peer runs its stage, sends the result on to a peer of the next stage chosen by ITS
+  ids and targets); the receiving peer runs its stage, sends the result on to a peer of the next stage chosen by ITS
   router, and the reply of that call is the gradient of the activation it sent: the backward pass returns
   along the same route, and each hop keeps its input activation (the autograd graph of the call) until the
   reply arrives. The last stage computes the loss (mean token cross-entropy of the microbatch) and
@@ -34,7 +34,7 @@ The protocol (docs: the SWARM section of README; issue 11):
   downstream peer that gets no end-of-step from an upstream peer pings it after 1 s and drops it when it is
   unreachable (a silent but live one is waited for up to ``swarm.step_timeout_s``).
 - Replay (nothing lost when a peer dies mid-step): a sender keeps, for the current step and per downstream
-  peer, the microbatches that completed there (payload as sent, labels). At the end of the step, before its
+  peer, the microbatches that completed there (payload as sent, ids). At the end of the step, before its
   markers, it pings those peers; a dead one's microbatches (their gradients died with it) are re-sent to live
   peers of its stage as ``forward`` with ``replay``: the first hop accumulates and counts them, the hops below
   (which hold their gradient already) get ``grad_only`` and return only the input's gradient; the sender does not
@@ -141,6 +141,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.digests = bool(os.environ.get(DIGEST_ENV))  # tests: a hash of params + AdamW state after each sync
         torch.manual_seed(cfg.train.seed)
         self.model = build_stage_model(cfg.model, stage=stage, n_stages=self.n, seed=cfg.train.seed)
+        self.codec = act_codec.ActCodec.from_config(cfg)  # of the activations and gradients at stage boundaries
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # the inner optimizer of `dilocox train` (dilocox.optim): optim.name, no weight decay on biases and norms
         self.opt = build_inner_optimizer(cfg, self.model, torch.device("cpu"))
@@ -166,7 +167,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.router_lock = threading.Lock()
         self.last_done: dict[str, float] = {}  # downstream peer -> time of its last reply (router timing)
         # replay (a dead downstream peer's gradients die with it): step -> downstream peer -> the microbatches that
-        # completed there (mb id, the peer's address then, activation payload, ActMeta dict, labels)
+        # completed there (mb id, the peer's address then, activation payload, ActMeta dict, ids)
         self.completed: dict[int, dict[str, list[tuple]]] = {}
         self.counted: dict[int, set[str]] = {}  # step -> microbatch ids whose gradient this peer holds
         self.replayed = self.lost = 0  # this step, as a sender: microbatches replayed / lost with a dead peer
@@ -357,15 +358,15 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self._wait_step(step, f"microbatch {mb}", deadline)
         if not self.serving:  # it left its stage (rebalancing) while this request waited for the step
             raise NotServing(f"{self.name} left stage {self.stage}")
-        x = act_codec.decode(tensors["x"], act_codec.ActMeta.from_dict(meta["act"])).float().requires_grad_(True)
+        x = self.codec.receive(tensors["x"], meta["act"], tensors["ids"]).float().requires_grad_(True)
         with self.lock:  # this peer (and the stages below) already hold its gradient: the input's gradient only
             grad_only = bool(meta.get("grad_only")) or mb in self.counted.get(step, ())
         if grad_only:
-            gx, info = self._process_grad_only(step, mb, x, tensors["labels"], deadline)
+            gx, info = self._process_grad_only(step, mb, x, tensors["ids"], deadline)
         else:  # a replay's first hop: accumulate as usual, the stages below hold the gradient already
             down = "grad_only" if meta.get("replay") else ""
-            gx, info = self._process(step, mb, x, tensors["labels"], deadline, down)
-        payload, gmeta = act_codec.encode(gx, self.s.activations)
+            gx, info = self._process(step, mb, x, tensors["ids"], deadline, down)
+        payload, gmeta = self.codec.encode(gx)
         info["gact"] = gmeta.to_dict()
         return info, {"grad": payload}
 
@@ -425,7 +426,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
         def one(i: int):
             x, y = chunks[i]
-            _, info = self._process(k, ids[i], x, y)
+            _, info = self._process(k, ids[i], x, act_codec.pack_ids(x, y, self.cfg.model.vocab_size))
             return info
 
         if self.s.max_inflight == 1 or len(chunks) == 1:

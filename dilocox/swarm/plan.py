@@ -45,7 +45,7 @@ from dilocox.metrics import fmt_bytes
 from dilocox.model.transformer import param_layer_id
 from dilocox.outer.fragments import assign_fragments
 from dilocox.plan import Method, configs_dir, load_method, rank_shards
-from dilocox.swarm.activations import DEFAULT_BLOCK, KINDS, wire_bytes
+from dilocox.swarm.activations import CODECS, DEFAULT_BLOCK, ActCodec, colk_columns, ids_dtype, split_codec
 
 # name -> (n_layers, n_heads, d_model); the rest as configs/model/gpt2-small.yaml
 GPT2_SHAPES = {
@@ -115,13 +115,24 @@ def swarm_plan(
     seq_len: int = 1024,
     act: str = "none",
     block: int = DEFAULT_BLOCK,
+    cols: float = 0.125,
     H: int = 50,
     preset: str | Method = "diloco",
     name: str = "",
 ) -> dict:
     """Bytes per training step of one SWARM (see the module docstring). ``preset``: the method preset
-    (or a loaded ``Method``) whose ``compress`` (and streaming fragments) DiLoCo-SWARM's outer sync uses."""
+    (or a loaded ``Method``) whose ``compress`` (and streaming fragments) DiLoCo-SWARM's outer sync uses. ``act``:
+    any ``swarm.activations`` codec; a ``subspace`` one needs ``model.subspace_rank``; ``cols``: colk's fraction."""
     m = _peers(peers, stages)
+    structure, _ = split_codec(act)
+    codec = ActCodec(
+        act,
+        model.d_model,
+        block,
+        k=model.subspace_rank if structure == "subspace" else 0,
+        cols=colk_columns(model.d_model, cols) if structure == "colk" else 0,
+    )
+    ids_item = torch.empty(0, dtype=ids_dtype(model.vocab_size)).element_size()
     for k, v in (("batch_size", batch_size), ("microbatch_size", microbatch_size), ("seq_len", seq_len), ("H", H)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{k}={v!r} must be a positive int")
@@ -136,9 +147,13 @@ def swarm_plan(
     # pipeline: per stage-0 peer, batch_size // mb full microbatches and one remainder
     full, rest = divmod(batch_size, microbatch_size)
     sizes = [microbatch_size] * full + ([rest] if rest else [])
-    per_peer_link = sum(2 * wire_bytes(b * seq_len * model.d_model, act, block) for b in sizes)
-    link = m[0] * per_peer_link
+    # each way the codec's bytes; forward also the microbatch's ids (input ids and targets, 2 per token)
+    act_link = m[0] * sum(2 * codec.wire_bytes(b * seq_len) for b in sizes)
+    ids_link = m[0] * sum(2 * b * seq_len * ids_item for b in sizes)
+    link = act_link + ids_link
     pp = (stages - 1) * link
+    fp32 = ActCodec("none", model.d_model)
+    pp_fp32 = (stages - 1) * m[0] * sum(2 * fp32.wire_bytes(b * seq_len) + 2 * b * seq_len * ids_item for b in sizes)
 
     # stage sync
     swarm_stage = [mj * stage_sync_wire(sh, CompressConfig(), mj, extra=((1,),)) for sh, mj in zip(shards, m)]
@@ -162,10 +177,16 @@ def swarm_plan(
         "tokens_per_step": m[0] * batch_size * seq_len,
         "act": act,
         "block": block,
+        "act_values_per_token": codec.width,
+        "subspace_rank": model.subspace_rank,
         "H": H,
         "preset": method.name,
         "pipeline_bytes_per_link": link,
+        "act_bytes_per_link": act_link,  # of which activations and their gradients (the rest: the ids)
+        "ids_bytes_per_link": ids_link,
         "pipeline_bytes": pp,
+        "pipeline_bytes_fp32": pp_fp32,
+        "act_reduction": pp_fp32 / pp,
         "swarm_sync_bytes_per_stage": swarm_stage,
         "swarm_sync_bytes": swarm_sync,
         "swarm_sync_share": swarm_sync / (swarm_sync + pp),
@@ -174,6 +195,8 @@ def swarm_plan(
         "diloco_sync_bytes_per_step": diloco_per_step,
         "diloco_sync_share": diloco_per_step / (diloco_per_step + pp),
         "diloco_total_reduction": (swarm_sync + pp) / (diloco_per_step + pp),
+        # DiLoCo-SWARM with this codec against SWARM with fp32 activations (of the same model)
+        "total_reduction_vs_fp32_swarm": (swarm_sync + pp_fp32) / (diloco_per_step + pp),
     }
 
 
@@ -192,6 +215,8 @@ def plan_config(cfg: Config, name: str = "config") -> dict:
         microbatch_size=s.microbatch_size,
         seq_len=cfg.train.seq_len,
         act=s.activations,
+        block=s.activation_block,
+        cols=s.activation_cols,
         H=cfg.outer.sync_every,
         preset=Method(name, outer, cfg.compress),
         name=name,
@@ -209,6 +234,8 @@ def format_table(rows: list[dict]) -> str:
         "DiLoCo-SWARM sync/step",
         "DiLoCo-SWARM sync share",
         "total saved",
+        "activation saving",
+        "saved vs fp32 SWARM",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -222,6 +249,8 @@ def format_table(rows: list[dict]) -> str:
             fmt_bytes(r["diloco_sync_bytes_per_step"]),
             f"{r['diloco_sync_share']:.1%}",
             f"{r['diloco_total_reduction']:.2f}x",
+            f"{r['act_reduction']:.1f}x",
+            f"{r['total_reduction_vs_fp32_swarm']:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -243,8 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=512, help="sequences per stage-0 peer per step")
     ap.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--act", default="none", choices=list(KINDS), help="activation codec between stages")
-    ap.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="elements per int8 scale")
+    ap.add_argument("--act", default="none", choices=list(CODECS), help="activation codec between stages")
+    ap.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="values per int8/int4 scale")
+    ap.add_argument(
+        "--subspace-rank",
+        type=int,
+        default=0,
+        help="model.subspace_rank k of the planned models (a subspace codec sends k values per token; needs k > 0)",
+    )
+    ap.add_argument("--cols", type=float, default=0.125, help="colk: fraction of the d_model columns kept")
     ap.add_argument("--H", type=int, default=50, help="DiLoCo-SWARM inner steps per outer sync")
     ap.add_argument("--preset", default="diloco", help="configs/methods preset for DiLoCo-SWARM's outer compression")
     ap.add_argument(
@@ -274,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not os.path.exists(spec):
                     raise ValueError(f"--model {spec!r}: no such file and not one of {list(GPT2_SHAPES)}")
                 mcfg, label = load_config(spec).model, os.path.basename(spec).removesuffix(".yaml")
+            if args.subspace_rank:
+                if not 0 < args.subspace_rank < mcfg.d_model:
+                    raise ValueError(f"--subspace-rank {args.subspace_rank} must be in [1, d_model={mcfg.d_model})")
+                mcfg = dataclasses.replace(mcfg, subspace_rank=args.subspace_rank)
             rows.append(
                 swarm_plan(
                     mcfg,
@@ -284,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     seq_len=args.seq_len,
                     act=args.act,
                     block=args.block,
+                    cols=args.cols,
                     H=args.H,
                     preset=args.preset,
                     name=label,
@@ -301,7 +342,12 @@ def _print(rows: list[dict], json_path: str | None) -> int:
         f"# SWARM plan: {r0['stages']} stages x peers {r0['peers']}, {r0['batch_size']} sequences of "
         f"{r0['seq_len']} per stage-0 peer per step ({r0['microbatches_per_step']} microbatches of "
         f"{r0['microbatch_size']}), activations {r0['act']}"
-        + (f"/block {r0['block']}" if r0["act"] == "int8" else "")
+        + (f"/block {r0['block']}" if "int" in r0["act"] else "")
+        + (
+            f" ({r0['act_values_per_token']} values per token, model.subspace_rank {r0['subspace_rank']})"
+            if r0["act"].startswith("subspace")
+            else ""
+        )
         + f"; DiLoCo-SWARM H={r0['H']} ({r0['preset']} compression)\n"
         "# bytes summed over all peers; SWARM sync: fp32 gradients every step; "
         "DiLoCo-SWARM: one outer sync / H\n"

@@ -138,10 +138,10 @@ class StepEnd:
         ban = {"step": k, "mb": None, "peer": peer, "reason": "dead at the end of the step", "t": time.time()}
         self.bans.append(ban)
         targets: dict[str, int] = {}
-        for mb, _, payload, ameta, labels in entries:
+        for mb, _, payload, ameta, ids in entries:
             try:
                 enc = (payload, act_codec.ActMeta.from_dict(ameta))
-                _, _, to = self._send(k, mb, None, labels, mode="replay", enc=enc)
+                _, _, to = self._send(k, mb, None, ids, mode="replay", enc=enc)
             except (SwarmError, RemoteError) as e:
                 with self.lock:
                     self.lost += 1
