@@ -214,7 +214,21 @@ def _bench(argv: list[str]) -> int:
         raise UsageError(f"unknown bench {argv[0]!r}; choose one of {', '.join(BENCHES)}")
     import importlib
 
-    return importlib.import_module(BENCHES[argv[0]][0]).main(argv[1:]) or 0
+    module = BENCHES[argv[0]][0]
+    if argv[0] == "swarm" and _option(argv, "--parts") in ("e", "e,"):  # part (e): its own driver and options
+        module = "dilocox.bench.swarm_act"
+    return importlib.import_module(module).main(argv[1:]) or 0
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` or ``name=VALUE`` in ``argv`` (the last one), else None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _plan(argv: list[str]) -> int:

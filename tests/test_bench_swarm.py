@@ -247,3 +247,20 @@ def test_part_e_gap_and_reduction_are_against_fp32_of_the_same_corpus_and_sync()
     assert "code, swarm: best point at >= 100x: subspace-int4 k=4 (120x, gap +1.50%): meets" in md
     assert "prose, swarm: best point at >= 100x: subspace-int4 k=4 (120x, gap +10.00%): misses" in md
     assert sa.act_bytes_per_token(rows[1]) == 4.25
+
+
+def test_bench_swarm_parts_e_goes_to_its_own_driver(tmp_path):
+    """`dilocox bench swarm --parts e` runs dilocox.bench.swarm_act (here: --render of a results.json)."""
+    import json
+
+    from dilocox.cli import main as cli_main
+
+    rows = [dict(corpus="code", sync="swarm", point=p, act_bytes=b, tokens=10, val_loss=v, values_per_token=64,
+                 counted_equals_planned=True) for p, b, v in (("fp32", 5120, 2.0), ("int8", 1281, 2.01))]  # fmt: skip
+    res = {"rows": rows, "date": "d", "machine": "m", "command": "c", "steps": 4, "H": 2}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert cli_main(["bench", "swarm", "--parts=e", "--render", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "results.md").read_text()
+    assert "| code | swarm | int8 | 64 | 128.10 | 4.0x | 2.0100 | +0.50% | yes |" in md
+    with pytest.raises(SystemExit):  # part e is not a letter of the a-d driver
+        bs.main(["--parts", "a,e"])

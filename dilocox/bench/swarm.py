@@ -529,14 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="--section.key=value",
         help="a config override of every run of (a) and (d), e.g. --set=--outer.lr=0.5 (repeatable)",
     )  # fmt: skip
-    a, rest = p.parse_known_args(argv)
+    a = p.parse_args(argv)
     parts = set(a.parts.replace(",", ""))
-    if parts == {"e"}:  # (e) the activation codecs: own options and results (dilocox/bench/swarm_act.py)
-        from dilocox.bench import swarm_act
-
-        return swarm_act.main(argv if argv is not None else sys.argv[1:])
-    if not parts or parts - set("abcd") or rest:
-        p.error(f"--parts {a.parts!r} must be letters among a, b, c, d (e.g. a,b,d), or e alone; unknown: {rest}")
+    if not parts or parts - set("abcd"):  # (e) has its own driver: `dilocox bench swarm --parts e` (swarm_act.py)
+        p.error(f"--parts {a.parts!r} must be letters among a, b, c, d (e.g. a,b,d), or e alone")
     try:
         Hs = [int(h) for h in a.ablation_H.split(",")]
     except ValueError:

@@ -105,7 +105,7 @@ def markdown(res: dict) -> str:
     rows = res["rows"]
     lines = [
         f"Measured {res['date']} on {res['machine']}; command: `{res['command']}`. SWARM, 2 stages x "
-        f"{res.get('peers', PEERS)[0]} peers, the tiny config of parts (a)/(d)"
+        f"{res.get('peers', PEERS)[0]} peer(s), the tiny config of parts (a)/(d)"
         + (f" with {' '.join(res['set'])}" if res.get("set") else "")
         + f" ({res['steps']} steps, equal tokens per point; DiLoCo-SWARM H = {res['H']}). Bytes: activations + their "
         "gradients per token per stage boundary, as the peers counted them on their links (the microbatch ids, "

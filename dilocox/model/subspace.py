@@ -106,15 +106,13 @@ def dense_state_dict(mcfg, full: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     k = mcfg.subspace_rank
     if not k:
         return dict(full)
-    from dilocox.model.transformer import param_layer_id
-
     U = basis(mcfg.d_model, k, dtype=torch.float64)
     out = {}
     for name, t in full.items():
         t64 = t.to(torch.float64)
         owner = name.rsplit(".", 1)[0]
-        layer = param_layer_id(name)
-        if any(owner.endswith(p) for p in OUT_PROJ) and layer is not None and mcfg.in_subspace(layer):
+        # a constrained out-projection has k outputs (k < d_model); the unconstrained layers' have d_model
+        if any(owner.endswith(p) for p in OUT_PROJ) and t.shape[0] == k:
             out[name] = U @ t64  # weight [d, in] from [k, in]; bias [d] from [k]
         elif name == "embed.weight":
             out[name] = fixed_embedding(mcfg, dtype=torch.float64) + t64 @ U.T
