@@ -52,8 +52,9 @@ from dataclasses import dataclass
 import torch
 
 from dilocox.compress import quant
+from dilocox.config import QUANT_KINDS
 
-KINDS = ("none", "fp16", "int8", "int4")  # the value codes (dense kinds: ``encode``/``decode`` below)
+KINDS = QUANT_KINDS  # the value codes: none | fp16 | int8 | int4 (dense kinds: ``encode``/``decode`` below)
 STRUCTURES = ("subspace", "colk")
 CODECS = KINDS + tuple(f"{st}{suf}" for st in STRUCTURES for suf in ("", "-int8", "-int4"))  # swarm.activations
 DEFAULT_BLOCK = 2048  # Dettmers et al. 2021 use blocks of 2048 for their blockwise 8-bit code
