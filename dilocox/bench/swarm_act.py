@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     a = p.parse_args(argv)
     if a.render:
+        if not os.path.isfile(os.path.join(a.out, "results.json")):
+            p.error(f"--render: {a.out} has no results.json (run the bench into --out first)")
         with open(os.path.join(a.out, "results.json")) as f:
             res = json.load(f)
         return finish(res, a.out)
