@@ -16,7 +16,7 @@ STAMP := .install-$(PY_ID).stamp
 # suite on 2 cores; slow-first with --dist worksteal bunched the heavy ones together and took 16.3 min
 XDIST ?= 2
 
-.PHONY: install train test test-all bench-kernels clean
+.PHONY: install train test test-all test-gpu bench-kernels clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: install
 # everything (CI): the fast tier + the slow tests (multi-process faults, convergence, namespaces)
 test-all: install
 	$(PYTHON) -m pytest -q -n $(XDIST) --durations=25 tests
+
+# on a GPU machine (CUDA torch + nvcc; the extension dilocox._C_cuda builds at install): every CUDA path against
+# its CPU reference. The other tiers hide the GPU (tests/conftest.py) and run as on CI
+test-gpu: install
+	DILOCOX_TEST_GPU=1 $(PYTHON) -m pytest -q -m cuda -rs tests
 
 bench-kernels: install
 	$(PYTHON) -m dilocox.cli bench kernels

@@ -3,11 +3,13 @@
 // Same format and bit-exact semantics as quant_cpu.cpp / quant_core.h. Torch-free: the
 // launchers take raw device pointers and a cudaStream_t (as void*).
 //
-// Quantize: one warp per group. Each lane owns chunks of 8 consecutive elements (two
-// float4 loads when the group size is a multiple of 8 and the pointers are aligned), so a
-// warp touches 1 KiB of contiguous fp32 per step. Pass 1 reduces absmax (+ a non-finite
-// flag) with shuffles; pass 2 re-reads the group (L1/L2 hit), quantizes and writes e,
-// 8 nibbles as one uint32 (int4) or 8 bytes as one uint2 (int8).
+// Quantize: one warp per group. Each lane owns chunks of 4 consecutive elements (one float4
+// load per array when the group size is a multiple of 4 and the pointers are aligned), so a
+// group of 128 fills the warp once. Pass 1 reduces absmax (+ a non-finite flag) with shuffles;
+// pass 2 quantizes (from registers for groups of <= 128, else re-reading the group: an L1/L2
+// hit) and writes e, 4 nibbles as one uint16 (int4) or 4 bytes as one uint32 (int8).
+// (Was 8 elements per lane: half the warp idle at G = 128, 66-72 % of an in-place add on an
+// H200 at 16M-64M elements; docs/BENCHMARKS.md "GPU".)
 // All float ops use explicit __f*_rn intrinsics: no FMA contraction, IEEE division,
 // so the results equal the CPU core and the pure-torch reference bit for bit.
 #include <cuda_runtime.h>
@@ -58,6 +60,77 @@ __device__ __forceinline__ float load_scale(const uint8_t* scales, int64_t g) {
   return bf16_bits_to_f32(static_cast<uint16_t>(scales[2 * g] | (static_cast<uint16_t>(scales[2 * g + 1]) << 8)));
 }
 
+// Loads 4 consecutive floats p[j..j+4) (zeros past len). VEC: one 16-byte aligned float4 load.
+template <bool VEC>
+__device__ __forceinline__ void load4(const float* __restrict__ p, int64_t j, int64_t len, float (&v)[4]) {
+  if (VEC && j + 4 <= len) {
+    const float4 a = *reinterpret_cast<const float4*>(p + j);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = (j + k < len) ? p[j + k] : 0.0f;
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void store4(float* __restrict__ p, int64_t j, int64_t len, const float (&v)[4]) {
+  if (VEC && j + 4 <= len) {
+    *reinterpret_cast<float4*>(p + j) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (j + k < len) p[j + k] = v[k];
+  }
+}
+
+// Quantizes, writes the residual and packs one chunk of 4 values t[] at group offset j.
+template <int LEVELS, bool SR, bool EF, bool VEC>
+__device__ __forceinline__ void quantize_chunk(const float (&t)[4], float s, int64_t start, int64_t j, int64_t len,
+                                               float* __restrict__ eg, uint8_t* __restrict__ out, uint64_t sr_base) {
+  const float lo = -static_cast<float>(LEVELS), hi = static_cast<float>(LEVELS);
+  int q[4];
+  float r[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    int qi = 0;
+    if (s > 0.0f) {
+      float y = __fdiv_rn(t[k], s);
+      if (SR) {
+        y = __fadd_rn(y, sr_uniform(sr_base, static_cast<uint64_t>(start + j + k)));
+        qi = __float2int_rn(floorf(fminf(fmaxf(y, lo), hi)));
+      } else {
+        qi = __float2int_rn(rintf(fminf(fmaxf(y, lo), hi)));
+      }
+    }
+    q[k] = qi;
+    // int -> float gives +0 for q == 0, matching the CPU core's sign of zero.
+    if (EF) r[k] = __fsub_rn(t[k], __fmul_rn(s, __int2float_rn(qi)));
+  }
+  if (EF) store4<VEC>(eg, j, len, r);
+  const int64_t cnt = min(int64_t(4), len - j);
+  if (LEVELS == 7) {
+    uint8_t* pb = out + (start + j) / 2;  // start and j are even
+    if (VEC && cnt == 4) {  // element 2k -> low nibble (little endian)
+      *reinterpret_cast<uint16_t*>(pb) = static_cast<uint16_t>((q[0] & 15) | ((q[1] & 15) << 4) |
+                                                               ((q[2] & 15) << 8) | ((q[3] & 15) << 12));
+    } else {
+      for (int k = 0; 2 * k < cnt; ++k)  // q beyond len are 0: odd tail gets high nibble 0
+        pb[k] = static_cast<uint8_t>((q[2 * k] & 15) | ((q[2 * k + 1] & 15) << 4));
+    }
+  } else {
+    uint8_t* pb = out + start + j;
+    if (VEC && cnt == 4) {
+      *reinterpret_cast<uint32_t*>(pb) =
+          (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | (uint32_t(q[3] & 255) << 24);
+    } else {
+      for (int k = 0; k < cnt; ++k) pb[k] = static_cast<uint8_t>(static_cast<int8_t>(q[k]));
+    }
+  }
+}
+
+// One warp per group, 4 consecutive elements per lane (one float4 per array), so a group of 128 - the
+// default - keeps all 32 lanes busy and is read once: its values stay in registers between the absmax
+// reduction and the quantization. Longer groups loop (pass 2 re-reads the group: an L1/L2 hit).
 template <int LEVELS, bool SR, bool EF, bool VEC>
 __global__ void __launch_bounds__(kThreads)
 quantize_kernel(const float* __restrict__ x, float* __restrict__ e, uint8_t* __restrict__ out,
@@ -70,17 +143,20 @@ quantize_kernel(const float* __restrict__ x, float* __restrict__ e, uint8_t* __r
   const int64_t len = min(G, n - start);
   const float* xg = x + start;
   float* eg = EF ? e + start : nullptr;
+  const bool one = len <= 128;  // uniform per warp: one chunk per lane, kept in registers
 
-  // Pass 1: absmax of v = x (+ e) and a non-finite flag.
+  // Pass 1: absmax of t = x (+ e) and a non-finite flag.
   float amax = 0.0f;
   bool bad = false;
-  for (int64_t j = int64_t(lane) * 8; j < len; j += 256) {
-    float v[8], w[8];
-    load8<VEC>(xg, j, len, v);
-    if (EF) load8<VEC>(eg, j, len, w);
+  float t0[4];
+  for (int64_t j = int64_t(lane) * 4; j < len; j += 128) {
+    float v[4], w[4];
+    load4<VEC>(xg, j, len, v);
+    if (EF) load4<VEC>(eg, j, len, w);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < 4; ++k) {
       const float t = EF ? __fadd_rn(v[k], w[k]) : v[k];
+      t0[k] = t;
       bad |= !isfinite(t);
       amax = fmaxf(amax, fabsf(t));
     }
@@ -96,55 +172,20 @@ quantize_kernel(const float* __restrict__ x, float* __restrict__ e, uint8_t* __r
     scales[2 * g] = static_cast<uint8_t>(sbits & 0xff);
     scales[2 * g + 1] = static_cast<uint8_t>(sbits >> 8);
   }
-  const float lo = -static_cast<float>(LEVELS), hi = static_cast<float>(LEVELS);
 
-  // Pass 2: quantize, write residual and packed values.
-  for (int64_t j = int64_t(lane) * 8; j < len; j += 256) {
-    float v[8], w[8];
-    int q[8];
-    load8<VEC>(xg, j, len, v);
-    if (EF) load8<VEC>(eg, j, len, w);
+  // Pass 2: quantize, write the residual and the packed values.
+  if (one) {
+    const int64_t j = int64_t(lane) * 4;
+    if (j < len) quantize_chunk<LEVELS, SR, EF, VEC>(t0, s, start, j, len, eg, out, sr_base);
+    return;
+  }
+  for (int64_t j = int64_t(lane) * 4; j < len; j += 128) {
+    float v[4], w[4], t[4];
+    load4<VEC>(xg, j, len, v);
+    if (EF) load4<VEC>(eg, j, len, w);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float t = EF ? __fadd_rn(v[k], w[k]) : v[k];
-      int qi = 0;
-      if (s > 0.0f) {
-        float y = __fdiv_rn(t, s);
-        if (SR) {
-          y = __fadd_rn(y, sr_uniform(sr_base, static_cast<uint64_t>(start + j + k)));
-          qi = __float2int_rn(floorf(fminf(fmaxf(y, lo), hi)));
-        } else {
-          qi = __float2int_rn(rintf(fminf(fmaxf(y, lo), hi)));
-        }
-      }
-      q[k] = qi;
-      // int -> float gives +0 for q == 0, matching the CPU core's sign of zero.
-      if (EF) w[k] = __fsub_rn(t, __fmul_rn(s, __int2float_rn(qi)));
-    }
-    if (EF) store8<VEC>(eg, j, len, w);
-    const int64_t cnt = min(int64_t(8), len - j);
-    if (LEVELS == 7) {
-      uint8_t* pb = out + (start + j) / 2;  // start and j are even
-      if (VEC && cnt == 8) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) word |= static_cast<uint32_t>(q[k] & 15) << (4 * k);
-        *reinterpret_cast<uint32_t*>(pb) = word;  // element 2k -> low nibble (little endian)
-      } else {
-        for (int k = 0; 2 * k < cnt; ++k)  // q beyond len are 0: odd tail gets high nibble 0
-          pb[k] = static_cast<uint8_t>((q[2 * k] & 15) | ((q[2 * k + 1] & 15) << 4));
-      }
-    } else {
-      uint8_t* pb = out + start + j;
-      if (VEC && cnt == 8) {
-        uint2 word;
-        word.x = (q[0] & 255) | ((q[1] & 255) << 8) | ((q[2] & 255) << 16) | (uint32_t(q[3] & 255) << 24);
-        word.y = (q[4] & 255) | ((q[5] & 255) << 8) | ((q[6] & 255) << 16) | (uint32_t(q[7] & 255) << 24);
-        *reinterpret_cast<uint2*>(pb) = word;
-      } else {
-        for (int k = 0; k < cnt; ++k) pb[k] = static_cast<uint8_t>(static_cast<int8_t>(q[k]));
-      }
-    }
+    for (int k = 0; k < 4; ++k) t[k] = EF ? __fadd_rn(v[k], w[k]) : v[k];
+    quantize_chunk<LEVELS, SR, EF, VEC>(t, s, start, j, len, eg, out, sr_base);
   }
 }
 
@@ -212,8 +253,8 @@ void launch_quant(const float* x, float* e, uint8_t* out, uint8_t* scales, int64
                   uint64_t base, unsigned long long* nbad, cudaStream_t st) {
   const int64_t ng = num_groups(n, G);
   const dim3 grid(static_cast<unsigned>((ng + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  const bool vec = G % 8 == 0 && aligned(x, 16) && (e == nullptr || aligned(e, 16)) &&
-                   aligned(out, LEVELS == 7 ? 4 : 8);
+  const bool vec = G % 4 == 0 && aligned(x, 16) && (e == nullptr || aligned(e, 16)) &&
+                   aligned(out, LEVELS == 7 ? 2 : 4);
 #define DILOCOX_LAUNCH_Q(EF, VEC) \
   quantize_kernel<LEVELS, SR, EF, VEC><<<grid, kThreads, 0, st>>>(x, e, out, scales, n, G, ng, base, nbad)
   if (e != nullptr) {

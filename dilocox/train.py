@@ -108,6 +108,9 @@ class Trainer:
             hf_dir = resolve_hf_dir(cfg.model.init_from)
             hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
             self.model.load_full_state_dict(hf_sd)
+        if cfg.train.compile:  # per block, in place (torchtitan's way): names, checkpoints and TP/PP layout unchanged
+            for block in self.model.layers.values():
+                block.compile()
         autocast = None
         if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and self.device.type == "cuda"):
             autocast = torch.bfloat16

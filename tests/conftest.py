@@ -2,6 +2,11 @@ import os
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite is the CPU suite (gloo ranks, fp32, bit-exact oracles): on a GPU machine it hides the GPU from every
+# test and every process the tests start, so it runs there as in CI. `make test-gpu` (DILOCOX_TEST_GPU=1) keeps
+# the GPU visible and runs only the tests marked `cuda` (tests/test_gpu.py, the CUDA kernels in test_kernels.py).
+if os.environ.get("DILOCOX_TEST_GPU", "0") in ("", "0"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402

@@ -17,7 +17,9 @@ from dilocox.compress.quant import Packed, dequantize, dequantize_accumulate, pa
 HAVE_CPU_EXT = kernels.have_extension("cpu")
 HAVE_CUDA_EXT = torch.cuda.is_available() and kernels.have_extension("cuda")
 needs_ext = pytest.mark.skipif(not HAVE_CPU_EXT, reason="dilocox._C not built (pip install --no-build-isolation -e .)")
-needs_cuda = pytest.mark.skipif(not HAVE_CUDA_EXT, reason="needs a CUDA GPU and the dilocox._C_cuda extension")
+needs_cuda = pytest.mark.skipif(
+    not HAVE_CUDA_EXT, reason="needs a CUDA GPU and the dilocox._C_cuda extension (make test-gpu)"
+)
 
 LENGTHS = [1, 2, 3, 127, 128, 129, 255, 1000, 4097]
 GROUPS = [32, 64, 128]
@@ -250,6 +252,7 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------- CUDA vs CPU reference
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sr", [False, True])
@@ -267,6 +270,7 @@ def test_cuda_kernel_matches_cpu_reference(kind, sr):
         assert torch.equal(bits_of(dequantize(pa).cpu()), bits_of(dequantize(pb, use_kernel=False)))
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_misaligned_and_nonfinite():
     bx, be = make(4003, seed=5)

@@ -23,7 +23,8 @@ Layout independence: layers are named by their GLOBAL index (``layers.7.attn.q_p
 on every layout), and every parameter is initialised from a generator seeded by
 ``(seed, global name)`` over its full (unsharded) shape before the rank keeps its slice. So a
 TP=2 x PP=2 model holds exactly the weights of the 1-process model built with the same seed,
-and checkpoints / streaming fragments keyed by name work across layouts.
+on a GPU as on a CPU (the generator is a CPU one whatever the device), and checkpoints /
+streaming fragments keyed by name work across layouts.
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ class StageModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """GPT-2 init, independent of the layout (module docstring): N(0, init_std) weights,
+        """GPT-2 init, independent of the layout and of the device (module docstring): N(0, init_std) weights,
         residual output projections scaled by 1/sqrt(2 n_layers), zero biases, unit norms."""
         std = self.mcfg.init_std
         for name, p in self.named_parameters():
@@ -343,8 +344,9 @@ class StageModel(nn.Module):
                 p.zero_()
             else:
                 s = init_std_scaled(std, self.mcfg.n_layers) if any(n in parts for n in RESIDUAL_OUT_NAMES) else std
-                g = torch.Generator(device=p.device).manual_seed(text_seed(f"{seed}/{name}"))
-                full = torch.empty(full_shape(p), device=p.device, dtype=torch.float32).normal_(0.0, s, generator=g)
+                # drawn on the CPU whatever p's device: one seed gives the same weights on a GPU as on a CPU
+                g = torch.Generator().manual_seed(text_seed(f"{seed}/{name}"))
+                full = torch.empty(full_shape(p), dtype=torch.float32).normal_(0.0, s, generator=g)
                 if is_tensor_parallel(p):
                     full = shard_tensor(full, p.partition_dim, self.tp_rank, self.tp_size)
                 p.copy_(full)

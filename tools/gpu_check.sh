@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build the CUDA extension, run every CUDA check against its CPU reference, measure.
+#
+#   bash tools/gpu_check.sh [quick|train]   # results under $OUT (default /tmp/gpu-check); quick: build + tests only,
+#                                           # train: the training throughput only
+#
+# Made for the lent GPU machines (CUDA torch already installed, no network: nothing is pip-installed here; on a
+# machine of your own `make test-gpu` does the install and the tests). Every step has its own time bound and the
+# script goes on after a failed step, so one call returns everything it could measure. It writes, under $OUT:
+#   machine.txt      GPU, driver, torch, nvcc
+#   build.log        the extension build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=9.0)
+#   test_gpu.txt     pytest -m cuda (tests/test_gpu.py, the CUDA kernel tests of tests/test_kernels.py)
+#   kernels.json     dilocox bench kernels --device cuda (and results.md beside it)
+#   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, and the DiLoCoX
+#                    outer step (low-rank + int4, one replica) every 10 steps
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+step() { echo "== $1 ($(date -u +%T))"; }
+
+MODE=${1:-all}
+step machine
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+    nvcc --version | tail -2
+    nproc
+} 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$MODE" != train ]; then
+step build
+timeout 300 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1
+echo "build rc $?"
+grep -iE "error|warning: dilocox" "$OUT/build.log" | head -20
+python3 -c "from dilocox.compress import kernels as k; print('extension: cpu', k.have_extension('cpu'), 'cuda', k.have_extension('cuda'), k._EXT_ERRORS)"
+
+step tests
+DILOCOX_TEST_GPU=1 timeout 360 python3 -m pytest -q -m cuda -rs -n 4 -p no:cacheprovider \
+    tests/test_gpu.py tests/test_kernels.py >"$OUT/test_gpu.txt" 2>&1
+echo "tests rc $?"
+tail -30 "$OUT/test_gpu.txt"
+[ "$MODE" = quick ] && exit 0
+
+step "bench kernels"
+timeout 150 python3 -m dilocox.cli bench kernels --device cuda --sizes 1M 16M 64M --json "$OUT/kernels.json" 2>&1 |
+    tail -12
+
+fi
+
+step "train throughput"
+GPT2S=(--model.n_layers=12 --model.n_heads=12 --model.d_model=768 --model.vocab_size=50304 --model.max_seq_len=1024
+    --train.seq_len=1024 --train.batch_size=16 --train.steps=40 --train.eval_every=0 --log.every=10
+    --train.device=cuda --checkpoint.resume=none --log.tensorboard=false --log.progress=false)
+train() { # name, config, overrides...
+    local name=$1 cfg=$2
+    shift 2
+    rm -rf "/tmp/gpu-runs/$name"
+    timeout 150 python3 -m dilocox.cli train "$cfg" "${GPT2S[@]}" --log.run_dir="/tmp/gpu-runs/$name" "$@" \
+        >"/tmp/gpu-runs-$name.log" 2>&1
+    echo "$name rc $?" | tee -a "$OUT/train.txt"
+    python3 - "$name" "/tmp/gpu-runs/$name/metrics.jsonl" <<'EOF' 2>&1 | tee -a "$OUT/train.txt"
+import json, sys
+name, path = sys.argv[1], sys.argv[2]
+recs = [json.loads(line) for line in open(path)]
+steps = [r for r in recs if "step" in r and "tokens_per_s" in r]
+tail = steps[len(steps) // 2:]  # the steady half (the first steps pay the allocator and cuBLAS warm-up)
+tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
+mfu = [r["mfu"] for r in tail if r.get("mfu") is not None]
+print(f"{name}: steady tokens/s {tps:,.0f}; MFU {sum(mfu) / len(mfu):.3f}" if mfu else f"{name}: tokens/s {tps:,.0f}",
+      f"; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}; outer steps {steps[-1].get('outer_step')}")
+EOF
+}
+mkdir -p /tmp/gpu-runs
+: >"$OUT/train.txt"
+train gpt2s-bf16 configs/tiny.yaml
+train gpt2s-bf16-compile configs/tiny.yaml --train.compile=true
+train gpt2s-fp8 configs/tiny.yaml --model.linear_backend=fp8
+train gpt2s-dilocox-H10 configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+    --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64
+train gpt2s-dilocox-H10-devstate configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+    --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64 --outer.state_device=device
+step done
