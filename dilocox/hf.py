@@ -139,96 +139,115 @@ def hf_config(m: ModelConfig, eot_id: int = 0) -> dict:
     }
 
 
+def _hf_refuse(src: str, what: str):
+    raise ExportError(f"{src}: {what} has no dilocox equivalent")
+
+
+def _hf_need(cfg: dict, src: str, key, ok, what=None) -> None:
+    """Refuse ``cfg[key]`` when it is set (not None) and ``ok`` rejects it."""
+    if key in cfg and cfg[key] is not None and not ok(cfg[key]):
+        _hf_refuse(src, what or f"{key}={cfg[key]!r}")
+
+
+def _gpt2_fields(cfg: dict, src: str, tie: bool) -> dict:
+    """``model.*`` of an HF GPT-2 config (:func:`model_fields_from_hf`)."""
+    _hf_need(cfg, src, "activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"))
+    _hf_need(cfg, src, "scale_attn_weights", lambda v: v is True)
+    _hf_need(cfg, src, "scale_attn_by_inverse_layer_idx", lambda v: v is False)
+    _hf_need(cfg, src, "reorder_and_upcast_attn", lambda v: v is False)
+    d = cfg.get("n_embd", 768)
+    return {
+        "arch": "gpt2",
+        "n_layers": cfg.get("n_layer", 12),
+        "n_heads": cfg.get("n_head", 12),
+        "n_kv_heads": None,
+        "d_model": d,
+        "d_ff": cfg.get("n_inner") or 4 * d,
+        "vocab_size": cfg.get("vocab_size", 50257),
+        "max_seq_len": cfg.get("n_positions", 1024),
+        "norm": "layernorm",
+        "norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+        "activation": "gelu",
+        "pos_emb": "learned",
+        "bias": True,
+        "qkv_bias": True,
+        "tie_embeddings": tie,
+        "dropout": 0.0,
+    }
+
+
+def _opt_fields(cfg: dict, src: str, tie: bool) -> dict:
+    """``model.*`` of an HF OPT config (:func:`model_fields_from_hf`)."""
+    _hf_need(cfg, src, "do_layer_norm_before", lambda v: v is True, "do_layer_norm_before=false (post-LN, OPT-350m)")
+    _hf_need(cfg, src, "activation_function", lambda v: v == "relu")
+    _hf_need(cfg, src, "layer_norm_elementwise_affine", lambda v: v is True)
+    d = cfg.get("hidden_size", 768)
+    _hf_need(
+        cfg, src, "word_embed_proj_dim", lambda v: v == d, "word_embed_proj_dim != hidden_size (projected embeddings)"
+    )
+    bias = bool(cfg.get("enable_bias", True))
+    return {
+        "arch": "opt",
+        "n_layers": cfg.get("num_hidden_layers", 12),
+        "n_heads": cfg.get("num_attention_heads", 12),
+        "n_kv_heads": None,
+        "d_model": d,
+        "d_ff": cfg.get("ffn_dim", 3072),
+        "vocab_size": cfg.get("vocab_size", 50272),
+        "max_seq_len": cfg.get("max_position_embeddings", 2048),
+        "norm": "layernorm",
+        "norm_eps": 1e-5,
+        "activation": "relu",
+        "pos_emb": "learned",
+        "bias": bias,
+        "qkv_bias": bias,
+        "tie_embeddings": tie,
+        "dropout": 0.0,
+    }
+
+
+def _qwen2_fields(cfg: dict, src: str, tie: bool) -> dict:
+    """``model.*`` of an HF Qwen2 config (:func:`model_fields_from_hf`)."""
+    _hf_need(cfg, src, "hidden_act", lambda v: v == "silu")
+    _hf_need(cfg, src, "use_sliding_window", lambda v: v is False, "use_sliding_window=true")
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) != "default":
+        _hf_refuse(src, f"rope scaling {rp!r}")
+    theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    d, h = cfg.get("hidden_size", 4096), cfg.get("num_attention_heads", 32)
+    _hf_need(cfg, src, "head_dim", lambda v: v == d // h, "head_dim != hidden_size / num_attention_heads")
+    return {
+        "arch": "qwen",
+        "n_layers": cfg.get("num_hidden_layers", 32),
+        "n_heads": h,
+        "n_kv_heads": cfg.get("num_key_value_heads") or h,
+        "d_model": d,
+        "d_ff": cfg.get("intermediate_size", 22016),
+        "vocab_size": cfg.get("vocab_size", 151936),
+        "max_seq_len": cfg.get("max_position_embeddings", 32768),
+        "norm": "rmsnorm",
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "activation": "swiglu",
+        "pos_emb": "rope",
+        "rope_theta": float(theta),
+        "bias": False,
+        "qkv_bias": True,
+        "tie_embeddings": tie,
+        "dropout": 0.0,
+    }
+
+
 def model_fields_from_hf(cfg: dict) -> dict:
     """dilocox ``model.*`` values equivalent to an HF ``config.json`` (ExportError for unsupported features)."""
     mt = cfg.get("model_type")
     src = f"config.json (model_type={mt!r})"
-
-    def refuse(what: str):
-        raise ExportError(f"{src}: {what} has no dilocox equivalent")
-
-    def need(key, ok, what=None):
-        if key in cfg and cfg[key] is not None and not ok(cfg[key]):
-            refuse(what or f"{key}={cfg[key]!r}")
-
     tie = bool(cfg.get("tie_word_embeddings", True))
     if mt == "gpt2":
-        need("activation_function", lambda v: v in ("gelu_new", "gelu_pytorch_tanh"))
-        need("scale_attn_weights", lambda v: v is True)
-        need("scale_attn_by_inverse_layer_idx", lambda v: v is False)
-        need("reorder_and_upcast_attn", lambda v: v is False)
-        d = cfg.get("n_embd", 768)
-        return {
-            "arch": "gpt2",
-            "n_layers": cfg.get("n_layer", 12),
-            "n_heads": cfg.get("n_head", 12),
-            "n_kv_heads": None,
-            "d_model": d,
-            "d_ff": cfg.get("n_inner") or 4 * d,
-            "vocab_size": cfg.get("vocab_size", 50257),
-            "max_seq_len": cfg.get("n_positions", 1024),
-            "norm": "layernorm",
-            "norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-            "activation": "gelu",
-            "pos_emb": "learned",
-            "bias": True,
-            "qkv_bias": True,
-            "tie_embeddings": tie,
-            "dropout": 0.0,
-        }
+        return _gpt2_fields(cfg, src, tie)
     if mt == "opt":
-        need("do_layer_norm_before", lambda v: v is True, "do_layer_norm_before=false (post-LN, OPT-350m)")
-        need("activation_function", lambda v: v == "relu")
-        need("layer_norm_elementwise_affine", lambda v: v is True)
-        d = cfg.get("hidden_size", 768)
-        need("word_embed_proj_dim", lambda v: v == d, "word_embed_proj_dim != hidden_size (projected embeddings)")
-        bias = bool(cfg.get("enable_bias", True))
-        return {
-            "arch": "opt",
-            "n_layers": cfg.get("num_hidden_layers", 12),
-            "n_heads": cfg.get("num_attention_heads", 12),
-            "n_kv_heads": None,
-            "d_model": d,
-            "d_ff": cfg.get("ffn_dim", 3072),
-            "vocab_size": cfg.get("vocab_size", 50272),
-            "max_seq_len": cfg.get("max_position_embeddings", 2048),
-            "norm": "layernorm",
-            "norm_eps": 1e-5,
-            "activation": "relu",
-            "pos_emb": "learned",
-            "bias": bias,
-            "qkv_bias": bias,
-            "tie_embeddings": tie,
-            "dropout": 0.0,
-        }
+        return _opt_fields(cfg, src, tie)
     if mt == "qwen2":
-        need("hidden_act", lambda v: v == "silu")
-        need("use_sliding_window", lambda v: v is False, "use_sliding_window=true")
-        rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rp.get("rope_type", rp.get("type", "default")) != "default":
-            refuse(f"rope scaling {rp!r}")
-        theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        d, h = cfg.get("hidden_size", 4096), cfg.get("num_attention_heads", 32)
-        need("head_dim", lambda v: v == d // h, "head_dim != hidden_size / num_attention_heads")
-        return {
-            "arch": "qwen",
-            "n_layers": cfg.get("num_hidden_layers", 32),
-            "n_heads": h,
-            "n_kv_heads": cfg.get("num_key_value_heads") or h,
-            "d_model": d,
-            "d_ff": cfg.get("intermediate_size", 22016),
-            "vocab_size": cfg.get("vocab_size", 151936),
-            "max_seq_len": cfg.get("max_position_embeddings", 32768),
-            "norm": "rmsnorm",
-            "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-            "activation": "swiglu",
-            "pos_emb": "rope",
-            "rope_theta": float(theta),
-            "bias": False,
-            "qkv_bias": True,
-            "tie_embeddings": tie,
-            "dropout": 0.0,
-        }
+        return _qwen2_fields(cfg, src, tie)
     raise ExportError(f"{src}: only model_type gpt2, opt and qwen2 can be imported")
 
 

@@ -288,16 +288,11 @@ def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
     return out
 
 
-def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, outer, stages: list[int]) -> dict:
-    """``outer.load_state_dict`` input for this rank from a DiLoCo-family checkpoint of another layout
-    (module docstring: what is resharded, carried over and restarted). ``stages``: the saved stages
-    holding this rank's parameters."""
-    from dilocox.model.parallel_layers import is_tensor_parallel, shard_tensor
-
-    meta = ckpt.read_meta(step_dir)
-    R, D, P, T = parse_layout(meta["layout"])
-    saved_cfg = (meta.get("config") or {}).get("outer") or {}
-    pattern = (saved_cfg.get("streaming") or {}).get("pattern", cfg.outer.streaming.pattern)
+def _gather_saved_outer(step_dir: str, cfg: Config, topo, stages: list[int], layout: tuple, pattern: str):
+    """Read the outer entries of the saved ranks holding this rank's parameters (this replica, every stage of
+    ``stages``, every TP rank, and every data rank when the outer state was sharded over data). Returns
+    ``(ref, full)``: the first entry read (its carried-over fields) and kind -> name -> {tp rank: its slice}."""
+    R, D, P, T = layout
     ref = None
     full: dict = {}  # kind -> name -> {tp rank: its slice} (theta, momentum, pending, own_prev, errors, ...)
     for p in stages:
@@ -323,31 +318,63 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
                     break  # the D data ranks hold the same outer state
     if ref is None:
         raise ckpt.CheckpointError(f"checkpoint {step_dir}: no saved rank holds this rank's parameters")
+    return ref, full
 
-    def gathered(kind: str, name: str) -> torch.Tensor | None:
-        slots = full.get(kind, {}).get(name)
-        if not slots:
-            return None
-        dim = full["dim"][name][0]
-        if dim is None:
-            return slots[0]
-        if len(slots) != T:
-            raise ckpt.CheckpointError(f"checkpoint {step_dir}: {kind} of {name} has {len(slots)} of {T} TP slices")
-        return torch.cat([slots[t] for t in range(T)], dim)
+
+def _gathered_outer(full: dict, step_dir: str, T: int, kind: str, name: str) -> torch.Tensor | None:
+    """The full tensor of ``name``'s saved ``kind`` (its TP slices concatenated), or None if none was saved."""
+    slots = full.get(kind, {}).get(name)
+    if not slots:
+        return None
+    dim = full["dim"][name][0]
+    if dim is None:
+        return slots[0]
+    if len(slots) != T:
+        raise ckpt.CheckpointError(f"checkpoint {step_dir}: {kind} of {name} has {len(slots)} of {T} TP slices")
+    return torch.cat([slots[t] for t in range(T)], dim)
+
+
+def _local_outer(
+    full: dict, step_dir: str, T: int, model: torch.nn.Module, outer, kind: str, i: int
+) -> torch.Tensor | None:
+    """This rank's slice of the outer's ``i``-th parameter's saved ``kind`` (fp32 copy), or None."""
+    from dilocox.model.parallel_layers import is_tensor_parallel, shard_tensor
+
+    name, prm = outer.names[i], outer.params[i]
+    v = _gathered_outer(full, step_dir, T, kind, name)
+    if v is None:
+        return None
+    if is_tensor_parallel(prm):
+        v = shard_tensor(v, prm.partition_dim, model.tp_rank, model.tp_size)
+    if v.shape != prm.shape:
+        raise ckpt.CheckpointError(
+            f"checkpoint {step_dir}: outer {kind} of {name} has shape {tuple(v.shape)} on "
+            f"this layout, the parameter {tuple(prm.shape)}"
+        )
+    return v.detach().float().clone()
+
+
+def _check_fragment_of(full: dict, step_dir: str, layout_str: str, P: int, name: str, f: int) -> None:
+    """Refuse a parameter that has no saved outer state, or that moved to another streaming fragment."""
+    if name not in full.get("theta", {}):
+        raise ckpt.CheckpointError(
+            f"checkpoint {step_dir} holds no outer state for parameter {name}; it was written for another model"
+        )
+    old_f = full["frag"][name][min(full["frag"][name])]
+    if old_f != f:
+        raise ckpt.CheckpointError(
+            f"checkpoint {step_dir} (layout {layout_str}): {name} was in streaming fragment {old_f}, on "
+            f"this layout it is in fragment {f} (fragments are assigned per pipeline stage), so its sync "
+            f"schedule would change; resume with parallel.pipeline={P} (parallel.tensor/data may change)"
+        )
+
+
+def _relayout_outer(full: dict, step_dir: str, layout_str: str, P: int, T: int, model: torch.nn.Module, outer):
+    """The gathered outer state re-sliced and re-flattened in this layout's fragment order: ``(theta, momentum,
+    pending, own_prev, compressors)`` as ``DiLoCoOuter.load_state_dict`` takes them."""
 
     def local(kind: str, i: int) -> torch.Tensor | None:
-        name, prm = outer.names[i], outer.params[i]
-        v = gathered(kind, name)
-        if v is None:
-            return None
-        if is_tensor_parallel(prm):
-            v = shard_tensor(v, prm.partition_dim, model.tp_rank, model.tp_size)
-        if v.shape != prm.shape:
-            raise ckpt.CheckpointError(
-                f"checkpoint {step_dir}: outer {kind} of {name} has shape {tuple(v.shape)} on "
-                f"this layout, the parameter {tuple(prm.shape)}"
-            )
-        return v.detach().float().clone()
+        return _local_outer(full, step_dir, T, model, outer, kind, i)
 
     st = outer.state
     theta = torch.zeros(st.numel, dtype=torch.float32)
@@ -355,18 +382,7 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
     pending, own_prev, comps = [], [], []
     for f, frag in enumerate(st.fragments):
         for i in frag:
-            name = outer.names[i]
-            if name not in full.get("theta", {}):
-                raise ckpt.CheckpointError(
-                    f"checkpoint {step_dir} holds no outer state for parameter {name}; it was written for another model"
-                )
-            old_f = full["frag"][name][min(full["frag"][name])]
-            if old_f != f:
-                raise ckpt.CheckpointError(
-                    f"checkpoint {step_dir} (layout {meta['layout']}): {name} was in streaming fragment {old_f}, on "
-                    f"this layout it is in fragment {f} (fragments are assigned per pipeline stage), so its sync "
-                    f"schedule would change; resume with parallel.pipeline={P} (parallel.tensor/data may change)"
-                )
+            _check_fragment_of(full, step_dir, layout_str, P, outer.names[i], f)
             st.view(theta, i).copy_(local("theta", i))
             st.view(mom, i).copy_(local("momentum", i))
         pend = [local("pending", i) for i in frag]
@@ -386,6 +402,20 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
                 "errors": {str(k): e for k, e in enumerate(errs)} if frag and all(e is not None for e in errs) else {},
             }
         )
+    return theta, mom, pending, own_prev, comps
+
+
+def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, outer, stages: list[int]) -> dict:
+    """``outer.load_state_dict`` input for this rank from a DiLoCo-family checkpoint of another layout
+    (module docstring: what is resharded, carried over and restarted). ``stages``: the saved stages
+    holding this rank's parameters."""
+    meta = ckpt.read_meta(step_dir)
+    layout = parse_layout(meta["layout"])
+    R, D, P, T = layout
+    saved_cfg = (meta.get("config") or {}).get("outer") or {}
+    pattern = (saved_cfg.get("streaming") or {}).get("pattern", cfg.outer.streaming.pattern)
+    ref, full = _gather_saved_outer(step_dir, cfg, topo, stages, layout, pattern)
+    theta, mom, pending, own_prev, comps = _relayout_outer(full, step_dir, meta["layout"], P, T, model, outer)
     return {
         "version": ref.get("version", 1),
         "method": ref["method"],

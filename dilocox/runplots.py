@@ -137,72 +137,72 @@ def _save(fig, ax_with_legend, path: str) -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
-def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None) -> dict[str, dict[str, tuple]]:
-    """Write the PNGs into ``out_dir``; return ``{png path: {legend label: (xs, ys) as drawn}}``.
+def _lines_of(ax) -> dict[str, tuple]:
+    """``{legend label: (xs, ys)}`` of the lines drawn on ``ax``."""
+    return {
+        ln.get_label(): (list(map(float, ln.get_xdata())), list(map(float, ln.get_ydata()))) for ln in ax.get_lines()
+    }
 
-    The returned series are read back from the drawn matplotlib lines, so a test can compare what
-    was plotted with the jsonl.
-    """
+
+def _draw_run(ax, i: int, label: str, recs: list[dict], keys: list[tuple[str, str, str]], x: str) -> None:
+    """Run ``i``'s curves of one figure: a line per "line" key, dashed markers per "points" key."""
+    st = _style(i)
+    n = max(1, len(recs) // 12)  # ~12 markers per line: identifies the run without hiding the curve
+    for key, suffix, kind in keys:
+        xs, ys = series(recs, key, x)
+        if not xs:
+            continue
+        ys = [y * SCALE.get(key, 1.0) for y in ys]
+        name = f"{label} {suffix}".strip()
+        if kind == "line":
+            ax.plot(
+                xs,
+                ys,
+                color=st["color"],
+                linestyle=st["linestyle"],
+                marker=st["marker"],
+                markevery=n,
+                markersize=4,
+                linewidth=1.4,
+                label=name,
+            )
+        else:
+            ax.plot(
+                xs,
+                ys,
+                color=st["color"],
+                linestyle=":",
+                marker=st["marker"],
+                markersize=6,
+                markerfacecolor="none",
+                linewidth=1.0,
+                label=name,
+            )
+
+
+def _plot_figure(spec: tuple, labels: list[str], runs: list[list[dict]], out_dir: str, drawn: dict) -> None:
+    """One figure of ``FIGURES``, every run overlaid; written (and added to ``drawn``) unless nothing was drawn."""
     from matplotlib.figure import Figure  # lazy: matplotlib is only needed for plots (no pyplot state)
 
-    if not run_dirs:
-        raise ReportError("report needs at least one RUN_DIR")
-    labels = labels or run_labels(run_dirs)
-    runs = [load_metrics(d) for d in run_dirs]
-    os.makedirs(out_dir, exist_ok=True)
-    drawn: dict[str, dict[str, tuple]] = {}
+    stem, title, ylabel, keys, x = spec
+    fig = Figure(figsize=(7.5, 4.2))
+    ax = fig.add_subplot()
+    for i, (label, recs) in enumerate(zip(labels, runs)):
+        _draw_run(ax, i, label, recs, keys, x)
+    if not ax.get_lines():
+        return
+    ax.set_title(title)
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    path = os.path.join(out_dir, f"{stem}.png")
+    _save(fig, ax, path)
+    drawn[path] = _lines_of(ax)
 
-    def lines_of(ax) -> dict[str, tuple]:
-        return {
-            ln.get_label(): (list(map(float, ln.get_xdata())), list(map(float, ln.get_ydata())))
-            for ln in ax.get_lines()
-        }
 
-    for stem, title, ylabel, keys, x in FIGURES:
-        fig = Figure(figsize=(7.5, 4.2))
-        ax = fig.add_subplot()
-        for i, (label, recs) in enumerate(zip(labels, runs)):
-            st = _style(i)
-            n = max(1, len(recs) // 12)  # ~12 markers per line: identifies the run without hiding the curve
-            for key, suffix, kind in keys:
-                xs, ys = series(recs, key, x)
-                if not xs:
-                    continue
-                ys = [y * SCALE.get(key, 1.0) for y in ys]
-                name = f"{label} {suffix}".strip()
-                if kind == "line":
-                    ax.plot(
-                        xs,
-                        ys,
-                        color=st["color"],
-                        linestyle=st["linestyle"],
-                        marker=st["marker"],
-                        markevery=n,
-                        markersize=4,
-                        linewidth=1.4,
-                        label=name,
-                    )
-                else:
-                    ax.plot(
-                        xs,
-                        ys,
-                        color=st["color"],
-                        linestyle=":",
-                        marker=st["marker"],
-                        markersize=6,
-                        markerfacecolor="none",
-                        linewidth=1.0,
-                        label=name,
-                    )
-        if not ax.get_lines():
-            continue
-        ax.set_title(title)
-        ax.set_xlabel(X_LABELS[x])
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        path = os.path.join(out_dir, f"{stem}.png")
-        _save(fig, ax, path)
-        drawn[path] = lines_of(ax)
+def _plot_adaptive(labels: list[str], runs: list[list[dict]], out_dir: str, drawn: dict) -> None:
+    """The adaptive controller's H and rank (one panel each, step plots); written only if some run logged them."""
+    from matplotlib.figure import Figure  # lazy: matplotlib is only needed for plots (no pyplot state)
 
     stem, title, keys = ADAPTIVE
     fig = Figure(figsize=(7.5, 5.2))
@@ -220,7 +220,28 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
         axes[-1].set_xlabel("step")
         path = os.path.join(out_dir, f"{stem}.png")
         _save(fig, axes[0], path)
-        drawn[path] = {f"{key}:{lab}": xy for ax, (key, _) in zip(axes, keys) for lab, xy in lines_of(ax).items()}
+        drawn[path] = {f"{key}:{lab}": xy for ax, (key, _) in zip(axes, keys) for lab, xy in _lines_of(ax).items()}
+
+
+def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None) -> dict[str, dict[str, tuple]]:
+    """Write the PNGs into ``out_dir``; return ``{png path: {legend label: (xs, ys) as drawn}}``.
+
+    The returned series are read back from the drawn matplotlib lines, so a test can compare what
+    was plotted with the jsonl.
+    """
+    # lazy: matplotlib is only needed for plots (no pyplot state); imported first, so that a missing
+    # matplotlib fails before any run is read
+    from matplotlib.figure import Figure  # noqa: F401
+
+    if not run_dirs:
+        raise ReportError("report needs at least one RUN_DIR")
+    labels = labels or run_labels(run_dirs)
+    runs = [load_metrics(d) for d in run_dirs]
+    os.makedirs(out_dir, exist_ok=True)
+    drawn: dict[str, dict[str, tuple]] = {}
+    for spec in FIGURES:
+        _plot_figure(spec, labels, runs, out_dir, drawn)
+    _plot_adaptive(labels, runs, out_dir, drawn)
     return drawn
 
 

@@ -59,6 +59,18 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._init_distributed()  # process groups, topology, the stop flag, device, the run-dir lock
+        self._init_data()  # corpus, this replica's sampler, validation batches
+        self._init_model()  # the stage model (+ Hugging Face init, compile), pipeline engine, inner optimizer
+        self._init_outer()  # the elastic group and the outer method (DiLoCo family), its bounded waits
+        self._init_logging()  # counters, metrics logger, MFU inputs
+        self._maybe_resume()
+        if self.elastic is not None:
+            self._elastic_join()
+        self._check_checkpoint_space()
+
+    def _init_distributed(self) -> None:
+        cfg = self.cfg
         # gloo for train.device=cpu even where CUDA exists (NCCL cannot move CPU tensors)
         # the default group spans the replicas when R > 1: bounded like the outer waits (issue 9)
         world_timeout = cfg.outer.timeout_s if cfg.parallel.replicas > 1 else cfg.parallel.timeout_s
@@ -81,6 +93,9 @@ class Trainer:
         # One run per run dir: rank 0 holds the lock until the run ends or dies; every rank learns the outcome.
         self.run_lock = rundir.lock_run_dir(cfg.log.run_dir, rank == 0, ckpt.all_ranks_agree)
         torch.manual_seed(cfg.train.seed)
+
+    def _init_data(self) -> None:
+        cfg = self.cfg
         # Every rank of a replica draws the replica's full batch (a pure function of seed,
         # replica and step); the pipeline engine takes this rank's inner-DP rows.
         self.prepared = prepare(cfg.data)  # race-free: one rank builds, the others reuse
@@ -100,7 +115,9 @@ class Trainer:
         self.val_batches = (
             self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
         )
-        t = self.topo
+
+    def _init_model(self) -> None:
+        cfg, t = self.cfg, self.topo
         self.model = build_stage_model(
             cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed, device=self.device
         )
@@ -118,7 +135,10 @@ class Trainer:
             self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device, autocast_dtype=autocast
         )
         self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
-        self.elastic = build_elastic_group(cfg, self.topo) if el.enabled else None
+
+    def _init_outer(self) -> None:
+        cfg, t = self.cfg, self.topo
+        self.elastic = build_elastic_group(cfg, t) if cfg.outer.elastic.enabled else None
         self.outer = build_outer(  # None for outer.method=none
             list(self.model.named_parameters()),
             t,
@@ -135,15 +155,17 @@ class Trainer:
                 cfg.outer.timeout_s,
                 cfg.outer.warn_after_s,
                 peers=signals.replica_peers(t),
-                log=lambda m, r=rank: print(f"[rank {r}] {m}", flush=True),
+                log=lambda m, r=t.rank: print(f"[rank {r}] {m}", flush=True),
             )
+
+    def _init_logging(self) -> None:
+        cfg, lg = self.cfg, self.cfg.log
         self.step = 0
         self.tokens_seen = 0
-        self.ckpt_dir = cfg.checkpoint.dir or os.path.join(cfg.log.run_dir, "checkpoints")
-        lg = cfg.log
+        self.ckpt_dir = cfg.checkpoint.dir or os.path.join(lg.run_dir, "checkpoints")
         self.logger = MetricsLogger(
             lg.run_dir,
-            enabled=rank == 0,
+            enabled=self.topo.rank == 0,
             total_steps=cfg.train.steps,
             jsonl=lg.jsonl,
             tensorboard=lg.tensorboard,
@@ -156,17 +178,16 @@ class Trainer:
         self.history: list[dict] = []
         self.grad_norm: float | None = None  # global norm before clipping (optim.grad_clip > 0), logged per step
         self.resumed_from: str | None = None
-        self._maybe_resume()
-        if self.elastic is not None:
-            self._elastic_join()
+
+    def _check_checkpoint_space(self) -> None:
         space = ckpt.preflight(
             self.ckpt_dir,
             ckpt.estimate_bytes(self.state_dict(), self.optimizer),
             self.topo.world_size,
-            cfg.checkpoint.keep,
+            self.cfg.checkpoint.keep,
             self.topo.rank,
             ckpt.all_ranks_agree,
-            cfg.checkpoint.check_space,
+            self.cfg.checkpoint.check_space,
         )
         if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
             self.logger.info(space)
@@ -387,17 +408,35 @@ class Trainer:
         return summary
 
     def run(self) -> dict:
+        """The training loop: a step, its record, then the stop and checkpoint decisions at the step boundary."""
         cfg = self.cfg
         skipped = self._begin_run()
         if skipped is not None:
             return skipped
+        self._announce()
+        start_step, t_start = self.step, time.time()
+        self._rate_mark = (t_start, self.step)  # tokens/s since the last printed record
+        ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway
+        while self.step < cfg.train.steps:
+            if cfg.train.max_tokens and self.tokens_seen >= cfg.train.max_tokens:
+                break
+            loss = self.train_step()
+            self._log_step(loss, start_step, t_start)
+            ckpt_due = self._at_boundary(ckpt_due)
+        if self.outer is not None:
+            self.outer.finish()
+        summary = self._end_of_run(start_step, time.time() - t_start)
+        self.save()
+        self.logger.close()
+        return summary
+
+    def _announce(self) -> None:
+        cfg, o = self.cfg, self.cfg.outer
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
-        start_step = self.step
         self.logger.info(
-            f"dilocox: {self.topo.describe()} | device {self.device} | method {cfg.outer.method} | "
+            f"dilocox: {self.topo.describe()} | device {self.device} | method {o.method} | "
             f"{cfg.model.arch} {cfg.model.num_params() / 1e6:.2f}M params | {tokens_per_step} tokens/step"
         )
-        o = cfg.outer
         if (
             o.method == "diloco"
             and not cfg.compress.adaptive.enabled
@@ -410,55 +449,50 @@ class Trainer:
                 f"synchronised and the final model (the outer params) leaves them out; set train.steps "
                 f"to a multiple of {o.sync_every}"
             )
-        t_start = time.time()
-        t_last, step_last = t_start, self.step
-        val_loss = None
-        ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway
-        while self.step < cfg.train.steps:
-            if cfg.train.max_tokens and self.tokens_seen >= cfg.train.max_tokens:
-                break
-            loss = self.train_step()
-            rec: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, cfg)}
-            if self.grad_norm is not None:
-                rec["grad_norm"] = self.grad_norm
-            do_eval = bool(cfg.train.eval_every and self.val_batches and self.step % cfg.train.eval_every == 0)
-            if do_eval:
-                val_loss = self.validate()
-                rec["val_loss"] = val_loss
-            now = time.time()
-            done = self.step - start_step
-            rate = done / max(1e-9, now - t_start)
-            rec["tokens_per_s"] = tokens_per_step * (self.step - step_last) / max(1e-9, now - t_last)
-            rec["eta_s"] = (cfg.train.steps - self.step) / max(rate, 1e-9)
-            if self.peak:
-                rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * self.topo.world_size)
-            if self.outer is not None:
-                rec.update(self.outer.stats)
-            printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.steps
-            self.history.append(rec)
-            self.logger.log(rec, printed=printed)
-            if printed:
-                t_last, step_last = now, self.step
-            # some rank got SIGINT/SIGTERM: all stop at one step, save, exit 128+signal; the replicas tell each other
-            # only at an outer sync (crossed_replicas), never between two (distributed/signals.py)
-            if self.stop.should_stop(self.outer is None or self.outer.crossed_replicas):
-                path = self.save()
-                ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
-                raise signals.Interrupted(self.stop.agreed_signum, self.step, path)
-            if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                ckpt_due = True
-            # the save agrees over every rank of every replica: with several replicas it waits for a boundary where
-            # an outer sync used the slow links anyway (the first at or after the due step), never between two
-            crossed = self.outer is None or self.topo.R == 1 or self.outer.crossed_replicas
-            if ckpt_due and crossed and self.step < cfg.train.steps:
-                ckpt_due = False
-                self.save()
+
+    def _log_step(self, loss: float, start_step: int, t_start: float) -> None:
+        """The step's record (loss, lr, val loss when due, tokens/s, ETA, MFU, the outer method's stats)."""
+        cfg = self.cfg
+        tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
+        rec: dict[str, Any] = {"step": self.step, "loss": loss, "lr": lr_at(self.step - 1, cfg)}
+        if self.grad_norm is not None:
+            rec["grad_norm"] = self.grad_norm
+        do_eval = bool(cfg.train.eval_every and self.val_batches and self.step % cfg.train.eval_every == 0)
+        if do_eval:
+            rec["val_loss"] = self.validate()
+        now = time.time()
+        t_last, step_last = self._rate_mark
+        rate = (self.step - start_step) / max(1e-9, now - t_start)
+        rec["tokens_per_s"] = tokens_per_step * (self.step - step_last) / max(1e-9, now - t_last)
+        rec["eta_s"] = (cfg.train.steps - self.step) / max(rate, 1e-9)
+        if self.peak:
+            rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * self.topo.world_size)
         if self.outer is not None:
-            self.outer.finish()
-        summary = self._end_of_run(start_step, time.time() - t_start)
-        self.save()
-        self.logger.close()
-        return summary
+            rec.update(self.outer.stats)
+        printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.steps
+        self.history.append(rec)
+        self.logger.log(rec, printed=printed)
+        if printed:
+            self._rate_mark = (now, self.step)
+
+    def _at_boundary(self, ckpt_due: bool) -> bool:
+        """Stop (a signal some rank got) or save (checkpoint.every) at this step boundary; returns ckpt_due."""
+        cfg = self.cfg
+        # some rank got SIGINT/SIGTERM: all stop at one step, save, exit 128+signal; the replicas tell each other
+        # only at an outer sync (crossed_replicas), never between two (distributed/signals.py)
+        if self.stop.should_stop(self.outer is None or self.outer.crossed_replicas):
+            path = self.save()
+            ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
+            raise signals.Interrupted(self.stop.agreed_signum, self.step, path)
+        if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+            ckpt_due = True
+        # the save agrees over every rank of every replica: with several replicas it waits for a boundary where
+        # an outer sync used the slow links anyway (the first at or after the due step), never between two
+        crossed = self.outer is None or self.topo.R == 1 or self.outer.crossed_replicas
+        if ckpt_due and crossed and self.step < cfg.train.steps:
+            ckpt_due = False
+            self.save()
+        return ckpt_due
 
 
 def build_elastic_group(cfg: Config, topo):

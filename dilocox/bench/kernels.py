@@ -95,6 +95,80 @@ def overloaded(load: float | None, cores: int | None = None) -> bool:
     return load is not None and load > cores
 
 
+def _kernel_ops(x, e, out, payload, group_size: int, n: int) -> list[tuple]:
+    """(name, kernel call, pure-torch reference call, bytes moved) of each timed kernel on one size's buffers."""
+    pbytes = payload.numel()
+
+    def quant(sr, use_kernel):
+        return lambda: kernels.ef_quantize_pack(x, e, payload, group_size, 4, sr, 1, 2, use_kernel=use_kernel)
+
+    def deq(use_kernel):
+        return lambda: kernels.dequantize_into(payload, out, group_size, 4, True, use_kernel=use_kernel)
+
+    def sparse(use_kernel):  # compress.sparse's preset: top 1/64 of each 4096-chunk, 2-bit values
+        return lambda: sparse_encode(x, 4096, 1 / 64, 2, use_kernel=use_kernel)
+
+    sbytes = tensor_payload_bytes(n, 4096, 1 / 64, 2)
+    return [
+        ("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + 2 * pbytes),
+        ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + 2 * pbytes),
+        ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes),
+        ("sparse_encode (top 1/64, 2-bit)", sparse(True), sparse(False), 4.0 * n + 2 * sbytes),
+    ]
+
+
+def _row(base: dict, name: str, t: float, nbytes: float, bw_add: float, t_ref: float | None, compiled) -> dict:
+    """One row: ``name`` took ``t`` s moving ``nbytes``; ``bw_add``: the in-place add's bytes/s of the same size."""
+    return dict(
+        base,
+        op=name,
+        ms=t * 1e3,
+        bytes_moved=nbytes,
+        gbps=nbytes / t / 1e9,
+        pct_of_roofline=100.0 * (nbytes / t) / bw_add,
+        ref_ms=None if t_ref is None else t_ref * 1e3,
+        speedup_vs_ref=None if t_ref is None else t_ref / t,
+        compiled=compiled,
+    )
+
+
+def _size_rows(
+    n: int, group_size: int, repeats: int, dev: torch.device, reference: bool, ref_repeats: int, compiled
+) -> list[dict]:
+    """The rows of one size: the two fp32 references (in-place add, copy), then the kernels."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g).to(dev)
+    e = (torch.randn(n, generator=g) * 1e-3).to(dev)
+    dst = torch.empty_like(x)
+    out = torch.zeros_like(x)
+    payload = torch.empty(payload_nbytes("int4", n, group_size), dtype=torch.uint8, device=dev)
+    ops = _kernel_ops(x, e, out, payload, group_size, n)
+    a, b = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
+    t_add, t_copy, *t_ops = _timeit([lambda: a.add_(b), lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev)
+    bw_add = 12.0 * n / t_add
+    load = load_average()
+    base = dict(
+        numel=n,
+        device=str(dev),
+        threads=torch.get_num_threads(),
+        group_size=group_size,
+        load_avg=load,
+        cores=os.cpu_count(),
+    )
+    refs = [("add_ (in-place, roofline)", t_add, 12.0 * n), ("copy (fp32)", t_copy, 12.0 * n)]
+    rows = [_row(base, name, t, nbytes, bw_add, None, None) for name, t, nbytes in refs]
+    for (name, _, ref_fn, nbytes), t in zip(ops, t_ops):
+        t_ref = _timeit([ref_fn], ref_repeats, dev)[0] if reference else None
+        rows.append(_row(base, name, t, nbytes, bw_add, t_ref, compiled))
+    if overloaded(load):
+        print(
+            f"warning: load average {load:.2f} > {os.cpu_count()} cores while timing numel={n:,}: "
+            "the machine is oversubscribed, these timings are upper bounds",
+            file=sys.stderr,
+        )
+    return rows
+
+
 def run(
     sizes=None,
     group_size: int = 128,
@@ -114,80 +188,7 @@ def run(
     rows = []
     try:
         for n in sizes:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randn(n, generator=g).to(dev)
-            e = (torch.randn(n, generator=g) * 1e-3).to(dev)
-            dst = torch.empty_like(x)
-            out = torch.zeros_like(x)
-            payload = torch.empty(payload_nbytes("int4", n, group_size), dtype=torch.uint8, device=dev)
-            pbytes = payload.numel()
-
-            def quant(sr, use_kernel):
-                return lambda: kernels.ef_quantize_pack(x, e, payload, group_size, 4, sr, 1, 2, use_kernel=use_kernel)
-
-            def deq(use_kernel):
-                return lambda: kernels.dequantize_into(payload, out, group_size, 4, True, use_kernel=use_kernel)
-
-            def sparse(use_kernel):  # compress.sparse's preset: top 1/64 of each 4096-chunk, 2-bit values
-                return lambda: sparse_encode(x, 4096, 1 / 64, 2, use_kernel=use_kernel)
-
-            sbytes = tensor_payload_bytes(n, 4096, 1 / 64, 2)
-            a, b = torch.randn(n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
-            ops = [
-                ("ef_quantize_pack_int4", quant(False, True), quant(False, False), 12.0 * n + 2 * pbytes),
-                ("ef_quantize_pack_sr_int4", quant(True, True), quant(True, False), 12.0 * n + 2 * pbytes),
-                ("dequantize_accumulate_int4", deq(True), deq(False), 8.0 * n + pbytes),
-                ("sparse_encode (top 1/64, 2-bit)", sparse(True), sparse(False), 4.0 * n + 2 * sbytes),
-            ]
-            t_add, t_copy, *t_ops = _timeit(
-                [lambda: a.add_(b), lambda: dst.copy_(x)] + [op[1] for op in ops], repeats, dev
-            )
-            bw_add = 12.0 * n / t_add
-            load = load_average()
-            base = dict(
-                numel=n,
-                device=str(dev),
-                threads=torch.get_num_threads(),
-                group_size=group_size,
-                load_avg=load,
-                cores=os.cpu_count(),
-            )
-            refs = [("add_ (in-place, roofline)", t_add, 12.0 * n), ("copy (fp32)", t_copy, 12.0 * n)]
-            for name, t, nbytes in refs:
-                rows.append(
-                    dict(
-                        base,
-                        op=name,
-                        ms=t * 1e3,
-                        bytes_moved=nbytes,
-                        gbps=nbytes / t / 1e9,
-                        pct_of_roofline=100.0 * (nbytes / t) / bw_add,
-                        ref_ms=None,
-                        speedup_vs_ref=None,
-                        compiled=None,
-                    )
-                )
-            for (name, _, ref_fn, nbytes), t in zip(ops, t_ops):
-                t_ref = _timeit([ref_fn], ref_repeats, dev)[0] if reference else None
-                rows.append(
-                    dict(
-                        base,
-                        op=name,
-                        ms=t * 1e3,
-                        bytes_moved=nbytes,
-                        gbps=nbytes / t / 1e9,
-                        pct_of_roofline=100.0 * (nbytes / t) / bw_add,
-                        ref_ms=None if t_ref is None else t_ref * 1e3,
-                        speedup_vs_ref=None if t_ref is None else t_ref / t,
-                        compiled=compiled,
-                    )
-                )
-            if overloaded(load):
-                print(
-                    f"warning: load average {load:.2f} > {os.cpu_count()} cores while timing numel={n:,}: "
-                    "the machine is oversubscribed, these timings are upper bounds",
-                    file=sys.stderr,
-                )
+            rows += _size_rows(n, group_size, repeats, dev, reference, ref_repeats, compiled)
     finally:
         torch.set_num_threads(old_threads)
     return rows

@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import threading
 import time
 
 from dilocox.bench.runner import CONFIGS, line_plot, machine_line, write_results
+from dilocox.distributed.procs import kill_group
 
 # the tiny model and short sequences: 8 peer processes share the host's cores
 BASE = [
@@ -307,7 +307,7 @@ def part_c(root: str, steps: int, timeout_s: float) -> dict:
                 if n >= kill_step:  # s1p1 finished step kill_step-1: kill it during step kill_step
                     time.sleep(0.3)
                     killed["t"] = time.time()
-                    os.killpg(victim.proc.pid, signal.SIGKILL)
+                    kill_group(victim.proc)
                     return
                 time.sleep(0.05)
 
@@ -368,6 +368,55 @@ def _params(res: dict, part: str) -> dict:
     return {**res, **(res.get("earlier") or {}).get(part, {})}
 
 
+def _md_part_a(res: dict) -> list[str]:
+    """Part (a)'s section of ``markdown``: the runs' table, then DiLoCo-SWARM against SWARM and the control."""
+    a, pa = res["a"], _params(res, "a")
+    lines = [
+        f"**(a) Paper 000's experiment, small scale** ({pa['steps']} steps each, tiny GPT-2 4 layers d=64, "
+        f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
+        + ("" if pa["H"] == 50 else " instead of the paper's 50")
+        + (
+            f"; every run with {' '.join(pa['set'])}"
+            if pa.get("set")
+            else "; outer Nesterov lr 0.7, momentum 0.9 as the paper"
+        )
+        + ").",
+        "",
+        "| run | peers | tokens | final val loss | train loss (last 3) | stage syncs | pipeline MB | sync MB | "
+        "sync share | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, r in a.items():
+        tot = r["pipeline_bytes"] + r["sync_bytes"]
+        lines.append(
+            f"| {label} | {r['peers'][0]}+{r['peers'][1]} | {r['tokens']} | {r['val_loss']:.4f} | "
+            f"{r['train_loss_last']:.4f} | {r['stage_syncs']} | {r['pipeline_bytes'] / 1e6:.2f} | "
+            f"{r['sync_bytes'] / 1e6:.2f} | {r['sync_bytes'] / tot:.0%} | {_f(r['tokens_s'], '.0f')} |"
+        )
+    sw = next((r for k, r in a.items() if k.startswith("SWARM")), None)
+    dl = next((r for k, r in a.items() if k.startswith("DiLoCo")), None)
+    if sw and dl:
+        lines += [
+            "",
+            f"DiLoCo-SWARM vs SWARM: final val loss {100 * (dl['val_loss'] / sw['val_loss'] - 1):+.1f} % "
+            f"with {sw['stage_syncs'] / max(dl['stage_syncs'], 1):.0f}x fewer stage syncs and "
+            f"{sw['sync_bytes'] / max(dl['sync_bytes'], 1):.0f}x fewer sync bytes. Pipeline bytes are the peers' "
+            "own counts (planned by `dilocox plan --swarm`: "
+            + ", ".join(f"{r['pipeline_bytes_planned'] / 1e6:.2f}" for r in a.values())
+            + " MB); sync bytes are planned (fp32 ring all-reduce per peer x peers x syncs).",
+        ]
+    ctl = next((r for k, r in a.items() if k.startswith("control")), None)
+    if dl and ctl:
+        lines += [
+            "",
+            f"The control (the same peers with fixed wiring s0pk -> s1pk: 4 plain DiLoCo replicas) ends at "
+            f"{ctl['val_loss']:.4f}, DiLoCo-SWARM at {dl['val_loss']:.4f} "
+            f"({100 * (dl['val_loss'] / ctl['val_loss'] - 1):+.1f} %): what the stochastic wiring costs or gains.",
+        ]
+    lines.append("")
+    return lines
+
+
 def markdown(res: dict) -> str:
     lines = [
         f"Measured {res['date']} on {res['machine']}; load average before the runs {res['load_before']}, after "
@@ -385,50 +434,7 @@ def markdown(res: dict) -> str:
         lines.append(f"{' and '.join(ps)} from an earlier run: {key}.")
     lines.append("")
     if "a" in res:
-        a, pa = res["a"], _params(res, "a")
-        lines += [
-            f"**(a) Paper 000's experiment, small scale** ({pa['steps']} steps each, tiny GPT-2 4 layers d=64, "
-            f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
-            + ("" if pa["H"] == 50 else " instead of the paper's 50")
-            + (
-                f"; every run with {' '.join(pa['set'])}"
-                if pa.get("set")
-                else "; outer Nesterov lr 0.7, momentum 0.9 as the paper"
-            )
-            + ").",
-            "",
-            "| run | peers | tokens | final val loss | train loss (last 3) | stage syncs | pipeline MB | sync MB | "
-            "sync share | tokens/s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for label, r in a.items():
-            tot = r["pipeline_bytes"] + r["sync_bytes"]
-            lines.append(
-                f"| {label} | {r['peers'][0]}+{r['peers'][1]} | {r['tokens']} | {r['val_loss']:.4f} | "
-                f"{r['train_loss_last']:.4f} | {r['stage_syncs']} | {r['pipeline_bytes'] / 1e6:.2f} | "
-                f"{r['sync_bytes'] / 1e6:.2f} | {r['sync_bytes'] / tot:.0%} | {_f(r['tokens_s'], '.0f')} |"
-            )
-        sw = next((r for k, r in a.items() if k.startswith("SWARM")), None)
-        dl = next((r for k, r in a.items() if k.startswith("DiLoCo")), None)
-        if sw and dl:
-            lines += [
-                "",
-                f"DiLoCo-SWARM vs SWARM: final val loss {100 * (dl['val_loss'] / sw['val_loss'] - 1):+.1f} % "
-                f"with {sw['stage_syncs'] / max(dl['stage_syncs'], 1):.0f}x fewer stage syncs and "
-                f"{sw['sync_bytes'] / max(dl['sync_bytes'], 1):.0f}x fewer sync bytes. Pipeline bytes are the peers' "
-                "own counts (planned by `dilocox plan --swarm`: "
-                + ", ".join(f"{r['pipeline_bytes_planned'] / 1e6:.2f}" for r in a.values())
-                + " MB); sync bytes are planned (fp32 ring all-reduce per peer x peers x syncs).",
-            ]
-        ctl = next((r for k, r in a.items() if k.startswith("control")), None)
-        if dl and ctl:
-            lines += [
-                "",
-                f"The control (the same peers with fixed wiring s0pk -> s1pk: 4 plain DiLoCo replicas) ends at "
-                f"{ctl['val_loss']:.4f}, DiLoCo-SWARM at {dl['val_loss']:.4f} "
-                f"({100 * (dl['val_loss'] / ctl['val_loss'] - 1):+.1f} %): what the stochastic wiring costs or gains.",
-            ]
-        lines.append("")
+        lines += _md_part_a(res)
     if "d" in res:
         d = res["d"]
         sw = next((r for k, r in res.get("a", {}).items() if k.startswith("SWARM")), None)

@@ -189,7 +189,8 @@ def plot(res: dict, path: str) -> str | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``dilocox bench swarm --parts e``'s options."""
     p = argparse.ArgumentParser(prog="dilocox bench swarm --parts e", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="e", help="e (this driver)")
     p.add_argument("--steps", type=int, default=400, help="steps of every run (equal tokens per point)")
@@ -210,13 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         "--append", action="store_true",
         help="keep the rows of --out's results.json that this run does not measure (e.g. another corpus)",
     )  # fmt: skip
-    a = p.parse_args(argv)
-    if a.render:
-        if not os.path.isfile(os.path.join(a.out, "results.json")):
-            p.error(f"--render: {a.out} has no results.json (run the bench into --out first)")
-        with open(os.path.join(a.out, "results.json")) as f:
-            res = json.load(f)
-        return finish(res, a.out)
+    return p
+
+
+def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[dict[str, list[str]], list[int]]:
+    """The run's corpora, syncs and points (``{flag: items}``) and its peers per stage; a bad option exits 2."""
     if a.parts.replace(",", "") != "e":
         p.error(f"--parts {a.parts!r}: this driver runs part e alone (run a, b, c, d separately)")
     lists = {}
@@ -240,6 +239,34 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in a.set if not (x.startswith("--") and "=" in x)]
     if bad:
         p.error(f"--set {bad[0]!r} must be a config override --section.key=value, e.g. --set=--model.d_model=256")
+    return lists, peers
+
+
+def _append(p: argparse.ArgumentParser, a: argparse.Namespace, res: dict, peers: list[int]) -> None:
+    """``--append``: keep the rows of ``--out``'s results.json that this run did not measure, and its command and
+    date next to this run's (a results.json of other --steps/--peers/--set exits 2)."""
+    prev = os.path.join(a.out, "results.json")
+    if a.append and os.path.exists(prev):
+        with open(prev) as f:
+            old = json.load(f)
+        if (old.get("steps"), old.get("peers"), old.get("set")) != (a.steps, peers, list(a.set)):
+            p.error(f"--append: {prev} was measured with other --steps/--peers/--set; use another --out")
+        done = {(r["corpus"], r["sync"], r["point"]) for r in res["rows"]}
+        res["rows"] = [r for r in old["rows"] if (r["corpus"], r["sync"], r["point"]) not in done] + res["rows"]
+        res["command"] = "; ".join([old["command"], res["command"]])
+        res["date"] = f"{old['date']} and {res['date']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.render:
+        if not os.path.isfile(os.path.join(a.out, "results.json")):
+            p.error(f"--render: {a.out} has no results.json (run the bench into --out first)")
+        with open(os.path.join(a.out, "results.json")) as f:
+            res = json.load(f)
+        return finish(res, a.out)
+    lists, peers = _checked(p, a)
     res: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine_line(),
@@ -261,16 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"bench swarm e: {corpus} {sync} {point}: val {row['val_loss']:.4f}, {bpt:.2f} B/tok, {dt:.0f}s"
                     )
-    prev = os.path.join(a.out, "results.json")
-    if a.append and os.path.exists(prev):
-        with open(prev) as f:
-            old = json.load(f)
-        if (old.get("steps"), old.get("peers"), old.get("set")) != (a.steps, peers, list(a.set)):
-            p.error(f"--append: {prev} was measured with other --steps/--peers/--set; use another --out")
-        done = {(r["corpus"], r["sync"], r["point"]) for r in res["rows"]}
-        res["rows"] = [r for r in old["rows"] if (r["corpus"], r["sync"], r["point"]) not in done] + res["rows"]
-        res["command"] = "; ".join([old["command"], res["command"]])
-        res["date"] = f"{old['date']} and {res['date']}"
+    _append(p, a, res, peers)
     return finish(res, a.out)
 
 

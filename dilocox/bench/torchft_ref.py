@@ -76,20 +76,8 @@ def wait_for_peers(ready_dir: str, r: int, n: int, timeout_s: float) -> bool:
     return False
 
 
-def worker_main(argv: list[str]) -> int:
-    """``python -m dilocox.bench.torchft_ref worker CONFIG --replica R ... [--section.key=value ...]``."""
-    import torch
-    from torch.distributed import TCPStore
-
-    check_torchft_version()
-    from torchft import Manager, ProcessGroupGloo
-    from torchft.local_sgd import DiLoCo
-
-    from dilocox.config import load_config
-    from dilocox.data import TokenSampler, prepare
-    from dilocox.model.transformer import build_stage_model
-    from dilocox.optim import build_inner_optimizer, lr_at
-
+def _worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The worker's options, and the config overrides (``--section.key=value``) among them."""
     p = argparse.ArgumentParser(prog="dilocox.bench.torchft_ref worker")
     p.add_argument("config")
     p.add_argument("--replica", type=int, required=True)
@@ -100,7 +88,122 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0, help="torchft all-reduce / commit / checkpoint bound")
     p.add_argument("--quorum-timeout-s", type=float, default=180.0, help="bound on one quorum (> join timeout)")
     p.add_argument("--die-at-step", type=int, default=0, help="first incarnation SIGKILLs itself before this sync")
-    a, overrides = p.parse_known_args(argv)
+    return p.parse_known_args(argv)
+
+
+def _manager(a: argparse.Namespace, state_dict, load_state_dict):
+    """torchft's ``Manager`` of replica ``a.replica`` (one process, world size 1) and the ``TCPStore`` it uses
+    (returned too: it must stay alive as long as the manager)."""
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    host = "127.0.0.1"
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=a.timeout_s))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=a.timeout_s)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=a.min_replicas,
+        use_async_quorum=False,  # DiLoCo requires it
+        timeout=timedelta(seconds=a.timeout_s),
+        quorum_timeout=timedelta(seconds=a.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=a.timeout_s),
+        rank=0,
+        world_size=1,
+        store_addr=host,
+        store_port=store.port,
+        lighthouse_addr=a.lighthouse,
+        replica_id=f"replica{a.replica}",
+        hostname=host,
+        init_sync=False,  # every replica starts from the same seeded init
+    )
+    return store, manager
+
+
+def _validate(model, val: list) -> float:
+    """Mean loss of ``model`` on the validation batches ``val`` (nan without any)."""
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        losses = [float(model.loss(model(x), y)) for x, y in val]
+    model.train()
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
+def _train(
+    cfg, r: int, model, inner, manager, sampler, val: list, st: dict, syncs: dict, out, die_step: int, t_start: float
+) -> None:
+    """The inner steps up to ``train.steps`` inside torchft's ``DiLoCo`` (every H-th ``inner.step()`` syncs), one
+    metrics.jsonl record each; ``die_step``: SIGKILL this process right before the sync of that step (0: never)."""
+    import torch
+
+    from dilocox.optim import lr_at
+
+    tr, H = cfg.train, cfg.outer.sync_every
+    tps = tr.batch_size * tr.seq_len
+    t_last = t_start
+    while st["step"] < tr.steps:
+        step = st["step"]
+        lr = lr_at(step, cfg)
+        for g in inner.param_groups:
+            g["lr"] = lr
+        x, y = sampler.batch_at(step)
+        loss = model.loss(model(x), y)
+        loss.backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        if step + 1 == die_step:  # right before its quorum: peers wait on it
+            print(f"torchft_ref replica {r}: SIGKILL myself before the sync of step {step + 1}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        outer_before, t_step = manager.current_step(), time.time()
+        inner.step()  # DiLoCo's post hook: at every H-th step the quorum (heal), all-reduce, outer step
+        inner.zero_grad(set_to_none=True)
+        st["step"] += 1  # a heal inside the hook set it to the peer's step
+        now = time.time()
+        rec = {
+            "step": st["step"],
+            "loss": float(loss),
+            "lr": lr,
+            "wall": now,
+            "tokens_per_s": tps / max(1e-9, now - t_last),
+            "outer_step": manager.current_step(),
+            "replica": r,
+        }
+        t_last = now
+        if (step + 1) % H == 0:  # torchft synced after this inner step
+            committed = manager.current_step() > outer_before
+            syncs["commits" if committed else "failed"] += 1
+            rec.update(
+                participants=manager.num_participants(),
+                committed=committed,
+                quorum_id=quorum_id(manager),
+                sync_s=now - t_step,  # inner step + torchft's quorum (heal), all-reduce, outer step
+                pre_sync_sum=st["pre_sync_sum"],
+            )
+            if st["healed_from_sum"] is not None:
+                syncs["heals"] += 1
+                rec.update(healed=True, healed_from_sum=st["healed_from_sum"], healed_at_step=step + 1)
+                st["healed_from_sum"] = None
+        if tr.eval_every and val and st["step"] % tr.eval_every == 0:
+            rec["val_loss"] = _validate(model, val)
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+
+
+def worker_main(argv: list[str]) -> int:
+    """``python -m dilocox.bench.torchft_ref worker CONFIG --replica R ... [--section.key=value ...]``."""
+    import torch
+
+    check_torchft_version()
+    from torchft.local_sgd import DiLoCo
+
+    from dilocox.config import load_config
+    from dilocox.data import TokenSampler, prepare
+    from dilocox.model.transformer import build_stage_model
+    from dilocox.optim import build_inner_optimizer
+
+    a, overrides = _worker_args(argv)
     torch.set_num_threads(1)
     cfg = load_config(a.config, overrides)
     tr, H, r = cfg.train, cfg.outer.sync_every, a.replica
@@ -123,26 +226,7 @@ def worker_main(argv: list[str]) -> int:
         st["step"] = int(sd["step"])
         st["healed_from_sum"] = _params_sum(model)
 
-    host = "127.0.0.1"
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=a.timeout_s))
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=a.timeout_s)),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=a.min_replicas,
-        use_async_quorum=False,  # DiLoCo requires it
-        timeout=timedelta(seconds=a.timeout_s),
-        quorum_timeout=timedelta(seconds=a.quorum_timeout_s),
-        connect_timeout=timedelta(seconds=a.timeout_s),
-        rank=0,
-        world_size=1,
-        store_addr=host,
-        store_port=store.port,
-        lighthouse_addr=a.lighthouse,
-        replica_id=f"replica{r}",
-        hostname=host,
-        init_sync=False,  # every replica starts from the same seeded init
-    )
+    store, manager = _manager(a, state_dict, load_state_dict)  # the store lives as long as this function
 
     ready_dir = os.path.join(os.path.dirname(os.path.abspath(a.run_dir)), "ready")  # RUN/ready/replica<r>
     first_incarnation = not os.path.exists(os.path.join(ready_dir, f"replica{r}"))
@@ -157,67 +241,16 @@ def worker_main(argv: list[str]) -> int:
     os.makedirs(a.run_dir, exist_ok=True)
     out = open(os.path.join(a.run_dir, "metrics.jsonl"), "a")
     tps = tr.batch_size * tr.seq_len
-    t_start = t_last = time.time()
+    t_start = time.time()
     start_step = 0
     syncs = {"commits": 0, "failed": 0, "heals": 0}
-
-    def validate() -> float:
-        model.eval()
-        with torch.no_grad():
-            losses = [float(model.loss(model(x), y)) for x, y in val]
-        model.train()
-        return sum(losses) / len(losses) if losses else float("nan")
+    die_step = a.die_at_step if first_incarnation else 0  # only the first incarnation dies
 
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=H, backup_device=torch.device("cpu"), pin_memory=False):
-            while st["step"] < tr.steps:
-                step = st["step"]
-                lr = lr_at(step, cfg)
-                for g in inner.param_groups:
-                    g["lr"] = lr
-                x, y = sampler.batch_at(step)
-                loss = model.loss(model(x), y)
-                loss.backward()
-                if cfg.optim.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                if first_incarnation and step + 1 == a.die_at_step:  # right before its quorum: peers wait on it
-                    print(f"torchft_ref replica {r}: SIGKILL myself before the sync of step {step + 1}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                outer_before, t_step = manager.current_step(), time.time()
-                inner.step()  # DiLoCo's post hook: at every H-th step the quorum (heal), all-reduce, outer step
-                inner.zero_grad(set_to_none=True)
-                st["step"] += 1  # a heal inside the hook set it to the peer's step
-                now = time.time()
-                rec = {
-                    "step": st["step"],
-                    "loss": float(loss),
-                    "lr": lr,
-                    "wall": now,
-                    "tokens_per_s": tps / max(1e-9, now - t_last),
-                    "outer_step": manager.current_step(),
-                    "replica": r,
-                }
-                t_last = now
-                if (step + 1) % H == 0:  # torchft synced after this inner step
-                    committed = manager.current_step() > outer_before
-                    syncs["commits" if committed else "failed"] += 1
-                    rec.update(
-                        participants=manager.num_participants(),
-                        committed=committed,
-                        quorum_id=quorum_id(manager),
-                        sync_s=now - t_step,  # inner step + torchft's quorum (heal), all-reduce, outer step
-                        pre_sync_sum=st["pre_sync_sum"],
-                    )
-                    if st["healed_from_sum"] is not None:
-                        syncs["heals"] += 1
-                        rec.update(healed=True, healed_from_sum=st["healed_from_sum"], healed_at_step=step + 1)
-                        st["healed_from_sum"] = None
-                if tr.eval_every and val and st["step"] % tr.eval_every == 0:
-                    rec["val_loss"] = validate()
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+            _train(cfg, r, model, inner, manager, sampler, val, st, syncs, out, die_step, t_start)
         wall = time.time() - t_start
-        final = validate()
+        final = _validate(model, val)
         summary = {
             "steps": st["step"],
             "final_val_loss": final,
@@ -311,6 +344,82 @@ def reference_config(path: str, sync_every: int) -> str:
     return write_config(path, ["tiny.yaml", "methods/diloco.yaml"], f"outer: {{sync_every: {sync_every}}}\n")
 
 
+def _scenario(replicas: int, steps: int, sync_every: int, kill: str | None, restart: str | None, die_at: str | None):
+    """The checked scenario: ``ElasticLaunch``'s kill/restart schedule, the victim (None: no one dies) and the
+    replica that SIGKILLs itself with its step (``-1, 0``: none). ValueError for a bad one."""
+    from dilocox.elastic.launch import parse_schedule
+
+    if replicas < 1 or steps < 1 or sync_every < 1 or steps % sync_every:
+        raise ValueError(f"steps={steps} must be a positive multiple of sync_every={sync_every} (replicas={replicas})")
+    schedule = parse_schedule([kill] if kill else [], [restart] if restart else [], replicas)
+    victim = schedule[0].replica if schedule else None
+    die_r, die_step = -1, 0
+    if die_at:
+        rr, _, ss = die_at.partition("@")
+        if not (rr.isdigit() and ss.isdigit() and int(rr) < replicas and int(ss) % sync_every == 0 and int(ss) > 0):
+            raise ValueError(f"die_at={die_at!r} must be R@STEP, R < {replicas}, STEP a multiple of {sync_every}")
+        die_r, die_step = int(rr), int(ss)
+        victim = die_r if victim is None else victim
+    return schedule, victim, die_r, die_step
+
+
+def _reference_setup(out_dir: str, steps: int, sync_every: int, cfg_overrides: list[str]):
+    """A fresh ``out_dir`` with the run's config file; returns its path, the workers' overrides and the loaded
+    config (checked: plain DiLoCo), with the data prepared once."""
+    import shutil
+
+    from dilocox.config import load_config
+    from dilocox.data import prepare
+
+    shutil.rmtree(out_dir, ignore_errors=True)  # a bench run starts fresh
+    os.makedirs(out_dir)
+    config = reference_config(os.path.join(out_dir, "ref.yaml"), sync_every)
+    overrides = [*TRAIN_DEFAULTS, f"--train.steps={steps}", f"--train.eval_every={2 * sync_every}", *cfg_overrides]
+    cfg = load_config(config, overrides)  # a bad override is one line here, not N tracebacks later
+    if cfg.outer.method != "diloco" or cfg.outer.streaming.fragments != 1:
+        raise ValueError("the torchft reference runs plain DiLoCo (outer.method=diloco, outer.streaming.fragments=1)")
+    prepare(cfg.data)  # once, before N processes would race to build it
+    return config, overrides, cfg
+
+
+def _worker_argv(
+    config: str,
+    r: int,
+    addr: str,
+    replicas: int,
+    out_dir: str,
+    min_replicas: int,
+    join_timeout_ms: int,
+    die_step: int,
+    overrides: list[str],
+) -> list[str]:
+    """The command line of replica ``r``'s worker (``die_step``: that replica's ``--die-at-step``)."""
+    return [
+        sys.executable,
+        "-m",
+        "dilocox.bench.torchft_ref",
+        "worker",
+        config,
+        f"--replica={r}",
+        f"--replicas={replicas}",
+        f"--lighthouse={addr}",
+        f"--run-dir={os.path.join(out_dir, f'replica{r}')}",
+        f"--min-replicas={min_replicas}",
+        f"--quorum-timeout-s={max(60.0, 3 * join_timeout_ms / 1000)}",
+        f"--die-at-step={die_step}",
+        *overrides,
+    ]
+
+
+def _worker_env() -> dict:
+    """The workers' environment: one OpenMP thread unless set, and this checkout first on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def run_reference(
     cfg_overrides: list[str],
     replicas: int,
@@ -335,63 +444,25 @@ def run_reference(
     ``"R@STEP"``: replica R SIGKILLs itself right before its sync after inner step STEP (a multiple of H), so the
     survivors' quorum of that sync waits for the lighthouse to drop it (the detection time, ``torchft_facts``).
     """
-    import shutil
-
     # lazy: dilocox.bench.elastic may import this module (its reference row)
     from dilocox.bench.elastic import read_elastic_run
-    from dilocox.config import load_config
-    from dilocox.data import prepare
-    from dilocox.elastic.launch import ElasticLaunch, parse_schedule
+    from dilocox.elastic.launch import ElasticLaunch
 
-    if replicas < 1 or steps < 1 or sync_every < 1 or steps % sync_every:
-        raise ValueError(f"steps={steps} must be a positive multiple of sync_every={sync_every} (replicas={replicas})")
+    schedule, victim, die_r, die_step = _scenario(replicas, steps, sync_every, kill, restart, die_at)
     min_replicas = max(1, replicas - 1) if min_replicas is None else min_replicas
-    schedule = parse_schedule([kill] if kill else [], [restart] if restart else [], replicas)
-    victim = schedule[0].replica if schedule else None
-    die_r, die_step = -1, 0
-    if die_at:
-        rr, _, ss = die_at.partition("@")
-        if not (rr.isdigit() and ss.isdigit() and int(rr) < replicas and int(ss) % sync_every == 0 and int(ss) > 0):
-            raise ValueError(f"die_at={die_at!r} must be R@STEP, R < {replicas}, STEP a multiple of {sync_every}")
-        die_r, die_step = int(rr), int(ss)
-        victim = die_r if victim is None else victim
-    shutil.rmtree(out_dir, ignore_errors=True)  # a bench run starts fresh
-    os.makedirs(out_dir)
-    config = reference_config(os.path.join(out_dir, "ref.yaml"), sync_every)
-    overrides = [*TRAIN_DEFAULTS, f"--train.steps={steps}", f"--train.eval_every={2 * sync_every}", *cfg_overrides]
-    cfg = load_config(config, overrides)  # a bad override is one line here, not N tracebacks later
-    if cfg.outer.method != "diloco" or cfg.outer.streaming.fragments != 1:
-        raise ValueError("the torchft reference runs plain DiLoCo (outer.method=diloco, outer.streaming.fragments=1)")
-    prepare(cfg.data)  # once, before N processes would race to build it
+    config, overrides, cfg = _reference_setup(out_dir, steps, sync_every, cfg_overrides)
 
     def argv(r: int, addr: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "dilocox.bench.torchft_ref",
-            "worker",
-            config,
-            f"--replica={r}",
-            f"--replicas={replicas}",
-            f"--lighthouse={addr}",
-            f"--run-dir={os.path.join(out_dir, f'replica{r}')}",
-            f"--min-replicas={min_replicas}",
-            f"--quorum-timeout-s={max(60.0, 3 * join_timeout_ms / 1000)}",
-            f"--die-at-step={die_step if r == die_r else 0}",
-            *overrides,
-        ]
+        die = die_step if r == die_r else 0
+        return _worker_argv(config, r, addr, replicas, out_dir, min_replicas, join_timeout_ms, die, overrides)
 
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     launch = ElasticLaunch(
         replicas,
         argv,
         out_dir,
         min_replicas=min_replicas,
         schedule=schedule,
-        env=env,
+        env=_worker_env(),
         lighthouse_opts=[
             *("--heartbeat-timeout-ms", str(heartbeat_timeout_ms)),
             *("--join-timeout-ms", str(join_timeout_ms)),

@@ -222,6 +222,74 @@ def summarize(run: dict, tokens_per_step: int, baseline: list[int] | None = None
 # --------------------------------------------------------------------------- the bench
 
 
+def _emulation(emulation: str, rtts_ms: list[float], log):
+    """The link emulation the bench can use (``mode``, why not netns, the runner of one training run)."""
+    ok, why = netns_available()
+    if emulation == "netns" and not ok:
+        raise RuntimeError(f"--emulation netns requested but unavailable: {why}")
+    mode = "netns" if ok and emulation != "token-bucket" else "token-bucket"
+    if mode != "netns" and any(rtts_ms):
+        raise RuntimeError(
+            f"--rtt {', '.join(f'{x:g}ms' for x in rtts_ms)}: a delay needs the namespaces and the delay switch "
+            f"({why or 'token-bucket emulation requested'}); run as root or pass --rtt 0ms"
+        )
+    runner = run_netns if mode == "netns" else run_token_bucket
+    log(f"emulation: {mode}" + ("" if mode == "netns" else f" ({why or 'requested'}; veth byte counters unavailable)"))
+    return mode, why, runner
+
+
+def _baseline(runner, tmp: str, run_root: str, steps: int, log) -> list[int]:
+    """Per-replica veth payload of the no-sync run: everything that crosses the link except the outer collectives."""
+    cfg = write_config(
+        os.path.join(tmp, "baseline.yaml"),
+        ["tiny.yaml", "methods/diloco.yaml"],
+        method_body("diloco", steps + 1),
+    )
+    run = runner(cfg, None, os.path.join(run_root, "baseline"), [f"--train.steps={steps}", *TRAIN_FLAGS])
+    baseline = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] for v in run["veth"]]
+    log(f"baseline (no outer sync, {steps} steps): veth payload {baseline} bytes per replica")
+    return baseline
+
+
+def _measured_row(
+    run: dict, cfg, m: str, cap, rtt: float, name: str, n: int, steps: int, loss_steps: int, tokens: int, baseline
+) -> dict:
+    """One run's row: what it measured, and its role (capped, the reference of its length, the loss run)."""
+    row = {
+        "method": m,
+        "cap_bps": cap,
+        "rtt_ms": rtt,
+        "run": name,
+        "overlapped": cfg.outer.overlap != "none",
+        "load_avg_1min": os.getloadavg()[0],
+        **summarize(run, tokens, baseline, overlapped=cfg.outer.overlap != "none"),
+    }
+    row["shortened_from"] = steps if cap is not None and n < steps else None
+    row["role"] = (
+        "capped"
+        if cap is not None
+        else ("reference" if n == steps else "loss" if n == loss_steps else "reference for a shortened run")
+    )
+    if m in ("allreduce", "cocktailsgd"):
+        row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
+    return row
+
+
+def _add_plans(row: dict, cfg, m: str, cap, rtt: float, t_step: float, tokens: int, rows: list[dict]) -> None:
+    """The plans of ``row``: at ``t_step`` with the configured settings, at the H and rank it ran with, and at the
+    run's own compute speed (``add_own_plan``, against the method's reference among ``rows``)."""
+    p = predict(cfg, m, cap, t_step, rtt_ms=rtt)
+    row["plan"] = {k: v for k, v in p.items() if k != "bandwidth_for"}
+    if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs
+        H_run = max(1, round(row["steps"] * row["plan"]["fragments"] / row["n_syncs"]))
+        p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"], rtt_ms=rtt)
+        row["plan_as_run"] = {k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")}
+    row["plan_step_time_s"] = t_step
+    row["tokens_per_step"] = tokens
+    ref = next((r for r in rows if r["method"] == m and r["role"] == "reference"), None)
+    add_own_plan(row, ref, cfg, m)
+
+
 def bench(
     methods: list[str],
     caps: list[float],
@@ -245,30 +313,13 @@ def bench(
     from dilocox.config import load_config
 
     rtts_ms = sorted(set(float(x) for x in rtts_ms))
-    ok, why = netns_available()
-    if emulation == "netns" and not ok:
-        raise RuntimeError(f"--emulation netns requested but unavailable: {why}")
-    mode = "netns" if ok and emulation != "token-bucket" else "token-bucket"
-    if mode != "netns" and any(rtts_ms):
-        raise RuntimeError(
-            f"--rtt {', '.join(f'{x:g}ms' for x in rtts_ms)}: a delay needs the namespaces and the delay switch "
-            f"({why or 'token-bucket emulation requested'}); run as root or pass --rtt 0ms"
-        )
-    runner = run_netns if mode == "netns" else run_token_bucket
-    log(f"emulation: {mode}" + ("" if mode == "netns" else f" ({why or 'requested'}; veth byte counters unavailable)"))
+    mode, why, runner = _emulation(emulation, rtts_ms, log)
     loss_steps = steps if loss_steps is None else max(loss_steps, steps)
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         baseline = None
         if mode == "netns" and baseline_run:  # everything that crosses the link except the outer collectives
-            cfg = write_config(
-                os.path.join(tmp, "baseline.yaml"),
-                ["tiny.yaml", "methods/diloco.yaml"],
-                method_body("diloco", steps + 1),
-            )
-            run = runner(cfg, None, os.path.join(run_root, "baseline"), [f"--train.steps={steps}", *TRAIN_FLAGS])
-            baseline = [v["tx_bytes"] - FRAME_HEADER_BYTES * v["tx_packets"] for v in run["veth"]]
-            log(f"baseline (no outer sync, {steps} steps): veth payload {baseline} bytes per replica")
+            baseline = _baseline(runner, tmp, run_root, steps, log)
         for m in methods:
             path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
             cfg = load_config(path)
@@ -281,39 +332,12 @@ def bench(
             for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
                 name = run_name(m, cap, rtt, n, steps)
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS], rtt_ms=rtt)
-                row = {
-                    "method": m,
-                    "cap_bps": cap,
-                    "rtt_ms": rtt,
-                    "run": name,
-                    "overlapped": cfg.outer.overlap != "none",
-                    "load_avg_1min": os.getloadavg()[0],
-                    **summarize(run, tokens, baseline, overlapped=cfg.outer.overlap != "none"),
-                }
-                row["shortened_from"] = steps if cap is not None and n < steps else None
-                row["role"] = (
-                    "capped"
-                    if cap is not None
-                    else ("reference" if n == steps else "loss" if n == loss_steps else "reference for a shortened run")
-                )
-                if m in ("allreduce", "cocktailsgd"):
-                    row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
+                row = _measured_row(run, cfg, m, cap, rtt, name, n, steps, loss_steps, tokens, baseline)
                 if (cap is None and t_step is None) or not reference:
                     # the step time uncapped, the collectives' own CPU time (gloo's copies and reductions,
                     # compression) included: the plan adds only what the cap and the delay add to it
                     t_step = row["wall_s"] / row["steps"]
-                p = predict(cfg, m, cap, t_step, rtt_ms=rtt)
-                row["plan"] = {k: v for k, v in p.items() if k != "bandwidth_for"}
-                if row["n_syncs"]:  # dilocox's adaptive controller changes H and rank while it runs
-                    H_run = max(1, round(row["steps"] * row["plan"]["fragments"] / row["n_syncs"]))
-                    p = predict(cfg, m, cap, t_step, H=H_run, rank=row["rank_final"], rtt_ms=rtt)
-                    row["plan_as_run"] = {
-                        k: p[k] for k in ("H", "rank", "wire_bytes_per_replica", "tokens_per_s", "utilization")
-                    }
-                row["plan_step_time_s"] = t_step
-                row["tokens_per_step"] = tokens
-                ref = next((r for r in rows if r["method"] == m and r["role"] == "reference"), None)
-                add_own_plan(row, ref, cfg, m)
+                _add_plans(row, cfg, m, cap, rtt, t_step, tokens, rows)
                 rows.append(row)
                 log(
                     f"{name:>28}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
@@ -424,7 +448,8 @@ def git_state() -> str | None:
     return head + (f" + uncommitted changes to {', '.join(files)}" if files else "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``dilocox bench wan``'s options (the module docstring is its description)."""
     ap = argparse.ArgumentParser(
         prog="dilocox bench wan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -468,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="docs/bench/wan")
     ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
     if (a.replan or a.resummarize) and not a.render:
         ap.error("--replan and --resummarize work on a finished result: add --render RESULTS_JSON")

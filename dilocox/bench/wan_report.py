@@ -86,10 +86,9 @@ def _steps_cell(r: dict) -> str:
     return str(r["steps"])
 
 
-def markdown(res: dict) -> str:
-    m, rows = res["meta"], res["rows"]
-    bl = m["baseline_payload_bytes"]
-    lines = [
+def _md_header(m: dict) -> list[str]:
+    """The lines above the tables: machine, emulation and run lengths, then what the plan columns mean."""
+    return [
         f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; "
         f"load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
         f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
@@ -126,6 +125,12 @@ def markdown(res: dict) -> str:
         "compute speed (its steady window less its blocked time, plus the uncapped run's collective time per step), "
         "so the error is the communication model's alone (`dilocox/bench/wan_plan.py`).",
         "",
+    ]
+
+
+def _md_throughput(rows: list[dict]) -> list[str]:
+    """The throughput table: measured tokens/s and utilization next to the plan's, one line per row."""
+    lines = [
         "### Throughput, utilization and the plan",
         "",
         "| method | cap | RTT | steps | tokens/s | % of uncapped | compute util | blocked (s) | plan tokens/s | err "
@@ -143,7 +148,13 @@ def markdown(res: dict) -> str:
             f"{_f(r.get('err_utilization_pp'), '+.1f')} | "
             f"{r['final_val_loss']:.4f} |"
         )
-    lines += [
+    return lines
+
+
+def _md_bytes(m: dict, rows: list[dict]) -> list[str]:
+    """The bytes table: the framework's count, the veth counters and the plan, one line per row."""
+    bl = m["baseline_payload_bytes"]
+    lines = [
         "",
         "### Bytes sent between replicas (per replica, whole run)",
         "",
@@ -167,8 +178,14 @@ def markdown(res: dict) -> str:
             f"{_f(r.get('plan_as_run_bytes'), '.3f', ' MB', 1e6)} (H {q.get('H', '-')}, r {q.get('rank') or '-'}) | "
             f"{_f(r.get('err_as_run_bytes_pct'), '+.1f', ' %')} |"
         )
+    return lines
+
+
+def _md_loss(m: dict, rows: list[dict]) -> list[str]:
+    """The loss-at-equal-tokens table of the uncapped runs of ``loss_steps`` (none without such runs)."""
     ref = [r for r in rows if r["cap_bps"] is None and r["steps"] == m["loss_steps"]]
     base = next((r for r in ref if r["method"] == "allreduce"), None)
+    lines = []
     if ref:
         lines += [
             "",
@@ -183,6 +200,12 @@ def markdown(res: dict) -> str:
             f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | "
             f"{_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
         )
+    return lines
+
+
+def markdown(res: dict) -> str:
+    m, rows = res["meta"], res["rows"]
+    lines = _md_header(m) + _md_throughput(rows) + _md_bytes(m, rows) + _md_loss(m, rows)
     t = targets(rows, m["caps_bps"])
     if t:
         lines += ["", "### Targets (as measured)", ""] + [f"- {x}" for x in t]
@@ -230,20 +253,10 @@ NOTES = """### Notes
   tx_bytes (thousands of them, yet the payload is within 0.4 %)."""
 
 
-def plot(res: dict, out_dir: str) -> list[str]:
-    """throughput.png (tokens/s vs cap, measured and planned, one panel per RTT) and loss_vs_time.png
-    (one panel per cap, at the largest RTT, and uncapped)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, caps, meta = res["rows"], res["meta"]["caps_bps"], res["meta"]
-    rtts = meta.get("rtts_ms") or [0.0]
-    # one uncapped row per method: the like-for-like reference (same steps as the capped runs)
-    same = {r["method"] for r in rows if r["cap_bps"] is None and r["steps"] == meta.get("steps")}
-    rows = [r for r in rows if r["cap_bps"] is not None or r["method"] not in same or r["steps"] == meta["steps"]]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+def _throughput_plot(
+    plt, rows: list[dict], caps: list[float], rtts: list[float], methods: list[str], path: str
+) -> None:
+    """throughput.png: tokens/s vs cap, measured (solid) and planned (dotted), one panel per RTT."""
     top = max(caps) * 10 if caps else 1e10  # where "uncapped" is drawn
     fig, axes = plt.subplots(1, len(rtts), figsize=(4.6 * len(rtts), 4.2), sharey=True, squeeze=False)
     for ax, rtt in zip(axes[0], rtts):
@@ -277,10 +290,12 @@ def plot(res: dict, out_dir: str) -> list[str]:
     handles, labels = axes[0][0].get_legend_handles_labels()
     leg = fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.9))
     fig.tight_layout()
-    paths = [os.path.join(out_dir, "throughput.png")]
-    fig.savefig(paths[0], dpi=110, bbox_inches="tight", bbox_extra_artists=[leg])
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=[leg])
     plt.close(fig)
-    far = max(rtts)
+
+
+def _loss_plot(plt, rows: list[dict], caps: list[float], far: float, methods: list[str], path: str) -> None:
+    """loss_vs_time.png: training loss against wall time, one panel per cap (at RTT ``far``) and uncapped."""
     rows = [r for r in rows if r["cap_bps"] is None or (r.get("rtt_ms") or 0.0) == far]
     panels = [*caps, None]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), sharey=True, squeeze=False)
@@ -310,9 +325,27 @@ def plot(res: dict, out_dir: str) -> list[str]:
     if handles:
         extra.append(fig.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 0.9)))
     fig.tight_layout()
-    paths.append(os.path.join(out_dir, "loss_vs_time.png"))
-    fig.savefig(paths[1], dpi=110, bbox_inches="tight", bbox_extra_artists=extra)
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=extra)
     plt.close(fig)
+
+
+def plot(res: dict, out_dir: str) -> list[str]:
+    """throughput.png (tokens/s vs cap, measured and planned, one panel per RTT) and loss_vs_time.png
+    (one panel per cap, at the largest RTT, and uncapped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, caps, meta = res["rows"], res["meta"]["caps_bps"], res["meta"]
+    rtts = meta.get("rtts_ms") or [0.0]
+    # one uncapped row per method: the like-for-like reference (same steps as the capped runs)
+    same = {r["method"] for r in rows if r["cap_bps"] is None and r["steps"] == meta.get("steps")}
+    rows = [r for r in rows if r["cap_bps"] is not None or r["method"] not in same or r["steps"] == meta["steps"]]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    paths = [os.path.join(out_dir, "throughput.png"), os.path.join(out_dir, "loss_vs_time.png")]
+    _throughput_plot(plt, rows, caps, rtts, methods, paths[0])
+    _loss_plot(plt, rows, caps, max(rtts), methods, paths[1])
     return paths
 
 

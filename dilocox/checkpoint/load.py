@@ -133,53 +133,72 @@ def load_latest(
                 )
             return None
         step_dir = os.path.join(ckpt_dir, step_dir_name(step))
-        sd, err, corrupt = None, "", False
-        try:
-            if step not in mine:
-                raise CheckpointError(
-                    f"rank {rank} does not see {step_dir} as complete; checkpoint.dir must be one "
-                    "directory shared by all ranks"
-                )
-            sd = load_checkpoint(step_dir, rank, world_size, expect)
-        except CorruptCheckpointError as e:
-            err, corrupt = str(e), True
-        except CheckpointError as e:
-            err = str(e)
+        sd, err, corrupt = _try_load_step(step_dir, step, mine, rank, world_size, expect)
         if not agree(corrupt or not err):  # a layout mismatch or a missing directory: no fallback helps
             raise CheckpointError(err or f"another rank cannot load {step_dir} (see its log)")
         if agree(not err):
             break
         sd = None
-        if not fallback:
-            raise CorruptCheckpointError(
-                (err or f"another rank's shard of {step_dir} is damaged (see its log)")
-                + "; checkpoint.fallback=false: stopping (checkpoint.fallback=true resumes from the previous complete "
-                "checkpoint)"
-            )
-        if err:
-            warn(err)
-        if rank == 0:
-            warn(
-                f"checkpoint {step_dir} is damaged on at least one rank; falling back to the previous complete "
-                f"checkpoint (checkpoint.fallback=true): the steps after it are trained again"
-            )
+        _fall_back_past(step_dir, err, rank, fallback, warn)
         skipped.append(step_dir)
         mine = [s for s in mine if s < step]
     if skipped:
         if rank == 0:
-            for d in skipped:
-                dest = d + ".corrupt"
-                if os.path.exists(dest):
-                    dest = f"{d}.corrupt.{int(time.time())}"
-                try:
-                    os.replace(d, dest)
-                    warn(f"set the damaged checkpoint aside as {dest} (inspect or delete it)")
-                except OSError as e:
-                    warn(f"could not rename damaged checkpoint {d}: {e}")
-            try:
-                _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(step_dir) + "\n")
-            except OSError as e:
-                warn(f"could not update {ckpt_dir}/latest: {e}")
-            warn(f"resuming from {step_dir} instead of {skipped[0]}")
+            _set_aside_damaged(ckpt_dir, skipped, step_dir, warn)
         agree(True)  # no rank goes on (and may save at a skipped step) before the damaged ones are set aside
     return step_dir, sd
+
+
+def _try_load_step(
+    step_dir: str, step: int, mine: list[int], rank: int, world_size: int | None, expect: dict | None
+) -> tuple[dict | None, str, bool]:
+    """Load this rank's shard of the agreed candidate ``step``: ``(state or None, error or '', damaged)``."""
+    sd, err, corrupt = None, "", False
+    try:
+        if step not in mine:
+            raise CheckpointError(
+                f"rank {rank} does not see {step_dir} as complete; checkpoint.dir must be one "
+                "directory shared by all ranks"
+            )
+        sd = load_checkpoint(step_dir, rank, world_size, expect)
+    except CorruptCheckpointError as e:
+        err, corrupt = str(e), True
+    except CheckpointError as e:
+        err = str(e)
+    return sd, err, corrupt
+
+
+def _fall_back_past(step_dir: str, err: str, rank: int, fallback: bool, warn: Callable[[str], None]) -> None:
+    """A damaged ``step_dir`` (on some rank): raise without ``fallback``, else warn that it is passed over."""
+    if not fallback:
+        raise CorruptCheckpointError(
+            (err or f"another rank's shard of {step_dir} is damaged (see its log)")
+            + "; checkpoint.fallback=false: stopping (checkpoint.fallback=true resumes from the previous complete "
+            "checkpoint)"
+        )
+    if err:
+        warn(err)
+    if rank == 0:
+        warn(
+            f"checkpoint {step_dir} is damaged on at least one rank; falling back to the previous complete "
+            f"checkpoint (checkpoint.fallback=true): the steps after it are trained again"
+        )
+
+
+def _set_aside_damaged(ckpt_dir: str, skipped: list[str], step_dir: str, warn: Callable[[str], None]) -> None:
+    """Rank 0: rename the damaged checkpoints passed over to ``<step dir>.corrupt`` and point ``latest`` at
+    the loaded ``step_dir``."""
+    for d in skipped:
+        dest = d + ".corrupt"
+        if os.path.exists(dest):
+            dest = f"{d}.corrupt.{int(time.time())}"
+        try:
+            os.replace(d, dest)
+            warn(f"set the damaged checkpoint aside as {dest} (inspect or delete it)")
+        except OSError as e:
+            warn(f"could not rename damaged checkpoint {d}: {e}")
+    try:
+        _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(step_dir) + "\n")
+    except OSError as e:
+        warn(f"could not update {ckpt_dir}/latest: {e}")
+    warn(f"resuming from {step_dir} instead of {skipped[0]}")

@@ -80,6 +80,35 @@ def save_checkpoint(
     # rewrite shards inside a directory that is marked complete.
     if not agree(not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
         return step_dir
+    _refuse_nonfinite(ckpt_dir, step, rank, state, agree)
+    path, need = shard_path(step_dir, rank), estimate_bytes(state)
+    _refuse_no_room(ckpt_dir, step, rank, path, need, agree)
+    err = _write_shard(ckpt_dir, step_dir, rank, state, path, need)
+    if not agree(not err):
+        _remove_partial(step_dir, rank, agree)
+        raise CheckpointError(
+            _save_failed(
+                err or f"another rank could not write its shard in {step_dir} (see its log)", step, ckpt_dir, rank
+            )
+        )
+    err = _try_mark_complete(ckpt_dir, step_dir, step, world_size, meta, keep) if rank == 0 else ""
+    if not agree(not err):
+        _remove_partial(step_dir, rank, agree)
+        raise CheckpointError(
+            _save_failed(
+                err
+                or f"rank 0 could not mark {step_dir} complete (see rank 0's error; if it cannot see the "
+                "other ranks' shards, checkpoint.dir must be one directory shared by all ranks)",
+                step,
+                ckpt_dir,
+                rank,
+            )
+        )
+    return step_dir
+
+
+def _refuse_nonfinite(ckpt_dir: str, step: int, rank: int, state: dict, agree: Callable[[bool], bool]) -> None:
+    """Raise :class:`NonFiniteStateError` on every rank when any rank's state holds NaN/Inf."""
     bad = nonfinite_tensors(state)
     if not agree(not bad):
         last = find_latest(ckpt_dir)
@@ -97,7 +126,12 @@ def save_checkpoint(
                 else f"there is no earlier checkpoint in {ckpt_dir}"
             )
         )
-    err, path, need = "", shard_path(step_dir, rank), estimate_bytes(state)
+
+
+def _refuse_no_room(ckpt_dir: str, step: int, rank: int, path: str, need: int, agree: Callable[[bool], bool]) -> None:
+    """Raise :class:`CheckpointError` on every rank, before anything is created, when any rank cannot use
+    ``checkpoint.dir`` or lacks room for its shard."""
+    err = ""
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
         if disk_free(ckpt_dir) < need:  # fail before creating anything
@@ -106,45 +140,34 @@ def save_checkpoint(
         err = f"rank {rank} cannot use checkpoint.dir {ckpt_dir}: {type(e).__name__}: {e}"
     if not agree(not err):
         raise CheckpointError(_save_failed(err, step, ckpt_dir, rank))
+
+
+def _write_shard(ckpt_dir: str, step_dir: str, rank: int, state: dict, path: str, need: int) -> str:
+    """Write this rank's shard and its size/hash record atomically. Returns an error or ''."""
     try:
         os.makedirs(step_dir, exist_ok=True)
         nbytes, digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
         _atomic_write_text(_sum_path(step_dir, rank), json.dumps({"bytes": nbytes, HASH: digest}))
     except Exception as e:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            err = f"rank {rank}: " + _no_space(path, need, ckpt_dir)
-        else:
-            err = f"rank {rank} could not write its shard in {step_dir}: {type(e).__name__}: {e}"
-    if not agree(not err):
-        _remove_partial(step_dir, rank, agree)
-        raise CheckpointError(
-            _save_failed(
-                err or f"another rank could not write its shard in {step_dir} (see its log)", step, ckpt_dir, rank
+            return f"rank {rank}: " + _no_space(path, need, ckpt_dir)
+        return f"rank {rank} could not write its shard in {step_dir}: {type(e).__name__}: {e}"
+    return ""
+
+
+def _try_mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, meta: dict | None, keep: int) -> str:
+    """Rank 0: :func:`_mark_complete`, with any exception turned into an error string (every rank must reach
+    the agreement after it). Returns an error or ''."""
+    try:
+        return _mark_complete(ckpt_dir, step_dir, step, world_size, meta, keep)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
+        err = f"rank 0 could not mark {step_dir} complete: {type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            err = (
+                f"rank 0: no space left on device while marking {step_dir} complete "
+                f"(free {disk_free(ckpt_dir) / _MB:.1f} MB)"
             )
-        )
-    if rank == 0:
-        try:
-            err = _mark_complete(ckpt_dir, step_dir, step, world_size, meta, keep)
-        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement below
-            err = f"rank 0 could not mark {step_dir} complete: {type(e).__name__}: {e}"
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                err = (
-                    f"rank 0: no space left on device while marking {step_dir} complete "
-                    f"(free {disk_free(ckpt_dir) / _MB:.1f} MB)"
-                )
-    if not agree(not err):
-        _remove_partial(step_dir, rank, agree)
-        raise CheckpointError(
-            _save_failed(
-                err
-                or f"rank 0 could not mark {step_dir} complete (see rank 0's error; if it cannot see the "
-                "other ranks' shards, checkpoint.dir must be one directory shared by all ranks)",
-                step,
-                ckpt_dir,
-                rank,
-            )
-        )
-    return step_dir
+        return err
 
 
 def _save_failed(err: str, step: int, ckpt_dir: str, rank: int) -> str:

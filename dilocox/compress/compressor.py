@@ -182,52 +182,20 @@ class Compressor:
         self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None
     ) -> list[torch.Tensor]:
         """Compressed mean of ``tensors`` over ``group`` (blocking). Bit-identical on every rank."""
-        if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
-            got = [tuple(t.shape) for t in tensors]
-            raise ValueError(
-                f"allreduce_mean got tensors of shapes {got}, "
-                f"the compressor was built for {[tuple(s) for s in self.shapes]}"
-            )
+        self._check_shapes(tensors)
         if not tensors:
             return []
         world = group_world(group)
         mode = resolve_mode(self.collective, world)
         device = tensors[0].device
         use_ef = self.error_feedback and self.lossy
-        if use_ef and self.errors is None:
-            self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
-        if self.errors is not None and self.errors[0].device != device:  # e.g. loaded from a checkpoint
-            self.errors = [e.to(device) for e in self.errors]
-        ms = [
-            t.detach().float() + e if use_ef else t.detach().float()
-            for t, e in zip(tensors, self.errors or [None] * len(tensors))
-        ]
+        ms = self._error_fed(tensors, device, use_ef)
 
         lr = self.lowrank
         p_sizes, sizes, rest = self._segments(None)
         nf = len(p_sizes)  # factored matrices, in lr.factored order
         q_sizes = sizes[:nf]
-        q_local = torch.zeros(0, dtype=torch.float32, device=device)
-        parts: list[torch.Tensor] = []
-        sketch = None
-        if nf:
-            p_buf, p_offs = self._pack(list(lr.p_step(ms).split(p_sizes)), device)
-            p_sum = quantized_allreduce(
-                p_buf,
-                group,
-                self.kind,
-                self.group_size,
-                mode,
-                op="sum",
-                stats=stats,
-                seed=mix_seed(self.seed, step, 1),
-                step=step,
-            )
-            q_local = lr.q_step(ms, self._unpack(p_sum, p_offs, p_sizes))
-            parts = list(q_local.split(q_sizes))
-            if self.tail_sketch:
-                sketch = lr.tail_sketch(ms, q_local, step).view(nf, -1)
-                parts += list(sketch.unbind(0))
+        q_local, parts, sketch = self._p_round(ms, group, step, stats, mode, device, p_sizes, q_sizes)
         parts += [ms[i] for i in rest]
         buf, offs = self._pack(parts, device)
         scratch = torch.zeros_like(buf)  # after the call: buf - sent (the quantization residual)
@@ -267,6 +235,63 @@ class Compressor:
             if use_ef:
                 self.errors[i] = scratch[o : o + k].view(self.shapes[i]).clone()
         return outs  # type: ignore[return-value]
+
+    def _check_shapes(self, tensors: list[torch.Tensor]) -> None:
+        """``allreduce_mean``'s inputs must be the tensors the compressor was built for."""
+        if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
+            got = [tuple(t.shape) for t in tensors]
+            raise ValueError(
+                f"allreduce_mean got tensors of shapes {got}, "
+                f"the compressor was built for {[tuple(s) for s in self.shapes]}"
+            )
+
+    def _error_fed(self, tensors: list[torch.Tensor], device: torch.device, use_ef: bool) -> list[torch.Tensor]:
+        """``M_i = Δ_i + e_i`` in fp32 (``Δ_i`` alone without error feedback); allocates / moves the buffers."""
+        if use_ef and self.errors is None:
+            self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
+        if self.errors is not None and self.errors[0].device != device:  # e.g. loaded from a checkpoint
+            self.errors = [e.to(device) for e in self.errors]
+        return [
+            t.detach().float() + e if use_ef else t.detach().float()
+            for t, e in zip(tensors, self.errors or [None] * len(tensors))
+        ]
+
+    def _p_round(
+        self,
+        ms: list[torch.Tensor],
+        group,
+        step: int,
+        stats: CommStats | None,
+        mode: str,
+        device: torch.device,
+        p_sizes: list[int],
+        q_sizes: list[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """Collective 1 (only with factored matrices): the PowerSGD P round (sum), then the local Q step.
+        Returns ``(q_local, the Q_iᵀ and tail-sketch segments of collective 2, the sketch or None)``."""
+        lr = self.lowrank
+        q_local = torch.zeros(0, dtype=torch.float32, device=device)
+        parts: list[torch.Tensor] = []
+        sketch = None
+        if p_sizes:
+            p_buf, p_offs = self._pack(list(lr.p_step(ms).split(p_sizes)), device)
+            p_sum = quantized_allreduce(
+                p_buf,
+                group,
+                self.kind,
+                self.group_size,
+                mode,
+                op="sum",
+                stats=stats,
+                seed=mix_seed(self.seed, step, 1),
+                step=step,
+            )
+            q_local = lr.q_step(ms, self._unpack(p_sum, p_offs, p_sizes))
+            parts = list(q_local.split(q_sizes))
+            if self.tail_sketch:
+                sketch = lr.tail_sketch(ms, q_local, step).view(len(p_sizes), -1)
+                parts += list(sketch.unbind(0))
+        return q_local, parts, sketch
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -96,6 +96,49 @@ def _split_overrides(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return run_dir, out
 
 
+def _parse_delay(latency: str | None, jitter: str | None, loss: str | None) -> tuple[float, float, float]:
+    """The delay switch's settings (netns only): (round trip ms, jitter ms, loss probability)."""
+    try:
+        rtt_ms, jitter_ms = parse_latency(latency, "--latency"), parse_latency(jitter, "--jitter")
+        loss_p = parse_loss(loss)
+    except SwitchError as e:
+        raise LaunchError(str(e)) from None
+    if jitter_ms > rtt_ms:
+        raise LaunchError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+    return rtt_ms, jitter_ms, loss_p
+
+
+def _use_netns(netns: bool | None, delayed: bool) -> tuple[bool, str]:
+    """Whether the replicas run in network namespaces (``netns``: None = when available), and why not if not."""
+    ok, why = netns_available()
+    if netns and not ok:
+        raise LaunchError(f"--netns requested but network namespaces are unavailable: {why}")
+    use_netns = ok if netns is None else netns
+    if delayed and not use_netns:
+        raise LaunchError(f"--latency/--jitter/--loss need network namespaces: {why or '--no-netns was given'}")
+    return use_netns, why
+
+
+def _replica_env() -> dict[str, str]:
+    """The replicas' environment: this one, one thread per rank by default, this package importable, no cap."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env.pop(BANDWIDTH_ENV, None)
+    return env
+
+
+def _run_secret(cfg, run_dir: str) -> str:
+    """The path of the run secret (docs/SECURITY.md), created if missing; the replicas read it from that file."""
+    path = os.path.abspath(cfg.security.secret_file or os.path.join(run_dir, "secret"))
+    try:
+        load_or_create_secret(path)  # (checks an existing one: mode 0600, long enough)
+    except SecretError as e:
+        raise LaunchError(str(e)) from None
+    return path
+
+
 def launch_elastic(
     config: str,
     n: int,
@@ -128,13 +171,7 @@ def launch_elastic(
     if at not in ("time", "step"):
         raise LaunchError(f"--at {at!r} must be time or step")
     schedule = parse_schedule(kills, restarts, n)
-    try:  # the delay switch's settings (netns only)
-        rtt_ms, jitter_ms = parse_latency(latency, "--latency"), parse_latency(jitter, "--jitter")
-        loss_p = parse_loss(loss)
-    except SwitchError as e:
-        raise LaunchError(str(e)) from None
-    if jitter_ms > rtt_ms:
-        raise LaunchError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+    rtt_ms, jitter_ms, loss_p = _parse_delay(latency, jitter, loss)
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     # the config as replica 0 sees it: a bad key or layout is one line here, not N tracebacks later
     probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "runs/x", overrides)
@@ -143,26 +180,12 @@ def launch_elastic(
         run_dir = cfg.log.run_dir
     pc = cfg.parallel
     nproc = pc.data * pc.pipeline * pc.tensor
-    ok, why = netns_available()
-    if netns and not ok:
-        raise LaunchError(f"--netns requested but network namespaces are unavailable: {why}")
-    use_netns = ok if netns is None else netns
-    if delayed and not use_netns:
-        raise LaunchError(f"--latency/--jitter/--loss need network namespaces: {why or '--no-netns was given'}")
+    use_netns, why = _use_netns(netns, delayed)
     rate_bps = None if bandwidth is None else parse_bandwidth(bandwidth)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    env.pop(BANDWIDTH_ENV, None)
+    env = _replica_env()
     os.makedirs(run_dir, exist_ok=True)
     if cfg.security.authenticate:  # the run secret (docs/SECURITY.md): replicas read it from a file, by path
-        path = os.path.abspath(cfg.security.secret_file or os.path.join(run_dir, "secret"))
-        try:
-            load_or_create_secret(path)  # (checks an existing one: mode 0600, long enough)
-        except SecretError as e:
-            raise LaunchError(str(e)) from None
-        overrides = [*overrides, f"--security.secret_file={path}"]
+        overrides = [*overrides, f"--security.secret_file={_run_secret(cfg, run_dir)}"]
 
     def argv(r: int, addr: str) -> list[str]:
         return train_argv(config, r, n, nproc, addr, min_replicas, run_dir, overrides)

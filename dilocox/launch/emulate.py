@@ -84,27 +84,13 @@ def launch(
         raise ValueError(f"emulation={emulation!r} is not one of auto, netns, token-bucket")
     overrides = [*overrides, f"--parallel.replicas={replicas}"]
     if config is not None:
-        full = load_config(config, list(overrides))
-        pc = full.parallel
-        if stop_timeout_s is None:
-            stop_timeout_s = full.train.stop_timeout_s
-        inner = pc.data * pc.pipeline * pc.tensor
-        if inner != per_replica_nproc:
-            raise ConfigError(
-                f"--nproc-per-replica {per_replica_nproc} does not match parallel.data*pipeline*tensor = "
-                f"{pc.data}*{pc.pipeline}*{pc.tensor} = {inner} in {config}; "
-                f"pass --nproc-per-replica {inner}"
-            )
+        stop_timeout_s = _check_config(config, overrides, per_replica_nproc, stop_timeout_s)
     if entry is None:
         if config is None:
             raise ValueError("launch needs a config (or an explicit entry)")
         entry = ["-m", "dilocox.cli", "train", config, *overrides]
     rate_bps = None if rate is None else parse_bandwidth(rate)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # the ranks import dilocox from the same checkout as this process, installed or not
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env = _rank_env()
     ok, why = netns_available()
     if emulation == "netns" and not ok:
         raise RuntimeError(f"emulation=netns requested but unavailable: {why}")
@@ -114,25 +100,7 @@ def launch(
             f"{why or 'emulation=token-bucket was requested'}"
         )
     if emulation == "token-bucket" or not ok:
-        reason = why or "requested"
-        cap = (
-            f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
-        )
-        log(
-            f"emulation: token-bucket ({reason}); one local torchrun with {replicas * per_replica_nproc} ranks, "
-            f"{cap}; less faithful than netns: only the outer all-reduce is paced"
-        )
-        if rate_bps:
-            env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={replicas * per_replica_nproc}",
-            *entry,
-        ]
-        return [supervise(argv, env, 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
+        return _run_token_bucket(replicas * per_replica_nproc, rate_bps, entry, env, stop_timeout_s, why, log)
     log(
         f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
         f"each way per replica, addresses {SUBNET}.1-{replicas}"
@@ -147,17 +115,90 @@ def launch(
         jitter_ms=jitter_ms,
         loss=loss_p,
     ) as c:
-        procs = []
-        for r in range(replicas):
-            renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), NCCL_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
-            argv = torchrun_argv(replicas, r, per_replica_nproc, c.addr(0), master_port, entry)
-            procs.append(c.exec(r, argv, env=renv))
-        codes = _wait_all(procs, grace_s)
-        for r in range(replicas):
-            log(
-                f"replica {r} ({c.addr(r)}): sent {c.tx_bytes(r) / 1e6:.2f} MB, "
-                f"received {c.rx_bytes(r) / 1e6:.2f} MB, exit {codes[r]}"
-            )
+        codes = _run_nodes(c, replicas, per_replica_nproc, env, entry, master_port, grace_s, log)
+    return codes
+
+
+def _check_config(config: str, overrides: list[str], per_replica_nproc: int, stop_timeout_s: float | None) -> float:
+    """Load ``config`` with ``overrides``, check that a replica's ranks match ``per_replica_nproc``; returns
+    ``stop_timeout_s``, or the config's train.stop_timeout_s when it is None."""
+    full = load_config(config, list(overrides))
+    pc = full.parallel
+    if stop_timeout_s is None:
+        stop_timeout_s = full.train.stop_timeout_s
+    inner = pc.data * pc.pipeline * pc.tensor
+    if inner != per_replica_nproc:
+        raise ConfigError(
+            f"--nproc-per-replica {per_replica_nproc} does not match parallel.data*pipeline*tensor = "
+            f"{pc.data}*{pc.pipeline}*{pc.tensor} = {inner} in {config}; "
+            f"pass --nproc-per-replica {inner}"
+        )
+    return stop_timeout_s
+
+
+def _rank_env() -> dict[str, str]:
+    """The ranks' environment: this one, one thread per rank by default, this checkout importable."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # the ranks import dilocox from the same checkout as this process, installed or not
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _run_token_bucket(
+    nproc: int,
+    rate_bps: float | None,
+    entry: Sequence[str],
+    env: dict[str, str],
+    stop_timeout_s: float | None,
+    why: str,
+    log,
+) -> list[int]:
+    """The fallback without namespaces: ONE local torchrun of ``nproc`` ranks, the cap exported for the outer comm
+    layer's token bucket; returns its exit code (in a list)."""
+    reason = why or "requested"
+    cap = f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
+    log(
+        f"emulation: token-bucket ({reason}); one local torchrun with {nproc} ranks, "
+        f"{cap}; less faithful than netns: only the outer all-reduce is paced"
+    )
+    if rate_bps:
+        env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *entry,
+    ]
+    return [supervise(argv, env, 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
+
+
+def _run_nodes(
+    c: Cluster,
+    replicas: int,
+    per_replica_nproc: int,
+    env: dict[str, str],
+    entry: Sequence[str],
+    master_port: int,
+    grace_s: float,
+    log,
+) -> list[int]:
+    """Start torchrun node r in namespace r for every replica, wait for all (``_wait_all``), log each replica's
+    traffic; returns the exit codes."""
+    procs = []
+    for r in range(replicas):
+        renv = dict(env, GLOO_SOCKET_IFNAME=c.ifname(r), NCCL_SOCKET_IFNAME=c.ifname(r), DILOCOX_EMULATION="netns")
+        argv = torchrun_argv(replicas, r, per_replica_nproc, c.addr(0), master_port, entry)
+        procs.append(c.exec(r, argv, env=renv))
+    codes = _wait_all(procs, grace_s)
+    for r in range(replicas):
+        log(
+            f"replica {r} ({c.addr(r)}): sent {c.tx_bytes(r) / 1e6:.2f} MB, "
+            f"received {c.rx_bytes(r) / 1e6:.2f} MB, exit {codes[r]}"
+        )
     return codes
 
 

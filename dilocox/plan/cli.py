@@ -67,7 +67,7 @@ def _finite(x):
     return x
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dilocox plan", description=DESCRIPTION)
     ap.add_argument("--model", required=True, help="YAML with a model: section (configs/model/*.yaml)")
     ap.add_argument("--replicas", type=int, required=True, help="R clusters joined by the slow link")
@@ -102,34 +102,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages per replica (each syncs its own layers)")
     ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (low-rank is decided per shard)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
-    args = ap.parse_args(argv)
-    try:
-        bw = parse_bandwidth(args.bandwidth)
-        mcfg = load_config(args.model).model
-        known = method_names()
-        methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else known
-        bad = [m for m in methods if m not in known]
-        if bad:
-            raise ValueError(f"--methods: unknown {bad}; choose from {known} (configs/methods/*.yaml)")
-        rows = plan_all(
-            mcfg,
-            args.replicas,
-            bw,
-            methods,
-            H=args.H,
-            rank=args.rank,
-            group_size=args.group_size,
-            tokens_per_step=args.tokens_per_step,
-            peak_flops=args.gpus_per_replica * args.gpu_tflops * 1e12,
-            mfu=args.mfu,
-            latency_s=args.latency,
-            step_time_s=args.step_time,
-            pipeline=args.pipeline,
-            tensor=args.tensor,
-        )
-    except (ValueError, OSError, ConfigError) as e:
-        print(f"dilocox plan: error: {e}", file=sys.stderr)
-        return 2
+    return ap
+
+
+def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
+    """``(bandwidth in bits/s, one plan row per selected preset)``; ValueError/OSError/ConfigError on bad input."""
+    bw = parse_bandwidth(args.bandwidth)
+    mcfg = load_config(args.model).model
+    known = method_names()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else known
+    bad = [m for m in methods if m not in known]
+    if bad:
+        raise ValueError(f"--methods: unknown {bad}; choose from {known} (configs/methods/*.yaml)")
+    rows = plan_all(
+        mcfg,
+        args.replicas,
+        bw,
+        methods,
+        H=args.H,
+        rank=args.rank,
+        group_size=args.group_size,
+        tokens_per_step=args.tokens_per_step,
+        peak_flops=args.gpus_per_replica * args.gpu_tflops * 1e12,
+        mfu=args.mfu,
+        latency_s=args.latency,
+        step_time_s=args.step_time,
+        pipeline=args.pipeline,
+        tensor=args.tensor,
+    )
+    return bw, rows
+
+
+def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
+    """The header (link, latency, inner step time), the table and the optional JSON file."""
     r0 = rows[0]
     step = (
         f"{args.step_time} s (given)"
@@ -149,4 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(_finite(rows), f, indent=2)
         print(f"\nwrote {args.json}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        bw, rows = _plan_rows(args)
+    except (ValueError, OSError, ConfigError) as e:
+        print(f"dilocox plan: error: {e}", file=sys.stderr)
+        return 2
+    _print_report(args, bw, rows)
     return 0

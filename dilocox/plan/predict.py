@@ -53,6 +53,63 @@ def bandwidth_for(
     return math.inf if avail <= 0 else wire_bytes * 8.0 / fragments / avail
 
 
+def _check_plan_args(replicas: int, bandwidth_bps: float, goodput: float) -> None:
+    if replicas < 1:
+        raise ValueError(f"replicas={replicas} must be >= 1")
+    if not bandwidth_bps > 0:
+        raise ValueError(f"bandwidth_bps={bandwidth_bps} must be > 0")
+    if not 0.0 < goodput <= 1.0:
+        raise ValueError(f"goodput={goodput} must be in (0, 1] (the payload fraction of the link's bit rate)")
+
+
+def _load_preset(
+    name: str,
+    H: int | None,
+    rank: int | None,
+    group_size: int | None,
+    quant: str | None,
+    overlap: str | None,
+    fragments: int | None,
+    tau: int | None,
+    cdir: str | None,
+) -> Method:
+    """The preset ``name`` with the settings that are not None overridden (``load_method``)."""
+    return load_method(
+        name,
+        H=H,
+        rank=rank,
+        group_size=group_size,
+        quant=quant,
+        overlap=overlap,
+        fragments=fragments,
+        tau=tau,
+        cdir=cdir,
+    )
+
+
+def _outer_step_times(
+    by: dict, method: Method, bandwidth_bps: float, goodput: float, latency_s: float, t_step: float
+) -> tuple[float, float, float, float, float, float]:
+    """The time model of one outer step: ``(wire bytes, latency total, t_comm, compute, overlap_s, wall)``."""
+    H, K, tau_steps, ov = method.H, method.fragments, method.tau, method.overlap
+    wire = float(by["wire_bytes"])
+    lat = latency_s * by["collective_steps"]  # every fragment's collective pays the latency
+    t_comm = lat + wire * 8.0 / (bandwidth_bps * goodput)
+    compute = H * t_step
+    # one-outer-step overlap: each fragment's sync hides behind its H/K-step slot of the next phase
+    overlap_s = compute / K if ov in ("delayed", "eager") else tau_steps * t_step
+    wall = wall_time(compute, t_comm, overlap_s, K)
+    return wire, lat, t_comm, compute, overlap_s, wall
+
+
+def _effective_rank(c) -> int:
+    """The low-rank rank a compress config starts at (0 without low-rank; clamped by the adaptive bounds)."""
+    r = c.lowrank.rank if c.lowrank.enabled else 0
+    if r and c.adaptive.enabled:
+        r = max(c.adaptive.rank_min, min(c.adaptive.rank_max, r))
+    return r
+
+
 def plan(
     model: ModelConfig | int,
     replicas: int,
@@ -86,38 +143,16 @@ def plan(
     rate that carries payload (1.0: none lost to headers; a link capped on Ethernet frames of 1448 TCP payload
     bytes carries 1448/1514 = 0.956 of it, see ``dilocox bench wan``).
     """
-    if replicas < 1:
-        raise ValueError(f"replicas={replicas} must be >= 1")
-    if not bandwidth_bps > 0:
-        raise ValueError(f"bandwidth_bps={bandwidth_bps} must be > 0")
-    if not 0.0 < goodput <= 1.0:
-        raise ValueError(f"goodput={goodput} must be in (0, 1] (the payload fraction of the link's bit rate)")
+    _check_plan_args(replicas, bandwidth_bps, goodput)
     if isinstance(method, str):
-        method = load_method(
-            method,
-            H=H,
-            rank=rank,
-            group_size=group_size,
-            quant=quant,
-            overlap=overlap,
-            fragments=fragments,
-            tau=tau,
-            cdir=cdir,
-        )
+        method = _load_preset(method, H, rank, group_size, quant, overlap, fragments, tau, cdir)
     by = sync_bytes(model, method, replicas, pipeline, tensor)
-    H, K, tau_steps, ov = method.H, method.fragments, method.tau, method.overlap
-    wire = float(by["wire_bytes"])
-    lat = latency_s * by["collective_steps"]  # every fragment's collective pays the latency
-    t_comm = lat + wire * 8.0 / (bandwidth_bps * goodput)
+    H, K = method.H, method.fragments
     t_step = step_time_s if step_time_s is not None else step_time(by["n_params"], tokens_per_step, peak_flops, mfu)
-    compute = H * t_step
-    # one-outer-step overlap: each fragment's sync hides behind its H/K-step slot of the next phase
-    overlap_s = compute / K if ov in ("delayed", "eager") else tau_steps * t_step
-    wall = wall_time(compute, t_comm, overlap_s, K)
+    wire, lat, t_comm, compute, overlap_s, wall = _outer_step_times(
+        by, method, bandwidth_bps, goodput, latency_s, t_step
+    )
     c = method.compress
-    r = c.lowrank.rank if c.lowrank.enabled else 0
-    if r and c.adaptive.enabled:
-        r = max(c.adaptive.rank_min, min(c.adaptive.rank_max, r))
     return {
         "method": method.name,
         "outer_method": method.outer.method,
@@ -127,10 +162,10 @@ def plan(
         "compression": method.describe(),
         "quant": c.quant,
         "group_size": c.group_size,
-        "rank": r,
-        "overlap": ov,
+        "rank": _effective_rank(c),
+        "overlap": method.overlap,
         "fragments": K,
-        "tau": tau_steps,
+        "tau": method.tau,
         "collective": by["collective"],
         "pipeline": pipeline,
         "tensor": tensor,

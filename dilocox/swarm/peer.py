@@ -145,6 +145,16 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # the inner optimizer of `dilocox train` (dilocox.optim): optim.name, no weight decay on biases and norms
         self.opt = build_inner_optimizer(cfg, self.model, torch.device("cpu"))
+        self._init_step_state()
+        if self.first:
+            self._init_data()
+        # set at the end of start(): the server answers from here on, but a forward must wait (bounded) until the
+        # router and sync group exist (an upstream peer may send as soon as every address is published)
+        self.ready = threading.Event()
+        self.server = RpcServer(self._handle, host=self.s.host, name=self.name)
+
+    def _init_step_state(self) -> None:
+        """Locks, the step and its counters, markers, routing, replay and rebalancing state (none yet)."""
         self.lock = threading.Lock()  # model compute + grad accumulation + counters
         self.cv = threading.Condition()  # self.step and the end-of-step markers
         self.step = 0  # the step whose microbatches this peer accumulates now
@@ -153,7 +163,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.loss_sum = 0.0
         self.busy_s = 0.0  # seconds of own work (compute + serial delay) on the microbatches of this step
         self.markers: dict[int, dict[str, int]] = {}  # step -> upstream peer -> microbatches it routed here
-        self.expected_up = [peer_name(stage - 1, i) for i in range(self.pps[stage - 1])] if stage else []
+        self.expected_up = [peer_name(self.stage - 1, i) for i in range(self.pps[self.stage - 1])] if self.stage else []
         self.dropped_up: list[dict] = []
         self._marker_step = 0
         self.routed: dict[str, int] = {}  # downstream peer -> microbatches routed there this step
@@ -183,12 +193,6 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.up_from: dict[str, int] = {}  # upstream peer that joined -> first step whose marker it sends
         self.markers_sent = -1  # last step whose end-of-step markers this peer sent
         self.move_to: dict | None = None  # set by a ``leave`` RPC that moves it: its new stage, index, flags
-        if self.first:
-            self._init_data()
-        # set at the end of start(): the server answers from here on, but a forward must wait (bounded) until the
-        # router and sync group exist (an upstream peer may send as soon as every address is published)
-        self.ready = threading.Event()
-        self.server = RpcServer(self._handle, host=self.s.host, name=self.name)
 
     # ------------------------------------------------------------------ set-up
     def _init_data(self) -> None:

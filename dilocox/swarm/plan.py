@@ -105,6 +105,45 @@ def stage_sync_wire(
     return total
 
 
+def _act_codec(model: ModelConfig, act: str, block: int, cols: float) -> ActCodec:
+    """The activation codec ``act`` at the stage boundaries of ``model`` (``cols``: colk's fraction)."""
+    structure, _ = split_codec(act)
+    return ActCodec(
+        act,
+        model.d_model,
+        block,
+        k=model.subspace_rank if structure == "subspace" else 0,
+        cols=colk_columns(model.d_model, cols) if structure == "colk" else 0,
+    )
+
+
+def _check_sizes(model: ModelConfig, batch_size: int, microbatch_size: int, seq_len: int, H: int) -> None:
+    for k, v in (("batch_size", batch_size), ("microbatch_size", microbatch_size), ("seq_len", seq_len), ("H", H)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k}={v!r} must be a positive int")
+    if seq_len > model.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
+
+
+def _diloco_method(preset: str | Method) -> Method:
+    """The method preset (a name or a loaded ``Method``) of DiLoCo-SWARM's outer sync: a DiLoCo-family one."""
+    method = load_method(preset) if isinstance(preset, str) else preset
+    if method.per_step:
+        raise ValueError(f"preset={method.name!r} syncs every step; DiLoCo-SWARM needs a DiLoCo-family preset")
+    return method
+
+
+def _stage_sync_bytes(shards: list, m: list[int], method: Method) -> tuple[list[int], list[int]]:
+    """Stage sync bytes per stage (summed over its peers): SWARM's (fp32 grads + the microbatch counter, every
+    step) and DiLoCo-SWARM's (one outer sync through ``method``'s compressor and fragments)."""
+    swarm_stage = [mj * stage_sync_wire(sh, CompressConfig(), mj, extra=((1,),)) for sh, mj in zip(shards, m)]
+    K, pattern = method.fragments, method.outer.streaming.pattern
+    diloco_stage = [
+        mj * stage_sync_wire(sh, method.compress, mj, fragments=K, pattern=pattern) for sh, mj in zip(shards, m)
+    ]
+    return swarm_stage, diloco_stage
+
+
 def swarm_plan(
     model: ModelConfig,
     *,
@@ -124,23 +163,10 @@ def swarm_plan(
     (or a loaded ``Method``) whose ``compress`` (and streaming fragments) DiLoCo-SWARM's outer sync uses. ``act``:
     any ``swarm.activations`` codec; a ``subspace`` one needs ``model.subspace_rank``; ``cols``: colk's fraction."""
     m = _peers(peers, stages)
-    structure, _ = split_codec(act)
-    codec = ActCodec(
-        act,
-        model.d_model,
-        block,
-        k=model.subspace_rank if structure == "subspace" else 0,
-        cols=colk_columns(model.d_model, cols) if structure == "colk" else 0,
-    )
+    codec = _act_codec(model, act, block, cols)
     ids_item = torch.empty(0, dtype=ids_dtype(model.vocab_size)).element_size()
-    for k, v in (("batch_size", batch_size), ("microbatch_size", microbatch_size), ("seq_len", seq_len), ("H", H)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{k}={v!r} must be a positive int")
-    if seq_len > model.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-    method = load_method(preset) if isinstance(preset, str) else preset
-    if method.per_step:
-        raise ValueError(f"preset={method.name!r} syncs every step; DiLoCo-SWARM needs a DiLoCo-family preset")
+    _check_sizes(model, batch_size, microbatch_size, seq_len, H)
+    method = _diloco_method(preset)
     shards = rank_shards(model, stages, 1)
     stage_params = [sum(torch.Size(s).numel() for _, s in sh) for sh in shards]
 
@@ -155,12 +181,7 @@ def swarm_plan(
     fp32 = ActCodec("none", model.d_model)
     pp_fp32 = (stages - 1) * m[0] * sum(2 * fp32.wire_bytes(b * seq_len) + 2 * b * seq_len * ids_item for b in sizes)
 
-    # stage sync
-    swarm_stage = [mj * stage_sync_wire(sh, CompressConfig(), mj, extra=((1,),)) for sh, mj in zip(shards, m)]
-    K, pattern = method.fragments, method.outer.streaming.pattern
-    diloco_stage = [
-        mj * stage_sync_wire(sh, method.compress, mj, fragments=K, pattern=pattern) for sh, mj in zip(shards, m)
-    ]
+    swarm_stage, diloco_stage = _stage_sync_bytes(shards, m, method)
     swarm_sync = sum(swarm_stage)
     diloco_sync = sum(diloco_stage)
     diloco_per_step = diloco_sync / H
