@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 
+from dilocox.distributed.procs import kill_and_reap, kill_group, spawn
 from dilocox.elastic import failover as failover_mod
 from dilocox.elastic.failover import DEFAULT_ATTEMPT_S
 from dilocox.elastic.group import (
@@ -247,7 +248,7 @@ def run_measure(a: argparse.Namespace) -> int:
     try:
         for r in range(3):
             procs.append(
-                subprocess.Popen(
+                spawn(
                     replica_cmd(
                         lh.address(),
                         r,
@@ -263,16 +264,13 @@ def run_measure(a: argparse.Namespace) -> int:
                         initial_replicas=3,
                     ),
                     env=child_env(),
-                    start_new_session=True,
                 )
             )
         for p in procs:
             p.wait(timeout=a.steps * (a.phase_s + a.timeout) + a.quorum_timeout + 60)
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+            kill_and_reap(p)
         lh.shutdown()
     recs = [read_records(f"{tmp}/r{r}.jsonl") for r in range(3)]
     steps0 = [x for x in recs[0] if x["event"] == "step"]
@@ -342,7 +340,7 @@ def lighthouse_scenario(
     lh_cmd = [sys.executable, failover_mod.__file__, "lighthouse", "--min-replicas", "2"]
     lh_cmd += ["--bind", f"[::]:{port}", "--lifetime", "300", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms)]
     procs: list[subprocess.Popen] = []
-    lhs = [subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)]
+    lhs = [spawn(lh_cmd, stdout=subprocess.PIPE, text=True)]
     res: dict = {"replicas": replicas, "kill_step": kill_step, "restart_after": restart_after, "failover": failover}
     res["keep_last_quorum"] = failover and keep_last_quorum
     res["size"] = size
@@ -366,7 +364,7 @@ def lighthouse_scenario(
                 attempt_s=attempt_s,
                 keep_last_quorum=keep_last_quorum,
             )
-            procs.append(subprocess.Popen(cmd, env=child_env(), start_new_session=True))
+            procs.append(spawn(cmd, env=child_env()))
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             if any(x.get("step") == kill_step for x in read_records(f"{tmp}/r0.jsonl")):
@@ -374,12 +372,12 @@ def lighthouse_scenario(
             if procs[0].poll() is not None:
                 raise RuntimeError(f"replica 0 exited ({procs[0].returncode}) before step {kill_step}")
             time.sleep(0.02)
-        os.killpg(lhs[0].pid, signal.SIGKILL)
+        kill_group(lhs[0])
         res["t_lighthouse_kill"] = time.time()
         lhs[0].wait(timeout=10)
         if restart_after is not None:
             time.sleep(restart_after)
-            lhs.append(subprocess.Popen(lh_cmd, stdout=subprocess.PIPE, text=True, start_new_session=True))
+            lhs.append(spawn(lh_cmd, stdout=subprocess.PIPE, text=True))
             res["t_lighthouse_restart"] = time.time()
             _read_json_line(lhs[1], 60)
             res["t_lighthouse_listening"] = time.time()
@@ -388,9 +386,7 @@ def lighthouse_scenario(
             p.wait(timeout=max(1.0, end - time.monotonic()))
     finally:
         for p in procs + lhs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=10)
+            kill_and_reap(p)
     res["exit_codes"] = [p.returncode for p in procs]
     res["records"] = [read_records(f"{tmp}/r{r}.jsonl") for r in range(replicas)]
     return res

@@ -16,30 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 
+from dilocox.distributed.procs import kill_and_reap, spawn
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def busy_loops(n: int) -> list[subprocess.Popen]:
-    return [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(max(0, n))
-    ]
+    return [spawn([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, n))]
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.wait(timeout=10)
+        kill_and_reap(p, what="busy loop")
 
 
 def read_junit(path: str) -> dict[str, tuple[str, float]]:

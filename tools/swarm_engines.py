@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import statistics
 import struct
@@ -55,6 +54,7 @@ import time
 
 import torch
 
+from dilocox.distributed.procs import kill_group, spawn
 from tools import ROOT, child_env
 
 SHAPE = (8, 128, 64)
@@ -85,7 +85,7 @@ def _popen(cmd: list[str], stdout=subprocess.PIPE, log: str | None = None) -> su
         fd, log = tempfile.mkstemp(prefix="swarm_engines_", suffix=".log")
         os.close(fd)
     with open(log, "a") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=stdout, stderr=err, text=True, start_new_session=True)
+        p = spawn(cmd, cwd=ROOT, env=_env(), stdout=stdout, stderr=err, text=True)
     p.log_path = log  # type: ignore[attr-defined]
     return p
 
@@ -101,10 +101,7 @@ def _tail(p: subprocess.Popen, n: int = 2000) -> str:
 def _kill(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(p)
         try:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -768,7 +765,7 @@ def measure_recovery(a: argparse.Namespace) -> dict:
         t_kill = t0 + (a.kill_round - 0.5) * a.period
         _sleep_until(t_kill)
         t_kill = time.time()
-        os.killpg(sw.procs[victim].pid, signal.SIGKILL)
+        kill_group(sw.procs[victim])
         sw.procs[victim].wait(timeout=10)
         t_restart = None
         if a.restart:

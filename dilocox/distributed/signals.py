@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-RUN_TAG_ENV = "DILOCOX_RUN_TAG"
+from dilocox.distributed.procs import RUN_TAG_ENV, kill_tagged, spawn, tagged_pids  # noqa: F401 (re-exported)
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -380,47 +381,6 @@ class _Agreement:
 
 
 # ---------------------------------------------------------------------------------------------- the parent
-def tagged_pids(tag: str) -> list[int]:
-    """PIDs of live processes whose environment holds ``DILOCOX_RUN_TAG=<tag>`` (a /proc scan)."""
-    needle = f"{RUN_TAG_ENV}={tag}".encode()
-    out, skip = [], _ancestors()  # never this process or the ones that started it (they may carry the tag)
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) in skip:
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            with open(f"/proc/{d}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env and state != b"Z":
-            out.append(int(d))
-    return out
-
-
-def _ancestors() -> set[int]:
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
-
-
-def kill_tagged(tag: str, sig: int = signal.SIGKILL) -> list[int]:
-    pids = tagged_pids(tag)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    return pids
-
-
 def supervise(cmd: list[str], env: dict, stop_timeout_s: float = 60.0, log: Callable[[str], None] = _log) -> int:
     """Run ``cmd`` (torchrun) in its own session; forward stop signals to it; return its exit code.
 
@@ -457,7 +417,7 @@ def supervise(cmd: list[str], env: dict, stop_timeout_s: float = 60.0, log: Call
         for sig in STOP_SIGNALS:
             prev[sig] = signal.signal(sig, on_signal)
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        proc = spawn(cmd, env=env)
         child.append(proc)
         if got:
             _forward(proc, got[0])

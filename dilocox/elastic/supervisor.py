@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
@@ -16,9 +15,9 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged, tagged_pids
+from dilocox.distributed.procs import RUN_TAG_ENV, kill_group, kill_tagged, read_ready_line, spawn, tagged_pids
 from dilocox.elastic.schedule import Action, LaunchError, last_error, last_summary
-from dilocox.launch.netns import HUB_ADDR, Cluster, kill_group
+from dilocox.launch.netns import HUB_ADDR, Cluster
 
 LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
 LIGHTHOUSE_START_S = 60.0  # the lighthouse prints its address within this (torchft import included)
@@ -105,7 +104,7 @@ class ElasticLaunch:
     # processes ------------------------------------------------------------------------
     def _popen(self, argv: list[str], env: dict, r: int | None, **kw: object) -> subprocess.Popen:
         if self.cluster is None:
-            return subprocess.Popen(argv, env=env, start_new_session=True, **kw)
+            return spawn(argv, env=env, **kw)
         if r is None:
             return self.cluster.exec_hub(argv, env=env, **kw)
         return self.cluster.exec(r, argv, env=env, **kw)
@@ -116,37 +115,21 @@ class ElasticLaunch:
         argv = self._lh_argv(bind)
         self.lighthouse = self._popen(argv, self.env, None, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
-        lines: queue.Queue = queue.Queue()
-
-        def pump(f) -> None:  # reads stdout to its end: the address line first, later lines are dropped
-            for line in f:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, args=(self.lighthouse.stdout,), daemon=True).start()
-        deadline = time.monotonic() + LIGHTHOUSE_START_S
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or self._signals:
-                raise LaunchError(
-                    f"the lighthouse printed no address within {LIGHTHOUSE_START_S:.0f} s (see {self.run_dir}/"
-                    f"lighthouse.log)"
-                    if not self._signals
-                    else "interrupted while starting the lighthouse"
-                )
-            try:
-                line = lines.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.lighthouse.wait(timeout=10)
-                raise LaunchError(
-                    f"the lighthouse exited ({code}) before printing its address; see {self.run_dir}/lighthouse.log"
-                )
-            m = _ADDR_RE.search(line)
-            if m:
-                self.lighthouse_addr = m.group(0)
-                break
+        try:
+            m = read_ready_line(self.lighthouse, _ADDR_RE, LIGHTHOUSE_START_S, abort=lambda: bool(self._signals))
+        except EOFError:
+            code = self.lighthouse.wait(timeout=10)
+            raise LaunchError(
+                f"the lighthouse exited ({code}) before printing its address; see {self.run_dir}/lighthouse.log"
+            ) from None
+        if m is None:
+            raise LaunchError(
+                f"the lighthouse printed no address within {LIGHTHOUSE_START_S:.0f} s (see {self.run_dir}/"
+                f"lighthouse.log)"
+                if not self._signals
+                else "interrupted while starting the lighthouse"
+            )
+        self.lighthouse_addr = m.group(0)
         self.event("lighthouse", address=self.lighthouse_addr, pid=self.lighthouse.pid)
         self.log(f"dilocox launch: lighthouse at {self.lighthouse_addr}")
 

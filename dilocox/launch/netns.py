@@ -39,6 +39,8 @@ import threading
 import time
 from typing import Sequence
 
+from dilocox.distributed.procs import kill_group, spawn
+
 SUBNET = "198.18.0"  # first /24 of 198.18.0.0/15
 HUB_ADDR = f"{SUBNET}.254"  # the bridge's own address in the switch namespace (Cluster(hub=True))
 _counter = itertools.count()
@@ -270,12 +272,8 @@ class Cluster:
                     )
         if self.delayed:
             ports = [f"dxs{r}" for r in range(self.n)] + (["dxhp"] if self.hub else [])
-            self._switch = subprocess.Popen(
-                ["ip", "netns", "exec", sw, *argv_sw, *ports],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
+            self._switch = spawn(
+                ["ip", "netns", "exec", sw, *argv_sw, *ports], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             wait_switch_ready(self._switch, sw)  # (it stops with the namespace: the teardown kills its processes)
 
@@ -292,12 +290,8 @@ class Cluster:
     def _start_reaper(self) -> None:
         # Reads its stdin until EOF (our exit, however it happens), then tears everything down.
         script = "cat >/dev/null 2>&1\n" + self._teardown_script()
-        self._reaper = subprocess.Popen(
-            ["sh", "-c", script],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+        self._reaper = spawn(
+            ["sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
 
     def _install_handlers(self) -> None:
@@ -370,7 +364,7 @@ class Cluster:
         """Start ``argv`` inside replica r's namespace, in its own session (killed on close)."""
         if not self._up:
             raise RuntimeError("Cluster is not running: use it inside `with Cluster(...) as c:`")
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(r), *argv], start_new_session=True, **popen_kw)
+        p = spawn(["ip", "netns", "exec", self.ns(r), *argv], **popen_kw)
         self._procs.append(p)
         return p
 
@@ -379,7 +373,7 @@ class Cluster:
         e.g. the elastic lighthouse); its own session, killed on close like ``exec``."""
         if not self._up or not self.hub:
             raise RuntimeError("exec_hub needs a running Cluster(..., hub=True)")
-        p = subprocess.Popen(["ip", "netns", "exec", self.switch, *argv], start_new_session=True, **popen_kw)
+        p = spawn(["ip", "netns", "exec", self.switch, *argv], **popen_kw)
         self._procs.append(p)
         return p
 
@@ -404,13 +398,6 @@ class Cluster:
     def tx_packets(self, r: int) -> int:
         """Frames replica r has sent (a GSO frame counts once and carries one set of headers)."""
         return self._stat(r, "tx_packets")
-
-
-def kill_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def cleanup_stale() -> list[str]:

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Callable
 import torch
 
 from dilocox.config import Config, to_yaml, validate
+from dilocox.distributed.procs import kill_and_reap, spawn
 from dilocox.security import load_or_create_secret
 from dilocox.swarm.common import SwarmError, peer_name, rpc_security
 from dilocox.swarm.transport import use_secret
@@ -56,18 +56,6 @@ class SwarmResult:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
-
-
-def _kill_group(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        log.error("peer pid %d did not exit after SIGKILL", p.pid)
 
 
 class SwarmLauncher:
@@ -146,7 +134,7 @@ class SwarmLauncher:
 
     def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
         """Start one peer's command in its own session (netns.NetnsSwarmLauncher: inside its namespace)."""
-        return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return spawn(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
 
     def restart_peer(self, stage: int, index: int, steps: int | None = None, extra: list[str] | None = None):
         """Start peer (stage, index) again after it died: it joins the running job (``--join``)."""
@@ -162,7 +150,7 @@ class SwarmLauncher:
 
     def shutdown(self) -> None:
         for p in self.procs:
-            _kill_group(p.proc)
+            kill_and_reap(p.proc, what="peer")
         for lh in self.lighthouses.values():
             try:
                 lh.shutdown()
@@ -186,6 +174,33 @@ def read_results(out_dir: str, names: list[str]) -> tuple[dict[str, dict], dict[
 def _stage_flags(stage_paces: dict[int, float] | None, stage: int) -> list[str]:
     pace = (stage_paces or {}).get(stage)
     return ["--pace-s", str(pace)] if pace else []
+
+
+def _check_checkpoints(cfg: Config, out_dir: str, steps: int | None, resume: bool) -> None:
+    """``resume``: a complete SWARM checkpoint before the last step must exist; else no earlier run's checkpoint
+    may be in the checkpoint dir (``dilocox.swarm.checkpoint``)."""
+    from dilocox.swarm import checkpoint as peer_ckpt
+
+    if resume:  # (no complete checkpoint: one line; a finished run: one line, as `dilocox train` says it)
+        ckpt = peer_ckpt.checkpoint_dir(cfg, out_dir)
+        at, _ = peer_ckpt.pick(ckpt, len(cfg.swarm.peers_per_stage), 0, 0)
+        if at >= (steps or cfg.train.steps):
+            raise SwarmError(
+                f"--resume: the newest checkpoint in {ckpt} is at step {at}, at or past --steps "
+                f"{steps or cfg.train.steps}: this run is finished and there is nothing to train; pass a larger --steps"
+            )
+    else:
+        peer_ckpt.refuse_stale(cfg, out_dir)
+
+
+def _returncodes(procs: list[PeerProc]) -> dict[str, int | None]:
+    """Each peer process's exit code (None: still running) by name."""
+    rcs = {}
+    for i, p in enumerate(procs):  # a restarted peer: its earlier runs are "name#0", "name#1", ...
+        earlier = sum(1 for q in procs[:i] if q.name == p.name)
+        later = any(q.name == p.name for q in procs[i + 1 :])
+        rcs[f"{p.name}#{earlier}" if later else p.name] = p.proc.poll()
+    return rcs
 
 
 def launch(
@@ -226,18 +241,7 @@ def launch(
     if peers_per_stage is not None:
         cfg = dataclasses.replace(cfg, swarm=dataclasses.replace(cfg.swarm, peers_per_stage=tuple(peers_per_stage)))
         validate(cfg)  # dataclasses.replace runs __post_init__, but say it: the new counts must be valid
-    from dilocox.swarm import checkpoint as peer_ckpt
-
-    if resume:  # (no complete checkpoint: one line; a finished run: one line, as `dilocox train` says it)
-        ckpt = peer_ckpt.checkpoint_dir(cfg, out_dir)
-        at, _ = peer_ckpt.pick(ckpt, len(cfg.swarm.peers_per_stage), 0, 0)
-        if at >= (steps or cfg.train.steps):
-            raise SwarmError(
-                f"--resume: the newest checkpoint in {ckpt} is at step {at}, at or past --steps "
-                f"{steps or cfg.train.steps}: this run is finished and there is nothing to train; pass a larger --steps"
-            )
-    else:
-        peer_ckpt.refuse_stale(cfg, out_dir)  # before anything starts
+    _check_checkpoints(cfg, out_dir, steps, resume)  # before anything starts
     t0 = time.monotonic()
     la = (launcher or SwarmLauncher)(cfg, out_dir)
     names: list[str] = []
@@ -269,11 +273,7 @@ def launch(
         if mover is not None:
             mover.stop()
             mover.join(timeout=15.0)  # its waits check the stop flag; an RPC in flight ends within its timeout
-        rcs = {}
-        for i, p in enumerate(la.procs):  # a restarted peer: its earlier runs are "name#0", "name#1", ...
-            earlier = sum(1 for q in la.procs[:i] if q.name == p.name)
-            later = any(q.name == p.name for q in la.procs[i + 1 :])
-            rcs[f"{p.name}#{earlier}" if later else p.name] = p.proc.poll()
+        rcs = _returncodes(la.procs)
         la.shutdown()
     names += [n for n in moved_peers(out_dir) if n not in names]  # moved by rebalancing (this launcher's or not)
     peers, records = read_results(out_dir, names)
