@@ -82,3 +82,21 @@ def test_override_syntax():
     assert parse_overrides(["--a.b=3", "--c", "x"]) == {"a": {"b": 3}, "c": "x"}
     with pytest.raises(ConfigError, match="--section.key=value"):
         parse_overrides(["a.b=3"])
+
+
+@pytest.mark.parametrize("spelling", ["[3, 1, 2]", 5])
+def test_validation_never_changes_the_config(tmp_path, spelling):
+    """Issue 25 item 6: a section normalises its own fields where it is built (SwarmConfig.peers_per_stage), and
+    validate() only checks: running it again on a built config leaves every field as it was."""
+    import copy
+
+    from dilocox.config.root import validate
+
+    cfg = load_config(None, [f"--swarm.peers_per_stage={spelling}", "--swarm.microbatch_size=2"])
+    assert cfg.swarm.peers_per_stage == ((3, 1, 2) if isinstance(spelling, str) else (5,))
+    before = copy.deepcopy(cfg.to_dict())
+    validate(cfg)
+    assert cfg.to_dict() == before
+    cfg.swarm.peers_per_stage = "[2, x"  # set by hand after construction: named, not repaired
+    with pytest.raises(ConfigError, match="swarm.peers_per_stage"):
+        validate(cfg)

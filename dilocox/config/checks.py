@@ -15,8 +15,6 @@ import math
 import os
 from typing import Any
 
-import yaml
-
 from dilocox.config.sections import (
     AdaptiveConfig,
     CompressConfig,
@@ -417,12 +415,12 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
             "outer.streaming.tau) or one fragment",
         )
     lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not lh or not str(lh).startswith(("http://", "https://")):
+    if not lh or not all(a.strip().startswith(("http://", "https://")) for a in str(lh).split(",")):
         _fail(
             "outer.elastic.lighthouse",
             e.lighthouse,
             "must be the torchft lighthouse address http://host:port (start one with `dilocox lighthouse`), or set "
-            "TORCHFT_LIGHTHOUSE",
+            "TORCHFT_LIGHTHOUSE; standbys follow after commas: http://host:port,http://standby:port",
         )
     if e.max_replicas < 1:
         _fail("outer.elastic.max_replicas", e.max_replicas, "must be >= 1")
@@ -473,24 +471,15 @@ def check_swarm_activations(s: SwarmConfig, m: ModelConfig) -> None:
 
 
 def check_swarm(s: SwarmConfig, o: OuterConfig) -> None:
-    """The swarm section (used only by `dilocox.swarm`; checked always so a typo fails early).
-
-    Normalises ``swarm.peers_per_stage`` to a tuple of ints (a YAML string or a bare int is accepted)."""
+    """The swarm section (used only by `dilocox.swarm`; checked always so a typo fails early). ``SwarmConfig``
+    itself turns ``peers_per_stage`` into a tuple of ints where it can (a YAML string or a bare int)."""
     pps = s.peers_per_stage
-    if isinstance(pps, str):
-        try:
-            pps = yaml.safe_load(pps)
-        except yaml.YAMLError:
-            pass
-    if isinstance(pps, int) and not isinstance(pps, bool):
-        pps = [pps]
     if (
-        not isinstance(pps, (list, tuple))
+        not isinstance(pps, tuple)
         or not pps
         or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 1 for m in pps)
     ):
         _fail("swarm.peers_per_stage", s.peers_per_stage, "must be a list of integers >= 1, one per stage, e.g. [2, 2]")
-    s.peers_per_stage = tuple(pps)
     if s.microbatch_size < 1:
         _fail("swarm.microbatch_size", s.microbatch_size, "must be >= 1")
     if s.max_inflight < 1:

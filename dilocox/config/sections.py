@@ -144,7 +144,8 @@ class ElasticSection:
 
     enabled: bool = False  # true: this job is ONE replica (parallel.replicas must be 1) of an elastic run
     lighthouse: str | None = None  # http://host:port of the torchft lighthouse (`dilocox lighthouse`); null: the
-    # TORCHFT_LIGHTHOUSE environment variable
+    # TORCHFT_LIGHTHOUSE environment variable. A primary and its standbys: http://a:29510,http://b:29510 (the first
+    # that listens is used; docs/ELASTIC.md "A standby lighthouse")
     replica_rank: int = 0  # this replica's identity in [0, max_replicas): its data shard; keep it across restarts
     min_replicas: int = 1  # fewest replicas an outer step may be averaged over; below it the survivors wait
     # (quorum_timeout_s, logged) for a join, then stop with a clear message
@@ -295,6 +296,27 @@ class SwarmConfig:
     # new stage from that stage's next outer step on (needs outer.overlap=none). A peer moved into stage 0
     # draws its own batch per step
     rebalance_min_gain: float = 0.1  # a move is made only if it lowers the predicted max stage load by this fraction
+
+    def __post_init__(self) -> None:
+        # the field's own spelling, normalised where it is built (YAML, `--swarm.peers_per_stage=[2,2]`, a bare
+        # int): a tuple of ints; anything else is left as given for check_swarm to name (validation never
+        # changes the config)
+        self.peers_per_stage = _peers_tuple(self.peers_per_stage)
+
+
+def _peers_tuple(pps):
+    if isinstance(pps, str):
+        import yaml  # the config's own parser; imported here so the sections stay plain data
+
+        try:
+            pps = yaml.safe_load(pps)
+        except yaml.YAMLError:
+            return pps
+    if isinstance(pps, int) and not isinstance(pps, bool):
+        pps = [pps]
+    if isinstance(pps, (list, tuple)) and all(isinstance(m, int) and not isinstance(m, bool) for m in pps):
+        return tuple(pps)
+    return pps
 
 
 @dataclass
