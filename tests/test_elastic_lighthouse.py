@@ -448,3 +448,168 @@ def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tm
         assert text.count("keeping the last quorum") >= 2, text[-3000:]
     finals = [next(x["summary"]["final_val_loss"] for x in metrics(r) if "summary" in x) for r in range(2)]
     assert finals[0] == finals[1], finals
+
+
+# ------------------------------------------------------------------------------------------- the standby lighthouse
+def test_standby_addresses_are_parsed_in_order_and_any_one_listening_counts():
+    assert lighthouse_endpoints("http://a:1,http://b:2") == [("a", 1), ("b", 2)]
+    with pytest.raises(ValueError, match="standby"):
+        lighthouse_endpoints("http://a:1,b:2")
+    srv = socket.create_server(("127.0.0.1", 0))
+    try:
+        up = f"http://127.0.0.1:{srv.getsockname()[1]}"
+        assert lighthouse_listening(f"http://127.0.0.1:{_free_port()},{up}")  # the primary refuses, the standby not
+        assert not lighthouse_listening(f"http://127.0.0.1:{_free_port()}")
+    finally:
+        srv.close()
+
+
+class _Echo:
+    """A TCP server that answers every message with ``tag + message`` (stands in for a lighthouse)."""
+
+    def __init__(self, tag: bytes, port: int = 0):
+        self.tag = tag
+        self.srv = socket.create_server(("127.0.0.1", port))
+        self.port = self.srv.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(c,), daemon=True).start()
+
+    def _echo(self, c: socket.socket) -> None:
+        with c:
+            try:
+                while data := c.recv(1024):
+                    c.sendall(self.tag + data)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.srv.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a bare close() would leave it listening)
+        except OSError:
+            pass
+        self.srv.close()
+
+
+def _ask(addr: str, msg: bytes = b"quorum?") -> bytes:
+    host, port = lighthouse_endpoints(addr)[0]
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.settimeout(5)
+        s.sendall(msg)
+        try:
+            return s.recv(1024)
+        except ConnectionResetError:  # closed with our message unread
+            return b""
+
+
+def test_relay_goes_to_the_standby_while_the_primary_refuses_and_back_when_it_listens():
+    """The relay in front of [primary, standby]: the primary while it listens; the standby's answer once the primary
+    is gone (a new connection, as torchft's channel reconnects); the standby's connection closed by the fail-back
+    once the primary listens again (on its old port), and the next connection goes to the primary."""
+    from dilocox.elastic.relay import LighthouseRelay
+
+    primary, standby = _Echo(b"P:"), _Echo(b"S:")
+    relay = LighthouseRelay([("127.0.0.1", primary.port), ("127.0.0.1", standby.port)], check_every_s=0.2)
+    try:
+        assert _ask(relay.address) == b"P:quorum?"
+        port = primary.port
+        primary.close()
+        assert _ask(relay.address) == b"S:quorum?"
+        host, rport = lighthouse_endpoints(relay.address)[0]
+        held = socket.create_connection((host, rport), timeout=5)  # a long-lived channel, on the standby
+        held.settimeout(5)
+        held.sendall(b"x")
+        assert held.recv(1024) == b"S:x"
+        primary = _Echo(b"P:", port)  # the primary is back
+        assert held.recv(1024) == b"", "the fail-back did not close the standby's connection"
+        held.close()
+        assert _ask(relay.address) == b"P:quorum?"
+        assert relay.used == [0, 1, 1, 0]
+    finally:
+        relay.close()
+        primary.close()
+        standby.close()
+
+
+def test_relay_with_no_lighthouse_listening_closes_at_once():
+    from dilocox.elastic.relay import LighthouseRelay
+
+    relay = LighthouseRelay([("127.0.0.1", _free_port()), ("127.0.0.1", _free_port())], connect_timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        assert _ask(relay.address) == b""  # closed: torchft's request fails and is retried, bounded
+        assert time.monotonic() - t0 < 3.0
+        assert relay.used == []
+    finally:
+        relay.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp_path):
+    """Two elastic replicas given a primary and a standby lighthouse (``http://p,http://s``): the primary is
+    SIGKILLed at step 20 and never comes back; the replicas' relays reconnect to the standby, which forms the next
+    quorums; both replicas finish every step with the same final validation loss (the same θ), and each logs the
+    move to the standby. Without a standby the same outage ends the run after quorum_timeout_s (tested above)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dilocox.distributed.procs import kill_and_reap, kill_group, spawn
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ports = [_free_port(), _free_port()]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    secret = tmp_path / "secret"
+    subprocess.run([sys.executable, "-m", "dilocox.cli", "secret", str(secret)], env=env, check=True, cwd=root)
+
+    def lighthouse(port: int) -> subprocess.Popen:
+        cmd = [sys.executable, os.path.join(root, "dilocox", "elastic", "failover.py"), "lighthouse", "--min-replicas",
+               "2", "--bind", f"127.0.0.1:{port}", "--join-timeout-ms", "20000"]  # fmt: skip
+        return spawn(cmd, env=env, stdout=open(tmp_path / f"lh{port}.log", "ab"), stderr=subprocess.STDOUT)
+
+    def metrics(r: int) -> list[dict]:
+        try:
+            with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except OSError:
+            return []
+
+    lhs = [lighthouse(p) for p in ports]
+    addrs = ",".join(f"http://127.0.0.1:{p}" for p in ports)
+    procs = []
+    try:
+        for r in range(2):
+            cmd = [sys.executable, "-m", "dilocox.cli", "train", "configs/tiny.yaml", "--outer.method=diloco",
+                   "--outer.sync_every=5", "--train.steps=80", "--train.eval_every=0", "--log.every=1",
+                   "--log.progress=false", "--log.tensorboard=false", "--checkpoint.every=0", "--model.n_layers=2",
+                   "--outer.elastic.enabled=true", f"--outer.elastic.lighthouse={addrs}",
+                   f"--outer.elastic.replica_rank={r}", "--outer.elastic.min_replicas=2",
+                   "--outer.elastic.initial_replicas=2", "--outer.elastic.quorum_timeout_s=30",
+                   f"--security.secret_file={secret}", f"--log.run_dir={tmp_path / f'replica{r}'}"]  # fmt: skip
+            log = open(tmp_path / f"r{r}.log", "wb")
+            procs.append(spawn(cmd, cwd=root, env=env, stdout=log, stderr=log))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and max([x.get("step", 0) for x in metrics(0)] or [0]) < 20:
+            assert all(p.poll() is None for p in procs), "a replica exited before the primary died"
+            time.sleep(0.1)
+        kill_group(lhs[0])  # SIGKILL: the primary never comes back
+        lhs[0].wait(timeout=10)
+        rcs = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs + lhs:
+            kill_and_reap(p)
+    logs = [(tmp_path / f"r{r}.log").read_text(errors="replace") for r in range(2)]
+    assert rcs == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    for text in logs:
+        assert f"now relaying to 127.0.0.1:{ports[1]}, standby 1" in text, text[-3000:]
+    finals = [next(x["summary"]["final_val_loss"] for x in metrics(r) if "summary" in x) for r in range(2)]
+    assert finals[0] == finals[1], finals
+    assert all(max(x.get("step", 0) for x in metrics(r)) == 80 for r in range(2))

@@ -140,3 +140,34 @@ def test_the_product_imports_no_harness(outside):
                 names = [node.module or ""]
             bad += [f"{name} imports {n}" for n in names if n == outside or n.startswith(outside + ".")]
     assert not bad, "\n".join(bad)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_above_the_limit():
+    """Issue 25: no function or method in dilocox/ longer than 80 lines (a nested function counts inside its parent
+    too): a long function is split into named steps."""
+    long = []
+    for name, path in _modules().items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert not long, f"over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_processes_are_started_by_the_launch_library():
+    """Issue 25 item 4: every child process of a run is started in its own session by
+    dilocox.distributed.procs.spawn (one kill_group reaches it and what it started), nowhere by hand."""
+    by_hand = []
+    for name, path in _modules().items():
+        if name == "dilocox.distributed.procs":
+            continue
+        text = open(path, encoding="utf-8").read()
+        for needle in ("start_new_session", "os.killpg", "os.setsid"):
+            if needle in text:
+                by_hand.append(f"{name}: {needle}")
+    assert not by_hand, by_hand

@@ -105,19 +105,27 @@ class LighthouseUnreachable(QuorumTimeout):
 
 
 def lighthouse_endpoints(addr: str) -> list[tuple[str, int]]:
-    """``[(host, port)]`` of ``http://host:port``; a clear ValueError names the bad address."""
-    u = urlsplit(addr)
-    try:
-        port = u.port
-    except ValueError:
-        port = None
-    if u.scheme not in ("http", "https") or not u.hostname or port is None:
-        raise ValueError(f"elastic.lighthouse_addr={addr!r} is invalid: give it as http://host:port")
-    return [(u.hostname, port)]
+    """``[(host, port), ...]`` of ``http://host:port`` or of a primary and its standbys, ``http://a:p,http://b:q``
+    (in order; dilocox/elastic/relay.py); a clear ValueError names the bad address."""
+    out = []
+    for part in addr.split(","):
+        u = urlsplit(part.strip())
+        try:
+            port = u.port
+        except ValueError:
+            port = None
+        if u.scheme not in ("http", "https") or not u.hostname or port is None:
+            raise ValueError(
+                f"elastic.lighthouse_addr={addr!r} is invalid: give it as http://host:port (a standby after a comma: "
+                "http://host:port,http://standby:port)"
+            )
+        out.append((u.hostname, port))
+    return out
 
 
 def lighthouse_listening(addr: str, timeout_s: float = 0.5) -> bool:
-    """True when a TCP connection to the lighthouse's address is accepted (nothing is sent)."""
+    """True when a TCP connection to the lighthouse's address (to any of a primary and its standbys) is accepted
+    (nothing is sent)."""
     for host, port in lighthouse_endpoints(addr):
         try:
             with socket.create_connection((host, port), timeout=timeout_s):

@@ -44,9 +44,11 @@ from dilocox.elastic.failover import (
     QuorumTimeout,
     ReplicaAgreement,
     check_torchft_version,
+    lighthouse_endpoints,
     lighthouse_listening,
     quorum_id,
 )
+from dilocox.elastic.relay import LighthouseRelay
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -90,7 +92,7 @@ _SECTION = ElasticSection()
 class ElasticConfig:
     """Settings of one replica's elastic outer group (validated by ``validate``).
 
-    lighthouse_addr: ``http://host:port`` of the torchft lighthouse.
+    lighthouse_addr: ``http://host:port`` of the torchft lighthouse (a primary and its standbys: comma-separated).
     replica_rank: this replica's index in ``[0, max_replicas)``; stable across restarts.
     min_replicas: fewest contributors an outer step may be averaged over.
     initial_replicas: replicas the FIRST outer step waits for (bounded by ``quorum_timeout_s``; then it goes on
@@ -125,8 +127,10 @@ class ElasticConfig:
         def bad(name: str, fix: str) -> ValueError:
             return ValueError(f"elastic.{name}={getattr(self, name)!r} is invalid: {fix}")
 
-        if not isinstance(self.lighthouse_addr, str) or not self.lighthouse_addr.startswith(("http://", "https://")):
-            raise bad("lighthouse_addr", "give the lighthouse address as http://host:port")
+        if not isinstance(self.lighthouse_addr, str) or not all(
+            a.strip().startswith(("http://", "https://")) for a in self.lighthouse_addr.split(",")
+        ):
+            raise bad("lighthouse_addr", "give the lighthouse address as http://host:port (standbys after commas)")
         if not (isinstance(self.max_replicas, int) and self.max_replicas >= 1):
             raise bad("max_replicas", "use an integer >= 1")
         if not (isinstance(self.replica_rank, int) and 0 <= self.replica_rank < self.max_replicas):
@@ -282,51 +286,66 @@ class ElasticOuterGroup:
         self.transport = StateTransport(
             cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
         )
+        # a primary and its standbys (http://a:p,http://b:q): the Manager talks to a local relay that forwards to the
+        # first one that listens (dilocox/elastic/relay.py; docs/ELASTIC.md "A standby lighthouse")
+        endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
+        self.relay = LighthouseRelay(endpoints) if len(endpoints) > 1 else None
         try:
-            self._manager = Manager(
-                pg=self._pg,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=cfg.min_replicas,
-                use_async_quorum=False,
-                timeout=timedelta(seconds=cfg.timeout_s),
-                quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-                connect_timeout=timedelta(seconds=cfg.timeout_s),
-                rank=group_rank,
-                world_size=group_world,
-                store_addr=store[0],
-                store_port=store[1],
-                lighthouse_addr=cfg.lighthouse_addr,
-                replica_id=f"replica{cfg.replica_rank}",
-                hostname=cfg.host,
-                heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
-                init_sync=False,
-                # a joiner's state: our own transport (torchft's HTTPTransport unpickles what it gets, serves anyone)
-                checkpoint_transport=self.transport,
-            )
+            self._manager = self._new_manager(Manager, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)
+            if self.relay is not None:
+                self.relay.close()
             raise
-        # the lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
-        # requests in short attempts, a restarted lighthouse is used at once, and meanwhile the replica keeps its
-        # last quorum (a replica of several ranks decides that once for all its ranks, through its own store)
+        self.failover = self._new_failover(TCPStore, store)
+        self.group = TorchftGroup(self._pg, cfg.timeout_s)
+        self.closed = False
+        # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
+        self.on_quorum: Callable[[int], None] | None = None
+
+    def _new_manager(self, manager_cls, store: tuple[str, int]):
+        """This rank's torchft ``Manager`` on the replica's store (``store``), healing through ``self.transport``."""
+        cfg = self.cfg
+        return manager_cls(
+            pg=self._pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.timeout_s),
+            rank=self.group_rank,
+            world_size=self.group_world,
+            store_addr=store[0],
+            store_port=store[1],
+            lighthouse_addr=cfg.lighthouse_addr if self.relay is None else self.relay.address,
+            replica_id=f"replica{cfg.replica_rank}",
+            hostname=cfg.host,
+            heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_ms),
+            init_sync=False,
+            # a joiner's state: our own transport (torchft's HTTPTransport unpickles what it gets, serves anyone)
+            checkpoint_transport=self.transport,
+        )
+
+    def _new_failover(self, store_cls, store: tuple[str, int]) -> LighthouseFailover:
+        """The lighthouse is not a single point of failure (issue 10 §6b, dilocox/elastic/failover.py): quorum
+        requests in short attempts, a restarted lighthouse is used at once, and meanwhile the replica keeps its
+        last quorum (a replica of several ranks decides that once for all its ranks, through its own store)."""
+        cfg, group_rank, group_world = self.cfg, self.group_rank, self.group_world
         agreement = None
         if group_world > 1:
-            self._agree_store = TCPStore(
+            self._agree_store = store_cls(
                 store[0], store[1], is_master=False, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s)
             )
             agreement = ReplicaAgreement(self._agree_store, group_rank)
-        self.failover = LighthouseFailover(
+        return LighthouseFailover(
             self._manager,
             cfg.lighthouse_addr,
             max_outage_s=cfg.quorum_timeout_s,
             attempt_s=DEFAULT_ATTEMPT_S if group_world == 1 else cfg.quorum_timeout_s,
             agreement=agreement,
         )
-        self.group = TorchftGroup(self._pg, cfg.timeout_s)
-        self.closed = False
-        # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
-        self.on_quorum: Callable[[int], None] | None = None
 
     def set_state_fns(
         self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None], max_state_bytes: int | None = None
@@ -427,6 +446,62 @@ class ElasticOuterGroup:
         """The one-hot contributor counts alone (a ``max_replicas``-float all-reduce); for the compressed path."""
         return self.flat_sum(torch.zeros(0), contribute)[1]
 
+    def _run_body(
+        self, body: Callable[[bool], tuple[Tensor | None, Tensor]], contribute: bool
+    ) -> tuple[Tensor | None, Tensor | None, float]:
+        """``body(contribute)`` -> (sum or None, one-hot counts or None, seconds); a failure is reported to the
+        manager (the replica then votes no on the commit) instead of raised."""
+        t0 = time.monotonic()
+        total, onehot = None, None
+        try:
+            total, onehot = body(contribute)
+        except Exception as e:  # a peer died inside a compressed collective: vote no, retry
+            self._manager.report_error(e)
+        return total, onehot, time.monotonic() - t0
+
+    def _committed(
+        self,
+        total: Tensor | None,
+        onehot: Tensor,
+        contribute: bool,
+        healed: bool,
+        attempts: int,
+        quorum_s: float,
+        allreduce_s: float,
+    ) -> ElasticResult:
+        """The result of a committed outer step, once its contributors are checked (``run_step``)."""
+        c = self.cfg
+        contributors = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
+        if any(float(onehot[i]) != 1.0 for i in contributors):
+            raise ElasticStepError(
+                f"replica {c.replica_rank}: two live replicas share a replica_rank "
+                f"(contributor counts {onehot[contributors].tolist()}); give each its own"
+            )
+        if contribute and not healed and c.replica_rank not in contributors:
+            raise ElasticBehindError(
+                f"replica {c.replica_rank} is behind the live replicas (its outer step "
+                f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}) "
+                f"and no state transfer is set up: joining a running job needs the live join "
+                f"(ElasticOuterGroup.set_state_fns; `dilocox train` with outer.elastic sets it up)"
+            )
+        world = self.group.size()
+        if contributors and max(len(contributors), world) < c.min_replicas:
+            # too few members took part. A member healed in this step (a restarted replica) is live and
+            # contributes from the next step on: it counts, or min_replicas = N would stop a job of N
+            # replicas at the step that brings the N-th back
+            raise ElasticMinReplicasError(self._below_msg(len(contributors)))
+        return ElasticResult(
+            mean=total,
+            contributors=contributors,
+            quorum_id=quorum_id(self._manager),
+            step=self._manager.current_step(),
+            attempts=attempts,
+            quorum_s=quorum_s,
+            allreduce_s=allreduce_s,
+            healed=healed,
+            world=world,
+        )
+
     def run_step(self, body: Callable[[bool], tuple[Tensor | None, Tensor]], contribute: bool = True) -> ElasticResult:
         """One outer step: quorum (healing this replica if it is behind), ``body(contribute)`` -> (sum or None,
         one-hot counts), the replica-wide commit vote; retried on a new quorum when it fails (``body`` must then
@@ -476,47 +551,12 @@ class ElasticOuterGroup:
             if self.on_quorum is not None:
                 self.on_quorum(n_live)
             attempts += 1
-            t0 = time.monotonic()
-            total, onehot = None, None
-            try:
-                # a healed replica trained its phase from a stale θ: it takes the average, adds nothing (§6a)
-                total, onehot = body(contribute and not healed)
-            except Exception as e:  # a peer died inside a compressed collective: vote no, retry
-                self._manager.report_error(e)
-            allreduce_s = time.monotonic() - t0
+            # a healed replica trained its phase from a stale θ: it takes the average, adds nothing (§6a)
+            total, onehot, allreduce_s = self._run_body(body, contribute and not healed)
             err = self._manager.errored()
             committed = self._manager.should_commit(timedelta(seconds=c.timeout_s))
             if committed and err is None and onehot is not None:
-                contributors = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
-                if any(float(onehot[i]) != 1.0 for i in contributors):
-                    raise ElasticStepError(
-                        f"replica {c.replica_rank}: two live replicas share a replica_rank "
-                        f"(contributor counts {onehot[contributors].tolist()}); give each its own"
-                    )
-                if contribute and not healed and c.replica_rank not in contributors:
-                    raise ElasticBehindError(
-                        f"replica {c.replica_rank} is behind the live replicas (its outer step "
-                        f"{self._manager.current_step() - 1} is not the newest; contributors were {contributors}) "
-                        f"and no state transfer is set up: joining a running job needs the live join "
-                        f"(ElasticOuterGroup.set_state_fns; `dilocox train` with outer.elastic sets it up)"
-                    )
-                world = self.group.size()
-                if contributors and max(len(contributors), world) < c.min_replicas:
-                    # too few members took part. A member healed in this step (a restarted replica) is live and
-                    # contributes from the next step on: it counts, or min_replicas = N would stop a job of N
-                    # replicas at the step that brings the N-th back
-                    raise ElasticMinReplicasError(self._below_msg(len(contributors)))
-                return ElasticResult(
-                    mean=total,
-                    contributors=contributors,
-                    quorum_id=quorum_id(self._manager),
-                    step=self._manager.current_step(),
-                    attempts=attempts,
-                    quorum_s=quorum_s,
-                    allreduce_s=allreduce_s,
-                    healed=healed,
-                    world=world,
-                )
+                return self._committed(total, onehot, contribute, healed, attempts, quorum_s, allreduce_s)
             last_err = str(err.original_exception if err is not None else "should_commit returned False")
             log.warning(
                 "replica %d: outer all-reduce attempt %d failed (%s); retrying with a new quorum",
@@ -537,3 +577,5 @@ class ElasticOuterGroup:
         if not self.closed:
             self.closed = True
             self._manager.shutdown(wait=False)
+            if self.relay is not None:
+                self.relay.close()

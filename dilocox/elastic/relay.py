@@ -1,0 +1,163 @@
+"""A standby lighthouse (issue 22 item 5): a local relay in front of an ordered list of lighthouses.
+
+torchft's ``Manager`` takes one lighthouse address, and its ``ManagerServer`` (Rust) keeps one gRPC channel to it.
+With ``outer.elastic.lighthouse: http://primary:29510,http://standby:29510`` each replica process starts a
+``LighthouseRelay`` on 127.0.0.1 and gives the Manager the relay's address instead. The relay forwards every
+connection to the FIRST lighthouse of the list that accepts a TCP connection (bounded: ``connect_timeout_s`` per
+address), so while the primary lives everything goes to it, and when it dies the channel's reconnect lands on the
+standby. The standby keeps no state either: it forms a quorum from the replicas' next requests, as a restarted
+lighthouse does (dilocox/elastic/failover.py handles the reused quorum ids and the kept quorum meanwhile).
+
+**Fail-back.** A connection relayed to a later lighthouse while an earlier one listens again is closed (checked
+every ``check_every_s``): the replicas reconnect to the earlier one within about that time. Otherwise a replica
+restarted after the primary came back would wait alone on the primary while the others stayed on the standby.
+
+**Split brain.** Replicas that see different lighthouses (a partition between some replicas and the primary) can
+form two quorums. Two quorums of ``min_replicas`` each cannot exist when ``min_replicas > max_replicas / 2``: set it
+so where a partition is possible (docs/ELASTIC.md "A standby lighthouse").
+
+Every wait is bounded: a connect by ``connect_timeout_s``, the accept loop and the monitor by the relay's own
+close; a relayed pair ends when either side closes (the gRPC channel's keepalive and heartbeats keep it busy).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+log = logging.getLogger("dilocox.elastic")
+
+
+class LighthouseRelay:
+    """``address`` (``http://127.0.0.1:PORT``) relays to the first listening endpoint of ``endpoints``."""
+
+    def __init__(
+        self,
+        endpoints: list[tuple[str, int]],
+        connect_timeout_s: float = 1.0,
+        check_every_s: float = 1.0,
+        host: str = "127.0.0.1",
+    ):
+        if not endpoints:
+            raise ValueError("LighthouseRelay needs at least one lighthouse endpoint")
+        self.endpoints = list(endpoints)
+        self.connect_timeout_s = connect_timeout_s
+        self.check_every_s = check_every_s
+        self._srv = socket.create_server((host, 0))
+        self._srv.settimeout(0.5)  # the accept loop looks at `closed` at least this often
+        self.address = f"http://{host}:{self._srv.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[int, socket.socket, socket.socket]] = []  # (endpoint index, client, upstream)
+        self.used: list[int] = []  # the endpoint index of every relayed connection, in order (tests, logs)
+        self.closed = False
+        self._last_index: int | None = None
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="lighthouse-relay", daemon=True),
+            threading.Thread(target=self._monitor, name="lighthouse-relay-monitor", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---------------------------------------------------------------- connections
+    def _connect(self, upto: int | None = None) -> tuple[int, socket.socket] | None:
+        """A connection to the first endpoint (before index ``upto``) that accepts one; None if none does."""
+        for i, (h, p) in enumerate(self.endpoints[:upto]):
+            try:
+                return i, socket.create_connection((h, p), timeout=self.connect_timeout_s)
+            except OSError:
+                continue
+        return None
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self._srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            up = self._connect()
+            if up is None:
+                client.close()  # no lighthouse listens: torchft sees its request fail, and retries (bounded)
+                continue
+            i, upstream = up
+            upstream.settimeout(None)
+            client.settimeout(None)
+            with self._lock:
+                if self.closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self._pairs.append((i, client, upstream))
+                self.used.append(i)
+            if i != self._last_index:
+                h, p = self.endpoints[i]
+                role = "the primary" if i == 0 else f"standby {i} (the ones before it refuse connections)"
+                log.warning("lighthouse relay %s: now relaying to %s:%d, %s", self.address, h, p, role)
+                self._last_index = i
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._drop(src, dst)
+
+    def _drop(self, a: socket.socket, b: socket.socket) -> None:
+        """Close a relayed pair (either side's end ends both directions)."""
+        with self._lock:
+            self._pairs = [x for x in self._pairs if a not in x[1:] and b not in x[1:]]
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def _monitor(self) -> None:
+        """Fail-back: close the pairs relayed to a later endpoint when an earlier one listens again."""
+        while not self.closed:
+            time.sleep(self.check_every_s)
+            with self._lock:
+                worst = max((i for i, _, _ in self._pairs), default=0)
+            if worst == 0:
+                continue
+            probe = self._connect(upto=worst)
+            if probe is None:
+                continue
+            i, s = probe
+            s.close()
+            with self._lock:
+                moved = [(c, u) for j, c, u in self._pairs if j > i]
+            h, p = self.endpoints[i]
+            log.warning("lighthouse relay %s: %s:%d listens again; moving %d connection(s) back to it", self.address,
+                        h, p, len(moved))  # fmt: skip
+            for c, u in moved:
+                self._drop(c, u)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self._srv.shutdown(socket.SHUT_RDWR)  # wakes the accept()
+        except OSError:
+            pass
+        self._srv.close()
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for _, c, u in pairs:
+            for s in (c, u):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
