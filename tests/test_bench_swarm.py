@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from dilocox.bench import swarm as bs
 from dilocox.bench.runner import CONFIGS
 from dilocox.swarm.cli import SwarmUsageError, run_main
-from dilocox.swarm.peer import SwarmPeer, make_router
+from dilocox.swarm.faults import Faults
+from dilocox.swarm.peer import make_router
 
 
 def _recs():
@@ -149,13 +149,13 @@ def test_busy_per_microbatch_and_smoothed_curve():
 
 def test_pace_occupies_the_peer_for_the_rest_of_its_pace():
     """--pace-s T: a microbatch whose compute took c < T seconds sleeps T - c more; one slower than T sleeps not."""
-    peer = SimpleNamespace(pace_s=0.3)
+    faults = Faults(pace_s=0.3)
     t = time.monotonic()
-    SwarmPeer._pace(peer, 0.1)
+    faults.pace(0.1)
     assert 0.19 <= time.monotonic() - t < 0.4
     t = time.monotonic()
-    SwarmPeer._pace(peer, 0.5)
-    SwarmPeer._pace(SimpleNamespace(pace_s=0.0), 0.0)
+    faults.pace(0.5)
+    Faults().pace(0.0)
     assert time.monotonic() - t < 0.05
 
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dilocox.bench.runner import run_train, write_config
+from dilocox.bench.runner import write_config
 from dilocox.config import ModelConfig, load_config
 from dilocox.model.transformer import build_model
 from dilocox.plan import (
@@ -24,6 +24,7 @@ from dilocox.plan import (
     sync_bytes,
     utilization,
 )
+from tests.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = sorted(glob.glob(os.path.join(ROOT, "configs", "model", "*.yaml")))
@@ -255,15 +256,22 @@ def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("plan-data"))
 
 
-@pytest.mark.slow  # ~30 s per preset on a loaded 2-core machine
+def _bytes_sent(rank, world, cfg_path, overrides):
+    """One replica's rank in the warm gloo pool (tests/spawn.py): train, return the bytes it sent to the other."""
+    from dilocox.train import Trainer
+
+    return Trainer(load_config(cfg_path, overrides)).run()["outer_bytes_sent"]
+
+
+# ~1-4 s per preset in the warm rank pool (was ~30 s each through torchrun)
 @pytest.mark.parametrize("name,steps,extra", ONE_SYNC, ids=[x[0] for x in ONE_SYNC])
 def test_plan_bytes_equal_what_a_one_sync_run_counts(tmp_path, data_cache, name, steps, extra):
     cfg_path = write_config(str(tmp_path / "run.yaml"), ["tiny.yaml", f"methods/{name}.yaml"])
     ov = [*TINY, f"--data.cache_dir={data_cache}", f"--train.steps={steps}", *extra]
     if name not in ("allreduce", "cocktailsgd"):
         ov.append(f"--outer.sync_every={steps}")
-    run = run_train(cfg_path, 2, str(tmp_path / "run"), ov, timeout=300)
-    sent = [r["outer_bytes_sent"] for r in run["ranks"]]
+    ov += [f"--log.run_dir={tmp_path / 'run'}", "--checkpoint.resume=none", "--log.progress=false"]
+    sent = run_ranks(2, _bytes_sent, cfg_path, ov)
     assert len(sent) == 2 and sent[0] == sent[1] > 0
     cfg = load_config(cfg_path, ov)  # the same model and method settings the run loaded
     planned = sync_bytes(cfg.model, Method(name, cfg.outer, cfg.compress), replicas=2)

@@ -35,12 +35,10 @@ class MicrobatchHops:
         """Forward this stage on ``x``, the rest of the route, and backward; returns (grad of x, info). ``ids``: the
         microbatch's ``[2, B, S]`` input ids and targets (``activations.pack_ids``)."""
         busy = 0.0  # this peer's own work on the microbatch (compute, serial delay): not queues, not downstream
-        if self.delay_s and not self.delay_serial:
-            time.sleep(self.delay_s)  # injected slowness (tests, benchmarks of heterogeneous peers)
+        self.faults.before_compute()  # injected slowness (tests, heterogeneous-peer benchmarks: swarm/faults.py)
         with self.meter.hold(self.lock):  # (the meter: this peer's queue and throughput, for rebalancing)
             t = time.monotonic()
-            if self.delay_s and self.delay_serial:
-                time.sleep(self.delay_s)  # injected slower compute: holds the compute lock (heterogeneous peers)
+            self.faults.in_compute()  # injected slower compute: holds the compute lock
             out = self.model(x)
             self.visits.append((step, mb, "fwd"))
             busy += time.monotonic() - t
@@ -54,7 +52,7 @@ class MicrobatchHops:
                 self.count += 1
                 self.counted.setdefault(step, set()).add(mb)
                 self.loss_sum += float(loss.detach())
-                self._pace(busy + time.monotonic() - t)
+                self.faults.pace(busy + time.monotonic() - t)
                 self.busy_s += busy + time.monotonic() - t
             info = {"loss": float(loss.detach()), "route": [self.name]}
         else:
@@ -67,7 +65,7 @@ class MicrobatchHops:
                 self.count += 1
                 self.counted.setdefault(step, set()).add(mb)
                 self.routed[peer] = self.routed.get(peer, 0) + 1
-                self._pace(busy + time.monotonic() - t)
+                self.faults.pace(busy + time.monotonic() - t)
                 self.busy_s += busy + time.monotonic() - t
             info["route"] = [self.name, *info["route"]]
         return (x.grad if x.requires_grad else None), info
@@ -156,12 +154,6 @@ class MicrobatchHops:
                     entry = (mb, self.addrs[peer], payload, ameta.to_dict(), ids)
                     self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
             return gy, meta, peer
-
-    def _pace(self, spent: float) -> None:
-        """--pace-s: sleep the rest of the microbatch's pace (called with the compute lock held, so it occupies the
-        peer); ``spent``: its compute so far (forward + backward, lock held)."""
-        if self.pace_s > spent:
-            time.sleep(self.pace_s - spent)
 
     def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
         if deadline is not None and time.monotonic() > deadline:

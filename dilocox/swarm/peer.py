@@ -79,6 +79,7 @@ from dilocox.swarm import activations as act_codec
 from dilocox.swarm import checkpoint as peer_ckpt
 from dilocox.swarm import membership, peer_sync
 from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, rpc_security, store_key
+from dilocox.swarm.faults import Faults
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.routing import NoLivePeer
@@ -106,12 +107,9 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         out_dir: str,
         steps: int | None = None,
         dump_grads: tuple[int, ...] = (),
-        delay_s: float = 0.0,
         join: bool = False,
-        delay_serial: bool = False,
-        pace_s: float = 0.0,
-        die_mid_step: int | None = None,
         resume: bool = False,
+        faults: Faults = Faults(),
     ) -> None:
         self.cfg, self.s = cfg, cfg.swarm
         self.pps = list(self.s.peers_per_stage)
@@ -123,14 +121,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.name = peer_name(stage, index)
         self.first, self.last = stage == 0, stage == self.n - 1
         self.steps = cfg.train.steps if steps is None else steps
-        self.out_dir, self.dump_grads, self.delay_s = out_dir, set(dump_grads), delay_s
-        # --delay-serial: the injected delay occupies the peer (it holds the compute lock, like slower compute), so
-        # it lowers the peer's throughput; without it concurrent microbatches sleep side by side (a slow link)
-        self.delay_serial = delay_serial
-        # --pace-s T: each microbatch occupies the peer (compute lock held) for max(T, its compute) seconds, so a peer
-        # paced at 2T is exactly 2x slower than one paced at T whatever the host's load (heterogeneous-peer benchmarks)
-        self.pace_s = pace_s
-        self.die_mid_step = die_mid_step  # --die-mid-step (tests): kill -9 itself mid-step, after serving (_die)
+        self.out_dir, self.dump_grads = out_dir, set(dump_grads)
+        self.faults = faults  # injected slowness and failure (tests, heterogeneous-peer benchmarks): swarm/faults.py
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
         self.join = join  # a (re)started peer joining a running job: it gets its stage's state at its first sync
@@ -321,7 +313,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                 self.cv.notify_all()
             return {}, {}
         if method == "ping":
-            if self.die_mid_step is not None and meta.get("held") and int(meta["step"]) >= self.die_mid_step:
+            if self.faults.dies_at(int(meta.get("step", -1)), int(meta.get("held") or 0)):
                 self._die(int(meta["step"]))
             return {"name": self.name, "step": self.step, **peer_sync.phase_info(self)}, {}
         raise ValueError(f"{self.name}: unknown method {method!r}")
@@ -574,12 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         a.out,
         a.steps,
         dump,
-        a.delay_s,
         a.join,
-        a.delay_serial,
-        pace_s=a.pace_s,
-        die_mid_step=a.die_mid_step,
-        resume=a.resume,
+        a.resume,
+        Faults(a.delay_s, a.delay_serial, a.pace_s, a.die_mid_step),
     )
     try:
         peer.start()

@@ -10,8 +10,6 @@ tests: deterministic, at a sender's end-of-step ping.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 
 from dilocox.swarm import activations as act_codec
@@ -185,7 +183,4 @@ class StepEnd:
         still in flight here (another sender's) are re-sent."""
         with self.lock:
             served = len(self.counted.get(step, ()))
-        log.warning("%s: --die-mid-step: kill -9 of itself in step %d after %d microbatch(es)", self.name, step, served)
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        self.faults.die(f"{self.name}: --die-mid-step: kill -9 of itself in step {step} after {served} microbatch(es)")
