@@ -40,6 +40,7 @@ import hashlib
 import logging
 import math
 import time
+from datetime import timedelta
 
 import torch
 from torch import Tensor
@@ -59,6 +60,19 @@ def _coef(max_norm: float, norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def _norm_waiter(peer):
+    """A second client of the peer's store, kept on the peer, for the blocking wait of ``clip_global``: the shared
+    client stays free for the handler threads meanwhile."""
+    w = getattr(peer, "_norm_store", None)
+    if w is None:
+        from torch.distributed import TCPStore
+
+        w = peer._norm_store = TCPStore(
+            peer.store.host, peer.store.port, is_master=False, timeout=timedelta(seconds=peer.s.sync_timeout_s)
+        )
+    return w
+
+
 @torch.no_grad()
 def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
     """``swarm.sync=swarm``: clip this stage's averaged gradient ``g`` (flat; None when the stage served no
@@ -72,21 +86,16 @@ def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
     with peer.store_lock:
         peer.store.set(keys[peer.stage], sign_value(run_secret(), keys[peer.stage], sq.hex()))
     wait = peer.s.sync_timeout_s
-    deadline = time.monotonic() + wait
-    pause = 0.001
-    while True:
+    try:  # blocks in the store until every stage's key exists (bounded), on a client of its own (no lock held)
+        _norm_waiter(peer).wait(keys, timedelta(seconds=wait))
+    except RuntimeError:  # DistStoreError: the timeout (or the store is gone)
         with peer.store_lock:
-            if peer.store.check(keys):
-                break
-            if time.monotonic() > deadline:
-                missing = [j for j, key in enumerate(keys) if not peer.store.check([key])]
-                raise SwarmError(
-                    f"{peer.name}: optim.grad_clip needs the gradient norm of every stage, and stage(s) {missing} sent "
-                    f"none for step {k} within swarm.sync_timeout_s={wait}s; is a stage without a live peer? (raise "
-                    f"the timeout for slow stages, or set optim.grad_clip=0)",
-                )
-        time.sleep(pause)
-        pause = min(2 * pause, 0.02)
+            missing = [j for j, key in enumerate(keys) if not peer.store.check([key])]
+        raise SwarmError(
+            f"{peer.name}: optim.grad_clip needs the gradient norm of every stage, and stage(s) {missing} sent "
+            f"none for step {k} within swarm.sync_timeout_s={wait}s; is a stage without a live peer? (raise "
+            f"the timeout for slow stages, or set optim.grad_clip=0)",
+        ) from None
     with peer.store_lock:
         sqs = [float.fromhex(open_value(run_secret(), key, peer.store.get(key).decode())) for key in keys]
         if k > 0:
