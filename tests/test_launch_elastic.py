@@ -707,3 +707,25 @@ def test_bench_elastic_presets_are_elastic_configs(tmp_path, method):
     assert (cfg.outer.streaming.fragments, cfg.outer.streaming.tau) == ((2, 2) if method == "streaming" else (1, 0))
     assert cfg.compress.adaptive.enabled == (method == "dilocox-adaptive")
     assert ("Streaming" in describe(method, 8, 10)) == (method == "streaming")
+
+
+def test_elastic_launch_with_a_standby_lighthouse_hands_both_addresses_and_stops_both(tmp_path):
+    """``--standby-lighthouse``: a second lighthouse, its address after the first in every replica's
+    outer.elastic.lighthouse (the replicas' relays pick the first that listens), both stopped at the end."""
+    run_dir, got = tmp_path / "run", []
+    binds = iter(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+
+    def lh(bind):
+        return [sys.executable, "-c", f"import time; print('x: {next(binds)}', flush=True); time.sleep(120)"]
+
+    def replica(r, addr):
+        got.append(addr)
+        return [sys.executable, "-c", "pass"]
+
+    la = ElasticLaunch(2, replica, str(run_dir), env=ENV, lighthouse_argv=lh, timeout_s=60, stop_timeout_s=5,
+                       log=lambda m: None, standby=True)  # fmt: skip
+    assert la.run() == 0
+    assert got == ["http://127.0.0.1:1,http://127.0.0.1:2"] * 2
+    ev = _events(run_dir)
+    assert [(e["event"], e.get("standby")) for e in ev[:2]] == [("lighthouse", None), ("lighthouse", True)]
+    assert la.lighthouse.poll() is not None and la.standby_lighthouse.poll() is not None

@@ -156,6 +156,7 @@ def launch_elastic(
     latency: str | None = None,
     jitter: str | None = None,
     loss: str | None = None,
+    standby: bool = False,
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
@@ -198,6 +199,7 @@ def launch_elastic(
         lighthouse_opts=lighthouse_opts,
         log=log,
         clock=step_clock(run_dir, n) if at == "step" else None,
+        standby=standby,
     )
     cap = fmt_bandwidth(rate_bps) if rate_bps else "uncapped"
     if not use_netns:
@@ -240,6 +242,9 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="bound on the whole run in seconds")
     p.add_argument("--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: drop a silent replica after")
     p.add_argument("--join-timeout-ms", type=int, default=60000, help="lighthouse: wait for live stragglers")
+    p.add_argument(
+        "--standby-lighthouse", action="store_true", help="also start a standby lighthouse (docs/ELASTIC.md)"
+    )
     a, overrides = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     lh_opts = ["--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms), "--join-timeout-ms", str(a.join_timeout_ms)]
     from dilocox.config import ConfigError
@@ -260,6 +265,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
             latency=a.latency,
             jitter=a.jitter,
             loss=a.loss,
+            standby=a.standby_lighthouse,
         )
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)

@@ -15,7 +15,15 @@ import time
 import uuid
 from typing import Callable, Sequence
 
-from dilocox.distributed.procs import RUN_TAG_ENV, kill_group, kill_tagged, read_ready_line, spawn, tagged_pids
+from dilocox.distributed.procs import (
+    RUN_TAG_ENV,
+    kill_and_reap,
+    kill_group,
+    kill_tagged,
+    read_ready_line,
+    spawn,
+    tagged_pids,
+)
 from dilocox.elastic.schedule import Action, LaunchError, last_error, last_summary
 from dilocox.launch.netns import HUB_ADDR, Cluster
 
@@ -60,6 +68,7 @@ class ElasticLaunch:
         stop_timeout_s: float = 60.0,
         log: Callable[[str], None] | None = None,
         clock: Callable[[], float] | None = None,
+        standby: bool = False,
     ) -> None:
         if n < 1:
             raise LaunchError(f"--elastic {n}: the number of replicas must be >= 1")
@@ -86,6 +95,8 @@ class ElasticLaunch:
         self.launch_id = uuid.uuid4().hex[:12]
         self.replicas = [_Replica(r) for r in range(n)]
         self.lighthouse: subprocess.Popen | None = None
+        self.standby_lighthouse: subprocess.Popen | None = None
+        self.standby = standby
         self.lighthouse_addr = ""
         self.t0 = time.time()
         self.events_path = os.path.join(run_dir, "events.jsonl")
@@ -110,28 +121,48 @@ class ElasticLaunch:
         return self.cluster.exec(r, argv, env=env, **kw)
 
     def _start_lighthouse(self) -> None:
-        bind = f"{HUB_ADDR}:{LIGHTHOUSE_PORT}" if self.cluster is not None else "127.0.0.1:0"
-        err = open(os.path.join(self.run_dir, "lighthouse.log"), "a")
-        argv = self._lh_argv(bind)
-        self.lighthouse = self._popen(argv, self.env, None, stdout=subprocess.PIPE, stderr=err, text=True)
+        """The lighthouse, and with ``standby`` a second one (the replicas' relays use it while the first refuses
+        connections: dilocox/elastic/relay.py); ``lighthouse_addr`` lists both, primary first."""
+        in_hub = self.cluster is not None
+        self.lighthouse, addr = self._start_one_lighthouse(
+            f"{HUB_ADDR}:{LIGHTHOUSE_PORT}" if in_hub else "127.0.0.1:0", "lighthouse"
+        )
+        addrs = [addr]
+        self.event("lighthouse", address=addr, pid=self.lighthouse.pid)
+        self.log(f"dilocox launch: lighthouse at {addr}")
+        if self.standby:
+            self.standby_lighthouse, addr = self._start_one_lighthouse(
+                f"{HUB_ADDR}:{LIGHTHOUSE_PORT + 1}" if in_hub else "127.0.0.1:0", "lighthouse-standby"
+            )
+            addrs.append(addr)
+            self.event("lighthouse", address=addr, pid=self.standby_lighthouse.pid, standby=True)
+            self.log(f"dilocox launch: standby lighthouse at {addr}")
+        self.lighthouse_addr = ",".join(addrs)
+
+    def _start_one_lighthouse(self, bind: str, name: str) -> tuple[subprocess.Popen, str]:
+        err = open(os.path.join(self.run_dir, f"{name}.log"), "a")
+        proc = self._popen(self._lh_argv(bind), self.env, None, stdout=subprocess.PIPE, stderr=err, text=True)
         err.close()
+        if name == "lighthouse":
+            self.lighthouse = proc  # (stopped by _shutdown even if it never prints its address)
+        else:
+            self.standby_lighthouse = proc
         try:
-            m = read_ready_line(self.lighthouse, _ADDR_RE, LIGHTHOUSE_START_S, abort=lambda: bool(self._signals))
+            m = read_ready_line(proc, _ADDR_RE, LIGHTHOUSE_START_S, abort=lambda: bool(self._signals))
         except EOFError:
-            code = self.lighthouse.wait(timeout=10)
+            code = proc.wait(timeout=10)
             raise LaunchError(
-                f"the lighthouse exited ({code}) before printing its address; see {self.run_dir}/lighthouse.log"
+                f"the {name.replace('-', ' ')} exited ({code}) before printing its address; see {self.run_dir}/"
+                f"{name}.log"
             ) from None
         if m is None:
             raise LaunchError(
-                f"the lighthouse printed no address within {LIGHTHOUSE_START_S:.0f} s (see {self.run_dir}/"
-                f"lighthouse.log)"
+                f"the {name.replace('-', ' ')} printed no address within {LIGHTHOUSE_START_S:.0f} s (see "
+                f"{self.run_dir}/{name}.log)"
                 if not self._signals
                 else "interrupted while starting the lighthouse"
             )
-        self.lighthouse_addr = m.group(0)
-        self.event("lighthouse", address=self.lighthouse_addr, pid=self.lighthouse.pid)
-        self.log(f"dilocox launch: lighthouse at {self.lighthouse_addr}")
+        return proc, m.group(0)
 
     def _start_replica(self, rep: _Replica, kind: str) -> None:
         rep.incarnation += 1
@@ -298,12 +329,12 @@ class ElasticLaunch:
             if rep.proc is not None:
                 self._kill_replica(rep, signal.SIGKILL)
                 self._reap_replica(rep)
-        if self.lighthouse is not None and self.lighthouse.poll() is None:
-            kill_group(self.lighthouse.pid, signal.SIGTERM)
-            try:
-                self.lighthouse.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                kill_group(self.lighthouse.pid, signal.SIGKILL)
-                self.lighthouse.wait(timeout=10)
+        for lh in (self.standby_lighthouse, self.lighthouse):
+            if lh is not None and lh.poll() is None:
+                kill_group(lh.pid, signal.SIGTERM)
+                try:
+                    lh.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    kill_and_reap(lh, what="lighthouse")
         if self.lighthouse is not None and self._events is not None:
             self.event("lighthouse_stopped", code=self.lighthouse.returncode)
