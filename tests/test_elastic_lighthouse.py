@@ -376,6 +376,29 @@ def test_lighthouse_that_stays_down_gives_the_clear_error_in_time(tmp_path, monk
             assert qt - 0.5 <= err[0]["wait_s"] <= qt + 1.5, s
 
 
+def _lighthouse_proc(root: str, env: dict, port: int, out):
+    """A real lighthouse on 127.0.0.1:``port`` for 2 replicas, in its own session (``failover.py lighthouse``)."""
+    import os
+    import subprocess
+    import sys
+
+    from dilocox.distributed.procs import spawn
+
+    cmd = [sys.executable, os.path.join(root, "dilocox", "elastic", "failover.py"), "lighthouse", "--min-replicas",
+           "2", "--bind", f"127.0.0.1:{port}", "--join-timeout-ms", "20000"]  # fmt: skip
+    return spawn(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _metrics(tmp_path, r: int) -> list[dict]:
+    import json
+
+    try:
+        with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError:
+        return []
+
+
 @pytest.mark.fault
 @pytest.mark.slow  # ~40-60 s: 2 replicas x 2 ranks of `dilocox train` and a lighthouse, on 2 cores
 def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tmp_path):
@@ -384,7 +407,6 @@ def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tm
     each replica keeps the quorum for both its ranks (``ReplicaAgreement``): both ranks log the kept quorum, the
     outer steps go on through the outage, both replicas finish with the same final validation loss (the same θ).
     Before, replicas of several ranks waited for the lighthouse (no kept quorum; a 2.5-2.7 s stall here)."""
-    import json
     import os
     import signal
     import subprocess
@@ -398,16 +420,10 @@ def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tm
     lh_log = open(tmp_path / "lighthouse.log", "ab")
 
     def lighthouse() -> subprocess.Popen:
-        cmd = [sys.executable, os.path.join(root, "dilocox", "elastic", "failover.py"), "lighthouse", "--min-replicas",
-               "2", "--bind", f"127.0.0.1:{port}", "--join-timeout-ms", "20000"]  # fmt: skip
-        return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=lh_log, stderr=subprocess.STDOUT)
+        return _lighthouse_proc(root, env, port, lh_log)
 
     def metrics(r: int) -> list[dict]:
-        try:
-            with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except OSError:
-            return []
+        return _metrics(tmp_path, r)
 
     procs = [lighthouse()]
     try:
@@ -557,7 +573,6 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
     SIGKILLed at step 20 and never comes back; the replicas' relays reconnect to the standby, which forms the next
     quorums; both replicas finish every step with the same final validation loss (the same θ), and each logs the
     move to the standby. Without a standby the same outage ends the run after quorum_timeout_s (tested above)."""
-    import json
     import os
     import subprocess
     import sys
@@ -571,16 +586,10 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
     subprocess.run([sys.executable, "-m", "dilocox.cli", "secret", str(secret)], env=env, check=True, cwd=root)
 
     def lighthouse(port: int) -> subprocess.Popen:
-        cmd = [sys.executable, os.path.join(root, "dilocox", "elastic", "failover.py"), "lighthouse", "--min-replicas",
-               "2", "--bind", f"127.0.0.1:{port}", "--join-timeout-ms", "20000"]  # fmt: skip
-        return spawn(cmd, env=env, stdout=open(tmp_path / f"lh{port}.log", "ab"), stderr=subprocess.STDOUT)
+        return _lighthouse_proc(root, env, port, open(tmp_path / f"lh{port}.log", "ab"))
 
     def metrics(r: int) -> list[dict]:
-        try:
-            with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except OSError:
-            return []
+        return _metrics(tmp_path, r)
 
     lhs = [lighthouse(p) for p in ports]
     addrs = ",".join(f"http://127.0.0.1:{p}" for p in ports)

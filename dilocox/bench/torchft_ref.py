@@ -39,6 +39,7 @@ import time
 from datetime import timedelta
 
 from dilocox.bench.runner import write_config
+from dilocox.distributed.procs import child_env
 from dilocox.elastic.failover import check_torchft_version, quorum_id
 
 TRAIN_DEFAULTS = ("--train.eval_batches=4",)
@@ -411,15 +412,6 @@ def _worker_argv(
     ]
 
 
-def _worker_env() -> dict:
-    """The workers' environment: one OpenMP thread unless set, and this checkout first on ``PYTHONPATH``."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def run_reference(
     cfg_overrides: list[str],
     replicas: int,
@@ -462,7 +454,7 @@ def run_reference(
         out_dir,
         min_replicas=min_replicas,
         schedule=schedule,
-        env=_worker_env(),
+        env=child_env(),
         lighthouse_opts=[
             *("--heartbeat-timeout-ms", str(heartbeat_timeout_ms)),
             *("--join-timeout-ms", str(join_timeout_ms)),

@@ -26,6 +26,16 @@ log = logging.getLogger("dilocox.procs")
 RUN_TAG_ENV = "DILOCOX_RUN_TAG"  # every process of one run carries it (a /proc scan finds them all)
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment for a child of the run: one OpenMP thread unless set, and this checkout first on
+    ``PYTHONPATH`` (the children import dilocox from where this process did, installed or not)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def spawn(argv: list[str], **popen_kw) -> subprocess.Popen:
     """``subprocess.Popen(argv, **popen_kw)`` in a new session (process group = the child's pid)."""
     return subprocess.Popen(argv, start_new_session=True, **popen_kw)

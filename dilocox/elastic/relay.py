@@ -115,12 +115,7 @@ class LighthouseRelay:
         """Close a relayed pair (either side's end ends both directions)."""
         with self._lock:
             self._pairs = [x for x in self._pairs if a not in x[1:] and b not in x[1:]]
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _close(a, b)
 
     def _monitor(self) -> None:
         """Fail-back: close the pairs relayed to a later endpoint when an earlier one listens again."""
@@ -153,11 +148,16 @@ class LighthouseRelay:
         with self._lock:
             pairs, self._pairs = self._pairs, []
         for _, c, u in pairs:
-            for s in (c, u):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+            _close(c, u)
         for t in self._threads:
             t.join(timeout=2.0)
+
+
+def _close(*socks: socket.socket) -> None:
+    """Shut down (wakes a thread blocked in recv) and close each socket."""
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()

@@ -13,7 +13,6 @@ cap as ``DILOCOX_EMULATED_BANDWIDTH_BPS`` (bits/s) for the outer comm layer's to
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Sequence
 
 from dilocox.config import ConfigError, load_config
 from dilocox.distributed.comm import BANDWIDTH_ENV
+from dilocox.distributed.procs import child_env
 from dilocox.distributed.signals import supervise
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.launch.switch import parse_latency, parse_loss
@@ -90,7 +90,7 @@ def launch(
             raise ValueError("launch needs a config (or an explicit entry)")
         entry = ["-m", "dilocox.cli", "train", config, *overrides]
     rate_bps = None if rate is None else parse_bandwidth(rate)
-    env = _rank_env()
+    env = child_env()
     ok, why = netns_available()
     if emulation == "netns" and not ok:
         raise RuntimeError(f"emulation=netns requested but unavailable: {why}")
@@ -134,16 +134,6 @@ def _check_config(config: str, overrides: list[str], per_replica_nproc: int, sto
             f"pass --nproc-per-replica {inner}"
         )
     return stop_timeout_s
-
-
-def _rank_env() -> dict[str, str]:
-    """The ranks' environment: this one, one thread per rank by default, this checkout importable."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # the ranks import dilocox from the same checkout as this process, installed or not
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _run_token_bucket(
