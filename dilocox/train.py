@@ -515,6 +515,7 @@ def build_elastic_group(cfg: Config, topo):
         quorum_timeout_s=e.quorum_timeout_s,
         max_attempts=e.max_attempts,
         heartbeat_ms=e.heartbeat_ms,
+        lighthouse_auth=e.lighthouse_auth,
         host=host,
         secret=secret_for(cfg.security, "`dilocox launch --elastic` and elastic.sbatch write one into the run dir"),
         encrypt=cfg.security.encrypt,

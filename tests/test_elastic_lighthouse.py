@@ -622,3 +622,90 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
     finals = [next(x["summary"]["final_val_loss"] for x in metrics(r) if "summary" in x) for r in range(2)]
     assert finals[0] == finals[1], finals
     assert all(max(x.get("step", 0) for x in metrics(r)) == 80 for r in range(2))
+
+
+# ------------------------------------------------------------------------------------------ the lighthouse's guard
+def test_guard_lets_only_a_secret_holder_through_to_the_lighthouse(tmp_path):
+    """``dilocox lighthouse --secret-file``'s guard in front of a stand-in lighthouse (an echo server): a relay that
+    holds the secret is served; a stranger speaking HTTP/2 and a relay with another secret are closed without a
+    byte reaching the lighthouse, and counted."""
+    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
+
+    secret, other = b"s" * 32, b"o" * 32
+    inner = _Echo(b"L:")
+    reached = []
+    orig = inner._echo
+    inner._echo = lambda c: (reached.append(1), orig(c))
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret)
+    good = LighthouseRelay([("127.0.0.1", guard.port)], secret=secret)
+    bad = LighthouseRelay([("127.0.0.1", guard.port)], secret=other)
+    try:
+        assert _ask(good.address) == b"L:quorum?"
+        assert len(reached) == 1
+        with socket.create_connection(("127.0.0.1", guard.port), timeout=5) as s:  # a stranger: gRPC's preface
+            s.settimeout(6)
+            hello = s.recv(64)  # the guard's challenge, then nothing for a preface that proves nothing
+            assert hello.startswith(b"DXA1")
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 40)
+            try:
+                assert s.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+        assert _ask(bad.address) == b""  # the relay could not authenticate: it closes its client
+        time.sleep(0.2)
+        assert len(reached) == 1, "a connection without the secret reached the lighthouse"
+        assert guard.rejected >= 2
+    finally:
+        for x in (good, bad, guard, inner):
+            x.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_elastic_launch_with_an_authenticated_lighthouse_trains_and_refuses_a_stranger(tmp_path):
+    """``dilocox launch --elastic 2 --authenticate-lighthouse``: the replicas reach the quorum through the guard and
+    finish with the same final val loss; a stranger that connects to the lighthouse's public port mid-run and
+    talks gRPC is closed without reaching it (the guard logs the refusal)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dilocox.distributed.procs import kill_and_reap, spawn
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dilocox.cli", "launch", "--elastic", "2", "configs/tiny.yaml",
+           "--authenticate-lighthouse", "--no-netns", "--timeout", "240", "--outer.method=diloco",
+           "--outer.sync_every=5", "--train.steps=40", "--train.eval_every=0", "--model.n_layers=2",
+           f"--log.run_dir={run}"]  # fmt: skip
+    proc = spawn(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        addr, deadline = None, time.monotonic() + 120
+        while addr is None and time.monotonic() < deadline:
+            try:
+                with open(run / "events.jsonl") as f:
+                    addr = next((json.loads(x)["address"] for x in f if '"lighthouse"' in x), None)
+            except OSError:
+                pass
+            time.sleep(0.1)
+        assert addr, "no lighthouse address"
+        host, port = lighthouse_endpoints(addr)[0]
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.settimeout(8)
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 40)
+            got = b""
+            try:
+                while chunk := s.recv(1024):
+                    got += chunk
+            except ConnectionResetError:
+                pass
+            assert got[:4] == b"DXA1" and len(got) == 36, got  # the challenge, then closed: nothing of torchft's
+        out, _ = proc.communicate(timeout=max(1.0, deadline + 120 - time.monotonic()))
+    finally:
+        kill_and_reap(proc)
+    assert proc.returncode == 0, out[-3000:]
+    finals = [line for line in out.splitlines() if "final val loss" in line]
+    assert len(finals) == 2 and finals[0].split("final val loss")[1][:8] == finals[1].split("final val loss")[1][:8]
+    assert "lighthouse guard: refused" in (run / "lighthouse.log").read_text()

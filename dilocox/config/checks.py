@@ -445,6 +445,15 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
         _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
 
 
+def check_lighthouse_auth(o: OuterConfig, sec: Any) -> None:
+    if o.elastic.lighthouse_auth and not sec.authenticate:
+        _fail(
+            "outer.elastic.lighthouse_auth",
+            True,
+            "needs security.authenticate=true (the replicas prove the run secret to the lighthouse's guard)",
+        )
+
+
 def check_swarm_activations(s: SwarmConfig, m: ModelConfig) -> None:
     """The activation codec against the model (issue 24): a subspace codec needs the constrained model."""
     b = s.activation_block

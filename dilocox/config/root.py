@@ -18,6 +18,7 @@ from dilocox.config.checks import (
     check_data,
     check_elastic,
     check_field_values,
+    check_lighthouse_auth,
     check_model_layout,
     check_muon_layout,
     check_optim,
@@ -84,6 +85,7 @@ def validate(cfg: Config) -> None:
     check_train(cfg.train)
     if cfg.outer.elastic.enabled:
         check_elastic(cfg.outer, cfg.parallel)
+        check_lighthouse_auth(cfg.outer, cfg.security)
     check_swarm(cfg.swarm, cfg.outer)
     check_swarm_activations(cfg.swarm, cfg.model)
     check_security(cfg.security)

@@ -155,6 +155,9 @@ class ElasticSection:
     quorum_timeout_s: float = 120.0  # bound on forming a quorum and on the wait below min_replicas
     max_attempts: int = 3  # retries of one outer step whose all-reduce failed (a replica died in flight)
     heartbeat_ms: int = 100  # how often the replica heartbeats the lighthouse
+    lighthouse_auth: bool = False  # true: the lighthouse(s) run with `dilocox lighthouse --secret-file` (a guard in
+    # front of torchft's server) and the replica proves the run secret on every connection to them (needs
+    # security.authenticate); `dilocox launch --elastic --authenticate-lighthouse` sets both (docs/SECURITY.md)
 
 
 @dataclass

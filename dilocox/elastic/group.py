@@ -103,6 +103,7 @@ class ElasticConfig:
     quorum_timeout_s: bound on forming a quorum, and on waiting below ``min_replicas``.
     max_attempts: retries of one outer step after a failed all-reduce.
     heartbeat_ms: how often the replica's manager heartbeats the lighthouse.
+    lighthouse_auth: the lighthouse(s) sit behind a ``LighthouseGuard``: connect through a relay that proves ``secret``.
     host: address this replica advertises and binds its store and its state server to (loopback by default).
     secret: the run secret (``security.secret_file``): a joiner's state transfer is authenticated both ways
         (``elastic/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
@@ -119,6 +120,7 @@ class ElasticConfig:
     quorum_timeout_s: float = _SECTION.quorum_timeout_s
     max_attempts: int = _SECTION.max_attempts
     heartbeat_ms: int = _SECTION.heartbeat_ms
+    lighthouse_auth: bool = _SECTION.lighthouse_auth
     host: str = "127.0.0.1"
     secret: bytes | None = field(default=None, repr=False)
     encrypt: bool = False
@@ -151,6 +153,8 @@ class ElasticConfig:
             raise bad("max_attempts", "use an integer >= 1")
         if not (isinstance(self.heartbeat_ms, int) and self.heartbeat_ms >= 1):
             raise bad("heartbeat_ms", "use an integer >= 1 (milliseconds)")
+        if self.lighthouse_auth and not self.secret:
+            raise bad("lighthouse_auth", "needs the run secret (security.authenticate=true, security.secret_file)")
 
 
 @dataclass
@@ -289,7 +293,8 @@ class ElasticOuterGroup:
         # a primary and its standbys (http://a:p,http://b:q): the Manager talks to a local relay that forwards to the
         # first one that listens (dilocox/elastic/relay.py; docs/ELASTIC.md "A standby lighthouse")
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
-        self.relay = LighthouseRelay(endpoints) if len(endpoints) > 1 else None
+        auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
+        self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
         try:
             self._manager = self._new_manager(Manager, store)
         except BaseException:

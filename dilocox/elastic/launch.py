@@ -129,6 +129,20 @@ def _replica_env() -> dict[str, str]:
     return env
 
 
+def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthouse: bool) -> tuple[list, list]:
+    """The replicas' overrides and the lighthouse's options for the run secret (docs/SECURITY.md): the replicas read
+    it from a file, by path; with ``auth_lighthouse`` the lighthouse(s) sit behind a guard that wants it."""
+    overrides, lighthouse_opts = list(overrides), list(lighthouse_opts)
+    if cfg.security.authenticate:
+        overrides.append(f"--security.secret_file={_run_secret(cfg, run_dir)}")
+    if auth_lighthouse:
+        if not cfg.security.authenticate:
+            raise LaunchError("--authenticate-lighthouse needs security.authenticate=true (the run secret)")
+        overrides.append("--outer.elastic.lighthouse_auth=true")
+        lighthouse_opts += ["--secret-file", _run_secret(cfg, run_dir)]
+    return overrides, lighthouse_opts
+
+
 def _run_secret(cfg, run_dir: str) -> str:
     """The path of the run secret (docs/SECURITY.md), created if missing; the replicas read it from that file."""
     path = os.path.abspath(cfg.security.secret_file or os.path.join(run_dir, "secret"))
@@ -157,6 +171,7 @@ def launch_elastic(
     jitter: str | None = None,
     loss: str | None = None,
     standby: bool = False,
+    auth_lighthouse: bool = False,
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
@@ -185,8 +200,7 @@ def launch_elastic(
     rate_bps = None if bandwidth is None else parse_bandwidth(bandwidth)
     env = _replica_env()
     os.makedirs(run_dir, exist_ok=True)
-    if cfg.security.authenticate:  # the run secret (docs/SECURITY.md): replicas read it from a file, by path
-        overrides = [*overrides, f"--security.secret_file={_run_secret(cfg, run_dir)}"]
+    overrides, lighthouse_opts = _security_args(cfg, run_dir, overrides, lighthouse_opts, auth_lighthouse)
 
     def argv(r: int, addr: str) -> list[str]:
         return train_argv(config, r, n, nproc, addr, min_replicas, run_dir, overrides)
@@ -245,6 +259,11 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--standby-lighthouse", action="store_true", help="also start a standby lighthouse (docs/ELASTIC.md)"
     )
+    p.add_argument(
+        "--authenticate-lighthouse",
+        action="store_true",
+        help="the lighthouse(s) accept only connections that prove the run secret (docs/SECURITY.md)",
+    )
     a, overrides = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     lh_opts = ["--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms), "--join-timeout-ms", str(a.join_timeout_ms)]
     from dilocox.config import ConfigError
@@ -266,6 +285,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
             jitter=a.jitter,
             loss=a.loss,
             standby=a.standby_lighthouse,
+            auth_lighthouse=a.authenticate_lighthouse,
         )
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)

@@ -12,11 +12,7 @@ import threading
 from typing import Sequence
 
 
-def lighthouse_main(argv: Sequence[str] | None = None) -> int:
-    """``dilocox lighthouse``: a torchft lighthouse in the foreground until SIGINT/SIGTERM (exit 0).
-
-    The first line of stdout is ``dilocox lighthouse: http://HOST:PORT ...``: the address to give the replicas
-    as ``--outer.elastic.lighthouse`` (HOST is the bind host, or this machine's name when bound to all)."""
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dilocox lighthouse", description=lighthouse_main.__doc__)
     p.add_argument("--min-replicas", type=int, required=True, help="fewest replicas a quorum may have")
     p.add_argument("--bind", default="0.0.0.0:0", help="HOST:PORT to listen on (port 0: any free port)")
@@ -29,6 +25,21 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
         default=60000,
         help="how long a quorum waits for live stragglers; keep it above the replicas' phase-time skew",
     )
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help="the run secret: torchft listens on loopback only and every connection to --bind must prove the secret "
+        "first (the replicas set outer.elastic.lighthouse_auth=true; docs/SECURITY.md)",
+    )
+    return p
+
+
+def lighthouse_main(argv: Sequence[str] | None = None) -> int:
+    """``dilocox lighthouse``: a torchft lighthouse in the foreground until SIGINT/SIGTERM (exit 0).
+
+    The first line of stdout is ``dilocox lighthouse: http://HOST:PORT ...``: the address to give the replicas
+    as ``--outer.elastic.lighthouse`` (HOST is the bind host, or this machine's name when bound to all)."""
+    p = _parser()
     a = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if a.min_replicas < 1:
         p.error(f"--min-replicas {a.min_replicas} must be >= 1")
@@ -49,21 +60,37 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
     try:
         from dilocox.elastic import start_lighthouse
 
+        guard = None
         try:
+            secret = _secret(a.secret_file)
             lh = start_lighthouse(
                 a.min_replicas,
-                bind=a.bind,
+                bind="127.0.0.1:0" if secret else a.bind,
                 heartbeat_timeout_ms=a.heartbeat_timeout_ms,
                 join_timeout_ms=a.join_timeout_ms,
             )
+            if secret:  # the public port is the guard's; torchft's own port is reachable from this host only
+                from dilocox.elastic.relay import LighthouseGuard
+
+                inner = int(lh.address().rsplit(":", 1)[1])
+                guard = LighthouseGuard((host.strip("[]"), int(port)), ("127.0.0.1", inner), secret)
         except ImportError as e:
             print(f"dilocox lighthouse: needs torchft: pip install torchft==0.2.0 ({e})", file=sys.stderr)
+            return 2
+        except ValueError as e:  # the secret file: one line naming it and the fix
+            print(f"dilocox lighthouse: {e}", file=sys.stderr)
             return 2
         except Exception as e:  # noqa: BLE001 - e.g. the port is taken: one line naming the bind address
             print(f"dilocox lighthouse: cannot listen on {a.bind}: {e}", file=sys.stderr)
             return 1
-        real_port = lh.address().rsplit(":", 1)[1]
-        shown = lh.address() if host in ("0.0.0.0", "[::]", "::") else f"http://{host}:{real_port}"
+        if guard is None:
+            real_port = lh.address().rsplit(":", 1)[1]
+            shown = lh.address() if host in ("0.0.0.0", "[::]", "::") else f"http://{host}:{real_port}"
+        else:
+            import socket
+
+            real_port = guard.port
+            shown = f"http://{socket.gethostname() if host in ('0.0.0.0', '[::]', '::') else host}:{real_port}"
         print(
             f"dilocox lighthouse: {shown} (min_replicas={a.min_replicas}, heartbeat_timeout_ms="
             f"{a.heartbeat_timeout_ms}, join_timeout_ms={a.join_timeout_ms}); stop with Ctrl-C or SIGTERM",
@@ -73,6 +100,8 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
             while not stop.wait(0.5):
                 pass
         finally:
+            if guard is not None:
+                guard.close()
             lh.shutdown()
         name = signal.Signals(got[0]).name if got else "?"
         print(f"dilocox lighthouse: stopped ({name})", file=sys.stderr, flush=True)
@@ -80,3 +109,11 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
     finally:
         for sig, h in prev.items():
             signal.signal(sig, h)
+
+
+def _secret(path: str) -> bytes | None:
+    if not path:
+        return None
+    from dilocox.security import load_secret
+
+    return load_secret(path)

@@ -27,6 +27,10 @@ import socket
 import threading
 import time
 
+from dilocox.security import AuthError, client_handshake, server_handshake
+
+AUTH_TIMEOUT_S = 5.0  # a handshake with a lighthouse guard (either side) completes within this
+
 log = logging.getLogger("dilocox.elastic")
 
 
@@ -39,11 +43,13 @@ class LighthouseRelay:
         connect_timeout_s: float = 1.0,
         check_every_s: float = 1.0,
         host: str = "127.0.0.1",
+        secret: bytes | None = None,
     ):
         if not endpoints:
             raise ValueError("LighthouseRelay needs at least one lighthouse endpoint")
         self.endpoints = list(endpoints)
         self.connect_timeout_s = connect_timeout_s
+        self.secret = secret  # set: every lighthouse is behind a LighthouseGuard; the relay proves the secret to it
         self.check_every_s = check_every_s
         self._srv = socket.create_server((host, 0))
         self._srv.settimeout(0.5)  # the accept loop looks at `closed` at least this often
@@ -65,9 +71,17 @@ class LighthouseRelay:
         """A connection to the first endpoint (before index ``upto``) that accepts one; None if none does."""
         for i, (h, p) in enumerate(self.endpoints[:upto]):
             try:
-                return i, socket.create_connection((h, p), timeout=self.connect_timeout_s)
+                s = socket.create_connection((h, p), timeout=self.connect_timeout_s)
             except OSError:
                 continue
+            if self.secret is not None:
+                try:  # both sides prove the run secret before a byte of torchft's traffic is relayed
+                    client_handshake(s, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
+                except (OSError, AuthError) as e:
+                    log.warning("lighthouse relay %s: %s:%d failed authentication: %s", self.address, h, p, e)
+                    _close(s)
+                    continue
+            return i, s
         return None
 
     def _accept_loop(self) -> None:
@@ -101,14 +115,7 @@ class LighthouseRelay:
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
+        _copy(src, dst)
         self._drop(src, dst)
 
     def _drop(self, a: socket.socket, b: socket.socket) -> None:
@@ -161,3 +168,80 @@ def _close(*socks: socket.socket) -> None:
         except OSError:
             pass
         s.close()
+
+
+def _copy(src: socket.socket, dst: socket.socket) -> None:
+    """Bytes from ``src`` to ``dst`` until either side ends (EOF or an error)."""
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                return
+            dst.sendall(data)
+    except OSError:
+        return
+
+
+class LighthouseGuard:
+    """``dilocox lighthouse --secret-file F`` (issue 21): the public port in front of torchft's lighthouse, which
+    then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
+    dilocox/security.py, within ``AUTH_TIMEOUT_S``) before it is piped to the lighthouse; a stranger is closed
+    without a byte reaching torchft, so it cannot join a quorum (and so take part in the outer all-reduce). At most
+    ``max_pending`` connections are in their handshake at once (the rest wait in the listen backlog); a failed one
+    is logged once per source address and counted in ``rejected``. The replicas' side is ``LighthouseRelay(...,
+    secret=)`` (``outer.elastic.lighthouse_auth``). Authentication only: the relayed gRPC bytes are not encrypted."""
+
+    def __init__(self, bind: tuple[str, int], upstream: tuple[str, int], secret: bytes, max_pending: int = 32):
+        self.upstream, self.secret = upstream, secret
+        self._srv = socket.create_server(bind, family=socket.AF_INET6 if ":" in bind[0] else socket.AF_INET)
+        self._srv.settimeout(0.5)
+        self.port = self._srv.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(max_pending)
+        self.rejected, self._logged = 0, set()
+        self.closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="lighthouse-guard", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            if not self._slots.acquire(timeout=0.5):
+                continue
+            try:
+                conn, peer = self._srv.accept()
+            except TimeoutError:
+                self._slots.release()
+                continue
+            except OSError:
+                self._slots.release()
+                return
+            threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, ip: str) -> None:
+        try:
+            try:
+                server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
+            except (OSError, AuthError) as e:
+                self.rejected += 1
+                if ip not in self._logged:  # once per address: probes and floods do not flood the log
+                    self._logged.add(ip)
+                    log.warning("lighthouse guard: refused %s (%s)", ip, e or type(e).__name__)
+                _close(conn)
+                return
+            try:
+                up = socket.create_connection(self.upstream, timeout=AUTH_TIMEOUT_S)
+            except OSError:
+                _close(conn)
+                return
+        finally:
+            self._slots.release()
+        conn.settimeout(None)
+        up.settimeout(None)
+        t = threading.Thread(target=lambda: (_copy(up, conn), _close(up, conn)), daemon=True)
+        t.start()
+        _copy(conn, up)
+        _close(conn, up)
+
+    def close(self) -> None:
+        self.closed = True
+        _close(self._srv)
+        self._thread.join(timeout=2.0)
