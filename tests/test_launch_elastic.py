@@ -377,12 +377,12 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
             f"{first}:29500 --rdzv_id 42-r{r} -m dilocox.cli train configs/x.yaml --train.steps=3 "
             f"--parallel.replicas=1 --outer.elastic.enabled=true --outer.elastic.lighthouse={lh} "
             f"--outer.elastic.replica_rank={r} --outer.elastic.min_replicas=1 --outer.elastic.initial_replicas=2 "
-            f"--log.run_dir={run}/replica{r} --security.secret_file={run}/secret"
+            f"--log.run_dir={run}/replica{r} --security.secret_file={run}/secret --outer.elastic.lighthouse_auth=true"
         )
 
     want = [
         "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29510 --heartbeat-timeout-ms 5000 "
-        "--join-timeout-ms 60000",
+        f"--join-timeout-ms 60000 --secret-file {run}/secret",
         replica(0, "gpu03", "gpu03"),
         replica(0, "gpu04", "gpu03"),
         replica(1, "gpu07", "gpu07"),
@@ -397,6 +397,13 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
     p2, _ = run_elastic_sbatch(tmp_path, "gpu03 gpu04 gpu07 gpu08", DILOCOX_NODES_PER_REPLICA="2")
     assert p2.returncode == 0, p2.stderr
     assert secret.read_text() == before
+    # DILOCOX_LIGHTHOUSE_AUTH=0: a plain lighthouse, and the replicas do not try to authenticate to it
+    (tmp_path / "plain").mkdir()
+    p3, plain = run_elastic_sbatch(
+        tmp_path / "plain", "gpu03 gpu04", DILOCOX_NODES_PER_REPLICA="1", DILOCOX_LIGHTHOUSE_AUTH="0"
+    )
+    assert p3.returncode == 0, p3.stderr
+    assert plain and not any("--secret-file" in x or "lighthouse_auth" in x for x in plain), plain
 
 
 def test_elastic_sbatch_rejects_uneven_layout(tmp_path):

@@ -376,6 +376,78 @@ def test_fuzz_the_rpc_server(mode):
         srv.close()
 
 
+def test_fuzz_the_lighthouse_guard():
+    """The lighthouse's guard (dilocox/elastic/relay.py) under random and mutated handshakes, each on its own
+    connection: random bytes, a replayed or truncated client proof, a proof under another secret, gRPC's preface, a
+    silent close. Nothing reaches the lighthouse behind it, no thread raises, memory stays flat, and a genuine
+    relay is served at the end. 1,500 connections here; DILOCOX_FUZZ_N=10000 for the issue's count."""
+    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
+    from dilocox.security import _mac
+
+    n = int(os.environ.get("DILOCOX_FUZZ_N", "1500"))
+    reached = []
+    inner = socket.create_server(("127.0.0.1", 0))
+
+    def lighthouse():  # stands in for torchft: counts who reached it, answers "ok"
+        while True:
+            try:
+                c, _ = inner.accept()
+            except OSError:
+                return
+            reached.append(1)
+            with c:
+                c.recv(64)
+                c.sendall(b"ok")
+
+    threading.Thread(target=lighthouse, daemon=True).start()
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.getsockname()[1]), SECRET, max_pending=64)
+    rng = random.Random(7)
+    crashes: list = []
+    hook, threading.excepthook = threading.excepthook, lambda args: crashes.append(args.exc_value)
+    before = _rss_mb()
+    try:
+        for i in range(n):
+            with socket.create_connection(("127.0.0.1", guard.port), timeout=5) as s:
+                s.settimeout(5)
+                try:
+                    hello = s.recv(36)
+                    cs, cc = hello[4:], rng.randbytes(32)
+                    kind = i % 6
+                    if kind == 0:
+                        s.sendall(rng.randbytes(rng.randrange(1, 200)))
+                    elif kind == 1:  # a proof for another challenge (a replay of an earlier handshake)
+                        s.sendall(cc + _mac(SECRET, b"client", rng.randbytes(32), cc))
+                    elif kind == 2:  # truncated proof, then close
+                        s.sendall((cc + _mac(SECRET, b"client", cs, cc))[: rng.randrange(1, 64)])
+                    elif kind == 3:  # another run's secret
+                        s.sendall(cc + _mac(b"x" * 32, b"client", cs, cc))
+                    elif kind == 4:
+                        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                    s.shutdown(socket.SHUT_WR)
+                    _closed(s, 6.0)
+                except OSError:
+                    pass
+        time.sleep(0.2)
+        grown = _rss_mb() - before
+        assert grown < 64, f"resident memory grew {grown:.0f} MiB"
+        assert not crashes, crashes[:3]
+        assert reached == [], f"{len(reached)} connection(s) without the secret reached the lighthouse"
+        assert guard.rejected >= n - n // 6  # every one but the silent closes counted (those may end as EOF too)
+        relay = LighthouseRelay([("127.0.0.1", guard.port)], secret=SECRET)
+        try:
+            host, port = relay.address.removeprefix("http://").rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5) as c:
+                c.settimeout(5)
+                c.sendall(b"hi")
+                assert c.recv(16) == b"ok" and reached == [1]
+        finally:
+            relay.close()
+    finally:
+        threading.excepthook = hook
+        guard.close()
+        inner.close()
+
+
 def test_bench_rpc_measures_plain_and_authenticated_calls(tmp_path):
     from dilocox.bench import rpc
     from dilocox.config import load_config
