@@ -198,6 +198,7 @@ class LighthouseGuard:
         self.port = self._srv.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_pending)
         self.rejected, self._logged = 0, set()
+        self._count_lock = threading.Lock()  # (handshakes run on their own threads)
         self.closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="lighthouse-guard", daemon=True)
         self._thread.start()
@@ -221,9 +222,11 @@ class LighthouseGuard:
             try:
                 server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
             except (OSError, AuthError) as e:
-                self.rejected += 1
-                if ip not in self._logged:  # once per address: probes and floods do not flood the log
+                with self._count_lock:
+                    self.rejected += 1
+                    first = ip not in self._logged
                     self._logged.add(ip)
+                if first:  # once per address: probes and floods do not flood the log
                     log.warning("lighthouse guard: refused %s (%s)", ip, e or type(e).__name__)
                 _close(conn)
                 return
