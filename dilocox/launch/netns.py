@@ -84,6 +84,21 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return p
 
 
+# The emulated links carry IPv4 only. With IPv6 on, every veth sends Router Solicitations for the life of the
+# run (70-byte ICMPv6 frames at a backoff of 4, 8, 16 ... s: net.ipv6.conf.*.router_solicitations = -1) and MLD
+# reports at link-up: frames that cross a replica link without being dilocox's (they were the "unknown 4-byte
+# sender" of test_replicas_quiet: 70 = 66 bytes of Ethernet + IPv4 + TCP headers + 4). Off in every namespace.
+IPV6_OFF = ("net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+
+
+def _add_namespace(name: str) -> None:
+    """``ip netns add`` + loopback up + IPv6 off (before any link is made in it; a kernel without IPv6 has
+    nothing to turn off)."""
+    _ip("ip", "netns", "add", name)
+    _ip("ip", "netns", "exec", name, "sysctl", "-q", "-w", *IPV6_OFF, check=False)
+    _ip("ip", "-n", name, "link", "set", "lo", "up")
+
+
 def enter_netns(name: str) -> None:
     """setns(2) the calling thread into the named network namespace (``ip netns`` keeps it in /run/netns)."""
     fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY)
@@ -223,8 +238,7 @@ class Cluster:
 
     def _build(self) -> None:
         sw = self.switch
-        _ip("ip", "netns", "add", sw)
-        _ip("ip", "-n", sw, "link", "set", "lo", "up")
+        _add_namespace(sw)
         if self.delayed:  # the delay switch forwards between the ports; the hub is one more port (veth dxhub-dxhp)
             argv_sw = switch_argv([], self.rtt_ms, self.jitter_ms, self.loss)  # (checks the values, builds it)
             if self.hub:
@@ -239,8 +253,7 @@ class Cluster:
                 _ip("ip", "-n", sw, "addr", "add", f"{HUB_ADDR}/24", "dev", "dxbr")
         for r in range(self.n):
             ns, inner, outer = self.ns(r), self.ifname(r), f"dxs{r}"
-            _ip("ip", "netns", "add", ns)
-            _ip("ip", "-n", ns, "link", "set", "lo", "up")
+            _add_namespace(ns)
             _ip("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", sw)
             if self.delayed:
                 _ip("ip", "-n", sw, "link", "set", outer, "up")
