@@ -661,6 +661,43 @@ def test_guard_lets_only_a_secret_holder_through_to_the_lighthouse(tmp_path):
             x.close()
 
 
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_byte_changed_between_relay_and_guard_never_reaches_the_lighthouse(flip):
+    """Issue 21: after the handshake every chunk between a relay and the guard is framed and MACed (FramedPipe). A
+    tap on the path sees the frame ([4-byte length][chunk][32-byte MAC]); with one byte of the chunk flipped the
+    guard closes the pair and the lighthouse never sees the changed message (a hijacked connection cannot inject)."""
+    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
+    from tests.test_security import _Tap
+
+    secret = b"s" * 32
+    inner = _Echo(b"L:")
+    reached = bytearray()  # what the lighthouse received
+
+    def echo(c):
+        with c:
+            while data := c.recv(1024):
+                reached.extend(data)
+                c.sendall(b"L:" + data)
+
+    inner._echo = echo
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret)
+    hs = 32 + 32  # the relay's half of the handshake: its challenge and its proof
+    tap = _Tap(f"127.0.0.1:{guard.port}", flip_at=hs + 4 + 2 if flip else None)
+    relay = LighthouseRelay([("127.0.0.1", int(tap.addr.rsplit(":", 1)[1]))], secret=secret)
+    try:
+        got = _ask(relay.address)
+        time.sleep(0.3)
+        assert bytes(tap.seen[hs : hs + 4]) == len(b"quorum?").to_bytes(4, "big")
+        assert len(tap.seen) == hs + 4 + len(b"quorum?") + 32
+        if flip:
+            assert got == b"" and not reached  # the guard dropped the pair before a byte went on to the lighthouse
+        else:
+            assert got == b"L:quorum?" and reached == b"quorum?"
+    finally:
+        for x in (relay, tap, guard, inner):
+            x.close()
+
+
 def _auth_launch(tmp_path, name: str, noise: bool) -> tuple[int, str, list[str], Path]:
     """``dilocox launch --elastic 2 --authenticate-lighthouse`` of a short run into ``tmp_path/name``; with ``noise``
     a stranger hammers the lighthouse's public port (random bytes, gRPC's preface, silent connections) from the

@@ -521,7 +521,8 @@ def test_bench_elastic_loss_comparison_and_report(tmp_path):
 
 def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
     """The replica command: `dilocox train CONFIG --nproc P*T*D` with the elastic keys and RUN/replica{r}; the
-    bandwidth cap without namespaces goes to the token bucket per rank; the lighthouse gets the min replicas."""
+    bandwidth cap without namespaces goes to the token bucket per rank; the lighthouse gets the min replicas and, by
+    default, the run secret (its guard); --no-authenticate-lighthouse leaves it plain."""
     import dilocox.elastic.launch as L
 
     seen = {}
@@ -560,6 +561,7 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
         "--outer.method=diloco",
         "--train.steps=20",
         f"--security.secret_file={run}/secret",  # written by the launch (mode 0600), passed by path
+        "--outer.elastic.lighthouse_auth=true",  # the lighthouse is authenticated by default (behind a guard)
         "--parallel.replicas=1",
         "--outer.elastic.enabled=true",
         "--outer.elastic.lighthouse=http://10.1.2.3:4",
@@ -568,6 +570,15 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
         "--outer.elastic.initial_replicas=3",
         f"--log.run_dir={run}/replica1",
     ]
+    assert seen["lighthouse_opts"][-2:] == ["--secret-file", f"{run}/secret"]
+    L.launch_elastic(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        2,
+        ["--outer.method=diloco", "--log.run_dir", run],
+        auth_lighthouse=False,
+    )
+    assert "--secret-file" not in seen["lighthouse_opts"]
+    assert not any("lighthouse_auth" in x for x in seen["argv"][0])
     with pytest.raises(LaunchError, match="--min-replicas 4 must be in"):
         L.launch_elastic(os.path.join(ROOT, "configs", "tiny.yaml"), 3, [], min_replicas=4, netns=False)
 

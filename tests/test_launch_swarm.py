@@ -187,17 +187,18 @@ def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_
     p, lines = run_sbatch(tmp_path, "gpu03 gpu04 gpu07", peers="3,1,2")
     assert p.returncode == 0, p.stderr
     services = [ln for ln in lines if "dilocox.swarm.peer" not in ln]
+    run = str(tmp_path / "run")
+    auth = f"--secret-file {run}/secret"  # store and lighthouses behind guards (docs/SECURITY.md)
     assert services == sorted(
         [
-            "gpu03 python -m dilocox.cli swarm store --port 29520",
+            f"gpu03 python -m dilocox.cli swarm store --port 29520 {auth}",
             "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29530 --heartbeat-timeout-ms "
-            "5000 --join-timeout-ms 60000",
+            f"5000 --join-timeout-ms 60000 {auth}",
             "gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29532 --heartbeat-timeout-ms "
-            "5000 --join-timeout-ms 60000",
+            f"5000 --join-timeout-ms 60000 {auth}",
         ]
     ), services  # no lighthouse for stage 1: it has one peer
     peers = [ln for ln in lines if "dilocox.swarm.peer" in ln]
-    run = str(tmp_path / "run")
     want = []
     for n, (j, k) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]):
         node = ["gpu03", "gpu04", "gpu07"][n % 3]
@@ -205,10 +206,15 @@ def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_
         want.append(
             f"{node} python -m dilocox.swarm.peer --config configs/tiny.yaml --stage {j} --index {k} "
             f"--store gpu03:29520 --out {run}{lh} -- --train.steps=3 --swarm.peers_per_stage=[3,1,2] "
-            f"--security.secret_file={run}/secret --swarm.host={node}"
+            f"--security.secret_file={run}/secret --security.guard_services=true --swarm.host={node}"
         )
     assert peers == sorted(want)
     assert p.stdout.count("exited with 0") == 6
+    (tmp_path / "plain").mkdir()  # DILOCOX_LIGHTHOUSE_AUTH=0: plain services, and the peers are told so
+    p, lines = run_sbatch(tmp_path / "plain", "gpu03", peers="2", extra_env={"DILOCOX_LIGHTHOUSE_AUTH": "0"})
+    assert p.returncode == 0, p.stderr
+    assert not any("--secret-file" in ln for ln in lines), lines
+    assert all(ln.endswith("--security.guard_services=false --swarm.host=gpu03") for ln in lines if ".peer " in ln)
 
 
 def test_swarm_sbatch_with_rebalancing_starts_the_rebalancer_and_every_lighthouse(tmp_path):
@@ -216,14 +222,14 @@ def test_swarm_sbatch_with_rebalancing_starts_the_rebalancer_and_every_lighthous
     assert p.returncode == 0, p.stderr
     run = str(tmp_path / "run")
     services = [ln for ln in lines if "dilocox.swarm.peer" not in ln]
-    lh = "--heartbeat-timeout-ms 5000 --join-timeout-ms 60000"
+    lh = f"--heartbeat-timeout-ms 5000 --join-timeout-ms 60000 --secret-file {run}/secret"
     ovr = (
         f"--train.steps=3 --swarm.peers_per_stage=[2,1] --swarm.rebalance_period_s=300 "
-        f"--security.secret_file={run}/secret"
+        f"--security.secret_file={run}/secret --security.guard_services=true"
     )
     assert services == sorted(
         [
-            "gpu03 python -m dilocox.cli swarm store --port 29520",
+            f"gpu03 python -m dilocox.cli swarm store --port 29520 --secret-file {run}/secret",
             f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29530 {lh}",
             f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29531 {lh}",  # one-peer stage too
             f"gpu03 python -m dilocox.cli swarm rebalance --config configs/tiny.yaml --store gpu03:29520 --out {run} "

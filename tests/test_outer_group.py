@@ -75,6 +75,68 @@ def test_fixed_group_refuses_what_only_an_elastic_group_does():
         FixedGroup(None, 2)
 
 
+def _norm_check_rank(rank: int, world: int) -> dict:
+    """3 replicas; replica 2 sends 50x the others at call 0 and NaN at call 1; call 2 is honest; call 3 is an int8
+    codec with replica 1 far above."""
+    import torch.distributed as dist
+
+    g = FixedGroup(dist.group.WORLD, world, norm_check=4.0)
+    torch.manual_seed(200 + rank)
+    ts = [torch.randn(3, 4), torch.randn(5)]
+    outs, rejected = [], []
+    for call in range(3):
+        x = [t.clone() for t in ts]
+        if rank == 2 and call == 0:
+            x = [t * 50 for t in x]
+        if rank == 2 and call == 1:
+            x[1][2] = float("nan")
+        outs.append(g.allreduce_mean(x, step=call))
+        rejected.append((list(g.rejected), list(g.contributors)))
+    cc = CompressConfig(quant="int8", group_size=4)
+    codec = build_compressor(cc, [t.shape for t in ts], seed=3)
+    x = [t * 100 for t in ts] if rank == 1 else ts
+    outs.append(g.allreduce_mean(x, step=3, codec=codec))
+    rejected.append((list(g.rejected), list(g.contributors)))
+    return dict(ts=ts, outs=outs, rejected=rejected)
+
+
+def test_norm_check_leaves_an_outlier_or_a_nan_out_of_the_mean():
+    """outer.norm_check (issue 21): a replica 50x above the median, or with a NaN, is left out of the mean on every
+    replica (the mean of the other two, the same everywhere); an honest call averages all three; through a codec the
+    mean is rescaled to the accepted replicas'."""
+    out = run_ranks(3, _norm_check_rank, timeout=120)
+    ts = [o["ts"] for o in out]
+    mean = lambda who, i: sum(ts[r][i] for r in who) / len(who)  # noqa: E731
+    for o in out:
+        assert o["rejected"] == [([2], [0, 1]), ([2], [0, 1]), ([], [0, 1, 2]), ([1], [0, 2])]
+        for i in range(2):
+            torch.testing.assert_close(o["outs"][0][i], mean([0, 1], i), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(o["outs"][1][i], mean([0, 1], i), rtol=1e-6, atol=1e-7)
+            assert torch.isfinite(o["outs"][1][i]).all()
+            torch.testing.assert_close(o["outs"][2][i], mean([0, 1, 2], i), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(o["outs"][3][i], mean([0, 2], i), rtol=0.0, atol=0.05)  # int8 of the two
+            assert torch.equal(o["outs"][3][i], out[0]["outs"][3][i])
+
+
+def test_norm_check_rule_and_its_refusals():
+    from dilocox.config import ConfigError, load_config
+    from dilocox.outer.group import outliers
+
+    assert outliers([1.0, 1.2, 0.9, 9.0], 4.0) == [3]
+    assert outliers([1.0, float("inf"), 1.1], 4.0) == [1]
+    assert outliers([1.0, 100.0], 4.0) == []  # 2 replicas: the median is their mean, never exceeded 2x
+    with pytest.raises(ValueError, match="above 1"):
+        FixedGroup(None, 1, norm_check=0.5)
+    with pytest.raises(ConfigError, match="outer.norm_check"):
+        load_config(None, ["--outer.method=diloco", "--outer.norm_check=1"])
+    with pytest.raises(ConfigError, match="outer.overlap=eager"):
+        load_config(None, ["--outer.method=diloco", "--outer.overlap=eager", "--outer.norm_check=4"])
+    from dilocox.config import validate_swarm_layout
+
+    with pytest.raises(ConfigError, match="SWARM"):
+        validate_swarm_layout(load_config(None, ["--outer.norm_check=4"]))
+
+
 class _RecordingGroup(FixedGroup):
     """A one-replica group that claims to heal: records, at every all-reduce, what a joiner would receive."""
 

@@ -311,6 +311,17 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         )
     if o.lookahead > 0 and o.elastic.enabled:
         _fail("outer.lookahead", o.lookahead, "is not supported with outer.elastic.enabled yet; set outer.lookahead=0")
+    if o.norm_check and not o.norm_check > 1.0:
+        _fail("outer.norm_check", o.norm_check, "must be 0 (off) or above 1 (a ratio to the median norm), e.g. 4")
+    if o.norm_check and o.overlap == "eager":
+        _fail(
+            "outer.norm_check",
+            o.norm_check,
+            "does not combine with outer.overlap=eager (a replica left out has already applied its own pseudo-gradient "
+            "locally); use overlap none or delayed, or set it to 0",
+        )
+    if o.norm_check and o.elastic.enabled:
+        _fail("outer.norm_check", o.norm_check, "is not supported with outer.elastic.enabled yet; set it to 0")
 
 
 def check_compress(c: CompressConfig) -> None:

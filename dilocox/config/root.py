@@ -101,3 +101,5 @@ def validate_swarm_layout(cfg: Config) -> None:
         _fail("model.tie_embeddings", True, "must be false with more than one swarm stage (len(swarm.peers_per_stage))")
     if cfg.train.batch_size % s.microbatch_size:
         _fail("swarm.microbatch_size", s.microbatch_size, f"must divide train.batch_size={cfg.train.batch_size}")
+    if cfg.outer.norm_check:
+        _fail("outer.norm_check", cfg.outer.norm_check, "is not supported by SWARM's stage sync yet; set it to 0")

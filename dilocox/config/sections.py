@@ -157,7 +157,7 @@ class ElasticSection:
     heartbeat_ms: int = 100  # how often the replica heartbeats the lighthouse
     lighthouse_auth: bool = False  # true: the lighthouse(s) run with `dilocox lighthouse --secret-file` (a guard in
     # front of torchft's server) and the replica proves the run secret on every connection to them (needs
-    # security.authenticate); `dilocox launch --elastic --authenticate-lighthouse` sets both (docs/SECURITY.md)
+    # security.authenticate); `dilocox launch --elastic` sets both by default (docs/SECURITY.md)
 
 
 @dataclass
@@ -183,6 +183,10 @@ class OuterConfig:
     # every rank exits non-zero
     warn_after_s: float = 30.0  # log "waiting N s for the outer all-reduce with replica(s) ..." every this many
     # seconds while a wait lasts
+    norm_check: float = 0.0  # > 1: a replica whose pseudo-gradient norm (per shard) is not finite or above this x the
+    # median of the replicas' norms is left out of that outer step's mean, logged (0 = off; needs >= 3 replicas to
+    # ever reject; one float per replica more per sync; fixed replicas, overlap none|delayed: not outer.elastic,
+    # eager or SWARM; docs/SECURITY.md)
     elastic: ElasticSection = field(default_factory=ElasticSection)
 
 
@@ -332,6 +336,9 @@ class SecurityConfig:
     secret_file: str = ""  # the run secret (hex, mode 0600); "" = <out dir>/secret, written by `dilocox swarm` and
     # `dilocox launch --elastic` (RUN/secret) when absent. Give every host of a multi-host run the same file (never
     # put the secret on a command line)
+    guard_services: bool = True  # with authenticate: a SWARM job's address store and stage lighthouses listen on
+    # loopback behind a guard that wants the run secret; its peers reach them through a local relay that proves it
+    # (false: plain, as a `dilocox swarm store` / `dilocox lighthouse` started without --secret-file)
     encrypt: bool = False  # also encrypt every message of those connections (ChaCha20-Poly1305, key from the
     # handshake); needs authenticate. Costs CPU per byte: docs/BENCHMARKS.md (`dilocox bench rpc`). The gloo outer
     # all-reduce is not covered (docs/SECURITY.md)

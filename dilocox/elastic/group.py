@@ -178,6 +178,7 @@ def start_lighthouse(
     join_timeout_ms: int = 60000,
     quorum_tick_ms: int = 20,
     heartbeat_timeout_ms: int = 2000,
+    secret: bytes | None = None,
 ):
     """Start a torchft lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
 
@@ -187,16 +188,23 @@ def start_lighthouse(
     keep it above the replicas' phase-time skew, or a slow but live replica is left out of the
     step and falls behind for good (torchft's default is 60 s). A dead replica is dropped after
     ``heartbeat_timeout_ms`` whatever ``join_timeout_ms`` is (docs/ELASTIC.md).
+    ``secret``: torchft listens on 127.0.0.1 only and a ``LighthouseGuard`` holds ``bind``: only a client that
+    proves the run secret (a ``LighthouseRelay`` with it: ``ElasticConfig.lighthouse_auth``) reaches it.
     """
     from torchft.coordination import LighthouseServer  # lazy: torchft is optional
 
-    return LighthouseServer(
-        bind=bind,
+    lh = LighthouseServer(
+        bind="127.0.0.1:0" if secret else bind,
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=quorum_tick_ms,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
+    if not secret:
+        return lh
+    from dilocox.elastic.relay import GuardedLighthouse
+
+    return GuardedLighthouse(lh, bind, secret)
 
 
 class TorchftGroup(ExternalGroup):

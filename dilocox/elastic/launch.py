@@ -129,10 +129,13 @@ def _replica_env() -> dict[str, str]:
     return env
 
 
-def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthouse: bool) -> tuple[list, list]:
+def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthouse: bool | None) -> tuple[list, list]:
     """The replicas' overrides and the lighthouse's options for the run secret (docs/SECURITY.md): the replicas read
-    it from a file, by path; with ``auth_lighthouse`` the lighthouse(s) sit behind a guard that wants it."""
+    it from a file, by path; with ``auth_lighthouse`` (None: whenever the run authenticates, the default) the
+    lighthouse(s) sit behind a guard that wants it."""
     overrides, lighthouse_opts = list(overrides), list(lighthouse_opts)
+    if auth_lighthouse is None:
+        auth_lighthouse = bool(cfg.security.authenticate)
     if cfg.security.authenticate:
         overrides.append(f"--security.secret_file={_run_secret(cfg, run_dir)}")
     if auth_lighthouse:
@@ -171,7 +174,7 @@ def launch_elastic(
     jitter: str | None = None,
     loss: str | None = None,
     standby: bool = False,
-    auth_lighthouse: bool = False,
+    auth_lighthouse: bool | None = None,
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
@@ -261,8 +264,10 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--authenticate-lighthouse",
-        action="store_true",
-        help="the lighthouse(s) accept only connections that prove the run secret (docs/SECURITY.md)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the lighthouse(s) accept only connections that prove the run secret (default: whenever "
+        "security.authenticate, itself on by default; --no-authenticate-lighthouse for a plain one; docs/SECURITY.md)",
     )
     a, overrides = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     lh_opts = ["--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms), "--join-timeout-ms", str(a.join_timeout_ms)]

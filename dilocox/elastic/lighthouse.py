@@ -60,20 +60,14 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
     try:
         from dilocox.elastic import start_lighthouse
 
-        guard = None
         try:
-            secret = _secret(a.secret_file)
             lh = start_lighthouse(
                 a.min_replicas,
-                bind="127.0.0.1:0" if secret else a.bind,
+                bind=a.bind,
                 heartbeat_timeout_ms=a.heartbeat_timeout_ms,
                 join_timeout_ms=a.join_timeout_ms,
+                secret=_secret(a.secret_file),  # the public port is then a guard's; torchft's is on loopback
             )
-            if secret:  # the public port is the guard's; torchft's own port is reachable from this host only
-                from dilocox.elastic.relay import LighthouseGuard
-
-                inner = int(lh.address().rsplit(":", 1)[1])
-                guard = LighthouseGuard((host.strip("[]"), int(port)), ("127.0.0.1", inner), secret)
         except ImportError as e:
             print(f"dilocox lighthouse: needs torchft: pip install torchft==0.2.0 ({e})", file=sys.stderr)
             return 2
@@ -83,14 +77,8 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - e.g. the port is taken: one line naming the bind address
             print(f"dilocox lighthouse: cannot listen on {a.bind}: {e}", file=sys.stderr)
             return 1
-        if guard is None:
-            real_port = lh.address().rsplit(":", 1)[1]
-            shown = lh.address() if host in ("0.0.0.0", "[::]", "::") else f"http://{host}:{real_port}"
-        else:
-            import socket
-
-            real_port = guard.port
-            shown = f"http://{socket.gethostname() if host in ('0.0.0.0', '[::]', '::') else host}:{real_port}"
+        real_port = lh.address().rsplit(":", 1)[1]
+        shown = lh.address() if host in ("0.0.0.0", "[::]", "::") else f"http://{host}:{real_port}"
         print(
             f"dilocox lighthouse: {shown} (min_replicas={a.min_replicas}, heartbeat_timeout_ms="
             f"{a.heartbeat_timeout_ms}, join_timeout_ms={a.join_timeout_ms}); stop with Ctrl-C or SIGTERM",
@@ -100,8 +88,6 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
             while not stop.wait(0.5):
                 pass
         finally:
-            if guard is not None:
-                guard.close()
             lh.shutdown()
         name = signal.Signals(got[0]).name if got else "?"
         print(f"dilocox lighthouse: stopped ({name})", file=sys.stderr, flush=True)

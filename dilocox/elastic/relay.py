@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 
-from dilocox.security import AuthError, client_handshake, server_handshake
+from dilocox.security import MAC_BYTES, AuthError, Sealer, client_handshake, server_handshake
 
 AUTH_TIMEOUT_S = 5.0  # a handshake with a lighthouse guard (either side) completes within this
 
@@ -67,21 +67,23 @@ class LighthouseRelay:
             t.start()
 
     # ---------------------------------------------------------------- connections
-    def _connect(self, upto: int | None = None) -> tuple[int, socket.socket] | None:
-        """A connection to the first endpoint (before index ``upto``) that accepts one; None if none does."""
+    def _connect(self, upto: int | None = None) -> tuple[int, socket.socket, bytes | None] | None:
+        """(index, socket, session key or None) of a connection to the first endpoint (before index ``upto``) that
+        accepts one; None if none does."""
         for i, (h, p) in enumerate(self.endpoints[:upto]):
             try:
                 s = socket.create_connection((h, p), timeout=self.connect_timeout_s)
             except OSError:
                 continue
+            key = None
             if self.secret is not None:
                 try:  # both sides prove the run secret before a byte of torchft's traffic is relayed
-                    client_handshake(s, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
+                    key = client_handshake(s, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
                 except (OSError, AuthError) as e:
                     log.warning("lighthouse relay %s: %s:%d failed authentication: %s", self.address, h, p, e)
                     _close(s)
                     continue
-            return i, s
+            return i, s, key
         return None
 
     def _accept_loop(self) -> None:
@@ -96,7 +98,7 @@ class LighthouseRelay:
             if up is None:
                 client.close()  # no lighthouse listens: torchft sees its request fail, and retries (bounded)
                 continue
-            i, upstream = up
+            i, upstream, key = up
             upstream.settimeout(None)
             client.settimeout(None)
             with self._lock:
@@ -111,11 +113,16 @@ class LighthouseRelay:
                 role = "the primary" if i == 0 else f"standby {i} (the ones before it refuse connections)"
                 log.warning("lighthouse relay %s: now relaying to %s:%d, %s", self.address, h, p, role)
                 self._last_index = i
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            # to a guard: every relayed chunk is framed and MACed under the handshake's session key (FramedPipe)
+            pipe = FramedPipe(key, "client") if key is not None else None
+            for a, b, how in ((client, upstream, "seal"), (upstream, client, "open")):
+                threading.Thread(target=self._pump, args=(a, b, pipe, how), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        _copy(src, dst)
+    def _pump(self, src: socket.socket, dst: socket.socket, pipe: FramedPipe | None, how: str) -> None:
+        if pipe is None:
+            _copy(src, dst)
+        else:
+            pipe.copy(src, dst, how, "lighthouse relay")
         self._drop(src, dst)
 
     def _drop(self, a: socket.socket, b: socket.socket) -> None:
@@ -135,7 +142,7 @@ class LighthouseRelay:
             probe = self._connect(upto=worst)
             if probe is None:
                 continue
-            i, s = probe
+            i, s, _ = probe
             s.close()
             with self._lock:
                 moved = [(c, u) for j, c, u in self._pairs if j > i]
@@ -182,6 +189,56 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
         return
 
 
+class FramedPipe:
+    """The bytes between a ``LighthouseRelay`` and a ``LighthouseGuard`` after their handshake: each chunk one frame
+    ``[4-byte length][chunk][HMAC-SHA256(session key, direction | sequence number | chunk)]`` (``security.Sealer``),
+    so a byte injected, changed, replayed or reordered on the path (a hijacked TCP connection) fails its MAC and
+    ends the pair instead of reaching torchft. A length above ``MAX_FRAME`` is refused before anything is read.
+    Authentication only: gRPC's bytes are not encrypted. One thread per direction (each has its own counter)."""
+
+    MAX_FRAME = 65536
+
+    def __init__(self, key: bytes, role: str) -> None:
+        self.sealer = Sealer(key, role)
+
+    def copy(self, src: socket.socket, dst: socket.socket, how: str, who: str) -> None:
+        """``how`` = "seal": plain bytes from ``src`` framed onto ``dst``; "open": frames from ``src`` checked and
+        their bytes written to ``dst``. Returns when either side ends or a frame fails (logged)."""
+        try:
+            if how == "seal":
+                while data := src.recv(self.MAX_FRAME):
+                    h = self.sealer.sealer()
+                    h.update(data)
+                    dst.sendall(len(data).to_bytes(4, "big") + data + h.digest())
+                return
+            while head := _recv_exact(src, 4):
+                n = int.from_bytes(head, "big")
+                if not 0 < n <= self.MAX_FRAME:
+                    raise AuthError(f"a relayed frame claims {n} bytes (at most {self.MAX_FRAME})")
+                body = _recv_exact(src, n + MAC_BYTES)
+                if body is None:
+                    return
+                h = self.sealer.checker()
+                h.update(body[:n])
+                Sealer.verify(h, body[n:])
+                dst.sendall(body[:n])
+        except AuthError as e:
+            log.warning("%s: closed a relayed connection: %s", who, e)
+        except OSError:
+            return
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly ``n`` bytes, or None at EOF (before or inside them)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
 class LighthouseGuard:
     """``dilocox lighthouse --secret-file F`` (issue 21): the public port in front of torchft's lighthouse, which
     then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
@@ -193,7 +250,8 @@ class LighthouseGuard:
 
     def __init__(self, bind: tuple[str, int], upstream: tuple[str, int], secret: bytes, max_pending: int = 32):
         self.upstream, self.secret = upstream, secret
-        self._srv = socket.create_server(bind, family=socket.AF_INET6 if ":" in bind[0] else socket.AF_INET)
+        v6 = ":" in bind[0]  # "::" listens on IPv4 too, as torchft and TCPStore do
+        self._srv = socket.create_server(bind, family=socket.AF_INET6 if v6 else socket.AF_INET, dualstack_ipv6=v6)
         self._srv.settimeout(0.5)
         self.port = self._srv.getsockname()[1]
         self._slots = threading.BoundedSemaphore(max_pending)
@@ -220,7 +278,7 @@ class LighthouseGuard:
     def _serve(self, conn: socket.socket, ip: str) -> None:
         try:
             try:
-                server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
+                key = server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
             except (OSError, AuthError) as e:
                 with self._count_lock:
                     self.rejected += 1
@@ -239,12 +297,40 @@ class LighthouseGuard:
             self._slots.release()
         conn.settimeout(None)
         up.settimeout(None)
-        t = threading.Thread(target=lambda: (_copy(up, conn), _close(up, conn)), daemon=True)
+        pipe = FramedPipe(key, "server")  # the relay frames and MACs every chunk; so does this side
+        t = threading.Thread(target=lambda: (pipe.copy(up, conn, "seal", "lighthouse guard"), _close(up, conn)))
+        t.daemon = True
         t.start()
-        _copy(conn, up)
+        pipe.copy(conn, up, "open", "lighthouse guard")
         _close(conn, up)
 
     def close(self) -> None:
         self.closed = True
         _close(self._srv)
         self._thread.join(timeout=2.0)
+
+
+class GuardedLighthouse:
+    """A torchft lighthouse on 127.0.0.1 behind a ``LighthouseGuard`` on ``bind`` (``HOST:PORT``; port 0 = any): what
+    ``dilocox lighthouse --secret-file`` runs, and the stage lighthouses of an authenticated SWARM job. Duck-types
+    torchft's ``LighthouseServer`` (``address()``, ``shutdown()``); ``address()`` is the guard's public one."""
+
+    def __init__(self, lighthouse, bind: str, secret: bytes) -> None:
+        host, _, port = bind.rpartition(":")
+        self.host = host.strip("[]")
+        self.lighthouse = lighthouse
+        inner = int(lighthouse.address().rsplit(":", 1)[1])
+        try:
+            self.guard = LighthouseGuard((self.host, int(port)), ("127.0.0.1", inner), secret)
+        except BaseException:
+            lighthouse.shutdown()
+            raise
+        self.port = self.guard.port
+
+    def address(self) -> str:
+        shown = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{f'[{shown}]' if ':' in shown else shown}:{self.port}"
+
+    def shutdown(self) -> None:
+        self.guard.close()
+        self.lighthouse.shutdown()

@@ -51,7 +51,7 @@ class OuterBase:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.topo = topo
-        self.group: OuterGroup = group if group is not None else FixedGroup.of(topo)
+        self.group: OuterGroup = group if group is not None else FixedGroup.of(topo, ocfg.norm_check)
         self.R = len(topo.ranks["outer"]) if topo is not None else 1
         self.H = ocfg.sync_every
         self.outer_step = 0

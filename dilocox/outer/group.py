@@ -26,6 +26,8 @@ the outer step, then (a group that heals) snapshots what a joiner would get, the
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Callable, Protocol
 
 import torch
@@ -33,6 +35,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dilocox.compress.collectives import wire_bytes
+
+log = logging.getLogger("dilocox.outer")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs)
+    return 0.0 if k == 0 else (xs[k // 2] if k % 2 else 0.5 * (xs[k // 2 - 1] + xs[k // 2]))
+
+
+def outliers(norms: list[float], ratio: float) -> list[int]:
+    """The members whose norm is not finite or above ``ratio`` x the median of the finite norms (``outer.norm_check``;
+    the true median: with 2 members neither is ever above 2 x their mean, so the check needs 3 or more)."""
+    med = _median([n for n in norms if math.isfinite(n)])
+    return [i for i, n in enumerate(norms) if not math.isfinite(n) or n > ratio * med]
 
 
 class OuterGroup(Protocol):
@@ -61,23 +78,33 @@ class OuterGroup(Protocol):
 class FixedGroup:
     """The replicas of one job: a ``torch.distributed`` process group over the same shard of every replica
     (``topo.group("outer")``), or None for a single replica (nothing is sent; a codec still applies its local round
-    trip, so one replica sees the same compression error as many). Every member contributes to every call."""
+    trip, so one replica sees the same compression error as many). Every member takes part in every call.
+
+    ``norm_check`` = c > 0 (``outer.norm_check``, docs/SECURITY.md): before each mean the members all-gather the
+    L2 norm of what they are about to send (one float each); a member whose norm is not finite or above c x the
+    median of the finite ones is left out of that call's mean (it sends zeros; the mean is over the others) and
+    ``rejected`` names it, the same on every member. Per shard: each rank's outer group checks its own tensors.
+    The norms are self-reported: this stops a faulty replica (diverged, NaN), not a key holder that lies."""
 
     heals = False
 
-    def __init__(self, pg, size: int = 1) -> None:
+    def __init__(self, pg, size: int = 1, norm_check: float = 0.0) -> None:
         if pg is None and size != 1:
             raise ValueError(f"FixedGroup: {size} replicas need a process group")
-        self.pg, self.size = pg, size
+        if norm_check and norm_check <= 1.0:
+            raise ValueError(f"FixedGroup: norm_check={norm_check} must be 0 (off) or above 1 (a ratio to the median)")
+        self.pg, self.size, self.norm_check = pg, size, float(norm_check)
         self.contributors = list(range(size))
+        self.rejected: list[int] = []  # of the last call (norm_check)
+        self.norms: list[float] = []  # every member's norm at the last call (norm_check)
         self.agreed: int | None = None
 
     @classmethod
-    def of(cls, topo) -> FixedGroup:
+    def of(cls, topo, norm_check: float = 0.0) -> FixedGroup:
         """The outer group of this rank in the Topology ``topo`` (None: a single process)."""
         if topo is None:
             return cls(None)
-        return cls(topo.group("outer"), len(topo.ranks["outer"]))
+        return cls(topo.group("outer"), len(topo.ranks["outer"]), norm_check)
 
     def allreduce_mean(
         self,
@@ -100,8 +127,16 @@ class FixedGroup:
             if self.pg is not None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
             self.agreed = int(t.item())
+        scale = 1.0
+        if self.norm_check and self.pg is not None:
+            tensors, scale = self._check_norms(tensors, step)
         if codec is not None:
-            return codec.allreduce_mean(tensors, self.pg, step, stats)
+            out = codec.allreduce_mean(tensors, self.pg, step, stats)
+        else:
+            out = self._plain_mean(tensors, stats)
+        return out if scale == 1.0 else [o.mul_(scale) for o in out]
+
+    def _plain_mean(self, tensors: list[Tensor], stats) -> list[Tensor]:
         out = [t.detach().float().clone() for t in tensors]
         if self.pg is not None:
             flat = torch.cat([t.reshape(-1) for t in out]) if out else torch.zeros(0)
@@ -112,6 +147,34 @@ class FixedGroup:
                 stats.add(b, b, 0.0)
             out = [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in out]), out)]
         return out
+
+    def _check_norms(self, tensors: list[Tensor], step: int) -> tuple[list[Tensor], float]:
+        """``norm_check``: all-gather the members' norms; (this member's inputs, or zeros if it is left out; the
+        factor that turns the mean over all members into the mean over the accepted ones)."""
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        sq = sum((t.detach().double().pow(2).sum() for t in tensors), torch.zeros((), dtype=torch.float64, device=dev))
+        mine = sq.sqrt().reshape(1).to(dev)
+        gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(gathered, mine, group=self.pg)
+        self.norms = [float(g.item()) for g in gathered]
+        self.rejected = outliers(self.norms, self.norm_check)
+        if len(self.rejected) == self.size:
+            raise RuntimeError(
+                f"outer step {step}: every replica's pseudo-gradient failed outer.norm_check (norms {self.norms}): "
+                "the run diverged; lower the learning rates or resume from an earlier checkpoint"
+            )
+        self.contributors = [i for i in range(self.size) if i not in self.rejected]
+        if not self.rejected:
+            return tensors, 1.0
+        me = dist.get_rank(self.pg)
+        med = _median([n for n in self.norms if math.isfinite(n)])
+        log.warning(
+            "outer step %d: left out of the mean by outer.norm_check=%g (median norm %.4g): %s",
+            step, self.norm_check, med, ", ".join(f"replica {i} (norm {self.norms[i]:.4g})" for i in self.rejected),
+        )  # fmt: skip
+        if me in self.rejected:
+            tensors = [torch.zeros_like(t) for t in tensors]
+        return tensors, self.size / len(self.contributors)
 
     def set_state_fns(self, state_fn, load_fn, max_state_bytes: int | None = None) -> None:
         raise ValueError("a fixed outer group never heals a replica (use an elastic group: outer.elastic)")

@@ -233,7 +233,6 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
 
 def store_main(argv: list[str]) -> int:
     """Serve the job's address store (a torch.distributed TCPStore) until SIGTERM/SIGINT or --max-s."""
-    from torch.distributed import TCPStore
 
     ap = _Parser(
         prog="dilocox swarm store", description="the address store of a multi-node SWARM job (peers publish here)"
@@ -241,14 +240,30 @@ def store_main(argv: list[str]) -> int:
     ap.add_argument("--port", type=int, required=True, help="TCP port to listen on")
     ap.add_argument("--bind", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     ap.add_argument("--max-s", type=float, default=7 * 86400.0, help="stop after this many seconds at the latest")
+    ap.add_argument(
+        "--secret-file",
+        default="",
+        help="the run secret: the store listens on loopback behind a guard that wants it (the peers of a job with "
+        "security.authenticate and security.guard_services reach it through a relay; docs/SECURITY.md)",
+    )
     a = ap.parse_args(argv)
     if not 0 < a.port < 65536:
         raise SwarmUsageError(f"--port {a.port} must be a TCP port in 1..65535")
+    secret = None
+    if a.secret_file:
+        from dilocox.security import SecretError, load_secret
+
+        try:
+            secret = load_secret(a.secret_file)
+        except SecretError as e:
+            raise SwarmUsageError(str(e)) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    store = TCPStore(a.bind, a.port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    print(f"swarm store listening on {a.bind}:{store.port}", flush=True)
+    from dilocox.swarm.services import store_master
+
+    _, port, _guard = store_master(a.bind, a.port, secret, timedelta(seconds=60))
+    print(f"swarm store listening on {a.bind}:{port}" + (" (behind a guard)" if secret else ""), flush=True)
     stop.wait(timeout=a.max_s)
     print("swarm store: stopping", flush=True)
     return 0

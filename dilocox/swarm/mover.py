@@ -217,8 +217,8 @@ class RemoteControl:
     def control_store(self):
         from datetime import timedelta
 
-        from torch.distributed import TCPStore
+        from dilocox.swarm.services import service_secret, store_client
 
         host, _, port = self.store_addr.rpartition(":")
         timeout = timedelta(seconds=self.cfg.swarm.startup_timeout_s)
-        return TCPStore(host, int(port), is_master=False, timeout=timeout)
+        return store_client(host, int(port), service_secret(self.cfg), timeout)

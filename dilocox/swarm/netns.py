@@ -37,6 +37,7 @@ from dilocox.config import Config, load_config
 from dilocox.launch.netns import HUB_ADDR, Cluster, netns_available
 from dilocox.swarm.common import peer_name
 from dilocox.swarm.runtime import SwarmLauncher
+from dilocox.swarm.services import service_secret, store_client, store_master
 
 log = logging.getLogger("dilocox.swarm.netns")
 
@@ -139,12 +140,10 @@ class NetnsSwarmLauncher(SwarmLauncher):
     def control_store(self):
         """The rebalancing thread's store client: the thread enters the switch namespace (setns, that thread only),
         from where the hub's store and every peer's address are reachable."""
-        from torch.distributed import TCPStore
-
         self.cluster.enter_hub()
         host, _, port = self.hub_store.rpartition(":")
         timeout = timedelta(seconds=self.cfg.swarm.startup_timeout_s)
-        return TCPStore(host, int(port), is_master=False, timeout=timeout)
+        return store_client(host, int(port), service_secret(self.cfg), timeout)
 
     def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
         r = self.slots[peer_name(stage, index)]
@@ -231,8 +230,6 @@ def _last_line(out_dir: str) -> str:
 def hub_main(argv: list[str]) -> int:
     """The switch namespace's process: the job's TCPStore and a lighthouse per listed stage; prints one JSON line
     ``{"store": "H:P", "lighthouses": {"j": "http://H:P"}}`` once all listen, then serves until SIGTERM/--max-s."""
-    from torch.distributed import TCPStore
-
     from dilocox.elastic import start_lighthouse
 
     ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.netns hub")
@@ -245,10 +242,9 @@ def hub_main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    s = load_config(a.config).swarm
-    store = TCPStore(
-        a.bind, a.store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=s.startup_timeout_s)
-    )
+    cfg = load_config(a.config)
+    s, secret = cfg.swarm, service_secret(cfg)  # an authenticated job: store and lighthouses behind guards
+    store, store_port, _guard = store_master(a.bind, a.store_port, secret, timedelta(seconds=s.startup_timeout_s))
     lhs = {}
     for j in (int(x) for x in a.stages.split(",") if x.strip()):
         lhs[j] = start_lighthouse(
@@ -256,9 +252,10 @@ def hub_main(argv: list[str]) -> int:
             bind=f"{a.bind}:0",
             join_timeout_ms=int(s.sync_timeout_s * 1000),  # as SwarmLauncher.lighthouse
             heartbeat_timeout_ms=2000,
+            secret=secret,  # an authenticated job: behind a guard, as SwarmLauncher.lighthouse
         )
     addrs = {j: f"http://{a.bind}:{lh.address().rsplit(':', 1)[1]}" for j, lh in lhs.items()}
-    print(json.dumps({"store": f"{a.bind}:{store.port}", "lighthouses": addrs}), flush=True)
+    print(json.dumps({"store": f"{a.bind}:{store_port}", "lighthouses": addrs}), flush=True)
     stop.wait(timeout=a.max_s)
     for lh in lhs.values():
         lh.shutdown()

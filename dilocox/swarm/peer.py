@@ -83,6 +83,7 @@ from dilocox.swarm.faults import Faults
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.routing import NoLivePeer
+from dilocox.swarm.services import service_secret
 from dilocox.swarm.step_end import StepEnd
 from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 
@@ -259,6 +260,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                         quorum_timeout_s=self.s.sync_timeout_s,
                         host=self.s.host,
                         secret=run_secret(),  # (the peers' RPC secret also guards a joiner's state)
+                        lighthouse_auth=service_secret(self.cfg) is not None,  # the stage lighthouse: behind a guard
                         encrypt=run_encrypts(),
                     )
                 )
@@ -552,10 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     except SecretError as e:
         log.error("%s", e)
         return 2
-    from torch.distributed import TCPStore
+    from dilocox.swarm.services import release, service_secret, store_client
 
     host, _, port = a.store.rpartition(":")
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=cfg.swarm.startup_timeout_s))
+    store = store_client(host, int(port), service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
     dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
     peer = SwarmPeer(
         cfg,
@@ -579,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         peer.close()
+        release(store)  # (a peer moved by rebalancing opens a new client for its new stage)
     log.info("done: %d steps", peer.steps)
     if peer.move_to is not None:  # rebalancing moved it: the same process serves its new stage now (no start-up)
         return main(membership.moved_argv(sys.argv[1:] if argv is None else argv, peer.move_to))

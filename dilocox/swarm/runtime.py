@@ -23,6 +23,7 @@ from dilocox.config import Config, to_yaml, validate
 from dilocox.distributed.procs import kill_and_reap, spawn
 from dilocox.security import load_or_create_secret
 from dilocox.swarm.common import SwarmError, peer_name, rpc_security
+from dilocox.swarm.services import service_secret, store_master
 from dilocox.swarm.transport import use_secret
 
 log = logging.getLogger("dilocox.swarm.runtime")
@@ -62,7 +63,6 @@ class SwarmLauncher:
     """The store, lighthouses and peer processes of one job (use ``launch`` for the whole lifecycle)."""
 
     def __init__(self, cfg: Config, out_dir: str) -> None:
-        from torch.distributed import TCPStore
 
         os.makedirs(out_dir, exist_ok=True)
         if cfg.security.authenticate:  # the run secret: the peers read it from this file (never a command line)
@@ -72,8 +72,9 @@ class SwarmLauncher:
         use_secret(*rpc_security(cfg))  # this process calls the peers too (the rebalancing thread)
         self.cfg, self.out_dir = cfg, out_dir
         s = cfg.swarm
-        self.store = TCPStore(
-            s.host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=s.startup_timeout_s)
+        # (authenticated: on loopback behind a guard; the peers reach it through their relays: services.py)
+        self.store, self.store_port, self._store_guard = store_master(
+            s.host, 0, service_secret(cfg), timedelta(seconds=s.startup_timeout_s)
         )
         self.lighthouses: dict[int, object] = {}
         self.procs: list[PeerProc] = []
@@ -95,6 +96,7 @@ class SwarmLauncher:
                 # a live but slower peer of the stage must still join the sync: wait as long as a sync may take
                 join_timeout_ms=int(s.sync_timeout_s * 1000),
                 heartbeat_timeout_ms=2000,
+                secret=service_secret(self.cfg),  # an authenticated job: only its peers (through a relay) reach it
             )
         return self.lighthouses[stage].address()
 
@@ -130,7 +132,7 @@ class SwarmLauncher:
 
     def store_addr(self) -> str:
         """host:port of the address store, as the peers reach it (netns.NetnsSwarmLauncher: in the hub)."""
-        return f"{self.cfg.swarm.host}:{self.store.port}"
+        return f"{self.cfg.swarm.host}:{self.store_port}"
 
     def _spawn(self, stage: int, index: int, cmd: list[str], env: dict, logf) -> subprocess.Popen:
         """Start one peer's command in its own session (netns.NetnsSwarmLauncher: inside its namespace)."""
@@ -157,6 +159,8 @@ class SwarmLauncher:
             except Exception:  # noqa: BLE001 - best effort at teardown
                 pass
         self.lighthouses.clear()
+        if getattr(self, "_store_guard", None) is not None:
+            self._store_guard.close()
 
 
 def read_results(out_dir: str, names: list[str]) -> tuple[dict[str, dict], dict[str, list[dict]]]:
