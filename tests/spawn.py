@@ -270,3 +270,17 @@ def processes_naming(text: str, kind: str) -> list[str]:
         if text in cmd and kind in cmd:
             found.append(f"{pid}: {cmd}")
     return found
+
+
+def read_records(path) -> list[dict]:
+    """The complete JSON lines of a file another process is appending to: a last line without its newline is still
+    being written and is left out (reading it mid-write raised JSONDecodeError on a loaded CI host); [] when the file
+    does not exist yet."""
+    import json
+
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]

@@ -391,13 +391,9 @@ def _lighthouse_proc(root: str, env: dict, port: int, out):
 
 
 def _metrics(tmp_path, r: int) -> list[dict]:
-    import json
+    from tests.spawn import read_records
 
-    try:
-        with open(tmp_path / f"replica{r}" / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError:
-        return []
+    return read_records(tmp_path / f"replica{r}" / "metrics.jsonl")
 
 
 @pytest.mark.fault
@@ -702,7 +698,6 @@ def _auth_launch(tmp_path, name: str, noise: bool) -> tuple[int, str, list[str],
     """``dilocox launch --elastic 2 --authenticate-lighthouse`` of a short run into ``tmp_path/name``; with ``noise``
     a stranger hammers the lighthouse's public port (random bytes, gRPC's preface, silent connections) from the
     moment it is up until the run ends; the first such connection must get the challenge and nothing more."""
-    import json
     import os
     import random
     import subprocess
@@ -722,11 +717,11 @@ def _auth_launch(tmp_path, name: str, noise: bool) -> tuple[int, str, list[str],
     try:
         addr, deadline = None, time.monotonic() + 120
         while noise and addr is None and time.monotonic() < deadline:
-            try:
-                with open(run / "events.jsonl") as f:
-                    addr = next((json.loads(x)["address"] for x in f if '"lighthouse"' in x), None)
-            except OSError:
-                pass
+            from tests.spawn import read_records
+
+            addr = next(
+                (e["address"] for e in read_records(run / "events.jsonl") if e.get("event") == "lighthouse"), None
+            )
             time.sleep(0.1)
 
         def hammer() -> None:

@@ -7,7 +7,6 @@ Three replicas of the oracle's TinyNet run (tests/elastic_worker.py), each in it
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -24,10 +23,9 @@ STEPS, H = 48, 4
 
 
 def _records(path) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
+    from tests.spawn import read_records
+
+    return read_records(path)
 
 
 @pytest.mark.fault

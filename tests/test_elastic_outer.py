@@ -10,7 +10,6 @@ each outer step was averaged over (and a fresh inner optimizer for the joiner).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,10 +26,9 @@ STEPS, H, SEED = 48, 4, 7
 
 
 def _records(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    from tests.spawn import read_records
+
+    return read_records(path)
 
 
 def _run(
