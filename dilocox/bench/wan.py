@@ -7,7 +7,7 @@ namespace joined to the other by veth links with ``tc tbf`` caps (``dilocox.laun
 root or netns the caps fall back to the outer comm layer's token bucket (said in the output).
 
     dilocox bench wan [--bandwidth 10mbit 100mbit 1gbit] [--methods allreduce,...,dilocox]
-                      [--steps 100] [--loss-steps 200] [--H 20] [--out docs/bench/wan]
+                      [--steps 60] [--loss-steps 200] [--H 20] [--out docs/bench/wan]
 
 Definitions (per run; "replica" = the 2 ranks in one namespace, which share one link):
 
@@ -31,8 +31,8 @@ Definitions (per run; "replica" = the 2 ranks in one namespace, which share one 
 Capped and uncapped runs have the same length, so "% of uncapped" compares like with like.
 Slow combinations are shortened: a run's step count is cut so that its predicted
 communication time stays under ``--max-comm-s`` (allreduce at 10 Mbit/s: ~3 s per step),
-the table's steps cell says so, and that run is compared with an extra uncapped run of the
-same shortened length. Loss at equal tokens comes from the uncapped runs (``--loss-steps``,
+the table's steps cell says so, and that run is compared with the same steps 2..n of the
+uncapped run (its per-step times). Loss at equal tokens comes from the uncapped runs (``--loss-steps``,
 default = ``--steps``): the update rules do not depend on the bandwidth, except DiLoCoX's
 adaptive H and rank, which read measured times.
 """
@@ -297,7 +297,7 @@ def bench(
     loss_steps: int | None,
     H: int,
     run_root: str,
-    max_comm_s: float = 30.0,
+    max_comm_s: float = 15.0,
     emulation: str = "auto",
     reference: bool = True,
     baseline_run: bool = True,
@@ -326,9 +326,9 @@ def bench(
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
             capped = [(cap, rtt, steps_within(cfg, cap, steps, max_comm_s, rtt)) for rtt in rtts_ms for cap in caps]
-            # uncapped no-delay references of the same lengths as the capped runs (like-for-like "% of uncapped"),
+            # the uncapped no-delay reference (a shortened capped run is compared with its steps 2..n: ``join``),
             # the longest first (its compute time per step feeds the plan), plus the loss-at-equal-tokens run
-            lengths = sorted({steps, loss_steps, *(n for _, _, n in capped)}, reverse=True) if reference else []
+            lengths = sorted({steps, loss_steps}, reverse=True) if reference else []
             for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
                 name = run_name(m, cap, rtt, n, steps)
                 run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS], rtt_ms=rtt)
@@ -359,6 +359,7 @@ def bench(
         "H": H,
         "max_comm_s": max_comm_s,
         "reference": reference,
+        "reference_window": True,  # shortened runs are compared with steps 2..n of the uncapped run
         "replicas": REPLICAS,
         "ranks_per_replica": PER_REPLICA,
         "baseline_payload_bytes": baseline,
@@ -460,7 +461,9 @@ def _parser() -> argparse.ArgumentParser:
         "--rtt", nargs="+", default=RTTS, help="round trips added between the replicas (delay switch), e.g. 0ms 50ms"
     )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--steps", type=int, default=100, help="steps of the capped runs")
+    ap.add_argument(
+        "--steps", type=int, default=60, help="steps of the capped runs (60: 3 phases at H=20; the bench in < 30 min)"
+    )
     ap.add_argument(
         "--loss-steps",
         type=int,
@@ -472,8 +475,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--max-comm-s",
         type=float,
-        default=30.0,
-        help="cut a capped run's steps to keep its predicted communication under this",
+        default=15.0,
+        help="cut a capped run's steps to keep its predicted communication under this (at least 2 steps or 1 phase)",
     )
     ap.add_argument("--emulation", choices=("auto", "netns", "token-bucket"), default="auto")
     ap.add_argument("--no-uncapped", action="store_true", help="skip the uncapped reference runs (quick checks)")

@@ -96,19 +96,37 @@ def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float, rtt_
     return max(p["H"], 2, cut // p["H"] * p["H"])  # >= 2: tokens/s leaves out step 1
 
 
+def window_tokens_per_s(ref: dict, n: int) -> float | None:
+    """Tokens/s of ``ref`` (a run logged every step) over its steps 2..n: the window a run of n steps is measured
+    over (``summarize``). None where the row carries no per-step times (``loss_vs_time``) or tokens per step."""
+    el = [t for t, _ in ref.get("loss_vs_time") or []]
+    tokens = ref.get("tokens_per_step")
+    if not tokens or len(el) < n or n < 2 or el[n - 1] <= el[0]:
+        return None
+    return tokens * (n - 1) / (el[n - 1] - el[0])
+
+
 def join(rows: list[dict]) -> list[dict]:
     """Add "% of uncapped" and the plan-vs-measured errors to measured rows (pure).
 
     Each row has ``method``, ``cap_bps`` (None = uncapped), ``rtt_ms`` (absent = 0), the ``summarize``
     fields, and ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides
-    by the same method's uncapped no-delay run of the SAME number of steps (None where there is none): the
-    first-step warm-up and the drain of the last all-reduce weigh differently in runs of other lengths. Errors are
-    (plan - measured) / measured; utilization errors are in percentage points.
+    by the same method's uncapped no-delay run of the SAME number of steps: the first-step warm-up and the drain of the
+    last all-reduce weigh differently in runs of other lengths. Where there is none (a shortened capped run), by the
+    tokens/s over the same steps 2..n of the shortest longer one (``window_tokens_per_s``; None without either).
+    Errors are (plan - measured) / measured; utilization errors are in percentage points.
     """
     ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None and not r.get("rtt_ms")}
     for r in rows:
-        u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length, or none
-        r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"] if u else None
+        u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length ...
+        if u:
+            r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"]
+        else:  # ... or the same steps 2..n of a longer one
+            longer = [x for (m, n), x in ref.items() if m == r["method"] and n > r["steps"]]
+            w = window_tokens_per_s(min(longer, key=lambda x: x["steps"]), r["steps"]) if longer else None
+            r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / w if w else None
+            if w:
+                r["uncapped_window_tokens_per_s"] = w
         q = r.get("plan_own")
         if q:
             r["plan_own_tokens_per_s"] = q["tokens_per_s"]

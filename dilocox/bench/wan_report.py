@@ -103,8 +103,13 @@ def _md_header(m: dict) -> list[str]:
         f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
         + (
-            f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run gets an '
-            f"uncapped run of its own length) and {m['loss_steps']} for the loss. "
+            f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run '
+            + (
+                "is compared with its steps 2..n"
+                if m.get("reference_window")
+                else "gets an uncapped run of its own length"
+            )
+            + f") and {m['loss_steps']} for the loss. "
             if m["reference"]
             else "no uncapped runs. "
         )
@@ -219,8 +224,8 @@ NOTES = """### Notes
   step N is a one-off of the run's end (like the final checkpoint) and is outside (a rank's
   `outer_drain_s`, or its last `outer_comm_s` for runs before that counter; `tokens_per_s_end_to_end` in
   results.json has it). **% of uncapped** =
-  tokens/s / the same method's tokens/s uncapped **with no delay** over the same number of steps (a
-  shortened run has its own reference): the issue's "utilization".
+  tokens/s / the same method's tokens/s uncapped **with no delay** over the same steps (a shortened run: over
+  steps 2..n of that run, from its per-step times): the issue's "utilization".
 - **RTT**: added between the replicas by the delay switch (`csrc/netswitch.cpp`, BENCHMARKS §10) in place of
   the bridge; the tbf caps stay on the veth ends. The namespaces run the "wan" TCP tuning
   (`dilocox.launch.netns.TCP_TUNINGS`: 64 MiB socket buffers, no slow start after idle), as a host tuned
