@@ -197,6 +197,36 @@ static void test_nonfinite() {
     }
 }
 
+static void test_ties(std::mt19937& rng) {
+  // Quotients v / s on and a few ulp around every half-integer, for scales with 1, 2 and 8 significant bits: the
+  // kernels divide by a multiply with 1/s away from such boundaries and must still round as fl(v / s) does.
+  const int64_t G = 128, ngroups = 64, n = G * ngroups;
+  std::uniform_int_distribution<int> ulps(-3, 3);
+  const float scales[] = {0.0078125f, 0.01171875f, 0.0859375f, 1.3671875f, 3.0e-38f};
+  for (int bits : {4, 8}) {
+    const int L = bits == 4 ? 7 : 127;
+    std::uniform_int_distribution<int> kd(-L, L - 1);
+    std::vector<float> x(n), e0(n, 0.f);
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const float s = ref_bf16(scales[g % 5]);
+      x[g * G] = static_cast<float>(L) * s;  // absmax: the group's scale is s
+      for (int64_t i = g * G + 1; i < (g + 1) * G; ++i) {
+        float v = (static_cast<float>(kd(rng)) + 0.5f) * s;  // exact: a tie
+        for (int u = ulps(rng); u != 0; u += u > 0 ? -1 : 1) v = std::nextafter(v, u > 0 ? 1e30f : -1e30f);
+        x[i] = v;
+      }
+    }
+    for (bool ef : {false, true}) {
+      const RefOut ref = reference(x, ef ? &e0 : nullptr, G, bits, false, 0, 0);
+      std::vector<float> e = e0;
+      std::vector<uint8_t> p;
+      run_quant(x, ef ? &e : nullptr, p, G, bits, false, 0, 0, 1);
+      CHECK(p == ref.payload, "ties: payload mismatch bits=%d ef=%d", bits, int(ef));
+      if (ef) CHECK(same_bits(e, ref.e), "ties: residual mismatch bits=%d", bits);
+    }
+  }
+}
+
 static void test_sr_unbiased() {
   // E[deq] = v for stochastic rounding: average over many steps.
   const int64_t n = 256, G = 128;
@@ -282,6 +312,7 @@ int main() {
     test_case(1 << 20, 128, 4, true, false, rng);  // large: exercises the parallel path
     test_case(1 << 20, 128, 8, true, true, rng);
     test_nibble_layout();
+    test_ties(rng);
     test_nonfinite();
     test_sr_unbiased();
   }

@@ -83,6 +83,31 @@ def test_cpu_kernel_threads_and_large(threads):
 
 
 @needs_ext
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_kernel_bit_exact_at_rounding_ties(kind):
+    """Quotients v / s on and up to 3 ulp around every half-integer (scales of 1, 2 and 8 significant bits, one near
+    the smallest normal): the kernel's multiply by 1/s must round as the reference's fl(v / s) does."""
+    L, G, per = (7 if kind == "int4" else 127), 128, 8
+    g = torch.Generator().manual_seed(5)
+    scales = torch.tensor([0.0078125, 0.01171875, 0.0859375, 1.3671875, 3.0e-38]).to(torch.bfloat16).float()
+    s = scales.repeat_interleave(G).repeat(per)  # each group's scale
+    k = torch.randint(-L, L, (s.numel(),), generator=g).float()
+    x = (k + 0.5) * s  # exact ties
+    steps = torch.randint(-3, 4, (s.numel(),), generator=g)
+    for _ in range(3):  # walk each value up to 3 ulp off its tie
+        x = torch.where(steps > 0, torch.nextafter(x, torch.tensor(1e30)), x)
+        x = torch.where(steps < 0, torch.nextafter(x, torch.tensor(-1e30)), x)
+        steps = steps - steps.sign()
+    x[::G] = L * s[::G]  # each group's absmax: its scale is s
+    for ef in (False, True):
+        e = torch.zeros_like(x) if ef else None
+        pa, ea, pb, eb = run_pair(x, e, kind, G, False)
+        assert torch.equal(pa.data, pb.data), (kind, ef)
+        if ef:
+            assert torch.equal(bits_of(ea), bits_of(eb)), kind
+
+
+@needs_ext
 def test_cpu_kernel_misaligned_views():
     buf_x, buf_e = make(2003, seed=9)
     x, e = buf_x[1:1001], buf_e.clone()[3:1003]  # odd element offsets
