@@ -118,7 +118,7 @@ DILOCOX_INLINE void quant_chunk(const float* __restrict xc, float* __restrict ec
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     // two int8 codes as one little-endian 16-bit word: low nibble from its low byte, high from its high byte
     uint16_t w16[kChunk / 2];
-    std::memcpy(w16, q8, static_cast<size_t>(kChunk));
+    std::memcpy(w16, q8, static_cast<size_t>(2 * pairs));
 #pragma omp simd
     for (int64_t k = 0; k < pairs; ++k) pc[k] = static_cast<uint8_t>((w16[k] & 0x0fu) | ((w16[k] >> 4) & 0xf0u));
 #else

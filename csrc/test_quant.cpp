@@ -198,9 +198,11 @@ static void test_nonfinite() {
 }
 
 static void test_ties(std::mt19937& rng) {
-  // Quotients v / s on and a few ulp around every half-integer, for scales with 1, 2 and 8 significant bits: the
-  // kernels divide by a multiply with 1/s away from such boundaries and must still round as fl(v / s) does.
-  const int64_t G = 128, ngroups = 64, n = G * ngroups;
+  // Quotients v / s on and a few ulp around every half-integer, for scales with 1, 2, 4 and 8 significant bits and one
+  // near the smallest normal: the codes must round as rint(fl(v / s)) does (half to even), for full 128-element
+  // groups, groups of a partial chunk (130, 96) and a last group cut short (n not a multiple of G).
+  for (int64_t G : {128, 130, 96}) {
+  const int64_t ngroups = 64, n = G * ngroups - 37;
   std::uniform_int_distribution<int> ulps(-3, 3);
   const float scales[] = {0.0078125f, 0.01171875f, 0.0859375f, 1.3671875f, 3.0e-38f};
   for (int bits : {4, 8}) {
@@ -210,7 +212,7 @@ static void test_ties(std::mt19937& rng) {
     for (int64_t g = 0; g < ngroups; ++g) {
       const float s = ref_bf16(scales[g % 5]);
       x[g * G] = static_cast<float>(L) * s;  // absmax: the group's scale is s
-      for (int64_t i = g * G + 1; i < (g + 1) * G; ++i) {
+      for (int64_t i = g * G + 1; i < std::min(n, (g + 1) * G); ++i) {
         float v = (static_cast<float>(kd(rng)) + 0.5f) * s;  // exact: a tie
         for (int u = ulps(rng); u != 0; u += u > 0 ? -1 : 1) v = std::nextafter(v, u > 0 ? 1e30f : -1e30f);
         x[i] = v;
@@ -221,9 +223,10 @@ static void test_ties(std::mt19937& rng) {
       std::vector<float> e = e0;
       std::vector<uint8_t> p;
       run_quant(x, ef ? &e : nullptr, p, G, bits, false, 0, 0, 1);
-      CHECK(p == ref.payload, "ties: payload mismatch bits=%d ef=%d", bits, int(ef));
-      if (ef) CHECK(same_bits(e, ref.e), "ties: residual mismatch bits=%d", bits);
+      CHECK(p == ref.payload, "ties: payload mismatch G=%lld bits=%d ef=%d", (long long)G, bits, int(ef));
+      if (ef) CHECK(same_bits(e, ref.e), "ties: residual mismatch G=%lld bits=%d", (long long)G, bits);
     }
+  }
   }
 }
 
@@ -305,7 +308,7 @@ int main() {
     std::printf("isa %d\n", isa);
     std::mt19937 rng(2024);
     for (int bits : {4, 8})
-      for (int64_t G : {32, 64, 128, 256})
+      for (int64_t G : {6, 32, 64, 128, 130, 256})
         for (int64_t n : lengths)
           for (bool ef : {false, true})
             for (bool sr : {false, true}) test_case(n, G, bits, ef, sr, rng);

@@ -277,13 +277,19 @@ def test_percent_of_uncapped_compares_runs_of_the_same_length():
     )  # against the 20-step uncapped run, not the 100-step one
     lone = wan.join([row(1e7, 30, 80.0, shortened_from=100)])[0]
     assert lone["pct_of_uncapped"] is None  # no uncapped run of that length or longer: no ratio
-    # without a run of its own length: the same steps 2..n of the longer reference, from its per-step times (steps
-    # 2..20 of this one took 0.95 s: 19 x 100 tokens / 0.95 s = 2000 tok/s, its whole-run 1000 is not the reference)
+    # without a run of its own length: its steps 2..n against the same steps of the longer reference, both from rank
+    # 0's per-step times (the reference's steps 2..20 took 0.95 s: 19 x 100 tokens / 0.95 s = 2000 tok/s, not its
+    # whole-run 1000; the short run's steps 2..20 took 19 s: 100 tok/s, not its summary's 80)
     ref = dict(row(None, 100, 1000.0, role="reference"), tokens_per_step=100)
     ref["loss_vs_time"] = [[0.05 * k + (1.0 if k > 20 else 0.0), 3.0] for k in range(1, 101)]
-    short = {r["cap_bps"]: r for r in wan.join([ref, row(1e7, 20, 80.0, shortened_from=100)])}[1e7]
+    capped = dict(row(1e7, 20, 80.0, shortened_from=100), tokens_per_step=100)
+    capped["loss_vs_time"] = [[5.0 + 1.0 * k, 3.0] for k in range(1, 21)]
+    short = {r["cap_bps"]: r for r in wan.join([ref, dict(capped)])}[1e7]
     assert short["uncapped_window_tokens_per_s"] == pytest.approx(2000.0)
-    assert short["pct_of_uncapped"] == pytest.approx(4.0)
+    assert short["window_tokens_per_s"] == pytest.approx(100.0)
+    assert short["pct_of_uncapped"] == pytest.approx(5.0)
+    sparse = dict(ref, loss_vs_time=ref["loss_vs_time"][::2])  # logged every 2 steps: no per-step window
+    assert wan.join([sparse, dict(capped)])[1]["pct_of_uncapped"] is None
     meta = {
         "machine": "m",
         "date": "d",

@@ -265,11 +265,9 @@ def _measured_row(
         **summarize(run, tokens, baseline, overlapped=cfg.outer.overlap != "none"),
     }
     row["shortened_from"] = steps if cap is not None and n < steps else None
-    row["role"] = (
-        "capped"
-        if cap is not None
-        else ("reference" if n == steps else "loss" if n == loss_steps else "reference for a shortened run")
-    )
+    # (results before 2026-11-26 also have "reference for a shortened run": an uncapped run of each shortened length;
+    # join now compares a shortened run with steps 2..n of the "reference")
+    row["role"] = "capped" if cap is not None else ("reference" if n == steps else "loss")
     if m in ("allreduce", "cocktailsgd"):
         row["H_final"] = None  # per-step methods have no phases (the logged H is unused)
     return row

@@ -96,12 +96,13 @@ def steps_within(cfg, cap_bps: float | None, steps: int, max_comm_s: float, rtt_
     return max(p["H"], 2, cut // p["H"] * p["H"])  # >= 2: tokens/s leaves out step 1
 
 
-def window_tokens_per_s(ref: dict, n: int) -> float | None:
-    """Tokens/s of ``ref`` (a run logged every step) over its steps 2..n: the window a run of n steps is measured
-    over (``summarize``). None where the row carries no per-step times (``loss_vs_time``) or tokens per step."""
-    el = [t for t, _ in ref.get("loss_vs_time") or []]
-    tokens = ref.get("tokens_per_step")
-    if not tokens or len(el) < n or n < 2 or el[n - 1] <= el[0]:
+def window_tokens_per_s(row: dict, n: int) -> float | None:
+    """Tokens/s of ``row``'s steps 2..n on rank 0's clock (the end of step 1 to the end of step n, from its per-step
+    times ``loss_vs_time``). None where the row has no record per step (a run logged every k > 1 steps), fewer than
+    n steps, or no ``tokens_per_step``."""
+    el = [t for t, _ in row.get("loss_vs_time") or []]
+    tokens = row.get("tokens_per_step")
+    if not tokens or len(el) != row.get("steps") or len(el) < n or n < 2 or el[n - 1] <= el[0]:
         return None
     return tokens * (n - 1) / (el[n - 1] - el[0])
 
@@ -112,8 +113,9 @@ def join(rows: list[dict]) -> list[dict]:
     Each row has ``method``, ``cap_bps`` (None = uncapped), ``rtt_ms`` (absent = 0), the ``summarize``
     fields, and ``plan`` (``predict`` at the method's measured uncapped step time). "% of uncapped" divides
     by the same method's uncapped no-delay run of the SAME number of steps: the first-step warm-up and the drain of the
-    last all-reduce weigh differently in runs of other lengths. Where there is none (a shortened capped run), by the
-    tokens/s over the same steps 2..n of the shortest longer one (``window_tokens_per_s``; None without either).
+    last all-reduce weigh differently in runs of other lengths. Where there is none (a shortened capped run), its
+    steps 2..n against the same steps of the shortest longer one, both on rank 0's clock (``window_tokens_per_s``;
+    None without either; a 2-step run's window is one step long, so that ratio is as noisy as one step).
     Errors are (plan - measured) / measured; utilization errors are in percentage points.
     """
     ref = {(r["method"], r["steps"]): r for r in rows if r["cap_bps"] is None and not r.get("rtt_ms")}
@@ -121,12 +123,14 @@ def join(rows: list[dict]) -> list[dict]:
         u = ref.get((r["method"], r["steps"]))  # like with like: an uncapped run of the same length ...
         if u:
             r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / u["tokens_per_s"]
-        else:  # ... or the same steps 2..n of a longer one
-            longer = [x for (m, n), x in ref.items() if m == r["method"] and n > r["steps"]]
-            w = window_tokens_per_s(min(longer, key=lambda x: x["steps"]), r["steps"]) if longer else None
-            r["pct_of_uncapped"] = 100.0 * r["tokens_per_s"] / w if w else None
-            if w:
-                r["uncapped_window_tokens_per_s"] = w
+        else:  # ... or the same steps 2..n of a longer one, both on rank 0's clock (like with like)
+            n = r["steps"]
+            longer = sorted((x for (m, k), x in ref.items() if m == r["method"] and k > n), key=lambda x: x["steps"])
+            w = next((w for w in (window_tokens_per_s(x, n) for x in longer) if w), None)
+            own = window_tokens_per_s(r, n)
+            r["pct_of_uncapped"] = 100.0 * own / w if w and own else None
+            if w and own:
+                r["uncapped_window_tokens_per_s"], r["window_tokens_per_s"] = w, own
         q = r.get("plan_own")
         if q:
             r["plan_own_tokens_per_s"] = q["tokens_per_s"]

@@ -81,7 +81,7 @@ def _steps_cell(r: dict) -> str:
     """Steps, with the reason when a run is shorter than the others (said in the table itself)."""
     if r.get("shortened_from"):
         return f"{r['steps']} (shortened from {r['shortened_from']}: fewer tokens)"
-    if r.get("role") == "reference for a shortened run":
+    if r.get("role") == "reference for a shortened run":  # (results before 2026-11-26: one per shortened run)
         return f"{r['steps']} (reference for the shortened run)"
     return str(r["steps"])
 
@@ -105,7 +105,7 @@ def _md_header(m: dict) -> list[str]:
         + (
             f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run '
             + (
-                "is compared with its steps 2..n"
+                "is compared with the same steps 2..n of it"
                 if m.get("reference_window")
                 else "gets an uncapped run of its own length"
             )
@@ -224,8 +224,9 @@ NOTES = """### Notes
   step N is a one-off of the run's end (like the final checkpoint) and is outside (a rank's
   `outer_drain_s`, or its last `outer_comm_s` for runs before that counter; `tokens_per_s_end_to_end` in
   results.json has it). **% of uncapped** =
-  tokens/s / the same method's tokens/s uncapped **with no delay** over the same steps (a shortened run: over
-  steps 2..n of that run, from its per-step times): the issue's "utilization".
+  tokens/s / the same method's tokens/s uncapped **with no delay** over the same steps (a shortened run: its
+  steps 2..n against the same steps of the uncapped run, both from rank 0's per-step times): the issue's
+  "utilization".
 - **RTT**: added between the replicas by the delay switch (`csrc/netswitch.cpp`, BENCHMARKS §10) in place of
   the bridge; the tbf caps stay on the veth ends. The namespaces run the "wan" TCP tuning
   (`dilocox.launch.netns.TCP_TUNINGS`: 64 MiB socket buffers, no slow start after idle), as a host tuned
