@@ -48,6 +48,11 @@ POINTS = [
     ("streaming-sparse H=20 K=2 1/32 2-bit", "streaming", "streaming-sparse", ["--outer.sync_every=20"]),
     ("streaming-sparse H=20 K=2 1/16 2-bit", "streaming", "streaming-sparse",
      ["--outer.sync_every=20", "--compress.sparse.density=0.0625"]),
+    # the same bytes per step as H=20 1/32, synced more often and sparser (2026-11-26 screening, BENCHMARKS §4c)
+    ("streaming-sparse H=4 K=2 1/160 2-bit tau=1", "streaming", "streaming-sparse",
+     ["--outer.sync_every=4", "--compress.sparse.density=0.00625", "--outer.streaming.tau=1"]),
+    ("streaming-sparse H=2 K=2 1/320 2-bit tau=0", "streaming", "streaming-sparse",
+     ["--outer.sync_every=2", "--compress.sparse.density=0.003125", "--outer.streaming.tau=0"]),
     ("muloco H=20 1/64 2-bit (Muon inner)", "muloco", "muloco", ["--outer.sync_every=20"]),
     ("diloco H=20, Muon inner", "muloco", "diloco", ["--outer.sync_every=20", "--optim.name=muon"]),
 ]  # fmt: skip
