@@ -53,6 +53,10 @@ POINTS = [
      ["--outer.sync_every=4", "--compress.sparse.density=0.00625", "--outer.streaming.tau=1"]),
     ("streaming-sparse H=2 K=2 1/320 2-bit tau=0", "streaming", "streaming-sparse",
      ["--outer.sync_every=2", "--compress.sparse.density=0.003125", "--outer.streaming.tau=0"]),
+    ("streaming-sparse H=2 K=2 1/272 2-bit tau=0", "streaming", "streaming-sparse",
+     ["--outer.sync_every=2", "--compress.sparse.density=0.0036764705882352941", "--outer.streaming.tau=0"]),
+    ("streaming-sparse H=4 K=2 1/128 2-bit tau=1", "streaming", "streaming-sparse",
+     ["--outer.sync_every=4", "--compress.sparse.density=0.0078125", "--outer.streaming.tau=1"]),
     ("muloco H=20 1/64 2-bit (Muon inner)", "muloco", "muloco", ["--outer.sync_every=20"]),
     ("diloco H=20, Muon inner", "muloco", "diloco", ["--outer.sync_every=20", "--optim.name=muon"]),
 ]  # fmt: skip
