@@ -37,6 +37,7 @@ constexpr int64_t kChunk = 64;  // elements quantized per inner (vectorizable) l
 // 1.5 * 2^23: (y + M) - M == rint(y) (round-half-even, default FP environment) for
 // |y| < 2^22 without needing SSE4.1 roundps. Always yields +0.0 for a zero result.
 constexpr float kRoundMagic = 12582912.0f;
+
 inline int resolve_threads(int num_threads) {
 #ifdef _OPENMP
   return num_threads > 0 ? num_threads : omp_get_max_threads();
@@ -145,8 +146,8 @@ DILOCOX_INLINE bool quantize_group(const float* __restrict x, float* __restrict 
   const float s = bf16_bits_to_f32(sbits);
   store_scale(scales, g, sbits);
   if (!(s > 0.0f)) {  // all-zero group (or absmax/L underflows bf16): q = 0, residual keeps v
-    for (int64_t j = 0; j < len; ++j)
-      if (EF) e[j] = x[j] + e[j];
+    if (EF)
+      for (int64_t j = 0; j < len; ++j) e[j] = x[j] + e[j];
     std::memset(out, 0, static_cast<size_t>(LEVELS == 7 ? (len + 1) / 2 : len));
     return true;
   }

@@ -2,11 +2,11 @@
 
 Each DIR is a ``dilocox bench methods ... --out DIR`` run that left ``DIR/results.json`` and ``DIR/command.txt``
 (the command it ran). Every row of it is compared with the allreduce point of ``--reference`` (a
-``dilocox bench frontier`` results.json) for ``--corpus`` and ``--seed`` at the same number of steps. With
-``--doc``, the table replaces the lines between ``<!-- bench:MARKER -->`` and ``<!-- /bench:MARKER -->``.
+``dilocox bench frontier`` results.json) for ``--corpus`` and ``--seed`` at the same number of steps. ``--out``
+writes the table to a results.md that ``python -m dilocox.bench.report`` puts into docs/BENCHMARKS.md.
 
-    python -m tools.frontier_explore /work/explore/ss-* --corpus code --seed 0 --doc docs/BENCHMARKS.md \
-        --marker frontier-explore-2
+    D=docs/bench/frontier-explore-2
+    python -m tools.frontier_explore $D/ss-* $D/allreduce-muon --out $D/results.md && python -m dilocox.bench.report
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import sys
 import time
 
 
@@ -24,7 +24,7 @@ def reference_row(path: str, corpus: str, seed: int, steps: int) -> dict:
     for r in rows:
         if r["label"] == "allreduce" and r["corpus"] == corpus and r["seed"] == seed and r["steps"] == steps:
             return r
-    raise SystemExit(f"{path}: no allreduce point for corpus {corpus}, seed {seed}, {steps} steps")
+    raise SystemExit(f"{path}: no allreduce point for --corpus {corpus}, --seed {seed}, --steps {steps}")
 
 
 def table(dirs: list[str], ref: dict, corpus: str, seed: int, steps: int, machine: str) -> str:
@@ -52,16 +52,6 @@ def table(dirs: list[str], ref: dict, corpus: str, seed: int, steps: int, machin
     return "\n".join(lines) + "\n"
 
 
-def replace_block(doc: str, marker: str, body: str) -> None:
-    with open(doc) as f:
-        text = f.read()
-    pat = re.compile(rf"(<!-- bench:{re.escape(marker)} -->\n).*?(<!-- /bench:{re.escape(marker)} -->)", re.S)
-    if not pat.search(text):
-        raise SystemExit(f"{doc}: no <!-- bench:{marker} --> ... <!-- /bench:{marker} --> block")
-    with open(doc, "w") as f:
-        f.write(pat.sub(lambda m: m.group(1) + body + m.group(2), text))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dirs", nargs="+")
@@ -70,15 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--machine", default="AMD EPYC, 2 cores, torch 2.13.0+cpu")
-    ap.add_argument("--doc", default=None)
-    ap.add_argument("--marker", default="frontier-explore")
+    ap.add_argument("--out", default=None, help="write the table here (a results.md); default: print it")
     a = ap.parse_args(argv)
+    need = ("results.json", "command.txt")
+    missing = [d for d in a.dirs if not all(os.path.isfile(os.path.join(d, f)) for f in need)]
+    if missing:
+        print(f"frontier_explore: error: no results.json + command.txt in {missing}", file=sys.stderr)
+        return 2
     ref = reference_row(a.reference, a.corpus, a.seed, a.steps)
-    body = table([d for d in a.dirs if os.path.exists(os.path.join(d, "results.json"))], ref, a.corpus, a.seed,
-                 a.steps, a.machine)  # fmt: skip
-    if a.doc:
-        replace_block(a.doc, a.marker, body)
-    print(body)
+    body = table(a.dirs, ref, a.corpus, a.seed, a.steps, a.machine)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(body)
+    else:
+        print(body)
     return 0
 
 

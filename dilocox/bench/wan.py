@@ -324,7 +324,7 @@ def bench(
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
             capped = [(cap, rtt, steps_within(cfg, cap, steps, max_comm_s, rtt)) for rtt in rtts_ms for cap in caps]
-            # the uncapped no-delay reference (a shortened capped run is compared with its steps 2..n: ``join``),
+            # the uncapped no-delay reference (a shortened capped run is compared with the same steps of it: ``join``),
             # the longest first (its compute time per step feeds the plan), plus the loss-at-equal-tokens run
             lengths = sorted({steps, loss_steps}, reverse=True) if reference else []
             for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
