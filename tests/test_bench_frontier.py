@@ -38,16 +38,16 @@ def test_front_and_verdicts():
     rows = [
         _row("allreduce", "allreduce", 1_000_000_000, 2.20),
         _row("diloco H=20", "diloco", 50_000_000, 2.40),
-        _row("dilocox H=20", "dilocox", 900_000, 2.25),  # 1111x, +2.3 %
+        _row("dilocox", "dilocox", 900_000, 2.25),  # 1111x, +2.3 %
         _row("sparseloco H=20 1/64 2-bit", "sparseloco", 400_000, 2.30),
         _row("worse and dearer", "diloco", 60_000_000, 2.50),
     ]
-    assert frontier.pareto(rows) == {"allreduce", "dilocox H=20", "sparseloco H=20 1/64 2-bit"}
+    assert frontier.pareto(rows) == {"allreduce", "dilocox", "sparseloco H=20 1/64 2-bit"}
     frontier._mark_front(rows)
     md = frontier.markdown(rows, dict(machine="m", date="d", corpora=["code"], seeds=[0], wall_min=1.0))
-    assert "dilocox H=20 *" in md and "worse and dearer *" not in md
+    assert "dilocox *" in md and "worse and dearer *" not in md
     assert "1,111x at +2.3 % -> target (>= 1000x, <= +3 %, nothing cheaper and better) met" in md
-    assert "best point at >= 1000x: dilocox H=20" in md
+    assert "best point at >= 1000x: dilocox" in md
     rows[3]["final_val_loss"] = 2.21  # now sparseloco is cheaper AND better than dilocox: the target is missed
     frontier._mark_front(rows)
     md = frontier.markdown(rows, dict(machine="m", date="d", corpora=["code"], seeds=[0], wall_min=1.0))
@@ -55,14 +55,14 @@ def test_front_and_verdicts():
 
 
 def test_render_redraws_from_results(tmp_path):
-    rows = [_row("allreduce", "allreduce", 10**9, 2.2), _row("dilocox H=20", "dilocox", 10**6, 2.3),
-            _row("allreduce", "allreduce", 10**9, 2.4, corpus="prose"), _row("dilocox H=20", "dilocox", 10**6, 2.5,
+    rows = [_row("allreduce", "allreduce", 10**9, 2.2), _row("dilocox", "dilocox", 10**6, 2.3),
+            _row("allreduce", "allreduce", 10**9, 2.4, corpus="prose"), _row("dilocox", "dilocox", 10**6, 2.5,
             corpus="prose")]  # fmt: skip
     meta = dict(machine="m", date="d", corpora=["code", "prose"], seeds=[0], wall_min=1.0)
     (tmp_path / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     assert frontier.main(["--render", "--out", str(tmp_path)]) == 0
     assert os.path.getsize(tmp_path / "frontier.png") > 10_000
-    assert "| prose | 0 | 300 | dilocox H=20 * |" in (tmp_path / "results.md").read_text()
+    assert "| prose | 0 | 300 | dilocox * |" in (tmp_path / "results.md").read_text()
 
 
 def test_render_without_results_is_one_line_exit_2(tmp_path, capsys):

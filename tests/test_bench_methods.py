@@ -1,5 +1,5 @@
 """``dilocox bench methods``: every preset and every ablation variant builds a valid config
-that differs from ``dilocox`` in exactly what its label says."""
+that differs from ``dilocox-paper`` (DiLoCoX's own recipe) in exactly what its label says."""
 
 import os
 
@@ -21,7 +21,9 @@ def _load(tmp_path, preset, overrides=(), H=20):
 def test_presets_load_on_the_bench_layout(tmp_path, method):
     cfg = _load(tmp_path, method)
     assert cfg.parallel.replicas == 2 and cfg.parallel.pipeline == 2
-    if method not in ("allreduce", "cocktailsgd"):
+    if method == "dilocox":  # the preset's own H: its density, not H, sets its bytes
+        assert cfg.outer.sync_every == 4 and cfg.compress.sparse.enabled and cfg.outer.streaming.tau == 1
+    elif method not in ("allreduce", "cocktailsgd"):
         assert cfg.outer.sync_every == 20
 
 
@@ -38,7 +40,7 @@ def _knobs(cfg):
 
 
 def test_ablation_variants_switch_off_what_they_name(tmp_path):
-    full = _knobs(_load(tmp_path, "dilocox"))
+    full = _knobs(_load(tmp_path, "dilocox-paper"))
     assert full == {
         "overlap": "delayed",
         "lr": 0.5,
@@ -51,8 +53,9 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
     labels = [label for label, _, _ in ABLATION]
     assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox" in labels
     for label, preset, extra in ABLATION:
-        if preset != "dilocox":
+        if label == "allreduce":
             continue
+        assert preset == "dilocox-paper", label
         got = _knobs(_load(tmp_path, preset, extra))
         changed = {k for k in full if got[k] != full[k]}
         expect = set()

@@ -102,8 +102,10 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
     assert (st["fragments"], st["tau"], st["quant"]) == (2, 2, "int4")
     eg = wan.predict(_cfg(tmp_path, "eager"), "eager", 1e7)
     assert (eg["overlap"], eg["quant"]) == ("eager", "none")  # the preset's fp32, not the plan's default int4
-    dx = wan.predict(_cfg(tmp_path, "dilocox"), "dilocox", 1e7)
+    dx = wan.predict(_cfg(tmp_path, "dilocox-paper"), "dilocox-paper", 1e7)
     assert (dx["overlap"], dx["rank"], dx["quant"]) == ("delayed", 8, "int4") and dx["lowrank_elements"] > 0
+    dn = wan.predict(_cfg(tmp_path, "dilocox"), "dilocox", 1e7)  # its own H = 4, not the bench's --H
+    assert (dn["H"], dn["fragments"], dn["tau"], dn["lowrank_elements"]) == (4, 2, 1, 0)
     ck = wan.predict(_cfg(tmp_path, "cocktailsgd"), "cocktailsgd", 1e7)
     # bitmap over the 10 % random survivors + int4 values (+ bf16 scales) of 8 % of them; the code rounds
     # K_i and k_i up per tensor and groups each tensor's values on their own (a partial group each), so
@@ -116,7 +118,7 @@ def test_plan_inputs_follow_the_run_config(tmp_path):
     per_step = 4 * n * 8 / (1e7 * wan.TBF_GOODPUT)
     assert wan.steps_within(_cfg(tmp_path, "allreduce"), 1e7, 100, 60.0) == int(60.0 / per_step)
     assert wan.steps_within(_cfg(tmp_path, "opendiloco", H=10), 1e5, 100, 60.0) == 10
-    assert wan.steps_within(_cfg(tmp_path, "dilocox"), 1e7, 100, 60.0) == 100
+    assert wan.steps_within(_cfg(tmp_path, "dilocox-paper"), 1e7, 100, 60.0) == 100
 
 
 def test_join_markdown_and_targets():

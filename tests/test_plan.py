@@ -203,7 +203,7 @@ def test_cli_table_and_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [d["method"] for d in data] == list(PRESETS)
     by = {d["method"]: d for d in data}
-    assert by["dilocox"]["rank"] == 16 and by["dilocox"]["H"] == 125  # configs/methods/dilocox.yaml
+    assert by["dilocox-paper"]["rank"] == 16 and by["dilocox-paper"]["H"] == 125  # configs/methods/dilocox-paper.yaml
     assert by["dilocox"]["utilization"] > by["opendiloco"]["utilization"] > by["allreduce"]["utilization"]
     assert (
         main(
@@ -215,7 +215,7 @@ def test_cli_table_and_json(tmp_path, capsys):
                 "--bandwidth",
                 "1gbit",
                 "--methods",
-                "dilocox",
+                "dilocox-paper",
                 "--rank",
                 "2048",
                 "--json",
@@ -237,7 +237,8 @@ ONE_SYNC = [
     ("opendiloco", 4, []),
     ("streaming", 6, []),
     ("eager", 4, []),
-    ("dilocox", 4, ["--compress.adaptive.h_min=4"]),
+    ("dilocox-paper", 4, ["--compress.adaptive.h_min=4"]),
+    ("dilocox", 4, []),  # K=2, tau=1: fragment 1 syncs after step 2, fragment 0 after step 4
 ]
 TINY = [
     "--model.n_layers=2",

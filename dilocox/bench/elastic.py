@@ -70,7 +70,7 @@ def body(H: int, rank: int = 8, method: str = "dilocox") -> str:
 
 
 def preset(method: str) -> str:
-    return "methods/streaming.yaml" if method == "streaming" else "methods/dilocox.yaml"
+    return "methods/streaming.yaml" if method == "streaming" else "methods/dilocox-paper.yaml"
 
 
 def describe(method: str, rank: int, H: int) -> str:

@@ -38,8 +38,12 @@ POINTS = [
     ("streaming H=20 K=2 int4", "streaming", "streaming", ["--outer.sync_every=20"]),
     ("streaming H=50 K=2 int4", "streaming", "streaming", ["--outer.sync_every=50"]),
     ("cocktailsgd", "cocktailsgd", "cocktailsgd", []),
-    ("dilocox H=20", "dilocox", "dilocox", []),
-    ("dilocox H=50", "dilocox", "dilocox", ["--outer.sync_every=50", "--compress.adaptive.h_max=100"]),
+    # the `dilocox` preset as it is (its own H = 4, top 1/128 2-bit on the streaming schedule, tau = 1) and
+    # DiLoCoX as the paper describes it (`dilocox-paper`: low rank + int4, one-step delay, adaptive rank and H)
+    ("dilocox", "dilocox", "dilocox", []),
+    ("dilocox-paper H=20", "dilocox-paper", "dilocox-paper", []),
+    ("dilocox-paper H=50", "dilocox-paper", "dilocox-paper",
+     ["--outer.sync_every=50", "--compress.adaptive.h_max=100"]),
     ("sparseloco H=20 1/64 2-bit", "sparseloco", "sparseloco", ["--outer.sync_every=20"]),
     ("sparseloco H=50 1/64 2-bit", "sparseloco", "sparseloco", ["--outer.sync_every=50"]),
     ("sparseloco H=20 1/16 2-bit", "sparseloco", "sparseloco",
@@ -64,9 +68,9 @@ QUICK = [
     "allreduce",
     "diloco H=20",
     "streaming H=20 K=2 int4",
-    "dilocox H=20",
+    "dilocox-paper H=20",
     "sparseloco H=20 1/64 2-bit",
-    "streaming-sparse H=20 K=2 1/32 2-bit",
+    "dilocox",
 ]
 H_BASE = 20  # method_body's H (the presets' sync_every unless a point overrides it; dilocox's adaptive range)
 
@@ -121,7 +125,7 @@ def _verdicts(rows: list[dict]) -> list[str]:
     for r in rows:
         groups.setdefault((r["corpus"], r["seed"], r["steps"]), []).append(r)
     for (corpus, seed, steps), g in sorted(groups.items()):
-        dx = next((r for r in g if r["label"] == "dilocox H=20"), None)
+        dx = next((r for r in g if r["label"] == "dilocox"), None)
         cheap = [r for r in g if r.get("bytes_ratio_vs_allreduce", 0) >= 1000]
         best = min(cheap, key=lambda r: r["final_val_loss"]) if cheap else None
         line = f"- {corpus}, seed {seed}, {steps} steps: "

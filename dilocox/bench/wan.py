@@ -72,7 +72,7 @@ from dilocox.launch.emulate import BANDWIDTH_ENV, Cluster, netns_available, torc
 from dilocox.launch.switch import SwitchError, parse_latency
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
-METHODS = ["allreduce", "diloco", "streaming", "dilocox"]
+METHODS = ["allreduce", "diloco", "streaming", "dilocox-paper", "dilocox"]
 CAPS = ["1mbit", "10mbit", "100mbit", "1gbit"]
 RTTS = ["0ms", "50ms", "150ms"]
 TRAIN_FLAGS = [
