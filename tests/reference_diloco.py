@@ -129,9 +129,10 @@ def run_reference(
     is taken (at its launch, tau steps before its sync), ALL their params start from θ, with a new AdamW; the
     round's sync then treats them like everyone (mixing with α when streaming).
 
-    ``sparse`` = dict(chunk, density, bits, ef_decay) (K = 1): the average is SparseLoCo's (compress/sparse.py):
-    per replica and tensor e = β e + Δ, the chunked top-k payload in plain loops (``reference_encode``), what it
-    decodes to is sent and taken out of e; the mean is the sum of the decoded payloads in replica order / R.
+    ``sparse`` = dict(chunk, density, bits, ef_decay) (any K and tau): the average is SparseLoCo's
+    (compress/sparse.py): per replica and tensor (a fragment's tensors at that fragment's syncs) e = β e + Δ,
+    the chunked top-k payload in plain loops (``reference_encode``), what it decodes to is sent and taken out
+    of e; the mean is the sum of the decoded payloads in replica order / R.
 
     ``lookahead`` = γ (overlap delayed): after each outer step the replicas start from θ − γ·lr·v (v: the outer SGD's
     momentum buffer) and the pseudo-gradient is taken from that start: Δ = θ − γ·lr·v − θ_m."""
@@ -169,28 +170,26 @@ def run_reference(
 
     n_sync = [0]  # outer syncs so far (K = 1 with members)
 
-    ef: list[list[torch.Tensor] | None] = [None] * R  # sparse: the error buffers per replica
+    ef: list[dict[str, torch.Tensor]] = [{} for _ in range(R)]  # sparse: the error buffer per replica and tensor
 
-    def sparse_mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def sparse_mean(ds: list[list[torch.Tensor]], p: int) -> list[torch.Tensor]:
         from dilocox.compress.sparse import reference_decode, reference_encode
 
-        assert K == 1 and members is None, "the sparse oracle is for one fragment and a fixed membership"
+        assert members is None, "the sparse oracle is for a fixed membership"
         sp = sparse
         out = [torch.zeros(d.numel()) for d in ds[0]]
         for m in range(R):
-            if ef[m] is None:
-                ef[m] = [torch.zeros_like(d) for d in ds[m]]
-            for j, d in enumerate(ds[m]):
-                ef[m][j] = ef[m][j] * sp["ef_decay"] + d.float()
-                payload = reference_encode(ef[m][j], sp["chunk"], sp["density"], sp["bits"])
+            for j, (name, d) in enumerate(zip(frags[p], ds[m])):
+                e = ef[m].get(name, torch.zeros_like(d)) * sp["ef_decay"] + d.float()
+                payload = reference_encode(e, sp["chunk"], sp["density"], sp["bits"])
                 sent = reference_decode(payload, d.numel(), sp["chunk"], sp["density"], sp["bits"])
-                ef[m][j] = ef[m][j] - sent.view(d.shape)
+                ef[m][name] = e - sent.view(d.shape)
                 out[j] = out[j] + sent
         return [(o / R).view(d.shape) for o, d in zip(out, ds[0])]
 
-    def mean(ds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    def mean(ds: list[list[torch.Tensor]], p: int) -> list[torch.Tensor]:
         if sparse is not None:
-            return sparse_mean(ds)
+            return sparse_mean(ds, p)
         who = range(R) if members is None else members[n_sync[0] - 1]
         return [torch.stack([ds[m][j] for m in who]).mean(0) for j in range(len(ds[0]))]
 
@@ -212,7 +211,7 @@ def run_reference(
                 if overlap == "none":
                     if is_sync(p, n + tau):
                         n_sync[0] += 1  # (a round: one fragment's all-reduce)
-                        pending[p] = mean(deltas(p))
+                        pending[p] = mean(deltas(p), p)
                         for m in (rejoin or {}).get(n_sync[0], []):
                             for x in names:
                                 w[m][x].copy_(theta[0][x])
@@ -227,7 +226,7 @@ def run_reference(
                     n_sync[0] += 1
                     ds = deltas(p)
                     prev = pending[p] if pending[p] is not None else [torch.zeros_like(d) for d in ds[0]]
-                    pending[p] = mean(ds)
+                    pending[p] = mean(ds, p)
                     for m in range(n_outer):
                         if overlap == "eager":
                             own = own_prev[m][p] or [torch.zeros_like(d) for d in ds[m]]

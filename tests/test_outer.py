@@ -285,6 +285,10 @@ SPARSE = {
     "sparse_none": dict(H=3, steps=12, overlap="none", lr=1.0, momentum=0.0,
                         sparse=dict(chunk=64, density=0.09, bits=2, ef_decay=0.95)),
     "sparse_delayed": dict(H=3, steps=12, overlap="delayed", sparse=dict(chunk=64, density=0.09, bits=4, ef_decay=1.0)),
+    # the dilocox preset's shape: K = 2 strided fragments, tau = 1, alpha = 0.5, outer momentum 0.5 (each fragment
+    # syncs 3 times in 12 steps: 6 syncs of half the tensors)
+    "sparse_streaming": dict(H=4, steps=12, overlap="none", K=2, tau=1, pattern="strided", momentum=0.5,
+                             sparse=dict(chunk=64, density=0.09, bits=2, ef_decay=0.95)),
 }  # fmt: skip
 
 
@@ -298,12 +302,10 @@ def test_sparse_topk_matches_reference_and_counts_its_bytes(R):
     res = run_ranks(R, _run_cases, SPARSE)
     names_shapes = [(n, p.shape) for n, p in make_model(SEED).named_parameters()]
     for name, c in SPARSE.items():
-        ref = run_reference(
-            R, c["steps"], SEED, c["H"], overlap=c["overlap"], lr=c.get("lr", 0.7), momentum=c.get("momentum", 0.9),
-            sparse=c["sparse"],
-        )  # fmt: skip
-        dense = run_reference(R, c["steps"], SEED, c["H"], overlap=c["overlap"], lr=c.get("lr", 0.7),
-                              momentum=c.get("momentum", 0.9))  # fmt: skip
+        kw = dict(overlap=c["overlap"], lr=c.get("lr", 0.7), momentum=c.get("momentum", 0.9), K=c.get("K", 1),
+                  tau=c.get("tau", 0), pattern=c.get("pattern", "sequential"))  # fmt: skip
+        ref = run_reference(R, c["steps"], SEED, c["H"], sparse=c["sparse"], **kw)
+        dense = run_reference(R, c["steps"], SEED, c["H"], **kw)
         for m in range(R):
             _close(res[m][name]["params"], ref[m], 1e-6)
             for n, v in res[0][name]["params"].items():
@@ -313,8 +315,11 @@ def test_sparse_topk_matches_reference_and_counts_its_bytes(R):
         sp = c["sparse"]
         payload = sum(tensor_payload_bytes(s.numel(), sp["chunk"], sp["density"], sp["bits"]) for _, s in names_shapes)
         stats = res[0][name]["stats"]
-        assert res[0][name]["payload"] == [payload]
-        assert stats["bytes_sent"] == stats["n_syncs"] * (R - 1) * payload and stats["n_syncs"] == 4
+        assert sum(res[0][name]["payload"]) == payload and len(res[0][name]["payload"]) == c.get("K", 1)
+        # bytes = the sum over fragments of its syncs x (R - 1) x its payload
+        per_frag = zip(_n_syncs(c), res[0][name]["payload"])
+        assert stats["bytes_sent"] == sum(n * (R - 1) * pb for n, pb in per_frag)
+        assert stats["n_syncs"] == sum(_n_syncs(c)) and stats["n_syncs"] in (4, 6)
         assert payload * 10 < 4 * sum(s.numel() for _, s in names_shapes)  # > 10x below fp32 per sync
 
 
