@@ -1,11 +1,10 @@
 """``dilocox bench elastic`` (issue 10): 3 elastic replicas x 2 pipeline stages, one killed and restarted.
 
-Tiny GPT-2, the dilocox preset (``--method dilocox``: fixed rank 8 and H, comparable with the recorded runs;
-``dilocox-adaptive``: the preset's adaptive rank and H as well) or the Streaming DiLoCo preset (``streaming``: 2
-fragments, tau 2, int4), each replica
-one ``dilocox train`` job of 2 ranks (``dilocox launch --elastic``), in network namespaces behind a
-``--bandwidth`` (100 Mbit/s) tbf cap each way when root can create them, else on loopback with the outer
-comm thread's token bucket (the output says which). Two runs of equal length:
+Tiny GPT-2, DiLoCoX's own recipe, the ``dilocox-paper`` preset (``--method dilocox``: fixed rank 8 and H, comparable
+with the recorded runs; ``dilocox-adaptive``: the preset's adaptive rank and H as well) or the Streaming DiLoCo preset
+(``streaming``: 2 fragments, tau 2, int4), each replica one ``dilocox train`` job of 2 ranks (``dilocox launch
+--elastic``), in network namespaces behind a ``--bandwidth`` (100 Mbit/s) tbf cap each way when root can create them,
+else on loopback with the outer comm thread's token bucket (the output says which). Two runs of equal length:
 
 1. uninterrupted: 3 replicas from start to end;
 2. interrupted: replica ``--victim`` (2) is SIGKILLed (whole job) when a replica has logged step S/3 and
@@ -77,8 +76,8 @@ def describe(method: str, rank: int, H: int) -> str:
     if method == "streaming":
         return f"Streaming DiLoCo preset (2 fragments, tau 2, alpha 0.5, int4) with H={H}"
     if method == "dilocox-adaptive":
-        return f"dilocox preset with adaptive rank (from {rank}) and H (from {H}, in [{max(2, H // 2)}, {2 * H}])"
-    return f"dilocox preset with rank {rank} and H={H} fixed"
+        return f"dilocox-paper preset with adaptive rank (from {rank}) and H (from {H}, in [{max(2, H // 2)}, {2 * H}])"
+    return f"dilocox-paper preset with rank {rank} and H={H} fixed"
 
 
 # --------------------------------------------------------------------------- reading
