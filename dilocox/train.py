@@ -521,7 +521,7 @@ def build_elastic_group(cfg: Config, topo):
         encrypt=cfg.security.encrypt,
     )
     if topo.world_size == 1:
-        return QuorumGroup(ElasticOuterGroup(ecfg))
+        return QuorumGroup(ElasticOuterGroup(ecfg), cfg.outer.norm_check)
     store, port = None, [0]
     if topo.rank == 0:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=e.timeout_s))
@@ -529,7 +529,7 @@ def build_elastic_group(cfg: Config, topo):
     dist.broadcast_object_list(port, src=0)
     group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=(host, port[0]))
     group.replica_store = store  # rank 0 keeps the store alive as long as the group
-    return QuorumGroup(group)
+    return QuorumGroup(group, cfg.outer.norm_check)
 
 
 def train(cfg: Config) -> dict:

@@ -25,6 +25,25 @@ from dilocox.outer import build_outer
 from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model
 
 
+class _Poisoned(QuorumGroup):
+    """A replica that sends ``factor`` x its pseudo-gradient (a faulty or crude rogue replica; outer.norm_check)."""
+
+    def __init__(self, elastic, norm_check: float, factor: float) -> None:
+        super().__init__(elastic, norm_check)
+        self.factor = factor
+
+    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None, propose=None, layout=None):
+        if layout is not None:
+            inner = layout
+
+            def layout():
+                ts, cd = inner()
+                return [t * self.factor for t in ts], cd
+        else:
+            tensors = [t * self.factor for t in tensors]
+        return super().allreduce_mean(tensors, step, contribute, codec, stats, propose, layout)
+
+
 def main() -> None:
     if os.environ.get("DILOCOX_TEST_LOG"):  # debugging a test: torchft's and dilocox's Python logs on stderr
         import logging
@@ -57,6 +76,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--hold-file", default=None, help="slow steps from --hold-at until it exists")
     ap.add_argument("--hold-at", type=int, default=16)
+    ap.add_argument("--norm-check", type=float, default=0.0, help="outer.norm_check")
+    ap.add_argument("--poison", default=None, help="send this factor (or nan) x the pseudo-gradient at every sync")
     a = ap.parse_args()
 
     def rec(**kw) -> None:
@@ -88,9 +109,8 @@ def main() -> None:
         ad.enabled, ad.window, ad.rank_min, ad.rank_max, ad.h_min, ad.h_max = True, 2, 1, 4, 2, 6
     if a.vary_h:  # H from measured times hardly moves here; proposals that differ per replica and step test the max
         _vary_h(a.replica)
-    outer = build_outer(
-        list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, group=QuorumGroup(group)
-    )
+    qg = QuorumGroup(group, a.norm_check) if a.poison is None else _Poisoned(group, a.norm_check, float(a.poison))
+    outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, group=qg)
     n0 = outer.join()
     outer.pop_jump()
     if n0 is not None:

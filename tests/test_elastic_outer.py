@@ -40,6 +40,7 @@ def _run(
     sleep: float,
     bound_s: float = 240,
     compress: tuple[str, ...] = (),
+    per_replica: dict[int, list[str]] | None = None,
 ):
     pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
     from dilocox.elastic import start_lighthouse
@@ -53,7 +54,8 @@ def _run(
         c += ["--seed", str(SEED), "--timeout", "8", "--quorum-timeout", "40", "--step-sleep", str(sleep), *compress]
         if restart:  # the survivors wait at step 16 (bounded) until the restarted replica has joined
             c += ["--hold-file", str(tmp_path / "joined"), "--hold-at", "16"]
-        if die:
+        c += (per_replica or {}).get(r, [])
+        if die and die_at is not None:
             c += ["--die-at", str(die_at), "--die-mode", die_mode]
         else:
             c += ["--initial-replicas", "3"] if not (restart and r == 2) else []
@@ -254,3 +256,25 @@ def test_streaming_fragments_across_kill_and_rejoin_match_oracle(tmp_path, quant
     if quant == "none":  # the check has teeth: had the joiner kept its own params, θ would differ
         wrong = run_reference(3, STEPS, SEED, H, K=2, tau=tau, alpha=0.5, pattern="strided", members=members)
         assert any((wrong[0][k] - got[0][k]).abs().max() > 1e-4 for k in got[0])
+
+
+@pytest.mark.slow  # ~20 s each: 3 replica processes with torchft
+@pytest.mark.parametrize("poison", ["50", "nan"])
+def test_norm_check_leaves_a_poisoned_replica_out_of_every_elastic_mean(tmp_path, poison):
+    """outer.norm_check on the torchft quorum (issue 21): replica 2 sends 50 x its pseudo-gradient (or NaN) at every
+    sync; with norm_check 4 every outer mean is over replicas 0 and 1 only (the accepted contributors each sync), all
+    three end bit-equal and equal to the oracle averaged over {0, 1}; without the check the mean would differ."""
+    check = ["--norm-check", "4"]
+    procs, recs, _ = _run(tmp_path, "none", "phase", die_at=None, restart=False, sleep=0.05,
+                          compress=tuple(check), per_replica={2: ["--poison", poison]})  # fmt: skip
+    assert all(p.returncode == 0 for p in procs), _err(tmp_path, 2)
+    members = _launched(recs[0], "none")
+    assert len(members) == STEPS // H and all(m == [0, 1] for m in members), members
+    assert _launched(recs[2], "none") == members  # the poisoned replica sees the same (it is told it was left out)
+    ref = run_reference(3, STEPS, SEED, H, members=members)
+    got = [_final(tmp_path, r) for r in range(3)]
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
+        torch.testing.assert_close(got[0][k], ref[0][k], rtol=1e-5, atol=1e-6)
+    wrong = run_reference(3, STEPS, SEED, H)
+    assert any((wrong[0][k] - got[0][k]).abs().max() > 1e-4 for k in got[0])

@@ -80,7 +80,10 @@ def _norm_check_rank(rank: int, world: int) -> dict:
     codec with replica 1 far above."""
     import torch.distributed as dist
 
-    g = FixedGroup(dist.group.WORLD, world, norm_check=4.0)
+    return _norm_check_calls(FixedGroup(dist.group.WORLD, world, norm_check=4.0), rank)
+
+
+def _norm_check_calls(g, rank: int) -> dict:
     torch.manual_seed(200 + rank)
     ts = [torch.randn(3, 4), torch.randn(5)]
     outs, rejected = [], []
@@ -104,7 +107,10 @@ def test_norm_check_leaves_an_outlier_or_a_nan_out_of_the_mean():
     """outer.norm_check (issue 21): a replica 50x above the median, or with a NaN, is left out of the mean on every
     replica (the mean of the other two, the same everywhere); an honest call averages all three; through a codec the
     mean is rescaled to the accepted replicas'."""
-    out = run_ranks(3, _norm_check_rank, timeout=120)
+    _check_norm_check(run_ranks(3, _norm_check_rank, timeout=120))
+
+
+def _check_norm_check(out: list[dict]) -> None:
     ts = [o["ts"] for o in out]
     mean = lambda who, i: sum(ts[r][i] for r in who) / len(who)  # noqa: E731
     for o in out:
@@ -116,6 +122,50 @@ def test_norm_check_leaves_an_outlier_or_a_nan_out_of_the_mean():
             torch.testing.assert_close(o["outs"][2][i], mean([0, 1, 2], i), rtol=1e-6, atol=1e-7)
             torch.testing.assert_close(o["outs"][3][i], mean([0, 2], i), rtol=0.0, atol=0.05)  # int8 of the two
             assert torch.equal(o["outs"][3][i], out[0]["outs"][3][i])
+
+
+class _FakeElastic:
+    """Just what ``QuorumGroup`` uses of an ``ElasticOuterGroup``, over gloo ranks: one attempt, every rank in the
+    quorum (the torchft one is checked against the oracle in tests/test_elastic_outer.py)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import torch.distributed as dist
+
+        from dilocox.elastic.group import ElasticConfig
+
+        self.cfg = ElasticConfig(lighthouse_addr="x:1", replica_rank=rank, max_replicas=4)
+        self.group, self.dist = dist.group.WORLD, dist
+
+    def flat_sum(self, flat, contribute):
+        mr = self.cfg.max_replicas
+        buf = torch.zeros(flat.numel() + mr)
+        if contribute:
+            buf[: flat.numel()].copy_(flat)
+            buf[flat.numel() + self.cfg.replica_rank] = 1
+        self.dist.all_reduce(buf)
+        return buf[: flat.numel()], buf[flat.numel() :]
+
+    def run_step(self, body, contribute=True):
+        from dilocox.elastic.group import ElasticResult
+
+        total, onehot = body(contribute)
+        who = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
+        return ElasticResult(total, who, 0, 0, 1, 0.0, 0.0, world=self.group.size())
+
+
+def _quorum_norm_check_rank(rank: int, world: int) -> dict:
+    """``_norm_check_rank``'s four calls through a ``QuorumGroup``: the plain path (norms first, then the sum) and
+    the codec path (norms in the count's buffer)."""
+    from dilocox.elastic.quorum import QuorumGroup
+
+    g = QuorumGroup(_FakeElastic(rank, world), norm_check=4.0)
+    return _norm_check_calls(g, rank)
+
+
+def test_quorum_group_norm_check_equals_the_fixed_group_rule():
+    """outer.norm_check on the elastic group (issue 21): the same calls as the fixed group's test give the same
+    rejections, contributors and means on every replica, with and without a codec."""
+    _check_norm_check(run_ranks(3, _quorum_norm_check_rank, timeout=120))
 
 
 def test_norm_check_rule_and_its_refusals():

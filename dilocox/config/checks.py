@@ -320,8 +320,6 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
             "does not combine with outer.overlap=eager (a replica left out has already applied its own pseudo-gradient "
             "locally); use overlap none or delayed, or set it to 0",
         )
-    if o.norm_check and o.elastic.enabled:
-        _fail("outer.norm_check", o.norm_check, "is not supported with outer.elastic.enabled yet; set it to 0")
 
 
 def check_compress(c: CompressConfig) -> None:

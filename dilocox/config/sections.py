@@ -185,8 +185,8 @@ class OuterConfig:
     # seconds while a wait lasts
     norm_check: float = 0.0  # > 1: a replica whose pseudo-gradient norm (per shard) is not finite or above this x the
     # median of the replicas' norms is left out of that outer step's mean, logged (0 = off; needs >= 3 replicas to
-    # ever reject; one float per replica more per sync; fixed replicas, overlap none|delayed: not outer.elastic,
-    # eager or SWARM; docs/SECURITY.md)
+    # ever reject; one float per replica more per sync; fixed or elastic replicas, overlap none|delayed: not eager
+    # or SWARM; docs/SECURITY.md)
     elastic: ElasticSection = field(default_factory=ElasticSection)
 
 

@@ -15,12 +15,20 @@
   layout); ``agreed`` is the max over the slots, i.e. over this call's contributors (a replica that does not
   contribute sends zeros), None when none proposed. Exact for integers below 2^24.
 
+- ``norm_check`` = c > 0 (``outer.norm_check``, docs/SECURITY.md; FixedGroup's rule): each contributor writes the L2
+  norm of what it is about to send into its own slot of ``max_replicas`` more floats of the count's buffer (the
+  plain path then takes the count first: one more tiny all-reduce); a contributor whose norm is not finite or above
+  c x the median of the contributors' finite norms sends zeros instead, and the sum is divided by the accepted
+  ones only. Every replica computes the same ``rejected`` from the same sums, per attempt (the quorum may change).
+
 ``DILOCOX_ELASTIC_TRACE=DIR`` records every committed step (contributors, what this replica sent, the mean) as
 ``DIR/r{replica}_g{rank}_s{step:05d}.pt`` for the tests' oracle.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from typing import Callable
 
@@ -29,6 +37,9 @@ from torch import Tensor
 
 from dilocox.compress.collectives import wire_bytes
 from dilocox.elastic.group import ElasticOuterGroup
+from dilocox.outer.group import _median, outliers
+
+log = logging.getLogger("dilocox")
 
 TRACE_ENV = "DILOCOX_ELASTIC_TRACE"  # a directory: every elastic outer step is recorded there (tests)
 
@@ -38,9 +49,13 @@ class QuorumGroup:
 
     heals = True
 
-    def __init__(self, elastic: ElasticOuterGroup) -> None:
-        self.elastic = elastic
-        self.contributors: list[int] = []  # of the last committed call
+    def __init__(self, elastic: ElasticOuterGroup, norm_check: float = 0.0) -> None:
+        if norm_check and norm_check <= 1.0:
+            raise ValueError(f"QuorumGroup: norm_check={norm_check} must be 0 (off) or above 1 (a ratio to the median)")
+        self.elastic, self.norm_check = elastic, float(norm_check)
+        self.rejected: list[int] = []  # of the last committed call (norm_check): replica ranks left out of the mean
+        self.norms: dict[int, float] = {}  # every contributor's norm at the last committed call (norm_check)
+        self.contributors: list[int] = []  # of the last committed call (without the rejected ones)
         self.healed = False  # the last call healed this replica
         self.agreed: int | None = None  # the max of the last call's proposals
         self._trace = os.environ.get(TRACE_ENV)
@@ -69,7 +84,8 @@ class QuorumGroup:
         layout: Callable[[], tuple[list[Tensor], object]] | None = None,
     ) -> list[Tensor]:
         el = self.elastic
-        side = torch.zeros(el.cfg.max_replicas)
+        mr, check = el.cfg.max_replicas, bool(self.norm_check)
+        side = torch.zeros(2 * mr if check else mr)  # [proposals | norms (norm_check)]
         if propose is not None:
             if not 0 < int(propose) < 1 << 24:
                 raise ValueError(f"propose={propose} must be a positive integer below 2^24 (exact in fp32)")
@@ -82,17 +98,33 @@ class QuorumGroup:
                 ts, cd = layout() if layout is not None else (tensors, codec)
                 flat = torch.cat([t.reshape(-1).float() for t in ts]) if ts else torch.zeros(0)
                 io.update(tensors=ts, codec=cd, flat=flat, lossy=cd is not None and cd.lossy)
-                if not io["lossy"]:
+                if check:
+                    side[mr + el.cfg.replica_rank] = flat.double().pow(2).sum().sqrt().float()
+                elif not io["lossy"]:
                     io["buf"] = torch.cat([flat, side])
             return io
 
         saved: list[dict] = []
         tries = [0]
+        chk: dict = {"rejected": [], "norms": {}}  # of the latest attempt (norm_check)
+
+        def count(c: bool) -> tuple[Tensor, bool]:
+            """The count (and proposals, norms) alone; whether this replica is left out (norm_check)."""
+            sides[0], onehot = el.flat_sum(side, c)
+            if check:
+                members = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
+                norms = {i: float(sides[0][mr + i]) for i in members}
+                chk["norms"], chk["rejected"] = norms, [members[j] for j in outliers([norms[i] for i in members],
+                                                                                     self.norm_check)]  # fmt: skip
+            return onehot, el.cfg.replica_rank in chk["rejected"]
 
         def body(c: bool):
             x = inputs()
             n = x["flat"].numel()
             if not x["lossy"]:
+                if check:  # the norms first, then the sum without the rejected ones
+                    _, out = count(c)
+                    return el.flat_sum(torch.zeros_like(x["flat"]) if out else x["flat"], c)
                 total, onehot = el.flat_sum(x["buf"], c)
                 sides[0] = total[n:]
                 return total[:n], onehot
@@ -105,8 +137,8 @@ class QuorumGroup:
             else:
                 saved.append(cd.state_dict())  # (after this call's heal, if any, set the rank)
             tries[0] += 1
-            sides[0], onehot = el.flat_sum(side, c)
-            ins = x["tensors"] if c else [torch.zeros_like(t) for t in x["tensors"]]
+            onehot, out = count(c)
+            ins = x["tensors"] if c and not out else [torch.zeros_like(t) for t in x["tensors"]]
             outs = cd.allreduce_mean(ins, el.group, step, stats)
             world = el.group.size()
             return torch.cat([o.reshape(-1).float() for o in outs]).mul_(world), onehot
@@ -114,14 +146,19 @@ class QuorumGroup:
         res = el.run_step(body, contribute)
         x = inputs()
         flat_in, n = x["flat"], x["flat"].numel()
-        top = int(sides[0].max().item())
+        top = int(sides[0][:mr].max().item())
         self.agreed = top if top > 0 else None
-        n_c = len(res.contributors)
+        rejected = chk["rejected"] if check else []
+        accepted = [i for i in res.contributors if i not in rejected]
+        if rejected:
+            self._report(step, res.contributors, chk["norms"], rejected)
+        n_c = len(accepted)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not x["lossy"] and stats is not None:  # the codec counts its own bytes
             b = wire_bytes(n + 2 * el.cfg.max_replicas + 1, max(res.world, 1), "none")  # (+1: lighthouse seen)
             stats.add(b, b, res.allreduce_s)
-        self.contributors, self.healed = list(res.contributors), res.healed
+        self.contributors, self.healed = accepted, res.healed
+        self.rejected, self.norms = list(rejected), dict(chk["norms"])
         if self._trace:
             self._record(res, step, mean, flat_in if (contribute and not res.healed) else None)
         out, off = [], 0
@@ -130,6 +167,19 @@ class QuorumGroup:
             out.append(mean[off : off + k].view(t.shape))
             off += k
         return out
+
+    def _report(self, step: int, members: list[int], norms: dict[int, float], rejected: list[int]) -> None:
+        """norm_check: log who was left out (every replica logs the same); all of them: the run diverged."""
+        if len(rejected) == len(members):
+            raise RuntimeError(
+                f"outer step {step}: every replica's pseudo-gradient failed outer.norm_check (norms {norms}): "
+                "the run diverged; lower the learning rates or resume from an earlier checkpoint"
+            )
+        med = _median([v for v in norms.values() if math.isfinite(v)])
+        log.warning(
+            "outer step %d: left out of the mean by outer.norm_check=%g (median norm %.4g): %s",
+            step, self.norm_check, med, ", ".join(f"replica {i} (norm {norms[i]:.4g})" for i in rejected),
+        )  # fmt: skip
 
     def _record(self, res, n: int, mean: Tensor, sent: Tensor | None) -> None:
         el = self.elastic
