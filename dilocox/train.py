@@ -501,6 +501,7 @@ def build_elastic_group(cfg: Config, topo):
     DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
     from dilocox.elastic.quorum import QuorumGroup
+    from dilocox.elastic.stores import multi_rank_replica_store
     from dilocox.security import secret_for
 
     e = cfg.outer.elastic
@@ -522,13 +523,16 @@ def build_elastic_group(cfg: Config, topo):
     )
     if topo.world_size == 1:
         return QuorumGroup(ElasticOuterGroup(ecfg), cfg.outer.norm_check)
-    store, port = None, [0]
-    if topo.rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=e.timeout_s))
-        port = [store.port]
-    dist.broadcast_object_list(port, src=0)
-    group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=(host, port[0]))
-    group.replica_store = store  # rank 0 keeps the store alive as long as the group
+    store, guard, addr = None, None, [None]
+    if topo.rank == 0:  # the replica's store; guarded: the quorum reaches it through a guard (elastic/stores.py)
+        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == topo.world_size
+        secret = ecfg.secret if ecfg.lighthouse_auth else None
+        store, local, public, guard = multi_rank_replica_store(host, secret, one_host, timedelta(seconds=e.timeout_s))
+        addr = [(local, public)]
+    dist.broadcast_object_list(addr, src=0)
+    group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=addr[0][0],
+                              advertise=addr[0][1])  # fmt: skip
+    group.replica_store, group.store_guard = store, guard  # rank 0 keeps them as long as the group (closed with it)
     return QuorumGroup(group, cfg.outer.norm_check)
 
 

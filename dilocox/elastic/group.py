@@ -49,6 +49,7 @@ from dilocox.elastic.failover import (
     quorum_id,
 )
 from dilocox.elastic.relay import LighthouseRelay
+from dilocox.elastic.stores import advertise_store, quorum_gloo, replica_store
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -268,6 +269,7 @@ class ElasticOuterGroup:
         group_rank: int = 0,
         group_world: int = 1,
         store: tuple[str, int] | None = None,
+        advertise: tuple[str, int] | None = None,
     ) -> None:
         cfg.validate()
         try:  # lazy: torchft is an optional dependency of the elastic mode only
@@ -278,20 +280,16 @@ class ElasticOuterGroup:
         from torch.distributed import TCPStore
 
         self.cfg = cfg
-        self._own_store = None
+        self._own_store, self.store_guard = None, None
+        guarded = cfg.secret if cfg.lighthouse_auth else None  # the replicas' stores behind guards too (stores.py)
         if store is None:  # a replica of one process: its own store
             if group_world != 1:
                 raise ValueError("ElasticOuterGroup: a replica of several ranks needs the replica's store (host, port)")
-            self._own_store = TCPStore(
-                host_name=cfg.host,
-                port=0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=cfg.timeout_s),
+            self._own_store, store, advertise, self.store_guard = replica_store(
+                cfg.host, guarded, timedelta(seconds=cfg.timeout_s)
             )
-            store = (cfg.host, self._own_store.port)
         self.group_rank, self.group_world = group_rank, group_world
-        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout_s))
+        self._pg = quorum_gloo(ProcessGroupGloo, guarded, cfg.timeout_s)
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed = False
@@ -304,11 +302,11 @@ class ElasticOuterGroup:
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
         self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
         try:
-            self._manager = self._new_manager(Manager, store)
+            with advertise_store(advertise):  # the quorum meets at the store's guard, the Manager at the store
+                self._manager = self._new_manager(Manager, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)
-            if self.relay is not None:
-                self.relay.close()
+            self._close_guards()
             raise
         self.failover = self._new_failover(TCPStore, store)
         self.group = TorchftGroup(self._pg, cfg.timeout_s)
@@ -590,5 +588,11 @@ class ElasticOuterGroup:
         if not self.closed:
             self.closed = True
             self._manager.shutdown(wait=False)
-            if self.relay is not None:
-                self.relay.close()
+            self._close_guards()
+
+    def _close_guards(self) -> None:
+        for obj in (self.relay, self.store_guard):
+            if obj is not None:
+                obj.close()
+        if hasattr(self._pg, "close_relays"):
+            self._pg.close_relays()

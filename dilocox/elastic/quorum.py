@@ -109,14 +109,7 @@ class QuorumGroup:
         chk: dict = {"rejected": [], "norms": {}}  # of the latest attempt (norm_check)
 
         def count(c: bool) -> tuple[Tensor, bool]:
-            """The count (and proposals, norms) alone; whether this replica is left out (norm_check)."""
-            sides[0], onehot = el.flat_sum(side, c)
-            if check:
-                members = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
-                norms = {i: float(sides[0][mr + i]) for i in members}
-                chk["norms"], chk["rejected"] = norms, [members[j] for j in outliers([norms[i] for i in members],
-                                                                                     self.norm_check)]  # fmt: skip
-            return onehot, el.cfg.replica_rank in chk["rejected"]
+            return self._count(side, c, sides, chk)
 
         def body(c: bool):
             x = inputs()
@@ -148,25 +141,37 @@ class QuorumGroup:
         flat_in, n = x["flat"], x["flat"].numel()
         top = int(sides[0][:mr].max().item())
         self.agreed = top if top > 0 else None
-        rejected = chk["rejected"] if check else []
-        accepted = [i for i in res.contributors if i not in rejected]
-        if rejected:
-            self._report(step, res.contributors, chk["norms"], rejected)
+        accepted = self._accepted(res.contributors, chk, step)
         n_c = len(accepted)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not x["lossy"] and stats is not None:  # the codec counts its own bytes
             b = wire_bytes(n + 2 * el.cfg.max_replicas + 1, max(res.world, 1), "none")  # (+1: lighthouse seen)
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = accepted, res.healed
-        self.rejected, self.norms = list(rejected), dict(chk["norms"])
         if self._trace:
             self._record(res, step, mean, flat_in if (contribute and not res.healed) else None)
-        out, off = [], 0
-        for t in x["tensors"]:
-            k = t.numel()
-            out.append(mean[off : off + k].view(t.shape))
-            off += k
-        return out
+        ts = x["tensors"]
+        return [m.view(t.shape) for m, t in zip(mean.split([t.numel() for t in ts]), ts)]
+
+    def _count(self, side: Tensor, c: bool, sides: list, chk: dict) -> tuple[Tensor, bool]:
+        """The count (with the proposals and, norm_check, the norms) alone: (the one-hot counts, whether this replica
+        is left out). The rejected ones are those of this attempt's contributors (``chk``)."""
+        el = self.elastic
+        sides[0], onehot = el.flat_sum(side, c)
+        if self.norm_check:
+            members = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
+            norms = {i: float(sides[0][el.cfg.max_replicas + i]) for i in members}
+            bad = outliers([norms[i] for i in members], self.norm_check)
+            chk["norms"], chk["rejected"] = norms, [members[j] for j in bad]
+        return onehot, el.cfg.replica_rank in chk["rejected"]
+
+    def _accepted(self, contributors: list[int], chk: dict, step: int) -> list[int]:
+        """The contributors of the committed attempt without the ones norm_check left out (logged)."""
+        rejected = chk["rejected"] if self.norm_check else []
+        if rejected:
+            self._report(step, contributors, chk["norms"], rejected)
+        self.rejected, self.norms = list(rejected), dict(chk["norms"])
+        return [i for i in contributors if i not in rejected]
 
     def _report(self, step: int, members: list[int], norms: dict[int, float], rejected: list[int]) -> None:
         """norm_check: log who was left out (every replica logs the same); all of them: the run diverged."""

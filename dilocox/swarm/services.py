@@ -32,11 +32,11 @@ class GuardedStore:
     master's own handle (it reaches the server directly), ``port`` the public one."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: timedelta) -> None:
-        from torch.distributed import TCPStore
-
         from dilocox.elastic.relay import LighthouseGuard
+        from dilocox.elastic.stores import loopback_store
 
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        # (a TCPStore master given "127.0.0.1" still listens on every interface: loopback_store binds it itself)
+        self.store = loopback_store(timeout)
         self.guard = LighthouseGuard((host, port), ("127.0.0.1", self.store.port), secret)
         self.port = self.guard.port
 

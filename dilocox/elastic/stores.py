@@ -1,0 +1,143 @@
+"""An elastic replica's own ``TCPStore`` behind the run secret (issue 21, docs/SECURITY.md).
+
+Each replica hosts a ``TCPStore``: its torchft ``Manager`` keeps its own entries there, and when the lighthouse names
+this replica's store for a quorum, every replica's process group meets there (gloo's rendezvous). torch's store
+authenticates nobody, and its server listens on every interface whatever host it is given
+(``TCPStore("127.0.0.1", 0, is_master=True)`` listens on ``*``), so a guard in front of it alone would be bypassed
+by a stranger who connects to the store's own port. With ``ElasticConfig.lighthouse_auth`` (the run's elastic
+services behind the secret):
+
+- ``loopback_store``: the store's listening socket is bound to 127.0.0.1 here and handed to torch
+  (``master_listen_fd``), so the store itself is reachable from this host only;
+- a ``LighthouseGuard`` (relay.py: mutual HMAC handshake, then every chunk framed and MACed) holds a public port in
+  front of it, and that is the address the replica's ``ManagerServer`` hands to the lighthouse
+  (``advertise_store``: torchft's ``Manager`` passes one address both to its own client and to its server, so the
+  server's is swapped for the guard's while the Manager is built);
+- ``quorum_gloo``: torchft's reconfigurable gloo group whose ``configure`` reaches the store the quorum names
+  through a local ``LighthouseRelay`` that proves the secret to that store's guard.
+
+A stranger who reaches a replica therefore cannot read or write its store (the gloo rendezvous, the Manager's
+entries). Still reached directly (docs/SECURITY.md): the ``ManagerServer``'s gRPC port and the gloo pairs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from contextlib import contextmanager
+from datetime import timedelta
+
+_PATCH_LOCK = threading.Lock()  # advertise_store swaps a torchft module attribute while a Manager is built
+
+
+def loopback_store(timeout: timedelta):
+    """A ``TCPStore`` master that listens on 127.0.0.1 only (module docstring); ``.port`` is its port."""
+    from torch.distributed import TCPStore
+
+    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now
+    return store
+
+
+def guarded_replica_store(host: str, secret: bytes, timeout: timedelta):
+    """(the store, its local address, its public address, the guard): a loopback store and a guard on ``host``."""
+    from dilocox.elastic.relay import LighthouseGuard
+
+    store = loopback_store(timeout)
+    local = ("127.0.0.1", store.port)
+    guard = LighthouseGuard((host, 0), local, secret)
+    return store, local, (host, guard.port), guard
+
+
+def replica_store(host: str, secret: bytes | None, timeout: timedelta):
+    """A one-process replica's own store: (the store, the address its Manager uses, the address handed to the quorum
+    or None for the same, the guard or None). With ``secret``: ``guarded_replica_store``; else a plain master."""
+    if secret is not None:
+        return guarded_replica_store(host, secret, timeout)
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, (host, store.port), None, None
+
+
+def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, timeout: timedelta):
+    """Rank 0's store of a replica of several ranks, as ``replica_store`` returns it. Guarded and on one host: the
+    store on loopback; guarded on several hosts: the store listens at ``host`` (its ranks meet there) beside its
+    guard, so it is reached directly from wherever ``host`` is reachable (docs/SECURITY.md)."""
+    if secret is not None and one_host:
+        return guarded_replica_store(host, secret, timeout)
+    store, local, _, _ = replica_store(host, None, timeout)
+    if secret is None:
+        return store, local, None, None
+    from dilocox.elastic.relay import LighthouseGuard
+
+    guard = LighthouseGuard((host, 0), local, secret)
+    return store, local, (host, guard.port), guard
+
+
+@contextmanager
+def advertise_store(addr: tuple[str, int] | None):
+    """While a torchft ``Manager`` is built: its ``ManagerServer`` hands ``addr`` to the lighthouse as this replica's
+    store (the Manager's own client keeps the address it was given). Nothing changes when ``addr`` is None."""
+    if addr is None:
+        yield
+        return
+    import torchft.manager as tm
+
+    with _PATCH_LOCK:
+        real = tm.ManagerServer
+
+        def server(*args, **kwargs):
+            host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+            kwargs["store_addr"] = f"{host}:{addr[1]}"
+            return real(*args, **kwargs)
+
+        tm.ManagerServer = server
+        try:
+            yield
+        finally:
+            tm.ManagerServer = real
+
+
+def quorum_gloo(pg_cls, secret: bytes | None, timeout_s: float):
+    """An instance of torchft's ``pg_cls`` (``ProcessGroupGloo``); with ``secret``, one whose store rendezvous goes
+    through a local relay that proves it to the guard in front of the store the quorum names (``close_relays()``
+    ends them)."""
+    if secret is None:
+        return pg_cls(timeout=timedelta(seconds=timeout_s))
+    from dilocox.elastic.relay import LighthouseRelay
+
+    class RelayedGloo(pg_cls):
+        def __init__(self) -> None:
+            super().__init__(timeout=timedelta(seconds=timeout_s))
+            self.relays: dict[tuple[str, int], LighthouseRelay] = {}
+
+        def configure(self, store_addr: str, *args, **kwargs) -> None:
+            addr, _, prefix = store_addr.partition("/")
+            host, _, port = addr.rpartition(":")
+            key = (host.strip("[]"), int(port))
+            relay = self.relays.get(key)
+            if relay is None:
+                wait_s = max(1.0, min(5.0, timeout_s))
+                relay = self.relays[key] = LighthouseRelay([key], secret=secret, connect_timeout_s=wait_s)
+            local = relay.address.rsplit(":", 1)[1]
+            return super().configure(f"127.0.0.1:{local}/{prefix}", *args, **kwargs)
+
+        def close_relays(self) -> None:
+            for relay in self.relays.values():
+                relay.close()
+            self.relays.clear()
+
+    return RelayedGloo()

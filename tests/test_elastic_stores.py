@@ -1,0 +1,85 @@
+"""An elastic replica's own TCPStore behind the run secret (issue 21, dilocox/elastic/stores.py): the store listens
+on loopback only, the quorum is handed its guard's address, and the quorum's gloo group meets there through a relay
+that proves the secret; a stranger's store client gets nothing."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+
+
+def _listening_on(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a socket listening on ``port``."""
+    out = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, _, p = local.rpartition(":")
+            if state == "0A" and int(p, 16) == port:  # 0A = LISTEN
+                out.add(addr)
+    return out
+
+
+LOOPBACK = "0100007F"  # 127.0.0.1 in /proc/net/tcp
+
+
+def test_a_plain_store_master_listens_everywhere_and_the_loopback_store_does_not():
+    """The reason for ``loopback_store``: torch's store master given 127.0.0.1 still listens on every interface."""
+    from torch.distributed import TCPStore
+
+    from dilocox.elastic.stores import loopback_store
+
+    plain = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    assert _listening_on(plain.port) and _listening_on(plain.port) != {LOOPBACK}  # (the check can fail)
+    store = loopback_store(timedelta(seconds=5))
+    assert _listening_on(store.port) == {LOOPBACK}
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_swarm_guarded_store_listens_on_loopback_only():
+    from dilocox.swarm.services import GuardedStore
+
+    g = GuardedStore("127.0.0.1", 0, b"s" * 32, timedelta(seconds=5))
+    try:
+        assert _listening_on(g.store.port) == {LOOPBACK}
+    finally:
+        g.close()
+
+
+def test_the_quorum_meets_at_the_replica_stores_guard_through_a_relay():
+    """A guarded replica (``lighthouse_auth``) in a quorum of one: its store is on loopback, the lighthouse was handed
+    the guard's address (the gloo group's rendezvous went through a relay to exactly that port), the outer mean is
+    right, and a plain TCPStore client at the guard's port is refused within its timeout."""
+    pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
+    from torch.distributed import TCPStore
+
+    from dilocox.elastic import ElasticConfig, ElasticOuterGroup, start_lighthouse
+
+    secret = b"s" * 32
+    lh = start_lighthouse(1, bind="127.0.0.1:0", secret=secret, join_timeout_ms=200)
+    cfg = ElasticConfig(lighthouse_addr=lh.address(), replica_rank=0, min_replicas=1, max_replicas=2, timeout_s=20,
+                        quorum_timeout_s=20, host="127.0.0.1", lighthouse_auth=True, secret=secret)  # fmt: skip
+    group = ElasticOuterGroup(cfg)
+    try:
+        assert _listening_on(group._own_store.port) == {LOOPBACK}
+        res = group.allreduce_mean(torch.arange(4.0))
+        assert res.contributors == [0] and torch.equal(res.mean, torch.arange(4.0))
+        assert set(group._pg.relays) == {("127.0.0.1", group.store_guard.port)}
+        with pytest.raises(Exception):  # noqa: B017 - torch raises its own kinds (reset, timeout)
+            TCPStore("127.0.0.1", group.store_guard.port, is_master=False, timeout=timedelta(seconds=3))
+        assert group.store_guard.rejected >= 1
+    finally:
+        group.close()
+        lh.shutdown()
+    with pytest.raises(OSError):  # closed with the group
+        socket.create_connection(("127.0.0.1", group.store_guard.port), timeout=1).close()
