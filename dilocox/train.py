@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -523,15 +524,21 @@ def build_elastic_group(cfg: Config, topo):
     )
     if topo.world_size == 1:
         return QuorumGroup(ElasticOuterGroup(ecfg), cfg.outer.norm_check)
-    store, guard, addr = None, None, [None]
+    store, guard, addr, hosts = None, None, [None], [None] * topo.world_size
+    dist.all_gather_object(hosts, socket.gethostname())  # all ranks of the replica on one host: a loopback store
     if topo.rank == 0:  # the replica's store; guarded: the quorum reaches it through a guard (elastic/stores.py)
-        one_host = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == topo.world_size
+        one_host = len(set(hosts)) == 1
         secret = ecfg.secret if ecfg.lighthouse_auth else None
         store, local, public, guard = multi_rank_replica_store(host, secret, one_host, timedelta(seconds=e.timeout_s))
         addr = [(local, public)]
     dist.broadcast_object_list(addr, src=0)
-    group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=addr[0][0],
-                              advertise=addr[0][1])  # fmt: skip
+    try:
+        group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=addr[0][0],
+                                  advertise=addr[0][1])  # fmt: skip
+    except BaseException:
+        if guard is not None:
+            guard.close()
+        raise
     group.replica_store, group.store_guard = store, guard  # rank 0 keeps them as long as the group (closed with it)
     return QuorumGroup(group, cfg.outer.norm_check)
 

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo: fragments (strided)")
     ap.add_argument("--tau", type=int, default=0, help="Streaming DiLoCo: launch tau steps before a fragment's sync")
     ap.add_argument("--alpha", type=float, default=0.5, help="Streaming DiLoCo: θ_m <- α θ_m + (1 - α) θ")
-    ap.add_argument("--quant", default="none")
+    ap.add_argument("--quant", default="none", help="none, int4, int8, or sparse (compress.sparse)")
     ap.add_argument("--lowrank", type=int, default=0)
     ap.add_argument("--adaptive", action="store_true", help="adaptive rank (1..4) and H (2..6), window 2")
     ap.add_argument(
@@ -101,7 +101,10 @@ def main() -> None:
     st = ocfg.streaming
     st.fragments, st.tau, st.alpha, st.pattern = a.fragments, a.tau, a.alpha, "strided"
     streaming = a.fragments > 1 or a.tau > 0
-    ccfg = CompressConfig(quant=a.quant)
+    ccfg = CompressConfig(quant="none" if a.quant == "sparse" else a.quant)
+    if a.quant == "sparse":  # the dilocox preset's codec (top-k of chunks, 2-bit values, error feedback)
+        sp = ccfg.sparse
+        sp.enabled, sp.chunk, sp.density, sp.bits, sp.ef_decay = True, 64, 0.09, 2, 0.95
     if a.lowrank:
         ccfg.lowrank.enabled, ccfg.lowrank.rank = True, a.lowrank
     if a.adaptive:

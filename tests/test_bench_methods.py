@@ -51,7 +51,7 @@ def test_ablation_variants_switch_off_what_they_name(tmp_path):
         "lookahead": 0.0,
     }
     labels = [label for label, _, _ in ABLATION]
-    assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox" in labels
+    assert len(set(labels)) == len(labels) and "allreduce" in labels and "dilocox-paper" in labels
     for label, preset, extra in ABLATION:
         if label == "allreduce":
             continue

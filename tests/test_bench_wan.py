@@ -167,6 +167,10 @@ def test_join_markdown_and_targets():
     assert "at 10 Mbit/s + 150 ms >= 30x: 39.0x -> met" in t[1]
     assert "1/2 rows within; worst +20.0 % (allreduce, 10 Mbit/s, 150 ms) -> NOT met" in t[2]
     assert "+3.3 %" in t[3] and t[3].endswith("met") and len(t) == 4
+    paper = [dict(r, method="dilocox-paper") for r in rows if r["method"] == "dilocox"]  # graded as well, when run
+    t2 = wan.targets(rows + paper, [1e7])
+    assert [x.split(" ")[0] for x in t2] == ["dilocox", "dilocox", "dilocox-paper", "dilocox-paper", "the",
+                                            "dilocox", "dilocox-paper"]  # fmt: skip
     res = {
         "meta": {
             "machine": "m",

@@ -222,7 +222,7 @@ def test_adaptive_rank_and_h_across_kill_and_rejoin(tmp_path):
 
 @pytest.mark.fault
 @pytest.mark.slow  # ~60-90 s
-@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("quant", ["none", "int4", "sparse"])
 def test_streaming_fragments_across_kill_and_rejoin_match_oracle(tmp_path, quant):
     """Streaming DiLoCo in elastic mode (issue 22 item 2): K = 2 strided fragments, launched tau = 1 step before their
     syncs, α = 0.5 mixing, overlap none; each fragment's all-reduce is its own quorum round. Replica 2 is killed
@@ -230,7 +230,8 @@ def test_streaming_fragments_across_kill_and_rejoin_match_oracle(tmp_path, quant
     nothing to it, starts every fragment from θ with a new AdamW, takes that round's average at the fragment's sync
     tau steps later, and contributes from the next round on. The final params of all three equal the oracle given
     that membership; the oracle without the rejoin (the replica's own params kept) differs. int4: the fragment's
-    compressor carries the joiner's round (the shapes of that fragment)."""
+    compressor carries the joiner's round (the shapes of that fragment); sparse (the dilocox preset's codec, an
+    all-gather with error feedback): the same, and the three end bit-equal."""
     tau = 1
     extra = ("--fragments", "2", "--tau", str(tau), "--alpha", "0.5", "--quant", quant)
     procs, recs, _ = _run(tmp_path, "none", "phase", die_at=6, restart=True, sleep=0.4, compress=extra)
@@ -278,3 +279,23 @@ def test_norm_check_leaves_a_poisoned_replica_out_of_every_elastic_mean(tmp_path
         torch.testing.assert_close(got[0][k], ref[0][k], rtol=1e-5, atol=1e-6)
     wrong = run_reference(3, STEPS, SEED, H)
     assert any((wrong[0][k] - got[0][k]).abs().max() > 1e-4 for k in got[0])
+
+
+@pytest.mark.slow  # ~20 s: 3 replica processes with torchft
+def test_the_dilocox_presets_schedule_and_codec_over_the_quorum_match_the_oracle(tmp_path):
+    """The dilocox preset's shape (K = 2 strided fragments, tau = 1, alpha = 0.5, top-k of chunks in 2 bits with error
+    feedback) through the torchft quorum, no fault: every fragment round averages all three, and the final params
+    equal the oracle's (tests/reference_diloco.py, the same codec in plain loops)."""
+    sparse = dict(chunk=64, density=0.09, bits=2, ef_decay=0.95)  # (tests/elastic_worker.py --quant sparse)
+    extra = ("--fragments", "2", "--tau", "1", "--alpha", "0.5", "--quant", "sparse")
+    procs, recs, _ = _run(tmp_path, "none", "phase", die_at=None, restart=False, sleep=0.05, compress=extra)
+    assert all(p.returncode == 0 for p in procs), _err(tmp_path, 0)
+    syncs = [x for x in recs[0] if x["event"] == "sync"]
+    assert len(syncs) == STEPS // (H // 2) and all(x["contributors"] == [0, 1, 2] for x in syncs)
+    ref = run_reference(3, STEPS, SEED, H, K=2, tau=1, alpha=0.5, pattern="strided", sparse=sparse)
+    dense = run_reference(3, STEPS, SEED, H, K=2, tau=1, alpha=0.5, pattern="strided")
+    got = [_final(tmp_path, r) for r in range(3)]
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
+        torch.testing.assert_close(got[0][k], ref[0][k], rtol=1e-5, atol=1e-6)
+    assert any((dense[0][k] - got[0][k]).abs().max() > 1e-3 for k in got[0])  # the codec made a difference

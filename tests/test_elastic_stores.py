@@ -5,6 +5,7 @@ that proves the secret; a stranger's store client gets nothing."""
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -77,6 +78,9 @@ def test_the_quorum_meets_at_the_replica_stores_guard_through_a_relay():
         assert set(group._pg.relays) == {("127.0.0.1", group.store_guard.port)}
         with pytest.raises(Exception):  # noqa: B017 - torch raises its own kinds (reset, timeout)
             TCPStore("127.0.0.1", group.store_guard.port, is_master=False, timeout=timedelta(seconds=3))
+        deadline = time.monotonic() + 10  # (the guard counts on its own thread)
+        while group.store_guard.rejected < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert group.store_guard.rejected >= 1
     finally:
         group.close()

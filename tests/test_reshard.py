@@ -252,7 +252,8 @@ def _preset(name: str) -> list[str]:
 # short-run overrides; streaming: fragment 1 syncs at 2, 6 and fragment 0 at 4, launched tau=1 step earlier, so
 # the save at step 3 holds fragment 0's in-flight all-reduce
 PRESETS = {
-    "dilocox": [
+    "dilocox": ["--outer.sync_every=4"],  # 2 fragments, tau=1, the sparse codec's error buffers resliced
+    "dilocox-paper": [
         "--outer.sync_every=2",
         "--compress.adaptive.h_min=2",
         "--compress.adaptive.h_max=4",
@@ -266,8 +267,9 @@ PRESETS = {
 @pytest.mark.slow  # ~11 s each (quick loop: test_diloco_delayed_tp2_...)
 @pytest.mark.parametrize("name", sorted(PRESETS))  # 2 + 1 ranks: ~13 s each
 def test_presets_resume_on_another_layout(tmp_path, name):
-    """The dilocox preset (int4 + PowerSGD + adaptive controller, overlap delayed) and the streaming preset
-    (2 fragments, tau, alpha, int4) saved on TP=2 resume on 1 rank: close to the uninterrupted run (int4 groups
+    """The dilocox-paper preset (int4 + PowerSGD + adaptive controller, overlap delayed), the streaming preset
+    (2 fragments, tau, alpha, int4) and the dilocox preset (the same schedule, top-k + error feedback) saved on TP=2
+    resume on 1 rank: close to the uninterrupted run (int4 groups
     and low-rank factors follow the new slicing; Q and the controller restart), and the schedule carries over."""
     full = run_ranks(2, _full_and_save, str(tmp_path), LAYOUTS["tp2"] + _preset(name) + PRESETS[name])[0]
     step_dir = ckpt.find_latest(str(tmp_path / "part" / "checkpoints"))

@@ -77,8 +77,8 @@ mkdir -p /tmp/gpu-runs
 train gpt2s-bf16 configs/tiny.yaml
 train gpt2s-bf16-compile configs/tiny.yaml --train.compile=true
 train gpt2s-fp8 configs/tiny.yaml --model.linear_backend=fp8
-train gpt2s-dilocox-H10 configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+train gpt2s-dilocox-H10 configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --parallel.pipeline=1 \
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64
-train gpt2s-dilocox-H10-devstate configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+train gpt2s-dilocox-H10-devstate configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --parallel.pipeline=1 \
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64 --outer.state_device=device
 step done

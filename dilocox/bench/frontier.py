@@ -72,7 +72,7 @@ QUICK = [
     "sparseloco H=20 1/64 2-bit",
     "dilocox",
 ]
-H_BASE = 20  # method_body's H (the presets' sync_every unless a point overrides it; dilocox's adaptive range)
+H_BASE = 20  # method_body's H (the presets' sync_every unless a point overrides it; dilocox-paper's adaptive range)
 
 
 def pareto(rows: list[dict]) -> set[str]:

@@ -48,27 +48,26 @@ def method_body(method: str, H: int) -> str:
 _OFF = ["--compress.lowrank.enabled=false", "--compress.quant=none", "--compress.adaptive.enabled=false"]
 ABLATION = [
     ("allreduce", "allreduce", []),
-    ("dilocox", "dilocox-paper", []),
-    ("dilocox, no adaptive (rank 8, H fixed)", "dilocox-paper", ["--compress.adaptive.enabled=false"]),
-    ("dilocox, no low rank (int4 only)", "dilocox-paper", ["--compress.lowrank.enabled=false"]),
-    ("dilocox, no compression", "dilocox-paper", _OFF),
-    ("dilocox, outer momentum 0.5", "dilocox-paper", ["--outer.momentum=0.5"]),
-    ("dilocox, eager instead of delay", "dilocox-paper", ["--outer.overlap=eager"]),
-    ("dilocox, no delay (blocking)", "dilocox-paper", ["--outer.overlap=none"]),
-    ("dilocox, no delay, outer momentum 0.5", "dilocox-paper", ["--outer.overlap=none", "--outer.momentum=0.5"]),
-    (
-        "dilocox, no delay, no compression, outer 0.7/0.9 (= diloco)",
+    ("dilocox-paper", "dilocox-paper", []),
+    ("dilocox-paper, no adaptive (rank 8, H fixed)", "dilocox-paper", ["--compress.adaptive.enabled=false"]),
+    ("dilocox-paper, no low rank (int4 only)", "dilocox-paper", ["--compress.lowrank.enabled=false"]),
+    ("dilocox-paper, no compression", "dilocox-paper", _OFF),
+    ("dilocox-paper, outer momentum 0.5", "dilocox-paper", ["--outer.momentum=0.5"]),
+    ("dilocox-paper, eager instead of delay", "dilocox-paper", ["--outer.overlap=eager"]),
+    ("dilocox-paper, no delay (blocking)", "dilocox-paper", ["--outer.overlap=none"]),
+    ("dilocox-paper, no delay, outer momentum 0.5", "dilocox-paper", ["--outer.overlap=none", "--outer.momentum=0.5"]),
+    ("dilocox-paper, no delay, no compression, outer 0.7/0.9 (= diloco)",
         "dilocox-paper",
         ["--outer.overlap=none", *_OFF, "--outer.lr=0.7", "--outer.momentum=0.9"],
     ),
     # the delay remedy tried for issue 23 item 2c (outer.lookahead, ALGORITHMS §3b); without the adaptive
     # controller the runs are deterministic, so the delay's own cost is read without its timing noise
-    ("dilocox, look-ahead start (lookahead 1)", "dilocox-paper", ["--outer.lookahead=1.0"]),
-    ("dilocox, no adaptive, no delay (blocking)", "dilocox-paper",
+    ("dilocox-paper, look-ahead start (lookahead 1)", "dilocox-paper", ["--outer.lookahead=1.0"]),
+    ("dilocox-paper, no adaptive, no delay (blocking)", "dilocox-paper",
      ["--compress.adaptive.enabled=false", "--outer.overlap=none"]),
-    ("dilocox, no adaptive, look-ahead start (lookahead 1)", "dilocox-paper",
+    ("dilocox-paper, no adaptive, look-ahead start (lookahead 1)", "dilocox-paper",
      ["--compress.adaptive.enabled=false", "--outer.lookahead=1.0"]),
-    ("dilocox, no adaptive, look-ahead start (lookahead 0.5)", "dilocox-paper",
+    ("dilocox-paper, no adaptive, look-ahead start (lookahead 0.5)", "dilocox-paper",
      ["--compress.adaptive.enabled=false", "--outer.lookahead=0.5"]),
 ]  # fmt: skip
 
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a config override for every run, e.g. --set=--train.seed=1 (repeatable)",
     )
     ap.add_argument(
-        "--ablation", action="store_true", help="dilocox with its parts switched off one at a time (ABLATION)"
+        "--ablation", action="store_true", help="dilocox-paper with its parts switched off one at a time (ABLATION)"
     )
     ap.add_argument("--out", default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)")
     ap.add_argument("--render", action="store_true", help="only re-draw val_loss.png from OUT/results.json")

@@ -302,7 +302,7 @@ class ElasticOuterGroup:
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
         self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
         try:
-            with advertise_store(advertise):  # the quorum meets at the store's guard, the Manager at the store
+            with advertise_store(advertise if group_rank == 0 else None):  # (rank 0 runs the ManagerServer)
                 self._manager = self._new_manager(Manager, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)

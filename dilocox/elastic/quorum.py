@@ -99,7 +99,7 @@ class QuorumGroup:
                 flat = torch.cat([t.reshape(-1).float() for t in ts]) if ts else torch.zeros(0)
                 io.update(tensors=ts, codec=cd, flat=flat, lossy=cd is not None and cd.lossy)
                 if check:
-                    side[mr + el.cfg.replica_rank] = flat.double().pow(2).sum().sqrt().float()
+                    side[mr + el.cfg.replica_rank] = torch.linalg.vector_norm(flat, dtype=torch.float64).float()
                 elif not io["lossy"]:
                     io["buf"] = torch.cat([flat, side])
             return io
@@ -145,7 +145,9 @@ class QuorumGroup:
         n_c = len(accepted)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not x["lossy"] and stats is not None:  # the codec counts its own bytes
-            b = wire_bytes(n + 2 * el.cfg.max_replicas + 1, max(res.world, 1), "none")  # (+1: lighthouse seen)
+            # [flat | proposals | one-hot | lighthouse seen]; norm_check: the count [proposals | norms | ...] first
+            n_el = n + 4 * mr + 2 if check else n + 2 * mr + 1
+            b = wire_bytes(n_el, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = accepted, res.healed
         if self._trace:

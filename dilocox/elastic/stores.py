@@ -133,7 +133,9 @@ def quorum_gloo(pg_cls, secret: bytes | None, timeout_s: float):
                 wait_s = max(1.0, min(5.0, timeout_s))
                 relay = self.relays[key] = LighthouseRelay([key], secret=secret, connect_timeout_s=wait_s)
             local = relay.address.rsplit(":", 1)[1]
-            return super().configure(f"127.0.0.1:{local}/{prefix}", *args, **kwargs)
+            super().configure(f"127.0.0.1:{local}/{prefix}", *args, **kwargs)
+            for other in [k for k in self.relays if k != key]:  # the old group is gone: so are its relays
+                self.relays.pop(other).close()
 
         def close_relays(self) -> None:
             for relay in self.relays.values():
