@@ -115,7 +115,8 @@ def _md_header(m: dict) -> list[str]:
         + ".",
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), "
         f"8 x 128 tokens "
-        f"per replica per step, H={m['H']} for the local-step methods (settings of `bench methods`). Capped runs: "
+        f"per replica per step, H={m['H']} for the local-step methods but the `dilocox` preset (its own H = 4; "
+        "settings of `bench methods`). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
         + (
             f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run '
