@@ -146,8 +146,7 @@ class QuorumGroup:
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
         if not x["lossy"] and stats is not None:  # the codec counts its own bytes
             # [flat | proposals | one-hot | lighthouse seen]; norm_check: the count [proposals | norms | ...] first
-            n_el = n + 4 * mr + 2 if check else n + 2 * mr + 1
-            b = wire_bytes(n_el, max(res.world, 1), "none")
+            b = wire_bytes(n + 4 * mr + 2 if check else n + 2 * mr + 1, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = accepted, res.healed
         if self._trace:
