@@ -191,7 +191,7 @@ def test_no_frame_crosses_a_replica_link_between_outer_syncs(tmp_path):
 
     run = tmp_path / "run"
     entry = [
-        "-m", "dilocox.cli", "train", os.path.join(ROOT, "configs", "tiny-dilocox.yaml"), *TINY_RUN_ARGS,
+        "-m", "dilocox.cli", "train", os.path.join(ROOT, "configs", "tiny-dilocox-paper.yaml"), *TINY_RUN_ARGS,
         "--parallel.replicas=2", "--outer.sync_every=1000", "--train.steps=400", "--checkpoint.every=0",
         f"--log.run_dir={run}", f"--data.cache_dir={tmp_path}/cache",
     ]  # fmt: skip
