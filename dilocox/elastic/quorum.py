@@ -27,8 +27,6 @@
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 from typing import Callable
 
@@ -37,9 +35,7 @@ from torch import Tensor
 
 from dilocox.compress.collectives import wire_bytes
 from dilocox.elastic.group import ElasticOuterGroup
-from dilocox.outer.group import _median, outliers
-
-log = logging.getLogger("dilocox")
+from dilocox.outer.group import outliers, report_outliers
 
 TRACE_ENV = "DILOCOX_ELASTIC_TRACE"  # a directory: every elastic outer step is recorded there (tests)
 
@@ -170,22 +166,9 @@ class QuorumGroup:
         """The contributors of the committed attempt without the ones norm_check left out (logged)."""
         rejected = chk["rejected"] if self.norm_check else []
         if rejected:
-            self._report(step, contributors, chk["norms"], rejected)
+            report_outliers(step, self.norm_check, chk["norms"], rejected)
         self.rejected, self.norms = list(rejected), dict(chk["norms"])
         return [i for i in contributors if i not in rejected]
-
-    def _report(self, step: int, members: list[int], norms: dict[int, float], rejected: list[int]) -> None:
-        """norm_check: log who was left out (every replica logs the same); all of them: the run diverged."""
-        if len(rejected) == len(members):
-            raise RuntimeError(
-                f"outer step {step}: every replica's pseudo-gradient failed outer.norm_check (norms {norms}): "
-                "the run diverged; lower the learning rates or resume from an earlier checkpoint"
-            )
-        med = _median([v for v in norms.values() if math.isfinite(v)])
-        log.warning(
-            "outer step %d: left out of the mean by outer.norm_check=%g (median norm %.4g): %s",
-            step, self.norm_check, med, ", ".join(f"replica {i} (norm {norms[i]:.4g})" for i in rejected),
-        )  # fmt: skip
 
     def _record(self, res, n: int, mean: Tensor, sent: Tensor | None) -> None:
         el = self.elastic

@@ -51,13 +51,14 @@ def loopback_store(timeout: timedelta):
     return store
 
 
-def guarded_replica_store(host: str, secret: bytes, timeout: timedelta):
-    """(the store, its local address, its public address, the guard): a loopback store and a guard on ``host``."""
+def guarded_replica_store(host: str, secret: bytes, timeout: timedelta, port: int = 0):
+    """(the store, its local address, its public address, the guard): a loopback store and a guard on ``host:port``
+    (0: any); also the SWARM address book's (dilocox/swarm/services.py)."""
     from dilocox.elastic.relay import LighthouseGuard
 
     store = loopback_store(timeout)
     local = ("127.0.0.1", store.port)
-    guard = LighthouseGuard((host, 0), local, secret)
+    guard = LighthouseGuard((host, port), local, secret)
     return store, local, (host, guard.port), guard
 
 
@@ -76,13 +77,11 @@ def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, ti
     """Rank 0's store of a replica of several ranks, as ``replica_store`` returns it. Guarded and on one host: the
     store on loopback; guarded on several hosts: the store listens at ``host`` (its ranks meet there) beside its
     guard, so it is reached directly from wherever ``host`` is reachable (docs/SECURITY.md)."""
-    if secret is not None and one_host:
-        return guarded_replica_store(host, secret, timeout)
-    store, local, _, _ = replica_store(host, None, timeout)
-    if secret is None:
-        return store, local, None, None
+    if secret is None or one_host:
+        return replica_store(host, secret, timeout)
     from dilocox.elastic.relay import LighthouseGuard
 
+    store, local, _, _ = replica_store(host, None, timeout)
     guard = LighthouseGuard((host, 0), local, secret)
     return store, local, (host, guard.port), guard
 

@@ -52,6 +52,21 @@ def outliers(norms: list[float], ratio: float) -> list[int]:
     return [i for i, n in enumerate(norms) if not math.isfinite(n) or n > ratio * med]
 
 
+def report_outliers(step: int, ratio: float, norms: dict[int, float], rejected: list[int]) -> None:
+    """``outer.norm_check``: log who was left out of this mean (every member logs the same); every member left out:
+    the run diverged, raise."""
+    if len(rejected) == len(norms):
+        raise RuntimeError(
+            f"outer step {step}: every replica's pseudo-gradient failed outer.norm_check (norms {norms}): "
+            "the run diverged; lower the learning rates or resume from an earlier checkpoint"
+        )
+    med = _median([n for n in norms.values() if math.isfinite(n)])
+    log.warning(
+        "outer step %d: left out of the mean by outer.norm_check=%g (median norm %.4g): %s",
+        step, ratio, med, ", ".join(f"replica {i} (norm {norms[i]:.4g})" for i in rejected),
+    )  # fmt: skip
+
+
 class OuterGroup(Protocol):
     """The replicas an outer object averages over (module docstring)."""
 
@@ -158,21 +173,12 @@ class FixedGroup:
         dist.all_gather(gathered, mine, group=self.pg)
         self.norms = [float(g.item()) for g in gathered]
         self.rejected = outliers(self.norms, self.norm_check)
-        if len(self.rejected) == self.size:
-            raise RuntimeError(
-                f"outer step {step}: every replica's pseudo-gradient failed outer.norm_check (norms {self.norms}): "
-                "the run diverged; lower the learning rates or resume from an earlier checkpoint"
-            )
+        if self.rejected:
+            report_outliers(step, self.norm_check, dict(enumerate(self.norms)), self.rejected)
         self.contributors = [i for i in range(self.size) if i not in self.rejected]
         if not self.rejected:
             return tensors, 1.0
-        me = dist.get_rank(self.pg)
-        med = _median([n for n in self.norms if math.isfinite(n)])
-        log.warning(
-            "outer step %d: left out of the mean by outer.norm_check=%g (median norm %.4g): %s",
-            step, self.norm_check, med, ", ".join(f"replica {i} (norm {self.norms[i]:.4g})" for i in self.rejected),
-        )  # fmt: skip
-        if me in self.rejected:
+        if dist.get_rank(self.pg) in self.rejected:
             tensors = [torch.zeros_like(t) for t in tensors]
         return tensors, self.size / len(self.contributors)
 

@@ -32,13 +32,10 @@ class GuardedStore:
     master's own handle (it reaches the server directly), ``port`` the public one."""
 
     def __init__(self, host: str, port: int, secret: bytes, timeout: timedelta) -> None:
-        from dilocox.elastic.relay import LighthouseGuard
-        from dilocox.elastic.stores import loopback_store
+        from dilocox.elastic.stores import guarded_replica_store
 
-        # (a TCPStore master given "127.0.0.1" still listens on every interface: loopback_store binds it itself)
-        self.store = loopback_store(timeout)
-        self.guard = LighthouseGuard((host, port), ("127.0.0.1", self.store.port), secret)
-        self.port = self.guard.port
+        # (a TCPStore master given "127.0.0.1" still listens on every interface: the store binds its socket itself)
+        self.store, _, (_, self.port), self.guard = guarded_replica_store(host, secret, timeout, port)
 
     def close(self) -> None:
         self.guard.close()
