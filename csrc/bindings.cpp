@@ -11,6 +11,9 @@
 //       out: contiguous fp32 with n elements; out = deq(payload) or out += deq(payload).
 //   torch.ops.dilocox.sparse_encode(e, payload, chunk, k, bits) -> ()
 //       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only).
+//   torch.ops.dilocox.select_cpu_isa(isa) -> int
+//       -1: the best the CPU has (default); 0/1/2: force baseline/AVX2/AVX-512 (capped at what the CPU has) for
+//       every CPU kernel above. Returns the ISA now in use. For the tests, which compare every ISA's code path.
 //
 // CUDA kernels for the same schemas live in bindings_cuda.cpp (extension dilocox._C_cuda,
 // which must be imported after this one).
@@ -106,6 +109,8 @@ void dequantize_into_cpu(const at::Tensor& payload, const at::Tensor& out, int64
 
 void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits);
 
+int64_t select_cpu_isa_op(int64_t isa) { return select_cpu_isa(static_cast<int>(isa)); }
+
 }  // namespace dilocox
 
 TORCH_LIBRARY(dilocox, m) {
@@ -114,6 +119,7 @@ TORCH_LIBRARY(dilocox, m) {
       "bool stochastic=False, int seed=0, int step=0) -> Tensor");
   m.def("dequantize_into(Tensor payload, Tensor(a!) out, int group_size, int bits, bool accumulate) -> ()");
   m.def("sparse_encode(Tensor e, Tensor(a!) payload, int chunk, int k, int bits) -> ()");
+  m.def("select_cpu_isa(int isa) -> int", &dilocox::select_cpu_isa_op);  // no tensor: one kernel for all keys
 }
 
 TORCH_LIBRARY_IMPL(dilocox, CPU, m) {

@@ -52,16 +52,35 @@ def test_encode_and_decode_equal_the_reference(case):
         assert not out.any()
 
 
+def _hard_inputs(n, g):
+    """Chunks the kernel's candidate floor must not get wrong: Gaussian, ties, a heavy tail (one value 1e30 times
+    the rest per 4096, so the floor's ladder walks down many rungs), mostly zeros (fewer non-zeros than k in some
+    chunks), subnormals beside normals, and one constant."""
+    yield torch.randn(n, generator=g)
+    yield (torch.randn(n, generator=g) * 3).round()
+    heavy = torch.randn(n, generator=g) * 1e-20
+    heavy[::4096] = 1e10
+    yield heavy
+    sparse = torch.zeros(n)
+    sparse[torch.randint(0, n, (n // 500,), generator=g)] = torch.randn(n // 500, generator=g)
+    yield sparse
+    tiny = torch.randn(n, generator=g) * 1e-39  # subnormal
+    yield torch.where(torch.rand(n, generator=g) < 0.5, tiny, torch.randn(n, generator=g))
+    yield torch.full((n,), -0.75)
+
+
 @pytest.mark.skipif(not kernels.have_extension("cpu"), reason="the compiled extension is not built (CI builds it)")
-def test_the_compiled_kernel_equals_the_torch_ops_on_large_random_tensors():
+@pytest.mark.parametrize("isa", kernels.cpu_isas() or [None], ids=lambda i: f"isa{i}")
+def test_the_compiled_kernel_equals_the_torch_ops_on_large_random_tensors(isa):
     """csrc/sparse_cpu.cpp against the vectorised torch encoder (itself equal to the loops above), on sizes
-    where every chunk runs in parallel, with ties (rounded values) and every bit width."""
+    where every chunk runs in parallel, on the hard inputs above and every bit width, on each CPU code path."""
     g = torch.Generator().manual_seed(9)
-    for n, chunk, density, bits in [(300_001, 4096, 1 / 64, 2), (100_000, 1000, 0.05, 4), (50_000, 333, 0.2, 8)]:
-        for e in (torch.randn(n, generator=g), (torch.randn(n, generator=g) * 3).round()):
-            a = encode(e, chunk, density, bits)
-            b = encode(e, chunk, density, bits, use_kernel=False)
-            assert torch.equal(a, b), (n, chunk, bits, int((a != b).sum()))
+    with kernels.forced_cpu_isa(-1 if isa is None else isa):
+        for n, chunk, density, bits in [(300_001, 4096, 1 / 64, 2), (100_000, 1000, 0.05, 4), (50_000, 333, 0.2, 8)]:
+            for i, e in enumerate(_hard_inputs(n, g)):
+                a = encode(e, chunk, density, bits)
+                b = encode(e, chunk, density, bits, use_kernel=False)
+                assert torch.equal(a, b), (n, chunk, bits, i, int((a != b).sum()))
 
 
 def test_the_kept_entries_are_the_largest_and_the_levels_are_nearest():

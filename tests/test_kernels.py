@@ -24,6 +24,18 @@ needs_cuda = pytest.mark.skipif(
 LENGTHS = [1, 2, 3, 127, 128, 129, 255, 1000, 4097]
 GROUPS = [6, 32, 64, 128, 130]  # 6, 130: groups with a partial 64-element chunk
 KINDS = ["int4", "int8"]
+ISAS = kernels.cpu_isas() or [None]  # the CPU kernels' code paths this machine runs (0 baseline, 1 AVX2, 2 AVX-512)
+
+
+@pytest.fixture(params=ISAS, ids=lambda i: f"isa{i}")
+def isa(request):
+    """Each test that takes it runs once per CPU code path (the AVX-512 one has its own hand-written int4/int8 body)."""
+    if request.param is None:
+        yield None
+        return
+    with kernels.forced_cpu_isa(request.param) as got:
+        assert got == request.param
+        yield got
 
 
 def bits_of(t):
@@ -54,7 +66,7 @@ def run_pair(x, e, kind, G, sr, device_a="cpu", kernel_a=True):
 @needs_ext
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("sr", [False, True])
-def test_cpu_kernel_bit_exact(kind, sr):
+def test_cpu_kernel_bit_exact(kind, sr, isa):
     for n, G, ef in itertools.product(LENGTHS, GROUPS, [False, True]):
         x, e = make(n, seed=n + G)
         pa, ea, pb, eb = run_pair(x, e if ef else None, kind, G, sr)
@@ -70,7 +82,7 @@ def test_cpu_kernel_bit_exact(kind, sr):
 
 @needs_ext
 @pytest.mark.parametrize("threads", [1, 2])
-def test_cpu_kernel_threads_and_large(threads):
+def test_cpu_kernel_threads_and_large(threads, isa):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -84,7 +96,7 @@ def test_cpu_kernel_threads_and_large(threads):
 
 @needs_ext
 @pytest.mark.parametrize("kind", KINDS)
-def test_cpu_kernel_bit_exact_at_rounding_ties(kind):
+def test_cpu_kernel_bit_exact_at_rounding_ties(kind, isa):
     """Quotients v / s on and up to 3 ulp around every half-integer (scales of 1, 2, 4 and 8 significant bits, one
     near the smallest normal): the codes must round as the reference's rint(fl(v / s)) does (half to even), in full
     128-element groups and in groups with a partial 64-element chunk (130), the last one cut short."""
@@ -115,7 +127,33 @@ def _check_ties(kind, L, G, per):
 
 
 @needs_ext
-def test_cpu_kernel_misaligned_views():
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_kernel_at_the_absmax_of_a_rounded_down_scale(kind, isa):
+    """Scales that bf16 rounds down by almost half an ulp, so the absmax quotient v / s lands above L (7.027 for
+    int4), in every binade from 2^-133 (absmax / L subnormal) to 2^100, and subnormal scales rounded down by a third
+    (quotients near 1.49 L): the AVX-512 path skips the clamp where the scale is normal and must still give the
+    reference's codes (+-L) and residuals, bit for bit."""
+    L = 7 if kind == "int4" else 127
+    g = torch.Generator().manual_seed(11)
+    groups = []
+    near_half = [(1.0 + 2.0**-8 - 2.0**-23, e2) for e2 in list(range(-133, -120)) + [-60, -1, 0, 1, 30, 100]]
+    for m, e2 in near_half + [(1.49, -133), (1.49, -132), (1.3, -131)]:
+        t = m * 2.0**e2  # m just below the bf16 midpoint: rounds down
+        grp = (torch.rand(128, generator=g) * 2 - 1) * (L * t)
+        grp[int(torch.randint(0, 128, (1,), generator=g))] = L * t * (1 if e2 % 2 else -1)
+        groups.append(grp)
+    x = torch.cat(groups).float()
+    assert torch.isfinite(x).all()
+    for ef in (False, True):
+        e = torch.zeros_like(x) if ef else None
+        pa, ea, pb, eb = run_pair(x, e, kind, 128, False)
+        assert torch.equal(pa.data, pb.data), (kind, ef)
+        if ef:
+            assert torch.equal(bits_of(ea), bits_of(eb)), kind
+
+
+@needs_ext
+def test_cpu_kernel_misaligned_views(isa):
     buf_x, buf_e = make(2003, seed=9)
     x, e = buf_x[1:1001], buf_e.clone()[3:1003]  # odd element offsets
     out = torch.zeros(1 + payload_nbytes("int4", 1000, 64), dtype=torch.uint8)[1:]

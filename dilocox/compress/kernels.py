@@ -27,6 +27,7 @@ log message on logger ``"dilocox"``. ``DILOCOX_NO_EXT=1`` forces the reference.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -92,6 +93,28 @@ def _use_ext(device: torch.device, use_kernel: bool) -> bool:
             reason,
         )
     return False
+
+
+def cpu_isas() -> list[int]:
+    """The code paths of the CPU kernels this machine can run: 0 baseline x86-64/other, 1 AVX2, 2 AVX-512 (empty
+    without the extension, or with one built before ``select_cpu_isa`` existed)."""
+    if not have_extension("cpu") or not hasattr(torch.ops.dilocox, "select_cpu_isa"):
+        return []
+    return list(range(int(torch.ops.dilocox.select_cpu_isa(-1)) + 1))
+
+
+@contextlib.contextmanager
+def forced_cpu_isa(isa: int):
+    """Run the CPU kernels' ``isa`` code path inside the block (tests compare every path with the reference);
+    yields the ISA in use (lower than asked where the CPU lacks it). Not thread-safe: a process-wide switch."""
+    if not cpu_isas():  # no extension (or an old one): nothing to switch
+        yield -1
+        return
+    got = int(torch.ops.dilocox.select_cpu_isa(isa))
+    try:
+        yield got
+    finally:
+        torch.ops.dilocox.select_cpu_isa(-1)
 
 
 # ----------------------------------------------------------------------------------------
