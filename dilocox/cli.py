@@ -166,26 +166,22 @@ def _check_data(cfg) -> None:
 
 
 def _launch_local(nproc: int, args: list[str]) -> int:
-    """Re-run this command on nproc local ranks through torch's own launcher (torchrun)."""
+    """Re-run this command on nproc local ranks through torch's own launcher (torchrun), its stores and (unless the
+    run is an elastic replica, whose quorum group must reach other hosts) its gloo/NCCL pairs on loopback only
+    (dilocox/launch/local_run.py)."""
     # torchrun in its own session; SIGINT/SIGTERM are forwarded to it (it forwards them to the ranks, which
     # save and exit); returns only after the children exited, killing them after train.stop_timeout_s
     from dilocox.config import load_config
     from dilocox.distributed.signals import supervise
+    from dilocox.launch.local_run import local_run_argv, loopback_env
 
-    stop_timeout_s = load_config(args[1], args[2:]).train.stop_timeout_s if args[:1] == ["train"] else 60.0
+    cfg = load_config(args[1], args[2:]) if args[:1] == ["train"] else None
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "dilocox.cli",
-        *args,
-    ]
-    return supervise(cmd, env, stop_timeout_s)
+    if cfg is None or not cfg.outer.elastic.enabled:
+        env = loopback_env(env)
+    stop_timeout_s = cfg.train.stop_timeout_s if cfg is not None else 60.0
+    return supervise(local_run_argv(nproc, ["-m", "dilocox.cli", *args]), env, stop_timeout_s)
 
 
 def _data(argv: list[str]) -> int:

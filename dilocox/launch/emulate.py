@@ -23,6 +23,7 @@ from dilocox.config import ConfigError, load_config
 from dilocox.distributed.comm import BANDWIDTH_ENV
 from dilocox.distributed.procs import child_env
 from dilocox.distributed.signals import supervise
+from dilocox.launch.local_run import local_run_argv, loopback_env
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.launch.switch import parse_latency, parse_loss
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
@@ -155,15 +156,9 @@ def _run_token_bucket(
     )
     if rate_bps:
         env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *entry,
-    ]
-    return [supervise(argv, env, 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
+    # one host: torchrun's stores and the ranks' pairs on loopback only (dilocox/launch/local_run.py)
+    argv = local_run_argv(nproc, entry)
+    return [supervise(argv, loopback_env(env), 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]
 
 
 def _run_nodes(

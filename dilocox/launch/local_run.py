@@ -1,0 +1,105 @@
+"""One host's ranks with every socket of the run on loopback (issue 21, docs/SECURITY.md).
+
+``dilocox train --nproc N`` and the token-bucket fallback of ``dilocox launch`` start their ranks with torch's own
+launcher (torchrun, ``torch.distributed.run --standalone``). Left alone, that opens ports a stranger can reach:
+torchrun hosts two ``TCPStore`` masters (the c10d rendezvous's, and the one its ranks share for
+``init_process_group``), and torch's store master listens on every interface whatever host it is given; the ranks'
+gloo pairs listen at the address the host name resolves to. torch.distributed authenticates nothing, so whoever
+reaches those ports can read and write the stores or speak to the pairs. Nothing of a one-host run needs to leave the
+host, so ``python -m dilocox.launch.local_run`` is torchrun with:
+
+- both store masters listening on 127.0.0.1 only: their listening sockets are bound here and handed to torch
+  (``master_listen_fd``, as ``dilocox.elastic.stores.loopback_store`` does), by patching the two places torchrun
+  creates them (``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
+- ``--local-addr 127.0.0.1``, so the ranks are told to meet at the shared store there;
+- ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the loopback interface (unless the user set them), so the
+  pairs listen on loopback too.
+
+Every torchrun option still works (``local_run_argv`` adds ``--standalone``); several hosts keep torchrun itself
+(their ranks must reach each other: put them on a private network or a tunnel).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Sequence
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_ifname() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS/BSD), None where neither exists."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def loopback_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the collectives' socket interface on loopback, where the user did not choose one."""
+    out = dict(env)
+    ifname = loopback_ifname()
+    if ifname:
+        out.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        out.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    return out
+
+
+def local_run_argv(nproc: int, entry: Sequence[str]) -> list[str]:
+    """The command that runs ``entry`` (``-m module args`` or ``script args``) on ``nproc`` ranks of this host."""
+    return [
+        sys.executable,
+        "-m",
+        "dilocox.launch.local_run",
+        "--standalone",
+        f"--local-addr={LOOPBACK}",
+        f"--nproc_per_node={nproc}",
+        *entry,
+    ]
+
+
+def _loopback_master(port: int, **kwargs):
+    """A ``TCPStore`` master listening on 127.0.0.1:``port`` (0: any) only."""
+    from torch.distributed import TCPStore
+
+    sock = socket.create_server((LOOPBACK, port), backlog=128)
+    try:
+        store = TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(), **kwargs)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the listening socket now
+    return store
+
+
+def patch_torchrun_stores() -> None:
+    """Make torchrun's two store masters listen on loopback only (module docstring); clients are untouched."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
+
+    def rendezvous_store(host, port, *args, is_master=False, **kwargs):
+        if not is_master:
+            return TCPStore(host, port, *args, is_master=False, **kwargs)
+        kwargs.pop("master_listen_fd", None)
+        return _loopback_master(port, **kwargs)
+
+    def shared_store(self, master_addr, master_port):
+        return _loopback_master(master_port, multi_tenant=True)
+
+    c10d.TCPStore = rendezvous_store
+    dyn.DynamicRendezvousHandler._create_tcp_store_server = shared_store
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed import run
+
+    patch_torchrun_stores()
+    run.main(sys.argv[1:] if argv is None else argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
