@@ -73,6 +73,8 @@ def test_the_quorum_meets_at_the_replica_stores_guard_through_a_relay():
     group = ElasticOuterGroup(cfg)
     try:
         assert _listening_on(group._own_store.port) == {LOOPBACK}
+        manager_port = int(group._manager._manager.address().rsplit(":", 1)[1])
+        assert _listening_on(manager_port) == {LOOPBACK}  # (torchft's own binds [::]: every interface)
         res = group.allreduce_mean(torch.arange(4.0))
         assert res.contributors == [0] and torch.equal(res.mean, torch.arange(4.0))
         assert set(group._pg.relays) == {("127.0.0.1", group.store_guard.port)}
@@ -87,3 +89,56 @@ def test_the_quorum_meets_at_the_replica_stores_guard_through_a_relay():
         lh.shutdown()
     with pytest.raises(OSError):  # closed with the group
         socket.create_connection(("127.0.0.1", group.store_guard.port), timeout=1).close()
+
+
+def _outward_address() -> str | None:
+    """This host's address on its default route (no packet is sent), None where there is none or it is loopback."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        addr = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if addr.startswith("127.") else addr
+
+
+def test_the_manager_server_listens_on_loopback_behind_a_guard_at_the_replicas_address():
+    """``ManagerGuard``: a guarded replica at a non-loopback address: its torchft ``ManagerServer`` listens on
+    127.0.0.1:P and the guard on address:P (the port torchft advertises), the replica's own quorum calls go through a
+    relay that proves the secret, and torchft's plain ``ManagerClient`` at the advertised address is refused."""
+    pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
+    host = _outward_address()
+    if host is None:
+        pytest.skip("no non-loopback address on this host")
+    from torchft._torchft import ManagerClient
+
+    from dilocox.elastic import ElasticConfig, ElasticOuterGroup, start_lighthouse
+    from dilocox.elastic.stores import ManagerGuard
+
+    secret = b"s" * 32
+    lh = start_lighthouse(1, bind="127.0.0.1:0", secret=secret, join_timeout_ms=200)
+    cfg = ElasticConfig(lighthouse_addr=lh.address(), replica_rank=0, min_replicas=1, max_replicas=2, timeout_s=20,
+                        quorum_timeout_s=20, host=host, lighthouse_auth=True, secret=secret)  # fmt: skip
+    group = ElasticOuterGroup(cfg)
+    guard = group.manager_guard.guard
+    try:
+        port = guard.port
+        assert group._manager._manager.address() == f"http://{host}:{port}"
+        assert _listening_on(port) == {LOOPBACK, socket.inet_aton(host)[::-1].hex().upper()}
+        res = group.allreduce_mean(torch.arange(4.0))
+        assert res.contributors == [0] and torch.equal(res.mean, torch.arange(4.0))
+        assert (host, port) in ManagerGuard._relays  # the replica's own client dialed its manager through a relay
+        with pytest.raises(Exception):  # noqa: B017 - torchft raises its own kinds (transport error, timeout)
+            ManagerClient(f"http://{host}:{port}", connect_timeout=timedelta(seconds=3))._checkpoint_metadata(
+                0, timeout=timedelta(seconds=3)
+            )
+        deadline = time.monotonic() + 10  # (the guard counts on its own thread)
+        while guard.rejected < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert guard.rejected >= 1
+    finally:
+        group.close()
+        lh.shutdown()
+    assert not ManagerGuard._relays and ManagerGuard._open == 0  # torchft's client is back

@@ -49,7 +49,7 @@ from dilocox.elastic.failover import (
     quorum_id,
 )
 from dilocox.elastic.relay import LighthouseRelay
-from dilocox.elastic.stores import advertise_store, quorum_gloo, replica_store
+from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_gloo, replica_store
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -301,8 +301,9 @@ class ElasticOuterGroup:
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
         self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
-        try:
-            with advertise_store(advertise if group_rank == 0 else None):  # (rank 0 runs the ManagerServer)
+        self.manager_guard = ManagerGuard(cfg.host, guarded, serve=group_rank == 0) if guarded else None
+        try:  # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
+            with advertise_store(advertise if group_rank == 0 else None, getattr(self.manager_guard, "bind", None)):
                 self._manager = self._new_manager(Manager, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)
@@ -591,7 +592,7 @@ class ElasticOuterGroup:
             self._close_guards()
 
     def _close_guards(self) -> None:
-        for obj in (self.relay, self.store_guard):
+        for obj in (self.relay, self.store_guard, self.manager_guard):
             if obj is not None:
                 obj.close()
         if hasattr(self._pg, "close_relays"):

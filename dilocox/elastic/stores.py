@@ -16,12 +16,18 @@ services behind the secret):
 - ``quorum_gloo``: torchft's reconfigurable gloo group whose ``configure`` reaches the store the quorum names
   through a local ``LighthouseRelay`` that proves the secret to that store's guard.
 
+- ``ManagerGuard``: the replica's torchft ``ManagerServer`` (gRPC: the replica's own ranks' quorum calls, and a
+  joiner's checkpoint-metadata call when it heals from this replica) listens on loopback, behind a guard at the
+  address it advertises; every ``ManagerClient`` of the process dials a non-loopback manager through a relay that
+  proves the secret.
+
 A stranger who reaches a replica therefore cannot read or write its store (the gloo rendezvous, the Manager's
-entries). Still reached directly (docs/SECURITY.md): the ``ManagerServer``'s gRPC port and the gloo pairs.
+entries) or call its manager. Still reached directly (docs/SECURITY.md): the gloo pairs.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 from contextlib import contextmanager
@@ -87,10 +93,11 @@ def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, ti
 
 
 @contextmanager
-def advertise_store(addr: tuple[str, int] | None):
+def advertise_store(addr: tuple[str, int] | None, bind: str | None = None):
     """While a torchft ``Manager`` is built: its ``ManagerServer`` hands ``addr`` to the lighthouse as this replica's
-    store (the Manager's own client keeps the address it was given). Nothing changes when ``addr`` is None."""
-    if addr is None:
+    store (the Manager's own client keeps the address it was given) and, with ``bind``, listens there
+    (``ManagerGuard.bind``). Nothing changes when both are None."""
+    if addr is None and bind is None:
         yield
         return
     import torchft.manager as tm
@@ -99,8 +106,10 @@ def advertise_store(addr: tuple[str, int] | None):
         real = tm.ManagerServer
 
         def server(*args, **kwargs):
-            host = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
-            kwargs["store_addr"] = f"{host}:{addr[1]}"
+            if addr is not None:
+                kwargs["store_addr"] = f"{_bracket(addr[0])}:{addr[1]}"
+            if bind is not None:
+                kwargs["bind"] = bind
             return real(*args, **kwargs)
 
         tm.ManagerServer = server
@@ -142,3 +151,87 @@ def quorum_gloo(pg_cls, secret: bytes | None, timeout_s: float):
             self.relays.clear()
 
     return RelayedGloo()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class ManagerGuard:
+    """A replica's torchft ``ManagerServer`` behind the run secret (``outer.elastic.lighthouse_auth``; see above).
+
+    torchft's server listens on ``[::]:port`` and advertises ``http://{hostname}:{port}`` (made in its Rust code), so
+    the guard takes the replica's address at some port P and the server listens on 127.0.0.1 at the same P
+    (``bind``, handed to the ``ManagerServer`` by ``advertise_store``): what torchft advertises is the guard. With a
+    loopback address there is nothing to guard (and no second address for P): the server just listens there
+    instead of on every interface. While any guard of the process is open, torchft's ``ManagerClient`` is swapped for
+    one that dials a non-loopback manager through a ``LighthouseRelay`` proving the secret (this replica's own ranks,
+    and a joiner's call to the replica it heals from; managers on loopback are dialed directly)."""
+
+    _clients_lock = threading.Lock()
+    _open = 0
+    _real_client = None
+    _relays: dict[tuple[str, int], object] = {}
+
+    def __init__(self, host: str, secret: bytes, serve: bool) -> None:
+        from dilocox.elastic.relay import LighthouseGuard
+
+        self.secret, self.guard, self.bind = secret, None, None
+        if serve and _is_loopback(host):
+            self.bind = f"{_bracket(host)}:0"
+        elif serve:
+            self.guard = LighthouseGuard((host, 0), ("127.0.0.1", 0), secret)
+            self.guard.upstream = ("127.0.0.1", self.guard.port)  # the server takes the same port on loopback
+            self.bind = f"127.0.0.1:{self.guard.port}"
+        self._install(secret)
+        self.closed = False
+
+    @classmethod
+    def _install(cls, secret: bytes) -> None:
+        import torchft.manager as tm
+
+        from dilocox.elastic.relay import LighthouseRelay
+
+        with cls._clients_lock:
+            cls._open += 1
+            if cls._open > 1:
+                return
+            real = cls._real_client = tm.ManagerClient
+
+            def client(addr: str, *args, **kwargs):
+                hostport = addr.split("://", 1)[-1].rstrip("/")
+                host, _, port = hostport.rpartition(":")
+                if _is_loopback(host):
+                    return real(addr, *args, **kwargs)
+                key = (host.strip("[]"), int(port))
+                with cls._clients_lock:
+                    relay = cls._relays.get(key)
+                    if relay is None:
+                        relay = cls._relays[key] = LighthouseRelay([key], secret=secret, connect_timeout_s=5.0)
+                return real(relay.address, *args, **kwargs)
+
+            tm.ManagerClient = client
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.guard is not None:
+            self.guard.close()
+        import torchft.manager as tm
+
+        cls = type(self)
+        with cls._clients_lock:
+            cls._open -= 1
+            if cls._open == 0 and cls._real_client is not None:
+                tm.ManagerClient, cls._real_client = cls._real_client, None
+                for relay in cls._relays.values():
+                    relay.close()
+                cls._relays.clear()
