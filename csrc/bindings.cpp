@@ -13,7 +13,8 @@
 //       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only).
 //   torch.ops.dilocox.select_cpu_isa(isa) -> int
 //       -1: the best the CPU has (default); 0/1/2: force baseline/AVX2/AVX-512 (capped at what the CPU has) for
-//       every CPU kernel above. Returns the ISA now in use. For the tests, which compare every ISA's code path.
+//       every CPU kernel above. Returns the ISA now in use. -2 / -3 only ask: the best ISA / the one in use.
+//       For the tests, which compare every ISA's code path.
 //
 // CUDA kernels for the same schemas live in bindings_cuda.cpp (extension dilocox._C_cuda,
 // which must be imported after this one).
@@ -109,7 +110,11 @@ void dequantize_into_cpu(const at::Tensor& payload, const at::Tensor& out, int64
 
 void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits);
 
-int64_t select_cpu_isa_op(int64_t isa) { return select_cpu_isa(static_cast<int>(isa)); }
+int64_t select_cpu_isa_op(int64_t isa) {
+  if (isa == -2) return best_cpu_isa();     // queries: change nothing
+  if (isa == -3) return current_cpu_isa();
+  return select_cpu_isa(static_cast<int>(isa));
+}
 
 }  // namespace dilocox
 

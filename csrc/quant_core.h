@@ -129,6 +129,7 @@ void dequantize_accumulate_int8(const int8_t* q, const uint8_t* scales, float* o
 enum { kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
 int select_cpu_isa(int isa);
 int current_cpu_isa();  // the ISA the CPU kernels run (the detected one, or the override)
+int best_cpu_isa();     // the best ISA this CPU has (what select_cpu_isa(-1) runs)
 
 // Helpers for the wire layout.
 inline int64_t num_groups(int64_t n, int64_t G) { return (n + G - 1) / G; }

@@ -438,6 +438,11 @@ int select_cpu_isa(int isa) {
 
 int current_cpu_isa() { return active_isa(); }
 
+int best_cpu_isa() {
+  static const int detected = detect_isa();
+  return detected;
+}
+
 int64_t ef_quantize_pack_int4(const float* x, float* e, uint8_t* packed, uint8_t* scales, int64_t n,
                               int64_t G, int num_threads) {
   return quantize_impl<7, false>(x, e, packed, scales, n, G, 0, 0, num_threads);

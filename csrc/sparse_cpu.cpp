@@ -70,6 +70,7 @@ DILOCOX_SPARSE_INLINE int32_t count_at_least(const int32_t* __restrict key, int6
 // instead of 2-5 k, and the append and the exact selection below touch only those. (Keys are < 2^31: int32
 // compares, which SSE2 has.)
 DILOCOX_SPARSE_INLINE int32_t candidate_floor(const int32_t* __restrict key, int64_t c, int32_t kmax, int64_t k) {
+  if (kmax >= 0x7f800000) return 0;  // inf/NaN (refused by the callers; here only a defined, finite answer)
   float f = bits_f32(static_cast<uint32_t>(kmax));
   int32_t hi = kmax;  // a key with fewer than k at or above it: none above kmax, so kmax + 1 works too
   if (count_at_least(key, c, kmax) >= k) return kmax;

@@ -178,10 +178,11 @@ def _launch_local(nproc: int, args: list[str]) -> int:
     cfg = load_config(args[1], args[2:]) if args[:1] == ["train"] else None
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg is None or not cfg.outer.elastic.enabled:
+    loopback = cfg is None or not cfg.outer.elastic.enabled  # (an elastic replica is reached from other hosts)
+    if loopback:
         env = loopback_env(env)
     stop_timeout_s = cfg.train.stop_timeout_s if cfg is not None else 60.0
-    return supervise(local_run_argv(nproc, ["-m", "dilocox.cli", *args]), env, stop_timeout_s)
+    return supervise(local_run_argv(nproc, ["-m", "dilocox.cli", *args], loopback), env, stop_timeout_s)
 
 
 def _data(argv: list[str]) -> int:

@@ -144,3 +144,13 @@ def test_config_refusals_name_the_field(overrides, msg):
 def test_the_preset_loads():
     cfg = load_config(os.path.join(ROOT, "configs", "methods", "sparseloco.yaml"))
     assert cfg.compress.sparse.enabled and cfg.outer.method == "diloco" and cfg.outer.momentum == 0.0
+
+
+@pytest.mark.skipif(not kernels.have_extension("cpu"), reason="the compiled extension is not built (CI builds it)")
+def test_the_compiled_kernel_ends_on_an_inf():
+    """The callers refuse NaN/inf before encoding; the kernel must still end (its candidate floor once looped
+    forever on an inf with fewer than k ties) and write a payload of the right size."""
+    e = torch.randn(8192)
+    e[5] = float("inf")
+    out = encode(e, 4096, 1 / 64, 2)
+    assert out.numel() == tensor_payload_bytes(8192, 4096, 1 / 64, 2)

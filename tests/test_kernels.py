@@ -143,7 +143,6 @@ def test_cpu_kernel_at_the_absmax_of_a_rounded_down_scale(kind, isa):
         grp[int(torch.randint(0, 128, (1,), generator=g))] = L * t * (1 if e2 % 2 else -1)
         groups.append(grp)
     x = torch.cat(groups).float()
-    assert torch.isfinite(x).all()
     for ef in (False, True):
         e = torch.zeros_like(x) if ef else None
         pa, ea, pb, eb = run_pair(x, e, kind, 128, False)

@@ -91,3 +91,22 @@ def test_plain_torchrun_listens_beyond_loopback_and_local_run_does_not(tmp_path)
 def test_loopback_env_keeps_the_users_choice():
     env = loopback_env({"GLOO_SOCKET_IFNAME": "eth7"})
     assert env["GLOO_SOCKET_IFNAME"] == "eth7" and env["NCCL_SOCKET_IFNAME"] == loopback_ifname()
+
+
+def test_train_nproc_keeps_torchrun_for_an_elastic_replica_and_loopback_otherwise(monkeypatch):
+    """An elastic replica's ranks learn the address the other replicas dial from torchrun's MASTER_ADDR: it must not
+    become 127.0.0.1 (so plain torchrun, no loopback interface); any other run gets the loopback launcher."""
+    import dilocox.distributed.signals as signals
+    from dilocox import cli
+
+    seen = []
+    monkeypatch.setattr(signals, "supervise", lambda argv, env, timeout_s, **kw: seen.append((argv, env)) or 0)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    elastic = ["--parallel.replicas=1", "--outer.elastic.enabled=true", "--outer.elastic.lighthouse=http://10.0.0.1:1"]
+    assert cli._launch_local(2, ["train", "configs/tiny-dilocox.yaml", *elastic]) == 0
+    assert cli._launch_local(2, ["train", "configs/tiny.yaml"]) == 0
+    (argv_e, env_e), (argv_l, env_l) = seen
+    assert "torch.distributed.run" in argv_e and not any(a.startswith("--local-addr") for a in argv_e)
+    assert "GLOO_SOCKET_IFNAME" not in env_e
+    assert "dilocox.launch.local_run" in argv_l and "--local-addr=127.0.0.1" in argv_l
+    assert env_l["GLOO_SOCKET_IFNAME"] == loopback_ifname()

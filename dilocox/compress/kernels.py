@@ -100,7 +100,7 @@ def cpu_isas() -> list[int]:
     without the extension, or with one built before ``select_cpu_isa`` existed)."""
     if not have_extension("cpu") or not hasattr(torch.ops.dilocox, "select_cpu_isa"):
         return []
-    return list(range(int(torch.ops.dilocox.select_cpu_isa(-1)) + 1))
+    return list(range(int(torch.ops.dilocox.select_cpu_isa(-2)) + 1))  # (-2: a query, nothing switched)
 
 
 @contextlib.contextmanager
@@ -110,11 +110,12 @@ def forced_cpu_isa(isa: int):
     if not cpu_isas():  # no extension (or an old one): nothing to switch
         yield -1
         return
+    before = int(torch.ops.dilocox.select_cpu_isa(-3))  # (-3: the ISA in use, nothing switched)
     got = int(torch.ops.dilocox.select_cpu_isa(isa))
     try:
         yield got
     finally:
-        torch.ops.dilocox.select_cpu_isa(-1)
+        torch.ops.dilocox.select_cpu_isa(-1 if before == cpu_isas()[-1] else before)
 
 
 # ----------------------------------------------------------------------------------------

@@ -301,15 +301,16 @@ class ElasticOuterGroup:
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
         self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
-        self.manager_guard = ManagerGuard(cfg.host, guarded, serve=group_rank == 0) if guarded else None
+        self.manager_guard = None
         try:  # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
+            self.manager_guard = ManagerGuard(cfg.host, guarded, serve=group_rank == 0) if guarded else None
             with advertise_store(advertise if group_rank == 0 else None, getattr(self.manager_guard, "bind", None)):
                 self._manager = self._new_manager(Manager, store)
+            self.failover = self._new_failover(TCPStore, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)
             self._close_guards()
             raise
-        self.failover = self._new_failover(TCPStore, store)
         self.group = TorchftGroup(self._pg, cfg.timeout_s)
         self.closed = False
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)

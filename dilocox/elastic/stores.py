@@ -28,6 +28,7 @@ entries) or call its manager. Still reached directly (docs/SECURITY.md): the glo
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import threading
 from contextlib import contextmanager
@@ -157,11 +158,29 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _is_loopback(host: str) -> bool:
+def _ips(host: str) -> list:
+    """The IP addresses ``host`` names (itself if it is one; a name resolved, [] where it does not resolve)."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return [ipaddress.ip_address(host.strip("[]"))]
     except ValueError:
-        return host == "localhost"
+        pass
+    try:
+        return [ipaddress.ip_address(ai[4][0].split("%")[0]) for ai in socket.getaddrinfo(host, None)]
+    except (OSError, ValueError):
+        return []
+
+
+def _is_loopback(host: str) -> bool:
+    ips = _ips(host)
+    return bool(ips) and all(ip.is_loopback for ip in ips)
+
+
+def _free_on_loopback(port: int) -> bool:
+    try:
+        socket.create_server(("127.0.0.1", port)).close()
+        return True
+    except OSError:
+        return False
 
 
 class ManagerGuard:
@@ -173,7 +192,9 @@ class ManagerGuard:
     loopback address there is nothing to guard (and no second address for P): the server just listens there
     instead of on every interface. While any guard of the process is open, torchft's ``ManagerClient`` is swapped for
     one that dials a non-loopback manager through a ``LighthouseRelay`` proving the secret (this replica's own ranks,
-    and a joiner's call to the replica it heals from; managers on loopback are dialed directly)."""
+    and a joiner's call to the replica it heals from; managers on loopback are dialed directly). One relay per remote
+    manager, kept until the last guard of the process closes. A side effect: torchft's lighthouse cannot call the
+    manager any more (its kill request), as no stranger can."""
 
     _clients_lock = threading.Lock()
     _open = 0
@@ -184,12 +205,26 @@ class ManagerGuard:
         from dilocox.elastic.relay import LighthouseGuard
 
         self.secret, self.guard, self.bind = secret, None, None
+        port = int(os.environ.get("TORCHFT_MANAGER_PORT", 0))  # (torchft's own knob for the server's port)
+        if serve and any(ip.is_unspecified for ip in _ips(host)):
+            raise ValueError(
+                f"outer.elastic host {host!r} is not an address other replicas can reach: give this replica's "
+                "address (DILOCOX_ELASTIC_HOST or MASTER_ADDR), or 127.0.0.1 for a run on one host"
+            )
         if serve and _is_loopback(host):
-            self.bind = f"{_bracket(host)}:0"
+            self.bind = f"{_bracket(host)}:{port}"
         elif serve:
-            self.guard = LighthouseGuard((host, 0), ("127.0.0.1", 0), secret)
-            self.guard.upstream = ("127.0.0.1", self.guard.port)  # the server takes the same port on loopback
-            self.bind = f"127.0.0.1:{self.guard.port}"
+            for _ in range(20):  # P must be free on the replica's address (the guard) and on 127.0.0.1 (the server)
+                guard = LighthouseGuard((host, port), ("127.0.0.1", 0), secret)
+                if _free_on_loopback(guard.port):
+                    break
+                guard.close()
+                if port:
+                    raise OSError(f"TORCHFT_MANAGER_PORT={port} is taken on 127.0.0.1 (the guarded manager needs both)")
+            else:
+                raise OSError("no port free both on the replica's address and on 127.0.0.1 in 20 tries")
+            guard.upstream = ("127.0.0.1", guard.port)  # the server takes the same port on loopback
+            self.guard, self.bind = guard, f"127.0.0.1:{guard.port}"
         self._install(secret)
         self.closed = False
 

@@ -38,8 +38,11 @@ def loopback_ifname() -> str | None:
 
 
 def loopback_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the collectives' socket interface on loopback, where the user did not choose one."""
+    """``env`` with the collectives' socket interface on loopback, where the user did not choose one, and torchrun's
+    shared store kept (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0's ``init_process_group`` would host a
+    store master of its own, on every interface)."""
     out = dict(env)
+    out.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     ifname = loopback_ifname()
     if ifname:
         out.setdefault("GLOO_SOCKET_IFNAME", ifname)
@@ -47,8 +50,12 @@ def loopback_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def local_run_argv(nproc: int, entry: Sequence[str]) -> list[str]:
-    """The command that runs ``entry`` (``-m module args`` or ``script args``) on ``nproc`` ranks of this host."""
+def local_run_argv(nproc: int, entry: Sequence[str], loopback: bool = True) -> list[str]:
+    """The command that runs ``entry`` (``-m module args`` or ``script args``) on ``nproc`` ranks of this host.
+    ``loopback=False``: plain torchrun, for an elastic replica (its ranks learn the replica's address from torchrun's
+    ``MASTER_ADDR``, which the other replicas must be able to reach: ``train.build_elastic_group``)."""
+    if not loopback:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
     return [
         sys.executable,
         "-m",
