@@ -37,20 +37,17 @@ from datetime import timedelta
 _PATCH_LOCK = threading.Lock()  # advertise_store swaps a torchft module attribute while a Manager is built
 
 
-def loopback_store(timeout: timedelta):
-    """A ``TCPStore`` master that listens on 127.0.0.1 only (module docstring); ``.port`` is its port."""
+def loopback_store(timeout: timedelta | None = None, port: int = 0, **kwargs):
+    """A ``TCPStore`` master that listens on 127.0.0.1:``port`` (0: any) only (module docstring); ``.port`` is its
+    port. ``kwargs``: more ``TCPStore`` arguments (torchrun's stores: dilocox/launch/local_run.py)."""
     from torch.distributed import TCPStore
 
-    sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    kwargs.setdefault("wait_for_workers", False)
+    sock = socket.create_server(("127.0.0.1", port), backlog=128)
     try:
-        store = TCPStore(
-            "127.0.0.1",
-            sock.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timeout,
-            master_listen_fd=sock.fileno(),
-        )
+        store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(), **kwargs)
     except BaseException:
         sock.close()
         raise

@@ -67,34 +67,22 @@ def local_run_argv(nproc: int, entry: Sequence[str], loopback: bool = True) -> l
     ]
 
 
-def _loopback_master(port: int, **kwargs):
-    """A ``TCPStore`` master listening on 127.0.0.1:``port`` (0: any) only."""
-    from torch.distributed import TCPStore
-
-    sock = socket.create_server((LOOPBACK, port), backlog=128)
-    try:
-        store = TCPStore(LOOPBACK, sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(), **kwargs)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the listening socket now
-    return store
-
-
 def patch_torchrun_stores() -> None:
     """Make torchrun's two store masters listen on loopback only (module docstring); clients are untouched."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
+    from dilocox.elastic.stores import loopback_store
+
     def rendezvous_store(host, port, *args, is_master=False, **kwargs):
         if not is_master:
             return TCPStore(host, port, *args, is_master=False, **kwargs)
         kwargs.pop("master_listen_fd", None)
-        return _loopback_master(port, **kwargs)
+        return loopback_store(port=port, **kwargs)
 
     def shared_store(self, master_addr, master_port):
-        return _loopback_master(master_port, multi_tenant=True)
+        return loopback_store(port=master_port, multi_tenant=True)
 
     c10d.TCPStore = rendezvous_store
     dyn.DynamicRendezvousHandler._create_tcp_store_server = shared_store
@@ -102,9 +90,17 @@ def patch_torchrun_stores() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     patch_torchrun_stores()
-    run.main(sys.argv[1:] if argv is None else argv)
+    try:
+        run.main(sys.argv[1:] if argv is None else argv)
+    except ChildFailedError as e:  # which rank failed and why, without torchrun's Python traceback around it
+        print(e, file=sys.stderr)
+        return 1
+    except SignalException:  # SIGINT/SIGTERM forwarded by dilocox: the ranks stopped and saved; supervise reports it
+        return 1
     return 0
 
 
