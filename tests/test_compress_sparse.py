@@ -118,6 +118,41 @@ def test_error_feedback_keeps_what_was_not_sent():
         comp.allreduce_mean([torch.full((16, 16), float("nan")), torch.zeros(16)], None, 10)
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpu-kernel", "batched-torch"])
+def test_the_batched_compressor_equals_the_rule_tensor_by_tensor(use_kernel):
+    """The compressor encodes and decodes the chunks of all its tensors together (group matrices by chunk size,
+    row blocks; the GPU path), which must give the bits of the rule applied tensor by tensor with ``encode`` and
+    ``decode_accumulate``: the mean, the error buffers and the payload, over several syncs, for tensors with and
+    without a padded last chunk (65 elements: the padding is kept and decodes to s/2, which must not leak into
+    e), shorter than a chunk (two of the same length: one group), empty, and blocks that split the groups."""
+    shapes = [torch.Size(s) for s in [(100, 70), (65,), (30,), (0,), (5, 64), (30,), (3, 11)]]
+    chunk, density, bits, beta = 64, 0.1, 2, 0.9
+    comp = SparseCompressor(shapes, chunk, density, bits, ef_decay=beta)
+    comp.use_kernel, comp.block_elems = use_kernel, 3 * chunk
+    errors = [torch.zeros(s) for s in shapes]
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        ds = [torch.randn(s, generator=g) * (1e-3 if i % 2 else 1.0) for i, s in enumerate(shapes)]
+        if step == 2:
+            ds[1][:-1] = 0  # a chunk with fewer nonzeros than k
+        want = []
+        for e, d in zip(errors, ds):
+            e.mul_(beta).add_(d)
+            p = encode(e, chunk, density, bits, use_kernel=False)
+            out, sent = torch.zeros(e.numel()), torch.zeros(e.numel())
+            decode_accumulate(p, out, chunk, density, bits)
+            decode_accumulate(p, sent, chunk, density, bits)
+            e.sub_(sent.view(e.shape))
+            want.append(out.view(e.shape))
+        got = comp.allreduce_mean(ds, None, step)
+        for i, (w, x, e, ce) in enumerate(zip(want, got, errors, comp.errors)):
+            assert torch.equal(w.view(torch.int32), x.view(torch.int32)), (step, i)
+            assert torch.equal(e.view(torch.int32), ce.view(torch.int32)), (step, i)
+        assert all(bool((pad == 0).all()) for pad in comp._groups.pads(comp._err))
+    one_by_one = torch.cat([encode(e, chunk, density, bits) for e in errors])
+    assert torch.equal(comp._groups.encode(comp._err, 100), one_by_one)
+
+
 def test_payload_is_far_below_fp32_at_the_preset():
     n = 4096 * 256
     assert tensor_payload_bytes(n, 4096, 1 / 64, 2) == 256 * (96 + 16 + 2)  # 12-bit indices, 2-bit codes, bf16

@@ -10,9 +10,11 @@
 #   machine.txt      GPU, driver, torch, nvcc
 #   build.log        the extension build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=9.0)
 #   test_gpu.txt     pytest -m cuda (tests/test_gpu.py, the CUDA kernel tests of tests/test_kernels.py)
+#   cpu_kernels.txt  the CPU kernel tests on the GPU machine's host CPU (every ISA it has)
 #   kernels.json     dilocox bench kernels --device cuda (and results.md beside it)
 #   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, and the DiLoCoX
-#                    outer step (low-rank + int4, one replica) every 10 steps
+#                    outer step (low-rank + int4, one replica) every 10 steps, the `dilocox`
+#                    preset (a sparse fragment every 2 steps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -41,6 +43,13 @@ DILOCOX_TEST_GPU=1 timeout 360 python3 -m pytest -q -m cuda -rs -n 4 -p no:cache
     tests/test_gpu.py tests/test_kernels.py >"$OUT/test_gpu.txt" 2>&1
 echo "tests rc $?"
 tail -30 "$OUT/test_gpu.txt"
+
+step "cpu kernels on this host"  # every CPU code path (baseline/AVX2/AVX-512) against the references on another CPU
+python3 -c "from dilocox.compress import kernels as k; print('cpu isas', k.cpu_isas())" 2>&1 | tee "$OUT/cpu_kernels.txt"
+timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels.py tests/test_compress_sparse.py \
+    >>"$OUT/cpu_kernels.txt" 2>&1
+echo "cpu kernel tests rc $?"
+tail -4 "$OUT/cpu_kernels.txt"
 [ "$MODE" = quick ] && exit 0
 
 step "bench kernels"
@@ -81,4 +90,6 @@ train gpt2s-dilocox-H10 configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64
 train gpt2s-dilocox-H10-devstate configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --parallel.pipeline=1 \
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64 --outer.state_device=device
+train gpt2s-dilocox-preset configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+    --parallel.microbatches=1
 step done

@@ -27,7 +27,10 @@ elements, 144x fewer than fp32 per sync.
 ``encode`` runs the compiled CPU kernel ``torch.ops.dilocox.sparse_encode`` (csrc/sparse_cpu.cpp) when the
 extension is built, else the vectorised torch ops (any device: top-k per chunk, ties to the lower index; packing
 with tensor ops); ``decode_accumulate`` is torch ops. ``reference_encode``/``reference_decode`` beside them are
-plain per-chunk Python loops of the same rule; the tests compare all three byte for byte.
+plain per-chunk Python loops of the same rule; the tests compare all three byte for byte. ``SparseCompressor`` runs
+the same rule on all its tensors at once (``_Groups``: one matrix of chunks per chunk size; on a GPU a per-tensor
+loop was thousands of kernel launches per sync), tested bit for bit against ``encode``/``decode_accumulate`` tensor
+by tensor.
 """
 
 from __future__ import annotations
@@ -106,9 +109,38 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.nonzero()[:, 1].view(mag.shape[0], k)
 
 
+def _encode_rows(rows: torch.Tensor, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch encoder of chunks: ``rows`` (n_rows, C) fp32 -> index bytes (n_rows, ceil(k·ib/8)), code bytes
+    (n_rows, ceil(k·b/8)) and bf16 scale bytes (n_rows, 2), uint8. Rows are independent, so the chunks of many
+    tensors can go through it together (``_Groups``)."""
+    idx = _topk_indices(rows.abs(), k)
+    vals = torch.gather(rows, 1, idx)
+    h, off = _levels(bits)
+    amax = vals.abs().amax(dim=1)
+    scale = (amax / torch.full_like(amax, h)).to(torch.bfloat16)  # (a tensor divisor: CUDA turns a scalar one into
+    # a multiply by its reciprocal, which can differ in the last bit from the kernel and the loops)
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.clamp(torch.floor(vals / safe.unsqueeze(1) + off), 0, 2**bits - 1)
+    codes = torch.where((s > 0).unsqueeze(1), codes, torch.full_like(codes, off))  # s = 0: any code decodes to 0
+    scale_bytes = scale.view(torch.uint8).view(-1, 2) if scale.numel() else scale.view(torch.uint8).view(0, 2)
+    return _pack_bits(idx, index_bits(rows.shape[1])), _pack_bits(codes.to(torch.int64), bits), scale_bytes
+
+
+def _decode_rows(ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, k: int, c: int, bits: int):
+    """Inverse of ``_encode_rows``: index, code and scale bytes of n_rows chunks -> (indices, values), each
+    (n_rows, k): the kept entries of each chunk (``sb`` must be contiguous and 2-byte aligned). The values are
+    never -0 (a half-integer times s > 0, or times s = 0: +0), so adding them or scattering them is the same."""
+    idx = _unpack_bits(ib, k, index_bits(c))
+    codes = _unpack_bits(cb, k, bits)
+    s = sb.view(torch.bfloat16).float().view(-1)
+    _, off = _levels(bits)
+    return idx, (codes.float() + (0.5 - off)) * s.unsqueeze(1)
+
+
 def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: bool = True) -> torch.Tensor:
     """One tensor's payload (uint8) from its error-fed values ``e`` (any shape, fp32): the compiled CPU kernel
-    (csrc/sparse_cpu.cpp) when the extension is built, else the vectorised torch ops below (any device)."""
+    (csrc/sparse_cpu.cpp) when the extension is built, else the vectorised torch ops (any device)."""
     flat = e.reshape(-1).float()
     n = flat.numel()
     if n == 0:
@@ -120,24 +152,7 @@ def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: b
         return out
     padded = torch.zeros(n_c * c, dtype=torch.float32, device=e.device)
     padded[:n] = flat
-    rows = padded.view(n_c, c)
-    idx = _topk_indices(rows.abs(), k)
-    vals = torch.gather(rows, 1, idx)
-    h, off = _levels(bits)
-    amax = vals.abs().amax(dim=1)
-    scale = (amax / torch.full_like(amax, h)).to(torch.bfloat16)  # (a tensor divisor: CUDA turns a scalar one into
-    # a multiply by its reciprocal, which can differ in the last bit from the kernel and the loops)
-    s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.clamp(torch.floor(vals / safe.unsqueeze(1) + off), 0, 2**bits - 1)
-    codes = torch.where((s > 0).unsqueeze(1), codes, torch.full_like(codes, off))  # s = 0: any code decodes to 0
-    return torch.cat(
-        [
-            _pack_bits(idx, index_bits(c)).reshape(-1),
-            _pack_bits(codes.to(torch.int64), bits).reshape(-1),
-            scale.view(torch.uint8).reshape(-1) if scale.numel() else scale.view(torch.uint8),
-        ]
-    )
+    return torch.cat([t.reshape(-1) for t in _encode_rows(padded.view(n_c, c), k, bits)])
 
 
 def decode_accumulate(payload: torch.Tensor, out: torch.Tensor, chunk: int, density: float, bits: int) -> None:
@@ -148,13 +163,9 @@ def decode_accumulate(payload: torch.Tensor, out: torch.Tensor, chunk: int, dens
     c, k, n_c = layout(n, chunk, density)
     ib_bytes, cb_bytes = -(-k * index_bits(c) // 8), -(-k * bits // 8)
     a, b = n_c * ib_bytes, n_c * (ib_bytes + cb_bytes)
-    idx = _unpack_bits(payload[:a].view(n_c, ib_bytes), k, index_bits(c))
-    codes = _unpack_bits(payload[a:b].view(n_c, cb_bytes), k, bits)
-    s = payload[b : b + 2 * n_c].clone().view(torch.bfloat16).float()  # (clone: the slice may be unaligned)
-    _, off = _levels(bits)
-    vals = (codes.float() + (0.5 - off)) * s.unsqueeze(1)
-    dense = torch.zeros(n_c, c, dtype=torch.float32, device=out.device)
-    dense.scatter_(1, idx, vals)
+    sb = payload[b : b + 2 * n_c].clone().view(n_c, 2)  # (clone: the slice may be unaligned)
+    idx, vals = _decode_rows(payload[:a].view(n_c, ib_bytes), payload[a:b].view(n_c, cb_bytes), sb, k, c, bits)
+    dense = torch.zeros(n_c, c, dtype=torch.float32, device=out.device).scatter_(1, idx, vals)
     out.add_(dense.view(-1)[:n])
 
 
@@ -245,6 +256,99 @@ def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor]
     return out
 
 
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Every entry of every tensor finite (and their |sum| below the fp32 limit, ~3.4e38: a run that far gone has
+    diverged too), with one host sync and one read of the data (a fused kernel on a GPU): the L1 norms, which a NaN
+    or an inf makes non-finite."""
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, 1))).all()) if tensors else True
+
+
+class _Groups:
+    """A compressor's tensors grouped by chunk size C, each group's chunks the rows of one (rows, C) matrix.
+
+    The compressor keeps its error buffers in these matrices (each tensor's chunks contiguous, its last chunk
+    zero-padded; ``errors`` are views of them), so one sync encodes and decodes a few dozen tensor ops per group
+    and row block, not per tensor: on a GPU the per-tensor loop was ~6,000 kernel launches and ~140 host syncs per
+    fragment sync of GPT-2 small (the `dilocox` preset at 27 % of plain training's tokens/s, docs/BENCHMARKS.md
+    §13). Rows are independent in the wire format, so the bytes are those of ``encode`` tensor by tensor (tested).
+    Row blocks of at most ``block_elems`` elements bound the encoder's temporaries (~6 x a block's fp32 bytes)."""
+
+    def __init__(self, shapes: list[torch.Size], chunk: int, density: float, bits: int) -> None:
+        numels = [s.numel() for s in shapes]
+        by_c: dict[int, list[int]] = {}
+        for i, n in enumerate(numels):
+            if n:
+                by_c.setdefault(layout(n, chunk, density)[0], []).append(i)
+        self.shapes, self.numels, self.bits = shapes, numels, bits
+        self.groups: list[tuple[int, int, int]] = []  # (C, k, rows)
+        self.place: dict[int, tuple[int, int, int]] = {}  # tensor -> (group, first row, chunks)
+        for g, (c, members) in enumerate(by_c.items()):
+            row = 0
+            for i in members:
+                n_c = -(-numels[i] // c)
+                self.place[i] = (g, row, n_c)
+                row += n_c
+            self.groups.append((c, layout(c, chunk, density)[1], row))
+        self.widths = [(-(-k * index_bits(c) // 8), -(-k * bits // 8)) for c, k, _ in self.groups]
+        self.offsets = [0]  # each tensor's payload offset (wire order: tensor by tensor)
+        for n in numels:
+            self.offsets.append(self.offsets[-1] + tensor_payload_bytes(n, chunk, density, bits))
+
+    def buffers(self, device) -> list[torch.Tensor]:
+        return [torch.zeros(rows, c, dtype=torch.float32, device=device) for c, _, rows in self.groups]
+
+    def view(self, bufs: list[torch.Tensor], i: int) -> torch.Tensor:
+        """Tensor ``i``'s values (its shape) inside the group matrices ``bufs``."""
+        if i not in self.place:
+            return bufs[0].new_zeros(self.shapes[i]) if bufs else torch.zeros(self.shapes[i])
+        g, r0, _ = self.place[i]
+        c = self.groups[g][0]
+        return bufs[g].view(-1)[r0 * c : r0 * c + self.numels[i]].view(self.shapes[i])
+
+    def pads(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The zero padding of each tensor's last chunk inside ``bufs`` (views; empty list when none is padded)."""
+        out = []
+        for i, (g, r0, n_c) in self.place.items():
+            c = self.groups[g][0]
+            if n_c * c > self.numels[i]:
+                out.append(bufs[g].view(-1)[r0 * c + self.numels[i] : (r0 + n_c) * c])
+        return out
+
+    def blocks(self, g: int, block_elems: int):
+        c, _, rows = self.groups[g]
+        step = max(1, block_elems // c)
+        return [(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+    def encode(self, bufs: list[torch.Tensor], block_elems: int) -> torch.Tensor:
+        """The payload of the matrices ``bufs`` (the torch encoder, any device), tensor by tensor on the wire."""
+        parts = []
+        for g, (c, k, _) in enumerate(self.groups):
+            blk = [_encode_rows(bufs[g][a:b], k, self.bits) for a, b in self.blocks(g, block_elems)]
+            parts.append([torch.cat(x) if len(x) > 1 else x[0] for x in zip(*blk)])
+        pieces = []
+        for i in sorted(self.place):
+            g, r0, n_c = self.place[i]
+            pieces += [t[r0 : r0 + n_c].reshape(-1) for t in parts[g]]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8)
+
+    def decode(self, payload: torch.Tensor, g: int, block_elems: int):
+        """Group ``g``'s chunks of ``payload``: yields ((first row, end row), (indices, values)) block by block."""
+        c, k, rows = self.groups[g]
+        wi, wc = self.widths[g]
+        ib, cb, sb = [], [], []
+        for i in sorted(self.place):
+            gi, _, n_c = self.place[i]
+            if gi != g:
+                continue
+            o = self.offsets[i]
+            ib.append(payload[o : o + n_c * wi])
+            cb.append(payload[o + n_c * wi : o + n_c * (wi + wc)])
+            sb.append(payload[o + n_c * (wi + wc) : o + n_c * (wi + wc + 2)])
+        ib, cb, sb = (torch.cat(x).view(rows, -1) for x in (ib, cb, sb))  # (cat: fresh, so sb is aligned)
+        for a, b in self.blocks(g, block_elems):
+            yield (a, b), _decode_rows(ib[a:b], cb[a:b], sb[a:b], k, c, self.bits)
+
+
 class SparseCompressor:
     """``compress.sparse``: the ``Compressor`` interface (``build_compressor``) for the rule above."""
 
@@ -261,8 +365,15 @@ class SparseCompressor:
         self.shapes = [torch.Size(s) for s in shapes]
         self.chunk, self.density, self.bits, self.ef_decay = int(chunk), float(density), int(bits), float(ef_decay)
         self.kind = f"top{density:g}/int{bits}"
+        # the error buffers: None, or one per tensor - views of the group matrices ``_err`` when this compressor
+        # made them; anything else (a checkpoint's, a reset to None) is copied into fresh matrices at the next sync
         self.errors: list[torch.Tensor] | None = None
+        self._err: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] | None = None
+        self._groups = _Groups(self.shapes, self.chunk, self.density, self.bits)
         self._sizes = [tensor_payload_bytes(s.numel(), self.chunk, self.density, self.bits) for s in self.shapes]
+        self.use_kernel = True  # the compiled CPU encoder on CPU tensors (False: the batched torch ops everywhere)
+        self.block_elems = 1 << 25
 
     rank = 0
     lossy = True
@@ -297,41 +408,58 @@ class SparseCompressor:
         if not tensors:
             return []
         t0 = time.perf_counter()
-        device = tensors[0].device
-        if self.errors is None:
-            self.errors = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.shapes]
-        if self.errors[0].device != device:
-            self.errors = [e.to(device) for e in self.errors]
-        vs = [t.detach().float() for t in tensors]
-        if not all(bool(torch.isfinite(v).all()) for v in vs):  # (checked before any buffer changes)
+        device, gr = tensors[0].device, self._groups
+        self._own_buffers(device)
+        vs = [tensors[i].detach().float() for i in gr.place]
+        if not _all_finite(vs):  # (checked before any buffer changes)
             raise ValueError("the pseudo-gradient has NaN/inf entries: the inner steps diverged")
-        for e, v in zip(self.errors, vs):
-            e.mul_(self.ef_decay).add_(v)
-        if not all(bool(torch.isfinite(e).all()) for e in self.errors):
+        mine_e = [self.errors[i] for i in gr.place]
+        torch._foreach_mul_(mine_e, self.ef_decay)
+        torch._foreach_add_(mine_e, vs)
+        del vs
+        if not _all_finite(self._err):
             raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
-        mine = torch.cat([encode(e, self.chunk, self.density, self.bits) for e in self.errors])
+        if self.use_kernel and device.type == "cpu" and kernels.have_extension("cpu") and _has_op():
+            mine = torch.cat([encode(e, self.chunk, self.density, self.bits) for e in self.errors])
+        else:
+            mine = gr.encode(self._err, self.block_elems)
         world = group_world(group)
         if world > 1:
             bufs = [torch.empty_like(mine) for _ in range(world)]
             _all_gather(bufs, mine, group)
         else:
             bufs = [mine]
-        outs = [torch.zeros(s.numel(), dtype=torch.float32, device=device) for s in self.shapes]
-        offs = [0]
-        for n in self._sizes:
-            offs.append(offs[-1] + n)
-        for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
-            for i, out in enumerate(outs):
-                decode_accumulate(b[offs[i] : offs[i + 1]], out, self.chunk, self.density, self.bits)
         me = 0 if world <= 1 else group_rank(group)
-        for i, e in enumerate(self.errors):  # e -= what this rank sent (its own payload, decoded)
-            sent = torch.zeros(e.numel(), dtype=torch.float32, device=device)
-            decode_accumulate(bufs[me][offs[i] : offs[i + 1]], sent, self.chunk, self.density, self.bits)
-            e.sub_(sent.view(e.shape))
+        acc = [torch.empty_like(e) for e in self._err]
+        for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
+            for g in range(len(gr.groups)):
+                for (lo, hi), (idx, vals) in gr.decode(b, g, self.block_elems):
+                    if r == 0:  # 0 + the first payload: the payload itself
+                        acc[g][lo:hi].zero_().scatter_(1, idx, vals)
+                    else:
+                        acc[g][lo:hi].scatter_add_(1, idx, vals)  # (k distinct indices per row: one add each)
+                    if r == me:  # e -= what this rank sent (its own payload, decoded)
+                        self._err[g][lo:hi].scatter_add_(1, idx, vals.neg_())
+        for pad in gr.pads(self._err):  # (a kept padding entry decodes to s/2: the padding stays zero)
+            pad.zero_()
+        for a in acc:
+            a.div_(world)
         if stats is not None:
             wire = self.wire_bytes(world)
             stats.add(wire, wire, time.perf_counter() - t0)
-        return [(o / world).view(s).to(t.dtype) for o, s, t in zip(outs, self.shapes, tensors)]
+        return [gr.view(acc, i).to(t.dtype) for i, t in enumerate(tensors)]
+
+    def _own_buffers(self, device) -> None:
+        """Make ``errors`` views of this compressor's group matrices on ``device`` (zeros, or a copy of what
+        ``errors`` holds: a checkpoint's buffers, or its own on another device)."""
+        if self.errors is not None and self.errors is self._views and self._err and self._err[0].device == device:
+            return
+        gr, old = self._groups, self.errors
+        self._err = gr.buffers(device)
+        self._views = self.errors = [gr.view(self._err, i) for i in range(len(self.shapes))]
+        if old is not None:
+            for i in gr.place:
+                self.errors[i].copy_(old[i])
 
     def state_dict(self) -> dict:
         sd: dict = {"rank": 0, "errors": {}}

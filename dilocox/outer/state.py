@@ -58,17 +58,25 @@ class OuterState:
         return [self.params[i].shape for i in self.fragments[p]]
 
     # ------------------------------------------------------------------ the rules
+    def _split(self, flat: Tensor, p: int) -> list[Tensor]:
+        """Per-parameter views (their shapes) of a tensor laid out as fragment ``p``."""
+        s0 = self.bounds[p][0]
+        return [
+            flat[self.offsets[i][0] - s0 :][: self.offsets[i][1]].view(self.params[i].shape) for i in self.fragments[p]
+        ]
+
     @torch.no_grad()
     def pseudo_gradient(self, p: int, shift: float = 0.0) -> list[Tensor]:
         """Δ_p = θ_p − shift·v_p − θ_{m,p}: fresh fp32 tensors on the params' device, one per parameter. ``shift``:
-        the look-ahead the phase started from (``load_params``), so Δ is the phase's own work from its start."""
-        out = []
-        for i in self.fragments[p]:
-            w = self.params[i]
-            d = self.view(self.theta, i).to(w.device, non_blocking=True) - w.detach().float()
-            if shift:
-                d.sub_(self.view(self.momentum, i).to(w.device), alpha=shift)
-            out.append(d)
+        the look-ahead the phase started from (``load_params``), so Δ is the phase's own work from its start.
+        Whole-fragment copies and foreach ops (a few kernels on a GPU, not a few per parameter)."""
+        if not self.fragments[p]:
+            return []
+        ws = [self.params[i].detach().float() for i in self.fragments[p]]
+        dev = ws[0].device
+        out = torch._foreach_sub(self._split(self.frag(self.theta, p).to(dev, non_blocking=True), p), ws)
+        if shift:
+            torch._foreach_sub_(out, self._split(self.frag(self.momentum, p).to(dev), p), alpha=shift)
         return out
 
     def flatten(self, tensors: list[Tensor]) -> Tensor:
@@ -88,15 +96,23 @@ class OuterState:
     @torch.no_grad()
     def load_params(self, p: int, alpha: float = 0.0, shift: float = 0.0) -> None:
         """θ_{m,p} ← α θ_{m,p} + (1 − α) θ_p (α = 0: plain reset to the outer params); ``shift`` (α = 0 only): the
-        reset goes to θ_p − shift·v_p instead (``outer.lookahead``; computed in fp32, then cast)."""
-        for i in self.fragments[p]:
-            w, theta = self.params[i], self.view(self.theta, i)
-            if shift and alpha == 0.0:
-                w.copy_((theta - shift * self.view(self.momentum, i)).to(w.device))
-            elif alpha == 0.0:
-                w.copy_(theta)
-            else:
-                w.mul_(alpha).add_(theta.to(w.device, w.dtype), alpha=1.0 - alpha)
+        reset goes to θ_p − shift·v_p instead (``outer.lookahead``; computed in fp32, then cast). One copy of the
+        fragment to the params' device, then foreach ops (a parameter at a time when their dtypes differ)."""
+        ws = [self.params[i] for i in self.fragments[p]]
+        if not ws:
+            return
+        dev, dtype = ws[0].device, ws[0].dtype
+        theta = self.frag(self.theta, p)
+        if shift and alpha == 0.0:
+            theta = theta - shift * self.frag(self.momentum, p)
+        if alpha == 0.0:
+            torch._foreach_copy_(ws, self._split(theta.to(dev), p))  # (blocking: θ changes on the host next)
+        elif all(w.dtype == dtype for w in ws):
+            torch._foreach_mul_(ws, alpha)
+            torch._foreach_add_(ws, self._split(theta.to(dev, dtype), p), alpha=1.0 - alpha)
+        else:
+            for w, t in zip(ws, self._split(theta, p)):
+                w.mul_(alpha).add_(t.to(w.device, w.dtype), alpha=1.0 - alpha)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
