@@ -266,7 +266,9 @@ class Trainer:
         t0 = time.time()
         n = self.outer.join()
         if n is None:
-            self.logger.info(f"elastic: replica {self.cfg.outer.elastic.replica_rank} starts at step {self.step}")
+            pg = getattr(getattr(getattr(self.outer, "group", None), "elastic", None), "_pg", None)
+            via = f" (outer collectives: {pg.getBackendName()})" if pg is not None else ""
+            self.logger.info(f"elastic: replica {self.cfg.outer.elastic.replica_rank} starts at step {self.step}{via}")
             return
         self.outer.pop_jump()
         self._continue_at(n, f"joined the live run at step {n} (state received in {time.time() - t0:.1f}s)")
@@ -521,6 +523,7 @@ def build_elastic_group(cfg: Config, topo):
         host=host,
         secret=secret_for(cfg.security, "`dilocox launch --elastic` and elastic.sbatch write one into the run dir"),
         encrypt=cfg.security.encrypt,
+        collectives=e.collectives,
     )
     if topo.world_size == 1:
         return QuorumGroup(ElasticOuterGroup(ecfg), cfg.outer.norm_check)

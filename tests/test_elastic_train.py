@@ -20,7 +20,7 @@ import torch
 
 from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged
 from dilocox.launch.emulate import BANDWIDTH_ENV
-from dilocox.security import create_secret
+from dilocox.security import create_secret, load_secret
 from tests.small_run import TINY_RUN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,18 +48,20 @@ def _final_model(run_dir: str) -> dict[str, torch.Tensor]:
 class _Run:
     """A lighthouse + replica processes; everything killed at the end."""
 
-    def __init__(self, tmp_path, min_replicas: int, steps: int, bandwidth: str = "8000000"):
+    def __init__(self, tmp_path, min_replicas: int, steps: int, bandwidth: str = "8000000", auth: bool = False):
         os.makedirs(tmp_path, exist_ok=True)
         pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
         from dilocox.elastic import start_lighthouse
 
-        self.tmp, self.steps, self.min = tmp_path, steps, min_replicas
-        self.lh = start_lighthouse(min_replicas, heartbeat_timeout_ms=1500, join_timeout_ms=30000)
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **{BANDWIDTH_ENV: bandwidth})
-        # the run secret: a restarted replica's state transfer (heal) is authenticated with it (elastic/transfer.py)
+        self.tmp, self.steps, self.min, self.auth = tmp_path, steps, min_replicas, auth
+        # the run secret: a restarted replica's state transfer (heal) is authenticated with it (elastic/transfer.py);
+        # auth: the lighthouse, the replicas' stores and managers behind guards too (outer.elastic.lighthouse_auth)
         self.secret = str(tmp_path / "secret")
         if not os.path.exists(self.secret):
             create_secret(self.secret)
+        key = load_secret(self.secret) if auth else None
+        self.lh = start_lighthouse(min_replicas, heartbeat_timeout_ms=1500, join_timeout_ms=30000, secret=key)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **{BANDWIDTH_ENV: bandwidth})
         self.procs: dict[int, list[subprocess.Popen]] = {}
 
     def run_dir(self, r: int) -> str:
@@ -75,6 +77,7 @@ class _Run:
             "--outer.elastic.quorum_timeout_s=20",
             f"--log.run_dir={self.run_dir(r)}",
             f"--security.secret_file={self.secret}",
+            f"--outer.elastic.lighthouse_auth={str(self.auth).lower()}",
         ]
         tag = f"elastic-train-test-{os.getpid()}-r{r}-{len(self.procs.get(r, []))}"
         p = subprocess.Popen(
@@ -118,20 +121,23 @@ class _Run:
 
 @pytest.mark.fault
 @pytest.mark.slow  # ~90-150 s: 3 training processes + a restart on 2 shared cores
-def test_train_kill9_replica_and_restart_rejoins_bit_identical(tmp_path):
+@pytest.mark.parametrize("collectives", ["gloo", "authenticated"])
+def test_train_kill9_replica_and_restart_rejoins_bit_identical(tmp_path, collectives):
     """3 replicas; replica 2 SIGKILLed mid-run and restarted with the same command: the survivors go on, the
     restarted replica joins the live run at a later step than it died at (its shard is never re-read), and at
-    the end all three hold bit-identical parameters."""
-    run = _Run(tmp_path, min_replicas=2, steps=200)
+    the end all three hold bit-identical parameters. ``authenticated``: the same behind the guarded lighthouse with
+    the outer collectives on dilocox's authenticated mesh (elastic/mesh.py): a member lost mid-round, new rounds."""
+    auth = collectives == "authenticated"
+    run = _Run(tmp_path, min_replicas=2, steps=200, auth=auth)
     try:
         deadline = time.monotonic() + 400
         for r in range(3):
-            run.start(r, "--outer.elastic.initial_replicas=3")
+            run.start(r, "--outer.elastic.initial_replicas=3", f"--outer.elastic.collectives={collectives}")
         run.wait_step(2, 10, deadline)
         died = max(x["step"] for x in _metrics(run.run_dir(2)) if "step" in x)
         os.killpg(run.procs[2][0].pid, signal.SIGKILL)
         t_kill = time.time()
-        run.start(2)
+        run.start(2, f"--outer.elastic.collectives={collectives}")
         for r in (0, 1, 2):
             p = run.procs[r][-1]
             assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, run.err(r)
@@ -203,6 +209,30 @@ def test_whole_job_restart_from_checkpoints_is_exact(tmp_path):
     for r in range(2):
         assert "resumed from" in open(tmp_path / "again" / f"r{r}.out").read()
         a, b = _final_model(full.run_dir(r)), _final_model(again.run_dir(r))
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+
+
+@pytest.mark.slow  # ~60-90 s: two 2-replica runs
+def test_authenticated_collectives_train_bit_equal_to_gloo(tmp_path):
+    """``outer.elastic.collectives=authenticated`` (elastic/mesh.py: the run secret's handshake on every pair
+    connection, each message MACed) against torchft's gloo pairs, both behind the guarded lighthouse: with two
+    replicas a sum is one addition either way, so the runs end bit-identical."""
+    models = {}
+    for kind in ("gloo", "authenticated"):
+        run = _Run(tmp_path / kind, min_replicas=2, steps=12, bandwidth="", auth=True)
+        try:
+            ps = [run.start(r, "--outer.elastic.initial_replicas=2", f"--outer.elastic.collectives={kind}")
+                  for r in range(2)]  # fmt: skip
+            for r, p in enumerate(ps):
+                assert p.wait(timeout=300) == 0, run.err(r)
+        finally:
+            run.close()
+        models[kind] = [_final_model(run.run_dir(r)) for r in range(2)]
+        backend = "dilocox-mesh" if kind == "authenticated" else "torchft-gloo"
+        assert f"(outer collectives: {backend})" in open(tmp_path / kind / "r0.out").read()
+    for r in range(2):
+        a, b = models["gloo"][r], models["authenticated"][r]
         for k in a:
             assert torch.equal(a[k], b[k]), (r, k)
 

@@ -6,10 +6,15 @@ activations), 1 MiB and 16 MiB, each ``--calls`` times without a secret and with
 connection, as the peers connect per call, and an HMAC-SHA256 over every message both ways) and with
 ``security.encrypt`` (ChaCha20-Poly1305 instead of the MAC). Reported: the median call time, the time authentication
 and encryption add, that time against one SWARM hop of the config (the measured forward + backward of stage 0
-on one microbatch plus the plain call), and the payload rate of an encrypted call against a plain one. The outer
-sync (gloo) is not touched by ``security``: its cost there is 0 by construction.
+on one microbatch plus the plain call), and the payload rate of an encrypted call against a plain one.
 
-    dilocox bench rpc [CONFIG] [--calls 200] [--out docs/bench/rpc]      (about 10 s)
+The outer all-reduce of elastic replicas: torchft's gloo pairs (unauthenticated), or with
+``outer.elastic.collectives: authenticated`` dilocox's mesh (``elastic/mesh.py``: the handshake once per pair and
+round, a MAC or ChaCha20-Poly1305 over every message). Second table: a SUM all-reduce of 1, 16 and 64 MiB of fp32
+between 2 members on loopback (threads of this process; each member's own gloo ``ProcessGroupGloo`` or ``Mesh``),
+the median over ``--calls / 10`` (at least 3) of the slower member's time.
+
+    dilocox bench rpc [CONFIG] [--calls 200] [--out docs/bench/rpc]      (about 30 s)
 """
 
 from __future__ import annotations
@@ -53,6 +58,71 @@ def hop_compute_s(cfg, reps: int = 5) -> float:
         y.float().pow(2).mean().backward()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts[1:])
+
+
+def _on_threads(fns) -> None:
+    """Run every ``fn()`` at once in its own thread; re-raise the first exception."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+
+
+def outer_rows(reps: int, world: int = 2) -> list[dict]:
+    """gloo against the authenticated mesh (plain MAC, encrypted): a SUM all-reduce of fp32 (module docstring)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dilocox.elastic.mesh import Mesh
+
+    secret = os.urandom(32)
+    store = dist.HashStore()
+    gloo: list = [None] * world
+    _on_threads([lambda r=r: gloo.__setitem__(r, dist.ProcessGroupGloo(store, r, world, timedelta(seconds=60)))
+                 for r in range(world)])  # fmt: skip
+    meshes = {kind: [Mesh("127.0.0.1", secret, kind == "enc", 60.0) for _ in range(world)] for kind in ("auth", "enc")}
+    rows = []
+    try:
+        for ms in meshes.values():
+            addrs = [m.addr for m in ms]
+            _on_threads([lambda r=r, ms=ms: ms[r].join("bench", r, addrs) for r in range(world)])
+
+        def timed(op, n: int) -> float:
+            xs = [torch.zeros(n) for _ in range(world)]
+            ts = []
+            for _ in range(reps + 1):  # (the first: warm-up)
+                t = time.perf_counter()
+                _on_threads([lambda r=r: op(r, xs[r]) for r in range(world)])
+                ts.append(time.perf_counter() - t)
+            return statistics.median(ts[1:])
+
+        for label, nbytes in (("1 MiB", 1 << 20), ("16 MiB", 16 << 20), ("64 MiB", 64 << 20)):
+            n = nbytes // 4
+            g = timed(lambda r, x: gloo[r].allreduce([x]).wait(), n)
+            a = timed(lambda r, x: meshes["auth"][r].all_reduce(x), n)
+            e = timed(lambda r, x: meshes["enc"][r].all_reduce(x), n)
+            rows.append({"message": label, "bytes": nbytes, "reps": reps, "gloo_ms": g * 1e3, "auth_ms": a * 1e3,
+                         "enc_ms": e * 1e3, "auth_x": a / g, "enc_x": e / g,
+                         "auth_mb_s": nbytes / a / 1e6, "enc_mb_s": nbytes / e / 1e6})  # fmt: skip
+    finally:
+        for ms in meshes.values():
+            for m in ms:
+                m.close()
+    return rows
 
 
 def bench(config: str, calls: int) -> dict:
@@ -109,6 +179,7 @@ def bench(config: str, calls: int) -> dict:
             "load_avg": os.getloadavg(),
         },
         "rows": rows,
+        "outer": outer_rows(max(3, calls // 10)),
     }
 
 
@@ -143,6 +214,21 @@ def markdown(res: dict) -> str:
             f"(the server's challenge; the client's proof and its request go together), which this loopback "
             f"figure does not show.",
         ]
+    if res.get("outer"):
+        lines += [
+            "",
+            "The outer all-reduce (SUM, fp32, 2 members on loopback): torchft's gloo pairs against the authenticated "
+            "mesh of `outer.elastic.collectives: authenticated`, with the MAC and with `security.encrypt`.",
+            "",
+            "| all-reduce of | reps | gloo (ms) | mesh, MAC (ms) | x gloo | mesh, encrypted (ms) | x gloo | "
+            "MB/s MAC / encrypted |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["outer"]:
+            lines.append(
+                f"| {r['message']} | {r['reps']} | {r['gloo_ms']:.2f} | {r['auth_ms']:.2f} | {r['auth_x']:.2f} | "
+                f"{r['enc_ms']:.2f} | {r['enc_x']:.2f} | {r['auth_mb_s']:,.0f} / {r['enc_mb_s']:,.0f} |"
+            )
     return "\n".join(lines)
 
 

@@ -51,6 +51,7 @@ _CHOICES = {
     "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
     "outer.overlap": ("none", "delayed", "eager"),
     "outer.state_device": ("host", "device"),
+    "outer.elastic.collectives": ("auto", "gloo", "authenticated"),
     "outer.streaming.pattern": ("sequential", "strided"),
     "compress.quant": QUANT_KINDS,
     "compress.collective": ("auto", "allgather", "reduce_scatter"),
@@ -460,6 +461,12 @@ def check_lighthouse_auth(o: OuterConfig, sec: Any) -> None:
             "outer.elastic.lighthouse_auth",
             True,
             "needs security.authenticate=true (the replicas prove the run secret to the lighthouse's guard)",
+        )
+    if o.elastic.collectives == "authenticated" and not o.elastic.lighthouse_auth:
+        _fail(
+            "outer.elastic.collectives",
+            "authenticated",
+            "needs outer.elastic.lighthouse_auth=true (the run secret, and the quorum's store behind its guard)",
         )
 
 

@@ -158,6 +158,10 @@ class ElasticSection:
     lighthouse_auth: bool = False  # true: the lighthouse(s) run with `dilocox lighthouse --secret-file` (a guard in
     # front of torchft's server) and the replica proves the run secret on every connection to them (needs
     # security.authenticate); `dilocox launch --elastic` sets both by default (docs/SECURITY.md)
+    collectives: str = "auto"  # the replicas' outer collectives: gloo (torchft's gloo pairs: unauthenticated, in
+    # the clear: a private network across sites) | authenticated (dilocox's mesh: the run secret's handshake on every
+    # pair connection, each message MACed, or encrypted with security.encrypt; needs lighthouse_auth; elastic/mesh.py)
+    # | auto (authenticated where lighthouse_auth is on, as under `dilocox launch --elastic`; else gloo)
 
 
 @dataclass

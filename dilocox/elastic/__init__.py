@@ -11,4 +11,4 @@ from dilocox.elastic.group import ElasticMinReplicasError as ElasticMinReplicasE
 from dilocox.elastic.group import ElasticOuterGroup as ElasticOuterGroup
 from dilocox.elastic.group import ElasticResult as ElasticResult
 from dilocox.elastic.group import ElasticStepError as ElasticStepError
-from dilocox.elastic.group import start_lighthouse as start_lighthouse
+from dilocox.elastic.lighthouse import start_lighthouse as start_lighthouse

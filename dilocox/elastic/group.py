@@ -49,7 +49,7 @@ from dilocox.elastic.failover import (
     quorum_id,
 )
 from dilocox.elastic.relay import LighthouseRelay
-from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_gloo, replica_store
+from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_pg, replica_store
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -108,7 +108,9 @@ class ElasticConfig:
     host: address this replica advertises and binds its store and its state server to (loopback by default).
     secret: the run secret (``security.secret_file``): a joiner's state transfer is authenticated both ways
         (``elastic/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
-    encrypt: the state transfer is also encrypted (``security.encrypt``).
+    encrypt: the state transfer (and the authenticated collectives) are also encrypted (``security.encrypt``).
+    collectives: the quorum's process group: ``gloo`` (torchft's), ``authenticated`` (``elastic/mesh.py``) or ``auto``
+        (authenticated with ``lighthouse_auth``, else gloo).
     """
 
     lighthouse_addr: str
@@ -125,6 +127,7 @@ class ElasticConfig:
     host: str = "127.0.0.1"
     secret: bytes | None = field(default=None, repr=False)
     encrypt: bool = False
+    collectives: str = _SECTION.collectives
 
     def validate(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
@@ -156,6 +159,10 @@ class ElasticConfig:
             raise bad("heartbeat_ms", "use an integer >= 1 (milliseconds)")
         if self.lighthouse_auth and not self.secret:
             raise bad("lighthouse_auth", "needs the run secret (security.authenticate=true, security.secret_file)")
+        if self.collectives not in ("auto", "gloo", "authenticated"):
+            raise bad("collectives", "use auto, gloo or authenticated (elastic/mesh.py)")
+        if self.collectives == "authenticated" and not self.lighthouse_auth:
+            raise bad("collectives", "authenticated needs lighthouse_auth=true (the run secret)")
 
 
 @dataclass
@@ -171,41 +178,6 @@ class ElasticResult:
     allreduce_s: float
     healed: bool = False  # this replica received a live replica's state in this step (it did not contribute)
     world: int = 0  # members of the quorum's process group (contributors + healing/behind replicas)
-
-
-def start_lighthouse(
-    min_replicas: int,
-    bind: str = "[::]:0",
-    join_timeout_ms: int = 60000,
-    quorum_tick_ms: int = 20,
-    heartbeat_timeout_ms: int = 2000,
-    secret: bytes | None = None,
-):
-    """Start a torchft lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
-
-    ``heartbeat_timeout_ms`` is how long a silent replica stays in the membership: it bounds
-    the detection time of a ``kill -9``'d replica. ``join_timeout_ms`` is how long the
-    lighthouse waits for live (still heartbeating) stragglers once ``min_replicas`` have joined;
-    keep it above the replicas' phase-time skew, or a slow but live replica is left out of the
-    step and falls behind for good (torchft's default is 60 s). A dead replica is dropped after
-    ``heartbeat_timeout_ms`` whatever ``join_timeout_ms`` is (docs/ELASTIC.md).
-    ``secret``: torchft listens on 127.0.0.1 only and a ``LighthouseGuard`` holds ``bind``: only a client that
-    proves the run secret (a ``LighthouseRelay`` with it: ``ElasticConfig.lighthouse_auth``) reaches it.
-    """
-    from torchft.coordination import LighthouseServer  # lazy: torchft is optional
-
-    lh = LighthouseServer(
-        bind="127.0.0.1:0" if secret else bind,
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        quorum_tick_ms=quorum_tick_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
-    if not secret:
-        return lh
-    from dilocox.elastic.relay import GuardedLighthouse
-
-    return GuardedLighthouse(lh, bind, secret)
 
 
 class TorchftGroup(ExternalGroup):
@@ -289,7 +261,7 @@ class ElasticOuterGroup:
                 cfg.host, guarded, timedelta(seconds=cfg.timeout_s)
             )
         self.group_rank, self.group_world = group_rank, group_world
-        self._pg = quorum_gloo(ProcessGroupGloo, guarded, cfg.timeout_s)
+        self._pg = quorum_pg(ProcessGroupGloo, guarded, cfg.timeout_s, cfg.collectives, cfg.host, cfg.encrypt)
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed = False

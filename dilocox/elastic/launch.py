@@ -194,7 +194,16 @@ def launch_elastic(
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     # the config as replica 0 sees it: a bad key or layout is one line here, not N tracebacks later
     probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "runs/x", overrides)
-    cfg = load_config(config, probe[probe.index("--nproc") + 2 :])
+    # (the guarded lighthouse that outer.elastic.collectives=authenticated needs is this launcher's to set: below)
+    cfg = load_config(config, [*probe[probe.index("--nproc") + 2 :], "--outer.elastic.collectives=gloo"])
+    wants_mesh = load_config(config, [*probe[probe.index("--nproc") + 2 :], "--outer.elastic.enabled=false"])
+    if wants_mesh.outer.elastic.collectives == "authenticated" and not (
+        cfg.security.authenticate and auth_lighthouse is not False
+    ):
+        raise LaunchError(
+            "outer.elastic.collectives=authenticated needs the guarded lighthouse: keep security.authenticate=true "
+            "and drop --no-authenticate-lighthouse"
+        )
     if run_dir is None:
         run_dir = cfg.log.run_dir
     pc = cfg.parallel

@@ -103,3 +103,38 @@ def _secret(path: str) -> bytes | None:
     from dilocox.security import load_secret
 
     return load_secret(path)
+
+
+def start_lighthouse(
+    min_replicas: int,
+    bind: str = "[::]:0",
+    join_timeout_ms: int = 60000,
+    quorum_tick_ms: int = 20,
+    heartbeat_timeout_ms: int = 2000,
+    secret: bytes | None = None,
+):
+    """Start a torchft lighthouse in this process; returns the server (``.address()``, ``.shutdown()``).
+
+    ``heartbeat_timeout_ms`` is how long a silent replica stays in the membership: it bounds
+    the detection time of a ``kill -9``'d replica. ``join_timeout_ms`` is how long the
+    lighthouse waits for live (still heartbeating) stragglers once ``min_replicas`` have joined;
+    keep it above the replicas' phase-time skew, or a slow but live replica is left out of the
+    step and falls behind for good (torchft's default is 60 s). A dead replica is dropped after
+    ``heartbeat_timeout_ms`` whatever ``join_timeout_ms`` is (docs/ELASTIC.md).
+    ``secret``: torchft listens on 127.0.0.1 only and a ``LighthouseGuard`` holds ``bind``: only a client that
+    proves the run secret (a ``LighthouseRelay`` with it: ``ElasticConfig.lighthouse_auth``) reaches it.
+    """
+    from torchft.coordination import LighthouseServer  # lazy: torchft is optional
+
+    lh = LighthouseServer(
+        bind="127.0.0.1:0" if secret else bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+    if not secret:
+        return lh
+    from dilocox.elastic.relay import GuardedLighthouse
+
+    return GuardedLighthouse(lh, bind, secret)

@@ -117,36 +117,66 @@ def advertise_store(addr: tuple[str, int] | None, bind: str | None = None):
             tm.ManagerServer = real
 
 
-def quorum_gloo(pg_cls, secret: bytes | None, timeout_s: float):
-    """An instance of torchft's ``pg_cls`` (``ProcessGroupGloo``); with ``secret``, one whose store rendezvous goes
-    through a local relay that proves it to the guard in front of the store the quorum names (``close_relays()``
+class StoreRelays(dict):
+    """The quorum's store reached through a local relay that proves ``secret`` to the guard in front of it: one relay
+    per store address (a dict: (host, port) -> relay); the previous quorum's are closed when another store is used.
+    Without a secret the store's own address is used."""
+
+    def __init__(self, secret: bytes | None, timeout_s: float) -> None:
+        super().__init__()
+        self.secret, self.timeout_s = secret, timeout_s
+
+    def local(self, store_addr: str) -> str:
+        """``host:port/prefix`` of the quorum's store -> the address to dial (a relay's on 127.0.0.1)."""
+        if self.secret is None:
+            return store_addr
+        from dilocox.elastic.relay import LighthouseRelay
+
+        addr, _, prefix = store_addr.partition("/")
+        host, _, port = addr.rpartition(":")
+        key = (host.strip("[]"), int(port))
+        relay = self.get(key)
+        if relay is None:
+            wait_s = max(1.0, min(5.0, self.timeout_s))
+            relay = self[key] = LighthouseRelay([key], secret=self.secret, connect_timeout_s=wait_s)
+        for other in [k for k in self if k != key]:  # the old group is gone: so are its relays
+            self.pop(other).close()
+        return f"127.0.0.1:{relay.address.rsplit(':', 1)[1]}/{prefix}"
+
+    def close(self) -> None:
+        for relay in self.values():
+            relay.close()
+        self.clear()
+
+
+def quorum_pg(pg_cls, secret: bytes | None, timeout_s: float, collectives: str = "gloo", host: str = "127.0.0.1",
+              encrypt: bool = False):  # fmt: skip
+    """The quorum's process group for torchft's ``Manager``: torchft's ``pg_cls`` (``ProcessGroupGloo``) or, with
+    ``collectives="authenticated"`` (or ``"auto"`` and a ``secret``), dilocox's authenticated mesh
+    (``elastic/mesh.py``). With a ``secret`` its store rendezvous goes through ``StoreRelays`` (``close_relays()``
     ends them)."""
+    relays = StoreRelays(secret, timeout_s)
+    if collectives == "auto":  # (the secret is there when the lighthouse and the stores are guarded)
+        collectives = "authenticated" if secret is not None else "gloo"
+    if collectives == "authenticated":
+        from dilocox.elastic.mesh import mesh_process_group
+
+        if secret is None:
+            raise ValueError("outer.elastic.collectives=authenticated needs outer.elastic.lighthouse_auth (the secret)")
+        return mesh_process_group(host, secret, encrypt, timeout_s, relays)
     if secret is None:
         return pg_cls(timeout=timedelta(seconds=timeout_s))
-    from dilocox.elastic.relay import LighthouseRelay
 
     class RelayedGloo(pg_cls):
         def __init__(self) -> None:
             super().__init__(timeout=timedelta(seconds=timeout_s))
-            self.relays: dict[tuple[str, int], LighthouseRelay] = {}
+            self.relays = relays
 
         def configure(self, store_addr: str, *args, **kwargs) -> None:
-            addr, _, prefix = store_addr.partition("/")
-            host, _, port = addr.rpartition(":")
-            key = (host.strip("[]"), int(port))
-            relay = self.relays.get(key)
-            if relay is None:
-                wait_s = max(1.0, min(5.0, timeout_s))
-                relay = self.relays[key] = LighthouseRelay([key], secret=secret, connect_timeout_s=wait_s)
-            local = relay.address.rsplit(":", 1)[1]
-            super().configure(f"127.0.0.1:{local}/{prefix}", *args, **kwargs)
-            for other in [k for k in self.relays if k != key]:  # the old group is gone: so are its relays
-                self.relays.pop(other).close()
+            super().configure(self.relays.local(store_addr), *args, **kwargs)
 
         def close_relays(self) -> None:
-            for relay in self.relays.values():
-                relay.close()
-            self.relays.clear()
+            self.relays.close()
 
     return RelayedGloo()
 
