@@ -14,8 +14,9 @@ import time
 import pytest
 import torch
 
-from dilocox.elastic.mesh import Mesh, MeshError
+from dilocox.elastic.mesh import HELLO_LIMITS, Mesh, MeshError
 from dilocox.security import AuthError, client_handshake
+from dilocox.swarm.transport import _send_all, channel, encode, read_message
 
 SECRET = b"k" * 32
 
@@ -44,8 +45,8 @@ def _on_all(meshes: list[Mesh], fn) -> list:
 
 
 def _join(meshes: list[Mesh], key: str) -> None:
-    addrs = [m.addr for m in meshes]
-    assert _on_all(meshes, lambda r, m: m.join(key, r, addrs)) == [None] * len(meshes)
+    members = [(m.addr, m.begin()) for m in meshes]  # (what the store carries: address and this round's nonce)
+    assert _on_all(meshes, lambda r, m: m.join(key, r, members)) == [None] * len(meshes)
 
 
 @pytest.mark.parametrize("world, encrypt", [(3, False), (2, False), (3, True)], ids=["3-mac", "2-mac", "3-encrypted"])
@@ -99,9 +100,35 @@ def test_a_stranger_or_a_wrong_secret_never_becomes_a_pair():
             time.sleep(0.02)
         assert m.server.rejected == 2 and not m.server._queued
         with pytest.raises(MeshError, match="did not connect"):  # nothing was queued for a round
-            m.join("q", 1, ["127.0.0.1:1", m.addr])
+            m.join("q", 1, [("127.0.0.1:1", "x"), (m.addr, m.begin())])
     finally:
         m.close()
+
+
+def _hello(sock, seal, nonce: str):
+    _send_all(sock, encode("pair", {"key": "q", "src": 0, "nonce": nonce}), time.monotonic() + 5, "b", seal)
+    return read_message(sock, time.monotonic() + 5, HELLO_LIMITS, seal)
+
+
+def test_a_connection_never_joins_a_round_it_does_not_name():
+    """A hello with a stale nonce is answered with the member's current one and not queued; one naming it is queued;
+    a new round closes it unadopted, so nothing dialed for an earlier round can carry data into a later one."""
+    b = Mesh("127.0.0.1", SECRET, timeout_s=1.0)
+    try:
+        n1 = b.begin()
+        host, port = b.addr.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            seal = channel(client_handshake(s, SECRET, time.monotonic() + 5), "client", False)
+            answer, meta, _ = _hello(s, seal, "an-earlier-round")
+            assert answer == "retry" and meta["nonce"] == n1 and not b.server._queued
+            assert _hello(s, seal, n1)[0] == "ok" and ("q", 0) in b.server._queued
+            n2 = b.begin()  # the next round: the queued connection of round 1 is closed, never adopted
+            s.settimeout(5)
+            assert n2 != n1 and not b.server._queued and s.recv(1) == b""
+        with pytest.raises(MeshError, match="did not connect"):
+            b.join("q", 1, [("127.0.0.1:1", "x"), (b.addr, n2)])
+    finally:
+        b.close()
 
 
 def test_a_member_lost_mid_round_fails_the_others_fast_and_the_next_round_is_clean():
@@ -172,3 +199,27 @@ def test_config_refusals_name_the_field(overrides, msg):
 
     with pytest.raises(ValueError, match="collectives"):
         ElasticConfig("http://127.0.0.1:1", 0, collectives="authenticated").validate()
+
+
+def test_large_collectives_run_segment_by_segment_with_the_same_bits(monkeypatch):
+    """Past ``SEGMENT`` bytes a message would not seal (security.encrypt: < 2 GiB): the all-reduce and the all-gather
+    then run segment by segment (here 256 bytes), with the bits of one pass."""
+    from dilocox.elastic import mesh as mesh_mod
+
+    meshes = _members(3)
+    try:
+        _join(meshes, "q")
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(1000, generator=g) for _ in range(3)]
+        whole = _on_all(meshes, lambda r, m: (lambda t: (m.all_reduce(t), t)[1])(xs[r].clone()))
+        monkeypatch.setattr(mesh_mod, "SEGMENT", 256)
+        seq0 = meshes[0]._seq
+        parts = _on_all(meshes, lambda r, m: (lambda t: (m.all_reduce(t), t)[1])(xs[r].clone()))
+        assert meshes[0]._seq - seq0 == 2 * 16  # 1000 floats in 64-float segments, two exchanges each
+        for a, b in zip(whole, parts):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        outs = _on_all(meshes, lambda r, m: (lambda o: (m.all_gather(o, xs[r]), o)[1])([torch.empty(1000) for _ in xs]))
+        assert all(torch.equal(o, x) for out in outs for o, x in zip(out, xs))
+    finally:
+        for m in meshes:
+            m.close()

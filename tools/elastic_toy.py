@@ -35,8 +35,8 @@ from dilocox.elastic.group import (
     ElasticError,
     ElasticMinReplicasError,
     ElasticOuterGroup,
-    start_lighthouse,
 )
+from dilocox.elastic.lighthouse import start_lighthouse
 from tools import child_env
 
 

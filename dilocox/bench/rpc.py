@@ -98,8 +98,8 @@ def outer_rows(reps: int, world: int = 2) -> list[dict]:
     rows = []
     try:
         for ms in meshes.values():
-            addrs = [m.addr for m in ms]
-            _on_threads([lambda r=r, ms=ms: ms[r].join("bench", r, addrs) for r in range(world)])
+            members = [(m.addr, m.begin()) for m in ms]  # (as the quorum's store hands them out)
+            _on_threads([lambda r=r, ms=ms, mb=members: ms[r].join("bench", r, mb) for r in range(world)])
 
         def timed(op, n: int) -> float:
             xs = [torch.zeros(n) for _ in range(world)]

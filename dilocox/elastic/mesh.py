@@ -2,30 +2,36 @@
 
 torchft's ``ProcessGroupGloo`` connects the replicas of a quorum with gloo's own TCP pairs: nothing authenticates
 them and nothing hides their bytes (the pseudo-gradients), so across sites they must run inside a private network.
-With ``outer.elastic.collectives: authenticated`` the quorum's process group is a ``Mesh`` instead: every pair of
-members talks over one TCP connection that began with the run secret's mutual handshake (``dilocox.security``) and
-carries every message MACed, or sealed with ChaCha20-Poly1305 under ``security.encrypt`` (the SWARM RPC's framing,
-``swarm/transport.py``: lengths bounded before anything is allocated, nothing unpickled).
+With ``outer.elastic.collectives: authenticated`` (or ``auto`` behind a guarded lighthouse) the quorum's process group
+is a ``Mesh`` instead: every pair of members talks over one TCP connection that began with the run secret's mutual
+handshake (``dilocox.security``) and carries every message MACed, or sealed with ChaCha20-Poly1305 under
+``security.encrypt`` (the SWARM RPC's framing, ``swarm/transport.py``: every length bounded before anything is
+allocated, here by the collective's own size; nothing unpickled).
 
-A round (one ``configure`` of torchft, i.e. one quorum) is the set of pair connections made for it: each member
-dials the members of higher rank (``PairServer`` queues an incoming connection under (round key, dialer's rank),
-keeping only the newest) and adopts the queued connection of each member of lower rank; all of the round's
-connections are closed when the member configures the next round. So data only ever flows between two members that
-both adopted the same connection: a message of an earlier round, or of a member that already moved on, can never be
-taken for this round's (at worst it finds a closed connection: the collective fails, the outer step is retried with
-a new quorum, as with gloo). Member addresses come from the quorum's store (reached through the guarded relay of
-``elastic/stores.py``), signed with the run secret.
+A round (one ``configure`` of torchft, i.e. one quorum) is the set of pair connections made for it. At each round a
+member draws a fresh nonce and publishes ``address nonce`` in the quorum's store (reached through the guarded relay
+of ``elastic/stores.py``), signed with the run secret; it dials each member of higher rank with a hello naming the
+round key and the nonce it read for that member, and adopts from its ``PairServer`` the connection of each member of
+lower rank whose hello names its own current nonce. A hello with another nonce (an earlier round's; a stale store
+entry) is never adopted: the dialer is told the current nonce and may name it on the same connection. A round's
+connections (adopted or queued) are closed when the member starts the next round or fails this one. So data only
+flows between two members in their current rounds: nothing of an earlier attempt, or of a member that moved on, can
+be taken for this one; at worst a collective finds a closed connection, fails at once, and the outer step is retried
+on a new quorum as with gloo. A store entry of a key read before (a quorum id reused) is waited on until it changes.
 
 Collectives (what ``compress/collectives.py`` and the elastic group use): ``all_gather``, ``all_to_all_single`` and a
 SUM ``all_reduce`` as a reduce-scatter then an all-gather (each member sums its chunk over the members in rank
-order, so every member ends with the same bits; 2 (W - 1) / W of the tensor sent per member, as a ring). Every wait
-is bounded by ``timeout_s``; a failure closes the round's connections (the peers fail fast too) and raises
-``MeshError``; the next ``configure`` starts a fresh round.
+order, so every member ends with the same bits; 2 (W - 1) / W of the tensor sent per member, as a ring). A message
+carries at most ``SEGMENT`` bytes: a larger all-reduce or all-gather runs segment by segment (the same bits;
+``security.encrypt`` seals < 2 GiB a message). Every wait is bounded: a round's dials and adoptions by ``timeout_s``,
+each segment of a collective by ``timeout_s``; a failure closes the round's connections (the peers fail fast too)
+and raises ``MeshError``; the next ``configure`` starts a fresh round.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -35,78 +41,150 @@ import torch
 from torch import Tensor
 
 from dilocox.security import client_handshake, open_value, server_handshake, sign_value
-from dilocox.swarm.transport import Crypter, Limits, _parse, _send_all, channel, encode, read_message
+from dilocox.swarm.transport import (
+    Crypter,
+    Limits,
+    _parse,
+    _recv_exact,
+    _recv_into,
+    _send_all,
+    channel,
+    encode,
+    read_message,
+)
 
 log = logging.getLogger("dilocox.elastic.mesh")
 
-HELLO_LIMITS = Limits(max_message_bytes=0)  # a pair's first message: a header only
+HELLO_LIMITS = Limits(max_message_bytes=0)  # a hello and its answer: a header only
 MAX_KEY = 512  # a round key (the quorum's store prefix) longer than this is not ours
+SEGMENT = 256 << 20  # bytes of tensor per message at most
 
 
 class MeshError(RuntimeError):
     """A collective of the authenticated mesh failed (a member died, timed out or broke the protocol)."""
 
 
-class PairServer:
-    """Accepts the run's pair connections on ``host`` (a free port): the mutual handshake (``handshake_s``), then one
-    ``pair`` message ``{key, src}``; the connection then waits in a queue under (key, src), the newest one kept, until
-    the member adopts it (``take``). At most ``max_pending`` queued and 32 in their handshake; a stranger (no secret)
-    is closed after the challenge, a malformed hello closes that connection only."""
+def read_into(sock: socket.socket, deadline: float, limits: Limits, seal, dst: Tensor | None):
+    """``read_message``, with a message whose one tensor ``t`` has ``dst``'s dtype and size received straight into
+    ``dst`` (contiguous, CPU): no buffer of the message's size is allocated (nor zeroed) for it. The header's claims
+    are checked as ``read_message`` checks them before a byte of the body is read, the MAC after the body (a
+    message that fails it fails the collective; ``dst`` then holds garbage, as a failed gloo collective's output)."""
+    if dst is None or isinstance(seal, Crypter) or not dst.is_contiguous() or dst.device.type != "cpu":
+        return read_message(sock, deadline, limits, seal)  # (an encrypted message is opened whole anyway)
+    return _parse(
+        lambda n, d: _recv_exact(sock, n, d), deadline, limits, seal, dst, lambda v, d: _recv_into(sock, v, d)
+    )
 
-    def __init__(self, host: str, secret: bytes, encrypt: bool, max_pending: int = 64, handshake_s: float = 5.0):
-        self.secret, self.encrypt, self.max_pending, self.handshake_s = secret, encrypt, max_pending, handshake_s
-        self._sock = socket.create_server((host, 0))
+
+class PairServer:
+    """Accepts the run's pair connections on ``host`` (a free port): the mutual handshake, then hellos
+    ``{key, src, nonce}`` until one names this member's current nonce (at most 3); that connection then waits in a
+    queue under (key, src), the newest kept, until the member adopts it (``take``). At most ``max_handshakes``
+    connections in their handshake (``handshake_s`` each; further ones wait unaccepted in the listen backlog, so a
+    stranger holding slots delays a round, no more) and ``max_pending`` queued; a stranger (no secret) is closed after
+    the challenge, a malformed hello closes that connection only."""
+
+    def __init__(
+        self,
+        host: str,
+        secret: bytes,
+        encrypt: bool,
+        max_pending: int = 256,
+        max_handshakes: int = 32,
+        handshake_s: float = 5.0,
+    ) -> None:
+        self.secret, self.encrypt, self.handshake_s = secret, encrypt, handshake_s
+        self.max_pending, self.max_handshakes = max_pending, max_handshakes
+        self._sock = socket.create_server((host, 0), backlog=128)
         self._sock.settimeout(0.2)
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
         self._cv = threading.Condition()
         self._queued: dict[tuple[str, int], tuple[socket.socket, object]] = {}
         self._in_handshake = 0
+        self.nonce: str | None = None  # this member's current round (None: between rounds, every hello refused)
         self.rejected = 0
         self._stop = threading.Event()
         threading.Thread(target=self._accept_loop, name="mesh-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
+            with self._cv:
+                while self._in_handshake >= self.max_handshakes and not self._stop.is_set():
+                    self._cv.wait(0.2)  # (full: the next connections wait in the backlog, unaccepted)
+                if self._stop.is_set():
+                    return
+                self._in_handshake += 1
             try:
                 conn, _ = self._sock.accept()
             except (TimeoutError, socket.timeout):
+                self._release()
                 continue
-            except OSError:
-                return
-            with self._cv:
-                if self._in_handshake >= 32:
-                    conn.close()
-                    continue
-                self._in_handshake += 1
+            except OSError as e:  # (EMFILE, ECONNABORTED, ...: this one, not the server)
+                self._release()
+                if self._stop.is_set():
+                    return
+                log.warning("mesh: accept failed (%s); going on", e)
+                time.sleep(0.05)
+                continue
             threading.Thread(target=self._hello, args=(conn,), name="mesh-hello", daemon=True).start()
 
+    def _release(self) -> None:
+        with self._cv:
+            self._in_handshake -= 1
+            self._cv.notify_all()
+
     def _hello(self, conn: socket.socket) -> None:
+        queued = False
         try:
             deadline = time.monotonic() + self.handshake_s
             conn.settimeout(self.handshake_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             seal = channel(server_handshake(conn, self.secret, deadline), "server", self.encrypt)
-            method, meta, _ = read_message(conn, deadline, HELLO_LIMITS, seal)
-            key, src = meta.get("key"), meta.get("src")
-            if method != "pair" or not isinstance(key, str) or len(key) > MAX_KEY or type(src) is not int or src < 0:
-                raise ValueError(f"not a pair hello: {method!r} {str(meta)[:80]}")
-        except Exception as e:  # a stranger, a wrong secret, a malformed hello: this connection only
+            for _ in range(3):
+                method, meta, _ = read_message(conn, deadline, HELLO_LIMITS, seal)
+                key, src, nonce = meta.get("key"), meta.get("src"), meta.get("nonce")
+                if (
+                    method != "pair"
+                    or not isinstance(key, str)
+                    or len(key) > MAX_KEY
+                    or type(src) is not int
+                    or src < 0
+                ):
+                    raise ValueError(f"not a pair hello: {method!r} {str(meta)[:80]}")
+                with self._cv:
+                    current = self.nonce
+                    if current is not None and nonce == current and not self._stop.is_set():
+                        old = self._queued.pop((key, src), None)
+                        self._queued[(key, src)] = (conn, seal)
+                        while len(self._queued) > self.max_pending:
+                            self._queued.pop(next(iter(self._queued)))[0].close()
+                        self._cv.notify_all()
+                        queued = True
+                if queued:
+                    _send_all(conn, encode("ok", {}), deadline, "pair", seal)
+                    if old is not None:
+                        old[0].close()
+                    return
+                _send_all(conn, encode("retry", {"nonce": current}), deadline, "pair", seal)
+            raise ValueError("no hello named this member's round")
+        except Exception as e:  # a stranger, a wrong secret, a malformed or stale hello: this connection only
             with self._cv:
-                self._in_handshake -= 1
                 self.rejected += 1
+                if queued:  # (the answer could not be sent: drop it from the queue too)
+                    self._queued = {k: v for k, v in self._queued.items() if v[0] is not conn}
             log.debug("mesh: pair connection refused: %s", e)
             conn.close()
-            return
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        finally:
+            self._release()
+
+    def begin_round(self, nonce: str | None) -> None:
+        """This member's round is now ``nonce`` (None: none); every queued connection (an earlier round's) is closed."""
         with self._cv:
-            self._in_handshake -= 1
-            old = self._queued.pop((key, src), None)
-            self._queued[(key, src)] = (conn, seal)
-            while len(self._queued) > self.max_pending:
-                oldest = next(iter(self._queued))
-                self._queued.pop(oldest)[0].close()
+            self.nonce = nonce
+            queued, self._queued = list(self._queued.values()), {}
             self._cv.notify_all()
-        if old is not None:
-            old[0].close()
+        for conn, _ in queued:
+            conn.close()
 
     def take(self, key: str, src: int, deadline: float) -> tuple[socket.socket, object]:
         """The newest queued connection of member ``src`` for round ``key`` (MeshError past ``deadline``)."""
@@ -121,49 +199,12 @@ class PairServer:
     def close(self) -> None:
         self._stop.set()
         self._sock.close()
-        with self._cv:
-            for conn, _ in self._queued.values():
-                conn.close()
-            self._queued.clear()
-            self._cv.notify_all()
-
-
-def _recv_into(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    got = 0
-    while got < len(view):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise socket.timeout("receive timed out")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:], len(view) - got)
-        if k == 0:
-            raise ConnectionResetError("connection closed by the other side")
-        got += k
-
-
-def read_into(sock: socket.socket, deadline: float, limits: Limits, seal, dst: Tensor | None):
-    """``read_message``, with a message's one tensor received straight into ``dst`` (contiguous, CPU) when its
-    claimed size is ``dst``'s: no buffer of the message's size is allocated (nor zeroed) for it. The claims are
-    checked exactly as ``read_message`` does, before a byte of the body is read."""
-    if dst is None or isinstance(seal, Crypter) or not dst.is_contiguous() or dst.device.type != "cpu":
-        return read_message(sock, deadline, limits, seal)  # (an encrypted message is opened whole anyway)
-    target = memoryview(dst.view(-1).view(torch.uint8).numpy()) if dst.numel() else None
-    calls = [0]
-
-    def read(n: int, d):
-        calls[0] += 1
-        if calls[0] == 3 and target is not None and n == len(target):  # (length, header, then the tensor)
-            _recv_into(sock, target, d)
-            return target
-        buf = bytearray(n)
-        _recv_into(sock, memoryview(buf), d)
-        return buf
-
-    return _parse(read, deadline, limits, seal)
+        self.begin_round(None)
 
 
 class Mesh:
-    """One member's side of the authenticated mesh (module docstring): ``join`` a round, then the collectives."""
+    """One member's side of the authenticated mesh (module docstring): ``begin``, ``join`` a round, then the
+    collectives."""
 
     def __init__(self, host: str, secret: bytes, encrypt: bool = False, timeout_s: float = 60.0) -> None:
         if not secret:
@@ -171,29 +212,57 @@ class Mesh:
         self.secret, self.encrypt, self.timeout_s = secret, encrypt, float(timeout_s)
         self.server = PairServer(host, secret, encrypt)
         self.addr = self.server.addr
-        self.rank, self.world, self.key = 0, 1, None
+        self.rank, self.world, self.key, self.nonce = 0, 1, None, None
         self.pairs: dict[int, tuple[socket.socket, object]] = {}
         self._seq = 0
-        self._broken: str | None = None
+        self._broken: str | None = "no round yet"
         self.bytes_sent = 0
 
-    def join(self, key: str, rank: int, addrs: list[str]) -> None:
-        """Start round ``key`` as member ``rank`` of ``addrs`` (every member's ``addr``, in rank order)."""
+    def begin(self) -> str:
+        """End the current round (its connections closed) and start accepting the next; returns its nonce."""
         self._close_pairs()
-        self.key, self.rank, self.world, self._seq, self._broken = key, rank, len(addrs), 0, None
+        self._broken = "configuring a new round"
+        self.nonce = secrets.token_hex(16)
+        self.server.begin_round(self.nonce)
+        return self.nonce
+
+    def join(self, key: str, rank: int, members: list[tuple[str, str]]) -> None:
+        """Round ``key`` as member ``rank`` of ``members`` (every member's (address, nonce), in rank order; this
+        member's own nonce is the one ``begin`` returned)."""
+        if self.nonce is None or members[rank][1] != self.nonce:
+            raise MeshError("join: begin() the round first and publish its nonce")
+        self.key, self.rank, self.world, self._seq = key, rank, len(members), 0
         deadline = time.monotonic() + self.timeout_s
         try:
             for j in range(rank + 1, self.world):  # dial first (never waits on the peer's configure), then adopt
-                host, _, port = addrs[j].rpartition(":")
-                sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                seal = channel(client_handshake(sock, self.secret, deadline), "client", self.encrypt)
-                _send_all(sock, encode("pair", {"key": key, "src": rank}), deadline, addrs[j], seal)
-                self.pairs[j] = (sock, seal)
+                self.pairs[j] = self._dial(members[j], deadline)
             for i in range(rank):
                 self.pairs[i] = self.server.take(key, i, deadline)
         except Exception as e:
             self._fail(f"joining the round: {type(e).__name__}: {e}")
+        self._broken = None
+
+    def _dial(self, member: tuple[str, str], deadline: float) -> tuple[socket.socket, object]:
+        addr, nonce = member
+        host, _, port = addr.rpartition(":")
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.05, deadline - time.monotonic()))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            seal = channel(client_handshake(sock, self.secret, deadline), "client", self.encrypt)
+            for _ in range(3):
+                _send_all(
+                    sock, encode("pair", {"key": self.key, "src": self.rank, "nonce": nonce}), deadline, addr, seal
+                )
+                answer, meta, _ = read_message(sock, deadline, HELLO_LIMITS, seal)
+                if answer == "ok":
+                    return sock, seal
+                nonce = meta.get("nonce") if answer == "retry" else None
+                if not isinstance(nonce, str):
+                    break
+            raise MeshError(f"member at {addr} is not in a round we can join")
+        except BaseException:
+            sock.close()
+            raise
 
     def _close_pairs(self) -> None:
         for sock, _ in self.pairs.values():
@@ -207,30 +276,34 @@ class Mesh:
     def _fail(self, why: str):
         self._broken = why
         self._close_pairs()  # the peers see the connection close at once instead of waiting out their timeout
+        self.server.begin_round(None)  # (and no later hello of this round is adopted)
         raise MeshError(f"mesh member {self.rank}/{self.world}: {why}")
 
     def _exchange(
         self,
         sends: dict[int, Tensor],
         expect: dict[int, tuple[torch.dtype, int]],
+        deadline: float,
         into: dict[int, Tensor] | None = None,
     ) -> dict[int, Tensor]:
         """Send ``sends[d]`` to every other member d and receive one tensor of ``expect[s]`` (dtype, numel) from each
-        other member s (into ``into[s]`` where given), concurrently, within one deadline."""
+        other member s (into ``into[s]`` where given), concurrently, by ``deadline``."""
         if self._broken is not None:
-            raise MeshError(f"mesh member {self.rank}: the round failed ({self._broken}); reconfigure first")
+            raise MeshError(f"mesh member {self.rank}: {self._broken}; reconfigure first")
         seq, self._seq = self._seq, self._seq + 1
-        deadline = time.monotonic() + self.timeout_s
         errors: list[str] = []
 
-        def send(d: int, t: Tensor) -> None:
-            sock, seal = self.pairs[d]
+        def send(d: int, pair: tuple[socket.socket, object], t: Tensor) -> None:
             try:
-                _send_all(sock, encode("x", {"seq": seq}, {"t": t}), deadline, f"member {d}", seal)
+                _send_all(pair[0], encode("x", {"seq": seq}, {"t": t}), deadline, f"member {d}", pair[1])
             except Exception as e:
                 errors.append(f"sending to member {d}: {type(e).__name__}: {e}")
 
-        threads = [threading.Thread(target=send, args=(d, t), daemon=True) for d, t in sends.items() if d != self.rank]
+        threads = [
+            threading.Thread(target=send, args=(d, self.pairs[d], t), daemon=True)
+            for d, t in sends.items()
+            if d != self.rank
+        ]
         for th in threads:
             th.start()
         got: dict[int, Tensor] = {}
@@ -247,7 +320,7 @@ class Mesh:
                     dst.view(-1).copy_(t.view(-1))
                 got[s] = dst if dst is not None else t
         except Exception as e:
-            self._fail(f"receiving: {type(e).__name__}: {e}")
+            self._fail(f"receiving: {type(e).__name__}: {e}")  # (closing the sockets ends the sender threads too)
         for th in threads:
             th.join(max(0.0, deadline - time.monotonic()))
         if errors or any(th.is_alive() for th in threads):
@@ -255,41 +328,56 @@ class Mesh:
         self.bytes_sent += sum(t.numel() * t.element_size() for d, t in sends.items() if d != self.rank)
         return got
 
+    def _segments(self, n: int, itemsize: int) -> list[tuple[int, int]]:
+        step = max(1, SEGMENT // max(1, itemsize))
+        return [(a, min(n, a + step)) for a in range(0, max(n, 1), step)]
+
     def all_gather(self, out: list[Tensor], t: Tensor) -> None:
-        mine = t.detach().contiguous().cpu()
-        got = self._exchange(
-            {d: mine for d in range(self.world)},
-            {s: (out[s].dtype, out[s].numel()) for s in range(self.world) if s != self.rank},
-        )
-        for s in range(self.world):
-            out[s].copy_((mine if s == self.rank else got[s]).view(out[s].shape))
+        mine = t.detach().reshape(-1).contiguous().cpu()
+        flats = [o.view(-1) if o.is_contiguous() and o.device.type == "cpu" else None for o in out]
+        dsts = [f if f is not None else torch.empty(o.numel(), dtype=o.dtype) for f, o in zip(flats, out)]
+        for a, b in self._segments(mine.numel(), mine.element_size()):
+            others = {s: dsts[s][a:b] for s in range(self.world) if s != self.rank}
+            deadline = time.monotonic() + self.timeout_s
+            expect = {s: (dsts[s].dtype, v.numel()) for s, v in others.items()}
+            self._exchange({d: mine[a:b] for d in range(self.world)}, expect, deadline, into=others)
+        dsts[self.rank].copy_(mine)
+        for f, d, o in zip(flats, dsts, out):
+            if f is None:
+                o.copy_(d.view(o.shape))
 
     def all_to_all_single(self, out: Tensor, t: Tensor) -> None:
-        """Equal splits: chunk d of ``t`` to member d, chunk s of ``out`` from member s."""
+        """Equal splits of the flattened buffers: chunk d of ``t`` to member d, chunk s of ``out`` from member s."""
         w = self.world
         if t.numel() % w or out.numel() != t.numel():
             raise ValueError(f"all_to_all_single: {t.numel()} elements do not split equally over {w} members")
-        mine = t.detach().contiguous().cpu().view(w, -1)
-        got = self._exchange({d: mine[d] for d in range(w)}, {s: (out.dtype, out.numel() // w) for s in range(w)
-                                                               if s != self.rank})  # fmt: skip
-        dst = out.view(w, -1)
-        for s in range(w):
-            dst[s].copy_(mine[s] if s == self.rank else got[s])
+        mine = t.detach().reshape(-1).contiguous().cpu().view(w, -1)
+        expect = {s: (out.dtype, out.numel() // w) for s in range(w) if s != self.rank}
+        got = self._exchange({d: mine[d] for d in range(w)}, expect, time.monotonic() + self.timeout_s)
+        res = torch.stack([mine[s] if s == self.rank else got[s].view(-1) for s in range(w)])
+        out.copy_(res.view(out.shape))
 
     def all_reduce(self, t: Tensor) -> None:
         """In-place SUM over the members: reduce-scatter (member j sums chunk j in rank order), then all-gather
-        (each member's sum received straight into its chunk of the result)."""
-        w = self.world
-        if w == 1:
+        (each member's sum received straight into its chunk of the result); segment by segment past ``SEGMENT``."""
+        if self.world == 1:
             return
         flat = t.detach().reshape(-1)
-        work = flat if flat.device.type == "cpu" and flat.data_ptr() == t.data_ptr() else flat.cpu().clone()
+        work = flat if flat.device.type == "cpu" and flat.data_ptr() == t.data_ptr() and t.is_contiguous() else None
+        work = work if work is not None else flat.cpu().clone()
+        for a, b in self._segments(work.numel(), work.element_size()):
+            self._all_reduce_flat(work[a:b], time.monotonic() + self.timeout_s)
+        if work.data_ptr() != t.data_ptr():
+            t.copy_(work.view(t.shape))
+
+    def _all_reduce_flat(self, work: Tensor, deadline: float) -> None:
+        w = self.world
         step = -(-work.numel() // w)
         bounds = [(min(j * step, work.numel()), min((j + 1) * step, work.numel())) for j in range(w)]
         lo, hi = bounds[self.rank]
         bufs = {s: torch.empty(hi - lo, dtype=work.dtype) for s in range(w) if s != self.rank}  # (not zeroed)
-        got = self._exchange({d: work[a:b] for d, (a, b) in enumerate(bounds)},
-                             {s: (work.dtype, hi - lo) for s in bufs}, into=bufs)  # fmt: skip
+        expect = {s: (work.dtype, hi - lo) for s in bufs}
+        got = self._exchange({d: work[a:b] for d, (a, b) in enumerate(bounds)}, expect, deadline, into=bufs)
         parts = [work[lo:hi] if s == self.rank else got[s] for s in range(w)]
         if w == 2:  # (elementwise: writing over an input of the same element is safe)
             torch.add(parts[0], parts[1], out=work[lo:hi])
@@ -299,14 +387,29 @@ class Mesh:
                 acc += p
             work[lo:hi].copy_(acc)
         others = {s: work[a:b] for s, (a, b) in enumerate(bounds) if s != self.rank}
-        self._exchange({d: work[lo:hi] for d in range(w)}, {s: (work.dtype, v.numel()) for s, v in others.items()},
-                       into=others)  # fmt: skip
-        if work.data_ptr() != t.data_ptr():
-            t.copy_(work.view(t.shape))
+        expect = {s: (work.dtype, v.numel()) for s, v in others.items()}
+        self._exchange({d: work[lo:hi] for d in range(w)}, expect, deadline, into=others)
 
     def close(self) -> None:
         self._close_pairs()
         self.server.close()
+
+
+def _read_members(store, secret: bytes, world_size: int, seen: dict, deadline: float) -> list[tuple[str, str]]:
+    """Every member's signed (address, nonce) from the quorum's store; an entry this member read before under the
+    same key (a quorum id reused) is waited on until it changes (bounded by ``deadline``)."""
+    members = []
+    for r in range(world_size):
+        k = f"dxmesh/{r}"
+        while True:
+            value = open_value(secret, k, store.get(k).decode())
+            if value != seen.get(k) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        seen[k] = value
+        addr, _, nonce = value.rpartition(" ")
+        members.append((addr, nonce))
+    return members
 
 
 def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float, relays):
@@ -329,16 +432,18 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
             self.mesh = Mesh(host, secret, encrypt, timeout_s)
             self.parent = _Parent(self.mesh)
             self.relays = relays
+            self._seen: dict[str, dict] = {}  # round key -> the store entries read under it
 
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs) -> None:
+            nonce = self.mesh.begin()  # (the old round is over whatever happens below)
+            deadline = time.monotonic() + timeout_s
             store = create_store_client(self.relays.local(store_addr), timedelta(seconds=timeout_s))
             key = f"dxmesh/{rank}"
-            store.set(key, sign_value(secret, key, self.mesh.addr))
-            addrs = []
-            for r in range(world_size):  # (a stale entry is harmless: a member's address is fixed for its life)
-                k = f"dxmesh/{r}"
-                addrs.append(open_value(secret, k, store.get(k).decode()))
-            self.mesh.join(store_addr, rank, addrs)
+            store.set(key, sign_value(secret, key, f"{self.mesh.addr} {nonce}"))
+            seen = self._seen.setdefault(store_addr, {})
+            while len(self._seen) > 64:  # (keys of rounds long gone)
+                self._seen.pop(next(iter(self._seen)))
+            self.mesh.join(store_addr, rank, _read_members(store, secret, world_size, seen, deadline))
 
         def allreduce(self, tensors: list[Tensor], opts) -> object:
             op = getattr(opts, "reduceOp", opts)
@@ -366,7 +471,8 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
             return "dilocox-mesh"
 
         def errored(self):
-            return None  # (a failed collective raises; the elastic group reports it to the manager)
+            b = self.mesh._broken  # (a failed collective also raised; torchft asks before it commits)
+            return MeshError(b) if b is not None and b != "no round yet" else None
 
         def close_relays(self) -> None:
             self.relays.close()

@@ -219,18 +219,7 @@ def _send_all(
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearray:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("receive timed out")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionResetError("connection closed by the other side")
-        got += k
+    _recv_into(sock, memoryview(buf), deadline)
     return buf
 
 
@@ -268,7 +257,26 @@ def read_message(
     return _parse(lambda k, d: _recv_exact(sock, k, d), deadline, limits, seal)
 
 
-def _parse(read, deadline: float | None, limits: Limits, seal: Sealer | None) -> tuple[str, dict, dict[str, Tensor]]:
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None) -> None:
+    """``_recv_exact`` into a buffer the caller owns."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("receive timed out")
+            sock.settimeout(left)
+        k = sock.recv_into(view[got:], len(view) - got)
+        if k == 0:
+            raise ConnectionResetError("connection closed by the other side")
+        got += k
+
+
+def _parse(
+    read, deadline: float | None, limits: Limits, seal: Sealer | None, dst: Tensor | None = None, fill=None
+) -> tuple[str, dict, dict[str, Tensor]]:
+    """One message through ``read(n, deadline)``. With ``dst`` (contiguous, CPU) and ``fill(view, deadline)``: a
+    message of one tensor ``t`` of ``dst``'s dtype and size is received by ``fill`` straight into ``dst``'s bytes."""
     raw_len = read(_LEN.size, deadline)
     (hlen,) = _LEN.unpack(raw_len)
     if hlen > limits.max_header:
@@ -285,6 +293,14 @@ def _parse(read, deadline: float | None, limits: Limits, seal: Sealer | None) ->
         h.update(raw_header)
     tensors = {}
     for name, dt, shape, nbytes in specs:
+        if fill is not None and dst is not None and len(specs) == 1 and name == "t" and nbytes and dt == dst.dtype:
+            if nbytes == dst.numel() * dst.element_size():  # (no buffer of the message's size allocated for it)
+                raw = memoryview(dst.view(-1).view(torch.uint8).numpy())
+                fill(raw, deadline)
+                if h is not None:
+                    h.update(raw)
+                tensors[name] = dst.view(-1).view(shape)
+                continue
         raw = read(nbytes, deadline) if nbytes else bytearray()
         if h is not None and nbytes:
             h.update(raw)
