@@ -223,3 +223,98 @@ def test_large_collectives_run_segment_by_segment_with_the_same_bits(monkeypatch
     finally:
         for m in meshes:
             m.close()
+
+
+def test_fuzz_the_mesh_pair_server():
+    """The mesh's ``PairServer`` (the port each elastic replica opens to the others) under random and mutated traffic,
+    each on its own connection: strangers (random bytes, a proof under another secret, a replayed proof), and key
+    holders sending correctly sealed but random or mutated hellos (bad JSON, wrong types, oversized claims, random
+    nonces and keys, trailing garbage) and hellos naming the current round from random ranks. Then members of a round
+    adopt pairs with the fuzzer sending mutated collective messages. No thread raises, memory stays flat, nothing but
+    a hello naming the round is ever queued, and two genuine members run a round at the end. 1,500 connections here;
+    DILOCOX_FUZZ_N=10000 for the issue's count."""
+    import json
+    import os
+    import random
+
+    from dilocox.security import MAC_BYTES, _mac
+    from tests.test_security import _closed, _mutations, _rss_mb
+
+    n = int(os.environ.get("DILOCOX_FUZZ_N", "1500"))
+    b = Mesh("127.0.0.1", SECRET, timeout_s=2.0)
+    nonce = b.begin()
+    host, port = b.addr.rsplit(":", 1)
+    rng = random.Random(21)
+    good = b"".join(bytes(f) for f in encode("pair", {"key": "q", "src": 0, "nonce": "x" * 32}))
+    crashes: list = []
+    hook, threading.excepthook = threading.excepthook, lambda args: crashes.append(args.exc_value)
+    before = _rss_mb()
+    queued_ok = 0
+    try:
+        for i in range(n):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.settimeout(5)
+                try:
+                    kind = i % 5
+                    if kind == 0:  # a stranger: random bytes, another secret, or a proof for another challenge
+                        cs, cc = s.recv(36)[4:], rng.randbytes(32)
+                        s.sendall(rng.choice([rng.randbytes(64), cc + _mac(b"x" * 32, b"client", cs, cc),
+                                              cc + _mac(SECRET, b"client", rng.randbytes(32), cc)]))  # fmt: skip
+                    else:
+                        seal = channel(client_handshake(s, SECRET, time.monotonic() + 5), "client", False)
+                        if kind == 4:  # the current round's nonce from a random rank and key: queued, bounded
+                            meta = {"key": rng.choice(["q", "r" * 600, str(i)]), "src": rng.randrange(-1, 300),
+                                    "nonce": nonce}  # fmt: skip
+                            msg = b"".join(bytes(f) for f in encode("pair", meta))
+                        elif kind == 3:  # a well-formed hello with random values
+                            meta = {"key": rng.choice([None, 1, "q"]), "src": rng.choice([0, "0", 1.5, None]),
+                                    "nonce": rng.choice([nonce[:-1], None, 7, json.dumps([nonce])])}  # fmt: skip
+                            msg = b"".join(bytes(f) for f in encode(rng.choice(["pair", "x"]), meta))
+                        else:
+                            msg = _mutations(rng, good)
+                        h = seal.sealer()
+                        h.update(msg)
+                        s.sendall(msg + h.digest() if rng.random() < 0.9 else msg + b"\0" * MAC_BYTES)
+                        if kind == 4:  # (a hello naming the round is answered "ok" and kept: no close to wait for)
+                            queued_ok += bool(s.recv(1))
+                            continue
+                    s.shutdown(socket.SHUT_WR)
+                    _closed(s, 3.0)
+                except OSError:
+                    pass
+        time.sleep(0.2)
+        assert queued_ok > 0 and len(b.server._queued) <= b.server.max_pending
+        assert all(k[0] in ("q",) or k[0].isdigit() for k in b.server._queued)  # (never the 600-byte key)
+        assert b.server.rejected >= n - n // 5 - 10
+        # members of a round, one peer sending mutated collective messages: the collective fails, nothing crashes
+        for j in range(max(5, n // 300)):
+            m = _members(2, timeout_s=2.0)
+            try:
+                _join(m, f"round{j}")
+                s, seal = m[0].pairs[1]  # act as member 0 on its adopted connection: mutated data to member 1
+                frames = b"".join(bytes(f) for f in encode("x", {"seq": 0}, {"t": torch.ones(4)}))
+                msg = _mutations(rng, frames)
+                h = seal.sealer()
+                h.update(msg)
+                s.sendall(msg + h.digest())
+                s.shutdown(socket.SHUT_WR)
+                with pytest.raises(MeshError):
+                    m[1].all_reduce(torch.ones(8))
+            finally:
+                for x in m:
+                    x.close()
+        grown = _rss_mb() - before
+        assert grown < 64, f"resident memory grew {grown:.0f} MiB"
+        assert not crashes, crashes[:3]
+        b.begin()  # the fuzzer's queued connections are closed with the round
+        assert not b.server._queued
+        c = Mesh("127.0.0.1", SECRET, timeout_s=5.0)
+        try:
+            _join([c, b], "final")
+            res = _on_all([c, b], lambda r, m: (lambda t: (m.all_reduce(t), t)[1])(torch.full((3,), 1.0 + r)))
+            assert all(torch.equal(t, torch.full((3,), 3.0)) for t in res), res
+        finally:
+            c.close()
+    finally:
+        threading.excepthook = hook
+        b.close()

@@ -146,6 +146,22 @@ def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthous
     return overrides, lighthouse_opts
 
 
+def _probe_config(config: str, overrides: list[str], auth_lighthouse: bool | None):
+    """The config as replica 0 sees it (load_config's errors are one line here); the guarded lighthouse that
+    ``outer.elastic.collectives=authenticated`` needs is this launcher's to set (``_security_args``), so it is checked
+    here against ``security.authenticate`` and ``auth_lighthouse``."""
+    from dilocox.config import load_config
+
+    cfg = load_config(config, [*overrides, "--outer.elastic.collectives=gloo"])
+    asked = load_config(config, [*overrides, "--outer.elastic.enabled=false"]).outer.elastic.collectives
+    if asked == "authenticated" and not (cfg.security.authenticate and auth_lighthouse is not False):
+        raise LaunchError(
+            "outer.elastic.collectives=authenticated needs the guarded lighthouse: keep security.authenticate=true "
+            "and drop --no-authenticate-lighthouse"
+        )
+    return cfg
+
+
 def _run_secret(cfg, run_dir: str) -> str:
     """The path of the run secret (docs/SECURITY.md), created if missing; the replicas read it from that file."""
     path = os.path.abspath(cfg.security.secret_file or os.path.join(run_dir, "secret"))
@@ -178,7 +194,6 @@ def launch_elastic(
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
-    from dilocox.config import load_config
     from dilocox.plan import fmt_bandwidth, parse_bandwidth
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -194,16 +209,7 @@ def launch_elastic(
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     # the config as replica 0 sees it: a bad key or layout is one line here, not N tracebacks later
     probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "runs/x", overrides)
-    # (the guarded lighthouse that outer.elastic.collectives=authenticated needs is this launcher's to set: below)
-    cfg = load_config(config, [*probe[probe.index("--nproc") + 2 :], "--outer.elastic.collectives=gloo"])
-    wants_mesh = load_config(config, [*probe[probe.index("--nproc") + 2 :], "--outer.elastic.enabled=false"])
-    if wants_mesh.outer.elastic.collectives == "authenticated" and not (
-        cfg.security.authenticate and auth_lighthouse is not False
-    ):
-        raise LaunchError(
-            "outer.elastic.collectives=authenticated needs the guarded lighthouse: keep security.authenticate=true "
-            "and drop --no-authenticate-lighthouse"
-        )
+    cfg = _probe_config(config, probe[probe.index("--nproc") + 2 :], auth_lighthouse)
     if run_dir is None:
         run_dir = cfg.log.run_dir
     pc = cfg.parallel

@@ -23,7 +23,8 @@ Collectives (what ``compress/collectives.py`` and the elastic group use): ``all_
 SUM ``all_reduce`` as a reduce-scatter then an all-gather (each member sums its chunk over the members in rank
 order, so every member ends with the same bits; 2 (W - 1) / W of the tensor sent per member, as a ring). A message
 carries at most ``SEGMENT`` bytes: a larger all-reduce or all-gather runs segment by segment (the same bits;
-``security.encrypt`` seals < 2 GiB a message). Every wait is bounded: a round's dials and adoptions by ``timeout_s``,
+``security.encrypt`` seals < 2 GiB a message; ``all_to_all_single``, used on compressed payloads only, is not
+segmented). Every wait is bounded: a round's dials and adoptions by ``timeout_s``,
 each segment of a collective by ``timeout_s``; a failure closes the round's connections (the peers fail fast too)
 and raises ``MeshError``; the next ``configure`` starts a fresh round.
 """
@@ -126,7 +127,12 @@ class PairServer:
                 log.warning("mesh: accept failed (%s); going on", e)
                 time.sleep(0.05)
                 continue
-            threading.Thread(target=self._hello, args=(conn,), name="mesh-hello", daemon=True).start()
+            try:
+                threading.Thread(target=self._hello, args=(conn,), name="mesh-hello", daemon=True).start()
+            except RuntimeError as e:  # (no thread to be had: this connection, not the server)
+                conn.close()
+                self._release()
+                log.warning("mesh: no thread for a pair connection (%s)", e)
 
     def _release(self) -> None:
         with self._cv:
@@ -153,25 +159,31 @@ class PairServer:
                     raise ValueError(f"not a pair hello: {method!r} {str(meta)[:80]}")
                 with self._cv:
                     current = self.nonce
-                    if current is not None and nonce == current and not self._stop.is_set():
+                ok = current is not None and nonce == current
+                # the answer goes out before the connection can be adopted (no collective shares the socket yet)
+                _send_all(
+                    conn, encode("ok" if ok else "retry", {} if ok else {"nonce": current}), deadline, "pair", seal
+                )
+                if not ok:
+                    continue
+                old = None
+                with self._cv:  # (queued only if the round did not change meanwhile)
+                    if self.nonce == current and not self._stop.is_set():
                         old = self._queued.pop((key, src), None)
                         self._queued[(key, src)] = (conn, seal)
                         while len(self._queued) > self.max_pending:
                             self._queued.pop(next(iter(self._queued)))[0].close()
                         self._cv.notify_all()
                         queued = True
-                if queued:
-                    _send_all(conn, encode("ok", {}), deadline, "pair", seal)
-                    if old is not None:
-                        old[0].close()
-                    return
-                _send_all(conn, encode("retry", {"nonce": current}), deadline, "pair", seal)
+                if old is not None:
+                    old[0].close()
+                if not queued:
+                    conn.close()  # (the round it named is over: the dialer's collective fails at once)
+                return
             raise ValueError("no hello named this member's round")
         except Exception as e:  # a stranger, a wrong secret, a malformed or stale hello: this connection only
             with self._cv:
                 self.rejected += 1
-                if queued:  # (the answer could not be sent: drop it from the queue too)
-                    self._queued = {k: v for k, v in self._queued.items() if v[0] is not conn}
             log.debug("mesh: pair connection refused: %s", e)
             conn.close()
         finally:
@@ -272,6 +284,12 @@ class Mesh:
                 pass
             sock.close()
         self.pairs = {}
+
+    def fail_round(self, why: str) -> None:
+        """End this round without raising (its connections closed, no hello adopted)."""
+        self._broken = why
+        self._close_pairs()
+        self.server.begin_round(None)
 
     def _fail(self, why: str):
         self._broken = why
@@ -395,16 +413,18 @@ class Mesh:
         self.server.close()
 
 
-def _read_members(store, secret: bytes, world_size: int, seen: dict, deadline: float) -> list[tuple[str, str]]:
-    """Every member's signed (address, nonce) from the quorum's store; an entry this member read before under the
-    same key (a quorum id reused) is waited on until it changes (bounded by ``deadline``)."""
+def _read_members(store, secret: bytes, key: str, world_size: int, seen: dict, deadline: float) -> list:
+    """Every member's (address, nonce) from the quorum's store, signed for this round key; an entry this member read
+    before under the same key (a quorum id reused) is waited on until it changes (MeshError past ``deadline``)."""
     members = []
     for r in range(world_size):
         k = f"dxmesh/{r}"
         while True:
-            value = open_value(secret, k, store.get(k).decode())
-            if value != seen.get(k) or time.monotonic() > deadline:
+            value = open_value(secret, f"{key}|{k}", store.get(k).decode())
+            if value != seen.get(k):
                 break
+            if time.monotonic() > deadline:
+                raise MeshError(f"member {r} did not publish this round's address within the timeout")
             time.sleep(0.05)
         seen[k] = value
         addr, _, nonce = value.rpartition(" ")
@@ -437,13 +457,18 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs) -> None:
             nonce = self.mesh.begin()  # (the old round is over whatever happens below)
             deadline = time.monotonic() + timeout_s
-            store = create_store_client(self.relays.local(store_addr), timedelta(seconds=timeout_s))
-            key = f"dxmesh/{rank}"
-            store.set(key, sign_value(secret, key, f"{self.mesh.addr} {nonce}"))
-            seen = self._seen.setdefault(store_addr, {})
-            while len(self._seen) > 64:  # (keys of rounds long gone)
-                self._seen.pop(next(iter(self._seen)))
-            self.mesh.join(store_addr, rank, _read_members(store, secret, world_size, seen, deadline))
+            try:
+                store = create_store_client(self.relays.local(store_addr), timedelta(seconds=timeout_s))
+                k = f"dxmesh/{rank}"
+                store.set(k, sign_value(secret, f"{store_addr}|{k}", f"{self.mesh.addr} {nonce}"))
+                while len(self._seen) >= 64:  # (keys of rounds long gone)
+                    self._seen.pop(next(iter(self._seen)))
+                seen = self._seen.setdefault(store_addr, {})
+                members = _read_members(store, secret, store_addr, world_size, seen, deadline)
+            except Exception as e:  # (this round is over: no pair of it is adopted, the peers fail fast)
+                self.mesh.fail_round(f"configure: {type(e).__name__}: {e}")
+                raise
+            self.mesh.join(store_addr, rank, members)
 
         def allreduce(self, tensors: list[Tensor], opts) -> object:
             op = getattr(opts, "reduceOp", opts)
