@@ -224,8 +224,11 @@ def check_resume_config(saved: dict | None, source: str, cfg: Config) -> list[st
     return []
 
 
-def finished_message(step: int, tokens_seen: int, cfg: Config, source: str) -> str | None:
-    """The message for a resumed run that has nothing left to train, or None."""
+def finished_message(step: int, tokens_seen: int, cfg: Config, source: str, skip: bool = False) -> str | None:
+    """The message for a resumed run that has nothing left to train, or None.
+
+    ``skip`` (``checkpoint.resume_finished=skip``, the default): the one line a rerun of a finished run prints
+    before it exits 0 ("already finished: see RUN_DIR; `dilocox report RUN_DIR`")."""
     max_tok = cfg.train.max_tokens
     if step < cfg.train.steps and not (max_tok and tokens_seen >= max_tok):
         return None
@@ -234,11 +237,104 @@ def finished_message(step: int, tokens_seen: int, cfg: Config, source: str) -> s
         if step >= cfg.train.steps
         else f"{tokens_seen} tokens, at or past train.max_tokens={max_tok}"
     )
+    if skip:
+        rd = cfg.log.run_dir
+        return (
+            f"already finished: see {rd} (its checkpoint {source} is already at {what}; nothing was trained); "
+            f"plots: `dilocox report {rd}`. To train further raise --train.steps (now {cfg.train.steps}); to start "
+            f"over use a new --log.run_dir"
+        )
     return (
         f"the checkpoint resumed from ({source}) is already at {what}: this run is finished and nothing was "
         f"trained. To train further raise --train.steps (now {cfg.train.steps}); to start over use a new "
         f"--log.run_dir; --checkpoint.resume_finished=skip makes this case exit 0"
     )
+
+
+# --------------------------------------------------------------------------- a fresh start on an earlier run's records
+
+
+def earlier_records(run_dir: str) -> dict | None:
+    """What ``metrics.jsonl`` says about an earlier run in ``run_dir``: None when it holds no step record and no
+    summary, else {"last_step", "checkpoint" (the path of the last mid-run save it recorded, or None), "finished",
+    "resumed"}."""
+    path = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.exists(path):
+        return None
+    last, ck, finished, resumed = None, None, False, False
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if isinstance(rec.get("step"), int):
+                last = rec["step"] if last is None else max(last, rec["step"])
+            finished |= "summary" in rec
+            resumed |= rec.get("event") == "resume"
+            if rec.get("event") == "checkpoint":
+                ck = rec.get("path") or "?"
+    if last is None and not finished:
+        return None
+    return {"last_step": last or 0, "checkpoint": ck, "finished": finished, "resumed": resumed}
+
+
+def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:
+    """Rank 0, when a run finds no checkpoint to resume: may it start at step 0 in ``run_dir``?
+
+    Returns None (no earlier records), or the note to print when the caller sets them aside (``set_aside_metrics``:
+    ``checkpoint.resume=none``;
+    or an earlier run of the same config that stopped before its first checkpoint: starting over loses nothing).
+    Raises RunDirError (one line naming ``--checkpoint.resume=none`` and a new ``--log.run_dir``) when the earlier
+    run had checkpoints that are not in ``ckpt_dir`` (moved, deleted), finished, or trained another config: a silent
+    start at step 0 would append the same steps again to its ``metrics.jsonl``."""
+    info = earlier_records(run_dir)
+    if info is None:
+        return None
+    n = info["last_step"]
+    if cfg.checkpoint.resume != "none":
+        why = None
+        if info["checkpoint"] or info["resumed"] or info["finished"]:
+            last = f" (its last recorded checkpoint: {info['checkpoint']})" if info["checkpoint"] else ""
+            why = f"{'a finished' if info['finished'] else 'an earlier'} run up to step {n}{last}"
+        else:
+            saved, _ = saved_config("", {}, run_dir)
+            if saved is None or config_changes(saved, cfg.to_dict())[0]:
+                why = f"an earlier run up to step {n} with another config ({os.path.join(run_dir, 'config.yaml')})"
+        if why:
+            raise RunDirError(
+                f"log.run_dir={run_dir} holds the metrics of {why}, but checkpoint.dir={ckpt_dir} has no checkpoint "
+                f"to resume from; starting at step 0 would log the same steps twice. Point --checkpoint.dir at that "
+                f"run's checkpoints to continue it, pass --checkpoint.resume=none to start over (its records move to "
+                f"{DISCARDED_NAME}), or use a new --log.run_dir"
+            )
+    if cfg.checkpoint.resume == "none":
+        return (
+            f"checkpoint.resume=none: starting over; the earlier run's records (to step {n}) move to {DISCARDED_NAME}"
+        )
+    return (
+        f"the earlier run in {run_dir} stopped at step {n} before its first checkpoint: starting over at step 0 "
+        f"(same config; its records move to {DISCARDED_NAME})"
+    )
+
+
+def set_aside_metrics(run_dir: str) -> int:
+    """Move every record of ``metrics.jsonl`` to ``metrics.discarded.jsonl`` (a fresh start); return how many."""
+    path = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if ln.strip()]
+    if lines:
+        with open(os.path.join(run_dir, DISCARDED_NAME), "a") as f:
+            f.write(json.dumps({"discarded_after_step": 0, "time": time.time()}) + "\n")
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    _atomic_write(path, "")
+    return len(lines)
 
 
 # --------------------------------------------------------------------------- history

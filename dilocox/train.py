@@ -235,9 +235,11 @@ class Trainer:
                     f"continue that run, or give log.run_dir (or checkpoint.dir) a new directory, or delete the old "
                     f"checkpoints"
                 )
+            self._check_fresh_start()
             return
         path = ckpt.find_latest(self.ckpt_dir) if r == "auto" else r
         if path is None:
+            self._check_fresh_start()
             return
         meta = ckpt.read_meta(path)
         self._check_resume_config(path, meta)
@@ -260,6 +262,19 @@ class Trainer:
         self.load_state_dict(sd)
         self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
+
+    def _check_fresh_start(self) -> None:
+        """No checkpoint to resume: refuse (every rank alike) a start at step 0 on an earlier run's metrics.jsonl
+        (rundir.check_fresh_start); _begin_run sets its records aside when allowed. Not for elastic replicas (an
+        incarnation without a checkpoint continues its replica's records at the live step)."""
+        self._fresh_note, err = None, None
+        if self.topo.rank == 0 and not self.cfg.outer.elastic.enabled:
+            try:
+                self._fresh_note = rundir.check_fresh_start(self.cfg.log.run_dir, self.ckpt_dir, self.cfg)
+            except rundir.RunDirError as e:
+                err = e
+        if not ckpt.all_ranks_agree(err is None):
+            raise err or rundir.RunDirError(f"log.run_dir={self.cfg.log.run_dir}: rank 0 refused a fresh start here")
 
     def _elastic_join(self) -> None:
         """Join the live replicas (docs/ELASTIC.md): when they are ahead, take their outer state and step."""
@@ -297,9 +312,9 @@ class Trainer:
         if not ckpt.all_ranks_agree(err is None):
             raise err or rundir.RunDirError(f"resuming {path}: another rank found the config incompatible (see rank 0)")
 
-    def save(self) -> str:
+    def save(self, record: bool = True) -> str:
         # the config goes into COMPLETE.json: a resume compares its own config with the one these weights came from
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.ckpt_dir,
             self.step,
             self.topo.rank,
@@ -309,6 +324,9 @@ class Trainer:
             agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,
         )
+        if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
+            self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})
+        return path
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
@@ -358,15 +376,19 @@ class Trainer:
         cut back to the resumed step. Returns a summary when there is nothing to do (resume_finished=skip)."""
         cfg = self.cfg
         if self.resumed_from is not None:
-            msg = rundir.finished_message(self.step, self.tokens_seen, cfg, self.resumed_from)
-            if msg and cfg.checkpoint.resume_finished == "skip":
-                self.logger.info(f"nothing to do (checkpoint.resume_finished=skip): {msg}")
+            skip = cfg.checkpoint.resume_finished == "skip"
+            msg = rundir.finished_message(self.step, self.tokens_seen, cfg, self.resumed_from, skip=skip)
+            if msg and skip:
+                self.logger.info(msg)
                 return {"steps": self.step, "skipped": True}
             if msg:
                 raise rundir.RunDirError(msg)
         if self.topo.rank == 0:
             hist = rundir.write_config_history(cfg.log.run_dir, to_yaml(cfg), self.step)
             self.logger.info(f"config saved to {hist} and config.yaml")
+            if getattr(self, "_fresh_note", None):  # an earlier run's records, set aside: each step logged once
+                rundir.set_aside_metrics(cfg.log.run_dir)
+                self.logger.info(self._fresh_note)
             if self.resumed_from is not None:
                 dropped = rundir.truncate_metrics(cfg.log.run_dir, self.step)
                 self.logger.resume_at(self.step)
@@ -429,7 +451,7 @@ class Trainer:
         if self.outer is not None:
             self.outer.finish()
         summary = self._end_of_run(start_step, time.time() - t_start)
-        self.save()
+        self.save(record=False)  # (the summary record above marks the run finished)
         self.logger.close()
         return summary
 

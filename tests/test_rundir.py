@@ -114,7 +114,7 @@ def test_fresh_run_writes_config_history_and_logs_grad_norm(run):
 def test_resume_past_train_steps_is_refused_and_writes_nothing(run):
     run_dir, cache = run
     before = {n: _read(os.path.join(run_dir, n)) for n in ("metrics.jsonl", "config.yaml")}
-    rc, out, err = _train(run_dir, cache, "--train.steps=4")
+    rc, out, err = _train(run_dir, cache, "--train.steps=4", "--checkpoint.resume_finished=error")
     assert rc == 2, (rc, out[-2000:], err[-2000:])
     assert "already at step 6, at or past train.steps=4" in err and "nothing was trained" in err, err[-2000:]
     assert "Traceback" not in err
@@ -124,12 +124,14 @@ def test_resume_past_train_steps_is_refused_and_writes_nothing(run):
 
 
 @pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
-def test_resume_finished_skip_exits_0_and_writes_nothing(run):
+def test_rerun_of_a_finished_run_says_already_finished_exits_0_and_writes_nothing(run):
+    """`make train` twice (issue 40 item 4): the same command again, default settings: one line, exit 0."""
     run_dir, cache = run
     before = {n: _read(os.path.join(run_dir, n)) for n in ("metrics.jsonl", "config.yaml")}
-    rc, out, err = _train(run_dir, cache, "--train.steps=6", "--checkpoint.resume_finished=skip")
+    rc, out, err = _train(run_dir, cache, "--train.steps=6")
     assert rc == 0, err[-2000:]
-    assert "nothing to do" in out and "already at step 6" in out, out[-2000:]
+    assert f"already finished: see {run_dir}" in out and f"`dilocox report {run_dir}`" in out, out[-2000:]
+    assert "already at step 6" in out and "Traceback" not in err, out[-2000:]
     assert {n: _read(os.path.join(run_dir, n)) for n in before} == before
     assert not os.path.exists(os.path.join(run_dir, "config.6.yaml"))
     assert ckpt.find_latest(os.path.join(run_dir, "checkpoints")).endswith("step_00000006")
@@ -316,3 +318,137 @@ def test_lock_is_exclusive_across_processes_and_reentrant_within_one(tmp_path):
         [sys.executable, "-c", probe, d], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False
     )
     assert r.returncode == 0, r
+
+
+# --------------------------------------------------------------------------- restart safety (issue 44 item 3)
+
+
+def _steps_unique_and_continuous(run_dir, last):
+    steps = _steps(run_dir)
+    assert steps == list(range(1, last + 1)), steps  # each step once, none missing
+
+
+@pytest.mark.slow  # subprocess runs of dilocox train: 15-40 s each on 2 loaded cores
+def test_moved_checkpoint_dir_refuses_a_silent_restart_then_resume_none_starts_over(run, tmp_path):
+    """The disk-full advice (move checkpoint.dir) on a finished run: no checkpoint there, so a start at step 0 would
+    append steps 1-6 again; refused in one line naming --checkpoint.resume=none and a new run dir."""
+    run_dir, cache = run
+    before = _read(os.path.join(run_dir, "metrics.jsonl"))
+    elsewhere = str(tmp_path / "elsewhere")
+    rc, out, err = _train(run_dir, cache, "--train.steps=6", f"--checkpoint.dir={elsewhere}")
+    assert rc == 2, (rc, out[-2000:], err[-2000:])
+    line = err.strip().splitlines()[-1]
+    assert "--checkpoint.resume=none" in line and "--log.run_dir" in line and "step 6" in line, err[-2000:]
+    assert "Traceback" not in err
+    assert _read(os.path.join(run_dir, "metrics.jsonl")) == before  # nothing written
+    rc, out, err = _train(
+        run_dir, cache, "--train.steps=4", f"--checkpoint.dir={elsewhere}", "--checkpoint.resume=none"
+    )
+    assert rc == 0, err[-3000:]
+    _steps_unique_and_continuous(run_dir, 4)  # the new run's steps only
+    with open(os.path.join(run_dir, "metrics.discarded.jsonl")) as f:
+        assert [r["step"] for r in map(json.loads, f) if "step" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def _wait_for_step(run_dir, step, proc, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the run ended (rc {proc.returncode}) before step {step}: {proc.stderr.read()[-3000:]}"
+            )
+        try:
+            if max(_steps(run_dir), default=0) >= step:
+                return
+        except (OSError, ValueError):  # a line being written
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step} within {timeout} s")
+
+
+@pytest.mark.slow  # two or three subprocess runs of dilocox train each: 20-60 s on 2 loaded cores
+@pytest.mark.parametrize("kill_at", [30, 130])
+def test_kill_9_then_a_plain_rerun_resumes_with_each_step_logged_once(tmp_path, kill_at):
+    """Default checkpoint settings (checkpoint.every=100): kill -9 before the first checkpoint (step 30: the rerun
+    starts over, nothing was saved) and after it (step 130: the rerun resumes from step 100); either way the finished
+    metrics.jsonl holds steps 1..160 once each, and a third run of the same command says 'already finished'."""
+    run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    args = [
+        f"--log.run_dir={run_dir}",
+        f"--data.cache_dir={cache}",
+        "--data.max_bytes=400000",
+        "--train.batch_size=2",
+        "--train.seq_len=32",
+        "--train.eval_every=0",
+        "--train.eval_batches=1",
+        "--log.tensorboard=false",
+        "--log.progress=false",
+        "--train.steps=160",
+    ]  # no checkpoint.* key: the defaults are under test
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, *args]
+
+    def popen():
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+
+    victim = popen()
+    try:
+        _wait_for_step(run_dir, kill_at, victim, timeout=240)
+    finally:
+        _kill(victim)  # SIGKILL to the process group: no handler runs
+    assert victim.returncode == -signal.SIGKILL
+    ckdir = os.path.join(run_dir, "checkpoints")
+    saved = ckpt.find_latest(ckdir)
+    assert (saved is None) if kill_at < 100 else saved.endswith("step_00000100"), saved
+    for attempt in ("rerun", "third"):
+        p = popen()
+        try:
+            out, err = p.communicate(timeout=240)
+        finally:
+            _kill(p)
+        assert p.returncode == 0, (attempt, out[-2000:], err[-3000:])
+        _steps_unique_and_continuous(run_dir, 160)
+    assert f"already finished: see {run_dir}" in out, out[-2000:]  # the third run: nothing trained, exit 0
+    kept = [os.path.basename(p) for p in ckpt.complete_steps(ckdir)]
+    assert kept == ["step_00000100", "step_00000160"], kept  # checkpoint.keep=2 by default
+
+
+def _metrics(run_dir, *recs):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+
+
+def test_fresh_start_on_earlier_records_is_allowed_only_when_nothing_is_lost(tmp_path):
+    from dilocox.config import to_yaml
+
+    d = str(tmp_path / "run")
+    cfg = load_config(TINY, [f"--log.run_dir={d}"])
+    ck = os.path.join(d, "checkpoints")
+    assert rundir.check_fresh_start(d, ck, cfg) is None  # no run dir yet
+    _metrics(d, {"step": 1}, {"step": 2}, {"step": 3, "loss": 1.0})
+    rundir.write_config_history(d, to_yaml(cfg), 0)
+    note = rundir.check_fresh_start(d, ck, cfg)  # same config, never checkpointed: starting over loses nothing
+    assert "stopped at step 3 before its first checkpoint" in note
+    other = load_config(TINY, [f"--log.run_dir={d}", "--train.seed=5"])
+    with pytest.raises(rundir.RunDirError, match=r"another config .*--checkpoint.resume=none.*--log.run_dir"):
+        rundir.check_fresh_start(d, ck, other)
+    for extra, what in (
+        ({"event": "checkpoint", "at_step": 2, "path": "/x/step_00000002"}, "/x/step_00000002"),
+        ({"summary": {"steps": 3}}, "a finished run up to step 3"),
+        ({"event": "resume", "resumed_at": 2}, "an earlier run up to step 3"),
+    ):
+        _metrics(d, {"step": 1}, {"step": 2}, extra, {"step": 3})
+        with pytest.raises(rundir.RunDirError, match="--checkpoint.resume=none") as e:
+            rundir.check_fresh_start(d, ck, cfg)
+        assert what in str(e.value) and "\n" not in str(e.value)
+    fresh = load_config(TINY, [f"--log.run_dir={d}", "--checkpoint.resume=none"])
+    assert "checkpoint.resume=none: starting over" in rundir.check_fresh_start(d, ck, fresh)
+    with open(os.path.join(d, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 4, "lo')  # a line cut by a kill
+    assert rundir.set_aside_metrics(d) == 5
+    assert open(os.path.join(d, "metrics.jsonl")).read() == ""
+    moved = open(os.path.join(d, rundir.DISCARDED_NAME)).read().splitlines()
+    assert json.loads(moved[0])["discarded_after_step"] == 0 and len(moved) == 6 and moved[-1] == '{"step": 4, "lo'
+    assert rundir.check_fresh_start(d, ck, cfg) is None  # nothing left to protect

@@ -257,16 +257,18 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None  # None = <run_dir>/checkpoints
-    every: int = 0  # 0 = only at the end; with several replicas the save waits for the first outer sync at or
-    # after each multiple (the save agrees over every rank of every replica: nothing crosses them between syncs).
-    # SWARM: 0 = no checkpoints; E > 0 = every E steps and at the end, into OUT/checkpoints (docs/SWARM.md)
-    keep: int = 2
+    every: int = 100  # save every E steps and at the end (a kill -9 loses at most E steps; a rerun resumes); 0 = only
+    # at the end. With several replicas the save waits for the first outer sync at or after each multiple (the save
+    # agrees over every rank of every replica: nothing crosses them between syncs). SWARM: 0 = no checkpoints; E > 0 =
+    # every E steps and at the end, into OUT/checkpoints (docs/SWARM.md)
+    keep: int = 2  # the newest K complete checkpoints are kept, older ones deleted (K+1 on disk during a save); 0 = all
     resume: str = "auto"  # auto (latest in dir if any) | none (fresh start; refused if the dir already holds
     # checkpoints) | <path to a step dir>
     fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete
     # checkpoint; false: stop
     check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
-    resume_finished: str = "error"  # resumed checkpoint at/past train.steps: error (exit 2) | skip (exit 0); no writes
+    resume_finished: str = "skip"  # resumed checkpoint at/past train.steps: skip (prints "already finished: see
+    # RUN_DIR", exit 0) | error (exit 2); neither writes anything
 
 
 @dataclass
