@@ -14,6 +14,7 @@ report | secret.
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
     dilocox secret PATH                       (a new run secret, mode 0600: --security.secret_file=PATH)
+    dilocox --version
 
 `dilocox COMMAND --help` prints a command's options; every config key is in docs/CONFIG.md.
 """
@@ -21,6 +22,7 @@ report | secret.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 import textwrap
@@ -55,6 +57,12 @@ USAGE = f"{__doc__.rstrip()}\n\nbench kinds (dilocox bench KIND --help for optio
 
 class UsageError(Exception):
     """A malformed command line: printed as one line, exit status 2."""
+
+
+def did_you_mean(word: str, choices, prefix: str = "") -> str:
+    """``" (did you mean 'train'?)"`` for the closest of ``choices`` by edit distance (difflib), else ``""``."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]!r}?)" if close else ""
 
 
 def _config_keys() -> str:
@@ -208,7 +216,8 @@ def _bench(argv: list[str]) -> int:
         )
         return 0 if argv else 2
     if argv[0] not in BENCHES:
-        raise UsageError(f"unknown bench {argv[0]!r}; choose one of {', '.join(BENCHES)}")
+        hint = did_you_mean(argv[0], BENCHES)
+        raise UsageError(f"unknown bench {argv[0]!r}{hint}; choose one of {', '.join(BENCHES)}")
     import importlib
 
     module = BENCHES[argv[0]][0]
@@ -265,12 +274,27 @@ def _lighthouse(argv: list[str]) -> int:
     return lighthouse_main(argv) or 0
 
 
+SECRET_USAGE = "dilocox secret PATH"
+SECRET_HELP = """Write a new run secret to PATH: 32 random bytes as hex, file mode 0600; an existing file is never
+overwritten (remove it first to rotate). Give every host of a run the same file: --security.secret_file=PATH
+(docs/SECURITY.md).
+
+positional arguments:
+  PATH        the file to create
+
+options:
+  -h, --help  this message"""
+
+
 def _secret(argv: list[str]) -> int:
     """``dilocox secret PATH``: write a new run secret (32 random bytes, hex, mode 0600); never overwrites."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: {SECRET_USAGE}\n\n{SECRET_HELP}")
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
+        raise UsageError(f"usage: {SECRET_USAGE}  (writes a new run secret, mode 0600; docs/SECURITY.md)")
     from dilocox.security import create_secret
 
-    if len(argv) != 1 or argv[0].startswith("-"):
-        raise UsageError("usage: dilocox secret PATH  (writes a new run secret, mode 0600; docs/SECURITY.md)")
     try:
         create_secret(argv[0])
     except FileExistsError:
@@ -349,8 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from dilocox import __version__
+
+        print(f"dilocox {__version__}")
+        return 0
     if argv[0] not in cmds:
-        print(f"dilocox: unknown command {argv[0]!r}; choose one of {', '.join(cmds)}\n\n{USAGE}", file=sys.stderr)
+        print(f"dilocox: unknown command {argv[0]!r}{did_you_mean(argv[0], cmds)}; choose one of {', '.join(cmds)} "
+              "(dilocox --help)", file=sys.stderr)  # fmt: skip
         return 2
     wants_help = any(a in ("-h", "--help") for a in argv[1:])
     where = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") != "1" else ""

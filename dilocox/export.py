@@ -19,8 +19,8 @@ import dataclasses
 import os
 import sys
 
-EXPORT_USAGE = "usage: dilocox export RUN_DIR --to hf OUT [--checkpoint STEP_DIR] [--replica-params]"
-IMPORT_USAGE = "usage: dilocox import HF_DIR|HUB_NAME [--out model.yaml]"
+EXPORT_USAGE = "dilocox export RUN_DIR --to hf OUT [--checkpoint STEP_DIR] [--replica-params]"
+IMPORT_USAGE = "dilocox import HF_DIR|HUB_NAME [--out model.yaml]"
 
 
 def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_replica_params: bool = False) -> str:
@@ -53,9 +53,9 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
 
 def export_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dilocox export", usage=EXPORT_USAGE)
-    ap.add_argument("run_dir")
-    ap.add_argument("--to", required=True, choices=["hf"])
-    ap.add_argument("out")
+    ap.add_argument("run_dir", help="the run directory (log.run_dir) whose checkpoint is exported")
+    ap.add_argument("--to", required=True, choices=["hf"], help="the format: hf (a Hugging Face transformers dir)")
+    ap.add_argument("out", help="the directory to write (config.json, model.safetensors, the tokenizer)")
     ap.add_argument("--checkpoint", default=None, help="a step directory (default: the latest complete one)")
     ap.add_argument(
         "--replica-params",
@@ -89,8 +89,8 @@ def import_yaml(hf_name: str) -> str:
 
 def import_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dilocox import", usage=IMPORT_USAGE)
-    ap.add_argument("hf_dir")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("hf_dir", help="a Hugging Face model directory, or a hub name (needs a network)")
+    ap.add_argument("--out", default=None, help="write the model: YAML section here (default: print it)")
     a = ap.parse_args(argv)
     from dilocox.hf import ExportError
 

@@ -17,7 +17,7 @@ import sys
 import torch
 
 USAGE = (
-    "usage: dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] "
+    "dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] "
     "[--seed S] [--device cpu|cuda] [--replica-params]"
 )
 
@@ -137,13 +137,13 @@ def sample(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox generate", usage=USAGE)
-    ap.add_argument("path")
-    ap.add_argument("--prompt", required=True)
-    ap.add_argument("--max-new-tokens", type=int, default=100)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("path", help="a run directory (its latest checkpoint) or a Hugging Face model directory")
+    ap.add_argument("--prompt", required=True, help="the text to continue")
+    ap.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
+    ap.add_argument("--top-k", type=int, default=50, help="sample among the K most likely tokens (default 50)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--replica-params", action="store_true", help="allow a mid-run checkpoint of a DiLoCo run")
     a = ap.parse_args(argv)
     try:

@@ -102,8 +102,15 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=self.purge_step)
-            except Exception:  # noqa: BLE001 - optional
+            except ImportError:  # said once, on one line: the default asks for it
                 self.tb = None
+                self.info(
+                    "warning: log.tensorboard=true but the tensorboard package is not installed, so no TensorBoard "
+                    "events are written: pip install tensorboard (or --log.tensorboard=false)"
+                )
+            except Exception as e:  # noqa: BLE001 - optional
+                self.tb = None
+                self.info(f"warning: TensorBoard disabled: {type(e).__name__}: {e}")
         if wandb_project is not None:
             self.wandb = WandbTracker(run_dir, wandb_project, config)
 

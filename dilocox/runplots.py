@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="dilocox report", description="PNG plots of one or more runs from their metrics.jsonl"
     )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (log.run_dir) with a metrics.jsonl")
     p.add_argument(
         "--out", default=None, help="output directory (default: RUN_DIR/plots for one run, ./report for several)"
     )

@@ -180,3 +180,88 @@ def test_install_stamp_belongs_to_its_interpreter(tmp_path):
     assert "pip install" not in dry(py1)  # same interpreter: up to date
     second = dry(py2)
     assert f"{py2} -m pip install" in second and stamp not in second  # another one: installs into itself
+
+
+# ------------------------------------------------------------ issue 44 item 5: --version, help, suggestions
+
+
+def test_version_secret_help_and_no_double_usage(capsys):
+    from dilocox import __version__
+
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"dilocox {__version__}"
+    assert cli.main(["-V"]) == 0 and __version__ in capsys.readouterr().out
+    assert cli.main(["secret", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dilocox secret PATH") and "--security.secret_file=PATH" in out, out
+    assert cli.main(["secret"]) == 2 and "usage: dilocox secret PATH" in capsys.readouterr().err
+    for cmd in ("export", "import", "generate", "report"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and out.startswith(f"usage: dilocox {cmd}") and "usage: usage:" not in out, out
+
+
+class _Parser(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", "RUN", "--to", "hf", "OUT"],
+        ["import", "HF"],
+        ["generate", "RUN", "--prompt", "a"],
+        ["report", "RUN"],
+        ["plan", "--model", "M"],
+        ["plan", "--swarm"],
+        ["lighthouse"],
+        ["swarm", "CONFIG"],
+        ["launch", "--elastic", "2", "CONFIG"],
+        ["launch", "--swarm", "CONFIG"],
+    ],
+)
+def test_every_option_of_a_command_has_help(argv, monkeypatch):
+    """Each command's argparse parser is caught at parse time (nothing runs) and every argument has a help text."""
+    import argparse
+
+    def caught(self, args=None, namespace=None):
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    with pytest.raises(_Parser) as e:
+        cli.main(argv)
+    parser = e.value.args[0]
+    bare = [a.option_strings or [a.dest] for a in parser._actions if not a.help]
+    assert not bare, (argv, bare)
+
+
+def test_suggestions_by_edit_distance(capsys):
+    assert cli.main(["trian"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'trian' (did you mean 'train'?)" in err and len(err.strip().splitlines()) == 1, err
+    assert cli.main(["bench", "kernel"]) == 2 and "did you mean 'kernels'?" in capsys.readouterr().err
+    from dilocox.config import ConfigError, load_config
+
+    for override, hint in (
+        ("--train.seqlen=3", "did you mean train.seq_len?"),  # a typo in the section
+        ("--checkpoint.evry=3", "did you mean checkpoint.every?"),
+        ("--train.lr=3", "did you mean optim.lr?"),  # the key of another section
+        ("--seq_len=3", "did you mean train.seq_len?"),  # the section left out
+    ):
+        with pytest.raises(ConfigError) as e:
+            load_config(TINY, [override])
+        assert str(e.value).endswith(hint), (override, str(e.value))
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["--train.zzzzqqq=1"])
+    assert "did you mean" not in str(e.value)
+
+
+def test_tensorboard_absent_is_said_in_one_line(tmp_path, monkeypatch, capsys):
+    from dilocox.metrics import MetricsLogger
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import raises ImportError
+    log = MetricsLogger(str(tmp_path), enabled=True, total_steps=1, tensorboard=True, progress=False)
+    log.write({"step": 1, "loss": 1.0})
+    log.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "tensorboard" in ln.lower()]
+    assert len(lines) == 1 and "pip install tensorboard" in lines[0], lines

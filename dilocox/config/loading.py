@@ -9,6 +9,7 @@ a config back out (the ``config.yaml`` of a run directory).
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import typing
@@ -79,6 +80,27 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted config key (``train.seq_len``, ``outer.streaming.fragments``, ...)."""
+    hints, out = typing.get_type_hints(cls), []
+    for f in fields(cls):
+        sub = hints[f.name]
+        out += _all_keys(sub, f"{prefix}{f.name}.") if is_dataclass(sub) else [f"{prefix}{f.name}"]
+    return out
+
+
+def _suggest(key: Any, known: dict, prefix: str) -> str:
+    """``"; did you mean 'seq_len'?"``: the closest key of the section by edit distance, else the closest dotted key
+    of any section (``--train.lr`` -> ``optim.lr``, ``--seq_len`` -> ``train.seq_len``), else ``""``."""
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    every = _all_keys()
+    by_last = [k for k in every if k.rsplit(".", 1)[-1] == str(key)]
+    close = by_last or difflib.get_close_matches(f"{prefix}{key}", every, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
@@ -87,12 +109,8 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in known:
-            close = [k for k in known if k.startswith(str(key)[:3])]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"unknown config key {prefix}{key!r} "
-                f"(known keys of {prefix.rstrip('.') or 'the top level'}: {sorted(known)}){hint}"
-            )
+            where, hint = prefix.rstrip(".") or "the top level", _suggest(key, known, prefix)
+            raise ConfigError(f"unknown config key {prefix}{key!r} (known keys of {where}: {sorted(known)}){hint}")
         tp = hints[key]
         if is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")

@@ -84,11 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tokens-per-step", type=float, default=DEFAULT_TOKENS_PER_STEP, help="tokens per replica per inner step"
     )
-    ap.add_argument("--gpus-per-replica", type=int, default=8)
+    ap.add_argument("--gpus-per-replica", type=int, default=8, help="GPUs per replica (the compute estimate)")
     ap.add_argument(
         "--gpu-tflops", type=float, default=DEFAULT_GPU_FLOPS / 1e12, help="peak TFLOP/s per GPU (H100 bf16: 989)"
     )
-    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU)
+    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOP utilisation assumed for the step time")
     ap.add_argument(
         "--step-time", type=float, default=None, help="seconds per inner step (overrides the FLOP estimate)"
     )

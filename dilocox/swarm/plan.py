@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="4", help="peers per stage: one number, or a comma list (one per stage)")
     ap.add_argument("--batch-size", type=int, default=512, help="sequences per stage-0 peer per step")
     ap.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     ap.add_argument("--act", default="none", choices=list(CODECS), help="activation codec between stages")
     ap.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="values per int8/int4 scale")
     ap.add_argument(
