@@ -117,8 +117,12 @@ def run(
     return rows
 
 
-def markdown(rows: list[dict], steps: int, H: int, common: list[str] = ()) -> str:
+def markdown(rows: list[dict], steps: int, H: int, common: list[str] = (), load: tuple | None = None) -> str:
+    """The table; ``load`` = (load average before, after) the runs: tokens/s and blocked time move with it, the
+    losses and bytes do not (the runs are deterministic but for ``dilocox-paper``'s timed adaptive controller)."""
     extra = f"; every run with {' '.join(common)}" if common else ""
+    if load is not None:
+        extra += "; load average before {:.2f}, after {:.2f} (1 min)".format(*load)
     lines = [
         f"Machine: {machine_line()}; date {time.strftime('%Y-%m-%d')}; tiny GPT-2, 2 replicas x 2 pipeline stages "
         f"(4 CPU ranks, gloo), {steps} steps x 8 x 128 tokens per replica, H={H} for the local-step methods{extra}.",
@@ -182,10 +186,11 @@ def main(argv: list[str] | None = None) -> int:
             plot(json.load(f), os.path.join(a.out, "val_loss.png"), a.ablation)
         return 0
     entries = ABLATION if a.ablation else a.methods.split(",")
+    load0 = os.getloadavg()[0]
     rows = run(
         entries, a.steps, a.H, os.path.join("runs", "bench-ablation" if a.ablation else "bench-methods"), a.common
     )
-    md = markdown(rows, a.steps, a.H, a.common)
+    md = markdown(rows, a.steps, a.H, a.common, load=(load0, os.getloadavg()[0]))
     write_results(a.out, rows, md)
     plot(rows, os.path.join(a.out, "val_loss.png"), a.ablation)
     print(md)
