@@ -158,7 +158,7 @@ def _train(argv: list[str]) -> int:
             )
             return 2
         if nproc > 1:
-            _check_data(cfg)  # here, once: a bad corpus is one line, not N tracebacks in torchrun's report
+            _check_data(cfg, note=False)  # here, once: a bad corpus is one line, not N tracebacks in torchrun's report
             return _launch_local(nproc, ["train", path, *overrides])
     _check_data(cfg)
     from dilocox.train import train
@@ -167,10 +167,14 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _check_data(cfg) -> None:
+def _check_data(cfg, note: bool = True) -> None:
     from dilocox.data import check_data
+    from dilocox.data.sources import cap_note
 
-    check_data(cfg)
+    p = check_data(cfg)
+    # an opt-in data.max_bytes that cut the corpus is said once per run (rank 0; not by a launching parent)
+    if note and os.environ.get("RANK", "0") == "0" and (line := cap_note(p.meta.get("cut"))):
+        print(line, flush=True)
 
 
 def _launch_local(nproc: int, args: list[str]) -> int:

@@ -224,7 +224,7 @@ def test_hf_missing_datasets_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # simulate the GPU image: not installed
     f = tmp_path / "x.jsonl"
     f.write_text('{"text": "hi"}\n')
-    with pytest.raises(ImportError, match=r"data.source='hf' needs the datasets package: pip install datasets"):
+    with pytest.raises(DataError, match=r"data.source='hf' needs the datasets package.*: pip install datasets$"):
         prepare(_cfg(tmp_path, source="hf", path=str(f)))
 
 
@@ -236,7 +236,7 @@ def test_hf_local_jsonl(tmp_path):
     p = prepare(_cfg(tmp_path, source="hf", path=str(f), hf_text_field="content", val_fraction=0.1))
     stream = np.concatenate([p.train_tokens(), p.val_tokens()]).astype(np.uint8).tobytes()
     assert stream == b"\0".join(r.encode() for r in rows) + b"\0"
-    with pytest.raises(KeyError, match="hf_text_field='text'"):
+    with pytest.raises(DataError, match="hf_text_field='text'"):
         prepare(_cfg(tmp_path, source="hf", path=str(f)))
 
 
@@ -434,3 +434,73 @@ def test_readme_bpe_prepare_command_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokenizer  bpe  vocab 4096" in r.stdout and "--model.vocab_size=4096" in r.stdout
     assert (tmp_path / ".cache" / "dilocox" / "prepared").is_dir()
+
+
+# --------------------------------------------------------------------------- data.max_bytes: opt-in, said (issue 44)
+
+
+def _three_files(tmp_path, size=100_000):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(3):
+        (d / f"part{i}.txt").write_text(f"part {i} ..\n" * (size // 10))  # 10-byte lines: exactly size bytes
+    return d
+
+
+def test_max_bytes_is_opt_in_and_a_cut_is_said_with_both_sizes(tmp_path, capsys):
+    from dilocox import cli
+    from dilocox.data import prepare_main
+
+    assert DataConfig().max_bytes is None and load_config(None, []).data.max_bytes is None  # no silent cap
+    d = _three_files(tmp_path)
+    total = sum(f.stat().st_size for f in d.iterdir())
+    full = prepare(DataConfig(source="text", path=str(d), cache_dir=str(tmp_path / "c")))
+    assert full.meta["bytes"] == total and full.meta["cut"] is None  # all of it
+    capped = prepare(DataConfig(source="text", path=str(d), cache_dir=str(tmp_path / "c"), max_bytes=100_000))
+    assert capped.meta["cut"] == {"max_bytes": 100_000, "source_bytes": total, "kept_bytes": 100_000}
+    args = ["--data.source=text", f"--data.path={d}", f"--data.cache_dir={tmp_path / 'c'}", "--data.max_bytes=100000"]
+    assert prepare_main(args) == 0
+    out = capsys.readouterr().out
+    assert "cap        note: data.max_bytes=100000 cut the corpus: kept 0.10 MB of 0.30 MB" in out, out
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), args)
+    cli._check_data(cfg)  # what `dilocox train` prints before training (once, rank 0)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and "kept 0.10 MB of 0.30 MB" in lines[0] and "--data.max_bytes=null" in lines[0], lines
+    cli._check_data(load_config(os.path.join(REPO, "configs", "tiny.yaml"), args[:-1] + ["--data.max_bytes=null"]))
+    assert capsys.readouterr().out == ""  # no cap, nothing to say
+    for source, cap in (("prose", 50_000), ("stdlib", 50_000)):
+        c = read_corpus(DataConfig(source=source, max_bytes=cap)).cut
+        assert c["kept_bytes"] == cap and c["source_bytes"] > cap, (source, c)
+
+
+def test_hf_saved_dataset_dir_and_local_copy_with_a_config_name_offline(tmp_path, monkeypatch):
+    """data.source=hf on a save_to_disk directory (a DatasetDict: the split picked by data.hf_split) and on a local
+    copy of a hub dataset whose README names two configs (data.hf_config picks one); no network."""
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = {s: [f"{s} document {i}: " + "word " * (5 + i) for i in range(12)] for s in ("train", "validation")}
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": r}) for s, r in rows.items()}).save_to_disk(saved)
+    for split in ("train", "validation"):
+        p = prepare(_cfg(tmp_path, source="hf", path=str(saved), hf_split=split, val_fraction=0.1))
+        stream = np.concatenate([p.train_tokens(), p.val_tokens()]).astype(np.uint8).tobytes()
+        assert stream == b"\0".join(r.encode() for r in rows[split]) + b"\0", split
+    with pytest.raises(DataError, match=r"hf_split='test' is not a split .* its splits: \['train', 'validation'\]"):
+        prepare(_cfg(tmp_path, source="hf", path=str(saved), hf_split="test"))
+    repo = tmp_path / "hub_copy"
+    for name in ("small", "big"):
+        (repo / name).mkdir(parents=True)
+        with open(repo / name / "train.jsonl", "w") as f:
+            for i in range(4 if name == "small" else 8):
+                f.write(json.dumps({"text": f"{name} row {i} " + "z" * 40}) + "\n")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: small\n  data_files:\n  - split: train\n    path: small/*.jsonl\n"
+        "- config_name: big\n  data_files:\n  - split: train\n    path: big/*.jsonl\n---\n# a dataset\n"
+    )
+    for name, n in (("small", 4), ("big", 8)):
+        c = read_corpus(_cfg(tmp_path, source="hf", path=str(repo), hf_config=name))
+        assert [d.split(" ")[:3] for d in c.docs] == [[name, "row", str(i)] for i in range(n)], c.docs
+        assert f"[{name}][train]" in c.description
+    with pytest.raises(DataError, match=r"hf_config='nope'"):
+        read_corpus(_cfg(tmp_path, source="hf", path=str(repo), hf_config="nope"))

@@ -102,14 +102,19 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib (Python's stdlib sources) | prose (pydoc_data.topics) | text | memmap | hf
-    path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: dataset name or local files
-    hf_split: str = "train"
-    hf_text_field: str = "text"
+    path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: a hub dataset name, local data files
+    # (text/json/jsonl/parquet/csv), a dataset directory written by save_to_disk, or a local copy of a hub dataset
+    # (the last two load offline)
+    hf_config: str | None = None  # hf: the dataset's config name (e.g. wikitext-103-raw-v1 for wikitext); None: its
+    # default
+    hf_split: str = "train"  # hf: the split to read
+    hf_text_field: str = "text"  # hf: the column holding the text
     tokenizer: str = "byte"  # byte | bpe
     bpe_vocab_size: int = 4096
     cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
     val_fraction: float = 0.02
-    max_bytes: int | None = 8_000_000  # cap on the raw corpus read (None = all)
+    max_bytes: int | None = None  # opt-in cap on the raw corpus read: its first N UTF-8 bytes (a run says when it
+    # cuts, with the source's size); None = all of it
 
 
 @dataclass

@@ -36,7 +36,7 @@ import numpy as np
 
 from dilocox.config import DataConfig
 from dilocox.data.sampler import val_batches as _val_batches
-from dilocox.data.sources import fingerprint, read_corpus, split_documents
+from dilocox.data.sources import cap_note, fingerprint, read_corpus, split_documents
 from dilocox.data.tokenizer import ByteTokenizer, load_or_train_bpe, load_tokenizer
 
 FORMAT = 1  # bump when the on-disk layout or tokenization changes: invalidates every cache
@@ -108,7 +108,7 @@ def _identity(cfg: DataConfig) -> dict:
         "files": fingerprint(cfg),
     }
     if cfg.source == "hf":
-        ident.update(hf_split=cfg.hf_split, hf_text_field=cfg.hf_text_field)
+        ident.update(hf_config=cfg.hf_config, hf_split=cfg.hf_split, hf_text_field=cfg.hf_text_field)
     return ident
 
 
@@ -228,6 +228,7 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         "val_docs": len(val_docs),
         "bytes": sum(len(d.encode("utf-8")) for d in corpus.docs),
         "source": corpus.description,
+        "cut": corpus.cut,  # data.max_bytes cut the source (sizes), else None
         "content_sha256": content.hexdigest(),
         "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
         "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},
@@ -316,6 +317,8 @@ def prepare_main(argv: list[str] | None = None) -> int:
     built = m["seconds"]["total"]
     print(f"prepared   {p.dir}  ({'cache hit' if p.cache_hit else 'built'} in {p.seconds:.2f}s)")
     print(f"source     {m['source']}")
+    if note := cap_note(m.get("cut")):
+        print(f"cap        {note}")
     print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}")
     print(f"train      {p.train_path}  {m['train_tokens']:,} tokens  ({m['train_docs']} documents)")
     print(f"val        {p.val_path}  {m['val_tokens']:,} tokens  ({m['val_docs']} documents)")
@@ -337,7 +340,8 @@ PREPARE_HELP = """usage: dilocox data prepare [CONFIG] [--out DIR] [--section.ke
 Tokenize the config's corpus once into train.bin / val.bin / meta.json (cached; a run with the
 same data keys reuses it). Only the data section is used:
   --data.source=stdlib|prose|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
-  --data.bpe_vocab_size=N  --data.max_bytes=N  --data.val_fraction=F  --data.cache_dir=DIR
+  --data.bpe_vocab_size=N  --data.max_bytes=N (opt-in cap; default: all)  --data.val_fraction=F
+  --data.hf_config=NAME  --data.hf_split=SPLIT  --data.hf_text_field=FIELD  --data.cache_dir=DIR
   --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key>
 Every key and its default: docs/CONFIG.md."""
 

@@ -10,12 +10,16 @@ Five sources (``data.source``):
               the second corpus of ``dilocox bench frontier`` (no download).
 - ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden and
               binary files skipped) or a glob; one file = one document.
-- ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension) or a hub
-              dataset name (needs a network). ``datasets`` is imported only here.
+- ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension), a
+              ``save_to_disk`` directory or a local copy of a hub dataset (both offline), or a
+              hub dataset name (needs a network); ``data.hf_config`` names the dataset's config
+              (wikitext-103-raw-v1). ``datasets`` is imported only here.
 - ``memmap``  an already-prepared directory; handled by ``prepare.load_prepared``.
 
-Every source is capped at ``data.max_bytes`` UTF-8 bytes (the last document is truncated at
-the cap) and is deterministic. ``split_documents`` makes the held-out validation split: the
+No source is capped unless ``data.max_bytes`` is set (opt-in): then it keeps the first
+``data.max_bytes`` UTF-8 bytes (the last document is truncated at the cap) and the corpus says
+so (``Corpus.cut``: the source's size and the kept size, printed by ``prepare`` and ``train``).
+Every source is deterministic. ``split_documents`` makes the held-out validation split: the
 last documents, about ``val_fraction`` of the bytes, never a document cut in two.
 """
 
@@ -51,6 +55,19 @@ _COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 class Corpus:
     docs: list[str]  # in corpus order; empty documents dropped
     description: str  # human-readable: where the text came from
+    cut: dict | None = None  # data.max_bytes cut it: {"max_bytes", "source_bytes" (None: unknown), "kept_bytes"}
+
+
+def cap_note(cut: dict | None) -> str | None:
+    """The one line that says data.max_bytes cut the corpus (original and kept size), or None."""
+    if not cut:
+        return None
+    src = cut.get("source_bytes")
+    of = f"of {src / 1e6:.2f} MB" if src else "of a larger source (its size is not known before reading it all)"
+    return (
+        f"note: data.max_bytes={cut['max_bytes']} cut the corpus: kept {cut['kept_bytes'] / 1e6:.2f} MB {of}; "
+        f"remove the cap (--data.max_bytes=null) to train on all of it"
+    )
 
 
 # --------------------------------------------------------------------------- file listing
@@ -183,7 +200,7 @@ def fingerprint(cfg: DataConfig) -> str:
     if cfg.source == "hf":
         files = _hf_local(cfg.path)
         where = _stat_digest(files) if files else f"hub:{cfg.path}"
-        return f"{where}|{cfg.hf_split}|{cfg.hf_text_field}"
+        return f"{where}|{cfg.hf_config}|{cfg.hf_split}|{cfg.hf_text_field}"
     raise ValueError(f"data.source={cfg.source!r} has no raw corpus to fingerprint")
 
 
@@ -194,7 +211,7 @@ class _Capped:
     """Accumulates documents until ``max_bytes`` UTF-8 bytes; truncates the last one."""
 
     def __init__(self, max_bytes: int | None):
-        self.max_bytes, self.total, self.docs = max_bytes, 0, []
+        self.max_bytes, self.total, self.docs, self.cut = max_bytes, 0, [], False
 
     @property
     def full(self) -> bool:
@@ -204,85 +221,121 @@ class _Capped:
         cut = self.max_bytes is not None and self.total + len(raw) > self.max_bytes
         if cut:
             raw = raw[: self.max_bytes - self.total]
+            self.cut = True
         if raw:
             self.total += len(raw)
             self.docs.append(raw.decode("utf-8", errors="ignore" if cut else "replace"))
 
 
-def _read_files(files: list[str], max_bytes: int | None) -> list[str]:
+def _read_files(files: list[str], max_bytes: int | None) -> tuple[list[str], dict | None]:
     acc = _Capped(max_bytes)
     for f in files:
         if acc.full:
+            acc.cut = True
             break
         with open(f, "rb") as fh:
             acc.add(fh.read())
-    return acc.docs
+    return acc.docs, _cut(acc, sum(os.path.getsize(f) for f in files) if acc.cut else None)
 
 
-def _read_hf(cfg: DataConfig) -> Corpus:
+def _cut(acc: _Capped, source_bytes: int | None) -> dict | None:
+    return {"max_bytes": acc.max_bytes, "source_bytes": source_bytes, "kept_bytes": acc.total} if acc.cut else None
+
+
+def _is_saved_dataset(path: str | None) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (``datasets.load_from_disk``)."""
+    p = os.path.expanduser(path or "")
+    return os.path.isdir(p) and any(os.path.exists(os.path.join(p, n)) for n in ("state.json", "dataset_dict.json"))
+
+
+def _hf_rows(cfg: DataConfig):
+    """(an iterable of rows, a description) for data.source=hf; every failure is a one-line DataError."""
     try:
         import datasets
     except ImportError:
-        raise ImportError("data.source='hf' needs the datasets package: pip install datasets") from None
+        raise DataError(
+            "data.source='hf' needs the datasets package, which is not installed: pip install datasets"
+        ) from None
+    name = f"[{cfg.hf_config}]" if cfg.hf_config else ""
+    if _is_saved_dataset(cfg.path):  # offline: a save_to_disk directory (memory-mapped Arrow files)
+        ds = datasets.load_from_disk(os.path.expanduser(cfg.path))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.hf_split not in ds:
+                raise DataError(
+                    f"data.hf_split={cfg.hf_split!r} is not a split of the dataset directory {cfg.path}; "
+                    f"its splits: {sorted(ds)}"
+                )
+            ds = ds[cfg.hf_split]
+        return ds, f"dataset directory {cfg.path}[{cfg.hf_split}]"
     files = _hf_local(cfg.path)
     if files is not None:
         exts = set()
         for f in files:
-            name = f[: -len(c)] if (c := next((c for c in _COMPRESSED if f.endswith(c)), "")) else f
-            exts.add(os.path.splitext(name)[1].lower())
+            base = f[: -len(c)] if (c := next((c for c in _COMPRESSED if f.endswith(c)), "")) else f
+            exts.add(os.path.splitext(base)[1].lower())
         builders = {HF_BUILDERS.get(e) for e in exts}
-        if None in builders or len(builders) != 1:
-            raise ValueError(
+        if None not in builders and len(builders) == 1:
+            builder = builders.pop()
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(
+                builder, data_files={cfg.hf_split: files}, split=cfg.hf_split, streaming=True, **extra
+            )
+            return ds, f"{builder} files {cfg.path}"
+        if not os.path.isdir(os.path.expanduser(cfg.path)):
+            raise DataError(
                 f"data.path={cfg.path!r} has files of types {sorted(exts)}; data.source='hf' reads one "
                 f"kind at a time out of {sorted(HF_BUILDERS)}"
             )
-        builder = builders.pop()
-        extra = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(
-            builder, data_files={cfg.hf_split: files}, split=cfg.hf_split, streaming=True, **extra
-        )
-        where = f"{builder} files {cfg.path}"
-    else:
-        try:
-            ds = datasets.load_dataset(cfg.path, split=cfg.hf_split, streaming=True)
-        except Exception as e:
-            raise RuntimeError(
-                f"data.path={cfg.path!r} is not a local file, directory or glob, and loading it as a "
-                f"hub dataset (split data.hf_split={cfg.hf_split!r}) failed: {e}"
-            ) from e
-        where = f"hub {cfg.path}[{cfg.hf_split}]"
+        # a local copy of a hub dataset (README.md + data files, configs in its README): datasets reads it offline
+    where = "local dataset" if files is not None else "hub dataset"
+    try:
+        ds = datasets.load_dataset(os.path.expanduser(cfg.path), cfg.hf_config, split=cfg.hf_split, streaming=True)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+        raise DataError(
+            f"data.path={cfg.path!r}: loading it as a {where} (config data.hf_config={cfg.hf_config!r}, split "
+            f"data.hf_split={cfg.hf_split!r}) failed: {' '.join(str(e).split())[:500]}"
+        ) from None
+    return ds, f"{where} {cfg.path}{name}[{cfg.hf_split}]"
+
+
+def _read_hf(cfg: DataConfig) -> Corpus:
+    ds, where = _hf_rows(cfg)
     acc = _Capped(cfg.max_bytes)
     for row in ds:
         if acc.full:
+            acc.cut = True
             break
         if cfg.hf_text_field not in row:
-            raise KeyError(
+            raise DataError(
                 f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; columns: {sorted(row)}"
             )
         acc.add(str(row[cfg.hf_text_field]).encode("utf-8"))
-    return Corpus(acc.docs, f"hf {where}, field {cfg.hf_text_field!r}")
+    return Corpus(acc.docs, f"hf {where}, field {cfg.hf_text_field!r}", _cut(acc, None))
 
 
 def read_corpus(cfg: DataConfig) -> Corpus:
     """Read the configured source into documents (deterministic, capped at data.max_bytes)."""
     if cfg.source == "stdlib":
         root = stdlib_root()
-        docs = _read_files(stdlib_files(root), cfg.max_bytes)
+        docs, cut = _read_files(stdlib_files(root), cfg.max_bytes)
         desc = f"stdlib {root} (Python {sys.version.split()[0]})"
     elif cfg.source == "prose":
         import pydoc_data.topics as t
 
         acc = _Capped(cfg.max_bytes)
         for name in sorted(t.topics):
-            if not acc.full:
-                acc.add(t.topics[name].encode("utf-8"))
+            if acc.full:
+                acc.cut = True
+                break
+            acc.add(t.topics[name].encode("utf-8"))
         docs, desc = acc.docs, f"prose: pydoc_data.topics (Python {sys.version.split()[0]})"
+        cut = _cut(acc, sum(len(v.encode("utf-8")) for v in t.topics.values()) if acc.cut else None)
     elif cfg.source == "text":
-        docs = _read_files(local_files(cfg.path, "text"), cfg.max_bytes)
+        docs, cut = _read_files(local_files(cfg.path, "text"), cfg.max_bytes)
         desc = f"text {cfg.path}"
     elif cfg.source == "hf":
         corpus = _read_hf(cfg)
-        docs, desc = corpus.docs, corpus.description
+        docs, desc, cut = corpus.docs, corpus.description, corpus.cut
     else:
         raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
     if not docs:
@@ -290,7 +343,7 @@ def read_corpus(cfg: DataConfig) -> Corpus:
             f"data.source={cfg.source!r} data.path={cfg.path!r} is empty (0 bytes of text); give a non-empty corpus"
         )
     nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    return Corpus(docs, f"{desc}: {len(docs)} documents, {nbytes / 1e6:.2f} MB")
+    return Corpus(docs, f"{desc}: {len(docs)} documents, {nbytes / 1e6:.2f} MB", cut)
 
 
 # --------------------------------------------------------------------------- train/val split
