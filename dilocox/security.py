@@ -7,9 +7,14 @@ secret, the construction of Python's own ``multiprocessing.connection`` (``deliv
 ``answer_challenge``), here mutual and with a per-connection key:
 
     server -> client   "DXA1" + 32-byte random challenge Cs
-    client -> server   32-byte random challenge Cc + HMAC(secret, "client" | Cs | Cc)
-    server -> client   HMAC(secret, "server" | Cs | Cc)
-    session key        K = HMAC(secret, "session" | Cs | Cc)
+    client -> server   32-byte random challenge Cc + HMAC(secret, "client" | service | Cs | Cc)
+    server -> client   HMAC(secret, "server" | service | Cs | Cc)
+    session key        K = HMAC(secret, "session" | service | Cs | Cc)
+
+``service`` names what the server serves (swarm-rpc, state, mesh, lighthouse, store, swarm-store, manager): a
+handshake made for one service of the run is refused by every other (issue 42). Before its challenge a server asks
+an ``AcceptGate`` for a handshake slot (per source address; ``BUSY`` and closed at once over the cap) and every
+handshake ends within ``HANDSHAKE_S``.
 
 After that every message carries ``HMAC(K, direction | sequence number | message bytes)`` (``Sealer``):
 a message changed on the way, replayed within the connection or from another one, or sent in the other
@@ -28,16 +33,23 @@ import os
 import secrets
 import socket
 import stat
+import threading
 import time
 
 MAGIC = b"DXA1"
 CHALLENGE_BYTES = 32
 MAC_BYTES = 32  # SHA-256
-SECRET_MIN_BYTES = 16
+SECRET_MIN_BYTES = 32  # 256 bits: a sniffed handshake cannot be brute-forced offline (``dilocox secret`` writes 32)
+HANDSHAKE_S = 2.0  # every server's handshake with a connection that has not proven the secret ends within this
+BUSY = b"DXB1"  # sent instead of the challenge to a connection over its address's cap, then closed (AcceptGate)
 
 
 class AuthError(ConnectionError):
     """The other side does not hold the run secret, or a message failed its check."""
+
+
+class Busy(AuthError):
+    """The server turned the connection away before its challenge (its slots for our address were full): retry."""
 
 
 class SecretError(ValueError):
@@ -69,19 +81,30 @@ def create_secret(path: str) -> bytes:
 
 
 def load_secret(path: str) -> bytes:
-    """The secret in ``path``: hex (64 digits from ``create_secret``) or any text of >= 16 bytes.
+    """The secret in ``path``: hex (64 digits from ``create_secret``) or any text of >= 32 bytes.
 
-    Refuses a file that the group or others may read (the fix: ``chmod 600 <path>``)."""
+    Refuses, with one line naming the file and the fix, a file that the group or others may read or write
+    (``chmod 600 <path>``), one owned by another user (a secret someone else can change or read), and one shorter
+    than ``SECRET_MIN_BYTES`` (a short passphrase is brute-forced offline from one sniffed handshake)."""
     try:
-        st = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # (a FIFO does not block the open)
     except OSError as e:
         raise SecretError(f"security.secret_file={path!r}: {e.strerror}; create it with `dilocox secret {path}`") from e
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretError(
-            f"security.secret_file={path!r} has mode {stat.S_IMODE(st.st_mode):o}: others may read it; "
-            f"run `chmod 600 {path}`"
-        )
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:  # (checked on the open file: nothing can swap it between the check and the read)
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretError(f"security.secret_file={path!r} is not a regular file; create one with `dilocox secret`")
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise SecretError(
+                f"security.secret_file={path!r} is owned by uid {st.st_uid}, not this user (uid {os.getuid()}): "
+                f"another user can read or replace it; make this user's own copy (`dilocox secret NEWPATH`, or "
+                f"`cp {path} NEWPATH && chmod 600 NEWPATH`)"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SecretError(
+                f"security.secret_file={path!r} has mode {stat.S_IMODE(st.st_mode):o}: others may read it; "
+                f"run `chmod 600 {path}`"
+            )
         raw = f.read(4096).strip()
     try:
         key = bytes.fromhex(raw.decode("ascii"))
@@ -89,8 +112,8 @@ def load_secret(path: str) -> bytes:
         key = raw
     if len(key) < SECRET_MIN_BYTES:
         raise SecretError(
-            f"security.secret_file={path!r} holds {len(key)} bytes; a secret needs >= {SECRET_MIN_BYTES} "
-            f"(`dilocox secret <path>` writes 32 random ones)"
+            f"security.secret_file={path!r} holds {len(key)} bytes; a secret needs >= {SECRET_MIN_BYTES}: "
+            f"write a new one with `dilocox secret NEWPATH` (32 random bytes) and use it on every host"
         )
     return key
 
@@ -141,44 +164,191 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
     sock.sendall(data)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, deadline: float) -> bytes:
-    """Authenticate the client that connected to ``sock``; return the session key (AuthError if it fails)."""
+def _service(service: str) -> bytes:
+    if not isinstance(service, str) or not service or len(service) > 64:
+        raise ValueError(f"service={service!r}: every handshake names its service (a short non-empty string)")
+    return service.encode()
+
+
+def server_handshake(sock: socket.socket, secret: bytes, deadline: float, service: str) -> bytes:
+    """Authenticate the client that connected to ``sock`` for ``service``; return the session key (AuthError if it
+    fails: no secret, or a proof made for another service)."""
+    svc = _service(service)
     cs = secrets.token_bytes(CHALLENGE_BYTES)
     _send(sock, MAGIC + cs, deadline)
     reply = _recv(sock, CHALLENGE_BYTES + MAC_BYTES, deadline)
     cc, proof = reply[:CHALLENGE_BYTES], reply[CHALLENGE_BYTES:]
-    if not hmac.compare_digest(proof, _mac(secret, b"client", cs, cc)):
-        raise AuthError("the client does not hold the run secret")
-    _send(sock, _mac(secret, b"server", cs, cc), deadline)
-    return _mac(secret, b"session", cs, cc)
+    if not hmac.compare_digest(proof, _mac(secret, b"client", svc, cs, cc)):
+        raise AuthError(f"the client does not hold the run secret (or it asked for another service than {service!r})")
+    _send(sock, _mac(secret, b"server", svc, cs, cc), deadline)
+    return _mac(secret, b"session", svc, cs, cc)
 
 
-def client_handshake(sock: socket.socket, secret: bytes, deadline: float) -> bytes:
-    """Authenticate the server ``sock`` is connected to and prove the secret to it; return the session key."""
-    key, expect = client_hello(sock, secret, deadline)
+def client_handshake(sock: socket.socket, secret: bytes, deadline: float, service: str) -> bytes:
+    """Authenticate the server ``sock`` is connected to as ``service`` and prove the secret to it; return the session
+    key. ``Busy`` when the server turned the connection away before its challenge (a retry may be served)."""
+    key, expect = client_hello(sock, secret, deadline, service)
     check_server_proof(_recv(sock, MAC_BYTES, deadline), expect)
     return key
 
 
-def client_hello(sock: socket.socket, secret: bytes, deadline: float) -> tuple[bytes, bytes]:
+def client_hello(sock: socket.socket, secret: bytes, deadline: float, service: str) -> tuple[bytes, bytes]:
     """The client's half without waiting for the server's proof: (session key, the proof the server must send).
 
     A caller may send its (sealed) request right away and check the proof (``check_server_proof``) before it
     reads the reply, which saves a round trip per connection on a far link; the request then reaches a server
     before it proved the secret (it cannot forge a reply; it can read the request, as anyone on the path can,
-    since nothing is encrypted)."""
-    hello = _recv(sock, len(MAGIC) + CHALLENGE_BYTES, deadline)
-    if hello[: len(MAGIC)] != MAGIC:
+    since nothing is encrypted). Every MAC of the transcript covers ``service``: a handshake made for one service
+    of the run is refused by every other (and the session keys differ)."""
+    svc = _service(service)
+    magic = _recv(sock, len(MAGIC), deadline)
+    if magic == BUSY:
+        raise Busy("the server turned this connection away before authenticating (its slots for this address are full)")
+    if magic != MAGIC:
         raise AuthError("the server did not start a dilocox authentication (no run secret on its side?)")
-    cs = hello[len(MAGIC) :]
+    cs = _recv(sock, CHALLENGE_BYTES, deadline)
     cc = secrets.token_bytes(CHALLENGE_BYTES)
-    _send(sock, cc + _mac(secret, b"client", cs, cc), deadline)
-    return _mac(secret, b"session", cs, cc), _mac(secret, b"server", cs, cc)
+    _send(sock, cc + _mac(secret, b"client", svc, cs, cc), deadline)
+    return _mac(secret, b"session", svc, cs, cc), _mac(secret, b"server", svc, cs, cc)
 
 
 def check_server_proof(proof: bytes, expect: bytes) -> None:
     if not hmac.compare_digest(proof, expect):
-        raise AuthError("the server does not hold the run secret")
+        raise AuthError("the server does not hold the run secret (or it serves another service)")
+
+
+def dial(
+    addr: tuple[str, int],
+    secret: bytes,
+    service: str,
+    deadline: float,
+    full: bool = True,
+    connect_timeout: float | None = None,
+) -> tuple[socket.socket, bytes, bytes]:
+    """A TCP connection to ``addr`` and the client's side of the handshake for ``service``, all by ``deadline``:
+    (socket, session key, the server's expected proof). ``full``: the proof is read and checked here (else the
+    caller checks it with ``check_server_proof`` before it reads a reply); ``connect_timeout`` bounds each TCP connect
+    apart (a dead address). A server that turned the connection away
+    (``Busy``: its handshake slots for this address were full) is dialed again after a short pause while time is
+    left; any other failure raises (OSError, AuthError)."""
+    pause = 0.02
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"no handshake with {addr[0]}:{addr[1]} ({service}) within the deadline")
+        sock = socket.create_connection(addr, timeout=max(0.01, min(left, connect_timeout or left)))
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            key, expect = client_hello(sock, secret, deadline, service)
+            if full:
+                check_server_proof(_recv(sock, MAC_BYTES, deadline), expect)
+            return sock, key, expect
+        except Busy:
+            sock.close()
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(0.5, pause * 2)
+        except BaseException:
+            sock.close()
+            raise
+
+
+class AcceptGate:
+    """Who may hold one of a server's handshake slots (issue 42: no lock-out by strangers).
+
+    Every accept loop of the run (the SWARM RPC and state transfer, the lighthouse/store/manager guards, the mesh's
+    pair server) accepts every connection at once and asks ``admit(ip)``: at most ``per_address`` connections of one
+    source address may be in their handshake at a time, and at most ``total`` in all; an address that proved the
+    secret before (``proven``, called after a handshake that succeeded) or is named ``trust``-ed (the run's members)
+    may hold up to ``per_member`` and also use ``reserved`` slots no stranger can take. A connection over its cap is
+    not queued: it is sent ``BUSY`` and closed at once (an honest client's ``dial`` tries again, bounded by its
+    deadline). Each admitted handshake must end within ``HANDSHAKE_S`` (the server's deadline), so a silent stranger
+    holds a slot that long at most, and a flood from one address takes ``per_address`` slots, never the run's."""
+
+    def __init__(
+        self, per_address: int = 4, total: int = 32, reserved: int = 16, per_member: int = 32, remember: int = 4096
+    ) -> None:
+        for name, v in (("per_address", per_address), ("total", total), ("per_member", per_member)):
+            if v < 1:
+                raise ValueError(f"AcceptGate {name}={v} must be >= 1")
+        self.per_address, self.total, self.reserved, self.per_member = per_address, total, max(0, reserved), per_member
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}  # source address -> its connections in their handshake
+        self._strangers = 0  # slots held by addresses that are neither proven nor trusted
+        self._members = 0
+        self._proven: dict[str, None] = {}  # (insertion-ordered: the oldest forgotten past ``remember``)
+        self._trusted: frozenset[str] = frozenset()
+        self._remember = remember
+        self.turned_away = 0  # connections closed at once over a cap (tests, logs)
+
+    @staticmethod
+    def _norm(ip: str) -> str:
+        return ip[7:] if ip.startswith("::ffff:") else ip  # (an IPv4 client of a dual-stack socket)
+
+    def _known(self, ip: str) -> bool:
+        return ip in self._trusted or ip in self._proven
+
+    def admit(self, ip: str) -> tuple[str, bool] | None:
+        """A handshake slot for a connection from ``ip`` (give it back with ``release``), or None: over a cap, close
+        the connection at once (``turn_away``)."""
+        ip = self._norm(ip)
+        with self._lock:
+            held = self._held.get(ip, 0)
+            member = self._known(ip)
+            used = self._strangers + self._members
+            if member:
+                ok = held < self.per_member and used < self.total + self.reserved
+            else:
+                ok = held < self.per_address and self._strangers < self.total and used < self.total + self.reserved
+            if not ok:
+                self.turned_away += 1
+                return None
+            self._held[ip] = held + 1
+            if member:
+                self._members += 1
+            else:
+                self._strangers += 1
+            return ip, member
+
+    def release(self, slot: tuple[str, bool], proven: bool = False) -> None:
+        """The handshake that ``admit`` gave ``slot`` is over; ``proven``: it succeeded (the address is then known)."""
+        ip, member = slot
+        with self._lock:
+            n = self._held.get(ip, 0) - 1
+            if n > 0:
+                self._held[ip] = n
+            else:
+                self._held.pop(ip, None)
+            if member:
+                self._members -= 1
+            else:
+                self._strangers -= 1
+            if proven:
+                self._proven.pop(ip, None)
+                self._proven[ip] = None
+                while len(self._proven) > self._remember:
+                    self._proven.pop(next(iter(self._proven)))
+
+    def trust(self, ips) -> None:
+        """The run's member addresses (e.g. from a signed member list): they may use the reserved slots."""
+        with self._lock:
+            self._trusted = frozenset(self._norm(str(ip)) for ip in ips)
+
+    def held(self) -> int:
+        with self._lock:
+            return self._strangers + self._members
+
+
+def turn_away(conn: socket.socket) -> None:
+    """Close a connection over its address's cap at once: ``BUSY`` (so a key holder knows to retry), then close."""
+    try:
+        conn.setblocking(False)
+        conn.send(BUSY)  # (a fresh connection's send buffer is empty: this never waits)
+    except OSError:
+        pass
+    try:
+        conn.close()
+    except OSError:
+        pass
 
 
 def sign_value(secret: bytes | None, key: str, value: str) -> str:

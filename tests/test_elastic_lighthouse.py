@@ -633,9 +633,9 @@ def test_guard_lets_only_a_secret_holder_through_to_the_lighthouse(tmp_path):
     reached = []
     orig = inner._echo
     inner._echo = lambda c: (reached.append(1), orig(c))
-    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret)
-    good = LighthouseRelay([("127.0.0.1", guard.port)], secret=secret)
-    bad = LighthouseRelay([("127.0.0.1", guard.port)], secret=other)
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret, "lighthouse")
+    good = LighthouseRelay([("127.0.0.1", guard.port)], secret=secret, service="lighthouse")
+    bad = LighthouseRelay([("127.0.0.1", guard.port)], secret=other, service="lighthouse")
     try:
         assert _ask(good.address) == b"L:quorum?"
         assert len(reached) == 1
@@ -676,10 +676,10 @@ def test_a_byte_changed_between_relay_and_guard_never_reaches_the_lighthouse(fli
                 c.sendall(b"L:" + data)
 
     inner._echo = echo
-    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret)
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), secret, "lighthouse")
     hs = 32 + 32  # the relay's half of the handshake: its challenge and its proof
     tap = _Tap(f"127.0.0.1:{guard.port}", flip_at=hs + 4 + 2 if flip else None)
-    relay = LighthouseRelay([("127.0.0.1", int(tap.addr.rsplit(":", 1)[1]))], secret=secret)
+    relay = LighthouseRelay([("127.0.0.1", int(tap.addr.rsplit(":", 1)[1]))], secret=secret, service="lighthouse")
     try:
         got = _ask(relay.address)
         time.sleep(0.3)

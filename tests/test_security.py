@@ -79,7 +79,9 @@ class _Server:
 
     def raw(self, authenticate: bool = True) -> tuple[socket.socket, Sealer | None]:
         s = socket.create_connection((self.host, self.port), timeout=5)
-        seal = Sealer(client_handshake(s, SECRET, time.monotonic() + 5), "client") if authenticate else None
+        seal = (
+            Sealer(client_handshake(s, SECRET, time.monotonic() + 5, "swarm-rpc"), "client") if authenticate else None
+        )
         return s, seal
 
     def close(self):
@@ -125,13 +127,97 @@ def test_secret_file_is_0600_never_overwritten_and_checked(tmp_path):
     short = tmp_path / "short"
     short.write_text("abc")
     os.chmod(short, 0o600)
-    with pytest.raises(SecretError, match=">= 16"):
+    with pytest.raises(SecretError, match=">= 32"):
         load_secret(str(short))
     with pytest.raises(SecretError, match="dilocox secret"):
         load_secret(str(tmp_path / "missing"))
     q = str(tmp_path / "cli-secret")
     assert cli.main(["secret", q]) == 0 and len(load_secret(q)) == 32
     assert cli.main(["secret", q]) == 2  # never overwritten
+
+
+def test_a_secret_file_that_is_short_shared_or_another_users_is_refused_in_one_line(tmp_path):
+    """Issue 42 item 4: >= 32 bytes (a 16-byte passphrase is refused now), 0600, owned by this user; each refusal is
+    one line naming the file and the fix."""
+    short = tmp_path / "sixteen"
+    short.write_text("passphrase-16-ch")  # 16 bytes: enough before issue 42
+    os.chmod(short, 0o600)
+    with pytest.raises(SecretError, match=r"holds 16 bytes; a secret needs >= 32: .*dilocox secret") as e:
+        load_secret(str(short))
+    assert "\n" not in str(e.value) and str(short) in str(e.value)
+    p = str(tmp_path / "secret")
+    create_secret(p)
+    for mode in (0o640, 0o604, 0o620):
+        os.chmod(p, mode)
+        with pytest.raises(SecretError, match=f"has mode {mode:o}: .*chmod 600") as e:
+            load_secret(p)
+        assert "\n" not in str(e.value) and p in str(e.value)
+    os.chmod(p, 0o600)
+    if os.getuid() != 0:
+        return  # (chown to another user needs root; the check itself is the same code path)
+    os.chown(p, 65534, 65534)  # nobody
+    with pytest.raises(SecretError, match=r"owned by uid 65534, not this user .*dilocox secret NEWPATH") as e:
+        load_secret(p)
+    assert "\n" not in str(e.value) and p in str(e.value)
+    os.chown(p, 0, 0)
+    assert len(load_secret(p)) == 32
+
+
+def test_a_handshake_is_bound_to_its_service():
+    """Issue 42 item 4: every MAC of the handshake covers the service name, so a handshake made for one service of
+    the run (and the secret is the same for all) is refused by every other, both ways."""
+    from dilocox.security import server_handshake
+
+    for client_svc, server_svc in (("lighthouse", "store"), ("swarm-rpc", "state"), ("mesh", "mesh")):
+        a, b = socket.socketpair()
+        out: dict = {}
+
+        def serve(sock=b, svc=server_svc):
+            try:
+                out["server"] = server_handshake(sock, SECRET, time.monotonic() + 5, svc)
+            except (AuthError, OSError) as e:
+                out["server"] = e
+            finally:
+                sock.close()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            got = client_handshake(a, SECRET, time.monotonic() + 5, client_svc)
+        except (AuthError, OSError) as e:
+            got = e
+        t.join(5)
+        a.close()
+        if client_svc == server_svc:
+            assert isinstance(got, bytes) and got == out["server"]
+        else:
+            assert isinstance(out["server"], AuthError) and "another service" in str(out["server"])
+            assert not isinstance(got, bytes)  # the client never gets a key either
+    # the RPC: a SWARM peer's call is refused by a state server of the same run, served when it names the service
+    srv = RpcServer(lambda m, meta, t: ({"ok": 1}, {}), secret=SECRET, limits=LIMITS, service="state")
+    try:
+        with pytest.raises(PeerUnavailable, match="another service"):
+            call(srv.addr, "x", {}, timeout_s=5, secret=SECRET)
+        assert call(srv.addr, "x", {}, timeout_s=5, secret=SECRET, service="state")[0] == {"ok": 1}
+    finally:
+        srv.close()
+
+
+def test_no_weights_only_false_in_dilocox():
+    """Issue 42 item 4: nothing of dilocox unpickles (``torch.load`` only with ``weights_only=True``; torchft's
+    HTTPTransport, which does, is never used by a replica: elastic/transfer.py's StateTransport replaces it)."""
+    import re
+
+    hits = []
+    for d, _, files in os.walk(os.path.join(ROOT, "dilocox")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(d, f)
+                with open(path) as fh:
+                    for i, line in enumerate(fh, 1):
+                        if re.search(r"load\(.*weights_only\s*=\s*False|pickle\.loads?\(", line):
+                            hits.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
+    assert hits == [], hits
 
 
 # ------------------------------------------------------------------------------------------- authentication
@@ -283,19 +369,23 @@ def test_a_1_tib_claim_and_a_wrong_nbytes_close_the_connection_only(authenticate
 
 
 def test_idle_connections_are_capped_and_timed_out(server):
-    """100 silent connections: at most max_unauthenticated of them are accepted (a thread each) at a time, the
-    rest wait unaccepted in the listen backlog; each accepted one is closed after the handshake timeout, so all
-    100 are closed in about 100 / cap x timeout, and a genuine caller is served afterwards."""
+    """100 silent connections from one address: at most max_unauthenticated_per_address of them hold a handshake
+    slot (a thread each) at a time, the rest are turned away at once (BUSY, then closed: not queued); each admitted
+    one is closed after the handshake timeout, and a genuine caller is served afterwards."""
+    cap = LIMITS.max_unauthenticated_per_address
     threads0 = threading.active_count()
+    t0 = time.monotonic()
     socks = [socket.create_connection((server.host, server.port), timeout=5) for _ in range(100)]
-    peak, deadline = 0, time.monotonic() + 60
-    while server.srv.rejected["auth"] < 100 and time.monotonic() < deadline:
+    peak, deadline = 0, time.monotonic() + 30
+    rej = server.srv.rejected
+    while rej["auth"] + rej["over_cap"] < 100 and time.monotonic() < deadline:
         peak = max(peak, threading.active_count() - threads0)
-        time.sleep(0.05)
-    assert server.srv.rejected["auth"] == 100  # every one closed by the handshake timeout
-    assert peak <= LIMITS.max_unauthenticated + 1, peak  # (+1: the accept loop's own thread is older)
-    assert server.srv.rejected["over_cap"] >= 1  # the cap was reached
+        time.sleep(0.02)
+    assert rej["auth"] + rej["over_cap"] == 100  # every one closed: over the cap at once, the rest by the timeout
+    assert peak <= cap + 1, peak  # (+1: the accept loop's own thread is older)
+    assert rej["over_cap"] >= 50, rej  # most of them never got a slot (never queued either)
     assert all(_closed(s, 1.0) for s in socks)
+    assert time.monotonic() - t0 < 100 / cap * LIMITS.handshake_timeout_s  # not served one by one: turned away
     for s in socks:
         s.close()
     # an authenticated but idle connection: closed after idle_timeout_s (1 s here)
@@ -400,7 +490,9 @@ def test_fuzz_the_lighthouse_guard():
                 c.sendall(b"ok")
 
     threading.Thread(target=lighthouse, daemon=True).start()
-    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.getsockname()[1]), SECRET, max_pending=64)
+    guard = LighthouseGuard(
+        ("127.0.0.1", 0), ("127.0.0.1", inner.getsockname()[1]), SECRET, "lighthouse", max_pending=64
+    )
     rng = random.Random(7)
     crashes: list = []
     hook, threading.excepthook = threading.excepthook, lambda args: crashes.append(args.exc_value)
@@ -433,7 +525,7 @@ def test_fuzz_the_lighthouse_guard():
         assert not crashes, crashes[:3]
         assert reached == [], f"{len(reached)} connection(s) without the secret reached the lighthouse"
         assert guard.rejected >= n - n // 6  # every one but the silent closes counted (those may end as EOF too)
-        relay = LighthouseRelay([("127.0.0.1", guard.port)], secret=SECRET)
+        relay = LighthouseRelay([("127.0.0.1", guard.port)], secret=SECRET, service="lighthouse")
         try:
             host, port = relay.address.removeprefix("http://").rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=5) as c:
@@ -564,7 +656,7 @@ def test_fuzz_the_encrypted_server():
             msg = _mutations(rng, good)
             s = socket.create_connection((host, int(port)), timeout=5)
             try:
-                c = Crypter(client_handshake(s, SECRET, time.monotonic() + 5), "client")
+                c = Crypter(client_handshake(s, SECRET, time.monotonic() + 5, "swarm-rpc"), "client")
                 sealed = c.encrypt(msg) if i % 2 else msg + bytes(16)
                 s.sendall(struct.pack("!Q", len(sealed) if i % 4 else rng.getrandbits(40)) + sealed)
                 s.shutdown(socket.SHUT_WR)

@@ -318,7 +318,7 @@ def test_fuzz_a_rogue_state_source():
             return {"step": meta["step"]}, ts
         return {"step": meta["step"], "skeleton": _random_node(rng)}, ts
 
-    rs = RpcServer(rogue, secret=SECRET)
+    rs = RpcServer(rogue, secret=SECRET, service="state")  # (a holder of the secret, serving as a state source)
     dst = StateTransport("127.0.0.1", 5.0, SECRET, max_state_bytes=1 << 16)
     crashes: list = []
     hook, threading.excepthook = threading.excepthook, lambda args: crashes.append(args.exc_value)
@@ -368,7 +368,7 @@ def test_fuzz_the_state_server():
             msg = _mutations(rng, good)
             s = socket.create_connection((host, int(port)), timeout=5)
             try:
-                seal = Sealer(client_handshake(s, SECRET, time.monotonic() + 5), "client")
+                seal = Sealer(client_handshake(s, SECRET, time.monotonic() + 5, "state"), "client")
                 if i % 2:
                     h = seal.sealer()
                     h.update(msg)

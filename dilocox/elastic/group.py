@@ -272,7 +272,9 @@ class ElasticOuterGroup:
         # first one that listens (dilocox/elastic/relay.py; docs/ELASTIC.md "A standby lighthouse")
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
-        self.relay = LighthouseRelay(endpoints, secret=auth) if len(endpoints) > 1 or auth else None
+        self.relay = (
+            LighthouseRelay(endpoints, secret=auth, service="lighthouse") if len(endpoints) > 1 or auth else None
+        )
         self.manager_guard = None
         try:  # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
             self.manager_guard = ManagerGuard(cfg.host, guarded, serve=group_rank == 0) if guarded else None

@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.security import client_handshake, open_value, server_handshake, sign_value
+from dilocox.security import HANDSHAKE_S, AcceptGate, dial, open_value, server_handshake, sign_value, turn_away
 from dilocox.swarm.transport import (
     Crypter,
     Limits,
@@ -59,6 +59,7 @@ log = logging.getLogger("dilocox.elastic.mesh")
 HELLO_LIMITS = Limits(max_message_bytes=0)  # a hello and its answer: a header only
 MAX_KEY = 512  # a round key (the quorum's store prefix) longer than this is not ours
 SEGMENT = 256 << 20  # bytes of tensor per message at most
+SERVICE = "mesh"  # the service name in every handshake of the pair connections
 
 
 class MeshError(RuntimeError):
@@ -83,7 +84,10 @@ class PairServer:
     queue under (key, src), the newest kept, until the member adopts it (``take``). At most ``max_handshakes``
     connections in their handshake (``handshake_s`` each; further ones wait unaccepted in the listen backlog, so a
     stranger holding slots delays a round, no more) and ``max_pending`` queued; a stranger (no secret) is closed after
-    the challenge, a malformed hello closes that connection only."""
+    the challenge, a malformed hello closes that connection only. The handshake slots are a ``security.AcceptGate``'s
+    (at most 4 per address that is not a member of the current round and has not proven the secret before; one over
+    its cap is closed at once, not queued; the members' addresses keep reserved slots), each held ``handshake_s`` at
+    most."""
 
     def __init__(
         self,
@@ -92,7 +96,7 @@ class PairServer:
         encrypt: bool,
         max_pending: int = 256,
         max_handshakes: int = 32,
-        handshake_s: float = 5.0,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self.secret, self.encrypt, self.handshake_s = secret, encrypt, handshake_s
         self.max_pending, self.max_handshakes = max_pending, max_handshakes
@@ -101,7 +105,7 @@ class PairServer:
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
         self._cv = threading.Condition()
         self._queued: dict[tuple[str, int], tuple[socket.socket, object]] = {}
-        self._in_handshake = 0
+        self.gate = AcceptGate(total=max_handshakes, reserved=max(1, max_handshakes // 2), per_member=max_handshakes)
         self.nonce: str | None = None  # this member's current round (None: between rounds, every hello refused)
         self.rejected = 0
         self._stop = threading.Event()
@@ -109,43 +113,42 @@ class PairServer:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            with self._cv:
-                while self._in_handshake >= self.max_handshakes and not self._stop.is_set():
-                    self._cv.wait(0.2)  # (full: the next connections wait in the backlog, unaccepted)
-                if self._stop.is_set():
-                    return
-                self._in_handshake += 1
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except (TimeoutError, socket.timeout):
-                self._release()
                 continue
             except OSError as e:  # (EMFILE, ECONNABORTED, ...: this one, not the server)
-                self._release()
                 if self._stop.is_set():
                     return
                 log.warning("mesh: accept failed (%s); going on", e)
                 time.sleep(0.05)
                 continue
+            slot = self.gate.admit(peer[0])
+            if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
+                turn_away(conn)
+                continue
             try:
-                threading.Thread(target=self._hello, args=(conn,), name="mesh-hello", daemon=True).start()
+                threading.Thread(target=self._hello, args=(conn, slot), name="mesh-hello", daemon=True).start()
             except RuntimeError as e:  # (no thread to be had: this connection, not the server)
                 conn.close()
-                self._release()
+                self.gate.release(slot)
                 log.warning("mesh: no thread for a pair connection (%s)", e)
 
-    def _release(self) -> None:
-        with self._cv:
-            self._in_handshake -= 1
-            self._cv.notify_all()
-
-    def _hello(self, conn: socket.socket) -> None:
+    def _hello(self, conn: socket.socket, slot) -> None:
         queued = False
         try:
             deadline = time.monotonic() + self.handshake_s
             conn.settimeout(self.handshake_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seal = channel(server_handshake(conn, self.secret, deadline), "server", self.encrypt)
+            try:
+                key = server_handshake(conn, self.secret, deadline, SERVICE)
+            except BaseException:
+                self.gate.release(slot)
+                slot = None
+                raise
+            self.gate.release(slot, proven=True)  # (the slot is the handshake's; the hellos are bounded by deadline)
+            slot = None
+            seal = channel(key, "server", self.encrypt)
             for _ in range(3):
                 method, meta, _ = read_message(conn, deadline, HELLO_LIMITS, seal)
                 key, src, nonce = meta.get("key"), meta.get("src"), meta.get("nonce")
@@ -187,7 +190,8 @@ class PairServer:
             log.debug("mesh: pair connection refused: %s", e)
             conn.close()
         finally:
-            self._release()
+            if slot is not None:
+                self.gate.release(slot)
 
     def begin_round(self, nonce: str | None) -> None:
         """This member's round is now ``nonce`` (None: none); every queued connection (an earlier round's) is closed."""
@@ -244,6 +248,7 @@ class Mesh:
         if self.nonce is None or members[rank][1] != self.nonce:
             raise MeshError("join: begin() the round first and publish its nonce")
         self.key, self.rank, self.world, self._seq = key, rank, len(members), 0
+        self.server.gate.trust(addr.rpartition(":")[0].strip("[]") for addr, _ in members)  # (reserved slots)
         deadline = time.monotonic() + self.timeout_s
         try:
             for j in range(rank + 1, self.world):  # dial first (never waits on the peer's configure), then adopt
@@ -257,10 +262,9 @@ class Mesh:
     def _dial(self, member: tuple[str, str], deadline: float) -> tuple[socket.socket, object]:
         addr, nonce = member
         host, _, port = addr.rpartition(":")
-        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.05, deadline - time.monotonic()))
+        sock, key, _ = dial((host.strip("[]"), int(port)), self.secret, SERVICE, deadline)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seal = channel(client_handshake(sock, self.secret, deadline), "client", self.encrypt)
+            seal = channel(key, "client", self.encrypt)
             for _ in range(3):
                 _send_all(
                     sock, encode("pair", {"key": self.key, "src": self.rank, "nonce": nonce}), deadline, addr, seal

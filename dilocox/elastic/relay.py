@@ -27,9 +27,10 @@ import socket
 import threading
 import time
 
-from dilocox.security import MAC_BYTES, AuthError, Sealer, client_handshake, server_handshake
+from dilocox.security import HANDSHAKE_S, MAC_BYTES, AcceptGate, AuthError, Sealer, dial, server_handshake, turn_away
 
-AUTH_TIMEOUT_S = 5.0  # a handshake with a lighthouse guard (either side) completes within this
+AUTH_TIMEOUT_S = HANDSHAKE_S  # a guard's handshake with a connection ends within this (2 s)
+DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy)
 
 log = logging.getLogger("dilocox.elastic")
 
@@ -44,9 +45,13 @@ class LighthouseRelay:
         check_every_s: float = 1.0,
         host: str = "127.0.0.1",
         secret: bytes | None = None,
+        service: str = "",
     ):
         if not endpoints:
             raise ValueError("LighthouseRelay needs at least one lighthouse endpoint")
+        if secret is not None and not service:
+            raise ValueError("LighthouseRelay with a secret names the guarded service (lighthouse, store, manager)")
+        self.service = service
         self.endpoints = list(endpoints)
         self.connect_timeout_s = connect_timeout_s
         self.secret = secret  # set: every lighthouse is behind a LighthouseGuard; the relay proves the secret to it
@@ -71,18 +76,21 @@ class LighthouseRelay:
         """(index, socket, session key or None) of a connection to the first endpoint (before index ``upto``) that
         accepts one; None if none does."""
         for i, (h, p) in enumerate(self.endpoints[:upto]):
-            try:
-                s = socket.create_connection((h, p), timeout=self.connect_timeout_s)
-            except OSError:
-                continue
-            key = None
-            if self.secret is not None:
-                try:  # both sides prove the run secret before a byte of torchft's traffic is relayed
-                    key = client_handshake(s, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
-                except (OSError, AuthError) as e:
-                    log.warning("lighthouse relay %s: %s:%d failed authentication: %s", self.address, h, p, e)
-                    _close(s)
+            if self.secret is None:
+                try:
+                    s = socket.create_connection((h, p), timeout=self.connect_timeout_s)
+                except OSError:
                     continue
+                return i, s, None
+            try:  # both sides prove the run secret (for this service) before a byte of torchft's traffic is relayed
+                deadline = time.monotonic() + DIAL_TIMEOUT_S
+                s, key, _ = dial((h, p), self.secret, self.service, deadline, connect_timeout=self.connect_timeout_s)
+            except (ConnectionRefusedError, socket.gaierror, socket.timeout, TimeoutError) as e:
+                log.debug("lighthouse relay %s: %s:%d: %s", self.address, h, p, e)
+                continue  # (nothing listens there, or it does not answer: the next endpoint)
+            except (OSError, AuthError) as e:
+                log.warning("lighthouse relay %s: %s:%d failed authentication: %s", self.address, h, p, e)
+                continue
             return i, s, key
         return None
 
@@ -244,57 +252,76 @@ class LighthouseGuard:
     then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
     dilocox/security.py, within ``AUTH_TIMEOUT_S``) before it is piped to the lighthouse; a stranger is closed
     without a byte reaching torchft, so it cannot join a quorum (and so take part in the outer all-reduce). At most
-    ``max_pending`` connections are in their handshake at once (the rest wait in the listen backlog); a failed one
-    is logged once per source address and counted in ``rejected``. The replicas' side is ``LighthouseRelay(...,
-    secret=)`` (``outer.elastic.lighthouse_auth``). Authentication only: the relayed gRPC bytes are not encrypted."""
+    ``max_pending`` connections are in their handshake at once, at most 4 from one address that has not proven the
+    secret before (``security.AcceptGate``: a connection over its cap is closed at once, not queued, and addresses
+    that proved the secret keep reserved slots); a failed one is logged once per source address and counted in
+    ``rejected``. ``service`` names what is behind it in every handshake (lighthouse, store, manager, ...). The
+    replicas' side is ``LighthouseRelay(..., secret=, service=)`` (``outer.elastic.lighthouse_auth``). Authentication
+    only: the relayed gRPC bytes are not encrypted."""
 
-    def __init__(self, bind: tuple[str, int], upstream: tuple[str, int], secret: bytes, max_pending: int = 32):
-        self.upstream, self.secret = upstream, secret
+    def __init__(
+        self, bind: tuple[str, int], upstream: tuple[str, int], secret: bytes, service: str, max_pending: int = 32
+    ):
+        if not service:
+            raise ValueError("LighthouseGuard names the service behind it (lighthouse, store, manager, ...)")
+        self.upstream, self.secret, self.service = upstream, secret, service
         v6 = ":" in bind[0]  # "::" listens on IPv4 too, as torchft and TCPStore do
         self._srv = socket.create_server(bind, family=socket.AF_INET6 if v6 else socket.AF_INET, dualstack_ipv6=v6)
         self._srv.settimeout(0.5)
         self.port = self._srv.getsockname()[1]
-        self._slots = threading.BoundedSemaphore(max_pending)
+        self.gate = AcceptGate(total=max_pending, reserved=max(1, max_pending // 2), per_member=max_pending)
         self.rejected, self._logged = 0, set()
         self._count_lock = threading.Lock()  # (handshakes run on their own threads)
         self.closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="lighthouse-guard", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"{service}-guard", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self.closed:
-            if not self._slots.acquire(timeout=0.5):
-                continue
             try:
                 conn, peer = self._srv.accept()
             except TimeoutError:
-                self._slots.release()
                 continue
-            except OSError:
-                self._slots.release()
-                return
-            threading.Thread(target=self._serve, args=(conn, peer[0]), daemon=True).start()
+            except OSError as e:
+                if self.closed:
+                    return
+                log.warning("%s guard: accept failed (%s); going on", self.service, e)  # (EMFILE, ...: this one)
+                time.sleep(0.05)
+                continue
+            slot = self.gate.admit(peer[0])
+            if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
+                turn_away(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer[0], slot), daemon=True).start()
+            except RuntimeError as e:  # (no thread to be had: this connection, not the guard)
+                self.gate.release(slot)
+                _close(conn)
+                log.warning("%s guard: no thread for a connection (%s)", self.service, e)
 
-    def _serve(self, conn: socket.socket, ip: str) -> None:
+    def _serve(self, conn: socket.socket, ip: str, slot) -> None:
+        proven = False
         try:
             try:
-                key = server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S)
+                key = server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S, self.service)
+                proven = True
             except (OSError, AuthError) as e:
                 with self._count_lock:
                     self.rejected += 1
                     first = ip not in self._logged
-                    self._logged.add(ip)
+                    if len(self._logged) < 4096:  # (bounded: a flood from many addresses)
+                        self._logged.add(ip)
                 if first:  # once per address: probes and floods do not flood the log
-                    log.warning("lighthouse guard: refused %s (%s)", ip, e or type(e).__name__)
-                _close(conn)
-                return
-            try:
-                up = socket.create_connection(self.upstream, timeout=AUTH_TIMEOUT_S)
-            except OSError:
+                    log.warning("%s guard: refused %s (%s)", self.service, ip, e or type(e).__name__)
                 _close(conn)
                 return
         finally:
-            self._slots.release()
+            self.gate.release(slot, proven)
+        try:
+            up = socket.create_connection(self.upstream, timeout=AUTH_TIMEOUT_S)
+        except OSError:
+            _close(conn)
+            return
         conn.settimeout(None)
         up.settimeout(None)
         pipe = FramedPipe(key, "server")  # the relay frames and MACs every chunk; so does this side
@@ -321,7 +348,7 @@ class GuardedLighthouse:
         self.lighthouse = lighthouse
         inner = int(lighthouse.address().rsplit(":", 1)[1])
         try:
-            self.guard = LighthouseGuard((self.host, int(port)), ("127.0.0.1", inner), secret)
+            self.guard = LighthouseGuard((self.host, int(port)), ("127.0.0.1", inner), secret, "lighthouse")
         except BaseException:
             lighthouse.shutdown()
             raise

@@ -55,14 +55,14 @@ def loopback_store(timeout: timedelta | None = None, port: int = 0, **kwargs):
     return store
 
 
-def guarded_replica_store(host: str, secret: bytes, timeout: timedelta, port: int = 0):
+def guarded_replica_store(host: str, secret: bytes, timeout: timedelta, port: int = 0, service: str = "store"):
     """(the store, its local address, its public address, the guard): a loopback store and a guard on ``host:port``
-    (0: any); also the SWARM address book's (dilocox/swarm/services.py)."""
+    (0: any); also the SWARM address book's (dilocox/swarm/services.py, ``service="swarm-store"``)."""
     from dilocox.elastic.relay import LighthouseGuard
 
     store = loopback_store(timeout)
     local = ("127.0.0.1", store.port)
-    guard = LighthouseGuard((host, port), local, secret)
+    guard = LighthouseGuard((host, port), local, secret, service)
     return store, local, (host, guard.port), guard
 
 
@@ -86,7 +86,7 @@ def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, ti
     from dilocox.elastic.relay import LighthouseGuard
 
     store, local, _, _ = replica_store(host, None, timeout)
-    guard = LighthouseGuard((host, 0), local, secret)
+    guard = LighthouseGuard((host, 0), local, secret, "store")
     return store, local, (host, guard.port), guard
 
 
@@ -138,7 +138,7 @@ class StoreRelays(dict):
         relay = self.get(key)
         if relay is None:
             wait_s = max(1.0, min(5.0, self.timeout_s))
-            relay = self[key] = LighthouseRelay([key], secret=self.secret, connect_timeout_s=wait_s)
+            relay = self[key] = LighthouseRelay([key], secret=self.secret, connect_timeout_s=wait_s, service="store")
         for other in [k for k in self if k != key]:  # the old group is gone: so are its relays
             self.pop(other).close()
         return f"127.0.0.1:{relay.address.rsplit(':', 1)[1]}/{prefix}"
@@ -242,7 +242,7 @@ class ManagerGuard:
             self.bind = f"{_bracket(host)}:{port}"
         elif serve:
             for _ in range(20):  # P must be free on the replica's address (the guard) and on 127.0.0.1 (the server)
-                guard = LighthouseGuard((host, port), ("127.0.0.1", 0), secret)
+                guard = LighthouseGuard((host, port), ("127.0.0.1", 0), secret, "manager")
                 if _free_on_loopback(guard.port):
                     break
                 guard.close()
@@ -276,7 +276,9 @@ class ManagerGuard:
                 with cls._clients_lock:
                     relay = cls._relays.get(key)
                     if relay is None:
-                        relay = cls._relays[key] = LighthouseRelay([key], secret=secret, connect_timeout_s=5.0)
+                        relay = cls._relays[key] = LighthouseRelay(
+                            [key], secret=secret, connect_timeout_s=5.0, service="manager"
+                        )
                 return real(relay.address, *args, **kwargs)
 
             tm.ManagerClient = client

@@ -2,9 +2,11 @@
 authenticated (issue 21 item 2; docs/SECURITY.md).
 
 torchft's default ``HTTPTransport`` serves the live replica's state as a ``torch.save`` stream over plain HTTP,
-and the healing replica loads it with ``weights_only=False`` (torchft/checkpointing/http_transport.py): whoever
-answers at the advertised address runs code in the replica that heals. ``StateTransport`` takes its place
-(torchft's ``CheckpointTransport`` interface, passed to the ``Manager``):
+and the healing replica loads it with ``weights_only=False`` (torchft 0.2.0, torchft/checkpointing/http_transport.py,
+``recv_checkpoint``: checked again for issue 42): whoever answers at the advertised address runs code in the replica
+that heals. dilocox never lets a replica use it: ``StateTransport`` takes its place (torchft's
+``CheckpointTransport`` interface, passed to every ``Manager`` dilocox builds, elastic/group.py), so no replica
+unpickles a peer's state:
 
 - the state travels over the SWARM tensor RPC (``dilocox.swarm.transport``): a JSON header and raw tensor
   bytes, the mutual HMAC challenge-response over the run secret and a MAC on every message when the run has a
@@ -34,6 +36,7 @@ from dilocox.swarm.transport import WIRE_DTYPES, Limits, NotServing, ProtocolErr
 
 log = logging.getLogger("dilocox.elastic.transfer")
 
+SERVICE = "state"  # the service name in every handshake of the state transfer (a SWARM RPC handshake is refused)
 SCHEME = "dxstate:"  # the metadata torchft passes between replicas: "dxstate:host:port"
 MAX_DEPTH = 32  # nesting of a state dict (an optimizer's state is 4 deep)
 MAX_SKELETON_BYTES = 16 << 20  # the JSON of a state's structure: ~40 bytes per leaf
@@ -178,7 +181,14 @@ class StateTransport:
         )
         bind, self._host = _bind_address(host)
         self._server = RpcServer(
-            self._handle, host=bind, port=0, name=name, secret=secret, limits=req, encrypt=self._encrypt
+            self._handle,
+            host=bind,
+            port=0,
+            name=name,
+            secret=secret,
+            limits=req,
+            encrypt=self._encrypt,
+            service=SERVICE,
         )
 
     def set_max_state_bytes(self, n: int) -> None:
@@ -219,7 +229,7 @@ class StateTransport:
         t0 = time.monotonic()
         meta, tensors = call(
             addr, "state", {"step": int(step)}, timeout_s=timeout.total_seconds(), secret=self._secret,
-            limits=self._recv_limits, encrypt=self._encrypt,
+            limits=self._recv_limits, encrypt=self._encrypt, service=SERVICE,
         )  # fmt: skip
         if meta.get("step") != int(step) or "skeleton" not in meta:
             raise ProtocolError(

@@ -167,7 +167,7 @@ def read_results(out_dir: str, names: list[str]) -> tuple[dict[str, dict], dict[
     peers, records = {}, {}
     for n in names:
         pt = os.path.join(out_dir, f"{n}.pt")
-        peers[n] = torch.load(pt, weights_only=False) if os.path.exists(pt) else None
+        peers[n] = torch.load(pt, weights_only=True) if os.path.exists(pt) else None  # (tensors, plain values)
         jl = os.path.join(out_dir, f"{n}.jsonl")
         if os.path.exists(jl):
             with open(jl) as f:

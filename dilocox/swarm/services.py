@@ -35,7 +35,7 @@ class GuardedStore:
         from dilocox.elastic.stores import guarded_replica_store
 
         # (a TCPStore master given "127.0.0.1" still listens on every interface: the store binds its socket itself)
-        self.store, _, (_, self.port), self.guard = guarded_replica_store(host, secret, timeout, port)
+        self.store, _, (_, self.port), self.guard = guarded_replica_store(host, secret, timeout, port, "swarm-store")
 
     def close(self) -> None:
         self.guard.close()
@@ -63,7 +63,7 @@ def store_client(host: str, port: int, secret: bytes | None, timeout: timedelta)
     from dilocox.elastic.relay import LighthouseRelay
 
     wait_s = max(1.0, min(5.0, timeout.total_seconds()))
-    relay = LighthouseRelay([(host.strip("[]"), port)], secret=secret, connect_timeout_s=wait_s)
+    relay = LighthouseRelay([(host.strip("[]"), port)], secret=secret, connect_timeout_s=wait_s, service="swarm-store")
     local = int(relay.address.rsplit(":", 1)[1])
     _RELAYS[local] = relay
     deadline = time.monotonic() + timeout.total_seconds()

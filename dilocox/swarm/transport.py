@@ -17,8 +17,10 @@ instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the s
 same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
-``max_connections`` connections, of which at most ``max_unauthenticated`` in their handshake, which must end
-within ``handshake_timeout_s`` (further connections wait in the listen backlog, unaccepted); it drops a connection
+``max_connections`` authenticated connections (further ones wait in the listen backlog, unaccepted) and hands the
+handshake slots out through a ``security.AcceptGate`` (``max_unauthenticated`` in all, at most
+``max_unauthenticated_per_address`` per source address that has not proven the secret before; a connection over its
+cap is closed at once, not queued), each handshake done within ``handshake_timeout_s``; it drops a connection
 idle for ``idle_timeout_s`` or slower than ``message_timeout_s`` per message, and a malformed message closes
 that connection only (logged once per peer address).
 
@@ -46,7 +48,18 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dilocox.security import MAC_BYTES, AuthError, Crypter, Sealer, check_server_proof, client_hello, server_handshake
+from dilocox.security import (
+    HANDSHAKE_S,
+    MAC_BYTES,
+    AcceptGate,
+    AuthError,
+    Crypter,
+    Sealer,
+    check_server_proof,
+    dial,
+    server_handshake,
+    turn_away,
+)
 
 log = logging.getLogger("dilocox.swarm.transport")
 
@@ -66,9 +79,11 @@ class Limits:
     max_message_bytes: int = 256 << 20  # all tensors of one message (a peer sets it from its model: ``for_run``)
     max_tensors: int = 64
     max_dims: int = 8
-    max_connections: int = 64  # a server's open connections; more wait in the listen backlog (not accepted)
-    max_unauthenticated: int = 32  # of those, still in their handshake (bounded apart, done within ...)
-    handshake_timeout_s: float = 5.0  # ... this: a silent stranger holds a slot for 5 s at most
+    max_connections: int = 64  # a server's authenticated connections; more wait in the listen backlog (not accepted)
+    max_unauthenticated: int = 32  # connections in their handshake (security.AcceptGate: + half as many reserved for
+    max_unauthenticated_per_address: int = 4  # addresses that proved the secret before; at most this many per other
+    # address: one over its cap is closed at once, not queued), each done within ...
+    handshake_timeout_s: float = HANDSHAKE_S  # ... this: a silent stranger holds a slot for 2 s at most
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
     message_timeout_s: float = 60.0  # a message that started must be complete within this
 
@@ -80,6 +95,9 @@ class Limits:
     @property
     def max_dim(self) -> int:
         return max(1, self.max_message_bytes)  # no dimension of a tensor that fits can exceed its bytes
+
+
+SWARM_RPC = "swarm-rpc"  # the service name of a SWARM peer's RPC in every handshake (security.server_handshake)
 
 
 class ProtocolError(ConnectionError):
@@ -330,12 +348,14 @@ def call(
     secret=_DEFAULT,
     limits: Limits | None = None,
     encrypt=_DEFAULT,
+    service: str = SWARM_RPC,
 ) -> tuple[dict, dict[str, Tensor]]:
     """Send one request to ``addr`` (``host:port``) and return the reply's ``(meta, tensors)``.
 
     Everything (connect, authentication, send, the remote handler's work, receive) must finish within
     ``timeout_s``, else ``PeerUnavailable``; ``RemoteError`` when the remote handler raised. ``secret``
-    (default: ``use_secret``'s) authenticates both sides; a server without the secret is unavailable.
+    (default: ``use_secret``'s) authenticates both sides for ``service`` (the server's must be the same); a server
+    without the secret, or of another service, is unavailable.
     """
     secret = _state["secret"] if secret is _DEFAULT else secret
     encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
@@ -343,12 +363,13 @@ def call(
     host, port = _parse_addr(addr)
     frames = encode(method, meta, tensors)
     try:
-        with socket.create_connection((host, port), timeout=max(0.01, timeout_s)) as sock:
+        if secret is not None:  # the request follows the client's proof at once; the server's proof is checked
+            sock, key, expect = dial((host, port), secret, service, deadline, full=False)  # before its reply is read
+        else:
+            sock = socket.create_connection((host, port), timeout=max(0.01, timeout_s))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            seal = None
-            if secret is not None:  # the request follows the client's proof at once; the server's proof is
-                key, expect = client_hello(sock, secret, deadline)  # checked before its reply is read
-                seal = channel(key, "client", encrypt)
+        with sock:
+            seal = channel(key, "client", encrypt) if secret is not None else None
             try:
                 _send_all(sock, frames, deadline, addr, seal)
                 proof = bytes(_recv_exact(sock, MAC_BYTES, deadline)) if secret is not None else b""
@@ -357,8 +378,8 @@ def call(
                     raise
                 raise AuthError(
                     "the server closed the connection right after our proof: it holds another run secret "
-                    "(security.secret_file must be the same file on every host), runs with another "
-                    "security.encrypt, or it died"
+                    "(security.secret_file must be the same file on every host), serves another service than "
+                    f"{service!r}, runs with another security.encrypt, or it died"
                 ) from None
             if secret is not None:
                 check_server_proof(proof, expect)
@@ -378,7 +399,8 @@ class RpcServer:
     """Serves ``handler`` on ``host:port`` (port 0: a free one; see ``.addr``), one thread per connection.
 
     ``secret`` (default: ``use_secret``'s; None: no authentication), ``limits`` and ``encrypt`` (defaults:
-    ``use_secret``'s) as in the module docstring."""
+    ``use_secret``'s) as in the module docstring; ``service`` names what it serves in every handshake (a caller's
+    ``call`` must name the same)."""
 
     def __init__(
         self,
@@ -389,8 +411,9 @@ class RpcServer:
         secret=_DEFAULT,
         limits: Limits | None = None,
         encrypt=_DEFAULT,
+        service: str = SWARM_RPC,
     ) -> None:
-        self.handler, self.name = handler, name
+        self.handler, self.name, self.service = handler, name, service
         self.secret = _state["secret"] if secret is _DEFAULT else secret
         self.encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
         self.limits = limits or _state["limits"]
@@ -404,7 +427,14 @@ class RpcServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._logged: set[str] = set()  # peer addresses whose bad connection was logged already (once each)
-        self._pending: dict[str, int] = {}  # source address -> its connections still in the handshake
+        lim = self.limits
+        self.gate = AcceptGate(  # handshake slots: per source address, with a reserve for addresses proven before
+            per_address=lim.max_unauthenticated_per_address,
+            total=lim.max_unauthenticated,
+            reserved=max(1, lim.max_unauthenticated // 2),
+            per_member=lim.max_unauthenticated,
+        )
+        self._handshaking = 0  # connections in _conns still in their handshake (not counted in max_connections)
         self._was_full = False  # (over_cap counts the times a cap was reached, not the polls while it holds)
         self.rejected = {"over_cap": 0, "auth": 0, "malformed": 0, "idle": 0}  # counters (tests, logs)
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
@@ -420,10 +450,8 @@ class RpcServer:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:  # at a cap: accept nothing; new connections wait in the kernel's listen backlog
-                full = len(self._conns) >= self.limits.max_connections or (
-                    self.secret is not None and sum(self._pending.values()) >= self.limits.max_unauthenticated
-                )
+            with self._lock:  # authenticated connections at their cap: new ones wait in the kernel's listen backlog
+                full = len(self._conns) - self._handshaking >= self.limits.max_connections
             if full:
                 self.rejected["over_cap"] += 1 if not self._was_full else 0
                 self._was_full = True
@@ -441,34 +469,51 @@ class RpcServer:
                 time.sleep(0.05)
                 continue
             ip = peer[0]
+            slot = None
+            if self.secret is not None:
+                slot = self.gate.admit(ip)
+                if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
+                    turn_away(conn)
+                    with self._lock:
+                        self.rejected["over_cap"] += 1
+                    continue
             with self._lock:
                 self._conns.add(conn)
-                if self.secret is not None:
-                    self._pending[ip] = self._pending.get(ip, 0) + 1
-            threading.Thread(target=self._serve, args=(conn, ip), name=f"{self.name}-conn", daemon=True).start()
+                self._handshaking += slot is not None
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn, ip, slot), name=f"{self.name}-conn", daemon=True
+                ).start()
+            except RuntimeError as e:  # (no thread to be had: this connection, not the server)
+                log.warning("%s: no thread for a connection (%s)", self.name, e)
+                self._handshake_done(slot)
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
 
-    def _handshake_done(self, ip: str) -> None:
+    def _handshake_done(self, slot, proven: bool = False) -> None:
+        if slot is None:
+            return
+        self.gate.release(slot, proven)
         with self._lock:
-            n = self._pending.get(ip, 0) - 1
-            if n > 0:
-                self._pending[ip] = n
-            else:
-                self._pending.pop(ip, None)
+            self._handshaking -= 1
 
-    def _serve(self, conn: socket.socket, peer: str = "?") -> None:
+    def _serve(self, conn: socket.socket, peer: str = "?", slot=None) -> None:
         seal = None
-        pending = self.secret is not None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.secret is not None:
+                proven = False
                 try:
-                    key = server_handshake(conn, self.secret, time.monotonic() + self.limits.handshake_timeout_s)
+                    deadline = time.monotonic() + self.limits.handshake_timeout_s
+                    key = server_handshake(conn, self.secret, deadline, self.service)
+                    proven = True
                 except (AuthError, OSError) as e:  # (socket.timeout is an OSError: a slow or silent stranger)
                     self._note("auth", peer, str(e))
                     return
                 finally:
-                    self._handshake_done(peer)
-                    pending = False
+                    self._handshake_done(slot, proven)
+                    slot = None
                 seal = channel(key, "server", self.encrypt)
             while not self._stop.is_set():
                 try:
@@ -500,8 +545,7 @@ class RpcServer:
                     if release is not None:  # the handler's tensors may change from now on
                         release()
         finally:
-            if pending:  # (setsockopt failed before the handshake)
-                self._handshake_done(peer)
+            self._handshake_done(slot)  # (setsockopt failed before the handshake)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
