@@ -122,11 +122,12 @@ def undeclared_imports(req: set[str]) -> list[str]:
     problems = []
     for path in _sources():
         rel = os.path.relpath(path, ROOT)
-        text = None
+        text, seen = None, set()
         for module, line, top_level in imports_of(path):
             top = module.split(".")[0]
-            if top in std or top in local or top == "__future__":
+            if top in std or top in local or top == "__future__" or (line, top, module in EXTRA) in seen:
                 continue
+            seen.add((line, top, module in EXTRA))
             if top in OPTIONAL:
                 text = text if text is not None else open(path, encoding="utf-8").read()
                 if top_level:
