@@ -181,3 +181,33 @@ def test_launch_rejects_bad_latency_in_one_line(capsys):
     assert rc == 2 and err == ["dilocox launch: error: --latency 'soon' is not a time (e.g. 50ms, 0.15s)"], err
     rc = launch_main(["--replicas", "2", "--nproc-per-replica", "1", "--latency", "5ms", "--jitter", "9ms", cfg])
     assert rc == 2 and "--jitter 9ms is larger than --latency 5ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "code,want",
+    [
+        ("import time; time.sleep(30)", "printed no ready line within 1 s"),  # silent: the deadline still fires
+        ("import sys; sys.stderr.write('no port'); sys.exit(3)", "exited with code 3: no port"),
+        ("print('starting'); print('ready', flush=True); import time; time.sleep(30)", None),
+    ],
+    ids=["silent", "exits", "ready"],
+)
+def test_wait_ready_is_bounded(code, want):
+    """wait_ready returns on the "ready" line, fails at once on an exit and after its timeout on a silent switch
+    (it once called a blocking readline(), so a child that printed nothing held it forever)."""
+    from dilocox.launch.switch import wait_ready
+
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    t0 = time.monotonic()
+    try:
+        if want is None:
+            wait_ready(p, "test", timeout_s=20)
+        else:
+            with pytest.raises(SwitchError, match=want):
+                wait_ready(p, "test", timeout_s=1)
+        assert time.monotonic() - t0 < 15
+    finally:
+        p.kill()
+        p.wait(timeout=10)

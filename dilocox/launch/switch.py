@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "csrc", "netswitch.cpp")
@@ -69,18 +68,25 @@ def argv(ports: list[str], rtt_ms: float, jitter_ms: float = 0.0, loss: float = 
     ]  # fmt: skip
 
 
-def wait_ready(proc: subprocess.Popen, what: str) -> None:
-    """Bounded wait for the switch's "ready" line (its sockets are bound)."""
-    deadline = time.monotonic() + START_S
-    line = ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.strip() == "ready":
+def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float | None = None) -> None:
+    """Bounded wait for the switch's "ready" line (its sockets are bound): SwitchError after ``timeout_s`` (default
+    ``START_S``) even while the switch stays silent (the line is read by ``procs.read_ready_line``'s reader thread, not
+    by a blocking ``readline`` here), or at once when it exits first."""
+    from dilocox.distributed.procs import read_ready_line
+
+    timeout_s = START_S if timeout_s is None else timeout_s
+    try:
+        if read_ready_line(proc, r"^ready\s*$", timeout_s) is not None:
             return
-        if not line and proc.poll() is not None:
-            break
-    err = proc.stderr.read() if proc.poll() is not None else ""
-    raise SwitchError(f"the delay switch in {what} did not start within {START_S:g} s: {err.strip() or line.strip()}")
+        why = f"printed no ready line within {timeout_s:g} s"
+    except EOFError:
+        try:
+            rc = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        err = proc.stderr.read().strip() if proc.stderr is not None and rc is not None else ""
+        why = f"exited with code {rc}" + (f": {err}" if err else "")
+    raise SwitchError(f"the delay switch in {what} did not start: {why}")
 
 
 def parse_latency(text: str | float | None, what: str = "--latency") -> float:
