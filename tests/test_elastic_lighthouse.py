@@ -431,6 +431,7 @@ def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tm
                    "--log.progress=false", "--log.tensorboard=false", "--checkpoint.every=0", "--model.n_layers=2",
                    "--outer.elastic.enabled=true",
                    f"--outer.elastic.lighthouse=http://127.0.0.1:{port}", f"--outer.elastic.replica_rank={r}",
+                   "--outer.elastic.lighthouse_auth=false",  # (a plain lighthouse: this test is about its restart)
                    "--outer.elastic.min_replicas=2", "--outer.elastic.initial_replicas=2",
                    "--outer.elastic.quorum_timeout_s=30", f"--security.secret_file={secret}",
                    f"--log.run_dir={tmp_path / f'replica{r}'}"]  # fmt: skip
@@ -597,6 +598,7 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
                    "--outer.sync_every=5", "--train.steps=80", "--train.eval_every=0", "--log.every=1",
                    "--log.progress=false", "--log.tensorboard=false", "--checkpoint.every=0", "--model.n_layers=2",
                    "--outer.elastic.enabled=true", f"--outer.elastic.lighthouse={addrs}",
+                   "--outer.elastic.lighthouse_auth=false",  # (plain lighthouses: this test is about the standby)
                    f"--outer.elastic.replica_rank={r}", "--outer.elastic.min_replicas=2",
                    "--outer.elastic.initial_replicas=2", "--outer.elastic.quorum_timeout_s=30",
                    f"--security.secret_file={secret}", f"--log.run_dir={tmp_path / f'replica{r}'}"]  # fmt: skip

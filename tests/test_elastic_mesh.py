@@ -187,7 +187,10 @@ def test_an_elastic_quorum_of_two_on_the_authenticated_mesh():
     "overrides, msg",
     [
         (["--outer.elastic.collectives=nccl"], "outer.elastic.collectives"),
-        (["--outer.elastic.collectives=authenticated"], "needs outer.elastic.lighthouse_auth"),
+        (
+            ["--outer.elastic.collectives=authenticated", "--outer.elastic.lighthouse_auth=false"],
+            "needs outer.elastic.lighthouse_auth",
+        ),
     ],
 )
 def test_config_refusals_name_the_field(overrides, msg):

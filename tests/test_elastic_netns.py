@@ -40,6 +40,7 @@ def test_link_down_is_a_dead_replica_and_it_rejoins_when_the_link_returns(tmp_pa
     with Cluster(3, hub=True) as c:
         c.exec_hub(
             [sys.executable, "-m", "dilocox.cli", "lighthouse", "--min-replicas", "2", "--bind", f"{HUB_ADDR}:29517"]
+            + ["--insecure"]  # (namespaces of this host only; the workers run without a secret)
             + ["--heartbeat-timeout-ms", "1500", "--join-timeout-ms", "20000"],
             cwd=ROOT,
             env=env,

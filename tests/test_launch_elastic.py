@@ -397,13 +397,17 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
     p2, _ = run_elastic_sbatch(tmp_path, "gpu03 gpu04 gpu07 gpu08", DILOCOX_NODES_PER_REPLICA="2")
     assert p2.returncode == 0, p2.stderr
     assert secret.read_text() == before
-    # DILOCOX_LIGHTHOUSE_AUTH=0: a plain lighthouse, and the replicas do not try to authenticate to it
+    # DILOCOX_LIGHTHOUSE_AUTH=0: a plain lighthouse (--insecure: it binds 0.0.0.0), and the replicas do not try to
+    # authenticate to it (said explicitly: lighthouse_auth follows security.authenticate by default, issue 42)
     (tmp_path / "plain").mkdir()
     p3, plain = run_elastic_sbatch(
         tmp_path / "plain", "gpu03 gpu04", DILOCOX_NODES_PER_REPLICA="1", DILOCOX_LIGHTHOUSE_AUTH="0"
     )
     assert p3.returncode == 0, p3.stderr
-    assert plain and not any("--secret-file" in x or "lighthouse_auth" in x for x in plain), plain
+    lh_lines = [x for x in plain if " lighthouse " in x]
+    rep_lines = [x for x in plain if " train " in x]
+    assert len(lh_lines) == 1 and lh_lines[0].endswith("--insecure") and "--secret-file" not in lh_lines[0], plain
+    assert rep_lines and all(x.endswith("--outer.elastic.lighthouse_auth=false") for x in rep_lines), rep_lines
 
 
 def test_elastic_sbatch_rejects_uneven_layout(tmp_path):
@@ -577,8 +581,8 @@ def test_launch_elastic_builds_one_train_job_per_replica(tmp_path, monkeypatch):
         ["--outer.method=diloco", "--log.run_dir", run],
         auth_lighthouse=False,
     )
-    assert "--secret-file" not in seen["lighthouse_opts"]
-    assert not any("lighthouse_auth" in x for x in seen["argv"][0])
+    assert "--secret-file" not in seen["lighthouse_opts"] and "--insecure" in seen["lighthouse_opts"]
+    assert [x for x in seen["argv"][0] if "lighthouse_auth" in x] == ["--outer.elastic.lighthouse_auth=false"]
     with pytest.raises(LaunchError, match="--min-replicas 4 must be in"):
         L.launch_elastic(os.path.join(ROOT, "configs", "tiny.yaml"), 3, [], min_replicas=4, netns=False)
 

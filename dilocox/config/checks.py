@@ -456,6 +456,8 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
 
 
 def check_lighthouse_auth(o: OuterConfig, sec: Any) -> None:
+    if o.elastic.lighthouse_auth is None:  # (null: secure by default, as the run is: issue 42)
+        o.elastic.lighthouse_auth = bool(sec.authenticate)
     if o.elastic.lighthouse_auth and not sec.authenticate:
         _fail(
             "outer.elastic.lighthouse_auth",

@@ -160,9 +160,10 @@ class ElasticSection:
     quorum_timeout_s: float = 120.0  # bound on forming a quorum and on the wait below min_replicas
     max_attempts: int = 3  # retries of one outer step whose all-reduce failed (a replica died in flight)
     heartbeat_ms: int = 100  # how often the replica heartbeats the lighthouse
-    lighthouse_auth: bool = False  # true: the lighthouse(s) run with `dilocox lighthouse --secret-file` (a guard in
-    # front of torchft's server) and the replica proves the run secret on every connection to them (needs
-    # security.authenticate); `dilocox launch --elastic` sets both by default (docs/SECURITY.md)
+    lighthouse_auth: bool | None = None  # null (the default): security.authenticate. true: the lighthouse(s) run with
+    # `dilocox lighthouse --secret-file` (a guard in front of torchft's server), the replica proves the run secret on
+    # every connection to them and refuses a plain lighthouse; its store and manager are guarded too (needs
+    # security.authenticate). false: a plain lighthouse, nothing of the replica guarded (a closed network only)
     collectives: str = "auto"  # the replicas' outer collectives: gloo (torchft's gloo pairs: unauthenticated, in
     # the clear: a private network across sites) | authenticated (dilocox's mesh: the run secret's handshake on every
     # pair connection, each message MACed, or encrypted with security.encrypt; needs lighthouse_auth; elastic/mesh.py)

@@ -48,7 +48,7 @@ from dilocox.elastic.failover import (
     lighthouse_listening,
     quorum_id,
 )
-from dilocox.elastic.relay import LighthouseRelay
+from dilocox.elastic.relay import LighthouseRelay, unguarded
 from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_pg, replica_store
 from dilocox.elastic.transfer import StateTransport
 
@@ -123,7 +123,7 @@ class ElasticConfig:
     quorum_timeout_s: float = _SECTION.quorum_timeout_s
     max_attempts: int = _SECTION.max_attempts
     heartbeat_ms: int = _SECTION.heartbeat_ms
-    lighthouse_auth: bool = _SECTION.lighthouse_auth
+    lighthouse_auth: bool | None = _SECTION.lighthouse_auth  # None: with the secret (the run authenticates)
     host: str = "127.0.0.1"
     secret: bytes | None = field(default=None, repr=False)
     encrypt: bool = False
@@ -132,6 +132,9 @@ class ElasticConfig:
     def validate(self) -> None:
         def bad(name: str, fix: str) -> ValueError:
             return ValueError(f"elastic.{name}={getattr(self, name)!r} is invalid: {fix}")
+
+        if self.lighthouse_auth is None:  # (secure by default: issue 42)
+            self.lighthouse_auth = self.secret is not None
 
         if not isinstance(self.lighthouse_addr, str) or not all(
             a.strip().startswith(("http://", "https://")) for a in self.lighthouse_addr.split(",")
@@ -272,6 +275,15 @@ class ElasticOuterGroup:
         # first one that listens (dilocox/elastic/relay.py; docs/ELASTIC.md "A standby lighthouse")
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
+        if auth is not None:  # a replica that authenticates refuses a plain lighthouse, in one line (issue 42)
+            why = unguarded(endpoints, auth)
+            if why is not None:
+                self.transport.shutdown()
+                raise ElasticError(
+                    f"outer.elastic.lighthouse {why}; this replica authenticates (outer.elastic.lighthouse_auth "
+                    "follows security.authenticate): start the lighthouse with `dilocox lighthouse --secret-file "
+                    "RUN_SECRET`, or set outer.elastic.lighthouse_auth=false on every replica (a closed network only)"
+                )
         self.relay = (
             LighthouseRelay(endpoints, secret=auth, service="lighthouse") if len(endpoints) > 1 or auth else None
         )

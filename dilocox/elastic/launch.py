@@ -143,6 +143,9 @@ def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthous
             raise LaunchError("--authenticate-lighthouse needs security.authenticate=true (the run secret)")
         overrides.append("--outer.elastic.lighthouse_auth=true")
         lighthouse_opts += ["--secret-file", _run_secret(cfg, run_dir)]
+    else:  # asked for (or no secret): a plain lighthouse, and replicas that do not try to authenticate to it
+        overrides.append("--outer.elastic.lighthouse_auth=false")
+        lighthouse_opts += ["--insecure"]
     return overrides, lighthouse_opts
 
 

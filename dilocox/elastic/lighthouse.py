@@ -29,7 +29,13 @@ def _parser() -> argparse.ArgumentParser:
         "--secret-file",
         default="",
         help="the run secret: torchft listens on loopback only and every connection to --bind must prove the secret "
-        "first (the replicas set outer.elastic.lighthouse_auth=true; docs/SECURITY.md)",
+        "first (the replicas' outer.elastic.lighthouse_auth, on wherever security.authenticate is; docs/SECURITY.md)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve plain gRPC on a --bind other hosts can reach, without --secret-file: whoever reaches it can join "
+        "the quorum or kill a replica (a closed network only; the replicas need outer.elastic.lighthouse_auth=false)",
     )
     return p
 
@@ -49,6 +55,16 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
     host, sep, port = a.bind.rpartition(":")
     if not sep or not host or not port.isdigit():
         p.error(f"--bind {a.bind!r} is not HOST:PORT (e.g. 0.0.0.0:29510, [::]:0)")
+    from dilocox.elastic.stores import _is_loopback
+
+    if not a.secret_file and not a.insecure and not _is_loopback(host.strip("[]")):
+        print(
+            f"dilocox lighthouse: --bind {a.bind} is reachable from other hosts and has no --secret-file: pass "
+            "--secret-file RUN_SECRET (the replicas' security.secret_file), bind 127.0.0.1, or --insecure on a closed "
+            "network",
+            file=sys.stderr,
+        )
+        return 2
     stop = threading.Event()
     got: list[int] = []
 

@@ -247,6 +247,29 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def unguarded(endpoints: list[tuple[str, int]], secret: bytes, service: str = "lighthouse", wait_s: float = 3.0):
+    """Why the first of ``endpoints`` that accepts a TCP connection is not a guard of this run (one line), or None:
+    it is one (the handshake for ``service`` completed), or none listens yet (the relay retries, bounded, as before).
+    A plain torchft lighthouse says nothing until its client speaks (gRPC), so a server that sends no challenge within
+    ``wait_s`` is taken for one; a guard always answers at once (its challenge, or BUSY)."""
+    for h, p in endpoints:
+        try:
+            s, _, _ = dial((h, p), secret, service, time.monotonic() + wait_s, connect_timeout=min(1.0, wait_s))
+        except (ConnectionRefusedError, socket.gaierror):
+            continue
+        except (socket.timeout, TimeoutError):
+            return f"{h}:{p} sent no challenge of the run secret's handshake within {wait_s:.0f} s: a plain lighthouse"
+        except AuthError as e:
+            if "did not start" in str(e):
+                return f"{h}:{p} does not start the run secret's handshake: a plain lighthouse"
+            return f"{h}:{p} refused this replica's proof (another run secret there, or not a lighthouse): {e}"
+        except OSError:
+            continue
+        s.close()
+        return None
+    return None
+
+
 class LighthouseGuard:
     """``dilocox lighthouse --secret-file F`` (issue 21): the public port in front of torchft's lighthouse, which
     then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
