@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from collections import Counter
 
@@ -504,3 +506,77 @@ def test_hf_saved_dataset_dir_and_local_copy_with_a_config_name_offline(tmp_path
         assert f"[{name}][train]" in c.description
     with pytest.raises(DataError, match=r"hf_config='nope'"):
         read_corpus(_cfg(tmp_path, source="hf", path=str(repo), hf_config="nope"))
+
+
+# --------------------------------------------------------------------------- streaming prepare (issue 44 item 1)
+
+
+def _reference_tokens(cfg):
+    """The in-memory way (the whole corpus read, split, encoded at once): what the streamed build must equal."""
+    from dilocox.data.tokenizer import train_bpe
+
+    docs = read_corpus(cfg).docs
+    train, val = split_documents(docs, cfg.val_fraction)
+    tok = train_bpe(train, cfg.bpe_vocab_size) if cfg.tokenizer == "bpe" else ByteTokenizer()
+    return tok.encode_docs(train), tok.encode_docs(val), len(train), len(val)
+
+
+@pytest.mark.parametrize(
+    "layout", ["many", "one_file", "tie"], ids=["many-docs", "one-doc-cut-at-a-line", "equal-docs"]
+)
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_streamed_prepare_equals_the_in_memory_split_and_tokens(tmp_path, monkeypatch, layout, tokenizer):
+    """Small encode batches (many flushes, documents of each split in several batches): the token files, document
+    counts and content hash equal the whole-corpus computation, for a document-level split, for one document cut at
+    a line end, and for equal documents (ties)."""
+    prep = sys.modules["dilocox.data.prepare"]  # (dilocox.data.prepare, the attribute, is the function)
+    monkeypatch.setattr(prep, "ENCODE_BATCH_BYTES", 700)
+    d = tmp_path / "c"
+    d.mkdir()
+    if layout == "many":
+        for i in range(40):
+            (d / f"{i:03d}.txt").write_text(f"doc {i} é ✓ " + "word%d " % i * (i % 7 + 3) + "\n")
+    elif layout == "one_file":
+        (d / "one.txt").write_text("".join(f"line {i} of the only document\n" for i in range(300)))
+    else:
+        for i in range(10):
+            (d / f"{i}.txt").write_text("same size\n" * 20)
+    cfg = DataConfig(
+        source="text", path=str(d), cache_dir=str(tmp_path / "cache"), tokenizer=tokenizer, bpe_vocab_size=300,
+        val_fraction=0.1,
+    )  # fmt: skip
+    p = prepare(cfg)
+    train, val, n_train, n_val = _reference_tokens(cfg)
+    assert np.array_equal(p.train_tokens(), train) and np.array_equal(p.val_tokens(), val)
+    assert (p.meta["train_docs"], p.meta["val_docs"]) == (n_train, n_val)
+    want = hashlib.sha256(b"".join(x.encode() + b"\0" for x in read_corpus(cfg).docs)).hexdigest()
+    assert p.meta["content_sha256"] == want
+
+
+@pytest.mark.slow  # writes and prepares a 120 MB corpus in a subprocess
+def test_prepare_streams_with_memory_below_the_corpus_size(tmp_path):
+    """Peak RSS added by preparing a 120 MB corpus (1,200 files): below 100 MB (the whole-corpus way held the text,
+    its bytes and its tokens at once: over 4x the corpus). Bounded by the batch, not the corpus."""
+    d = tmp_path / "big"
+    d.mkdir()
+    line = "".join(chr(97 + (i * 7) % 26) for i in range(99)) + "\n"
+    for i in range(1200):
+        (d / f"{i:05d}.txt").write_text(line * 1000)  # 100 kB each
+    code = (
+        "import resource, sys\n"
+        "from dilocox.config import DataConfig\n"
+        "from dilocox.data import prepare\n"
+        "cfg = DataConfig(source='text', path=sys.argv[1], cache_dir=sys.argv[2])\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "p = prepare(cfg)\n"
+        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(base, peak, p.meta['bytes'], p.meta['train_tokens'] + p.meta['val_tokens'])\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(d), str(tmp_path / "cache")],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    base, peak, nbytes, ntok = map(int, r.stdout.split()[-4:])
+    assert nbytes == 120_000_000 and ntok == nbytes + 1200  # every byte, one end-of-document token per file
+    assert (peak - base) * 1024 < 100e6, f"prepare added {(peak - base) / 1024:.0f} MB of peak RSS for 120 MB"

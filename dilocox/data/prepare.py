@@ -36,7 +36,7 @@ import numpy as np
 
 from dilocox.config import DataConfig
 from dilocox.data.sampler import val_batches as _val_batches
-from dilocox.data.sources import cap_note, fingerprint, read_corpus, split_documents
+from dilocox.data.sources import DataError, DocStream, cap_note, cut_document, fingerprint, split_plan
 from dilocox.data.tokenizer import ByteTokenizer, load_or_train_bpe, load_tokenizer
 
 FORMAT = 1  # bump when the on-disk layout or tokenization changes: invalidates every cache
@@ -189,11 +189,68 @@ def _write(tmp: str, name: str, arr: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
+PROGRESS_EVERY_S = 10.0  # a pass over the corpus that takes longer prints a progress line this often
+ENCODE_BATCH_BYTES = 8_000_000  # documents are tokenized and written in batches of about this many bytes
+
+
+def _split_stream(stream: DocStream, i: int, head_bytes: int | None, sizes):
+    """One pass over ``stream``: ("train" | "val", document), with the split of ``split_plan`` (the one document it
+    cuts is split at a line end); a document whose size changed since the first pass is an error."""
+    for idx, doc in enumerate(stream):
+        if idx < len(sizes) and len(doc.encode("utf-8")) != sizes[idx]:
+            raise DataError(f"the corpus changed while it was being prepared (document {idx}); prepare it again")
+        if idx < i:
+            yield "train", doc
+        elif idx == i and head_bytes is not None:
+            head, tail = cut_document(doc, head_bytes)
+            if head:
+                yield "train", head
+            yield "val", tail
+        else:
+            yield "val", doc
+
+
+class _Progress:
+    """``data prepare: tokenizing 412.0 / 1,024.0 MB (40 %), 35.2 MB/s, 17 s left`` (``total`` None: ``reading
+    412.0 MB, 35.2 MB/s``) every PROGRESS_EVERY_S: a corpus that is read in less prints nothing."""
+
+    def __init__(self, total: int | None, what: str):
+        self.total, self.what, self.done = total, what, 0
+        self.t0 = self.last = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        if self.total is None:
+            where = f"{self.done / 1e6:,.1f} MB"
+        else:
+            left, pct = (self.total - self.done) / max(rate, 1e-9), 100 * self.done / max(self.total, 1)
+            where = f"{self.done / 1e6:,.1f} / {self.total / 1e6:,.1f} MB ({pct:.0f} %), {left:.0f} s left"
+        print(f"data prepare: {self.what} {where}, {rate / 1e6:.1f} MB/s", flush=True)
+
+
 def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
-    """Read, split, tokenize and write into ``tmp``; return the meta dict (not yet written)."""
+    """Stream, split, tokenize and write into ``tmp``; return the meta dict (not yet written).
+
+    Bounded memory: the corpus is read as a stream of documents twice (sizes and content hash, then tokens; the BPE,
+    when trained, reads the training documents once more), never whole; what is held is one batch of documents
+    (ENCODE_BATCH_BYTES, or one document when larger) and one 8-byte size per document."""
+    from array import array
+
     t0 = time.perf_counter()
-    corpus = read_corpus(cfg)
-    train_docs, val_docs = split_documents(corpus.docs, cfg.val_fraction)
+    stream = DocStream(cfg)
+    sizes, content = array("q"), hashlib.sha256()
+    progress = _Progress(None, "reading")
+    for doc in stream:  # pass 1: document sizes (for the split) and the content hash
+        raw = doc.encode("utf-8")
+        sizes.append(len(raw))
+        content.update(raw + b"\0")
+        progress.add(len(raw))
+    i, head_bytes = split_plan(sizes, cfg.val_fraction)
     t_read = time.perf_counter()
     if cfg.tokenizer == "bpe":
         cache = os.path.join(
@@ -201,19 +258,44 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
             "tokenizers",
             f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json",
         )
-        tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache)
+        n_train = i + (head_bytes is not None)  # (a hint for the trainer's progress; the cut head may be empty)
+        train_docs = (d for split, d in _split_stream(stream, i, head_bytes, sizes) if split == "train")
+        tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache, length=n_train)
         shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
     else:
         tok = ByteTokenizer()
     t_tok = time.perf_counter()
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
-    train, val = (tok.encode_docs(d).astype(dtype, copy=False) for d in (train_docs, val_docs))
-    _write(tmp, "train.bin", train)
-    _write(tmp, "val.bin", val)
-    content = hashlib.sha256()
-    for d in corpus.docs:
-        content.update(d.encode("utf-8") + b"\0")
-    n_tokens = len(train) + len(val)
+    counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents
+    progress = _Progress(stream.nbytes, "tokenizing")
+    files = {s: open(os.path.join(tmp, f"{s}.bin"), "wb") for s in ("train", "val")}  # noqa: SIM115
+    try:
+        batch, batch_split, batch_bytes = [], None, 0
+
+        def flush() -> None:
+            if batch:
+                arr = tok.encode_docs(batch).astype(dtype, copy=False)
+                arr.tofile(files[batch_split])
+                counts[batch_split][0] += len(arr)
+                counts[batch_split][1] += len(batch)
+                progress.add(batch_bytes)
+
+        for split, doc in _split_stream(stream, i, head_bytes, sizes):  # pass 2: tokens, appended per batch
+            if split != batch_split or batch_bytes >= ENCODE_BATCH_BYTES:
+                flush()
+                batch, batch_split, batch_bytes = [], split, 0
+            batch.append(doc)
+            batch_bytes += len(doc.encode("utf-8"))
+        flush()
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    if not counts["train"][1]:
+        raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
+    n_tokens = counts["train"][0] + counts["val"][0]
     seconds = time.perf_counter() - t0
     return {
         "format": FORMAT,
@@ -222,13 +304,13 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         "vocab_size": tok.vocab_size,
         "eot_id": tok.eot_id,
         "dtype": dtype.name,
-        "train_tokens": len(train),
-        "val_tokens": len(val),
-        "train_docs": len(train_docs),
-        "val_docs": len(val_docs),
-        "bytes": sum(len(d.encode("utf-8")) for d in corpus.docs),
-        "source": corpus.description,
-        "cut": corpus.cut,  # data.max_bytes cut the source (sizes), else None
+        "train_tokens": counts["train"][0],
+        "val_tokens": counts["val"][0],
+        "train_docs": counts["train"][1],
+        "val_docs": counts["val"][1],
+        "bytes": stream.nbytes,
+        "source": stream.description,
+        "cut": stream.cut,  # data.max_bytes cut the source (sizes), else None
         "content_sha256": content.hexdigest(),
         "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
         "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},

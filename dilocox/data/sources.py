@@ -208,38 +208,37 @@ def fingerprint(cfg: DataConfig) -> str:
 
 
 class _Capped:
-    """Accumulates documents until ``max_bytes`` UTF-8 bytes; truncates the last one."""
+    """Passes documents through until ``max_bytes`` UTF-8 bytes; truncates the last one (streaming: one at a time)."""
 
     def __init__(self, max_bytes: int | None):
-        self.max_bytes, self.total, self.docs, self.cut = max_bytes, 0, [], False
+        self.max_bytes, self.total, self.cut = max_bytes, 0, False
 
     @property
     def full(self) -> bool:
         return self.max_bytes is not None and self.total >= self.max_bytes
 
-    def add(self, raw: bytes) -> None:
+    def take(self, raw: bytes) -> str | None:
+        """The document ``raw`` as kept (decoded; cut at the cap), or None when nothing of it is kept."""
         cut = self.max_bytes is not None and self.total + len(raw) > self.max_bytes
         if cut:
             raw = raw[: self.max_bytes - self.total]
             self.cut = True
-        if raw:
-            self.total += len(raw)
-            self.docs.append(raw.decode("utf-8", errors="ignore" if cut else "replace"))
+        if not raw:
+            return None
+        self.total += len(raw)
+        return raw.decode("utf-8", errors="ignore" if cut else "replace")
+
+    def report(self, source_bytes: int | None) -> dict | None:
+        """``Corpus.cut`` / ``DocStream.cut``: what the cap cut, else None."""
+        if not self.cut:
+            return None
+        return {"max_bytes": self.max_bytes, "source_bytes": source_bytes, "kept_bytes": self.total}
 
 
-def _read_files(files: list[str], max_bytes: int | None) -> tuple[list[str], dict | None]:
-    acc = _Capped(max_bytes)
+def _file_raws(files: list[str]):
     for f in files:
-        if acc.full:
-            acc.cut = True
-            break
         with open(f, "rb") as fh:
-            acc.add(fh.read())
-    return acc.docs, _cut(acc, sum(os.path.getsize(f) for f in files) if acc.cut else None)
-
-
-def _cut(acc: _Capped, source_bytes: int | None) -> dict | None:
-    return {"max_bytes": acc.max_bytes, "source_bytes": source_bytes, "kept_bytes": acc.total} if acc.cut else None
+            yield fh.read()
 
 
 def _is_saved_dataset(path: str | None) -> bool:
@@ -298,52 +297,74 @@ def _hf_rows(cfg: DataConfig):
     return ds, f"{where} {cfg.path}{name}[{cfg.hf_split}]"
 
 
-def _read_hf(cfg: DataConfig) -> Corpus:
-    ds, where = _hf_rows(cfg)
-    acc = _Capped(cfg.max_bytes)
-    for row in ds:
-        if acc.full:
-            acc.cut = True
-            break
-        if cfg.hf_text_field not in row:
-            raise DataError(
-                f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; columns: {sorted(row)}"
-            )
-        acc.add(str(row[cfg.hf_text_field]).encode("utf-8"))
-    return Corpus(acc.docs, f"hf {where}, field {cfg.hf_text_field!r}", _cut(acc, None))
+class DocStream:
+    """The configured corpus as a stream of documents, read one at a time (memory: one document), in the order and
+    with the content ``read_corpus`` returns; iterate it again for another pass. After a complete pass:
+    ``n_docs``, ``nbytes`` (UTF-8), ``cut`` (what data.max_bytes cut, else None) and ``description``."""
 
+    def __init__(self, cfg: DataConfig):
+        if cfg.source not in ("stdlib", "prose", "text", "hf"):
+            raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
+        self.cfg = cfg
+        self.n_docs, self.nbytes, self.cut, self.description = 0, 0, None, ""
 
-def read_corpus(cfg: DataConfig) -> Corpus:
-    """Read the configured source into documents (deterministic, capped at data.max_bytes)."""
-    if cfg.source == "stdlib":
-        root = stdlib_root()
-        docs, cut = _read_files(stdlib_files(root), cfg.max_bytes)
-        desc = f"stdlib {root} (Python {sys.version.split()[0]})"
-    elif cfg.source == "prose":
-        import pydoc_data.topics as t
+    def _raws(self):
+        """(raw documents as bytes, a function giving the source's size once the cap cut it, a description)."""
+        cfg = self.cfg
+        if cfg.source == "stdlib":
+            root = stdlib_root()
+            files = stdlib_files(root)
+            size = lambda: sum(os.path.getsize(f) for f in files)  # noqa: E731
+            return _file_raws(files), size, f"stdlib {root} (Python {sys.version.split()[0]})"
+        if cfg.source == "prose":
+            import pydoc_data.topics as t
 
-        acc = _Capped(cfg.max_bytes)
-        for name in sorted(t.topics):
+            raws = (t.topics[name].encode("utf-8") for name in sorted(t.topics))
+            size = lambda: sum(len(v.encode("utf-8")) for v in t.topics.values())  # noqa: E731
+            return raws, size, f"prose: pydoc_data.topics (Python {sys.version.split()[0]})"
+        if cfg.source == "text":
+            files = local_files(cfg.path, "text")
+            return _file_raws(files), lambda: sum(os.path.getsize(f) for f in files), f"text {cfg.path}"
+        ds, where = _hf_rows(cfg)
+
+        def rows():
+            for row in ds:
+                if cfg.hf_text_field not in row:
+                    raise DataError(
+                        f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; columns: {sorted(row)}"
+                    )
+                yield str(row[cfg.hf_text_field]).encode("utf-8")
+
+        return rows(), lambda: None, f"hf {where}, field {cfg.hf_text_field!r}"
+
+    def __iter__(self):
+        acc = _Capped(self.cfg.max_bytes)
+        raws, size, desc = self._raws()
+        n, nbytes = 0, 0
+        for raw in raws:
             if acc.full:
                 acc.cut = True
                 break
-            acc.add(t.topics[name].encode("utf-8"))
-        docs, desc = acc.docs, f"prose: pydoc_data.topics (Python {sys.version.split()[0]})"
-        cut = _cut(acc, sum(len(v.encode("utf-8")) for v in t.topics.values()) if acc.cut else None)
-    elif cfg.source == "text":
-        docs, cut = _read_files(local_files(cfg.path, "text"), cfg.max_bytes)
-        desc = f"text {cfg.path}"
-    elif cfg.source == "hf":
-        corpus = _read_hf(cfg)
-        docs, desc, cut = corpus.docs, corpus.description, corpus.cut
-    else:
-        raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
-    if not docs:
-        raise DataError(
-            f"data.source={cfg.source!r} data.path={cfg.path!r} is empty (0 bytes of text); give a non-empty corpus"
-        )
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    return Corpus(docs, f"{desc}: {len(docs)} documents, {nbytes / 1e6:.2f} MB", cut)
+            doc = acc.take(raw)
+            if doc is not None:
+                n += 1
+                nbytes += len(doc.encode("utf-8"))
+                yield doc
+        self.n_docs, self.nbytes, self.cut = n, nbytes, acc.report(size() if acc.cut else None)
+        self.description = f"{desc}: {n} documents, {nbytes / 1e6:.2f} MB"
+        if not n:
+            raise DataError(
+                f"data.source={self.cfg.source!r} data.path={self.cfg.path!r} is empty (0 bytes of text); give a "
+                "non-empty corpus"
+            )
+
+
+def read_corpus(cfg: DataConfig) -> Corpus:
+    """Read the configured source into documents (deterministic; capped only at an opt-in data.max_bytes). The whole
+    corpus in memory: ``prepare`` streams it (``DocStream``) instead."""
+    stream = DocStream(cfg)
+    docs = list(stream)
+    return Corpus(docs, stream.description, stream.cut)
 
 
 # --------------------------------------------------------------------------- train/val split
@@ -357,6 +378,34 @@ def _cut_at_line(doc: str, head_bytes: int) -> tuple[str, str]:
     return doc[:cut], doc[cut:]
 
 
+def split_plan(sizes, val_fraction: float) -> tuple[int, int | None]:
+    """Where ``split_documents`` splits documents of UTF-8 ``sizes``: (i, None) = train docs[:i], val docs[i:]; or
+    (i, head_bytes) = document i is cut by ``cut_document(docs[i], head_bytes)``: its head ends train, its tail starts
+    validation."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    total = int(sizes.sum())
+    if total < 2:
+        raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
+    want = val_fraction * total
+    suffix = np.concatenate([np.cumsum(sizes[::-1])[::-1], [0]])  # suffix[c] = bytes of docs[c:]
+    n = len(sizes)
+    if n > 1:
+        dist = np.abs(suffix[1:n] - want)
+        best = int(np.flatnonzero(dist == dist.min())[-1]) + 1  # the closest boundary; the last on a tie
+        if want / 2 <= suffix[best] <= 2 * want:
+            return best, None
+    i = int(np.flatnonzero(suffix[:n] >= want)[-1])  # the document holding the target
+    return i, max(1, int(sizes[i]) - int(want - suffix[i + 1]))
+
+
+def cut_document(doc: str, head_bytes: int) -> tuple[str, str]:
+    """The (head, tail) of the one document that a split cuts (``split_plan``): both non-empty."""
+    head, tail = _cut_at_line(doc, head_bytes)
+    if not tail:
+        head, tail = doc[:-1], doc[-1:]
+    return head, tail
+
+
 def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Held-out split: validation = the last documents, ~val_fraction of the bytes.
 
@@ -366,20 +415,10 @@ def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], li
     cut at a line end: its head stays in train and its tail starts validation. Either way no
     text is in both splits, and both are non-empty.
     """
-    sizes = [len(d.encode("utf-8")) for d in docs]
-    total = sum(sizes)
-    if total < 2:
-        raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
-    want = val_fraction * total
-    suffix = np.cumsum(sizes[::-1])[::-1].tolist() + [0]  # suffix[c] = bytes of docs[c:]
-    if len(docs) > 1:
-        best = min(range(1, len(docs)), key=lambda c: (abs(suffix[c] - want), -c))
-        if want / 2 <= suffix[best] <= 2 * want:
-            return docs[:best], docs[best:]
-    i = max(c for c in range(len(docs)) if suffix[c] >= want)  # the document holding the target
-    head, tail = _cut_at_line(docs[i], max(1, sizes[i] - int(want - suffix[i + 1])))
-    if not tail:
-        head, tail = docs[i][:-1], docs[i][-1:]
+    i, head_bytes = split_plan([len(d.encode("utf-8")) for d in docs], val_fraction)
+    if head_bytes is None:
+        return docs[:i], docs[i:]
+    head, tail = cut_document(docs[i], head_bytes)
     train, val = docs[:i] + ([head] if head else []), [tail] + docs[i + 1 :]
     if not train:
         raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")

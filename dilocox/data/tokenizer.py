@@ -84,7 +84,7 @@ class BPETokenizer:
         self.path = path
 
 
-def train_bpe(docs: list[str], vocab_size: int) -> BPETokenizer:
+def train_bpe(docs: Iterable[str], vocab_size: int, length: int | None = None) -> BPETokenizer:
     """Train a byte-level BPE with ``vocab_size`` entries (256 bytes + EOT + merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -99,17 +99,20 @@ def train_bpe(docs: list[str], vocab_size: int) -> BPETokenizer:
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs) if length is None else length)
     return BPETokenizer(tok)
 
 
-def load_or_train_bpe(train_docs: list[str], vocab_size: int, cache_path: str) -> BPETokenizer:
-    """The BPE cached at ``cache_path`` if present, else train it on ``train_docs`` and cache it."""
+def load_or_train_bpe(
+    train_docs: Iterable[str], vocab_size: int, cache_path: str, length: int | None = None
+) -> BPETokenizer:
+    """The BPE cached at ``cache_path`` if present, else train it on ``train_docs`` (a list, or an iterable of
+    ``length`` documents: read once, as a stream) and cache it."""
     if os.path.exists(cache_path):
         tok = BPETokenizer.from_file(cache_path)
         if tok.vocab_size <= vocab_size:
             return tok
-    tok = train_bpe(train_docs, vocab_size)
+    tok = train_bpe(train_docs, vocab_size, length)
     tok.save(cache_path)
     return tok
 
