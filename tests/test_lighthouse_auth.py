@@ -107,3 +107,29 @@ def test_a_replica_that_authenticates_refuses_a_plain_lighthouse_in_one_line(tmp
     finally:
         plain.shutdown()
         other.shutdown()
+
+
+def test_the_documented_recipes_start_authenticated_lighthouses():
+    """Every `dilocox lighthouse` command in the docs that binds an address other hosts can reach names the run
+    secret (or says --insecure), and every hand-started replica recipe passes the secret file."""
+    import re
+
+    from dilocox.elastic.stores import _is_loopback
+
+    seen = 0
+    for doc in ("ELASTIC.md", "SECURITY.md"):
+        with open(os.path.join(ROOT, "docs", doc)) as f:
+            text = f.read()
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            cmds = block.replace("\\\n", " ").splitlines()
+            for cmd in cmds:
+                cmd = cmd.split("#", 1)[0]
+                if "dilocox lighthouse" in cmd:
+                    bind = re.search(r"--bind\s+(\S+)", cmd)
+                    host = (bind.group(1) if bind else "0.0.0.0:0").rpartition(":")[0].strip("[]")
+                    if not _is_loopback(host):
+                        seen += 1
+                        assert "--secret-file" in cmd or "--insecure" in cmd, f"docs/{doc}: {cmd.strip()}"
+                if "dilocox train" in cmd and "outer.elastic.enabled=true" in cmd:
+                    assert "--security.secret_file=" in cmd, f"docs/{doc}: {cmd.strip()}"
+    assert seen >= 2  # (the recipes were found)
