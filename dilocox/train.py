@@ -126,7 +126,8 @@ class Trainer:
             hf_dir = resolve_hf_dir(cfg.model.init_from)
             hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
             self.model.load_full_state_dict(hf_sd)
-        if cfg.train.compile:  # per block, in place (torchtitan's way): names, checkpoints and TP/PP layout unchanged
+        whole = t.P == 1 and t.T == 1  # one stage, no TP: forward + loss compile as one graph (engine.compile_whole)
+        if cfg.train.compile and not whole:  # per block, in place (torchtitan's way): names, checkpoints, layout kept
             for block in self.model.layers.values():
                 block.compile()
         autocast = None
@@ -135,6 +136,8 @@ class Trainer:
         self.engine = PipelineEngine(
             self.model, t, cfg.parallel, cfg.model, cfg.train.seq_len, self.device, autocast_dtype=autocast
         )
+        if cfg.train.compile and whole:
+            self.engine.compile_whole()
         self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
 
     def _init_outer(self) -> None:
@@ -177,8 +180,14 @@ class Trainer:
         self.peak = peak_flops(self.device)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.history: list[dict] = []
-        self.grad_norm: float | None = None  # global norm before clipping (optim.grad_clip > 0), logged per step
+        # global norm before clipping (optim.grad_clip > 0), logged per step (a device tensor until the next log step)
+        self.grad_norm: float | torch.Tensor | None = None
         self.resumed_from: str | None = None
+        # run() sets it: the step's loss and grad norm stay device tensors, read (one host sync) and checked for
+        # finiteness at the printed log steps, before a save and before an outer step's communication; no host sync
+        # in between (tests/test_hot_path.py). Off, train_step() returns a float and checks it at once.
+        self.defer_sync = False
+        self._unlogged: list[tuple[dict, bool]] = []  # records since the last printed one, tensors not yet read
 
     def _check_checkpoint_space(self) -> None:
         space = ckpt.preflight(
@@ -313,6 +322,7 @@ class Trainer:
             raise err or rundir.RunDirError(f"resuming {path}: another rank found the config incompatible (see rank 0)")
 
     def save(self, record: bool = True) -> str:
+        self._flush_logs()  # nothing non-finite is saved: the pending losses are checked (and logged) first
         # the config goes into COMPLETE.json: a resume compares its own config with the one these weights came from
         path = ckpt.save_checkpoint(
             self.ckpt_dir,
@@ -339,28 +349,52 @@ class Trainer:
         self.model.train()
         return float(sum(losses) / max(1, len(losses)))
 
-    def train_step(self) -> float:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned + non_blocking: a copy from pageable memory would block the host
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _nonfinite_error(self, loss: float, step: int, now: int | None = None) -> FloatingPointError:
+        where = "before the bad update" if now is None else f"at step {now} (losses are read at the log steps)"
+        lr = self.cfg.optim.lr
+        return FloatingPointError(
+            f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped {where}. "
+            f"Lower optim.lr (now {lr}) or set optim.grad_clip, and resume from the last good checkpoint "
+            f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
+            "non-finite states are never saved)"
+        )
+
+    def _outer_communicates(self, step: int) -> bool:
+        """Does the outer method use the links between replicas after inner step ``step``? (per-step methods: every
+        step; the DiLoCo family: when a fragment's all-reduce is launched or applied)."""
+        sched = getattr(self.outer, "schedule", None)
+        if sched is None:
+            return True
+        return bool(sched.syncs_at(step + 1) or sched.launches_at(step + 1))
+
+    def train_step(self) -> float | torch.Tensor:
+        """One inner step; returns its loss (a 0-dim device tensor under ``defer_sync``, else a float)."""
         cfg, step = self.cfg, self.step
         lr = lr_at(step, cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         x, y = self.sampler.next_batch()
-        loss = self.engine.forward_backward(x.to(self.device), y.to(self.device))
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped before the bad update. "
-                f"Lower optim.lr (now {cfg.optim.lr}) or set optim.grad_clip, and resume from the last good checkpoint "
-                f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
-                "non-finite states are never saved)"
-            )
+        loss = self.engine.forward_backward_async(self._to_device(x), self._to_device(y))
+        if not self.defer_sync or (self.outer is not None and self._outer_communicates(step)):
+            value = float(loss.item())  # checked now: before an outer step's communication, nothing bad leaves
+            if not math.isfinite(value):
+                self._flush_logs()
+                raise self._nonfinite_error(value, step)
+            if not self.defer_sync:
+                loss = value
         if self.outer is not None:
             self.outer.on_gradients(step)
         if cfg.optim.grad_clip > 0:
-            self.grad_norm = float(
-                clip_grad_norm_(
-                    list(self.model.parameters()), cfg.optim.grad_clip, self.topo.tp_rank, self.topo.group("mp")
-                )
+            self.grad_norm = clip_grad_norm_(
+                list(self.model.parameters()), cfg.optim.grad_clip, self.topo.tp_rank, self.topo.group("mp")
             )
+            if not self.defer_sync:
+                self.grad_norm = float(self.grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.outer is not None:
@@ -442,12 +476,12 @@ class Trainer:
         start_step, t_start = self.step, time.time()
         self._rate_mark = (t_start, self.step)  # tokens/s since the last printed record
         ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway
+        self.defer_sync = True
         while self.step < cfg.train.steps:
             if cfg.train.max_tokens and self.tokens_seen >= cfg.train.max_tokens:
                 break
-            loss = self.train_step()
-            self._log_step(loss, start_step, t_start)
-            ckpt_due = self._at_boundary(ckpt_due)
+            ckpt_due = self.loop_step(start_step, t_start, ckpt_due)
+        self._flush_logs()
         if self.outer is not None:
             self.outer.finish()
         summary = self._end_of_run(start_step, time.time() - t_start)
@@ -475,7 +509,29 @@ class Trainer:
                 f"to a multiple of {o.sync_every}"
             )
 
-    def _log_step(self, loss: float, start_step: int, t_start: float) -> None:
+    def loop_step(self, start_step: int, t_start: float, ckpt_due: bool) -> bool:
+        """The body of :meth:`run`'s loop (also what ``dilocox bench train --reference`` times): a step, its record,
+        then the stop and checkpoint decisions at the step boundary. Returns ``ckpt_due``."""
+        loss = self.train_step()
+        self._log_step(loss, start_step, t_start)
+        return self._at_boundary(ckpt_due)
+
+    def _flush_logs(self) -> None:
+        """Read the pending records' device tensors (loss, grad norm) in one host sync, check the losses, log them."""
+        recs, self._unlogged = self._unlogged, []
+        if not recs:
+            return
+        slots = [(r, k) for r, _ in recs for k in ("loss", "grad_norm") if isinstance(r.get(k), torch.Tensor)]
+        if slots:
+            values = torch.stack([r[k].detach().reshape(()).double() for r, k in slots]).tolist()
+            for (r, k), v in zip(slots, values):
+                r[k] = v
+        for r, printed in recs:
+            if not math.isfinite(r["loss"]):
+                raise self._nonfinite_error(r["loss"], r["step"] - 1, self.step)
+            self.logger.log(r, printed=printed)
+
+    def _log_step(self, loss: float | torch.Tensor, start_step: int, t_start: float) -> None:
         """The step's record (loss, lr, val loss when due, tokens/s, ETA, MFU, the outer method's stats)."""
         cfg = self.cfg
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
@@ -496,8 +552,9 @@ class Trainer:
             rec.update(self.outer.stats)
         printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.steps
         self.history.append(rec)
-        self.logger.log(rec, printed=printed)
+        self._unlogged.append((rec, printed))
         if printed:
+            self._flush_logs()
             self._rate_mark = (now, self.step)
 
     def _at_boundary(self, ckpt_due: bool) -> bool:

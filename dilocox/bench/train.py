@@ -4,12 +4,14 @@ Shows the parallel overhead on this machine: tokens/s, peak RSS per rank, final 
 loss and the loss curves (PNG). Same model, data, seed and steps for both layouts.
 
     dilocox bench train [--steps 300] [--out docs/bench/train]
+    dilocox bench train --reference [...]   dilocox's step next to a plain PyTorch loop (dilocox/bench/reference.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from dilocox.bench.runner import CONFIGS, line_plot, machine_line, run_train, write_results
@@ -67,11 +69,18 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--reference" in argv:  # dilocox train's step next to a plain PyTorch loop (reference.py)
+        from dilocox.bench import reference
+
+        argv.remove("--reference")
+        return reference.main(argv)
     ap = argparse.ArgumentParser(
         prog="dilocox bench train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default="docs/bench/train")
+    ap.add_argument("--reference", action="store_true", help="dilocox's step next to a plain loop (--reference --help)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     rows = run(a.steps, a.out)

@@ -115,11 +115,16 @@ class PipelineEngine:
 
     def forward_backward(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         """Accumulate into ``.grad`` the gradient of the replica's mean loss; return that loss."""
+        return float(self.forward_backward_async(tokens, labels).item())
+
+    def forward_backward_async(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward_backward` without the host sync: the loss stays a 0-dim fp64 tensor on the device (the
+        trainer reads it at its log steps only; docs/BENCHMARKS.md "GPU: dilocox next to a plain loop")."""
         tokens, labels, mb = self._local_batch(tokens, labels)
         if self.P == 1:
             losses = []
             for x, y in zip(tokens.split(mb), labels.split(mb)):
-                loss = self.model.loss(self.runner(x), y) / self.M
+                loss = self._loss_of(x, y) / self.M
                 loss.backward()
                 losses.append(loss.detach())
         elif self.pcfg.schedule == "reference":
@@ -136,7 +141,20 @@ class PipelineEngine:
         else:
             losses = self._torch_schedule(mb).run(tokens, labels)
         self._average_grads_over_dp()
-        return self._replica_loss(losses)
+        return self._replica_loss_tensor(losses)
+
+    def _loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One stage that is the whole model (P = 1): the loss of a microbatch. The function
+        :meth:`compile_whole` compiles (forward and cross-entropy in one graph)."""
+        return self.model.loss(self.runner(x), y)
+
+    def compile_whole(self) -> None:
+        """``train.compile`` at P = T = 1: the whole forward + loss as one torch.compile graph (embedding, blocks,
+        head and cross-entropy; per block, the rest stayed eager). Parameters, names and checkpoints are unchanged
+        (the module is not wrapped)."""
+        if self.P != 1 or self.model.tp_size != 1:
+            raise ValueError("compile_whole is for one stage without tensor parallelism (P = T = 1)")
+        self._loss_of = torch.compile(self._loss_of)  # instance attribute: shadows the method
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
@@ -260,7 +278,10 @@ class PipelineEngine:
                     g.copy_(part.view_as(g))
 
     def _replica_loss(self, losses: list[torch.Tensor]) -> float:
-        """Sum of the (already 1/M-scaled) microbatch losses: last stage -> pp group -> dp mean."""
+        return float(self._replica_loss_tensor(losses).item())
+
+    def _replica_loss_tensor(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of the (already 1/M-scaled) microbatch losses: last stage -> pp group -> dp mean (0-dim fp64)."""
         t = self.topo
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
@@ -270,4 +291,4 @@ class PipelineEngine:
         if t.group("dp") is not None:
             dist.all_reduce(total, group=t.group("dp"))
             total /= self.D
-        return float(total.item())
+        return total
