@@ -39,7 +39,7 @@ from dilocox.data.sampler import val_batches as _val_batches
 from dilocox.data.sources import DataError, DocStream, cap_note, cut_document, fingerprint, split_plan
 from dilocox.data.tokenizer import ByteTokenizer, load_or_train_bpe, load_tokenizer
 
-FORMAT = 1  # bump when the on-disk layout or tokenization changes: invalidates every cache
+FORMAT = 2  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut")
 
 
 @dataclass
