@@ -69,6 +69,9 @@ SCHEDULE_KEYS = frozenset(
         "outer.elastic.initial_replicas",
         "outer.elastic.max_attempts",
         "outer.elastic.heartbeat_ms",
+        # who may join and how the same bytes travel (authenticated or not), not what they are
+        "outer.elastic.lighthouse_auth",
+        "outer.elastic.collectives",
     }
 )
 SCHEDULE_PREFIXES = ("log.", "checkpoint.", "security.")  # (security: who may connect, not what is computed)
@@ -174,8 +177,12 @@ def config_changes(saved: dict, new: dict) -> tuple[list[tuple[str, Any, Any]], 
     defaults = flatten(Config().to_dict())
     old, cur = flatten(saved), flatten(new)
     math_, sched = [], []
+    # a run without elastic replicas never reads outer.elastic.*: a changed default there is no reason to refuse
+    elastic = any(d.get("outer.elastic.enabled", defaults.get("outer.elastic.enabled")) for d in (old, cur))
     for key in sorted(set(old) | set(cur)):
         a, b = old.get(key, defaults.get(key)), cur.get(key, defaults.get(key))
+        if not elastic and key.startswith("outer.elastic."):
+            continue
         if a != b and key not in UNREPORTED_KEYS:
             (sched if is_schedule_key(key) else math_).append((key, a, b))
     return math_, sched

@@ -262,6 +262,15 @@ def test_config_changes_split_math_from_schedule():
     math_, sched = rundir.config_changes(base, new)
     assert {k for k, _, _ in math_} == {"outer.method", "compress.quant", "data.max_bytes"}
     assert {k for k, _, _ in sched} == {"train.steps", "optim.lr", "log.every", "checkpoint.every", "parallel.tensor"}
+    old = load_config(TINY, ["--outer.elastic.lighthouse_auth=false", "--outer.elastic.min_replicas=3"]).to_dict()
+    assert rundir.config_changes(old, base) == ([], [])  # outer.elastic.* is not read by a run without elastic
+    el = ["--outer.method=diloco", "--outer.elastic.enabled=true", "--outer.elastic.lighthouse=http://h:1"]
+    old, new = (load_config(TINY, [*el, f"--outer.elastic.max_replicas={n}"]).to_dict() for n in (2, 3))
+    assert [k for k, _, _ in rundir.config_changes(old, new)[0]] == ["outer.elastic.max_replicas"]  # (its data shard)
+    old = load_config(TINY, [*el, "--outer.elastic.lighthouse_auth=false"]).to_dict()
+    assert [k for k, _, _ in rundir.config_changes(old, load_config(TINY, el).to_dict())[1]] == [
+        "outer.elastic.lighthouse_auth"
+    ]  # who may join: a schedule key
     del base["train"]["seed"]  # a key unknown to an older version counts as its default
     assert rundir.config_changes(base, load_config(TINY, []).to_dict()) == ([], [])
     assert [k for k, _, _ in rundir.config_changes(base, load_config(TINY, ["--train.seed=5"]).to_dict())[0]] == [
