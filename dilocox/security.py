@@ -33,6 +33,7 @@ import os
 import secrets
 import socket
 import stat
+import sys
 import threading
 import time
 
@@ -336,6 +337,61 @@ class AcceptGate:
     def held(self) -> int:
         with self._lock:
             return self._strangers + self._members
+
+
+def _proc_net_addr(ip: str, port: int) -> list[str]:
+    """How ``ip:port`` is written in /proc/net/tcp (IPv4) and /proc/net/tcp6 (IPv6, and IPv4 mapped into it): 32-bit
+    words of the address in the host's byte order, the port big-endian, both in upper-case hex."""
+    order = sys.byteorder
+    out = []
+    if ip.lower().startswith("::ffff:") and "." in ip:
+        ip = ip[7:]  # (an IPv4 peer of a dual-stack socket: its own socket is in /proc/net/tcp)
+    try:
+        v4 = socket.inet_aton(ip) if ":" not in ip else None
+    except OSError:
+        v4 = None
+    if v4 is not None:
+        out.append(f"{int.from_bytes(v4, order):08X}:{port:04X}")
+        packed = b"\0" * 10 + b"\xff\xff" + v4
+    else:
+        packed = socket.inet_pton(socket.AF_INET6, ip.split("%")[0])
+    words = "".join(f"{int.from_bytes(packed[i : i + 4], order):08X}" for i in range(0, 16, 4))
+    out.append(f"{words}:{port:04X}")
+    return out
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid that owns the other end of a TCP connection from this host (Linux: the peer's socket in
+    /proc/net/tcp and tcp6, whose local address is our remote one and whose remote address is our local one); None
+    where that cannot be told (another OS, another host, or the peer already gone)."""
+    try:
+        peer, me = conn.getpeername(), conn.getsockname()
+    except OSError:
+        return None
+    theirs = set(_proc_net_addr(peer[0], peer[1]))
+    ours = set(_proc_net_addr(me[0], me[1]))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 7 and cols[1] in theirs and cols[2] in ours:
+                        return int(cols[7])
+        except OSError:
+            continue
+    return None
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the other end of a loopback connection belongs to this process's user (or root): what a loopback
+    service that acts with the run's secret (``elastic/relay.py::LighthouseRelay``) asks before it serves anyone
+    (issue 42: another user of the host does not get the run's powers). Where the owner cannot be told (not Linux)
+    it answers True, as before; on Linux a peer it cannot find is refused."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "getuid"):
+        return True
+    uid = peer_uid(conn)
+    return uid is not None and uid in (os.getuid(), 0)
 
 
 def turn_away(conn: socket.socket) -> None:

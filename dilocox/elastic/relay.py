@@ -27,7 +27,18 @@ import socket
 import threading
 import time
 
-from dilocox.security import HANDSHAKE_S, MAC_BYTES, AcceptGate, AuthError, Sealer, dial, server_handshake, turn_away
+from dilocox.security import (
+    HANDSHAKE_S,
+    MAC_BYTES,
+    AcceptGate,
+    AuthError,
+    Sealer,
+    dial,
+    peer_uid,
+    same_user,
+    server_handshake,
+    turn_away,
+)
 
 AUTH_TIMEOUT_S = HANDSHAKE_S  # a guard's handshake with a connection ends within this (2 s)
 DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy)
@@ -36,7 +47,9 @@ log = logging.getLogger("dilocox.elastic")
 
 
 class LighthouseRelay:
-    """``address`` (``http://127.0.0.1:PORT``) relays to the first listening endpoint of ``endpoints``."""
+    """``address`` (``http://127.0.0.1:PORT``) relays to the first listening endpoint of ``endpoints``. With a
+    ``secret`` (it proves the run's secret for whoever it relays) it serves only connections owned by this process's
+    user or root (Linux, ``security.same_user``: issue 42; another user of the host is closed at once)."""
 
     def __init__(
         self,
@@ -62,6 +75,7 @@ class LighthouseRelay:
         self._lock = threading.Lock()
         self._pairs: list[tuple[int, socket.socket, socket.socket]] = []  # (endpoint index, client, upstream)
         self.used: list[int] = []  # the endpoint index of every relayed connection, in order (tests, logs)
+        self._refused_uids: set = set()  # (logged once each)
         self.closed = False
         self._last_index: int | None = None
         self._threads = [
@@ -102,6 +116,14 @@ class LighthouseRelay:
                 continue
             except OSError:
                 return  # closed
+            if self.secret is not None and not same_user(client):  # (issue 42: the relay proves the run's secret
+                uid = peer_uid(client)  # for whoever it serves: only this user's processes, not the host's others)
+                if uid not in self._refused_uids:
+                    self._refused_uids.add(uid)
+                    log.warning("lighthouse relay %s: refused a connection of uid %s (not this run's user)",
+                                self.address, uid)  # fmt: skip
+                _close(client)
+                continue
             up = self._connect()
             if up is None:
                 client.close()  # no lighthouse listens: torchft sees its request fail, and retries (bounded)
