@@ -100,6 +100,8 @@ def build_inner_optimizer(cfg: Config, model: torch.nn.Module, device: torch.dev
     kw: dict[str, Any] = {"lr": cfg.optim.lr, "betas": tuple(cfg.optim.betas), "eps": cfg.optim.eps}
     if device.type == "cuda":
         kw["fused"] = True
+    else:  # torch's default off CUDA is a loop over the tensors; foreach is the same update, bit for bit (issue 39)
+        kw["foreach"] = True
     if cfg.optim.name == "muon":
         muon, mats, vecs = ([by_name[n] for n in g] for g in order)
         # adjust_lr_fn="match_rms_adamw": Muon's update scaled to AdamW's RMS, so optim.lr and its schedule are

@@ -157,7 +157,7 @@ def test_a_non_finite_loss_stops_the_run_at_the_next_log_step_and_is_never_saved
 def test_bench_train_reference_runs_on_cpu_and_keeps_gpu_rows_unmeasured(tmp_path):
     out = tmp_path / "out"
     argv = ["--device", "cpu", "--cases", "tiny", "--modes", "eager", "--steps", "3", "--warmup", "1"]
-    assert R.main([*argv, "--out", str(out)]) == 0
+    assert R.main([*argv, "--out", str(out), "--md", str(out / "results.md")]) == 0
     rows = json.load(open(out / "results.json"))
     cpu = [r for r in rows if r["gpu"].startswith("none (CPU")]
     assert [(r["model"], r["mode"]) for r in cpu] == [("tiny", "eager")]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension, run every CUDA check against its CPU reference, measure.
 #
-#   bash tools/gpu_check.sh [quick|train]   # results under $OUT (default /tmp/gpu-check); quick: build + tests only,
-#                                           # train: the training throughput only
+#   bash tools/gpu_check.sh [quick|train|reference]   # results under $OUT (default /tmp/gpu-check); quick: build +
+#                                           # tests only, train: the training throughput only, reference: issue 39's
+#                                           # side-by-side table only (dilocox train vs a plain PyTorch loop, <= 8 min)
 #
 # Made for the lent GPU machines (CUDA torch already installed, no network: nothing is pip-installed here; on a
 # machine of your own `make test-gpu` does the install and the tests). Every step has its own time bound and the
@@ -15,6 +16,13 @@
 #   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, and the DiLoCoX
 #                    outer step (low-rank + int4, one replica) every 10 steps, the `dilocox`
 #                    preset (a sparse fragment every 2 steps)
+#   reference.txt    (reference mode) `dilocox bench train --reference --device cuda`, one row per call, each with its
+#                    own time bound (the four rows <= 8 min together): GPT-2 small compiled and eager, ~400M (24 x 1024)
+#                    compiled, the `dilocox` preset vs dilocox plain (compiled); tokens/s of both sides, ratio, MFU,
+#                    host syncs and kernel launches per step, graph breaks. gpu-train/results.json and
+#                    gpu-train-reference/results.md beside it: copy them to docs/bench/ (the CPU rows are kept in them)
+#                    and run `python -m dilocox.bench.report`.
+#   REF_DEVICE=cpu REF_ROWS="tiny:eager:120" bash tools/gpu_check.sh reference   # the same script, dry run on a CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -30,6 +38,29 @@ step machine
     nvcc --version | tail -2
     nproc
 } 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$MODE" = reference ]; then
+    # Issue 39: each row its own call and time bound (a compile that hangs costs its row only); the bench merges
+    # each row into gpu-train/results.json (CPU rows and the other rows kept). Compiled rows compile both sides.
+    REF_DEVICE=${REF_DEVICE:-cuda}
+    REF_ROWS=${REF_ROWS:-"gpt2-small:compiled:140;gpt2-small:eager:60;400m:compiled:160;gpt2-small:dilocox preset, compiled:120"}
+    export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-16}
+    mkdir -p "$OUT/gpu-train" "$OUT/gpu-train-reference"
+    cp docs/bench/gpu-train/results.json "$OUT/gpu-train/" 2>/dev/null
+    : >"$OUT/reference.txt"
+    IFS=';' read -ra rows <<<"$REF_ROWS"
+    for row in "${rows[@]}"; do  # case:mode:seconds
+        IFS=: read -r case mode limit <<<"$row"
+        step "reference $case / $mode"
+        timeout "${limit:-120}" python3 -m dilocox.cli bench train --reference --device "$REF_DEVICE" --cases "$case" \
+            --modes "$mode" --steps 30 --warmup 4 --out "$OUT/gpu-train" --md "$OUT/gpu-train-reference/results.md" \
+            2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/reference.txt"
+        echo "$case / $mode rc ${PIPESTATUS[0]}" | tee -a "$OUT/reference.txt"
+    done
+    cat "$OUT/gpu-train-reference/results.md" 2>/dev/null
+    step done
+    exit 0
+fi
 
 if [ "$MODE" != train ]; then
 step build

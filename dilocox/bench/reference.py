@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -500,7 +501,7 @@ def _graph_break_count() -> int:
     return int(sum(counters["graph_break"].values()))
 
 
-def measure(sides: list, warmup: int, steps: int, rounds: int = 3) -> list[dict]:
+def measure(sides: list, warmup: int, steps: int, rounds: int = 5) -> list[dict]:
     """Warm each side up (compilation happens there; its graph breaks counted), then time ``steps`` steps of each in
     ``rounds`` alternating blocks (a shared machine's load falls on both alike), then count host syncs over
     :data:`SYNC_WINDOW` steps and kernel launches (CUDA) over 3 steps, apart from the timed steps."""
@@ -514,7 +515,7 @@ def measure(sides: list, warmup: int, steps: int, rounds: int = 3) -> list[dict]
         _sync(side.device)
         o["graph_breaks"] = _graph_break_count() - before
         o["graphs"] = int(counters["stats"].get("unique_graphs", 0)) - graphs
-        o["wall"] = 0.0
+        o["walls"] = []
     per = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
     for n in per:
         for side, o in zip(sides, out):
@@ -522,7 +523,7 @@ def measure(sides: list, warmup: int, steps: int, rounds: int = 3) -> list[dict]
             for _ in range(n):
                 side.step()
             _sync(side.device)
-            o["wall"] += time.perf_counter() - t
+            o["walls"].append(time.perf_counter() - t)
     for side, o in zip(sides, out):
         with SyncCounter(side.exempt()) as sc:
             for _ in range(SYNC_WINDOW):
@@ -575,7 +576,10 @@ def run_case(case: str, mode: str, device: str, steps: int, warmup: int, work: s
         for side in sides:
             side.close()
     tokens = cfg.train.batch_size * cfg.train.seq_len * steps
-    d_tps, r_tps = tokens / d.pop("wall"), tokens / r.pop("wall")
+    d_tps, r_tps = tokens / sum(d["walls"]), tokens / sum(r["walls"])
+    # the ratio: the median over the rounds of (reference time / dilocox time) of the same round, side by side in
+    # time, so that a burst of load on a shared machine falls on one round's pair, not on one side
+    ratio = statistics.median(rw / dw for dw, rw in zip(d["walls"], r["walls"]))
     peak = peak_flops(torch.device(device))
     fpt = model_flops_per_token(cfg.model, cfg.train.seq_len)
     return {
@@ -584,7 +588,7 @@ def run_case(case: str, mode: str, device: str, steps: int, warmup: int, work: s
         "mode": mode,
         "dilocox_tokens_per_s": round(d_tps, 1),
         "reference_tokens_per_s": round(r_tps, 1),
-        "ratio": round(d_tps / r_tps, 3),
+        "ratio": round(ratio, 3),
         "mfu": round(d_tps * fpt / peak, 4) if peak else None,
         "reference_mfu": round(r_tps * fpt / peak, 4) if peak else None,
         "reference": "dilocox plain (no outer method)" if "preset" in mode else "plain PyTorch loop",
@@ -602,10 +606,11 @@ def run_case(case: str, mode: str, device: str, steps: int, warmup: int, work: s
 
 # --------------------------------------------------------------------------- results
 def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
-    """The new rows replace the old ones of the same kind of device (CPU rows or GPU rows) and case/mode; the GPU
-    table's rows that no GPU run measured stay in the file, marked unmeasured."""
+    """The new rows replace the old ones of the same case and mode measured on the same kind of device (CPU or GPU);
+    every other row stays. The GPU table's rows that no GPU run measured are kept, marked unmeasured."""
     on_cpu = device == "cpu"
-    keep = [r for r in old if r["gpu"].startswith("none") != on_cpu]
+    done = {(r["model"], r["mode"]) for r in new}
+    keep = [r for r in old if r["gpu"].startswith("none") != on_cpu or (r["model"], r["mode"]) not in done]
     rows = keep + new
     measured = {(r["model"], r["mode"]) for r in rows if not r["gpu"].startswith(("none", "unmeasured"))}
     rows = [r for r in rows if not (r["gpu"].startswith("unmeasured") and (r["model"], r["mode"]) in measured)]
@@ -613,10 +618,10 @@ def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
     for case, mode in GPU_TABLE:
         if (case, mode) not in have:
             rows.append(
-                {"gpu": "unmeasured (no GPU lent yet: bash tools/gpu_check.sh reference)", "model": case, "mode": mode,
+                {"gpu": "unmeasured (no GPU run yet: bash tools/gpu_check.sh reference)", "model": case, "mode": mode,
                  "dilocox_tokens_per_s": None, "reference_tokens_per_s": None, "ratio": None, "mfu": None}
             )  # fmt: skip
-    return rows
+    return sorted(rows, key=lambda r: (r["gpu"].startswith("none"), r["gpu"].startswith("unmeasured")))
 
 
 def markdown(rows: list[dict]) -> str:
@@ -637,8 +642,9 @@ def markdown(rows: list[dict]) -> str:
         breaks = "–"
         if "compiled" in r["mode"] and d:
             breaks = f"{d.get('graph_breaks')} / {ref.get('graph_breaks')}"
+        where = f"{r['gpu']}, {r['date']}" if r.get("date") else r["gpu"]
         lines.append(
-            f"| {r['gpu']} | {r['model']} | {r['mode']} | {f(r['dilocox_tokens_per_s'])} | "
+            f"| {where} | {r['model']} | {r['mode']} | {f(r['dilocox_tokens_per_s'])} | "
             f"{f(r['reference_tokens_per_s'])} | {f(r['ratio'], '{:.2f}')} | {mfu} | {syncs} | {launches} | {breaks} |"
         )
     return "\n".join(lines)
@@ -656,7 +662,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default="docs/bench/gpu-train")
+    ap.add_argument("--out", default="docs/bench/gpu-train", help="results.json goes here")
+    ap.add_argument("--md", default="docs/bench/gpu-train-reference/results.md", help="the table (BENCHMARKS.md)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steady on a shared machine)")
     a = ap.parse_args(argv)
@@ -691,14 +698,19 @@ def main(argv: list[str] | None = None) -> int:
         rows_all = merge_rows(old, rows, a.device)
         with open(path, "w") as f:
             json.dump(_finite(rows_all), f, indent=1)
+        stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         md = [
-            f"Measured by `dilocox bench train --reference {' '.join(argv or [])}`".rstrip() + f" on "
-            f"{device_label(a.device)}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; {a.steps} timed steps "
-            f"after {a.warmup} warm-up steps (compilation in those). Rows marked unmeasured: no GPU has run them.",
+            f"The rows of `{path}` as `dilocox bench train --reference` wrote them (each names its device and date; "
+            "rows marked unmeasured: no GPU has run them). Last written by "
+            f"`dilocox bench train --reference {' '.join(argv or [])}`".rstrip()
+            + f" on {device_label(a.device)}, torch {torch.__version__}, {stamp} UTC"
+            f"; {a.steps} timed steps per side after {a.warmup} warm-up steps (compilation in those), in 5 alternating "
+            "blocks; host syncs counted over 20 further steps (log.every=10), kernel launches over 3 (CUDA).",
             "",
             markdown(rows_all),
         ]
-        with open(os.path.join(a.out, "results.md"), "w") as f:
+        os.makedirs(os.path.dirname(a.md) or ".", exist_ok=True)
+        with open(a.md, "w") as f:
             f.write("\n".join(md) + "\n")
     print(markdown(rows))
     return 0
