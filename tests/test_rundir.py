@@ -393,6 +393,7 @@ def test_kill_9_then_a_plain_rerun_resumes_with_each_step_logged_once(tmp_path, 
         "--log.tensorboard=false",
         "--log.progress=false",
         "--train.steps=160",
+        "--log.every=1",  # each step's record written at its step (the kill is timed by them)
     ]  # no checkpoint.* key: the defaults are under test
     cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, *args]
 
