@@ -169,3 +169,19 @@ def test_bench_train_reference_runs_on_cpu_and_keeps_gpu_rows_unmeasured(tmp_pat
     assert {(r["model"], r["mode"]) for r in gpu} == set(R.GPU_TABLE)
     assert all(r["gpu"].startswith("unmeasured") and r["dilocox_tokens_per_s"] is None for r in gpu)
     assert "unmeasured" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow  # inductor compiles forward and backward on the CPU: ~30-90 s on 2 shared cores
+def test_whole_model_compile_trains_as_eager_and_keeps_the_parameter_names(tmp_path):
+    torch._dynamo.reset()
+    runs = {}
+    for mode in ("eager", "compiled"):
+        tr = _trainer(_cfg(tmp_path / mode, f"--train.compile={'true' if mode == 'compiled' else 'false'}", steps=4))
+        try:
+            runs[mode] = ([tr.train_step() for _ in range(4)], sorted(tr.model.state_dict()))
+        finally:
+            _close(tr)
+    (eager, names), (compiled, names_c) = runs["eager"], runs["compiled"]
+    assert names_c == names and "layers.0.attn.q_proj.weight" in names  # not wrapped: checkpoints unchanged
+    assert max(abs(a - b) / abs(a) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
+    torch._dynamo.reset()

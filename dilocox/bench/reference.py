@@ -274,7 +274,7 @@ class SyncCounter:
         import traceback
 
         self.count += 1
-        frames = [f for f in traceback.extract_stack()[:-3] if "bench/reference.py" not in f.filename]
+        frames = traceback.extract_stack()[:-2]  # without this frame and the wrapper
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         self.calls[f"{what} at {where}"] = self.calls.get(f"{what} at {where}", 0) + 1
 
@@ -436,10 +436,10 @@ class DilocoxSide:
     def exempt(self) -> list[torch.Tensor]:
         return optimizer_step_tensors(self.tr.optimizer)
 
-    def losses(self) -> list[float]:
+    def losses(self) -> dict[int, float]:
         with contextlib.redirect_stdout(io.StringIO()):
             self.tr._flush_logs()
-        return [r["loss"] for r in self.tr.history]
+        return {r["step"]: r["loss"] for r in self.tr.history}
 
     def close(self) -> None:
         tr = self.tr
@@ -451,13 +451,14 @@ class DilocoxSide:
 
 
 class ReferenceSide:
-    """The plain loop on the same shape, device, batches (a sampler of its own, same seed) and optimizer settings,
-    from the same initial weights; the loss is read (a host sync) every ``log_every`` steps, as a script prints it."""
+    """The plain loop on the same shape, device, batches (a sampler of its own, same seed), learning-rate schedule and
+    optimizer settings, from the same initial weights; the loss is read (a host sync) every ``log_every`` steps."""
 
     name = "reference"
 
     def __init__(self, cfg, weights=None, log_every: int = 10, device=None):
         from dilocox.data import TokenSampler, prepare  # the data only
+        from dilocox.optim import lr_at  # the same schedule, as a list of numbers made here (off the hot path)
 
         want = cfg.train.device if cfg.train.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device or want)
@@ -475,20 +476,22 @@ class ReferenceSide:
             weights=weights,
         )
         self.sampler = TokenSampler(prepare(cfg.data).train_tokens(), t.seq_len, t.batch_size, t.seed, 0, 1)
-        self.log_every, self._losses = log_every, []
+        self.lrs = [lr_at(i, cfg) for i in range(t.steps + 1)]
+        self.log_every, self._losses = log_every, {}
 
     def step(self) -> None:
         x, y = self.sampler.next_batch()
         if self.device.type == "cuda":
             x, y = x.pin_memory(), y.pin_memory()
-        loss = self.loop.step(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        lr = self.lrs[min(self.loop.step_count, len(self.lrs) - 1)]
+        loss = self.loop.step(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True), lr)
         if self.loop.step_count % self.log_every == 0:
-            self._losses.append(loss.item())
+            self._losses[self.loop.step_count] = loss.item()
 
     def exempt(self) -> list[torch.Tensor]:
         return optimizer_step_tensors(self.loop.opt)
 
-    def losses(self) -> list[float]:
+    def losses(self) -> dict[int, float]:
         return self._losses
 
     def close(self) -> None:
@@ -532,8 +535,10 @@ def measure(sides: list, warmup: int, steps: int, rounds: int = 5) -> list[dict]
         o["cuda_syncs_per_step"] = sc.cuda / SYNC_WINDOW if side.device.type == "cuda" else None
         o["sync_calls"] = sc.calls
         o["launches_per_step"] = _kernel_launches(side.device, side.step, 3)
-        losses = side.losses()
-        o["loss_last_logged"] = losses[-1] if losses else None
+        o["losses"] = side.losses()
+    common = sorted(set(out[0].pop("losses")) & set(out[1].pop("losses")))
+    for side, o in zip(sides, out):  # same weights, batches and schedule: the losses agree (a fair comparison)
+        o["loss_at_step"] = [common[-1], side.losses()[common[-1]]] if common else None
     return out
 
 
@@ -604,6 +609,64 @@ def run_case(case: str, mode: str, device: str, steps: int, warmup: int, work: s
     }
 
 
+def profile_case(case: str, mode: str, device: str, steps: int, rows: int = 30) -> str:
+    """torch.profiler of both sides, one step of each in turn (``steps`` pairs): per op, the self time per step on
+    each side and the calls per step, the ops dilocox spends more on first. What ``--profile`` prints and writes."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = dilocox_config(case, device, mode, 10 * steps + 50, tempfile.mkdtemp(prefix="dilocox-prof-"))
+    _reset_dynamo()
+    d = DilocoxSide(cfg)
+    r = ReferenceSide(cfg, weights=d.tr.model.state_dict(), device=d.device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if d.device.type == "cuda" else [])
+    sides = (d, r)
+    ms = {x.name: collections.Counter() for x in sides}
+    calls = {x.name: collections.Counter() for x in sides}
+    wall = collections.Counter()
+    try:
+        for x in sides:
+            for _ in range(3):
+                x.step()
+        for _ in range(steps):
+            for x in sides:
+                with profile(activities=acts) as prof:
+                    t = time.perf_counter()
+                    x.step()
+                    _sync(x.device)
+                    wall[x.name] += (time.perf_counter() - t) / steps
+                for e in prof.key_averages():
+                    ms[x.name][e.key] += e.self_cpu_time_total / 1e3 / steps
+                    if d.device.type == "cuda":
+                        ms[x.name][e.key] += getattr(e, "self_device_time_total", 0) / 1e3 / steps
+                    calls[x.name][e.key] += e.count / steps
+    finally:
+        for x in sides:
+            x.close()
+    keys = sorted(set(ms["dilocox"]) | set(ms["reference"]), key=lambda k: ms["reference"][k] - ms["dilocox"][k])
+    out = [
+        f"{case} / {mode} on {device_label(device)}: {steps} profiled steps per side, one of each in turn; "
+        f"wall per step (profiled) dilocox {wall['dilocox'] * 1e3:.1f} ms, reference {wall['reference'] * 1e3:.1f} ms",
+        f"{'op':62s} {'dilocox ms':>10s} {'ref ms':>8s} {'diff':>8s} {'calls dil':>9s} {'calls ref':>9s}",
+    ]
+    for k in keys[:rows]:
+        a, b = ms["dilocox"][k], ms["reference"][k]
+        out.append(
+            f"{k[:62]:62s} {a:10.2f} {b:8.2f} {a - b:8.2f} {calls['dilocox'][k]:9.0f} {calls['reference'][k]:9.0f}"
+        )
+    extra = sorted(
+        set(calls["dilocox"]) | set(calls["reference"]), key=lambda k: calls["reference"][k] - calls["dilocox"][k]
+    )
+    more = [(k, calls["dilocox"][k] - calls["reference"][k]) for k in extra[:12]]
+    out.append("ops called more often per step by dilocox: " + ", ".join(f"{k} +{n:.0f}" for k, n in more if n > 0))
+    tot = {n: sum(v.values()) for n, v in ms.items()}
+    ops = {n: sum(v.values()) for n, v in calls.items()}
+    out.append(f"total self time per step: dilocox {tot['dilocox']:.1f} ms, reference {tot['reference']:.1f} ms; "
+               f"ops per step: dilocox {ops['dilocox']:.0f}, reference {ops['reference']:.0f}")  # fmt: skip
+    return "\n".join(out)
+
+
 # --------------------------------------------------------------------------- results
 def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
     """The new rows replace the old ones of the same case and mode measured on the same kind of device (CPU or GPU);
@@ -666,9 +729,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", default="docs/bench/gpu-train-reference/results.md", help="the table (BENCHMARKS.md)")
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steady on a shared machine)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="instead: torch.profiler of N steps per side")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
+    if a.profile:
+        for case in a.cases or ["tiny"]:
+            for mode in a.modes:
+                text = profile_case(case, mode, a.device, a.profile)
+                print(text, flush=True)
+                if not a.no_write:
+                    os.makedirs(a.out, exist_ok=True)
+                    name = f"profile-{a.device}-{case}-{mode}.txt".replace(" ", "_").replace(",", "")
+                    with open(os.path.join(a.out, name), "w") as f:
+                        f.write(f"dilocox bench train --reference {' '.join(argv or [])}\n{text}\n")
+        return 0
     if a.device == "cuda" and a.cases is None:
         todo = list(GPU_TABLE)
     else:
