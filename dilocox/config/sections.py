@@ -251,8 +251,8 @@ class TrainConfig:
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
-    compile: bool = False  # torch.compile each transformer block (as torchtitan; parameter names unchanged); pays
-    # a compile at start-up. GPT-2 small on one H200, bf16: docs/BENCHMARKS.md "GPU"
+    compile: bool = False  # torch.compile: at P = T = 1 forward + loss as one graph, else each transformer block
+    # (as torchtitan); parameter names unchanged; pays a compile at start-up. docs/BENCHMARKS.md "GPU", 13c
     eval_every: int = 50
     eval_batches: int = 4
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
