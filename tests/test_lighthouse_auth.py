@@ -133,3 +133,16 @@ def test_the_documented_recipes_start_authenticated_lighthouses():
                 if "dilocox train" in cmd and "outer.elastic.enabled=true" in cmd:
                     assert "--security.secret_file=" in cmd, f"docs/{doc}: {cmd.strip()}"
     assert seen >= 2  # (the recipes were found)
+
+
+def test_dilocox_swarm_store_refuses_a_reachable_bind_without_a_secret():
+    p = subprocess.run(
+        [sys.executable, "-m", "dilocox.cli", "swarm", "store", "--port", "29999"],  # --bind 0.0.0.0 by default
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=ROOT,
+    )
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    err = p.stderr.strip()
+    assert err.count("\n") == 0 and "--secret-file" in err and "--insecure" in err, err

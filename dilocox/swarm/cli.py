@@ -246,9 +246,22 @@ def store_main(argv: list[str]) -> int:
         help="the run secret: the store listens on loopback behind a guard that wants it (the peers of a job with "
         "security.authenticate and security.guard_services reach it through a relay; docs/SECURITY.md)",
     )
+    ap.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve the plain store on a --bind other hosts can reach, without --secret-file: whoever reaches it can "
+        "read and rewrite the job's addresses (a closed network only; the peers need security.guard_services=false)",
+    )
     a = ap.parse_args(argv)
     if not 0 < a.port < 65536:
         raise SwarmUsageError(f"--port {a.port} must be a TCP port in 1..65535")
+    from dilocox.elastic.stores import _is_loopback
+
+    if not a.secret_file and not a.insecure and not _is_loopback(a.bind.strip("[]")):
+        raise SwarmUsageError(
+            f"--bind {a.bind} is reachable from other hosts and has no --secret-file: pass --secret-file RUN_SECRET "
+            "(the peers' security.secret_file), --bind 127.0.0.1, or --insecure on a closed network"
+        )
     secret = None
     if a.secret_file:
         from dilocox.security import SecretError, load_secret
