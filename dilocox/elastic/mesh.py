@@ -82,12 +82,11 @@ class PairServer:
     """Accepts the run's pair connections on ``host`` (a free port): the mutual handshake, then hellos
     ``{key, src, nonce}`` until one names this member's current nonce (at most 3); that connection then waits in a
     queue under (key, src), the newest kept, until the member adopts it (``take``). At most ``max_handshakes``
-    connections in their handshake (``handshake_s`` each; further ones wait unaccepted in the listen backlog, so a
-    stranger holding slots delays a round, no more) and ``max_pending`` queued; a stranger (no secret) is closed after
-    the challenge, a malformed hello closes that connection only. The handshake slots are a ``security.AcceptGate``'s
-    (at most 4 per address that is not a member of the current round and has not proven the secret before; one over
-    its cap is closed at once, not queued; the members' addresses keep reserved slots), each held ``handshake_s`` at
-    most."""
+    connections in their handshake (``handshake_s`` each) and ``max_pending`` queued; a stranger (no secret) is closed
+    after the challenge, a malformed hello closes that connection only. The handshake slots are a
+    ``security.AcceptGate``'s (at most 4 per address that is not a member of the current round and has not proven the
+    secret before; one over its cap is closed at once, not queued; the members' addresses keep reserved slots), each
+    held ``handshake_s`` at most."""
 
     def __init__(
         self,
