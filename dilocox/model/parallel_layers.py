@@ -355,7 +355,7 @@ def grad_norm_sq(params: Iterable[torch.Tensor], tp_rank: int) -> torch.Tensor:
     """Local fp32 sum of squared grads: sharded params always, replicated ones on tp_rank 0. One fused (foreach)
     norm per device and dtype (torch.nn.utils.get_total_norm), not three kernels per parameter: on a GPU the
     per-parameter loop cost ~600 launches a step for GPT-2 small (docs/BENCHMARKS.md "GPU")."""
-    grads = [p.grad.detach() for p in params if p.grad is not None and (tp_rank == 0 or is_tensor_parallel(p))]
+    grads = [p.grad for p in params if p.grad is not None and (tp_rank == 0 or is_tensor_parallel(p))]  # no_grad here
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     return torch.nn.utils.get_total_norm(grads, 2.0).float().pow(2)
