@@ -34,7 +34,7 @@ CONFIG_DOC = "docs/CONFIG.md"
 BENCHES = {
     "kernels": ("dilocox.bench.kernels", "int4/int8 compression kernels: GB/s next to a plain copy"),
     "compression": ("dilocox.bench.compression", "compression ratio and reconstruction error per compressor"),
-    "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2)"),
+    "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2); --reference: vs a plain loop"),
     "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
     "frontier": ("dilocox.bench.frontier", "val loss vs bytes sent: every method family swept, two corpora, the front"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
