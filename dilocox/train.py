@@ -365,8 +365,10 @@ class Trainer:
         )
 
     def _outer_communicates(self, step: int) -> bool:
-        """Does the outer method use the links between replicas after inner step ``step``? (per-step methods: every
-        step; the DiLoCo family: when a fragment's all-reduce is launched or applied)."""
+        """Does the outer method send to other replicas after inner step ``step``? (per-step methods: every step; the
+        DiLoCo family: when a fragment's all-reduce is launched or applied; never with one fixed replica)."""
+        if self.outer is None or (self.topo.R == 1 and self.elastic is None):
+            return False
         sched = getattr(self.outer, "schedule", None)
         if sched is None:
             return True
@@ -380,7 +382,7 @@ class Trainer:
             g["lr"] = lr
         x, y = self.sampler.next_batch()
         loss = self.engine.forward_backward_async(self._to_device(x), self._to_device(y))
-        if not self.defer_sync or (self.outer is not None and self._outer_communicates(step)):
+        if not self.defer_sync or self._outer_communicates(step):
             value = float(loss.item())  # checked now: before an outer step's communication, nothing bad leaves
             if not math.isfinite(value):
                 self._flush_logs()
