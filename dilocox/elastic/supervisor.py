@@ -89,6 +89,7 @@ class ElasticLaunch:
                 "--bind",
                 bind,
                 *self.lighthouse_opts,
+                *self._plain_in_hub(),
             ]
         )
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -119,6 +120,12 @@ class ElasticLaunch:
         if r is None:
             return self.cluster.exec_hub(argv, env=env, **kw)
         return self.cluster.exec(r, argv, env=env, **kw)
+
+    def _plain_in_hub(self) -> list[str]:
+        """``--insecure`` for a plain lighthouse in the emulation's switch namespace (its address is reachable from
+        this host's namespaces only, not from other hosts), which `dilocox lighthouse` would otherwise refuse."""
+        plain = "--secret-file" not in self.lighthouse_opts and "--insecure" not in self.lighthouse_opts
+        return ["--insecure"] if plain and self.cluster is not None else []
 
     def _start_lighthouse(self) -> None:
         """The lighthouse, and with ``standby`` a second one (the replicas' relays use it while the first refuses
