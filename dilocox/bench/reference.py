@@ -29,6 +29,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -742,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
                     os.makedirs(a.out, exist_ok=True)
                     name = f"profile-{a.device}-{case}-{mode}.txt".replace(" ", "_").replace(",", "")
                     with open(os.path.join(a.out, name), "w") as f:
-                        f.write(f"dilocox bench train --reference {' '.join(argv or [])}\n{text}\n")
+                        f.write(f"dilocox bench train --reference {shlex.join(argv or [])}\n{text}\n")
         return 0
     if a.device == "cuda" and a.cases is None:
         todo = list(GPU_TABLE)
@@ -777,10 +778,11 @@ def main(argv: list[str] | None = None) -> int:
         md = [
             f"The rows of `{path}` as `dilocox bench train --reference` wrote them (each names its device and date; "
             "rows marked unmeasured: no GPU has run them). Last written by "
-            f"`dilocox bench train --reference {' '.join(argv or [])}`".rstrip()
+            f"`dilocox bench train --reference {shlex.join(argv or [])}`".rstrip()
             + f" on {device_label(a.device)}, torch {torch.__version__}, {stamp} UTC"
             f"; {a.steps} timed steps per side after {a.warmup} warm-up steps (compilation in those), in 5 alternating "
-            "blocks; host syncs counted over 20 further steps (log.every=10), kernel launches over 3 (CUDA).",
+            "blocks; host syncs counted over 20 further steps (log.every=10), kernel launches over 3 (CUDA). In the "
+            "`dilocox preset` rows the reference is dilocox's own plain run (no outer method).",
             "",
             markdown(rows_all),
         ]
