@@ -59,9 +59,18 @@ class MuonAdamW(torch.optim.Optimizer):
     dict both write to, and ``state_dict`` / ``load_state_dict`` are torch's own over those (index order =
     ``param_order``)."""
 
-    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], muon_kw: dict, adamw_kw: dict) -> None:
+    def __init__(
+        self,
+        muon_groups: list[dict],
+        adamw_groups: list[dict],
+        muon_kw: dict,
+        adamw_kw: dict,
+        rest: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    ) -> None:
+        """``rest``: the optimizer of the parameters Muon does not take (AdamW inside a replica; ``OuterSGD`` for
+        ``outer.optimizer=muon``)."""
         self._muon = torch.optim.Muon(muon_groups, **muon_kw)
-        self._adamw = torch.optim.AdamW(adamw_groups, **adamw_kw)
+        self._adamw = rest(adamw_groups, **adamw_kw)
         groups = self._muon.param_groups + self._adamw.param_groups
         super().__init__([{"params": g["params"]} for g in groups], {})
         self._n_muon = len(self._muon.param_groups)
@@ -124,3 +133,85 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     """The learning rate of every parameter group (``lr_at`` of the step)."""
     for g in opt.param_groups:
         g["lr"] = lr
+
+
+# --------------------------------------------------------------------------- the outer optimizer (issue 43)
+
+OUTER_OPTIMIZERS = ("sgd", "muon")
+
+
+class OuterSGD(torch.optim.Optimizer):
+    """The outer step of ALGORITHMS §1 as a ``torch.optim.Optimizer``; the gradient is the averaged pseudo-gradient:
+
+        v ← μ v + g
+        θ ← θ − η (g + μ v)     nesterov
+        θ ← θ − η v             otherwise
+
+    ``torch.optim.SGD``'s rule (dampening 0, no weight decay; the same bits), except that v is kept at μ = 0 too
+    (v = g there: ``outer.lookahead`` reads it). ``momentum_buffers`` (one per parameter, in order): the tensors
+    that hold v, views of the flat outer state, so checkpoints and resharding see one flat buffer; without them v
+    starts at zeros of each parameter's shape."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.0, nesterov: bool = False, momentum_buffers=None):
+        if lr < 0 or momentum < 0:
+            raise ValueError(f"OuterSGD: lr={lr} and momentum={momentum} must be >= 0")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+        if momentum_buffers is not None:
+            ps = [p for g in self.param_groups for p in g["params"]]
+            if len(ps) != len(momentum_buffers):
+                raise ValueError(f"OuterSGD: {len(momentum_buffers)} momentum buffers for {len(ps)} parameters")
+            for p, b in zip(ps, momentum_buffers):
+                if b.shape != p.shape:
+                    raise ValueError(f"OuterSGD: a momentum buffer of shape {tuple(b.shape)} for {tuple(p.shape)}")
+                self.state[p]["momentum_buffer"] = b
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            lr, mu = group["lr"], group["momentum"]
+            gs = [p.grad for p in ps]
+            vs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
+            torch._foreach_mul_(vs, mu)
+            torch._foreach_add_(vs, gs)
+            upd = torch._foreach_add(gs, vs, alpha=mu) if group["nesterov"] else vs
+            torch._foreach_sub_(ps, upd, alpha=lr)
+        return loss
+
+
+def build_outer_optimizer(
+    ocfg: Any, named: list[tuple[str, torch.Tensor]], momentum_buffers: list[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """The outer optimizer of a rank's shard (``outer.optimizer``) over ``named``: (global name, θ of that parameter,
+    a view of the flat outer state), with ``momentum_buffers`` (views of the flat v, same order) for the SGD rule.
+
+    - ``sgd``: ``OuterSGD`` (outer.lr, outer.momentum, outer.nesterov), the papers' outer Nesterov;
+    - ``muon``: ``torch.optim.Muon`` (lr outer.lr, momentum outer.momentum, Nesterov, no weight decay, its update
+      scaled to AdamW's RMS) on the hidden matrices of the blocks (``is_muon_param``), ``OuterSGD`` on the rest.
+
+    Any ``torch.optim.Optimizer`` fits here: the outer loop sets each parameter's ``.grad`` to its averaged
+    pseudo-gradient and calls ``step()``; the parameters it sets none for (other fragments) are left alone."""
+    name = getattr(ocfg, "optimizer", "sgd")
+    sgd_kw = {"lr": ocfg.lr, "momentum": ocfg.momentum, "nesterov": bool(ocfg.nesterov)}
+    if name == "sgd":
+        return OuterSGD([t for _, t in named], momentum_buffers=momentum_buffers, **sgd_kw)
+    if name == "muon":
+        muon = [(t, b) for (n, t), b in zip(named, momentum_buffers) if is_muon_param(n, t.dim() == 2)]
+        rest = [(t, b) for (n, t), b in zip(named, momentum_buffers) if not is_muon_param(n, t.dim() == 2)]
+        if not muon:
+            raise ValueError("outer.optimizer=muon: this shard holds no hidden matrix of a block for Muon")
+        muon_kw = {"lr": ocfg.lr, "momentum": ocfg.momentum, "nesterov": bool(ocfg.nesterov), "weight_decay": 0.0}
+        muon_kw["adjust_lr_fn"] = "match_rms_adamw"
+        opt = MuonAdamW(
+            [{"params": [t for t, _ in muon]}], [{"params": [t for t, _ in rest]}], muon_kw, sgd_kw, OuterSGD
+        )
+        for t, b in rest:  # v of the SGD half in the flat buffer (Muon keeps its own momentum in its state)
+            opt.state[t]["momentum_buffer"] = b
+        return opt
+    raise ValueError(f"outer.optimizer={name!r} is not one of {list(OUTER_OPTIMIZERS)}")

@@ -258,6 +258,11 @@ def _saved_outer_order(
 
 def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
     """One saved rank's outer entry cut into per-name tensors (its local TP slices)."""
+    if o["state"].get("optimizer") is not None:
+        raise ckpt.CheckpointError(
+            f"outer state of {where} holds an outer optimizer's own state (outer.optimizer other than sgd), which "
+            "resharding does not carry yet; resume it on its own layout"
+        )
     theta, mom = o["state"]["theta"], o["state"]["momentum"]
     out: dict = {k: {} for k in ("theta", "momentum", "pending", "own_prev", "errors", "frag", "rank", "dim")}
     need = sum(named[i][1].numel() for frag in frags for i in frag)

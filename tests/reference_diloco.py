@@ -93,6 +93,31 @@ def _sgd(tensors: list[torch.Tensor], lr: float, momentum: float, nesterov: bool
     return torch.optim.SGD(tensors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
 
 
+class _MuonOuter:
+    """``outer="muon"``: ``torch.optim.Muon`` (no weight decay, Nesterov, its update scaled to AdamW's RMS) on the 2-D
+    ``layers.*`` weights of a fragment and ``torch.optim.SGD`` on the rest, two plain optimizers stepped in turn."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], lr: float, momentum: float, nesterov: bool) -> None:
+        mats = [t for n, t in named if n.startswith("layers.") and t.dim() == 2]
+        rest = [t for n, t in named if not (n.startswith("layers.") and t.dim() == 2)]
+        self.opts = [
+            torch.optim.Muon(
+                mats, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"
+            )
+        ] + ([_sgd(rest, lr, momentum, nesterov)] if rest else [])
+        self.state: dict = {}
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+def _outer(named: list[tuple[str, torch.Tensor]], lr: float, momentum: float, nesterov: bool, kind: str):
+    if kind == "muon":
+        return _MuonOuter(named, lr, momentum, nesterov)
+    return _sgd([t for _, t in named], lr, momentum, nesterov)
+
+
 def _outer_update(opt: torch.optim.SGD, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     for p, g in zip(params, grads):
         p.grad = g.clone()
@@ -118,6 +143,7 @@ def run_reference(
     sparse: dict | None = None,
     lookahead: float = 0.0,
     rejoin: dict[int, list[int]] | None = None,
+    outer: str = "sgd",
 ) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
 
@@ -135,7 +161,9 @@ def run_reference(
     of e; the mean is the sum of the decoded payloads in replica order / R.
 
     ``lookahead`` = γ (overlap delayed): after each outer step the replicas start from θ − γ·lr·v (v: the outer SGD's
-    momentum buffer) and the pseudo-gradient is taken from that start: Δ = θ − γ·lr·v − θ_m."""
+    momentum buffer) and the pseudo-gradient is taken from that start: Δ = θ − γ·lr·v − θ_m.
+
+    ``outer`` = "muon": the outer optimizer is Muon on the layers' matrices and SGD on the rest (``_MuonOuter``)."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -146,7 +174,8 @@ def run_reference(
     n_outer = R if overlap == "eager" else 1  # eager: θ and v per replica
     theta = [{n: w[0][n].detach().clone() for n in names} for _ in range(n_outer)]
     outer_opt = [
-        [_sgd([theta[r][n] for n in frags[p]], lr, momentum, nesterov) for p in range(K)] for r in range(n_outer)
+        [_outer([(n, theta[r][n]) for n in frags[p]], lr, momentum, nesterov, outer) for p in range(K)]
+        for r in range(n_outer)
     ]
     pending: list[list[torch.Tensor] | None] = [None] * K  # none: launched average; delayed/eager: Δ̄^{t−1}
     own_prev: list[list[list[torch.Tensor] | None]] = [[None] * K for _ in range(R)]

@@ -312,6 +312,22 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         )
     if o.lookahead > 0 and o.elastic.enabled:
         _fail("outer.lookahead", o.lookahead, "is not supported with outer.elastic.enabled yet; set outer.lookahead=0")
+    if o.optimizer not in ("sgd", "muon"):
+        _fail("outer.optimizer", o.optimizer, "must be one of ['sgd', 'muon']")
+    if o.optimizer != "sgd":
+        why = (
+            f"parallel.tensor={p.tensor} (Muon orthogonalizes whole matrices; a TP shard is a slice of one)"
+            if p.tensor > 1
+            else "outer.elastic.enabled (a joiner's heal carries θ and v, not Muon's state)"
+            if o.elastic.enabled
+            else f"outer.lookahead={o.lookahead} (it predicts the step from the SGD momentum v)"
+            if o.lookahead
+            else f"outer.method={o.method!r} (only the DiLoCo family has an outer optimizer)"
+            if o.method not in ("diloco", "none")
+            else None
+        )
+        if why:
+            _fail("outer.optimizer", o.optimizer, f"is not supported with {why} yet; use outer.optimizer=sgd")
     if o.norm_check and not o.norm_check > 1.0:
         _fail("outer.norm_check", o.norm_check, "must be 0 (off) or above 1 (a ratio to the median norm), e.g. 4")
     if o.norm_check and o.overlap == "eager":

@@ -179,6 +179,9 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
+    # sgd (the papers' outer Nesterov: lr, momentum, nesterov above) | muon (torch.optim.Muon on the blocks' hidden
+    # matrices with lr and momentum above, sgd on the rest; TP = 1, not elastic, no look-ahead, no reshard yet)
     overlap: str = "none"  # none | delayed | eager
     lookahead: float = 0.0  # overlap=delayed: each inner phase starts from θ − lookahead·lr·v, the step the
     # in-flight average will make as predicted by the outer momentum v (0 = off; 1 = the full prediction); the

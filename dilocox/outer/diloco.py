@@ -75,6 +75,7 @@ from dilocox.compress.adaptive import AdaptiveController
 from dilocox.compress.compressor import build_compressor
 from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
 from dilocox.distributed.comm import CommHandle, DoneHandle
+from dilocox.optim import build_outer_optimizer
 from dilocox.outer.base import OuterBase
 from dilocox.outer.dp_shard import DataShard, shard_over_data
 from dilocox.outer.fragments import SyncSchedule, assign_fragments
@@ -138,7 +139,12 @@ class DiLoCoOuter(OuterBase):
             self.names = [self.names[i] for i in self.dp_shard.mine]
             self.params = [self.params[i] for i in self.dp_shard.mine]
             fragments, frag_ids = self.dp_shard.fragments, self.dp_shard.frag_ids
-        self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device)
+        names = self.names
+
+        def make_optimizer(order, thetas, vs):  # outer.optimizer over each parameter's θ (global names: muon's split)
+            return build_outer_optimizer(ocfg, [(names[i], t) for i, t in zip(order, thetas)], vs)
+
+        self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device, make_optimizer)
         self.schedule = SyncSchedule(self.K, self.H, self.tau)
         self.compressors = [
             build_compressor(ccfg, self.state.shapes(p), seed + p, frag_ids[p] if frag_ids else None)
@@ -216,7 +222,7 @@ class DiLoCoOuter(OuterBase):
         self._t_end = time.perf_counter()
 
     def _sync(self, p: int, n: int) -> None:
-        st, o = self.state, self.ocfg
+        st = self.state
         if self.overlap == "none":
             h, self.pending[p] = self.pending[p], None
             avg = st.flatten(self._wait(h))
@@ -224,7 +230,7 @@ class DiLoCoOuter(OuterBase):
                 for q in range(self.K):
                     st.load_params(q, 0.0)
                 self.healed_at = self._jump = n
-            st.outer_step(p, avg, o.lr, o.momentum, o.nesterov)
+            st.outer_step(p, avg)
             self._adapt(p, h)
             st.load_params(p, self.alpha)
             self.outer_step += 1
@@ -245,7 +251,7 @@ class DiLoCoOuter(OuterBase):
             self.own_prev[p] = delta_flat
         else:
             grad = prev
-        st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
+        st.outer_step(p, grad)
         st.load_params(p, 0.0, self.shift)
         self.outer_step += 1
         self.schedule.advance(p, self.H)
@@ -305,7 +311,7 @@ class DiLoCoOuter(OuterBase):
     @torch.no_grad()
     def finish(self) -> None:
         """Drain every in-flight all-reduce, apply it, set params to θ, stop the comm thread."""
-        st, o = self.state, self.ocfg
+        st = self.state
         self._blocked_now = 0.0
         for p in range(self.K):
             h, self.pending[p] = self.pending[p], None
@@ -316,7 +322,7 @@ class DiLoCoOuter(OuterBase):
             if self.overlap == "eager" and self.own_prev[p] is not None:
                 grad = grad - self.own_prev[p] / self._c_prev
                 self.own_prev[p] = None
-            st.outer_step(p, grad, o.lr, o.momentum, o.nesterov)
+            st.outer_step(p, grad)
             self.outer_step += 1
         self._counters["drain_s"] = self._blocked_now  # the wait for the last in-flight all-reduces (run's end)
         for p in range(self.K):
@@ -431,11 +437,11 @@ class DiLoCoOuter(OuterBase):
         if not self._after_wait():
             return None
         n, p = self.healed_at, self._heal_frag
-        st, o = self.state, self.ocfg
+        st = self.state
         for q in range(self.K):
             st.load_params(q, 0.0)
         if self.overlap == "none" and self.tau == 0:  # the source launched at its sync point: finish it as it will
-            st.outer_step(p, st.flatten(res), o.lr, o.momentum, o.nesterov)
+            st.outer_step(p, st.flatten(res))
             self._adapt(p, h)  # (the same σ's, rank window and agreed H as the source: the same rank and H)
             self.outer_step += 1
             self.schedule.advance(p, self.H)

@@ -5,7 +5,11 @@ DiLoCoX §2.2. The two flat buffers live on the host (pinned when the params are
 on the params' device (``outer.state_device``). They are laid out fragment by fragment, so
 fragment ``p`` is one contiguous slice and its outer step is a handful of vector ops.
 
-OuterOpt (ALGORITHMS §1, torch.optim.SGD semantics without weight decay/dampening):
+The outer step is a ``torch.optim.Optimizer`` (``optimizer``) over per-parameter views of θ, built by
+``make_optimizer`` (``dilocox.optim.build_outer_optimizer`` from ``outer.optimizer``); ``outer_step`` sets the views'
+``.grad`` to the averaged pseudo-gradient of one fragment and calls its ``step()``. The default is
+``dilocox.optim.OuterSGD`` (ALGORITHMS §1, torch.optim.SGD semantics without weight decay/dampening), whose v lives
+in the flat ``momentum`` buffer:
 
     v ← μ v + g
     θ ← θ − η (g + μ v)     nesterov
@@ -14,14 +18,30 @@ OuterOpt (ALGORITHMS §1, torch.optim.SGD semantics without weight decay/dampeni
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+# (parameter indices, views of θ one per parameter, views of v one per parameter) -> the optimizer
+MakeOptimizer = Callable[[list[int], list[Tensor], list[Tensor]], torch.optim.Optimizer]
 
 
 class OuterState:
     """Flat θ and v of the params ``params`` (a rank's shard), grouped by ``fragments``."""
 
-    def __init__(self, params: list[Tensor], fragments: list[list[int]], state_device: str = "host") -> None:
+    def __init__(
+        self,
+        params: list[Tensor],
+        fragments: list[list[int]],
+        state_device: str = "host",
+        make_optimizer: MakeOptimizer | None = None,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
+        """``make_optimizer``: builds the outer optimizer over the views (None: ``OuterSGD`` with ``lr``,
+        ``momentum``, ``nesterov``)."""
         if state_device not in ("host", "device"):
             raise ValueError(f"outer.state_device={state_device!r} is not one of ['host', 'device']")
         self.params = params
@@ -44,6 +64,19 @@ class OuterState:
         with torch.no_grad():
             for i, (s, n) in self.offsets.items():
                 self.theta[s : s + n].copy_(params[i].detach().reshape(-1))
+        self._order = order = [i for frag in fragments for i in frag]
+        self._views = {i: self.view(self.theta, i) for i in order}  # the optimizer's parameters: θ per parameter
+        self.optimizer: torch.optim.Optimizer | None = None
+        if order:
+            if make_optimizer is None:
+                from dilocox.optim import OuterSGD
+
+                def make_optimizer(_, ts, vs):
+                    return OuterSGD(ts, lr=lr, momentum=momentum, nesterov=nesterov, momentum_buffers=vs)
+
+            self.optimizer = make_optimizer(
+                order, [self._views[i] for i in order], [self.view(self.momentum, i) for i in order]
+            )
 
     # ------------------------------------------------------------------ views
     def view(self, buf: Tensor, i: int) -> Tensor:
@@ -84,14 +117,20 @@ class OuterState:
         return torch.cat([t.reshape(-1).float() for t in tensors]).to(self.device)
 
     @torch.no_grad()
-    def outer_step(self, p: int, grad: Tensor, lr: float, momentum: float, nesterov: bool) -> None:
-        """θ_p ← OuterOpt(θ_p, grad) with grad flat fp32 on the state device."""
-        theta, v = self.frag(self.theta, p), self.frag(self.momentum, p)
-        v.mul_(momentum).add_(grad)
-        if nesterov:
-            theta.sub_(grad.add(v, alpha=momentum), alpha=lr)
-        else:
-            theta.sub_(v, alpha=lr)
+    def outer_step(self, p: int, grad: Tensor) -> None:
+        """θ_p ← the outer optimizer's step on fragment ``p`` with ``grad`` (flat fp32 on the state device, laid out as
+        the fragment): each parameter's ``.grad`` is its slice, then ``optimizer.step()``; the other fragments have
+        no ``.grad`` and are left alone."""
+        if not self.fragments[p]:
+            return
+        views = [self._views[i] for i in self.fragments[p]]
+        for t, g in zip(views, self._split(grad, p)):
+            t.grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for t in views:
+                t.grad = None
 
     @torch.no_grad()
     def load_params(self, p: int, alpha: float = 0.0, shift: float = 0.0) -> None:
@@ -116,7 +155,28 @@ class OuterState:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        return {"theta": self.theta.detach().cpu().clone(), "momentum": self.momentum.detach().cpu().clone()}
+        """θ and v (flat), and the optimizer's own state where it keeps any beyond v (``outer.optimizer=muon``)."""
+        sd = {"theta": self.theta.detach().cpu().clone(), "momentum": self.momentum.detach().cpu().clone()}
+        extra = self._optimizer_extra()
+        if extra is not None:
+            sd["optimizer"] = extra
+        return sd
+
+    def _is_flat_momentum(self, t) -> bool:
+        return torch.is_tensor(t) and t.untyped_storage().data_ptr() == self.momentum.untyped_storage().data_ptr()
+
+    def _optimizer_extra(self) -> dict | None:
+        """The optimizer's per-parameter state beyond the views of ``momentum`` (Muon's own momentum), by position in
+        the optimizer's parameter order, on the host; None when there is none (``OuterSGD``)."""
+        if self.optimizer is None:
+            return None
+        state = {}
+        for k, i in enumerate(self._order):
+            st = self.optimizer.state.get(self._views[i], {})
+            rest = {n: v.detach().cpu().clone() for n, v in st.items() if not self._is_flat_momentum(v)}
+            if rest:
+                state[k] = rest
+        return {"state": state} if state else None
 
     def load_state_dict(self, sd: dict) -> None:
         for key in ("theta", "momentum"):
@@ -127,3 +187,14 @@ class OuterState:
                     f"{self.numel}: the checkpoint was written for a different model or parallel layout"
                 )
             getattr(self, key).copy_(t)
+        extra = sd.get("optimizer")
+        if extra is not None:  # the optimizer's own state (v's views were restored with ``momentum`` above)
+            if self.optimizer is None or max(map(int, extra["state"]), default=-1) >= len(self._order):
+                raise ValueError(
+                    "the checkpoint's outer optimizer state does not fit this shard's parameters: it was written "
+                    "for a different outer.optimizer, model or parallel layout"
+                )
+            for k, st in extra["state"].items():
+                t = self._views[self._order[int(k)]]
+                for n, v in st.items():
+                    self.optimizer.state[t][n] = v.to(t.device) if torch.is_tensor(v) else v
