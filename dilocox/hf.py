@@ -30,6 +30,7 @@ import os
 import torch
 
 from dilocox.config import ConfigError, ModelConfig
+from dilocox.fsutil import atomic_path, atomic_write_text
 
 HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "qwen": "Qwen2ForCausalLM"}
 MODEL_TYPES = {"gpt2": "gpt2", "opt": "opt", "qwen": "qwen2"}
@@ -435,11 +436,9 @@ def save_hf_dir(out_dir: str, m: ModelConfig, full: dict[str, torch.Tensor], tok
     cfg = hf_config(m, eot)
     tensors = to_hf_state_dict(m, full)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f".model.safetensors.tmp.{os.getpid()}")
-    save_file(tensors, tmp, metadata={"format": "pt", "exported_by": "dilocox"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+    with atomic_path(os.path.join(out_dir, "model.safetensors")) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt", "exported_by": "dilocox"})
+    atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(cfg, indent=2))
     if tokenizer is not None:
         tok_path = os.path.join(out_dir, "tokenizer.json")
         if getattr(tokenizer, "kind", "byte") == "bpe":

@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from dilocox.config import Config, ConfigError
+from dilocox.fsutil import atomic_write_text
 
 LOCK_NAME = "run.lock"
 METRICS_NAME = "metrics.jsonl"
@@ -340,20 +341,11 @@ def set_aside_metrics(run_dir: str) -> int:
             f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
-    _atomic_write(path, "")
+    atomic_write_text(path, "")
     return len(lines)
 
 
 # --------------------------------------------------------------------------- history
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_config_history(run_dir: str, text: str, step: int) -> str:
@@ -367,8 +359,8 @@ def write_config_history(run_dir: str, text: str, step: int) -> str:
         n += 1
         path = os.path.join(run_dir, f"config.{step}.{n}.yaml")
     else:
-        _atomic_write(path, text)
-    _atomic_write(os.path.join(run_dir, "config.yaml"), text)
+        atomic_write_text(path, text)
+    atomic_write_text(os.path.join(run_dir, "config.yaml"), text)
     return path
 
 
@@ -403,7 +395,7 @@ def move_records_after(path: str, discarded_path: str, step: int, mark: bool = T
             if mark:
                 f.write(json.dumps({"discarded_after_step": step, "time": time.time()}) + "\n")
             f.writelines(drop)
-        _atomic_write(path, "".join(keep))
+        atomic_write_text(path, "".join(keep))
     return len(drop)
 
 

@@ -12,10 +12,11 @@ cached as JSON; ``load_or_train_bpe`` reuses the cached file when it exists.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable
 
 import numpy as np
+
+from dilocox.fsutil import atomic_path
 
 EOT = "<|endoftext|>"
 
@@ -72,15 +73,8 @@ class BPETokenizer:
 
     def save(self, path: str) -> None:
         """Write the tokenizer JSON atomically (temp file + rename)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tok-", suffix=".json", dir=os.path.dirname(os.path.abspath(path)))
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             self.tok.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
         self.path = path
 
 

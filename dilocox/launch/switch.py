@@ -16,7 +16,8 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
+
+from dilocox.fsutil import atomic_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCE = os.path.join(ROOT, "csrc", "netswitch.cpp")
@@ -41,13 +42,11 @@ def build() -> str:
     if cxx is None:
         raise SwitchError("--latency/--jitter/--loss need a C++ compiler (g++) to build the delay switch")
     os.makedirs(cache, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="netswitch-", dir=cache)
-    os.close(fd)
-    r = subprocess.run([cxx, "-O2", "-std=c++17", "-o", tmp, SOURCE], capture_output=True, text=True, timeout=300)
-    if r.returncode != 0:
-        os.unlink(tmp)
-        raise SwitchError(f"building the delay switch failed ({cxx}): {r.stderr.strip().splitlines()[-1:]}")
-    os.replace(tmp, out)  # atomic: a concurrent builder of the same source writes the same file
+    with atomic_path(out) as tmp:  # atomic: a concurrent builder of the same source writes the same file
+        r = subprocess.run([cxx, "-O2", "-std=c++17", "-o", tmp, SOURCE], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise SwitchError(f"building the delay switch failed ({cxx}): {r.stderr.strip().splitlines()[-1:]}")
+        os.chmod(tmp, 0o755)
     return out
 
 

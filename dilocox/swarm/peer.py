@@ -72,6 +72,7 @@ from torch import Tensor
 
 from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
+from dilocox.fsutil import atomic_path
 from dilocox.model import build_stage_model
 from dilocox.optim import build_inner_optimizer
 from dilocox.security import SecretError, open_value, sign_value
@@ -502,21 +503,20 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
     def save(self) -> None:
         path = os.path.join(self.out_dir, f"{self.name}.pt")
-        tmp = path + ".tmp"
-        torch.save(
-            {
-                "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
-                "visits": self.visits,
-                "routes": self.routes,
-                "grads": self.grads_dump,
-                "bans": self.bans,
-                "dropped_upstream": self.dropped_up,
-                "replays": self.replays,
-                "records": self.records,
-            },
-            tmp,
-        )
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            torch.save(
+                {
+                    "params": {n: p.detach().clone() for n, p in self.model.named_parameters()},
+                    "visits": self.visits,
+                    "routes": self.routes,
+                    "grads": self.grads_dump,
+                    "bans": self.bans,
+                    "dropped_upstream": self.dropped_up,
+                    "replays": self.replays,
+                    "records": self.records,
+                },
+                tmp,
+            )
 
     def close(self) -> None:
         self.server.close()
