@@ -370,7 +370,10 @@ def peer_uid(conn: socket.socket) -> int | None:
         return None
     theirs = set(_proc_net_addr(peer[0], peer[1]))
     ours = set(_proc_net_addr(me[0], me[1]))
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    # (this THREAD's network namespace: a thread may have entered another one with setns, e.g. the SWARM rebalancer's
+    # store relay in the emulation's switch namespace; /proc/net is the process's first thread's)
+    base = "/proc/thread-self/net" if os.path.exists("/proc/thread-self/net") else "/proc/net"
+    for table in (f"{base}/tcp", f"{base}/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
