@@ -233,6 +233,23 @@ class _Progress:
         print(f"data prepare: {self.what} {where}, {rate / 1e6:.1f} MB/s", flush=True)
 
 
+def _tokenizer(cfg: DataConfig, stream, i: int, head_bytes, sizes, tmp: str):
+    """The byte tokenizer, or the BPE of the training documents (cached by data settings; a third pass over them
+    when it is trained), copied into ``tmp``."""
+    if cfg.tokenizer != "bpe":
+        return ByteTokenizer()
+    cache = os.path.join(
+        os.path.abspath(os.path.expanduser(cfg.cache_dir)),
+        "tokenizers",
+        f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json",
+    )
+    n_train = i + (head_bytes is not None)  # (a hint for the trainer's progress; the cut head may be empty)
+    train_docs = (d for split, d in _split_stream(stream, i, head_bytes, sizes) if split == "train")
+    tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache, length=n_train)
+    shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
+    return tok
+
+
 def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
     """Stream, split, tokenize and write into ``tmp``; return the meta dict (not yet written).
 
@@ -252,18 +269,7 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         progress.add(len(raw))
     i, head_bytes = split_plan(sizes, cfg.val_fraction)
     t_read = time.perf_counter()
-    if cfg.tokenizer == "bpe":
-        cache = os.path.join(
-            os.path.abspath(os.path.expanduser(cfg.cache_dir)),
-            "tokenizers",
-            f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json",
-        )
-        n_train = i + (head_bytes is not None)  # (a hint for the trainer's progress; the cut head may be empty)
-        train_docs = (d for split, d in _split_stream(stream, i, head_bytes, sizes) if split == "train")
-        tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache, length=n_train)
-        shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
-    else:
-        tok = ByteTokenizer()
+    tok = _tokenizer(cfg, stream, i, head_bytes, sizes, tmp)
     t_tok = time.perf_counter()
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     counts = {"train": [0, 0], "val": [0, 0]}  # tokens, documents

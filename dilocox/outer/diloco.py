@@ -139,12 +139,7 @@ class DiLoCoOuter(OuterBase):
             self.names = [self.names[i] for i in self.dp_shard.mine]
             self.params = [self.params[i] for i in self.dp_shard.mine]
             fragments, frag_ids = self.dp_shard.fragments, self.dp_shard.frag_ids
-        names = self.names
-
-        def make_optimizer(order, thetas, vs):  # outer.optimizer over each parameter's θ (global names: muon's split)
-            return build_outer_optimizer(ocfg, [(names[i], t) for i, t in zip(order, thetas)], vs)
-
-        self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device, make_optimizer)
+        self.state = OuterState([p.data for p in self.params], fragments, ocfg.state_device, self._outer_optimizer)
         self.schedule = SyncSchedule(self.K, self.H, self.tau)
         self.compressors = [
             build_compressor(ccfg, self.state.shapes(p), seed + p, frag_ids[p] if frag_ids else None)
@@ -178,6 +173,10 @@ class DiLoCoOuter(OuterBase):
             # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (elastic/transfer.py)
             st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
             self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
+
+    def _outer_optimizer(self, order: list[int], thetas: list[Tensor], vs: list[Tensor]) -> torch.optim.Optimizer:
+        """``outer.optimizer`` over each parameter's θ (by global name: Muon's split needs them)."""
+        return build_outer_optimizer(self.ocfg, [(self.names[i], t) for i, t in zip(order, thetas)], vs)
 
     def _allreduce(
         self, comp, tensors: list[Tensor], step: int, contribute: bool = True, propose: int | None = None, layout=None
