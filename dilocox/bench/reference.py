@@ -577,7 +577,9 @@ def run_case(case: str, mode: str, device: str, steps: int, warmup: int, work: s
             sides.append(DilocoxSide(dilocox_config(case, device, plain, total + 10, run_dir + "-plain")))
         else:
             sides.append(ReferenceSide(cfg, weights=sides[0].tr.model.state_dict(), device=sides[0].device))
-        d, r = measure(sides, warmup, steps)
+        # blocks: of one step each on a CPU (no sync to pay: the finest pairing in time against the load of a shared
+        # machine); of >= 10 steps on a GPU, where each block ends with a sync that would hide the host syncs' cost
+        d, r = measure(sides, warmup, steps, rounds=steps if device == "cpu" else max(1, steps // 10))
     finally:
         for side in sides:
             side.close()
@@ -780,8 +782,9 @@ def main(argv: list[str] | None = None) -> int:
             "rows marked unmeasured: no GPU has run them). Last written by "
             f"`dilocox bench train --reference {shlex.join(argv or [])}`".rstrip()
             + f" on {device_label(a.device)}, torch {torch.__version__}, {stamp} UTC"
-            f"; {a.steps} timed steps per side after {a.warmup} warm-up steps (compilation in those), in 5 alternating "
-            "blocks; host syncs counted over 20 further steps (log.every=10), kernel launches over 3 (CUDA). In the "
+            f"; {a.steps} timed steps per side after {a.warmup} warm-up steps (compilation in those), in alternating "
+            "blocks (1 step each on a CPU, >= 10 on a GPU), the ratio the median over the blocks; host syncs "
+            "counted over 20 further steps (log.every=10), kernel launches over 3 (CUDA). In the "
             "`dilocox preset` rows the reference is dilocox's own plain run (no outer method).",
             "",
             markdown(rows_all),
