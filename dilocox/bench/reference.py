@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -311,8 +312,9 @@ class SyncCounter:
             torch.cuda.synchronize = cuda_sync
             self._debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(1)  # warn: one warning per synchronizing call inside torch
-            self._warnings = _catch_warnings()
+            self._warnings = warnings.catch_warnings(record=True)
             self._records = self._warnings.__enter__()
+            warnings.simplefilter("always")  # inside the context: restored on exit
         return self
 
     def __exit__(self, *exc) -> None:
@@ -323,14 +325,6 @@ class SyncCounter:
             torch.cuda.set_sync_debug_mode(self._debug_mode)
             self.cuda = sum("synchroniz" in str(w.message) for w in self._records)
             self._warnings.__exit__(*exc)
-
-
-def _catch_warnings():
-    import warnings
-
-    w = warnings.catch_warnings(record=True)
-    warnings.simplefilter("always")
-    return w
 
 
 def optimizer_step_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
