@@ -53,8 +53,8 @@ def test_peer_uid_names_the_owner_of_a_loopback_connection():
         assert peer_uid(a) == os.getuid() and same_user(a)
         a.close()
         mine.close()
-        other = subprocess.Popen([OTHER_PY, "-c", f"import socket,time;s=socket.create_connection(('127.0.0.1',{port}));"
-                                  "time.sleep(5)"], user=65534)  # fmt: skip
+        code = f"import socket,time;s=socket.create_connection(('127.0.0.1',{port}));time.sleep(5)"
+        other = subprocess.Popen([OTHER_PY, "-c", code], user=65534)
         try:
             srv.settimeout(30)
             b, _ = srv.accept()
