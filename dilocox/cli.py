@@ -5,6 +5,7 @@ report | secret.
     dilocox data prepare CONFIG [--section.key=value ...]
     dilocox bench KIND [...]                  (KIND: see "bench kinds" below)
     dilocox plan --model configs/model/X.yaml --replicas R --bandwidth 1gbit
+    dilocox plan configs/RUN.yaml --bandwidth 1gbit    (a run config: its layout, batch and method)
     dilocox plan --swarm [--model gpt2-small ...] [--stages 2 --peers 4 --act int8 --H 50]
     dilocox launch --replicas R --nproc-per-replica N --bandwidth 100mbit CONFIG [...]
     dilocox launch --elastic N CONFIG [--kill R@S] [--restart R@S] [--bandwidth 100mbit] [...]

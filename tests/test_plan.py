@@ -279,3 +279,65 @@ def test_plan_bytes_equal_what_a_one_sync_run_counts(tmp_path, data_cache, name,
     assert planned["wire_bytes"] == sent[0]
     row = plan(cfg.model, 2, 1e9, method=Method(name, cfg.outer, cfg.compress))
     assert row["wire_bytes_per_replica"] == sent[0]
+
+
+# issue 44: `dilocox plan RUN_CONFIG` plans the run the config describes
+
+
+def test_plan_reads_a_run_config_whole(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    cfg = os.path.join(ROOT, "configs", "opt-1.3b-dilocox.yaml")
+    assert main([cfg, "--bandwidth", "100mbit", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 replicas of PP 2 x TP 4, 32 x 1024 = 32,768 tokens per replica per step" in text
+    rows = json.loads(out.read_text())
+    assert [r["method"] for r in rows] == ["allreduce", "opt-1.3b-dilocox (this config)"]
+    own = rows[1]
+    assert (own["pipeline"], own["tensor"], own["replicas"], own["H"]) == (2, 4, 2, 125)
+    # what the config's own layout and batch need (the default 524,288 tokens per step at PP = TP = 1 needed 31x less)
+    assert 5e6 < own["bandwidth_for"]["0.99"] < 50e6
+    # the saving against allreduce per inner step, not per sync: H x the per-sync ratio when both send every row
+    assert own["vs_allreduce_per_step"] == pytest.approx(
+        rows[0]["wire_bytes_per_replica"] / (own["wire_bytes_per_replica"] / own["H"])
+    )
+    assert main(["--model", cfg, "--bandwidth", "100mbit", "--json", str(out)]) == 0  # the same through --model
+    assert json.loads(out.read_text()) == rows
+
+
+def test_plan_diloco_saves_H_times_per_step(tmp_path):
+    out = tmp_path / "plan.json"
+    model = os.path.join(ROOT, "configs", "model", "gpt2-small.yaml")
+    args = ["--model", model, "--replicas", "2", "--bandwidth", "1gbit", "--methods", "allreduce,diloco"]
+    assert main([*args, "--H", "50", "--json", str(out)]) == 0
+    ar, dl = json.loads(out.read_text())
+    assert ar["wire_bytes_per_replica"] == pytest.approx(dl["wire_bytes_per_replica"])  # fp32 both: 1x per sync
+    assert dl["vs_allreduce_per_step"] == pytest.approx(50.0) and ar["vs_allreduce_per_step"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "argv,err",
+    [
+        (["configs/opt-1.3b-dilocox.yaml", "--pipeline", "1"], "--pipeline 1 contradicts"),
+        (["configs/opt-1.3b-dilocox.yaml", "--replicas", "8"], "parallel.replicas = 2"),
+        (["configs/opt-1.3b-dilocox.yaml", "--tokens-per-step", "524288"], "train.batch_size x train.seq_len"),
+        (["configs/opt-1.3b-dilocox.yaml", "--H", "500"], "outer.sync_every = 125"),
+        (["configs/tiny.yaml"], "trains one replica"),
+        (["--model", "configs/model/gpt2-small.yaml"], "--replicas is needed"),
+        ([], "name a run config"),
+    ],
+)
+def test_plan_refuses_what_contradicts_the_config(argv, err, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main([*argv, "--bandwidth", "1gbit"]) == 2
+    assert err in capsys.readouterr().err
+
+
+def test_plan_of_every_run_config(capsys, monkeypatch):
+    """Every run config in configs/ with replicas plans (its own method on its layout); the ones without say so."""
+    monkeypatch.chdir(ROOT)
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+        if not name.endswith(".yaml"):
+            continue
+        rc = main([os.path.join("configs", name), "--bandwidth", "100mbit"])
+        text = capsys.readouterr()
+        assert rc == 0 and "(this config)" in text.out or rc == 2 and "trains one replica" in text.err, name

@@ -9,12 +9,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
-from dilocox.config import ConfigError, load_config
+from dilocox.config import ConfigError, _read_yaml, load_config
 from dilocox.metrics import fmt_bytes
-from dilocox.plan.methods import method_names
-from dilocox.plan.predict import DEFAULT_GPU_FLOPS, DEFAULT_LATENCY_S, DEFAULT_MFU, DEFAULT_TOKENS_PER_STEP, plan_all
+from dilocox.plan.methods import Method, method_names
+from dilocox.plan.predict import (
+    DEFAULT_GPU_FLOPS,
+    DEFAULT_LATENCY_S,
+    DEFAULT_MFU,
+    DEFAULT_TOKENS_PER_STEP,
+    plan,
+    plan_all,
+)
 from dilocox.plan.units import fmt_bandwidth, fmt_seconds, parse_bandwidth
 
 DESCRIPTION = "The planner: predict bytes, communication time and compute utilization before renting GPUs."
@@ -29,7 +37,8 @@ def format_table(rows: list[dict]) -> str:
         "overlap",
         "collective",
         "sent/sync/replica",
-        "ratio",
+        "ratio/sync",
+        "vs allreduce/step",
         "T_comm",
         "H*T_step",
         "util",
@@ -46,6 +55,7 @@ def format_table(rows: list[dict]) -> str:
             r["collective"],
             fmt_bytes(r["wire_bytes_per_replica"]),
             f"{r['compression_ratio']:.0f}x",
+            f"{r['vs_allreduce_per_step']:,.0f}x" if "vs_allreduce_per_step" in r else "-",
             fmt_seconds(r["t_comm_s"]),
             fmt_seconds(r["compute_s"]),
             f"{r['utilization']:.1%}",
@@ -69,8 +79,20 @@ def _finite(x):
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dilocox plan", description=DESCRIPTION)
-    ap.add_argument("--model", required=True, help="YAML with a model: section (configs/model/*.yaml)")
-    ap.add_argument("--replicas", type=int, required=True, help="R clusters joined by the slow link")
+    ap.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="a run config (configs/*.yaml): its model, layout (replicas, PP, TP), batch x sequence and its own "
+        "method are planned, allreduce beside it; a flag that contradicts it is an error",
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="YAML with a model: section (configs/model/*.yaml): every preset of configs/methods/ on it; a run "
+        "config here is read like the positional CONFIG",
+    )
+    ap.add_argument("--replicas", type=int, default=None, help="R clusters joined by the slow link")
     ap.add_argument("--bandwidth", required=True, help="per-replica link, e.g. 100mbit, 1gbit, 10Gbit/s")
     ap.add_argument("--methods", default=None, help="comma list of presets in configs/methods/ (default: all)")
     ap.add_argument("--H", type=int, default=None, help="inner steps per outer step (local-step methods)")
@@ -82,7 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--group-size", type=int, default=None, help="quantization group G (default: the preset's)")
     ap.add_argument(
-        "--tokens-per-step", type=float, default=DEFAULT_TOKENS_PER_STEP, help="tokens per replica per inner step"
+        "--tokens-per-step",
+        type=float,
+        default=None,
+        help=f"tokens per replica per inner step (default {DEFAULT_TOKENS_PER_STEP:,}; a run config: its batch x seq)",
     )
     ap.add_argument("--gpus-per-replica", type=int, default=8, help="GPUs per replica (the compute estimate)")
     ap.add_argument(
@@ -99,29 +124,93 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds per collective step; over gloo a step costs one round trip: pass the link's RTT "
         "(measured: docs/BENCHMARKS.md section 5)",
     )
-    ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages per replica (each syncs its own layers)")
-    ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree (low-rank is decided per shard)")
+    ap.add_argument(
+        "--pipeline", type=int, default=None, help="pipeline stages per replica (each syncs its own layers; default 1)"
+    )
+    ap.add_argument(
+        "--tensor", type=int, default=None, help="tensor-parallel degree (low-rank is decided per shard; default 1)"
+    )
     ap.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     return ap
 
 
+def run_config_sections(path: str) -> dict | None:
+    """The YAML at ``path`` merged with its includes, when it is a run config (it sets ``parallel``, ``train`` or
+    ``outer``); None for a file with a model section only."""
+    raw = _read_yaml(path)
+    return raw if any(k in raw for k in ("parallel", "train", "outer")) else None
+
+
+def _from_run_config(args: argparse.Namespace, path: str) -> tuple[list, list[str]]:
+    """Fill ``args`` from the run config at ``path``; return ``(its Method, the assumption lines)``. A flag given
+    with another value than the config's is a ValueError naming both (the plan would describe another run)."""
+    cfg = load_config(path)
+    if cfg.outer.method == "none" or cfg.parallel.replicas < 2 and not cfg.outer.elastic.enabled:
+        raise ValueError(
+            f"{path} trains one replica (outer.method={cfg.outer.method!r}, parallel.replicas="
+            f"{cfg.parallel.replicas}): nothing crosses a slow link; plan a config with replicas, or pass "
+            "--model with --replicas to compare the presets"
+        )
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    own = {
+        "replicas": (cfg.parallel.replicas, "parallel.replicas"),
+        "pipeline": (cfg.parallel.pipeline, "parallel.pipeline"),
+        "tensor": (cfg.parallel.tensor, "parallel.tensor"),
+        "tokens_per_step": (tokens, "train.batch_size x train.seq_len"),
+    }
+    if cfg.outer.method not in ("allreduce", "cocktailsgd"):
+        own["H"] = (cfg.outer.sync_every, "outer.sync_every")
+    for key, (value, field) in own.items():
+        given = getattr(args, key)
+        if given is not None and given != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {given:g} contradicts {path}'s {field} = {value:g}: drop the flag (the config's value is "
+                f"used) or change the config"
+            )
+        setattr(args, key, value)
+    if args.rank is not None or args.group_size is not None:
+        raise ValueError(f"--rank/--group-size: {path} sets its own compress section; change it there")
+    method = Method(f"{os.path.splitext(os.path.basename(path))[0]} (this config)", cfg.outer, cfg.compress)
+    notes = [
+        f"from {path}: {cfg.model.arch} {cfg.model.n_layers} layers x d {cfg.model.d_model}, {args.replicas} replicas "
+        f"of PP {args.pipeline} x TP {args.tensor}, {cfg.train.batch_size} x {cfg.train.seq_len} = {tokens:,} tokens "
+        f"per replica per step, outer.method={cfg.outer.method}"
+        + (f" (H = {cfg.outer.sync_every}, overlap {method.overlap})" if not method.per_step else ""),
+        "assumed (not in the config): the GPUs (--gpus-per-replica, --gpu-tflops, --mfu or --step-time) and the "
+        "link's latency (--latency)",
+    ]
+    return [method], notes
+
+
 def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
-    """``(bandwidth in bits/s, one plan row per selected preset)``; ValueError/OSError/ConfigError on bad input."""
+    """``(bandwidth in bits/s, one plan row per selected preset)``; ValueError/OSError/ConfigError on bad input.
+
+    A run config (positional, or given as --model) plans its own method on its own layout and batch, with
+    allreduce beside it (or the --methods presets on that layout); a model file plans every preset. Each row gets
+    ``bytes_per_step`` (what one replica sends per inner step) and ``vs_allreduce_per_step`` (allreduce's bytes per
+    step over the row's: the saving a user compares, where ``compression_ratio`` is per sync)."""
+    if args.config and args.model and args.config != args.model:
+        raise ValueError("give the run config once: as CONFIG or as --model, not both")
+    path = args.config or args.model
+    if path is None:
+        raise ValueError("name a run config (dilocox plan configs/tiny-dilocox.yaml ...) or --model MODEL.yaml")
     bw = parse_bandwidth(args.bandwidth)
-    mcfg = load_config(args.model).model
+    mcfg = load_config(path).model
     known = method_names()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else known
-    bad = [m for m in methods if m not in known]
+    methods: list = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    bad = [m for m in methods or [] if m not in known]
     if bad:
         raise ValueError(f"--methods: unknown {bad}; choose from {known} (configs/methods/*.yaml)")
-    rows = plan_all(
-        mcfg,
-        args.replicas,
-        bw,
-        methods,
-        H=args.H,
-        rank=args.rank,
-        group_size=args.group_size,
+    args.notes = []
+    if run_config_sections(path) is not None:
+        own, args.notes = _from_run_config(args, path)
+        methods = methods or ["allreduce", *own]
+    elif args.replicas is None:
+        raise ValueError(f"--replicas is needed: {path} has no parallel section (it is a model file)")
+    args.pipeline, args.tensor = args.pipeline or 1, args.tensor or 1
+    args.tokens_per_step = args.tokens_per_step or DEFAULT_TOKENS_PER_STEP
+    kw = dict(
         tokens_per_step=args.tokens_per_step,
         peak_flops=args.gpus_per_replica * args.gpu_tflops * 1e12,
         mfu=args.mfu,
@@ -130,6 +219,17 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
         pipeline=args.pipeline,
         tensor=args.tensor,
     )
+    rows = []
+    for m in methods or known:
+        if isinstance(m, Method):
+            rows.append(plan(mcfg, args.replicas, bw, method=m, **kw))
+        else:
+            rows += plan_all(mcfg, args.replicas, bw, [m], H=args.H, rank=args.rank, group_size=args.group_size, **kw)
+    ar = plan(mcfg, args.replicas, bw, method="allreduce", **kw)
+    ar_step = ar["wire_bytes_per_replica"] / ar["H"]
+    for r in rows:
+        r["bytes_per_step"] = r["wire_bytes_per_replica"] / r["H"]
+        r["vs_allreduce_per_step"] = ar_step / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
     return bw, rows
 
 
@@ -146,9 +246,12 @@ def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
         )
     )
     print(
-        f"# plan: {args.model}, {args.replicas} replicas, {fmt_bandwidth(bw)} per replica link, "
-        f"latency {args.latency * 1e3:g} ms/collective step\n\ninner step: {step}\n"
+        f"# plan: {args.config or args.model}, {args.replicas} replicas, {fmt_bandwidth(bw)} per replica link, "
+        f"latency {args.latency * 1e3:g} ms/collective step\n"
     )
+    for line in getattr(args, "notes", []):
+        print(line)
+    print(f"\ninner step: {step}\n")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
