@@ -180,6 +180,7 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
     from dilocox.swarm.common import store_key
     from dilocox.swarm.runtime import launch
     from dilocox.swarm.transport import run_secret
+    from tests.swarm_noise import assert_exited_zero, launch_beside
     from tests.test_swarm_runtime import _cfg
 
     cfg = _cfg("--swarm.routing=fixed")
@@ -232,24 +233,8 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
                 for s in socks:
                     s.close()
 
-    threads = []
-
-    def start_flood(la):
-        t = threading.Thread(target=flood, args=(la,), daemon=True)
-        t.start()
-        threads.append(t)
-
-    try:
-        loud = launch(
-            cfg, str(tmp_path / "loud"), peers_per_stage=[1, 1], steps=steps, timeout_s=240, on_started=start_flood
-        )
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-    for res in (quiet, loud):
-        for name, rc in res.returncodes.items():
-            assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    loud = launch_beside(cfg, str(tmp_path / "loud"), steps, flood, stop)
+    assert_exited_zero(quiet, loud)
     assert sent["connections"] >= 1000 and sent["connections"] - (sent["at_first_step"] or 0) >= 500, sent
     for name in ("s0p0", "s1p0"):
         assert loud.peers[name]["bans"] == [], (name, loud.peers[name]["bans"])

@@ -687,6 +687,7 @@ def test_swarm_run_under_noise_ends_bit_equal_to_an_undisturbed_run(tmp_path):
     from dilocox.swarm.common import store_key
     from dilocox.swarm.runtime import launch
     from dilocox.swarm.transport import run_secret
+    from tests.swarm_noise import assert_exited_zero, launch_beside
     from tests.test_swarm_runtime import _cfg
 
     cfg = _cfg("--swarm.routing=fixed")
@@ -729,24 +730,8 @@ def test_swarm_run_under_noise_ends_bit_equal_to_an_undisturbed_run(tmp_path):
                 s.close()
             rogue.close()
 
-    threads = []
-
-    def start_noise(la):
-        t = threading.Thread(target=noise, args=(la,), daemon=True)
-        t.start()
-        threads.append(t)
-
-    try:
-        loud = launch(
-            cfg, str(tmp_path / "loud"), peers_per_stage=[1, 1], steps=steps, timeout_s=240, on_started=start_noise
-        )
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-    for res in (quiet, loud):
-        for name, rc in res.returncodes.items():
-            assert rc == 0, f"{name} exited {rc}:\n{res.log_tail(name)}"
+    loud = launch_beside(cfg, str(tmp_path / "loud"), steps, noise, stop)
+    assert_exited_zero(quiet, loud)
     assert sent["messages"] >= 10, sent  # (how many fit in the job depends on the load; the log check below)
     for name in ("s0p0", "s1p0"):
         a, b = quiet.peers[name]["params"], loud.peers[name]["params"]
