@@ -441,9 +441,9 @@ def save_hf_dir(out_dir: str, m: ModelConfig, full: dict[str, torch.Tensor], tok
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(cfg, indent=2))
     if tokenizer is not None:
         tok_path = os.path.join(out_dir, "tokenizer.json")
-        if getattr(tokenizer, "kind", "byte") == "bpe":
+        if getattr(tokenizer, "kind", "byte") == "bpe":  # the run's BPE, or the pretrained tokenizer.json it used
             tokenizer.tok.save(tok_path)
-            eos = "<|endoftext|>"
+            eos = tokenizer.tok.id_to_token(tokenizer.eot_id)
         else:
             byte_tokenizer_json(tok_path)
             eos = "Ā"  # byte 0 (dilocox's end-of-document) in the byte-level alphabet

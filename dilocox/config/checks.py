@@ -169,8 +169,8 @@ def check_field_values(cfg: Any) -> None:
         )
     for name, choices in _CHOICES.items():
         v = _get(cfg, name)
-        if v not in choices:
-            _fail(name, v, f"is not one of {list(choices)}")
+        if v not in choices and not (name == "data.tokenizer" and isinstance(v, str) and v.startswith("hf:")):
+            _fail(name, v, f"is not one of {list(choices)} or hf:PATH (a model's tokenizer.json or its directory)")
     _positive(cfg, *_POSITIVE)
     for name in _NON_NEGATIVE:
         if _get(cfg, name) < 0:

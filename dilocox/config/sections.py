@@ -109,7 +109,8 @@ class DataConfig:
     # default
     hf_split: str = "train"  # hf: the split to read
     hf_text_field: str = "text"  # hf: the column holding the text
-    tokenizer: str = "byte"  # byte | bpe
+    tokenizer: str = "byte"  # byte | bpe (trained on the corpus) | hf:PATH (a model's own tokenizer.json, or the
+    # Hugging Face model directory holding it: GPT-2's, Qwen's; model.vocab_size must cover its vocabulary)
     bpe_vocab_size: int = 4096
     cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
     val_fraction: float = 0.02

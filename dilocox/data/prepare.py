@@ -37,7 +37,14 @@ import numpy as np
 from dilocox.config import DataConfig
 from dilocox.data.sampler import val_batches as _val_batches
 from dilocox.data.sources import DataError, DocStream, cap_note, cut_document, fingerprint, split_plan
-from dilocox.data.tokenizer import ByteTokenizer, load_or_train_bpe, load_tokenizer
+from dilocox.data.tokenizer import (
+    PRETRAINED,
+    BPETokenizer,
+    ByteTokenizer,
+    load_or_train_bpe,
+    load_tokenizer,
+    pretrained_path,
+)
 
 FORMAT = 2  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut")
 
@@ -120,12 +127,15 @@ def data_key(cfg: DataConfig) -> str:
     ident = {**_identity(cfg), "tokenizer": cfg.tokenizer}
     if cfg.tokenizer == "bpe":
         ident["bpe_vocab_size"] = cfg.bpe_vocab_size
+    elif cfg.tokenizer.startswith(PRETRAINED):  # the tokens depend on the file's content, not its name
+        with open(pretrained_path(cfg.tokenizer), "rb") as f:
+            ident["tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
     return _hash(ident)
 
 
 def default_out_dir(cfg: DataConfig, key: str | None = None) -> str:
     key = key or data_key(cfg)
-    tok = f"bpe{cfg.bpe_vocab_size}" if cfg.tokenizer == "bpe" else "byte"
+    tok = {"bpe": f"bpe{cfg.bpe_vocab_size}", "byte": "byte"}.get(cfg.tokenizer, "pretrained")
     return os.path.join(
         os.path.abspath(os.path.expanduser(cfg.cache_dir)), "prepared", f"{cfg.source}-{tok}-{key[:16]}"
     )
@@ -236,6 +246,11 @@ class _Progress:
 def _tokenizer(cfg: DataConfig, stream, i: int, head_bytes, sizes, tmp: str):
     """The byte tokenizer, or the BPE of the training documents (cached by data settings; a third pass over them
     when it is trained), copied into ``tmp``."""
+    if cfg.tokenizer.startswith(PRETRAINED):  # a model's own tokenizer.json, kept as it is
+        path = pretrained_path(cfg.tokenizer)
+        tok = BPETokenizer.from_file(path)
+        shutil.copyfile(path, os.path.join(tmp, "tokenizer.json"))
+        return tok
     if cfg.tokenizer != "bpe":
         return ByteTokenizer()
     cache = os.path.join(

@@ -1,4 +1,8 @@
-"""Tokenizers: bytes (vocab 256) or a byte-level BPE trained on the corpus with ``tokenizers``.
+"""Tokenizers: bytes (vocab 256), a byte-level BPE trained on the corpus with ``tokenizers``, or a pretrained one.
+
+``data.tokenizer: hf:PATH`` loads a model's own ``tokenizer.json`` (PATH: the file, or a Hugging Face model
+directory holding it, e.g. GPT-2's or Qwen's), so ``model.init_from`` keeps that model's vocabulary and ``dilocox
+export`` writes the same tokenizer back; its end-of-document token is the first of ``EOT_CANDIDATES`` it has.
 
 Common interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``,
 ``eot_id`` (the end-of-document token appended after every document) and
@@ -19,6 +23,22 @@ import numpy as np
 from dilocox.fsutil import atomic_path
 
 EOT = "<|endoftext|>"
+EOT_CANDIDATES = (EOT, "</s>", "<eos>", "<|im_end|>")  # GPT-2 / Qwen, Llama / OPT, Gemma, chat models
+PRETRAINED = "hf:"  # data.tokenizer = hf:PATH
+
+
+def pretrained_path(spec: str) -> str:
+    """The ``tokenizer.json`` that ``data.tokenizer = hf:PATH`` names (PATH a file or a directory holding it), or a
+    FileNotFoundError naming the field and the fix."""
+    path = os.path.abspath(os.path.expanduser(spec[len(PRETRAINED) :]))
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"data.tokenizer={spec!r}: no tokenizer file {path}; give a tokenizer.json or a Hugging Face model "
+            "directory that holds one (data.tokenizer=hf:/path/to/gpt2)"
+        )
+    return path
 
 
 class ByteTokenizer:
@@ -47,9 +67,12 @@ class BPETokenizer:
     def __init__(self, tok, path: str | None = None):
         self.tok, self.path = tok, path
         self.vocab_size = tok.get_vocab_size()
-        eot = tok.token_to_id(EOT)
+        eot = next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
         if eot is None:
-            raise ValueError(f"tokenizer {path or ''} has no {EOT} token; it was not trained by dilocox")
+            raise ValueError(
+                f"tokenizer {path or ''} has none of the end-of-document tokens {list(EOT_CANDIDATES)}; dilocox "
+                "separates documents with one: use a tokenizer that has one (GPT-2's, Qwen's, Llama's)"
+            )
         self.eot_id = eot
 
     @classmethod
