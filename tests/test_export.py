@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train import QWEN_ARGS
 
 from dilocox import hf
 from dilocox.config import load_config
@@ -18,13 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 QWEN = [
-    "--model.arch=qwen",
-    "--model.norm=rmsnorm",
-    "--model.activation=swiglu",
-    "--model.pos_emb=rope",
-    "--model.bias=false",
-    "--model.qkv_bias=true",
-    "--model.n_kv_heads=2",
+    *QWEN_ARGS,
     "--model.d_ff=176",
     "--model.norm_eps=1e-6",
     "--model.rope_theta=5000",

@@ -18,34 +18,14 @@ import os
 
 import pytest
 import torch
-from test_train import tiny_cfg
+from test_train import QWEN_ARGS as QWEN
 
 from dilocox.bench import reference as R
-
-QWEN = [
-    "--model.arch=qwen",
-    "--model.norm=rmsnorm",
-    "--model.activation=swiglu",
-    "--model.pos_emb=rope",
-    "--model.bias=false",
-    "--model.qkv_bias=true",
-    "--model.n_kv_heads=2",
-]
+from tests.small_run import small_cfg
 
 
 def _cfg(tmp, *extra, steps=12):
-    return tiny_cfg(
-        str(tmp),
-        "--data.max_bytes=200000",
-        "--model.n_layers=2",
-        "--model.d_model=64",
-        "--train.seq_len=32",
-        "--train.eval_batches=0",
-        "--checkpoint.resume=none",
-        "--checkpoint.every=0",
-        *extra,
-        steps=steps,
-    )
+    return small_cfg(str(tmp), "--train.eval_batches=0", "--checkpoint.every=0", *extra, steps=steps)
 
 
 def _trainer(cfg):

@@ -13,6 +13,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+# the Qwen2 architecture on tiny_cfg's shape (RMSNorm, SwiGLU, RoPE, biases on q/k/v only, GQA with 2 kv heads)
+QWEN_ARGS = (
+    "--model.arch=qwen",
+    "--model.norm=rmsnorm",
+    "--model.activation=swiglu",
+    "--model.pos_emb=rope",
+    "--model.bias=false",
+    "--model.qkv_bias=true",
+    "--model.n_kv_heads=2",
+)
+
+
 def tiny_cfg(tmp, *extra, steps=12):
     return load_config(
         os.path.join(ROOT, "configs", "tiny.yaml"),
@@ -78,16 +90,7 @@ def test_pp2_tp2_training_equals_single_process(tmp_path, arch):
     """The same model trained with PP=2 x TP=2 on 4 ranks follows the 1-process loss curve."""
     extra = ["--parallel.microbatches=2"]
     if arch == "qwen":
-        extra += [
-            "--model.arch=qwen",
-            "--model.norm=rmsnorm",
-            "--model.activation=swiglu",
-            "--model.pos_emb=rope",
-            "--model.bias=false",
-            "--model.qkv_bias=true",
-            "--model.n_kv_heads=2",
-            "--model.d_ff=344",
-        ]
+        extra += [*QWEN_ARGS, "--model.d_ff=344"]
     ref_losses, ref_val = run_ranks(1, _losses, str(tmp_path / "ref"), extra, 5)[0]
     par = run_ranks(4, _losses, str(tmp_path / "par"), extra + ["--parallel.pipeline=2", "--parallel.tensor=2"], 5)
     for losses, val in par:
