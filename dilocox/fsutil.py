@@ -9,6 +9,7 @@ metrics, prepared tokenizers, HF exports, the SWARM peers' results, the delay sw
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,22 +20,40 @@ def atomic_path(path: str, sync: bool = True) -> Iterator[str]:
     False when the caller fsynced its own handle) and rename it onto ``path``; on an error remove it and re-raise."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    # a unique name, created exclusively: writers on other hosts of a shared file system or in other threads never
+    # collide; mode 0666 less the umask, as open() would give the file itself (mkstemp's 0600 would not)
+    while True:
+        tmp = os.path.join(d, f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         yield tmp
         if sync:
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
+        _fsync(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # the rename itself, durable
     except BaseException:
         try:
             os.remove(tmp)
         except OSError:
             pass
         raise
+
+
+def _fsync(path: str, flags: int) -> None:
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # (a directory that cannot be opened for reading: the rename is still atomic)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -177,7 +177,12 @@ class OuterSGD(torch.optim.Optimizer):
                 continue
             lr, mu = group["lr"], group["momentum"]
             gs = [p.grad for p in ps]
-            vs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in ps]
+            vs = []
+            for p in ps:  # (the flat buffer's views; zeros only for a parameter that has none yet)
+                st = self.state[p]
+                if st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(p)
+                vs.append(st["momentum_buffer"])
             torch._foreach_mul_(vs, mu)
             torch._foreach_add_(vs, gs)
             upd = torch._foreach_add(gs, vs, alpha=mu) if group["nesterov"] else vs
@@ -204,8 +209,8 @@ def build_outer_optimizer(
     if name == "muon":
         muon = [(t, b) for (n, t), b in zip(named, momentum_buffers) if is_muon_param(n, t.dim() == 2)]
         rest = [(t, b) for (n, t), b in zip(named, momentum_buffers) if not is_muon_param(n, t.dim() == 2)]
-        if not muon:
-            raise ValueError("outer.optimizer=muon: this shard holds no hidden matrix of a block for Muon")
+        if not muon:  # (a DP shard may hold only the embedding and head: the SGD rule on all of it)
+            return OuterSGD([t for _, t in named], momentum_buffers=momentum_buffers, **sgd_kw)
         muon_kw = {"lr": ocfg.lr, "momentum": ocfg.momentum, "nesterov": bool(ocfg.nesterov), "weight_decay": 0.0}
         muon_kw["adjust_lr_fn"] = "match_rms_adamw"
         opt = MuonAdamW(

@@ -143,7 +143,8 @@ def load_or_create_secret(path: str) -> bytes:
     return load_secret(path)
 
 
-def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
+def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes of a handshake by ``deadline`` (socket.timeout after it, AuthError at EOF)."""
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
@@ -177,7 +178,7 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float, servic
     svc = _service(service)
     cs = secrets.token_bytes(CHALLENGE_BYTES)
     _send(sock, MAGIC + cs, deadline)
-    reply = _recv(sock, CHALLENGE_BYTES + MAC_BYTES, deadline)
+    reply = recv_by(sock, CHALLENGE_BYTES + MAC_BYTES, deadline)
     cc, proof = reply[:CHALLENGE_BYTES], reply[CHALLENGE_BYTES:]
     if not hmac.compare_digest(proof, _mac(secret, b"client", svc, cs, cc)):
         raise AuthError(f"the client does not hold the run secret (or it asked for another service than {service!r})")
@@ -189,7 +190,7 @@ def client_handshake(sock: socket.socket, secret: bytes, deadline: float, servic
     """Authenticate the server ``sock`` is connected to as ``service`` and prove the secret to it; return the session
     key. ``Busy`` when the server turned the connection away before its challenge (a retry may be served)."""
     key, expect = client_hello(sock, secret, deadline, service)
-    check_server_proof(_recv(sock, MAC_BYTES, deadline), expect)
+    check_server_proof(recv_by(sock, MAC_BYTES, deadline), expect)
     return key
 
 
@@ -202,12 +203,12 @@ def client_hello(sock: socket.socket, secret: bytes, deadline: float, service: s
     since nothing is encrypted). Every MAC of the transcript covers ``service``: a handshake made for one service
     of the run is refused by every other (and the session keys differ)."""
     svc = _service(service)
-    magic = _recv(sock, len(MAGIC), deadline)
+    magic = recv_by(sock, len(MAGIC), deadline)
     if magic == BUSY:
         raise Busy("the server turned this connection away before authenticating (its slots for this address are full)")
     if magic != MAGIC:
         raise AuthError("the server did not start a dilocox authentication (no run secret on its side?)")
-    cs = _recv(sock, CHALLENGE_BYTES, deadline)
+    cs = recv_by(sock, CHALLENGE_BYTES, deadline)
     cc = secrets.token_bytes(CHALLENGE_BYTES)
     _send(sock, cc + _mac(secret, b"client", svc, cs, cc), deadline)
     return _mac(secret, b"session", svc, cs, cc), _mac(secret, b"server", svc, cs, cc)
@@ -242,7 +243,7 @@ def dial(
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             key, expect = client_hello(sock, secret, deadline, service)
             if full:
-                check_server_proof(_recv(sock, MAC_BYTES, deadline), expect)
+                check_server_proof(recv_by(sock, MAC_BYTES, deadline), expect)
             return sock, key, expect
         except Busy:
             sock.close()

@@ -502,6 +502,11 @@ def train(cfg: Config) -> dict:
         raise
     finally:
         stall.stop()
+        if not ok and trainer.device.type == "cpu":  # the records since the last log step (on a GPU, reading them
+            try:  # after a failed collective could wait on the queued work forever: they are dropped there)
+                trainer._flush_logs()
+            except Exception:  # noqa: BLE001 - a non-finite loss among them, or a broken logger: the error raised stands
+                pass
         trainer.stop.close(drain=ok)
         if trainer.outer is not None:
             # After an exception the comm thread is still alive (run() stops it through

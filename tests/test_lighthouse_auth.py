@@ -146,3 +146,43 @@ def test_dilocox_swarm_store_refuses_a_reachable_bind_without_a_secret():
     assert p.returncode == 2, (p.returncode, p.stderr)
     err = p.stderr.strip()
     assert err.count("\n") == 0 and "--secret-file" in err and "--insecure" in err, err
+
+
+@pytest.mark.parametrize("answer,plain", [(b"DXB1", False), (b"", True)], ids=["busy-guard", "silent"])
+def test_unguarded_reads_busy_as_a_guard_and_silence_as_plain(answer, plain):
+    """A guard whose handshake slots are full answers BUSY: still a guard (a flood must not make a replica refuse its
+    own lighthouse); a server that accepts and says nothing is a plain lighthouse; a port that does not accept is no
+    verdict (the relay retries)."""
+    import socket
+    import threading
+
+    from dilocox.elastic.relay import unguarded
+    from dilocox.security import BUSY
+
+    assert answer in (BUSY, b"")
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    held = []
+
+    def serve():
+        c, _ = srv.accept()
+        held.append(c)
+        if answer:
+            c.sendall(answer)
+            c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        why = unguarded([("127.0.0.1", port)], b"s" * 32, wait_s=1.0)
+        assert (why is not None and "plain lighthouse" in why) if plain else why is None, why
+    finally:
+        t.join(5)
+        for c in held:
+            c.close()
+        srv.close()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed_port = free.getsockname()[1]
+    free.close()
+    assert unguarded([("127.0.0.1", closed_port)], b"s" * 32, wait_s=1.0) is None

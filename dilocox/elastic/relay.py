@@ -32,9 +32,13 @@ from dilocox.security import (
     MAC_BYTES,
     AcceptGate,
     AuthError,
+    Busy,
     Sealer,
+    check_server_proof,
+    client_hello,
     dial,
     peer_uid,
+    recv_by,
     same_user,
     server_handshake,
     turn_away,
@@ -271,14 +275,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def unguarded(endpoints: list[tuple[str, int]], secret: bytes, service: str = "lighthouse", wait_s: float = 3.0):
     """Why the first of ``endpoints`` that accepts a TCP connection is not a guard of this run (one line), or None:
-    it is one (the handshake for ``service`` completed), or none listens yet (the relay retries, bounded, as before).
-    A plain torchft lighthouse says nothing until its client speaks (gRPC), so a server that sends no challenge within
-    ``wait_s`` is taken for one; a guard always answers at once (its challenge, or BUSY)."""
+    it is one (the handshake for ``service`` completed, or it answered BUSY: only a guard does), or none is reachable
+    yet (refused, or the connect itself timed out: the relay retries, bounded, as before). A plain torchft lighthouse
+    says nothing until its client speaks (gRPC), so a server that accepted the connection and then sent no byte of a
+    challenge within ``wait_s`` is taken for one; a guard always answers at once (its challenge, or BUSY)."""
     for h, p in endpoints:
+        deadline = time.monotonic() + wait_s
         try:
-            s, _, _ = dial((h, p), secret, service, time.monotonic() + wait_s, connect_timeout=min(1.0, wait_s))
-        except (ConnectionRefusedError, socket.gaierror):
+            sock = socket.create_connection((h, p), timeout=min(1.0, wait_s))
+        except OSError:  # refused, unreachable, or the SYN unanswered for now (a lost packet): not a verdict
             continue
+        try:
+            _, expect = client_hello(sock, secret, deadline, service)
+            check_server_proof(recv_by(sock, MAC_BYTES, deadline), expect)
+        except Busy:  # its handshake slots are full (a flood): a guard all the same
+            return None
         except (socket.timeout, TimeoutError):
             return f"{h}:{p} sent no challenge of the run secret's handshake within {wait_s:.0f} s: a plain lighthouse"
         except AuthError as e:
@@ -287,7 +298,8 @@ def unguarded(endpoints: list[tuple[str, int]], secret: bytes, service: str = "l
             return f"{h}:{p} refused this replica's proof (another run secret there, or not a lighthouse): {e}"
         except OSError:
             continue
-        s.close()
+        finally:
+            sock.close()
         return None
     return None
 

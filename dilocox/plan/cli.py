@@ -152,8 +152,15 @@ def _from_run_config(args: argparse.Namespace, path: str) -> tuple[list, list[st
             "--model with --replicas to compare the presets"
         )
     tokens = cfg.train.batch_size * cfg.train.seq_len
+    el = cfg.outer.elastic
+    # an elastic job is ONE replica of a run: planned at the replicas its first outer step waits for
+    replicas = (
+        (max(el.initial_replicas or el.min_replicas, 2), "outer.elastic.initial_replicas (or min_replicas, >= 2)")
+        if el.enabled
+        else (cfg.parallel.replicas, "parallel.replicas")
+    )
     own = {
-        "replicas": (cfg.parallel.replicas, "parallel.replicas"),
+        "replicas": replicas,
         "pipeline": (cfg.parallel.pipeline, "parallel.pipeline"),
         "tensor": (cfg.parallel.tensor, "parallel.tensor"),
         "tokens_per_step": (tokens, "train.batch_size x train.seq_len"),
