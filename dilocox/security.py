@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import socket
@@ -329,6 +330,26 @@ class AcceptGate:
                 self._proven[ip] = None
                 while len(self._proven) > self._remember:
                     self._proven.pop(next(iter(self._proven)))
+
+    def hand_off(self, conn: socket.socket, ip: str, serve, what: str) -> bool:
+        """The accept loop's step for one connection: ``admit`` it and run ``serve(slot)`` on a daemon thread (which
+        must ``release`` the slot). Over its address's cap it is turned away at once; with no thread to be had its slot
+        is given back and it is closed (logged as ``what``). True when ``serve`` runs."""
+        slot = self.admit(ip)
+        if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
+            turn_away(conn)
+            return False
+        try:
+            threading.Thread(target=serve, args=(slot,), name=what, daemon=True).start()
+            return True
+        except RuntimeError as e:  # (no thread to be had: this connection, not the server)
+            self.release(slot)
+            try:
+                conn.close()
+            except OSError:
+                pass
+            logging.getLogger(__name__).warning("%s: no thread for a connection (%s)", what, e)
+            return False
 
     def trust(self, ips) -> None:
         """The run's member addresses (e.g. from a signed member list): they may use the reserved slots."""

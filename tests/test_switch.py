@@ -95,10 +95,10 @@ def _exchange(rtt_ms=0.0, jitter_ms=0.0, loss=0.0, mbytes=12.0, n_udp=0):
         res = json.loads(out.stdout)
         res["veth_tx"] = c.tx_bytes(0) - before
         srv.wait(timeout=30)
-        binary = argv([], 1.0)[0] if c.delayed else None
-    if binary:  # the switch stopped with the Cluster
-        left = subprocess.run(["pgrep", "-f", binary], capture_output=True, text=True).stdout.split()
-        assert not left, f"the delay switch outlived its Cluster: {left}"
+        switch = c._switch if c.delayed else None
+    if switch is not None:  # this Cluster's switch stopped with it (by its pid: another test's switch, running the
+        # same cached binary under pytest-xdist, once made a `pgrep -f BINARY` here fail)
+        assert switch.poll() is not None, f"the delay switch (pid {switch.pid}) outlived its Cluster"
     return res
 
 

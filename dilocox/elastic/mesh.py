@@ -31,6 +31,7 @@ and raises ``MeshError``; the next ``configure`` starts a fresh round.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import socket
@@ -41,7 +42,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.security import HANDSHAKE_S, AcceptGate, dial, open_value, server_handshake, sign_value, turn_away
+from dilocox.security import HANDSHAKE_S, AcceptGate, dial, open_value, server_handshake, sign_value
 from dilocox.swarm.transport import (
     Crypter,
     Limits,
@@ -122,16 +123,7 @@ class PairServer:
                 log.warning("mesh: accept failed (%s); going on", e)
                 time.sleep(0.05)
                 continue
-            slot = self.gate.admit(peer[0])
-            if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
-                turn_away(conn)
-                continue
-            try:
-                threading.Thread(target=self._hello, args=(conn, slot), name="mesh-hello", daemon=True).start()
-            except RuntimeError as e:  # (no thread to be had: this connection, not the server)
-                conn.close()
-                self.gate.release(slot)
-                log.warning("mesh: no thread for a pair connection (%s)", e)
+            self.gate.hand_off(conn, peer[0], functools.partial(self._hello, conn), "mesh-hello")
 
     def _hello(self, conn: socket.socket, slot) -> None:
         queued = False

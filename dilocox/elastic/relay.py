@@ -22,6 +22,7 @@ close; a relayed pair ends when either side closes (the gRPC channel's keepalive
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -41,7 +42,6 @@ from dilocox.security import (
     recv_by,
     same_user,
     server_handshake,
-    turn_away,
 )
 
 AUTH_TIMEOUT_S = HANDSHAKE_S  # a guard's handshake with a connection ends within this (2 s)
@@ -345,16 +345,7 @@ class LighthouseGuard:
                 log.warning("%s guard: accept failed (%s); going on", self.service, e)  # (EMFILE, ...: this one)
                 time.sleep(0.05)
                 continue
-            slot = self.gate.admit(peer[0])
-            if slot is None:  # over its address's cap (a flood from one address): closed at once, not queued
-                turn_away(conn)
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn, peer[0], slot), daemon=True).start()
-            except RuntimeError as e:  # (no thread to be had: this connection, not the guard)
-                self.gate.release(slot)
-                _close(conn)
-                log.warning("%s guard: no thread for a connection (%s)", self.service, e)
+            self.gate.hand_off(conn, peer[0], functools.partial(self._serve, conn, peer[0]), f"{self.service} guard")
 
     def _serve(self, conn: socket.socket, ip: str, slot) -> None:
         proven = False
