@@ -1,7 +1,9 @@
-"""torchft's own DiLoCo as the reference row of `dilocox bench elastic` (dilocox/bench/torchft_ref.py)."""
+"""torchft's own DiLoCo as the reference row of the elastic benchmark (benchmarks/torchft_ref.py: a harness of the
+source checkout, not installed with dilocox)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,7 +12,27 @@ import time
 
 import pytest
 
-from dilocox.bench.torchft_ref import run_reference, summarize, torchft_facts, wait_for_peers
+from dilocox.distributed.procs import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARNESS = os.path.join(ROOT, "benchmarks", "torchft_ref.py")
+
+
+def _load_harness():
+    """benchmarks/torchft_ref.py as a module (it is run by path, not imported as a package)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_torchft_ref", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_ref = _load_harness()
+run_reference, summarize, torchft_facts, wait_for_peers = (
+    _ref.run_reference,
+    _ref.summarize,
+    _ref.torchft_facts,
+    _ref.wait_for_peers,
+)
 
 try:
     import torchft  # noqa: F401
@@ -19,7 +41,6 @@ try:
 except ImportError:
     HAVE_TORCHFT = False
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = [
     "--data.max_bytes=200000",
     "--model.n_layers=2",
@@ -96,18 +117,33 @@ def test_run_reference_rejects_bad_input(tmp_path):
     with pytest.raises(ValueError, match="die_at='1@3' must be R@STEP"):
         run_reference([], 2, 8, None, None, str(tmp_path / "x"), sync_every=2, die_at="1@3")
     r = subprocess.run(
-        [sys.executable, "-m", "dilocox.bench.torchft_ref", "--kill", "5@1", "--out", str(tmp_path / "y")],
+        [sys.executable, HARNESS, "--kill", "5@1", "--out", str(tmp_path / "y")],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=str(tmp_path),  # run by path from anywhere
+        env=child_env(),
     )
     assert r.returncode == 1 and "replica 5 is not in [0, 3)" in r.stderr, r.stderr
 
 
+def test_the_harness_is_not_part_of_the_package():
+    """benchmarks/ is the checkout's, not an installed package: no __init__.py, setup.py ships dilocox* only, and
+    nothing under dilocox/ names the harness (tests/test_layout.py checks the imports)."""
+    assert os.path.isfile(HARNESS) and not os.path.exists(os.path.join(ROOT, "benchmarks", "__init__.py"))
+    assert 'find_packages(include=["dilocox*"])' in open(os.path.join(ROOT, "setup.py")).read()
+    assert not os.path.exists(os.path.join(ROOT, "dilocox", "bench", "torchft_ref.py"))
+    for d, _, files in os.walk(os.path.join(ROOT, "dilocox")):
+        for f in files:
+            if f.endswith(".py"):
+                text = open(os.path.join(d, f), encoding="utf-8").read()
+                assert "torchft_ref" not in text, os.path.join(d, f)
+
+
 def test_the_cli_and_the_benches_do_not_import_the_reference():
-    """torchft_ref is imported only when the reference row runs: not by ``dilocox.cli``, ``dilocox.bench``, the
-    elastic bench module or ``dilocox bench elastic --help`` (a fresh interpreter: this test module imports it)."""
+    """Neither torchft nor the harness is imported by ``dilocox.cli``, ``dilocox.bench``, the elastic bench module or
+    ``dilocox bench elastic --help`` (torchft only lazily, in dilocox/elastic/torchft.py; a fresh interpreter: this
+    test module loads the harness)."""
     code = (
         "import contextlib, io, sys\n"
         "import dilocox.bench, dilocox.bench.elastic, dilocox.cli\n"

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from dilocox.elastic import ElasticConfig
-from dilocox.elastic.failover import CLIENT_PRIVATE, MANAGER_PRIVATE, check_torchft_version, quorum_id
+from dilocox.elastic.torchft import CLIENT_PRIVATE, MANAGER_PRIVATE, check_torchft_version, quorum_id
 from tools.elastic_toy import oracle, read_records, replica_cmd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -127,7 +127,7 @@ def test_no_module_above_the_limit():
     assert not long, f"modules above {MAX_LINES} lines (split them by concern):\n" + "\n".join(long)
 
 
-@pytest.mark.parametrize("outside", ["tools", "tests"])
+@pytest.mark.parametrize("outside", ["tools", "tests", "benchmarks"])
 def test_the_product_imports_no_harness(outside):
     bad = []
     for name, path in _modules().items():

@@ -2,9 +2,9 @@
 
 A fresh virtual environment gets only what requirements.txt names (``.ci/run`` builds one), so a package that
 is imported but not declared fails there, while a ``pytest.importorskip`` of it would quietly skip the tests
-that need it. These tests read every import of ``dilocox/``, ``tests/`` and ``tools/`` from the source (import
-statements, ``importlib.import_module``, ``importlib.util.find_spec`` and ``pytest.importorskip`` with a literal
-name, anywhere in a file) and every backend that a config switches on, and fail on one that is neither
+that need it. These tests read every import of ``dilocox/``, ``tests/``, ``tools/`` and ``benchmarks/`` from the
+source (import statements, ``importlib.import_module``, ``importlib.util.find_spec`` and ``pytest.importorskip``
+with a literal name, anywhere in a file) and every backend that a config switches on, and fail on one that is neither
 declared in requirements.txt nor one of the few guarded optional packages, whose guard must name the
 ``pip install`` that brings it.
 """
@@ -57,7 +57,7 @@ def declared(path: str = os.path.join(ROOT, "requirements.txt")) -> set[str]:
 def _local_modules() -> set[str]:
     """Top-level names that are this repository's own (packages, and modules the tests and tools import)."""
     names = set()
-    for d in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tools")):
+    for d in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tools"), os.path.join(ROOT, "benchmarks")):
         for p in os.listdir(d):
             if p.endswith(".py"):
                 names.add(p[:-3])
@@ -99,7 +99,7 @@ def imports_of(path: str) -> list[tuple[str, int, bool]]:
 
 def _sources() -> list[str]:
     files = []
-    for d in ("dilocox", "tests", "tools"):
+    for d in ("dilocox", "tests", "tools", "benchmarks"):
         files += glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
     files += glob.glob(os.path.join(ROOT, "*.py"))
     return sorted(files)

@@ -1,4 +1,4 @@
-"""A paired restart-speed run (issue 22 item 5): torchft's own DiLoCo (``dilocox.bench.torchft_ref``) and dilocox's
+"""A paired restart-speed run (issue 22 item 5): torchft's own DiLoCo (``benchmarks/torchft_ref.py``) and dilocox's
 elastic replicas (``dilocox launch --elastic``), back to back on the same machine, 3 replicas x 1 rank, the same
 tiny GPT-2 and ``configs/methods/diloco.yaml``, replica 2 SIGKILLed at 25 s and restarted at 35 s (wall), loopback.
 
@@ -26,6 +26,21 @@ import sys
 def _records(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def torchft_reference() -> str:
+    """The path of the torchft reference harness, ``benchmarks/torchft_ref.py`` of the checkout that dilocox is
+    imported from (it is not installed with the package); SystemExit in one line when that is not a checkout."""
+    import dilocox
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dilocox.__file__)))
+    path = os.path.join(root, "benchmarks", "torchft_ref.py")
+    if not os.path.isfile(path):
+        raise SystemExit(
+            f"restart_pair: torchft's reference run needs a source checkout (benchmarks/torchft_ref.py, not "
+            f"installed with dilocox); dilocox here is imported from {root}: git clone the repository, pip install -e ."
+        )
+    return path
 
 
 def victim_times(run_dir: str, victim: int = 2) -> dict:
@@ -57,18 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="/tmp/restart_pair")
     a = ap.parse_args(argv)
     from dilocox.bench.runner import write_config
+    from dilocox.distributed.procs import child_env
 
+    ref = torchft_reference()
     os.makedirs(a.out, exist_ok=True)
     cfg = write_config(
         os.path.join(a.out, "diloco.yaml"), ["tiny.yaml", "methods/diloco.yaml"], "parallel: {replicas: 1}\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(child_env(), OMP_NUM_THREADS="1")
     tf, dx = os.path.join(a.out, "torchft"), os.path.join(a.out, "dilocox")
     for d in (tf, dx):
         shutil.rmtree(d, ignore_errors=True)
     sched = ["--kill", "2@25", "--restart", "2@35"]
     subprocess.run(
-        [sys.executable, "-m", "dilocox.bench.torchft_ref", "--replicas", "3", "--steps", str(a.steps),
+        [sys.executable, ref, "--replicas", "3", "--steps", str(a.steps),
          "--sync-every", "10", *sched, "--out", tf],
         env=env, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip

@@ -28,16 +28,15 @@ into its ``ElasticMinReplicasError``. ``LighthouseFailover`` adds keeping the la
 lighthouse is down (its docstring).
 
 A restart is only as quick as the new lighthouse's start: ``python3 dilocox/elastic/failover.py lighthouse``
-(this file run as a script: it imports nothing from torch or dilocox) loads torchft's native extension alone
-and listens within ~0.1 s, where importing ``torchft`` (which imports torch) took 3-15 s on the loaded
-2-core machine here.
+(this file run as a script: it imports neither torch nor the dilocox package, only its sibling ``torchft.py`` by
+path) loads torchft's native extension alone and listens within ~0.1 s, where importing ``torchft`` (which imports
+torch) took 3-15 s on the loaded 2-core machine here.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.machinery
 import importlib.util
 import json
 import logging
@@ -58,37 +57,10 @@ DEFAULT_ATTEMPT_S = 2.0  # seconds per quorum request: bounds the wait on a requ
 MIN_ATTEMPT_S = 0.1  # quorum requests are at least this far apart
 MAX_ATTEMPT_FACTOR = 8  # LighthouseFailover: requests on a live lighthouse grow up to this x attempt_s
 
-# This module is the one place in dilocox that touches torchft's private names (issue 25 item 3). They are those
-# of the torchft release below; ``check_torchft_version`` refuses another at the start of an elastic run, and
-# tests/test_elastic.py checks that a real torchft Manager (not a fake) has every one of them, so an upgrade that
-# renames one fails there rather than in a run.
-TORCHFT_TESTED = "0.2."
-MANAGER_PRIVATE = ("_quorum_future", "_client", "_quorum_id", "_commit_failures", "_errored", "_healing")
-CLIENT_PRIVATE = ("_quorum",)  # of ``Manager._client`` (torchft's Rust ManagerClient)
-
-
-def check_torchft_version(version: str | None = None) -> str:
-    """The installed torchft's version (``version`` overrides it, for tests); ImportError naming the fix when it is
-    not the release whose Manager internals this module uses."""
-    if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
-
-        try:
-            version = dist_version("torchft")
-        except PackageNotFoundError as e:
-            raise ImportError("the elastic mode needs torchft: pip install torchft==0.2.0") from e
-    if not version.startswith(TORCHFT_TESTED):
-        raise ImportError(
-            f"torchft {version} is not supported: dilocox's elastic mode uses torchft {TORCHFT_TESTED}x's Manager "
-            f"internals ({', '.join(MANAGER_PRIVATE)}); pip install torchft==0.2.0"
-        )
-    return version
-
-
-def quorum_id(manager: Any) -> int:
-    """The id of ``manager``'s current quorum (-1 before the first; torchft keeps it private)."""
-    return int(manager._quorum_id)
+if __name__ != "__main__":  # (this file run as a script imports no dilocox module: module docstring)
+    # torchft's supported release and private names live in dilocox/elastic/torchft.py; re-exported for group.py
+    from dilocox.elastic.torchft import check_torchft_version as check_torchft_version
+    from dilocox.elastic.torchft import quorum_id as quorum_id
 
 
 class QuorumTimeout(RuntimeError):
@@ -481,29 +453,20 @@ class LighthouseFailover:
                     ) from e
 
 
-def native_lighthouse_server_class() -> Any:
-    """torchft's ``LighthouseServer`` from its native extension, without importing ``torchft`` (and so torch).
+def _torchft_accessors() -> Any:
+    """``dilocox.elastic.torchft`` (the module that imports torchft for dilocox). This file run as a script loads it
+    by path instead: importing the dilocox package would import torch, which the fast lighthouse avoids."""
+    if __name__ != "__main__":
+        from dilocox.elastic import torchft
 
-    Lazy on purpose and loaded by path: ``import torchft`` imports torch first, which made a restarted lighthouse
-    take seconds to listen; the Rust extension itself needs neither. Falls back to the normal import.
-    """
-    spec = importlib.util.find_spec("torchft")  # locates the package without running its __init__
-    if spec is None or spec.origin is None:
-        raise ImportError("the lighthouse needs torchft: pip install torchft==0.2.0")
-    pkg = os.path.dirname(spec.origin)
-    libs = [f for f in os.listdir(pkg) if f.startswith("_torchft.") and f.endswith((".so", ".pyd"))]
-    try:
-        path = os.path.join(pkg, libs[0])
-        loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
-        spec = importlib.util.spec_from_file_location("torchft._torchft", path, loader=loader)
-        mod = importlib.util.module_from_spec(spec)
-        loader.exec_module(mod)
-        return mod.LighthouseServer
-    except (IndexError, ImportError, OSError) as e:
-        log.warning("loading torchft's extension directly failed (%s); importing torchft", e)
-        from torchft._torchft import LighthouseServer
-
-        return LighthouseServer
+        return torchft
+    here = os.path.dirname(os.path.realpath(__file__))
+    # this directory is sys.path[0] of the script, and its torchft.py is not torchft: find the real package
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
+    spec = importlib.util.spec_from_file_location("_dilocox_elastic_torchft", os.path.join(here, "torchft.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def lighthouse_main(argv: list[str] | None = None) -> int:
@@ -525,7 +488,7 @@ def lighthouse_main(argv: list[str] | None = None) -> int:
     stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.append(signum))
-    lh = native_lighthouse_server_class()(
+    lh = _torchft_accessors().native_lighthouse_server_class()(
         bind=a.bind,
         min_replicas=a.min_replicas,
         join_timeout_ms=a.join_timeout_ms,

@@ -248,8 +248,10 @@ class ElasticOuterGroup:
     ) -> None:
         cfg.validate()
         try:  # lazy: torchft is an optional dependency of the elastic mode only
+            from dilocox.elastic.torchft import manager_classes
+
             check_torchft_version()
-            from torchft import Manager, ProcessGroupGloo
+            Manager, ProcessGroupGloo = manager_classes()
         except ImportError as e:
             raise ElasticError(f"the elastic outer group needs torchft 0.2: {e}") from e
         from torch.distributed import TCPStore

@@ -140,9 +140,9 @@ def start_lighthouse(
     ``secret``: torchft listens on 127.0.0.1 only and a ``LighthouseGuard`` holds ``bind``: only a client that
     proves the run secret (a ``LighthouseRelay`` with it: ``ElasticConfig.lighthouse_auth``) reaches it.
     """
-    from torchft.coordination import LighthouseServer  # lazy: torchft is optional
+    from dilocox.elastic.torchft import lighthouse_server_class  # (torchft is optional: imported there, lazily)
 
-    lh = LighthouseServer(
+    lh = lighthouse_server_class()(
         bind="127.0.0.1:0" if secret else bind,
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,

@@ -431,8 +431,10 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
     """A torchft process group (``Manager(pg=...)``) whose collectives run on a ``Mesh``; ``relays``
     (``stores.StoreRelays``) maps the quorum's store address to a local relay that proves the secret."""
     from torch.distributed import ReduceOp
-    from torchft.process_group import ProcessGroup, create_store_client
-    from torchft.work import _DummyWork
+
+    from dilocox.elastic.torchft import process_group_parts
+
+    ProcessGroup, create_store_client, _DummyWork = process_group_parts()
 
     class _Parent:  # (TorchftGroup asks the reconfigured group's rank through ``parent``, as for gloo)
         def __init__(self, mesh: Mesh) -> None:

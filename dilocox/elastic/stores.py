@@ -34,6 +34,8 @@ import threading
 from contextlib import contextmanager
 from datetime import timedelta
 
+from dilocox.elastic.torchft import manager_module
+
 _PATCH_LOCK = threading.Lock()  # advertise_store swaps a torchft module attribute while a Manager is built
 
 
@@ -98,8 +100,7 @@ def advertise_store(addr: tuple[str, int] | None, bind: str | None = None):
     if addr is None and bind is None:
         yield
         return
-    import torchft.manager as tm
-
+    tm = manager_module()
     with _PATCH_LOCK:
         real = tm.ManagerServer
 
@@ -257,10 +258,9 @@ class ManagerGuard:
 
     @classmethod
     def _install(cls, secret: bytes) -> None:
-        import torchft.manager as tm
-
         from dilocox.elastic.relay import LighthouseRelay
 
+        tm = manager_module()
         with cls._clients_lock:
             cls._open += 1
             if cls._open > 1:
@@ -289,8 +289,7 @@ class ManagerGuard:
         self.closed = True
         if self.guard is not None:
             self.guard.close()
-        import torchft.manager as tm
-
+        tm = manager_module()
         cls = type(self)
         with cls._clients_lock:
             cls._open -= 1

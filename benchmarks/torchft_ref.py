@@ -1,4 +1,4 @@
-"""torchft's own DiLoCo as the reference row of ``dilocox bench elastic`` (issue 10, benchmark).
+"""torchft's own DiLoCo as the reference row of the elastic benchmark (issue 10; outside the package, issue 43).
 
 The same scenario as the elastic bench (N replicas, one SIGKILLed and restarted on a schedule), the same model
 (``dilocox.model.build_stage_model``: the config's tiny GPT-2, one stage, one process per replica), the same data
@@ -12,9 +12,13 @@ seeded init), per-parameter all-reduces (torchft's default). The lighthouse and 
 ``dilocox.elastic.launch.ElasticLaunch``'s (``dilocox lighthouse`` = ``dilocox.elastic.start_lighthouse``), so
 ``events.jsonl`` and the kill semantics are those of ``dilocox launch --elastic``.
 
-    python3 -m dilocox.bench.torchft_ref --replicas 3 --steps 60 --sync-every 10 --kill 2@40 --restart 2@80 \\
+A harness that measures another system, so it lives in the source checkout (``benchmarks/``, not installed with
+dilocox) and imports torchft directly; dilocox itself imports torchft in ``dilocox/elastic/torchft.py`` only. It
+is run by path, from a checkout whose dilocox is importable (``pip install -e .``):
+
+    python3 benchmarks/torchft_ref.py --replicas 3 --steps 60 --sync-every 10 --kill 2@40 --restart 2@80 \\
         --out /tmp/tfref
-    python3 -m dilocox.bench.torchft_ref --replicas 3 --steps 40 --sync-every 10 --die-at 2@20 --out /tmp/tfdie
+    python3 benchmarks/torchft_ref.py --replicas 3 --steps 40 --sync-every 10 --die-at 2@20 --out /tmp/tfdie
 
 Per replica ``RUN/replica<r>/metrics.jsonl`` has one record per inner step with dilocox's keys (``step``,
 ``loss``, ``lr``, ``wall`` epoch seconds, ``tokens_per_s`` of this replica, ``val_loss`` when evaluated,
@@ -38,9 +42,12 @@ import sys
 import time
 from datetime import timedelta
 
+from dilocox.bench.elastic import analyze, read_elastic_run
 from dilocox.bench.runner import write_config
 from dilocox.distributed.procs import child_env
-from dilocox.elastic.failover import check_torchft_version, quorum_id
+from dilocox.elastic.torchft import check_torchft_version, quorum_id
+
+HERE = os.path.abspath(__file__)  # the workers run this file too
 
 TRAIN_DEFAULTS = ("--train.eval_batches=4",)
 
@@ -79,7 +86,7 @@ def wait_for_peers(ready_dir: str, r: int, n: int, timeout_s: float) -> bool:
 
 def _worker_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The worker's options, and the config overrides (``--section.key=value``) among them."""
-    p = argparse.ArgumentParser(prog="dilocox.bench.torchft_ref worker")
+    p = argparse.ArgumentParser(prog="benchmarks/torchft_ref.py worker")
     p.add_argument("config")
     p.add_argument("--replica", type=int, required=True)
     p.add_argument("--replicas", type=int, required=True)
@@ -193,7 +200,7 @@ def _train(
 
 
 def worker_main(argv: list[str]) -> int:
-    """``python -m dilocox.bench.torchft_ref worker CONFIG --replica R ... [--section.key=value ...]``."""
+    """``python3 benchmarks/torchft_ref.py worker CONFIG --replica R ... [--section.key=value ...]``."""
     import torch
 
     check_torchft_version()
@@ -332,8 +339,6 @@ def torchft_facts(run: dict, victim: int | None) -> dict:
 
 def summarize(run: dict, tokens_per_step: int, victim: int | None) -> dict:
     """The elastic bench's numbers (``dilocox.bench.elastic.analyze``, same definitions) + ``torchft_facts``."""
-    from dilocox.bench.elastic import analyze  # lazy: dilocox.bench.elastic may import this module
-
     return {**analyze(run, tokens_per_step, -1 if victim is None else victim), **torchft_facts(run, victim)}
 
 
@@ -397,8 +402,7 @@ def _worker_argv(
     """The command line of replica ``r``'s worker (``die_step``: that replica's ``--die-at-step``)."""
     return [
         sys.executable,
-        "-m",
-        "dilocox.bench.torchft_ref",
+        HERE,
         "worker",
         config,
         f"--replica={r}",
@@ -436,8 +440,6 @@ def run_reference(
     ``"R@STEP"``: replica R SIGKILLs itself right before its sync after inner step STEP (a multiple of H), so the
     survivors' quorum of that sync waits for the lighthouse to drop it (the detection time, ``torchft_facts``).
     """
-    # lazy: dilocox.bench.elastic may import this module (its reference row)
-    from dilocox.bench.elastic import read_elastic_run
     from dilocox.elastic.launch import ElasticLaunch
 
     schedule, victim, die_r, die_step = _scenario(replicas, steps, sync_every, kill, restart, die_at)
@@ -490,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:
         return worker_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python3 -m dilocox.bench.torchft_ref", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 benchmarks/torchft_ref.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=60, help="inner steps per replica (a multiple of --sync-every)")
     p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per outer step")
