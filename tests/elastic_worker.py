@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from dilocox.compress.codec import rank_of
 from dilocox.config import CompressConfig, OuterConfig
 from dilocox.elastic import ElasticConfig, ElasticOuterGroup
 from dilocox.elastic.quorum import QuorumGroup
@@ -144,7 +145,7 @@ def main() -> None:
         before = outer.outer_step
         outer.after_inner_step(step)
         if (outer.outer_step != before) if (a.adaptive or streaming) else (step + 1) % a.H == 0:
-            rank = outer.compressors[0].rank
+            rank = rank_of(outer.compressors[0])
             rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors, rank=rank,
                 H=outer.H)  # fmt: skip
         jump = outer.pop_jump()

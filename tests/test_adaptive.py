@@ -11,6 +11,7 @@ from dilocox.compress.adaptive import AdaptiveController
 from dilocox.compress.collectives import CommStats
 from dilocox.compress.compressor import build_compressor
 from dilocox.config import AdaptiveConfig, CompressConfig, LowRankConfig
+from dilocox.distributed.wire import wire_of
 from tests.spawn import run_ranks
 
 
@@ -184,7 +185,7 @@ def _two_rank_adaptive(rank, world, collectives, true_ranks):
             ]
             fed = [t + e for t, e in zip(ts, comp.errors)] if comp.errors is not None else ts
             r_now, wire = comp.rank, comp.wire_bytes(world)
-            comp.allreduce_mean(ts, dist.group.WORLD, step, st)
+            comp.allreduce_mean(ts, wire_of(dist.group.WORLD), step, st)
             sig, tail = comp.sigmas(), comp.tail_energy()
             rank_next, h = ctl.update(sig, 0.1, comp.payload_bytes(), comp.payload_bytes, 0.01, tail=tail)
             ref = []  # independent: the energies of the averaged matrices, from all of them

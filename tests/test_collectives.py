@@ -8,6 +8,7 @@ import torch.distributed as dist
 from dilocox.compress.collectives import CommStats, quantized_allreduce
 from dilocox.compress.quant import dequantize, quantize
 from dilocox.config import CompressConfig
+from dilocox.distributed.wire import wire_of
 from tests.spawn import run_ranks
 
 LEVELS = {"int4": 7, "int8": 127}
@@ -71,7 +72,8 @@ def _run_cases(rank, world, cases):
     for kind, mode, op, n, G in cases:
         x, e = _inputs(rank, n)
         st = CommStats()
-        y = quantized_allreduce(x, dist.group.WORLD, kind, G, mode=mode, op=op, error=e, stats=st, seed=5, step=3)
+        wire = wire_of(dist.group.WORLD)
+        y = quantized_allreduce(x, wire, kind, G, mode=mode, op=op, error=e, stats=st, seed=5, step=3)
         out.append((y, e, st.as_dict()))
     return out
 
@@ -139,7 +141,7 @@ def _telescope(rank, world, steps, n, G):
     outs = []
     for t in range(steps):
         x, _ = _inputs(rank, n, t)
-        outs.append(quantized_allreduce(x, dist.group.WORLD, "int4", G, error=e, step=t))
+        outs.append(quantized_allreduce(x, wire_of(dist.group.WORLD), "int4", G, error=e, step=t))
     return (outs, e)
 
 
@@ -177,7 +179,8 @@ def _cocktail(rank, world, cases, steps):
         for t in range(steps):
             g = _inputs(rank, n, t + 1)[0]
             st = CommStats()
-            y = cocktail_allreduce(g, dist.group.WORLD, e, cfg, t, st, seed=9, sizes=sizes if len(sizes) > 1 else None)
+            wire = wire_of(dist.group.WORLD)
+            y = cocktail_allreduce(g, wire, e, cfg, t, st, seed=9, sizes=sizes if len(sizes) > 1 else None)
             per.append((y, e.clone(), st.as_dict()))
         out.append(per)
     return out

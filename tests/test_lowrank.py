@@ -12,6 +12,7 @@ from dilocox.compress.compressor import Compressor, build_compressor
 from dilocox.compress.lowrank import PowerSGD, factorable
 from dilocox.compress.quant import dequantize, quantize
 from dilocox.config import CompressConfig, LowRankConfig
+from dilocox.distributed.wire import wire_of
 from tests.spawn import run_ranks
 
 
@@ -102,7 +103,7 @@ def _powersgd_ranks(rank, world, n, m, r, kinds, G):
         p = PowerSGD([mat.shape], rank=r, seed=7)
         q0 = p.q[0].clone()
         st = CommStats()
-        m_hat, residual = p.allreduce([mat], dist.group.WORLD, kind=kind, group_size=G, stats=st)
+        m_hat, residual = p.allreduce([mat], wire_of(dist.group.WORLD), kind=kind, group_size=G, stats=st)
         out[kind] = {
             "m_hat": m_hat[0],
             "p_hat": p.p_hat()[0],
@@ -172,7 +173,7 @@ def _compressor_ranks(rank, world, ccfgs, shapes, steps):
             g = torch.Generator().manual_seed(1000 * t + rank)
             ts = [torch.randn(s, generator=g) for s in shapes]
             ts[0] = ts[0] * 0.1 + _matrices(rank, *shapes[0], 4)
-            outs.append((ts, comp.allreduce_mean(ts, dist.group.WORLD, t, st)))
+            outs.append((ts, comp.allreduce_mean(ts, wire_of(dist.group.WORLD), t, st)))
         runs.append(
             {
                 "outs": outs,

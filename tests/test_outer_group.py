@@ -13,6 +13,7 @@ from dilocox.compress.cocktail import CocktailCodec, cocktail_allreduce
 from dilocox.compress.collectives import CommStats, wire_bytes
 from dilocox.compress.compressor import build_compressor
 from dilocox.config import CompressConfig, OuterConfig
+from dilocox.distributed.wire import wire_of
 from dilocox.outer import FixedGroup, build_outer
 from tests.reference_diloco import forward_backward, make_inner_opt, make_model
 from tests.spawn import run_ranks
@@ -30,13 +31,13 @@ def _fixed_group_rank(rank: int, world: int) -> dict:
     codec = build_compressor(cc, [t.shape for t in ts], seed=3)
     twin = build_compressor(cc, [t.shape for t in ts], seed=3)  # the same codec called directly
     via = g.allreduce_mean(ts, step=1, codec=codec)
-    direct = twin.allreduce_mean(ts, dist.group.WORLD, 1, None)
+    direct = twin.allreduce_mean(ts, wire_of(dist.group.WORLD), 1, None)
     ccfg = CompressConfig(random_fraction=0.5, topk_fraction=0.5, quant="int8", group_size=4)
     n = sum(t.numel() for t in ts)
     cocktail = g.allreduce_mean(ts, step=2, codec=CocktailCodec(ccfg, n, seed=5))
     flat = torch.cat([t.reshape(-1) for t in ts])
     err = torch.zeros(n)
-    ref = cocktail_allreduce(flat, dist.group.WORLD, err, ccfg, 2, None, 5, [t.numel() for t in ts])
+    ref = cocktail_allreduce(flat, wire_of(dist.group.WORLD), err, ccfg, 2, None, 5, [t.numel() for t in ts])
     g.allreduce_mean(ts, step=3, propose=10 + rank)
     mx = g.agreed
     return dict(
@@ -134,7 +135,7 @@ class _FakeElastic:
         from dilocox.elastic.group import ElasticConfig
 
         self.cfg = ElasticConfig(lighthouse_addr="x:1", replica_rank=rank, max_replicas=4)
-        self.group, self.dist = dist.group.WORLD, dist
+        self.group, self.dist = wire_of(dist.group.WORLD), dist
 
     def flat_sum(self, flat, contribute):
         mr = self.cfg.max_replicas

@@ -40,11 +40,10 @@ import time
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from dilocox.compress.codec import Wire, gather, solo_or
 from dilocox.compress.collectives import CommStats, nbytes
 from dilocox.compress.quant import Packed, dequantize, quantize
-from dilocox.distributed.topology import group_world
 from dilocox.seeding import mix_seed
 
 
@@ -153,7 +152,7 @@ def _unpack_values(raw: torch.Tensor, ks: list[int], kind: str, group_size: int)
 
 def cocktail_allreduce(
     grad: torch.Tensor,
-    group,
+    wire: Wire | None,
     error: torch.Tensor | None,
     cfg,
     step: int,
@@ -161,7 +160,7 @@ def cocktail_allreduce(
     seed: int = 0,
     sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Mean over ``group`` of the compressed ``grad`` (flat fp32); ``error`` is updated in place.
+    """Mean over ``wire``'s members of the compressed ``grad`` (flat fp32); ``error`` is updated in place.
 
     ``cfg`` is a ``CompressConfig`` (random_fraction, topk_fraction, quant, group_size);
     ``sizes`` the numels of the tensors concatenated in ``grad`` (None: one tensor).
@@ -171,7 +170,7 @@ def cocktail_allreduce(
     t0 = time.perf_counter()
     n, kind, G = grad.numel(), cfg.quant, cfg.group_size
     sizes = _segment_sizes(n, sizes)
-    world = group_world(group)
+    world = solo_or(wire).size()
     v = grad + error if error is not None else grad
     mask = shared_mask(n, cfg.random_fraction, seed, step, grad.device, sizes)
     Ks, ks = _counts(sizes, cfg.random_fraction, cfg.topk_fraction)
@@ -191,10 +190,7 @@ def cocktail_allreduce(
         error.copy_(v)
         error[mask[pos]] -= _unpack_values(vals_raw, ks, kind, G)
 
-    bufs = [payload]
-    if world > 1:
-        bufs = [torch.empty_like(payload) for _ in range(world)]
-        dist.all_gather(bufs, payload, group=group)
+    bufs = gather(wire, payload)
     out = torch.zeros(n, dtype=torch.float32, device=grad.device)
     for b in bufs:  # rank order: bit-identical on every rank
         p = _decode_positions(b[:idx_bytes], K, enc)  # sorted: tensor by tensor, like the values
@@ -208,20 +204,28 @@ def cocktail_allreduce(
 
 
 class CocktailCodec:
-    """CocktailSGD as the codec of an outer group (``OuterGroup.allreduce_mean(..., codec=)``, outer/group.py): the
-    tensors are concatenated (per-tensor top-k and groups kept), exchanged with ``cocktail_allreduce`` and split back.
+    """CocktailSGD as a codec (``compress/codec.py``) of an outer group: the tensors (numels ``sizes``; an int: one
+    tensor) are concatenated (per-tensor top-k and groups kept), exchanged with ``cocktail_allreduce`` and split back.
     Its state is the error feedback ``error`` (flat fp32 of every element, updated in place by each call)."""
 
     lossy = True
 
-    def __init__(self, cfg, numel: int, seed: int, device: torch.device | None = None) -> None:
+    def __init__(self, cfg, sizes: int | Sequence[int], seed: int, device: torch.device | None = None) -> None:
         self.cfg, self.seed = cfg, seed
-        self.error = torch.zeros(numel, dtype=torch.float32, device=device or torch.device("cpu"))
+        self.sizes = [int(sizes)] if isinstance(sizes, int) else [int(x) for x in sizes]
+        self.error = torch.zeros(sum(self.sizes), dtype=torch.float32, device=device or torch.device("cpu"))
 
-    def allreduce_mean(self, tensors: list[torch.Tensor], group, step: int, stats=None) -> list[torch.Tensor]:
+    def payload_bytes(self, rank: int | None = None) -> int:
+        c = self.cfg
+        return cocktail_payload_bytes(self.sizes, c.random_fraction, c.topk_fraction, c.quant, c.group_size)
+
+    def wire_bytes(self, world: int, rank: int | None = None) -> int:
+        return (world - 1) * self.payload_bytes() if world > 1 else 0
+
+    def allreduce_mean(self, tensors: list[torch.Tensor], wire: Wire | None, step: int, stats=None) -> list:
         sizes = [t.numel() for t in tensors]
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        out = cocktail_allreduce(flat, group, self.error, self.cfg, step, stats, self.seed, sizes)
+        out = cocktail_allreduce(flat, wire, self.error, self.cfg, step, stats, self.seed, sizes)
         return [o.view(t.shape) for o, t in zip(out.split(sizes), tensors)]
 
     def state_dict(self) -> dict:

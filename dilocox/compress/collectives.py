@@ -16,9 +16,10 @@ collectives that only *move* bytes:
 - ``kind="fp16"``: handled like int4/int8 (fp16 bytes are all-gathered and summed in
   fp32), so no sum is ever rounded to fp16 on the wire and the result is bit-identical.
 
-``group=None`` means a group of one rank (as ``Topology.group`` returns): nothing is sent,
-but the vector is still quantized and dequantized, so a one-replica run sees the same
-compression error as a multi-replica one.
+The members are reached through a ``Wire`` (``compress/codec.py``; the caller builds it from its process group
+with ``dilocox.distributed.wire.wire_of``): nothing here calls ``torch.distributed``. ``wire=None`` means a group
+of one member: nothing is sent, but the vector is still quantized and dequantized, so a one-replica run sees the
+same compression error as a multi-replica one.
 
 Byte convention (``CommStats``): per rank, the bytes this rank itself puts on (and takes
 off) the wire under the collective's algorithm, assuming ring algorithms:
@@ -41,11 +42,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from dilocox.compress.codec import Wire, solo_or
 from dilocox.compress.quant import Packed, dequantize, dequantize_accumulate, payload_nbytes, quantize
 from dilocox.config import QUANT_KINDS
-from dilocox.distributed.topology import ExternalGroup, group_rank, group_world
 from dilocox.seeding import mix_seed
 
 MODES = ("auto", "allgather", "reduce_scatter")
@@ -146,7 +146,7 @@ def _check_input(x: torch.Tensor, kind: str, op: str, error: torch.Tensor | None
 
 def quantized_allreduce(
     x: torch.Tensor,
-    group,
+    wire: Wire | None,
     kind: str,
     group_size: int = 128,
     mode: str = "allgather",
@@ -156,15 +156,16 @@ def quantized_allreduce(
     seed: int = 0,
     step: int = 0,
 ) -> torch.Tensor:
-    """All-reduce (mean or sum) of a flat fp32 vector through ``kind`` payloads.
+    """All-reduce (mean or sum) of a flat fp32 vector through ``kind`` payloads over the members of ``wire``.
 
     ``error`` (optional, same shape) is the worker's error-feedback buffer: the vector sent
     is ``v = x + error`` and ``error`` is overwritten in place with ``v - sent``. Returns a
-    new tensor, bit-identical on every rank of ``group``. ``x`` is not modified.
+    new tensor, bit-identical on every member of ``wire``. ``x`` is not modified.
     """
     _check_input(x, kind, op, error)
     t0 = time.perf_counter()
-    world = group_world(group)
+    wire = solo_or(wire)
+    world = wire.size()
     n = x.numel()
     if n == 0:
         return x.clone()
@@ -175,13 +176,13 @@ def quantized_allreduce(
             out.add_(error)
             error.zero_()
         if world > 1:
-            _all_reduce(out, group)
+            wire.all_reduce(out)
     elif world == 1:
         out = dequantize(quantize(x, kind, group_size, error=error))
     elif mode == "allgather":
-        out = _allgather(x, group, world, kind, group_size, error)
+        out = _allgather(x, wire, kind, group_size, error)
     else:
-        out = _reduce_scatter(x, group, world, kind, group_size, error, seed, step, op == "mean")
+        out = _reduce_scatter(x, wire, kind, group_size, error, seed, step, op == "mean")
     if op == "mean" and world > 1 and (kind == "none" or mode == "allgather"):
         out.div_(world)  # reduce_scatter took the mean before requantizing
     if stats is not None:
@@ -190,42 +191,21 @@ def quantized_allreduce(
     return out
 
 
-def _all_reduce(t: torch.Tensor, group) -> None:
-    if isinstance(group, ExternalGroup):  # the elastic outer group (torchft): not a torch.distributed group
-        group.all_reduce(t)
-    else:
-        dist.all_reduce(t, group=group)
-
-
-def _all_gather(out: list[torch.Tensor], t: torch.Tensor, group) -> None:
-    if isinstance(group, ExternalGroup):
-        group.all_gather(out, t)
-    else:
-        dist.all_gather(out, t, group=group)
-
-
-def _all_to_all_single(out: torch.Tensor, t: torch.Tensor, group) -> None:
-    if isinstance(group, ExternalGroup):
-        group.all_to_all_single(out, t)
-    else:
-        dist.all_to_all_single(out, t, group=group)
-
-
-def _allgather(x, group, world, kind, group_size, error) -> torch.Tensor:
-    """Quantize, all-gather the packed payloads, dequantize-sum in group-rank order."""
+def _allgather(x, wire: Wire, kind, group_size, error) -> torch.Tensor:
+    """Quantize, all-gather the packed payloads, dequantize-sum in member order."""
     n = x.numel()
     mine = quantize(x, kind, group_size, error=error)
-    bufs = [torch.empty_like(mine.data) for _ in range(world)]
-    _all_gather(bufs, mine.data, group)
+    bufs = [torch.empty_like(mine.data) for _ in range(wire.size())]
+    wire.all_gather(bufs, mine.data)
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
     for b in bufs:
         dequantize_accumulate(Packed(kind, n, group_size, b), out)
     return out
 
 
-def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) -> torch.Tensor:
+def _reduce_scatter(x, wire: Wire, kind, group_size, error, seed, step, mean) -> torch.Tensor:
     """All-to-all of packed chunks, owner sums + averages + requantizes (stochastic), all-gather."""
-    n = x.numel()
+    n, world = x.numel(), wire.size()
     bounds = _chunk_bounds(n, world, group_size)
     pb = nbytes(kind, chunk_numel(n, world, group_size), group_size)
     send = torch.zeros(world * pb, dtype=torch.uint8, device=x.device)
@@ -240,9 +220,9 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
                 out=send[j * pb : j * pb + size],
             )
     recv = torch.empty_like(send)
-    _all_to_all_single(recv, send, group)
+    wire.all_to_all_single(recv, send)
 
-    me = group_rank(group)
+    me = wire.rank()
     lo, hi = bounds[me]
     mine = torch.zeros(pb, dtype=torch.uint8, device=x.device)
     if hi > lo:
@@ -255,7 +235,7 @@ def _reduce_scatter(x, group, world, kind, group_size, error, seed, step, mean) 
         stochastic = kind in ("int4", "int8")
         quantize(acc, kind, group_size, stochastic=stochastic, seed=mix_seed(seed, me), step=step, out=mine[:size])
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    _all_gather(gathered, mine, group)
+    wire.all_gather(gathered, mine)
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     for j, (lo, hi) in enumerate(bounds):
         if hi > lo:

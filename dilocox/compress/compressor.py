@@ -1,4 +1,4 @@
-"""The one compression interface the outer optimizer uses: ``build_compressor(...).allreduce_mean``.
+"""The default codec (``compress/codec.py``) of the outer sync, and ``build_compressor``, which picks the codec.
 
 Per outer sync, for the tensors of this rank's shard (fp32 pseudo-gradients Δ_i):
 
@@ -32,19 +32,20 @@ estimate of the energy of M̄_i outside the rank-r basis, the same bits on every
 block is not error-fed; the byte counts include it (int4, G = 128: 66 bytes per factored
 matrix).
 
-``group=None`` is a one-rank group: the same compression is applied locally, nothing is sent.
-The result is bit-identical on every rank of the group (see ``collectives``).
+``wire=None`` is a one-member group: the same compression is applied locally, nothing is sent.
+The result is bit-identical on every member of the wire (see ``collectives``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from dilocox.compress import registered
+from dilocox.compress.codec import Codec, Registered, Wire, solo_or
 from dilocox.compress.collectives import CommStats, nbytes, quantized_allreduce, resolve_mode, wire_bytes
 from dilocox.compress.lowrank import SKETCH_COLS, SKETCH_ROWS, PowerSGD, as_matrix_shape
-from dilocox.compress.sparse import SparseCompressor, load_error_buffers
+from dilocox.compress.sparse import load_error_buffers
 from dilocox.config import QUANT_KINDS
-from dilocox.distributed.topology import group_world
 from dilocox.seeding import mix_seed
 
 
@@ -179,13 +180,13 @@ class Compressor:
     # ------------------------------------------------------------------ the sync
 
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None
+        self, tensors: list[torch.Tensor], wire: Wire | None, step: int, stats: CommStats | None = None
     ) -> list[torch.Tensor]:
-        """Compressed mean of ``tensors`` over ``group`` (blocking). Bit-identical on every rank."""
+        """Compressed mean of ``tensors`` over the members of ``wire`` (blocking). Bit-identical on every member."""
         self._check_shapes(tensors)
         if not tensors:
             return []
-        world = group_world(group)
+        world = solo_or(wire).size()
         mode = resolve_mode(self.collective, world)
         device = tensors[0].device
         use_ef = self.error_feedback and self.lossy
@@ -195,13 +196,13 @@ class Compressor:
         p_sizes, sizes, rest = self._segments(None)
         nf = len(p_sizes)  # factored matrices, in lr.factored order
         q_sizes = sizes[:nf]
-        q_local, parts, sketch = self._p_round(ms, group, step, stats, mode, device, p_sizes, q_sizes)
+        q_local, parts, sketch = self._p_round(ms, wire, step, stats, mode, device, p_sizes, q_sizes)
         parts += [ms[i] for i in rest]
         buf, offs = self._pack(parts, device)
         scratch = torch.zeros_like(buf)  # after the call: buf - sent (the quantization residual)
         res = quantized_allreduce(
             buf,
-            group,
+            wire,
             self.kind,
             self.group_size,
             mode,
@@ -259,7 +260,7 @@ class Compressor:
     def _p_round(
         self,
         ms: list[torch.Tensor],
-        group,
+        wire: Wire | None,
         step: int,
         stats: CommStats | None,
         mode: str,
@@ -277,7 +278,7 @@ class Compressor:
             p_buf, p_offs = self._pack(list(lr.p_step(ms).split(p_sizes)), device)
             p_sum = quantized_allreduce(
                 p_buf,
-                group,
+                wire,
                 self.kind,
                 self.group_size,
                 mode,
@@ -314,13 +315,22 @@ class Compressor:
         self.errors = load_error_buffers(sd, self.shapes)
 
 
-def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None):
-    """Build the shard's compressor from a ``CompressConfig``. ``seed`` must be the same on every
-    replica of the outer group (it seeds the shared PowerSGD Q and the stochastic rounding);
-    ``ids`` are stable per-tensor ids for the shared draws (see ``PowerSGD``)."""
-    if ccfg.sparse.enabled:  # chunked top-k + error feedback + low-bit values (compress/sparse.py)
-        sp = ccfg.sparse
-        return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay)
+def selected(ccfg) -> Registered | None:
+    """The registered codec (``compress/registered.py``) the config enables; None: the default ``Compressor``."""
+    on = [r for r in registered.REGISTRY.values() if r.enabled(ccfg)]
+    if len(on) > 1:  # (config/checks.py refuses it first)
+        raise ValueError(f"compress.{on[0].name} and compress.{on[1].name} are both enabled: enable one codec")
+    return on[0] if on else None
+
+
+def build_compressor(ccfg, shapes: list[torch.Size], seed: int, ids: list[int] | None = None) -> Codec:
+    """The shard's codec for a ``CompressConfig``: the registered codec the config enables (``codec.selected``:
+    compress.sparse, compress.sign, ...), else ``Compressor``. ``seed`` must be the same on every replica of the
+    outer group (it seeds the shared PowerSGD Q and the stochastic rounding); ``ids`` are stable per-tensor ids for
+    the shared draws (see ``PowerSGD``)."""
+    reg = selected(ccfg)
+    if reg is not None:
+        return reg.build(ccfg, shapes, seed, ids)
     lr = ccfg.lowrank
     rank = lr.rank
     if lr.enabled and ccfg.adaptive.enabled:

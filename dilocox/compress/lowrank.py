@@ -45,6 +45,7 @@ import math
 
 import torch
 
+from dilocox.compress.codec import Wire
 from dilocox.compress.collectives import CommStats, quantized_allreduce
 from dilocox.seeding import mix_seed
 
@@ -240,14 +241,14 @@ class PowerSGD:
     def allreduce(
         self,
         ms: list[torch.Tensor],
-        group,
+        wire: Wire | None,
         kind: str = "none",
         group_size: int = 128,
         mode: str = "allgather",
         step: int = 0,
         stats: CommStats | None = None,
     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Compressed mean of the factored ``ms`` over ``group``.
+        """Compressed mean of the factored ``ms`` over ``wire``'s members.
 
         Returns ``(m_hat, residual)``: the averaged approximation and ``M_m − P̂ Q_m,sentᵀ``
         (the new error-feedback value) per factored index. Standalone PowerSGD (tests, one-off
@@ -256,7 +257,7 @@ class PowerSGD:
         """
         p = quantized_allreduce(
             self.p_step(ms),
-            group,
+            wire,
             kind,
             group_size,
             mode,
@@ -269,7 +270,7 @@ class PowerSGD:
         scratch = torch.zeros_like(q_local)  # receives q_local - sent
         q_mean = quantized_allreduce(
             q_local,
-            group,
+            wire,
             kind,
             group_size,
             mode,

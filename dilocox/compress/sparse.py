@@ -41,8 +41,8 @@ import time
 import torch
 
 from dilocox.compress import kernels
-from dilocox.compress.collectives import CommStats, _all_gather
-from dilocox.distributed.topology import group_rank, group_world
+from dilocox.compress.codec import Wire, gather, register, solo_or
+from dilocox.compress.collectives import CommStats
 
 SPARSE_BITS = (2, 4, 8)
 
@@ -350,10 +350,9 @@ class _Groups:
 
 
 class SparseCompressor:
-    """``compress.sparse``: the ``Compressor`` interface (``build_compressor``) for the rule above."""
+    """``compress.sparse``: a codec (``compress/codec.py``) for the rule above."""
 
-    lowrank = None  # (plan/payloads.py asks)
-    tail_sketch = False
+    lossy = True
 
     def __init__(self, shapes: list[torch.Size], chunk: int, density: float, bits: int, ef_decay: float) -> None:
         if bits not in SPARSE_BITS:
@@ -375,21 +374,6 @@ class SparseCompressor:
         self.use_kernel = True  # the compiled CPU encoder on CPU tensors (False: the batched torch ops everywhere)
         self.block_elems = 1 << 25
 
-    rank = 0
-    lossy = True
-
-    def sigmas(self) -> list[torch.Tensor]:
-        return []
-
-    def max_rank(self) -> int:
-        return 0
-
-    def tail_energy(self):
-        return None
-
-    def set_rank(self, r: int) -> None:
-        pass
-
     def payload_bytes(self, rank: int | None = None) -> int:
         return sum(self._sizes)
 
@@ -397,9 +381,9 @@ class SparseCompressor:
         return (world - 1) * self.payload_bytes() if world > 1 else 0
 
     def allreduce_mean(
-        self, tensors: list[torch.Tensor], group, step: int, stats: CommStats | None = None
+        self, tensors: list[torch.Tensor], wire: Wire | None, step: int, stats: CommStats | None = None
     ) -> list[torch.Tensor]:
-        """Sparse mean of ``tensors`` over ``group`` (blocking; module docstring). Bit-identical on every rank."""
+        """Sparse mean of ``tensors`` over ``wire``'s members (blocking; module docstring). Bit-identical on each."""
         if len(tensors) != len(self.shapes) or any(t.shape != s for t, s in zip(tensors, self.shapes)):
             raise ValueError(
                 f"allreduce_mean got tensors of shapes {[tuple(t.shape) for t in tensors]}, "
@@ -423,13 +407,9 @@ class SparseCompressor:
             mine = torch.cat([encode(e, self.chunk, self.density, self.bits) for e in self.errors])
         else:
             mine = gr.encode(self._err, self.block_elems)
-        world = group_world(group)
-        if world > 1:
-            bufs = [torch.empty_like(mine) for _ in range(world)]
-            _all_gather(bufs, mine, group)
-        else:
-            bufs = [mine]
-        me = 0 if world <= 1 else group_rank(group)
+        wire = solo_or(wire)
+        world, me = wire.size(), wire.rank()
+        bufs = gather(wire, mine)
         acc = [torch.empty_like(e) for e in self._err]
         for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
             for g in range(len(gr.groups)):
@@ -469,3 +449,9 @@ class SparseCompressor:
 
     def load_state_dict(self, sd: dict) -> None:
         self.errors = load_error_buffers(sd, self.shapes)
+
+
+@register("sparse", enabled=lambda ccfg: ccfg.sparse.enabled)
+def _build(ccfg, shapes, seed, ids) -> SparseCompressor:
+    sp = ccfg.sparse
+    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from dataclasses import fields
 from typing import Any
 
 from dilocox.config.sections import (
@@ -352,23 +353,26 @@ def check_compress(c: CompressConfig) -> None:
         v = getattr(c, name)
         if not 0.0 < v <= 1.0:
             _fail(f"compress.{name}", v, "must be in (0, 1]")
-    sp = c.sparse
-    if sp.enabled:
-        if not 0.0 < sp.density <= 1.0:
-            _fail("compress.sparse.density", sp.density, "must be in (0, 1]")
-        if sp.chunk < 2:
-            _fail("compress.sparse.chunk", sp.chunk, "must be >= 2")
-        if sp.bits not in (2, 4, 8):
-            _fail("compress.sparse.bits", sp.bits, "must be 2, 4 or 8")
-        if not 0.0 <= sp.ef_decay <= 1.0:
-            _fail("compress.sparse.ef_decay", sp.ef_decay, "must be in [0, 1]")
+    check_codecs(c)
+
+
+def check_codecs(c: CompressConfig) -> None:
+    """The codec sections of ``compress`` (a section with ``enabled`` and ``problems()``: sparse, sign, ...): at most
+    one enabled; it replaces the default compressor (quant, low-rank, adaptive off), keeps error feedback and
+    all-gathers its payloads; its own fields as its ``problems()`` says."""
+    on = [f.name for f in fields(c) if hasattr(getattr(c, f.name), "problems") and getattr(c, f.name).enabled]
+    if len(on) > 1:
+        _fail(f"compress.{on[1]}.enabled", True, f"and compress.{on[0]}.enabled are both on: enable one codec")
+    for name in on:
+        for key, value, why in getattr(c, name).problems():
+            _fail(f"compress.{name}.{key}", value, why)
         if not c.error_feedback:
-            _fail("compress.error_feedback", False, "must be true with compress.sparse (its error buffer is the rule)")
+            _fail("compress.error_feedback", False, f"must be true with compress.{name} (its error buffer is the rule)")
         if c.collective not in ("auto", "allgather"):
-            _fail("compress.collective", c.collective, "must be auto or allgather with compress.sparse (all-gather)")
+            _fail("compress.collective", c.collective, f"must be auto or allgather with compress.{name} (all-gather)")
         if c.quant != "none" or c.lowrank.enabled or c.adaptive.enabled:
             _fail(
-                "compress.sparse.enabled",
+                f"compress.{name}.enabled",
                 True,
                 "replaces the other outer compression: set compress.quant=none, compress.lowrank.enabled=false and "
                 "compress.adaptive.enabled=false",
@@ -376,6 +380,13 @@ def check_compress(c: CompressConfig) -> None:
 
 
 def check_sparse_method(o: OuterConfig, c: CompressConfig) -> None:
+    on = [f.name for f in fields(c) if hasattr(getattr(c, f.name), "problems") and getattr(c, f.name).enabled]
+    if on and o.method == "cocktailsgd":
+        _fail(
+            f"compress.{on[0]}.enabled",
+            True,
+            "compresses the outer sync of another method, not outer.method='cocktailsgd' (it has its own top-k)",
+        )
     if c.sparse.enabled and o.method != "diloco":
         _fail(
             "compress.sparse.enabled",

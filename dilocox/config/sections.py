@@ -221,6 +221,33 @@ class SparseConfig:
     bits: int = 2  # 2 | 4 | 8: bits per kept value (one bf16 scale per chunk)
     ef_decay: float = 0.95  # beta of the error buffer e = beta e + delta (SparseLoCo's replacement for outer momentum)
 
+    def problems(self) -> list[tuple[str, object, str]]:
+        """(field, value, what is wrong) of a codec section (config/checks.py ``check_codecs``)."""
+        return [
+            p
+            for p in (
+                ("density", self.density, "must be in (0, 1]") if not 0.0 < self.density <= 1.0 else None,
+                ("chunk", self.chunk, "must be >= 2") if self.chunk < 2 else None,
+                ("bits", self.bits, "must be 2, 4 or 8") if self.bits not in (2, 4, 8) else None,
+                ("ef_decay", self.ef_decay, "must be in [0, 1]") if not 0.0 <= self.ef_decay <= 1.0 else None,
+            )
+            if p is not None
+        ]
+
+
+@dataclass
+class SignConfig:
+    """Scaled sign of the pseudo-gradient with error feedback: 1 bit per value + one fp32 scale (the block's mean
+    |value|) per block (EF-signSGD; compress/sign.py)."""
+
+    enabled: bool = False  # replaces compress.quant / lowrank for the outer sync (they must stay off)
+    block: int = 256  # values per scale (a multiple of 8; a block never spans two tensors)
+
+    def problems(self) -> list[tuple[str, object, str]]:
+        """(field, value, what is wrong) of a codec section (config/checks.py ``check_codecs``)."""
+        ok = self.block >= 8 and self.block % 8 == 0
+        return [] if ok else [("block", self.block, "must be a multiple of 8 (8 sign bits per byte), e.g. 256")]
+
 
 @dataclass
 class AdaptiveConfig:
@@ -241,6 +268,7 @@ class CompressConfig:
     error_feedback: bool = True
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    sign: SignConfig = field(default_factory=SignConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     # CocktailSGD (ALGORITHMS §8)
     random_fraction: float = 0.1

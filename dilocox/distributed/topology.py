@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,39 +39,13 @@ class Coord:
     tp: int
 
 
-class ExternalGroup(ABC):
-    """A group whose collectives are not ``torch.distributed``'s own (the elastic outer group over torchft,
-    ``dilocox/elastic/group.py``): the compressed collectives call these methods instead of ``dist.*``.
-    Every call blocks until done (bounded by the group's own timeout) and raises on a failed peer."""
-
-    @abstractmethod
-    def size(self) -> int: ...
-
-    @abstractmethod
-    def rank(self) -> int: ...
-
-    @abstractmethod
-    def all_reduce(self, t) -> None:
-        """In-place SUM of ``t`` over the group."""
-
-    @abstractmethod
-    def all_gather(self, out: list, t) -> None: ...
-
-    @abstractmethod
-    def all_to_all_single(self, out, t) -> None: ...
-
-
 def group_world(group) -> int:
     """Number of ranks in a process group; ``None`` (what ``Topology.group`` gives for a size-1 kind) is one rank."""
-    if isinstance(group, ExternalGroup):
-        return group.size()
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
     """This process's rank in ``group``; 0 for ``None`` (a one-rank group)."""
-    if isinstance(group, ExternalGroup):
-        return group.rank()
     return 0 if group is None else dist.get_rank(group)
 
 

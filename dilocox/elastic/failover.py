@@ -57,11 +57,6 @@ DEFAULT_ATTEMPT_S = 2.0  # seconds per quorum request: bounds the wait on a requ
 MIN_ATTEMPT_S = 0.1  # quorum requests are at least this far apart
 MAX_ATTEMPT_FACTOR = 8  # LighthouseFailover: requests on a live lighthouse grow up to this x attempt_s
 
-if __name__ != "__main__":  # (this file run as a script imports no dilocox module: module docstring)
-    # torchft's supported release and private names live in dilocox/elastic/torchft.py; re-exported for group.py
-    from dilocox.elastic.torchft import check_torchft_version as check_torchft_version
-    from dilocox.elastic.torchft import quorum_id as quorum_id
-
 
 class QuorumTimeout(RuntimeError):
     """No quorum within the deadline; ``lighthouse_down_s`` says how long the lighthouse refused connections."""

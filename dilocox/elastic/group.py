@@ -36,20 +36,19 @@ import torch
 from torch import Tensor
 
 from dilocox.config.sections import ElasticSection
-from dilocox.distributed.topology import ExternalGroup
+from dilocox.distributed.wire import ProcessGroupWire
 from dilocox.elastic.failover import (
     DEFAULT_ATTEMPT_S,
     LighthouseFailover,
     LighthouseUnreachable,
     QuorumTimeout,
     ReplicaAgreement,
-    check_torchft_version,
     lighthouse_endpoints,
     lighthouse_listening,
-    quorum_id,
 )
 from dilocox.elastic.relay import LighthouseRelay, unguarded
 from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_pg, replica_store
+from dilocox.elastic.torchft import manager_classes, quorum_id
 from dilocox.elastic.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
@@ -183,44 +182,6 @@ class ElasticResult:
     world: int = 0  # members of the quorum's process group (contributors + healing/behind replicas)
 
 
-class TorchftGroup(ExternalGroup):
-    """The torchft process group of the current quorum, seen by the compressed collectives
-    (``compress/collectives.py``) as an ``ExternalGroup``: every call blocks, bounded by ``timeout_s``,
-    and raises when a peer failed (the caller then retries the whole outer step)."""
-
-    def __init__(self, pg, timeout_s: float) -> None:
-        self._pg, self._timeout = pg, timedelta(seconds=timeout_s)
-
-    def size(self) -> int:
-        return self._pg.size()
-
-    def rank(self) -> int:
-        return self._pg.parent.rank()
-
-    def _wait(self, work) -> None:
-        if not work.wait(self._timeout):
-            raise ElasticStepError(f"outer collective did not finish within {self._timeout.total_seconds()}s")
-        if (err := self._pg.errored()) is not None:
-            raise ElasticStepError(f"outer collective failed: {err}")
-
-    def all_reduce(self, t: Tensor) -> None:
-        from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
-
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
-        self._wait(self._pg.allreduce([t], opts))
-
-    def all_gather(self, out: list, t: Tensor) -> None:
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        self._wait(self._pg.allgather([out], [t], AllgatherOptions()))
-
-    def all_to_all_single(self, out: Tensor, t: Tensor) -> None:
-        from torch.distributed.distributed_c10d import AllToAllOptions
-
-        self._wait(self._pg.alltoall_base(out, t, [], [], AllToAllOptions()))
-
-
 class ElasticOuterGroup:
     """Per-outer-step quorum + one flat mean all-reduce over the live replicas (module docstring).
 
@@ -248,9 +209,6 @@ class ElasticOuterGroup:
     ) -> None:
         cfg.validate()
         try:  # lazy: torchft is an optional dependency of the elastic mode only
-            from dilocox.elastic.torchft import manager_classes
-
-            check_torchft_version()
             Manager, ProcessGroupGloo = manager_classes()
         except ImportError as e:
             raise ElasticError(f"the elastic outer group needs torchft 0.2: {e}") from e
@@ -299,7 +257,11 @@ class ElasticOuterGroup:
             self.transport.shutdown()  # (its server would outlive the failed construction)
             self._close_guards()
             raise
-        self.group = TorchftGroup(self._pg, cfg.timeout_s)
+        # the codecs' collectives on the quorum's group (distributed/wire.py): bounded by timeout_s, a failed peer
+        # raises ElasticStepError (the caller retries the outer step); the rank is the reconfigured group's
+        self.group = ProcessGroupWire(
+            self._pg, cfg.timeout_s, rank=lambda: self._pg.parent.rank(), error=ElasticStepError
+        )
         self.closed = False
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
         self.on_quorum: Callable[[int], None] | None = None

@@ -436,7 +436,7 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
 
     ProcessGroup, create_store_client, _DummyWork = process_group_parts()
 
-    class _Parent:  # (TorchftGroup asks the reconfigured group's rank through ``parent``, as for gloo)
+    class _Parent:  # (the quorum's wire asks the reconfigured group's rank through ``parent``, as for gloo)
         def __init__(self, mesh: Mesh) -> None:
             self.mesh = mesh
 

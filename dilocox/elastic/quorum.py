@@ -6,7 +6,7 @@
 - plain (``codec`` None or lossless): ONE flat all-reduce of ``[tensors | one-hot(replica)]``; the mean is the sum
   over the contributors divided by their count (the count carried by the same buffer).
 - compressed: a ``max_replicas``-float count, then the codec's own collectives over the quorum's process group
-  (``TorchftGroup``); its mean over the group is rescaled to the mean over the contributors. A failed attempt is
+  (a ``ProcessGroupWire``); its mean over the group is rescaled to the mean over the contributors. A failed attempt is
   retried from the codec's state as it was before it (warm start, error feedback).
 - a replica behind the newest outer step is healed inside the quorum (``set_state_fns``): it receives a live
   replica's state, contributes nothing and receives the mean like everyone (``healed`` is True after that call).
@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from dilocox.compress.codec import rank_of
 from dilocox.compress.collectives import wire_bytes
 from dilocox.elastic.group import ElasticOuterGroup
 from dilocox.outer.group import outliers, report_outliers
@@ -119,9 +120,9 @@ class QuorumGroup:
                 return total[:n], onehot
             cd = x["codec"]
             if tries[0]:  # a failed attempt may have moved the warm start / error feedback (a heal, the rank)
-                rank = cd.rank
+                rank = rank_of(cd)
                 cd.load_state_dict(saved[0])
-                if rank != cd.rank:
+                if rank != rank_of(cd):
                     cd.set_rank(rank)
             else:
                 saved.append(cd.state_dict())  # (after this call's heal, if any, set the rank)

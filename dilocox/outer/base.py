@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dilocox.compress.codec import rank_of
 from dilocox.compress.collectives import CommStats
 from dilocox.config import CompressConfig, OuterConfig
 from dilocox.distributed.comm import AsyncComm, CommHandle
@@ -113,7 +114,7 @@ class OuterBase:
     # ------------------------------------------------------------------ logs and checkpoints
     @property
     def stats(self) -> dict:
-        rank = self.compressors[0].rank if self.compressors else 0  # 0: no low-rank compression
+        rank = rank_of(self.compressors[0]) if self.compressors else 0  # 0: no low-rank compression
         out = {
             "outer_step": self.outer_step,
             "H": self.H,

@@ -72,6 +72,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dilocox.compress.adaptive import AdaptiveController
+from dilocox.compress.codec import rank_of
 from dilocox.compress.compressor import build_compressor
 from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
 from dilocox.distributed.comm import CommHandle, DoneHandle
@@ -347,7 +348,7 @@ class DiLoCoOuter(OuterBase):
             "theta": self.state.theta,
             "momentum": self.state.momentum,
             "overlap": self.overlap,
-            "ranks": [c.rank for c in self.compressors],  # the rank this launch is compressed at (adaptive)
+            "ranks": [rank_of(c) for c in self.compressors],  # the rank this launch is compressed at (adaptive)
             "controller": self.controller.state_dict() if self.controller is not None else None,
             "extra": self.snapshot_extra() if self.snapshot_extra is not None else None,
         }
@@ -360,7 +361,7 @@ class DiLoCoOuter(OuterBase):
             raise RuntimeError("the live replica chosen to heal this one has not launched an outer step yet")
         # comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank
         for c, r in zip(self.compressors, sd.get("ranks") or []):
-            if c.rank > 0 and int(r) != c.rank:
+            if rank_of(c) > 0 and int(r) != c.rank:
                 c.set_rank(int(r))
         self._healed_sd = sd  # the rest is applied on the main thread (_after_wait)
 

@@ -46,7 +46,7 @@ class GradientSync(OuterBase):
             self.codec = self.compressors[0]
         else:
             dev = self.params[0].device if self.params else torch.device("cpu")
-            self.cocktail = CocktailCodec(ccfg, sum(p.numel() for p in self.params), seed, dev)
+            self.cocktail = CocktailCodec(ccfg, [p.numel() for p in self.params], seed, dev)
             self.codec = self.cocktail
 
     @torch.no_grad()

@@ -5,8 +5,8 @@ comm thread. The protocol:
 
 - ``allreduce_mean(tensors, step, contribute=True, codec=None, stats=None, propose=None) -> list[Tensor]``: the
   mean of ``tensors`` over the replicas that contribute to this call (the inputs are not modified). ``codec``: the
-  compressor that carries it (``compress/compressor.py``: anything with ``lossy`` and ``allreduce_mean(tensors,
-  process_group, step, stats)``; it counts its bytes in ``stats``), None for the plain fp32 mean.
+  compressor that carries it (a ``compress/codec.py`` ``Codec``: the group hands it the wire of its process group,
+  ``dilocox/distributed/wire.py``; it counts its bytes in ``stats``), None for the plain fp32 mean.
   ``contribute=False``: take part and receive the mean without adding to it (a replica joining a live run).
   ``propose``: a positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of
   the values the contributors of this call proposed, the same on all of them.
@@ -31,10 +31,10 @@ import math
 from typing import Callable, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from dilocox.compress.collectives import wire_bytes
+from dilocox.distributed.wire import wire_of
 
 log = logging.getLogger("dilocox.outer")
 
@@ -109,6 +109,7 @@ class FixedGroup:
         if norm_check and norm_check <= 1.0:
             raise ValueError(f"FixedGroup: norm_check={norm_check} must be 0 (off) or above 1 (a ratio to the median)")
         self.pg, self.size, self.norm_check = pg, size, float(norm_check)
+        self.wire = wire_of(pg)  # (a codec's collectives and this group's own run on it)
         self.contributors = list(range(size))
         self.rejected: list[int] = []  # of the last call (norm_check)
         self.norms: list[float] = []  # every member's norm at the last call (norm_check)
@@ -139,14 +140,13 @@ class FixedGroup:
         if propose is not None:  # a tiny MAX before the mean (latency only: it is not waited for on the main thread)
             dev = tensors[0].device if tensors else torch.device("cpu")  # (NCCL groups take device tensors only)
             t = torch.tensor([int(propose)], dtype=torch.int64, device=dev)
-            if self.pg is not None:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+            self.wire.all_reduce(t, op="max")
             self.agreed = int(t.item())
         scale = 1.0
         if self.norm_check and self.pg is not None:
             tensors, scale = self._check_norms(tensors, step)
         if codec is not None:
-            out = codec.allreduce_mean(tensors, self.pg, step, stats)
+            out = codec.allreduce_mean(tensors, self.wire, step, stats)
         else:
             out = self._plain_mean(tensors, stats)
         return out if scale == 1.0 else [o.mul_(scale) for o in out]
@@ -155,7 +155,7 @@ class FixedGroup:
         out = [t.detach().float().clone() for t in tensors]
         if self.pg is not None:
             flat = torch.cat([t.reshape(-1) for t in out]) if out else torch.zeros(0)
-            dist.all_reduce(flat, group=self.pg)
+            self.wire.all_reduce(flat)
             flat.div_(self.size)
             if stats is not None:
                 b = wire_bytes(flat.numel(), self.size, "none")
@@ -170,7 +170,7 @@ class FixedGroup:
         sq = sum((t.detach().double().pow(2).sum() for t in tensors), torch.zeros((), dtype=torch.float64, device=dev))
         mine = sq.sqrt().reshape(1).to(dev)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(gathered, mine, group=self.pg)
+        self.wire.all_gather(gathered, mine)
         self.norms = [float(g.item()) for g in gathered]
         self.rejected = outliers(self.norms, self.norm_check)
         if self.rejected:
@@ -178,7 +178,7 @@ class FixedGroup:
         self.contributors = [i for i in range(self.size) if i not in self.rejected]
         if not self.rejected:
             return tensors, 1.0
-        if dist.get_rank(self.pg) in self.rejected:
+        if self.wire.rank() in self.rejected:
             tensors = [torch.zeros_like(t) for t in tensors]
         return tensors, self.size / len(self.contributors)
 

@@ -17,7 +17,7 @@ import torch
 
 from dilocox.compress.cocktail import cocktail_payload_bytes
 from dilocox.compress.collectives import resolve_mode
-from dilocox.compress.compressor import build_compressor
+from dilocox.compress.compressor import build_compressor, selected
 from dilocox.config import ModelConfig
 from dilocox.model.transformer import build_stage_model, param_layer_id
 from dilocox.outer.fragments import assign_fragments
@@ -117,12 +117,12 @@ def sync_bytes(model: ModelConfig | int, method: Method, replicas: int, pipeline
                 comp = build_compressor(c, [shapes[i] for i in idx], seed=p)
             payload += comp.payload_bytes()
             wire += comp.wire_bytes(replicas)
-            if comp.lowrank is not None:
+            if getattr(comp, "lowrank", None) is not None:
                 fact = comp.lowrank.factored_for(comp.rank)
                 if fact:
                     n_coll = 2
                     lowrank += sum(sum(shapes[idx[i]]) * comp.rank for i in fact if len(shapes[idx[i]]) == 2)
-    if method.outer.method == "cocktailsgd" or c.sparse.enabled:  # (compress.sparse all-gathers its payloads)
+    if method.outer.method == "cocktailsgd" or selected(c) is not None:  # (the registered codecs all-gather)
         coll = "allgather"
     elif c.quant == "none":
         coll = "ring"
