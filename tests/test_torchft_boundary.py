@@ -1,4 +1,5 @@
-"""torchft is imported in one module of dilocox only: ``dilocox/elastic/torchft.py`` (issue 43).
+"""Import boundaries (issue 43): torchft is imported in one module of dilocox only, ``dilocox/elastic/torchft.py``;
+the codecs (``dilocox/compress/``) import no ``torch.distributed`` (they exchange through the Wire they are handed).
 
 Every other module takes what it needs from torchft through that module's lazy accessors, so the supported release
 is checked in one place and an upgrade of torchft touches one file. The import is read from the source (AST): the
@@ -21,26 +22,28 @@ BOUNDARY = os.path.join("dilocox", "elastic", "torchft.py")
 _BY_NAME = {"import_module", "__import__", "find_spec"}
 
 
-def _is_torchft(name: str | None) -> bool:
-    return bool(name) and (name == "torchft" or name.startswith("torchft."))
+def _is_torchft(name: str | None, top: str = "torchft") -> bool:
+    return bool(name) and (name == top or name.startswith(top + "."))
 
 
-def torchft_imports(path: str) -> list[int]:
-    """The lines of ``path`` that import torchft (or one of its modules)."""
+def torchft_imports(path: str, top: str = "torchft") -> list[int]:
+    """The lines of ``path`` that import ``top`` (torchft by default) or one of its modules."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     lines = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            if any(_is_torchft(a.name) for a in node.names):
+            if any(_is_torchft(a.name, top) for a in node.names):
                 lines.append(node.lineno)
         elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and _is_torchft(node.module):
+            if node.level == 0 and (
+                _is_torchft(node.module, top) or any(_is_torchft(f"{node.module}.{a.name}", top) for a in node.names)
+            ):
                 lines.append(node.lineno)
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             fn = node.func
             name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", None)
-            if name in _BY_NAME and isinstance(node.args[0].value, str) and _is_torchft(node.args[0].value):
+            if name in _BY_NAME and isinstance(node.args[0].value, str) and _is_torchft(node.args[0].value, top):
                 lines.append(node.lineno)
     return sorted(lines)
 
@@ -55,6 +58,17 @@ def violations(root: str = ROOT) -> list[str]:
             if f.endswith(".py") and rel != BOUNDARY:
                 out += [f"{rel}:{line}" for line in torchft_imports(path)]
     return sorted(out)
+
+
+def test_the_codecs_import_no_torch_distributed(tmp_path):
+    """compress/ reaches other replicas only through a Wire (compress/codec.py); the check itself finds both forms."""
+    comp = os.path.join(PKG, "compress")
+    found = [f"{f}:{n}" for f in sorted(os.listdir(comp)) if f.endswith(".py")
+             for n in torchft_imports(os.path.join(comp, f), "torch.distributed")]  # fmt: skip
+    assert not found, f"torch.distributed imported in dilocox/compress/: {found}"
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch.distributed as dist\nfrom torch import distributed\n")
+    assert torchft_imports(str(bad), "torch.distributed") == [1, 2]
 
 
 def test_only_the_boundary_module_imports_torchft():
