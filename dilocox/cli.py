@@ -298,7 +298,7 @@ def _secret(argv: list[str]) -> int:
         return 0
     if len(argv) != 1 or argv[0].startswith("-"):
         raise UsageError(f"usage: {SECRET_USAGE}  (writes a new run secret, mode 0600; docs/SECURITY.md)")
-    from dilocox.security import create_secret
+    from dilocox.net.secure import create_secret
 
     try:
         create_secret(argv[0])

@@ -427,7 +427,7 @@ def build_elastic_group(cfg: Config, topo):
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
     from dilocox.elastic.quorum import QuorumGroup
     from dilocox.elastic.stores import multi_rank_replica_store
-    from dilocox.security import secret_for
+    from dilocox.net.secure import secret_for
 
     e = cfg.outer.elastic
     host = os.environ.get("DILOCOX_ELASTIC_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"

@@ -18,11 +18,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _rpc_defaults_per_test():
-    """A SWARM job launched in-process sets this process's RPC secret and limits (``transport.use_secret``); a
+    """A SWARM job launched in-process sets this process's RPC secret and limits (``rpc.use_secret``); a
     test after it in the same worker must not inherit them."""
-    from dilocox.swarm import transport
+    from dilocox.net import rpc
 
-    saved = dict(transport._state)
+    saved = dict(rpc._state)
     yield
-    transport._state.clear()
-    transport._state.update(saved)
+    rpc._state.clear()
+    rpc._state.update(saved)

@@ -1,6 +1,6 @@
 """Issue 42 item 2: no lock-out by strangers before authentication.
 
-Every accept loop of a run hands its handshake slots out through one ``security.AcceptGate``: at most 4 connections
+Every accept loop of a run hands its handshake slots out through one ``secure.AcceptGate``: at most 4 connections
 of one address that has not proven the secret are in their handshake at a time, a connection over its cap is closed
 at once (``BUSY``, never queued), each handshake ends within ``HANDSHAKE_S`` (2 s), and addresses that proved the
 secret before (or are named members) keep reserved slots. Before, each loop had one global pool (32 slots, 8 for the
@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from dilocox.security import BUSY, HANDSHAKE_S, AcceptGate, dial
+from dilocox.net.secure import BUSY, HANDSHAKE_S, AcceptGate, dial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = bytes(range(32))
@@ -32,20 +32,20 @@ import socket, sys, threading
 kind = sys.argv[1]
 SECRET = bytes(range(32))
 if kind == "rpc":
-    from dilocox.swarm.transport import RpcServer
+    from dilocox.net.rpc import RpcServer
     srv = RpcServer(lambda m, meta, t: ({"pong": 1}, {}), host="127.0.0.1", secret=SECRET)
     port = int(srv.addr.rsplit(":", 1)[1])
 elif kind == "state":
-    from dilocox.elastic.transfer import StateTransport
+    from dilocox.net.transfer import StateTransport
     srv = StateTransport("127.0.0.1", 5.0, SECRET)
     port = int(srv.metadata().rsplit(":", 1)[1])
 elif kind in ("lighthouse", "store", "manager"):
-    from dilocox.elastic.relay import LighthouseGuard
+    from dilocox.net.relay import LighthouseGuard
     up = socket.create_server(("127.0.0.1", 0))
     srv = LighthouseGuard(("127.0.0.1", 0), up.getsockname(), SECRET, kind)
     port = srv.port
 elif kind == "mesh":
-    from dilocox.elastic.mesh import PairServer
+    from dilocox.net.mesh import PairServer
     srv = PairServer("127.0.0.1", SECRET, False)
     port = int(srv.addr.rsplit(":", 1)[1])
 print(port, flush=True)
@@ -155,9 +155,9 @@ def test_accept_gate_caps_per_address_and_reserves_slots_for_proven_and_member_a
 
 
 def test_handshake_bound_is_two_seconds_at_most():
-    from dilocox.elastic.mesh import PairServer
-    from dilocox.elastic.relay import AUTH_TIMEOUT_S
-    from dilocox.swarm.transport import Limits
+    from dilocox.net.mesh import PairServer
+    from dilocox.net.relay import AUTH_TIMEOUT_S
+    from dilocox.net.rpc import Limits
 
     assert HANDSHAKE_S <= 2.0 and AUTH_TIMEOUT_S <= 2.0 and Limits().handshake_timeout_s <= 2.0
     assert PairServer.__init__.__defaults__[-1] <= 2.0
@@ -176,10 +176,10 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
 
     import torch
 
-    from dilocox.security import open_value
+    from dilocox.net.rpc import run_secret
+    from dilocox.net.secure import open_value
     from dilocox.swarm.common import store_key
     from dilocox.swarm.runtime import launch
-    from dilocox.swarm.transport import run_secret
     from tests.swarm_noise import assert_exited_zero, launch_beside
     from tests.test_swarm_runtime import _cfg
 

@@ -526,7 +526,7 @@ def test_relay_goes_to_the_standby_while_the_primary_refuses_and_back_when_it_li
     """The relay in front of [primary, standby]: the primary while it listens; the standby's answer once the primary
     is gone (a new connection, as torchft's channel reconnects); the standby's connection closed by the fail-back
     once the primary listens again (on its old port), and the next connection goes to the primary."""
-    from dilocox.elastic.relay import LighthouseRelay
+    from dilocox.net.relay import LighthouseRelay
 
     primary, standby = _Echo(b"P:"), _Echo(b"S:")
     relay = LighthouseRelay([("127.0.0.1", primary.port), ("127.0.0.1", standby.port)], check_every_s=0.2)
@@ -552,7 +552,7 @@ def test_relay_goes_to_the_standby_while_the_primary_refuses_and_back_when_it_li
 
 
 def test_relay_with_no_lighthouse_listening_closes_at_once():
-    from dilocox.elastic.relay import LighthouseRelay
+    from dilocox.net.relay import LighthouseRelay
 
     relay = LighthouseRelay([("127.0.0.1", _free_port()), ("127.0.0.1", _free_port())], connect_timeout_s=0.5)
     try:
@@ -628,7 +628,7 @@ def test_guard_lets_only_a_secret_holder_through_to_the_lighthouse(tmp_path):
     """``dilocox lighthouse --secret-file``'s guard in front of a stand-in lighthouse (an echo server): a relay that
     holds the secret is served; a stranger speaking HTTP/2 and a relay with another secret are closed without a
     byte reaching the lighthouse, and counted."""
-    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
+    from dilocox.net.relay import LighthouseGuard, LighthouseRelay
 
     secret, other = b"s" * 32, b"o" * 32
     inner = _Echo(b"L:")
@@ -664,7 +664,7 @@ def test_a_byte_changed_between_relay_and_guard_never_reaches_the_lighthouse(fli
     """Issue 21: after the handshake every chunk between a relay and the guard is framed and MACed (FramedPipe). A
     tap on the path sees the frame ([4-byte length][chunk][32-byte MAC]); with one byte of the chunk flipped the
     guard closes the pair and the lighthouse never sees the changed message (a hijacked connection cannot inject)."""
-    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
+    from dilocox.net.relay import LighthouseGuard, LighthouseRelay
     from tests.test_security import _Tap
 
     secret = b"s" * 32

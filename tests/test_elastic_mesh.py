@@ -1,5 +1,6 @@
-"""outer.elastic.collectives=authenticated (dilocox/elastic/mesh.py): the replicas' outer collectives on pair
-connections that began with the run secret's handshake, instead of gloo's unauthenticated pairs (issue 21).
+"""outer.elastic.collectives=authenticated (dilocox/net/mesh.py; its torchft process group: dilocox/elastic/mesh.py):
+the replicas' outer collectives on pair connections that began with the run secret's handshake, instead of gloo's
+unauthenticated pairs (issue 21).
 
 The collectives against plain references (bit-identical on every member), a stranger and a wrong secret refused,
 a member that dies mid-round (the others fail fast, the next round works and takes nothing of the old one), and an
@@ -14,9 +15,9 @@ import time
 import pytest
 import torch
 
-from dilocox.elastic.mesh import HELLO_LIMITS, Mesh, MeshError
-from dilocox.security import AuthError, client_handshake
-from dilocox.swarm.transport import _send_all, channel, encode, read_message
+from dilocox.net.mesh import HELLO_LIMITS, Mesh, MeshError
+from dilocox.net.rpc import _send_all, channel, encode, read_message
+from dilocox.net.secure import AuthError, client_handshake
 
 SECRET = b"k" * 32
 
@@ -211,7 +212,7 @@ def test_config_refusals_name_the_field(overrides, msg):
 def test_large_collectives_run_segment_by_segment_with_the_same_bits(monkeypatch):
     """Past ``SEGMENT`` bytes a message would not seal (security.encrypt: < 2 GiB): the all-reduce and the all-gather
     then run segment by segment (here 256 bytes), with the bits of one pass."""
-    from dilocox.elastic import mesh as mesh_mod
+    from dilocox.net import mesh as mesh_mod
 
     meshes = _members(3)
     try:
@@ -244,7 +245,7 @@ def test_fuzz_the_mesh_pair_server():
     import os
     import random
 
-    from dilocox.security import MAC_BYTES, _mac
+    from dilocox.net.secure import MAC_BYTES, _mac
     from tests.test_security import _closed, _mutations, _rss_mb
 
     n = int(os.environ.get("DILOCOX_FUZZ_N", "1500"))

@@ -36,7 +36,7 @@ def test_a_plain_store_master_listens_everywhere_and_the_loopback_store_does_not
     """The reason for ``loopback_store``: torch's store master given 127.0.0.1 still listens on every interface."""
     from torch.distributed import TCPStore
 
-    from dilocox.elastic.stores import loopback_store
+    from dilocox.net.store import loopback_store
 
     plain = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     assert _listening_on(plain.port) and _listening_on(plain.port) != {LOOPBACK}  # (the check can fail)

@@ -20,7 +20,7 @@ import torch
 
 from dilocox.distributed.signals import RUN_TAG_ENV, kill_tagged
 from dilocox.launch.emulate import BANDWIDTH_ENV
-from dilocox.security import create_secret, load_secret
+from dilocox.net.secure import create_secret, load_secret
 from tests.small_run import TINY_RUN_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,7 +54,7 @@ class _Run:
         from dilocox.elastic import start_lighthouse
 
         self.tmp, self.steps, self.min, self.auth = tmp_path, steps, min_replicas, auth
-        # the run secret: a restarted replica's state transfer (heal) is authenticated with it (elastic/transfer.py);
+        # the run secret: a restarted replica's state transfer (heal) is authenticated with it (net/transfer.py);
         # auth: the lighthouse, the replicas' stores and managers behind guards too (outer.elastic.lighthouse_auth)
         self.secret = str(tmp_path / "secret")
         if not os.path.exists(self.secret):

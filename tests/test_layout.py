@@ -117,6 +117,67 @@ def test_no_import_cycle():
     )
 
 
+def _top(module: str) -> str:
+    """The subpackage (or top-level module) of dilocox that ``module`` belongs to: ``dilocox.X``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> tuple[dict[str, set[str]], dict[tuple[str, str], list[str]]]:
+    """The module graph collapsed onto dilocox.X (a subpackage, or a module at the top): an edge A -> B when a module
+    of A imports one of B (lazy imports included), and for each edge the module imports that make it."""
+    pkgs: dict[str, set[str]] = {_top(m): set() for m in graph if m != "dilocox"}
+    why: dict[tuple[str, str], list[str]] = {}
+    for m, deps in graph.items():
+        for d in deps:
+            a, b = _top(m), _top(d)
+            if a != b and a in pkgs and b in pkgs:
+                pkgs[a].add(b)
+                why.setdefault((a, b), []).append(f"{m} -> {d}")
+    return pkgs, why
+
+
+def test_package_cycle_finder_reports_a_constructed_cycle():
+    """The package graph of a made-up module graph: x.a -> y.b -> x.c is a cycle of dilocox.x and dilocox.y although
+    no two modules import each other; an import within one subpackage is not an edge."""
+    g = {
+        "dilocox.x.a": {"dilocox.y.b", "dilocox.x.c"},
+        "dilocox.x.c": set(),
+        "dilocox.y.b": {"dilocox.x.c"},
+        "dilocox.z": {"dilocox.x.a"},
+    }
+    pkgs, why = _package_graph(g)
+    assert pkgs == {"dilocox.x": {"dilocox.y"}, "dilocox.y": {"dilocox.x"}, "dilocox.z": {"dilocox.x"}}
+    assert _cycles(pkgs) == [["dilocox.x", "dilocox.y"]]
+    assert why[("dilocox.y", "dilocox.x")] == ["dilocox.y.b -> dilocox.x.c"]
+    g["dilocox.y.b"] = set()
+    assert _cycles(_package_graph(g)[0]) == []
+
+
+def test_no_import_cycle_between_subpackages():
+    """Issue 43 item 5: the subpackages of dilocox (and its top-level modules) form no cycle either, lazy imports
+    included: e.g. elastic/ and swarm/ both build on net/, which imports neither."""
+    pkgs, why = _package_graph(_graph())
+    cycles = _cycles(pkgs)
+    lines = []
+    for c in cycles:
+        lines.append(" <-> ".join(c))
+        lines += [f"    {e}" for a in c for b in c if b in pkgs[a] for e in why[(a, b)]]
+    assert not cycles, "import cycles between the subpackages of dilocox/ (with the imports that make them):\n" + (
+        "\n".join(lines)
+    )
+
+
+def test_net_imports_none_of_its_users():
+    """dilocox/net (the RPC, the mesh, the handshakes, the relays) is below elastic/, swarm/, outer/ and train: it
+    imports none of them (lazily neither)."""
+    users = ("dilocox.elastic", "dilocox.swarm", "dilocox.outer", "dilocox.train")
+    graph = _graph()
+    net = [m for m in graph if m == "dilocox.net" or m.startswith("dilocox.net.")]
+    assert "dilocox.net.rpc" in net and "dilocox.net.secure" in net, sorted(net)
+    bad = sorted(f"{m} -> {d}" for m in net for d in graph[m] if any(d == u or d.startswith(u + ".") for u in users))
+    assert not bad, bad
+
+
 def test_no_module_above_the_limit():
     long = []
     for name, path in sorted(_modules().items()):

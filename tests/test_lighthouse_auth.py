@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from dilocox.security import create_secret, load_secret
+from dilocox.net.secure import create_secret, load_secret
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELASTIC = ["--outer.method=diloco", "--outer.elastic.enabled=true", "--outer.elastic.lighthouse=http://127.0.0.1:1"]
@@ -156,8 +156,8 @@ def test_unguarded_reads_busy_as_a_guard_and_silence_as_plain(answer, plain):
     import socket
     import threading
 
-    from dilocox.elastic.relay import unguarded
-    from dilocox.security import BUSY
+    from dilocox.net.relay import unguarded
+    from dilocox.net.secure import BUSY
 
     assert answer in (BUSY, b"")
     srv = socket.create_server(("127.0.0.1", 0))

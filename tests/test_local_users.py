@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
-from dilocox.security import peer_uid, same_user
+from dilocox.net.relay import LighthouseGuard, LighthouseRelay
+from dilocox.net.secure import peer_uid, same_user
 
 SECRET = b"u" * 32
 OTHER_PY = "/usr/bin/python3"  # (readable by every user, unlike a python under /root)

@@ -1,4 +1,4 @@
-"""Issue 21 for the SWARM tensor RPC (``dilocox.swarm.transport``) and the run secret (``dilocox.security``).
+"""Issue 21 for the SWARM tensor RPC (``dilocox.net.rpc``) and the run secret (``dilocox.net.secure``).
 
 The issue's reproductions, as an outsider with a plain socket against an ``RpcServer``: a header claiming a
 4 GiB tensor followed by 64 MiB, a 1 TiB claim, hundreds of idle connections, a shape that does not match its
@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from dilocox import cli
-from dilocox.security import (
+from dilocox.net.rpc import Limits, PeerUnavailable, RpcServer, call, encode, use_secret
+from dilocox.net.secure import (
     MAC_BYTES,
     MAGIC,
     AuthError,
@@ -36,7 +37,6 @@ from dilocox.security import (
     load_or_create_secret,
     load_secret,
 )
-from dilocox.swarm.transport import Limits, PeerUnavailable, RpcServer, call, encode, use_secret
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = bytes(range(32))
@@ -166,7 +166,7 @@ def test_a_secret_file_that_is_short_shared_or_another_users_is_refused_in_one_l
 def test_a_handshake_is_bound_to_its_service():
     """Issue 42 item 4: every MAC of the handshake covers the service name, so a handshake made for one service of
     the run (and the secret is the same for all) is refused by every other, both ways."""
-    from dilocox.security import server_handshake
+    from dilocox.net.secure import server_handshake
 
     for client_svc, server_svc in (("lighthouse", "store"), ("swarm-rpc", "state"), ("mesh", "mesh")):
         a, b = socket.socketpair()
@@ -205,7 +205,7 @@ def test_a_handshake_is_bound_to_its_service():
 
 def test_no_weights_only_false_in_dilocox():
     """Issue 42 item 4: nothing of dilocox unpickles (``torch.load`` only with ``weights_only=True``; torchft's
-    HTTPTransport, which does, is never used by a replica: elastic/transfer.py's StateTransport replaces it)."""
+    HTTPTransport, which does, is never used by a replica: net/transfer.py's StateTransport replaces it)."""
     import re
 
     hits = []
@@ -255,7 +255,7 @@ def test_only_holders_of_the_secret_are_served(server):
 
 
 def test_address_book_entries_are_signed():
-    from dilocox.security import open_value, sign_value
+    from dilocox.net.secure import open_value, sign_value
 
     v = sign_value(SECRET, "swarm/stage0/peer1", "10.0.0.7:4242")
     assert open_value(SECRET, "swarm/stage0/peer1", v) == "10.0.0.7:4242"
@@ -467,12 +467,12 @@ def test_fuzz_the_rpc_server(mode):
 
 
 def test_fuzz_the_lighthouse_guard():
-    """The lighthouse's guard (dilocox/elastic/relay.py) under random and mutated handshakes, each on its own
+    """The lighthouse's guard (dilocox/net/relay.py) under random and mutated handshakes, each on its own
     connection: random bytes, a replayed or truncated client proof, a proof under another secret, gRPC's preface, a
     silent close. Nothing reaches the lighthouse behind it, no thread raises, memory stays flat, and a genuine
     relay is served at the end. 1,500 connections here; DILOCOX_FUZZ_N=10000 for the issue's count."""
-    from dilocox.elastic.relay import LighthouseGuard, LighthouseRelay
-    from dilocox.security import _mac
+    from dilocox.net.relay import LighthouseGuard, LighthouseRelay
+    from dilocox.net.secure import _mac
 
     n = int(os.environ.get("DILOCOX_FUZZ_N", "1500"))
     reached = []
@@ -683,10 +683,10 @@ def test_swarm_run_under_noise_ends_bit_equal_to_an_undisturbed_run(tmp_path):
     mutated messages with wrong tags, unauthenticated garbage, silent connections) and register a rogue peer in
     the address book: every peer ends with parameters bit-equal to the same job undisturbed, and the noise
     reached the servers (their logs name the rejected connections)."""
-    from dilocox.security import open_value
+    from dilocox.net.rpc import run_secret
+    from dilocox.net.secure import open_value
     from dilocox.swarm.common import store_key
     from dilocox.swarm.runtime import launch
-    from dilocox.swarm.transport import run_secret
     from tests.swarm_noise import assert_exited_zero, launch_beside
     from tests.test_swarm_runtime import _cfg
 

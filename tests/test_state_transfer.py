@@ -1,4 +1,4 @@
-"""A joiner's state transfer (dilocox/elastic/transfer.py, issue 21 item 2): nothing unpickled, lengths bounded,
+"""A joiner's state transfer (dilocox/net/transfer.py, issue 21 item 2): nothing unpickled, lengths bounded,
 both sides authenticated. torchft's own HTTPTransport is the reproduction: a rogue source runs code in the joiner.
 """
 
@@ -15,15 +15,15 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dilocox.elastic.transfer import (
+from dilocox.net.rpc import PeerUnavailable, ProtocolError, RpcServer, encode
+from dilocox.net.secure import AuthError
+from dilocox.net.transfer import (
     StateFormatError,
     StateTransport,
     flatten,
     parse_metadata,
     unflatten,
 )
-from dilocox.security import AuthError
-from dilocox.swarm.transport import PeerUnavailable, ProtocolError, RpcServer, encode
 
 T = timedelta(seconds=5)
 
@@ -86,7 +86,7 @@ def test_flatten_refuses_objects_it_cannot_send():
 def test_a_state_that_cannot_be_sent_fails_the_joiner_not_the_source():
     """send_checkpoint runs on the LIVE replica's quorum thread: it must not raise there (torchft would fail that
     replica's step); the joiner's fetch fails with the reason instead."""
-    from dilocox.swarm.transport import RemoteError
+    from dilocox.net.rpc import RemoteError
 
     src, dst = _pair()
     try:
@@ -276,7 +276,7 @@ def test_encode_of_a_reply_is_what_the_limits_check():
     frames = encode("ok", {"step": 1, "skeleton": skel}, {str(i): t for i, t in enumerate(tensors)})
     assert sum(len(memoryview(f).cast("B")) for f in frames[2:]) == 3 * 5 * 4 + 2 * 2
     with pytest.raises(ProtocolError):
-        from dilocox.swarm.transport import Limits, _specs
+        from dilocox.net.rpc import Limits, _specs
 
         _specs({"method": "ok", "meta": {}, "tensors": [["0", "float32", [3, 5], 60]]}, Limits(max_message_bytes=59))
 
@@ -351,7 +351,7 @@ def test_fuzz_the_state_server():
     at the end."""
     import random
 
-    from dilocox.security import MAC_BYTES, Sealer, client_handshake
+    from dilocox.net.secure import MAC_BYTES, Sealer, client_handshake
     from tests.test_security import SECRET, _closed, _mutations
 
     n = int(os.environ.get("DILOCOX_FUZZ_N", "1000"))

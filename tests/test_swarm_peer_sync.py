@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from dilocox.net.rpc import RpcServer
 from dilocox.swarm import peer_sync
-from dilocox.swarm.transport import RpcServer
 
 
 def _peer(store, stage: int, n: int, clip: float = 1.0, sync_timeout_s: float = 10.0, **kw):

@@ -22,10 +22,10 @@ from dilocox.data.prepare import prepare
 from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
 from dilocox.model.parallel_layers import clip_grad_norm_
+from dilocox.net.rpc import NotServing, PeerUnavailable, RemoteError, RpcServer, call
 from dilocox.optim import build_inner_optimizer
 from dilocox.swarm.peer import DIGEST_ENV, lr_at
 from dilocox.swarm.runtime import PeerProc, launch
-from dilocox.swarm.transport import NotServing, PeerUnavailable, RemoteError, RpcServer, call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [

@@ -23,17 +23,17 @@ VICTIM = r"""
 import socket, sys
 kind, S = sys.argv[1], bytes(range(32))
 if kind == "rpc":
-    from dilocox.swarm.transport import RpcServer
+    from dilocox.net.rpc import RpcServer
     srv = RpcServer(lambda m, meta, t: ({}, {}), host="127.0.0.1", secret=S); port = int(srv.addr.rsplit(":", 1)[1])
 elif kind == "state":
-    from dilocox.elastic.transfer import StateTransport
+    from dilocox.net.transfer import StateTransport
     srv = StateTransport("127.0.0.1", 5.0, S); port = int(srv.metadata().rsplit(":", 1)[1])
 elif kind == "guard":
-    from dilocox.elastic.relay import LighthouseGuard
+    from dilocox.net.relay import LighthouseGuard
     up = socket.create_server(("127.0.0.1", 0))
     srv = LighthouseGuard(("127.0.0.1", 0), up.getsockname(), S, "lighthouse"); port = srv.port
 else:
-    from dilocox.elastic.mesh import PairServer
+    from dilocox.net.mesh import PairServer
     srv = PairServer("127.0.0.1", S, False); port = int(srv.addr.rsplit(":", 1)[1])
 print(port, flush=True)
 sys.stdin.read()
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", choices=sorted(SERVICE), default="rpc")
     p.add_argument("--n", type=int, default=300, help="silent connections from 127.0.0.2")
     a = p.parse_args(argv)
-    from dilocox.security import dial
+    from dilocox.net.secure import dial
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -19,7 +19,7 @@ What each measures (every process is its own OS process, started in its own sess
 
 - ``rtt``: one microbatch round trip, an fp32 activation of ``--shape`` (8,128,64 = 256 KiB) sent to
   a server that answers with a same-size "gradient" (``0.5 * x``, checked). ``tcp``: one persistent
-  socket, length-prefixed raw bytes (the floor of the TCP path); ``rpc``: ``dilocox.swarm.transport``
+  socket, length-prefixed raw bytes (the floor of the TCP path); ``rpc``: ``dilocox.net.rpc``
   (``call`` opens a connection per request, JSON header + raw tensor bytes); ``gloo``:
   ``torch.distributed`` send/recv between 2 ranks; ``hivemind-unary`` / ``hivemind-stream``: hivemind
   ``P2P`` protobuf handlers (unary call, and the streaming RPC hivemind's MoE client uses).
@@ -236,7 +236,7 @@ def _rtt_server(a: argparse.Namespace) -> int:
         except (ConnectionError, OSError):
             return 0
     if a.transport == "rpc":
-        from dilocox.swarm.transport import RpcServer
+        from dilocox.net.rpc import RpcServer
 
         def handler(method: str, meta: dict, tensors: dict) -> tuple[dict, dict]:
             return {"mb": meta.get("mb")}, {"grad": tensors["act"] * 0.5}
@@ -362,7 +362,7 @@ def _rtt_client(a: argparse.Namespace) -> int:
                 times.append(dt)
         sock.close()
     elif a.transport == "rpc":
-        from dilocox.swarm.transport import call
+        from dilocox.net.rpc import call
 
         for i in range(a.iters + a.warmup):
             t0 = time.perf_counter()

@@ -9,7 +9,7 @@ and encryption add, that time against one SWARM hop of the config (the measured 
 on one microbatch plus the plain call), and the payload rate of an encrypted call against a plain one.
 
 The outer all-reduce of elastic replicas: torchft's gloo pairs (unauthenticated), or with
-``outer.elastic.collectives: authenticated`` dilocox's mesh (``elastic/mesh.py``: the handshake once per pair and
+``outer.elastic.collectives: authenticated`` dilocox's mesh (``net/mesh.py``: the handshake once per pair and
 round, a MAC or ChaCha20-Poly1305 over every message). Second table: a SUM all-reduce of 1, 16 and 64 MiB of fp32
 between 2 members on loopback (threads of this process; each member's own gloo ``ProcessGroupGloo`` or ``Mesh``),
 the median over ``--calls / 10`` (at least 3) of the slower member's time.
@@ -32,7 +32,7 @@ from dilocox.bench.runner import ROOT, machine_line
 
 
 def _median_call_s(addr: str, x: torch.Tensor, calls: int, secret, limits, encrypt: bool = False) -> float:
-    from dilocox.swarm.transport import call
+    from dilocox.net.rpc import call
 
     for _ in range(3):  # warm-up
         call(addr, "echo", {}, {"x": x}, timeout_s=30, secret=secret, limits=limits, encrypt=encrypt)
@@ -87,7 +87,7 @@ def outer_rows(reps: int, world: int = 2) -> list[dict]:
 
     import torch.distributed as dist
 
-    from dilocox.elastic.mesh import Mesh
+    from dilocox.net.mesh import Mesh
 
     secret = os.urandom(32)
     store = dist.HashStore()
@@ -127,8 +127,8 @@ def outer_rows(reps: int, world: int = 2) -> list[dict]:
 
 def bench(config: str, calls: int) -> dict:
     from dilocox.config import load_config
+    from dilocox.net.rpc import Limits, RpcServer
     from dilocox.swarm.common import largest_hop_bytes
-    from dilocox.swarm.transport import Limits, RpcServer
 
     cfg = load_config(config)
     secret = os.urandom(32)

@@ -73,7 +73,7 @@ class LighthouseUnreachable(QuorumTimeout):
 
 def lighthouse_endpoints(addr: str) -> list[tuple[str, int]]:
     """``[(host, port), ...]`` of ``http://host:port`` or of a primary and its standbys, ``http://a:p,http://b:q``
-    (in order; dilocox/elastic/relay.py); a clear ValueError names the bad address."""
+    (in order; dilocox/net/relay.py); a clear ValueError names the bad address."""
     out = []
     for part in addr.split(","):
         u = urlsplit(part.strip())

@@ -46,10 +46,10 @@ from dilocox.elastic.failover import (
     lighthouse_endpoints,
     lighthouse_listening,
 )
-from dilocox.elastic.relay import LighthouseRelay, unguarded
 from dilocox.elastic.stores import ManagerGuard, advertise_store, quorum_pg, replica_store
 from dilocox.elastic.torchft import manager_classes, quorum_id
-from dilocox.elastic.transfer import StateTransport
+from dilocox.net.relay import LighthouseRelay, unguarded
+from dilocox.net.transfer import StateTransport
 
 log = logging.getLogger("dilocox.elastic")
 

@@ -51,7 +51,7 @@ from dilocox.elastic.supervisor import ElasticLaunch as ElasticLaunch
 from dilocox.elastic.supervisor import _Replica as _Replica
 from dilocox.launch.netns import Cluster, netns_available
 from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
-from dilocox.security import SecretError, load_or_create_secret
+from dilocox.net.secure import SecretError, load_or_create_secret
 
 # --------------------------------------------------------------------------- `dilocox launch --elastic`
 

@@ -116,7 +116,7 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
 def _secret(path: str) -> bytes | None:
     if not path:
         return None
-    from dilocox.security import load_secret
+    from dilocox.net.secure import load_secret
 
     return load_secret(path)
 
@@ -151,6 +151,6 @@ def start_lighthouse(
     )
     if not secret:
         return lh
-    from dilocox.elastic.relay import GuardedLighthouse
+    from dilocox.net.relay import GuardedLighthouse
 
     return GuardedLighthouse(lh, bind, secret)

@@ -7,10 +7,10 @@ authenticates nobody, and its server listens on every interface whatever host it
 by a stranger who connects to the store's own port. With ``ElasticConfig.lighthouse_auth`` (the run's elastic
 services behind the secret):
 
-- ``loopback_store``: the store's listening socket is bound to 127.0.0.1 here and handed to torch
+- ``loopback_store`` (``net/store.py``): the store's listening socket is bound to 127.0.0.1 and handed to torch
   (``master_listen_fd``), so the store itself is reachable from this host only;
-- a ``LighthouseGuard`` (relay.py: mutual HMAC handshake, then every chunk framed and MACed) holds a public port in
-  front of it, and that is the address the replica's ``ManagerServer`` hands to the lighthouse
+- a ``LighthouseGuard`` (``net/relay.py``: mutual HMAC handshake, then every chunk framed and MACed) holds a public
+  port in front of it, and that is the address the replica's ``ManagerServer`` hands to the lighthouse
   (``advertise_store``: torchft's ``Manager`` passes one address both to its own client and to its server, so the
   server's is swapped for the guard's while the Manager is built);
 - ``quorum_gloo``: torchft's reconfigurable gloo group whose ``configure`` reaches the store the quorum names
@@ -35,32 +35,15 @@ from contextlib import contextmanager
 from datetime import timedelta
 
 from dilocox.elastic.torchft import manager_module
+from dilocox.net.store import loopback_store
 
 _PATCH_LOCK = threading.Lock()  # advertise_store swaps a torchft module attribute while a Manager is built
-
-
-def loopback_store(timeout: timedelta | None = None, port: int = 0, **kwargs):
-    """A ``TCPStore`` master that listens on 127.0.0.1:``port`` (0: any) only (module docstring); ``.port`` is its
-    port. ``kwargs``: more ``TCPStore`` arguments (torchrun's stores: dilocox/launch/local_run.py)."""
-    from torch.distributed import TCPStore
-
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    kwargs.setdefault("wait_for_workers", False)
-    sock = socket.create_server(("127.0.0.1", port), backlog=128)
-    try:
-        store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(), **kwargs)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the listening socket now
-    return store
 
 
 def guarded_replica_store(host: str, secret: bytes, timeout: timedelta, port: int = 0, service: str = "store"):
     """(the store, its local address, its public address, the guard): a loopback store and a guard on ``host:port``
     (0: any); also the SWARM address book's (dilocox/swarm/services.py, ``service="swarm-store"``)."""
-    from dilocox.elastic.relay import LighthouseGuard
+    from dilocox.net.relay import LighthouseGuard
 
     store = loopback_store(timeout)
     local = ("127.0.0.1", store.port)
@@ -85,7 +68,7 @@ def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, ti
     guard, so it is reached directly from wherever ``host`` is reachable (docs/SECURITY.md)."""
     if secret is None or one_host:
         return replica_store(host, secret, timeout)
-    from dilocox.elastic.relay import LighthouseGuard
+    from dilocox.net.relay import LighthouseGuard
 
     store, local, _, _ = replica_store(host, None, timeout)
     guard = LighthouseGuard((host, 0), local, secret, "store")
@@ -131,7 +114,7 @@ class StoreRelays(dict):
         """``host:port/prefix`` of the quorum's store -> the address to dial (a relay's on 127.0.0.1)."""
         if self.secret is None:
             return store_addr
-        from dilocox.elastic.relay import LighthouseRelay
+        from dilocox.net.relay import LighthouseRelay
 
         addr, _, prefix = store_addr.partition("/")
         host, _, port = addr.rpartition(":")
@@ -230,7 +213,7 @@ class ManagerGuard:
     _relays: dict[tuple[str, int], object] = {}
 
     def __init__(self, host: str, secret: bytes, serve: bool) -> None:
-        from dilocox.elastic.relay import LighthouseGuard
+        from dilocox.net.relay import LighthouseGuard
 
         self.secret, self.guard, self.bind = secret, None, None
         port = int(os.environ.get("TORCHFT_MANAGER_PORT", 0))  # (torchft's own knob for the server's port)
@@ -258,7 +241,7 @@ class ManagerGuard:
 
     @classmethod
     def _install(cls, secret: bytes) -> None:
-        from dilocox.elastic.relay import LighthouseRelay
+        from dilocox.net.relay import LighthouseRelay
 
         tm = manager_module()
         with cls._clients_lock:

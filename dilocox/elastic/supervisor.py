@@ -129,7 +129,7 @@ class ElasticLaunch:
 
     def _start_lighthouse(self) -> None:
         """The lighthouse, and with ``standby`` a second one (the replicas' relays use it while the first refuses
-        connections: dilocox/elastic/relay.py); ``lighthouse_addr`` lists both, primary first."""
+        connections: dilocox/net/relay.py); ``lighthouse_addr`` lists both, primary first."""
         in_hub = self.cluster is not None
         self.lighthouse, addr = self._start_one_lighthouse(
             f"{HUB_ADDR}:{LIGHTHOUSE_PORT}" if in_hub else "127.0.0.1:0", "lighthouse"

@@ -9,7 +9,7 @@ reaches those ports can read and write the stores or speak to the pairs. Nothing
 host, so ``python -m dilocox.launch.local_run`` is torchrun with:
 
 - both store masters listening on 127.0.0.1 only: their listening sockets are bound here and handed to torch
-  (``master_listen_fd``, as ``dilocox.elastic.stores.loopback_store`` does), by patching the two places torchrun
+  (``master_listen_fd``, as ``dilocox.net.store.loopback_store`` does), by patching the two places torchrun
   creates them (``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
 - ``--local-addr 127.0.0.1``, so the ranks are told to meet at the shared store there;
 - ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the loopback interface (unless the user set them), so the
@@ -73,7 +73,7 @@ def patch_torchrun_stores() -> None:
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dyn
 
-    from dilocox.elastic.stores import loopback_store
+    from dilocox.net.store import loopback_store
 
     def rendezvous_store(host, port, *args, is_master=False, **kwargs):
         if not is_master:

@@ -308,8 +308,8 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
     load this peer's file of that step and move its records of later steps aside."""
     from datetime import timedelta
 
-    from dilocox.security import open_value, sign_value
-    from dilocox.swarm.transport import run_secret
+    from dilocox.net.rpc import run_secret
+    from dilocox.net.secure import open_value, sign_value
 
     key = lambda name: f"swarm/resume/{name}"  # noqa: E731
     names = [file_stem(j, i) for j, idx in enumerate(peer.members) for i in idx]

@@ -264,7 +264,7 @@ def store_main(argv: list[str]) -> int:
         )
     secret = None
     if a.secret_file:
-        from dilocox.security import SecretError, load_secret
+        from dilocox.net.secure import SecretError, load_secret
 
         try:
             secret = load_secret(a.secret_file)
@@ -309,9 +309,9 @@ def rebalance_main(argv: list[str]) -> int:
             raise SwarmUsageError(f"--lighthouse {it!r} must be STAGE=URL, e.g. 1=http://node0:29531")
         lighthouses[int(j)] = url
     cfg = load_config(a.config, a.overrides)
-    from dilocox.security import SecretError
+    from dilocox.net.rpc import use_secret
+    from dilocox.net.secure import SecretError
     from dilocox.swarm.common import rpc_security
-    from dilocox.swarm.transport import use_secret
 
     validate_swarm_layout(cfg)
     n = len(cfg.swarm.peers_per_stage)

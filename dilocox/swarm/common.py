@@ -61,8 +61,8 @@ def largest_hop_bytes(cfg) -> int:
 
 def rpc_security(cfg):
     """(secret or None, transport Limits, encrypt) of a SWARM peer: ``transport.use_secret(*rpc_security(cfg))``."""
-    from dilocox.security import secret_for
-    from dilocox.swarm.transport import Limits
+    from dilocox.net.rpc import Limits
+    from dilocox.net.secure import secret_for
 
     # connections a stage may legitimately hold at once: one per microbatch in flight from every upstream peer
     # (a forward waits downstream with its connection open), plus pings, markers and stats

@@ -17,11 +17,11 @@ import time
 import torch
 from torch import Tensor
 
-from dilocox.security import open_value
+from dilocox.net.rpc import PeerUnavailable, call, run_secret
+from dilocox.net.secure import open_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError, split_peer_name, store_key
 from dilocox.swarm.routing import NoLivePeer
-from dilocox.swarm.transport import PeerUnavailable, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.peer")
 

@@ -24,10 +24,10 @@ import logging
 import threading
 import time
 
-from dilocox.security import open_value
+from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.secure import open_value
 from dilocox.swarm.common import peer_name
 from dilocox.swarm.rebalance import PeerLoad
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.membership")
 

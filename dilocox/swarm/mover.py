@@ -32,11 +32,11 @@ import os
 import threading
 import time
 
-from dilocox.security import open_value, sign_value
+from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.secure import open_value, sign_value
 from dilocox.swarm.common import peer_name, split_peer_name, store_key
 from dilocox.swarm.membership import MEMBERS_KEY, peer_loads
 from dilocox.swarm.rebalance import plan_move
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.mover")
 

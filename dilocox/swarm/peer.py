@@ -74,8 +74,9 @@ from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.fsutil import atomic_path
 from dilocox.model import build_stage_model
+from dilocox.net.rpc import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
+from dilocox.net.secure import SecretError, open_value, sign_value
 from dilocox.optim import build_inner_optimizer
-from dilocox.security import SecretError, open_value, sign_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import checkpoint as peer_ckpt
 from dilocox.swarm import membership, peer_sync
@@ -86,7 +87,6 @@ from dilocox.swarm.membership import LoadMeter
 from dilocox.swarm.routing import NoLivePeer
 from dilocox.swarm.services import service_secret
 from dilocox.swarm.step_end import StepEnd
-from dilocox.swarm.transport import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 
 # (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, lr_at, make_router, ...`` keeps working)
 __all__ = ["DIGEST_ENV", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]

@@ -45,9 +45,9 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.security import open_value, sign_value
+from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.secure import open_value, sign_value
 from dilocox.swarm.common import SwarmError, lr_at
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call, run_secret
 
 log = logging.getLogger("dilocox.swarm.peer")
 

@@ -21,10 +21,10 @@ import torch
 
 from dilocox.config import Config, to_yaml, validate
 from dilocox.distributed.procs import kill_and_reap, spawn
-from dilocox.security import load_or_create_secret
+from dilocox.net.rpc import use_secret
+from dilocox.net.secure import load_or_create_secret
 from dilocox.swarm.common import SwarmError, peer_name, rpc_security
 from dilocox.swarm.services import service_secret, store_master
-from dilocox.swarm.transport import use_secret
 
 log = logging.getLogger("dilocox.swarm.runtime")
 

@@ -3,7 +3,7 @@ lighthouses.
 
 torch's ``TCPStore`` and torchft's lighthouse authenticate nobody: whoever reaches their port can delete or overwrite
 the store's entries or join a stage's quorum. With ``security.authenticate`` and ``security.guard_services`` (both on
-by default) the job's store and lighthouses listen on 127.0.0.1 only, a ``LighthouseGuard`` (dilocox/elastic/relay.py:
+by default) the job's store and lighthouses listen on 127.0.0.1 only, a ``LighthouseGuard`` (dilocox/net/relay.py:
 a mutual HMAC handshake, then every chunk framed and MACed) holds the public port, and every client (peer, mover,
 launcher) reaches them through a local ``LighthouseRelay`` that proves the secret. A stranger gets the guard's
 challenge and nothing else.
@@ -60,7 +60,7 @@ def store_client(host: str, port: int, secret: bytes | None, timeout: timedelta)
 
     if secret is None:
         return TCPStore(host, port, is_master=False, timeout=timeout)
-    from dilocox.elastic.relay import LighthouseRelay
+    from dilocox.net.relay import LighthouseRelay
 
     wait_s = max(1.0, min(5.0, timeout.total_seconds()))
     relay = LighthouseRelay([(host.strip("[]"), port)], secret=secret, connect_timeout_s=wait_s, service="swarm-store")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
+from dilocox.net.rpc import PeerUnavailable, RemoteError, call
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError
-from dilocox.swarm.transport import PeerUnavailable, RemoteError, call
 
 log = logging.getLogger("dilocox.swarm.peer")
 

@@ -1,4 +1,10 @@
-"""A standby lighthouse (issue 22 item 5): a local relay in front of an ordered list of lighthouses.
+"""TCP relays and guards that prove the run secret, and a standby lighthouse (issue 22 item 5).
+
+``LighthouseGuard`` holds a public port in front of a service on 127.0.0.1 and pipes a connection to it only after
+the handshake of ``secure.py``; ``LighthouseRelay`` listens on 127.0.0.1 and pipes to the first of an ordered list of
+endpoints that listens (with a secret: proving it to the guard there). They pipe the bytes of any TCP service
+(torchft's lighthouse and ``ManagerServer``, a ``TCPStore``, the SWARM address book) and import nothing of torchft.
+The standby lighthouse:
 
 torchft's ``Manager`` takes one lighthouse address, and its ``ManagerServer`` (Rust) keeps one gRPC channel to it.
 With ``outer.elastic.lighthouse: http://primary:29510,http://standby:29510`` each replica process starts a
@@ -28,7 +34,7 @@ import socket
 import threading
 import time
 
-from dilocox.security import (
+from dilocox.net.secure import (
     HANDSHAKE_S,
     MAC_BYTES,
     AcceptGate,
@@ -47,13 +53,13 @@ from dilocox.security import (
 AUTH_TIMEOUT_S = HANDSHAKE_S  # a guard's handshake with a connection ends within this (2 s)
 DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy)
 
-log = logging.getLogger("dilocox.elastic")
+log = logging.getLogger("dilocox.net.relay")
 
 
 class LighthouseRelay:
     """``address`` (``http://127.0.0.1:PORT``) relays to the first listening endpoint of ``endpoints``. With a
     ``secret`` (it proves the run's secret for whoever it relays) it serves only connections owned by this process's
-    user or root (Linux, ``security.same_user``: issue 42; another user of the host is closed at once)."""
+    user or root (Linux, ``secure.same_user``: issue 42; another user of the host is closed at once)."""
 
     def __init__(
         self,
@@ -225,7 +231,7 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
 
 class FramedPipe:
     """The bytes between a ``LighthouseRelay`` and a ``LighthouseGuard`` after their handshake: each chunk one frame
-    ``[4-byte length][chunk][HMAC-SHA256(session key, direction | sequence number | chunk)]`` (``security.Sealer``),
+    ``[4-byte length][chunk][HMAC-SHA256(session key, direction | sequence number | chunk)]`` (``secure.Sealer``),
     so a byte injected, changed, replayed or reordered on the path (a hijacked TCP connection) fails its MAC and
     ends the pair instead of reaching torchft. A length above ``MAX_FRAME`` is refused before anything is read.
     Authentication only: gRPC's bytes are not encrypted. One thread per direction (each has its own counter)."""
@@ -307,10 +313,10 @@ def unguarded(endpoints: list[tuple[str, int]], secret: bytes, service: str = "l
 class LighthouseGuard:
     """``dilocox lighthouse --secret-file F`` (issue 21): the public port in front of torchft's lighthouse, which
     then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
-    dilocox/security.py, within ``AUTH_TIMEOUT_S``) before it is piped to the lighthouse; a stranger is closed
+    dilocox/net/secure.py, within ``AUTH_TIMEOUT_S``) before it is piped to the lighthouse; a stranger is closed
     without a byte reaching torchft, so it cannot join a quorum (and so take part in the outer all-reduce). At most
     ``max_pending`` connections are in their handshake at once, at most 4 from one address that has not proven the
-    secret before (``security.AcceptGate``: a connection over its cap is closed at once, not queued, and addresses
+    secret before (``secure.AcceptGate``: a connection over its cap is closed at once, not queued, and addresses
     that proved the secret keep reserved slots); a failed one is logged once per source address and counted in
     ``rejected``. ``service`` names what is behind it in every handshake (lighthouse, store, manager, ...). The
     replicas' side is ``LighthouseRelay(..., secret=, service=)`` (``outer.elastic.lighthouse_auth``). Authentication

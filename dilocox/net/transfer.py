@@ -5,10 +5,10 @@ torchft's default ``HTTPTransport`` serves the live replica's state as a ``torch
 and the healing replica loads it with ``weights_only=False`` (torchft 0.2.0, torchft/checkpointing/http_transport.py,
 ``recv_checkpoint``: checked again for issue 42): whoever answers at the advertised address runs code in the replica
 that heals. dilocox never lets a replica use it: ``StateTransport`` takes its place (torchft's
-``CheckpointTransport`` interface, passed to every ``Manager`` dilocox builds, elastic/group.py), so no replica
-unpickles a peer's state:
+``CheckpointTransport`` interface, duck-typed: nothing here imports torchft; passed to every ``Manager`` dilocox
+builds, elastic/group.py), so no replica unpickles a peer's state:
 
-- the state travels over the SWARM tensor RPC (``dilocox.swarm.transport``): a JSON header and raw tensor
+- the state travels over the tensor RPC (``dilocox.net.rpc``): a JSON header and raw tensor
   bytes, the mutual HMAC challenge-response over the run secret and a MAC on every message when the run has a
   secret; a stranger is served nothing and cannot pose as the source;
 - its nested structure (dicts, lists, tuples, numbers, strings, booleans, None) is a JSON skeleton whose tensor
@@ -32,9 +32,9 @@ from datetime import timedelta
 
 from torch import Tensor
 
-from dilocox.swarm.transport import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer, call
+from dilocox.net.rpc import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer, call
 
-log = logging.getLogger("dilocox.elastic.transfer")
+log = logging.getLogger("dilocox.net.transfer")
 
 SERVICE = "state"  # the service name in every handshake of the state transfer (a SWARM RPC handshake is refused)
 SCHEME = "dxstate:"  # the metadata torchft passes between replicas: "dxstate:host:port"

@@ -1,4 +1,5 @@
-"""Tensor RPC over TCP for SWARM peers: one request, one reply, every wait bounded.
+"""Tensor RPC over TCP (the SWARM peers' calls, an elastic joiner's state transfer): one request, one reply, every
+wait bounded.
 
 Wire format of one message (request or reply), both directions the same::
 
@@ -9,16 +10,16 @@ a reply's method is ``"ok"``, ``"error"`` (then ``meta["error"]`` holds the serv
 ``"unavailable"`` (the handler raised ``NotServing``: the caller sees ``PeerUnavailable``).
 Tensors travel as their raw contiguous bytes (any dtype, bf16 included), so nothing is pickled.
 
-With a run secret (``use_secret``, from ``security.secret_file``; ``dilocox.security``) every connection
+With a run secret (``use_secret``, from ``security.secret_file``; ``dilocox.net.secure``) every connection
 first runs the mutual HMAC challenge-response, and every message is followed by a 32-byte HMAC tag of the
 connection's key, direction and sequence number: a stranger is served nothing, a changed or replayed
 message closes the connection. With ``security.encrypt`` (``use_secret(..., encrypt=True)``) each message is
-instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the same bytes (``security.Crypter``): the
+instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the same bytes (``secure.Crypter``): the
 same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
 ``max_connections`` authenticated connections (further ones wait in the listen backlog, unaccepted) and hands the
-handshake slots out through a ``security.AcceptGate`` (``max_unauthenticated`` in all, at most
+handshake slots out through a ``secure.AcceptGate`` (``max_unauthenticated`` in all, at most
 ``max_unauthenticated_per_address`` per source address that has not proven the secret before; a connection over its
 cap is closed at once, not queued), each handshake done within ``handshake_timeout_s``; it drops a connection
 idle for ``idle_timeout_s`` or slower than ``message_timeout_s`` per message, and a malformed message closes
@@ -48,7 +49,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dilocox.security import (
+from dilocox.net.secure import (
     HANDSHAKE_S,
     MAC_BYTES,
     AcceptGate,
@@ -61,7 +62,7 @@ from dilocox.security import (
     turn_away,
 )
 
-log = logging.getLogger("dilocox.swarm.transport")
+log = logging.getLogger("dilocox.net.rpc")
 
 _LEN = struct.Struct("!Q")
 MAX_HEADER = 1 << 16  # a header is a few hundred bytes of JSON; above 64 KiB it is not a dilocox message
@@ -80,7 +81,7 @@ class Limits:
     max_tensors: int = 64
     max_dims: int = 8
     max_connections: int = 64  # a server's authenticated connections; more wait in the listen backlog (not accepted)
-    max_unauthenticated: int = 32  # connections in their handshake (security.AcceptGate: + half as many reserved for
+    max_unauthenticated: int = 32  # connections in their handshake (secure.AcceptGate: + half as many reserved for
     max_unauthenticated_per_address: int = 4  # addresses that proved the secret before; at most this many per other
     # address: one over its cap is closed at once, not queued), each done within ...
     handshake_timeout_s: float = HANDSHAKE_S  # ... this: a silent stranger holds a slot for 2 s at most
@@ -97,7 +98,7 @@ class Limits:
         return max(1, self.max_message_bytes)  # no dimension of a tensor that fits can exceed its bytes
 
 
-SWARM_RPC = "swarm-rpc"  # the service name of a SWARM peer's RPC in every handshake (security.server_handshake)
+SWARM_RPC = "swarm-rpc"  # the service name of a SWARM peer's RPC in every handshake (secure.server_handshake)
 
 
 class ProtocolError(ConnectionError):

@@ -410,7 +410,7 @@ def peer_uid(conn: socket.socket) -> int | None:
 
 def same_user(conn: socket.socket) -> bool:
     """Whether the other end of a loopback connection belongs to this process's user (or root): what a loopback
-    service that acts with the run's secret (``elastic/relay.py::LighthouseRelay``) asks before it serves anyone
+    service that acts with the run's secret (``net/relay.py::LighthouseRelay``) asks before it serves anyone
     (issue 42: another user of the host does not get the run's powers). Where the owner cannot be told (not Linux)
     it answers True, as before; on Linux a peer it cannot find is refused."""
     if not sys.platform.startswith("linux") or not hasattr(os, "getuid"):
