@@ -33,7 +33,7 @@ class _Poisoned(QuorumGroup):
         super().__init__(elastic, norm_check)
         self.factor = factor
 
-    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None, propose=None, layout=None):
+    def _round(self, tensors, step, contribute, codec, propose, layout):
         if layout is not None:
             inner = layout
 
@@ -42,7 +42,7 @@ class _Poisoned(QuorumGroup):
                 return [t * self.factor for t in ts], cd
         else:
             tensors = [t * self.factor for t in tensors]
-        return super().allreduce_mean(tensors, step, contribute, codec, stats, propose, layout)
+        return super()._round(tensors, step, contribute, codec, propose, layout)
 
 
 def main() -> None:
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--hold-file", default=None, help="slow steps from --hold-at until it exists")
     ap.add_argument("--hold-at", type=int, default=16)
     ap.add_argument("--norm-check", type=float, default=0.0, help="outer.norm_check")
+    ap.add_argument("--outer-optimizer", default="sgd", help="outer.optimizer (sgd, muon)")
     ap.add_argument("--poison", default=None, help="send this factor (or nan) x the pseudo-gradient at every sync")
     a = ap.parse_args()
 
@@ -98,7 +99,7 @@ def main() -> None:
     group = ElasticOuterGroup(ecfg)
     model = make_model(a.seed)
     opt = make_inner_opt(model)
-    ocfg = OuterConfig(method="diloco", sync_every=a.H, overlap=a.overlap)
+    ocfg = OuterConfig(method="diloco", sync_every=a.H, overlap=a.overlap, optimizer=a.outer_optimizer)
     st = ocfg.streaming
     st.fragments, st.tau, st.alpha, st.pattern = a.fragments, a.tau, a.alpha, "strided"
     streaming = a.fragments > 1 or a.tau > 0

@@ -143,6 +143,29 @@ def test_kill9_mid_phase_then_rejoin_matches_oracle(tmp_path, overlap):
 
 
 @pytest.mark.fault
+@pytest.mark.slow  # ~30 s
+def test_muon_outer_state_heals_with_the_replica(tmp_path):
+    """outer.optimizer=muon across a kill and a live join: the heal carries Muon's own momentum with θ and v, so the
+    rejoined replica ends bit-equal to the survivors (a joiner that started Muon's momentum from zero would not:
+    tests/test_outer_optimizer.py shows it on one outer step). No oracle here: torch's Muon orthogonalizes in bf16,
+    so the fp32 rounding of torchft's sum (not the oracle's) moves the trajectory by far more than any tolerance."""
+    muon = ("--outer-optimizer", "muon")
+    procs, recs, _ = _run(tmp_path, "none", "phase", die_at=6, restart=True, sleep=0.4, compress=muon)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, _err(tmp_path, 0)
+    assert procs[3].returncode == 0, _err(tmp_path, 2)
+    members = _launched(recs[0], "none")
+    starts = [x for x in recs[2] if x["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["healed"], starts
+    t_join = starts[1]["step"] // H
+    assert members[t_join - 1] == [0, 1] and all(m == [0, 1, 2] for m in members[t_join:]), members
+    got = [_final(tmp_path, r) for r in range(3)]
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
+    sgd = run_reference(3, STEPS, SEED, H, members=members, fresh_inner={t_join: [2]})
+    assert any((sgd[0][k] - got[0][k]).abs().max() > 1e-3 for k in got[0])  # (Muon really ran)
+
+
+@pytest.mark.fault
 @pytest.mark.slow  # ~40-60 s
 def test_kill9_while_allreduce_in_flight_survivors_go_on(tmp_path):
     """Delayed overlap: replica 2 dies once the quorum of its sync at step 8 has formed (its peers' all-reduce with

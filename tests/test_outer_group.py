@@ -25,8 +25,9 @@ def _fixed_group_rank(rank: int, world: int) -> dict:
     g = FixedGroup(dist.group.WORLD, world)
     torch.manual_seed(100 + rank)
     ts = [torch.randn(3, 4), torch.randn(5)]
-    stats = CommStats()
-    plain = g.allreduce_mean(ts, step=0, stats=stats)
+    g.stats = stats = CommStats()  # (the group counts every call's bytes there: the plain mean's alone here)
+    plain = g.allreduce_mean(ts, step=0)
+    sent, g.stats = stats.bytes_sent, None
     cc = CompressConfig(quant="int8", group_size=4)
     codec = build_compressor(cc, [t.shape for t in ts], seed=3)
     twin = build_compressor(cc, [t.shape for t in ts], seed=3)  # the same codec called directly
@@ -40,9 +41,7 @@ def _fixed_group_rank(rank: int, world: int) -> dict:
     ref = cocktail_allreduce(flat, wire_of(dist.group.WORLD), err, ccfg, 2, None, 5, [t.numel() for t in ts])
     g.allreduce_mean(ts, step=3, propose=10 + rank)
     mx = g.agreed
-    return dict(
-        ts=ts, plain=plain, via=via, direct=direct, cocktail=cocktail, ref=ref, max=int(mx), sent=stats.bytes_sent
-    )
+    return dict(ts=ts, plain=plain, via=via, direct=direct, cocktail=cocktail, ref=ref, max=int(mx), sent=sent)
 
 
 def test_fixed_group_means_and_agrees_over_gloo_ranks():
@@ -69,7 +68,7 @@ def test_fixed_group_refuses_what_only_an_elastic_group_does():
     g.allreduce_mean(t, 1)
     assert g.agreed is None  # of the last call
     with pytest.raises(ValueError, match="no joiners"):
-        g.allreduce_mean(t, 0, contribute=False)
+        g.join(0, lambda: (t, None))
     with pytest.raises(ValueError, match="never heals"):
         g.set_state_fns(dict, print)
     with pytest.raises(ValueError, match="need a process group"):
@@ -200,10 +199,10 @@ class _RecordingGroup(FixedGroup):
     def set_state_fns(self, state_fn, load_fn, max_state_bytes=None) -> None:
         self.state_fn = state_fn
 
-    def allreduce_mean(self, tensors, step, contribute=True, codec=None, stats=None, propose=None):
+    def allreduce_mean(self, tensors, step, codec=None, propose=None):
         sd = self.state_fn()
         self.seen.append({"n": sd["n"], "outer_step": sd["outer_step"], "theta": sd["theta"].clone()})
-        return super().allreduce_mean(tensors, step, True, codec, stats, propose)
+        return super().allreduce_mean(tensors, step, codec, propose)
 
 
 @pytest.mark.parametrize("overlap", ["none", "delayed", "eager"])

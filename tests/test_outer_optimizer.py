@@ -130,6 +130,33 @@ def test_muon_outer_matches_torch_muon_and_resumes():
         )
 
 
+def test_a_live_join_carries_muons_state():
+    """What a live join's snapshot holds of the outer optimizer (``optimizer_extra(copy=False)``: the live tensors,
+    str keys for the heal's JSON skeleton), loaded with θ and v into a fresh shard, makes the next outer step equal
+    the source's; without it (Muon's momentum restarting from zero, what a heal of θ and v alone gave) it differs."""
+    named, frags = _named_shard()
+    src = _muon_state(named, frags)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        src.outer_step(0, torch.randn(src.bounds[0][1], generator=gen))
+    extra = src.optimizer_extra(copy=False)
+    assert extra is not None and all(isinstance(k, str) for k in extra["state"])
+    live = next(iter(next(iter(extra["state"].values())).values()))
+    assert any(live is v for st in src.optimizer.state.values() for v in st.values())  # not a copy
+    healed, theta_v_only = _muon_state(named, frags), _muon_state(named, frags)
+    for st in (healed, theta_v_only):
+        st.theta.copy_(src.theta)
+        st.momentum.copy_(src.momentum)
+    healed.load_optimizer_extra(extra)
+    g = torch.randn(src.bounds[0][1], generator=gen)
+    for st in (src, healed, theta_v_only):
+        st.outer_step(0, g.clone())
+    assert torch.equal(healed.theta, src.theta)
+    assert not torch.equal(theta_v_only.theta, src.theta)
+    healed.load_optimizer_extra(None)  # a heal from a source without any: nothing of the old trajectory is kept
+    assert healed.optimizer_extra() is None
+
+
 @pytest.mark.parametrize(
     "overrides,match",
     [

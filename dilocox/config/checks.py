@@ -319,8 +319,6 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         why = (
             f"parallel.tensor={p.tensor} (Muon orthogonalizes whole matrices; a TP shard is a slice of one)"
             if p.tensor > 1
-            else "outer.elastic.enabled (a joiner's heal carries θ and v, not Muon's state)"
-            if o.elastic.enabled
             else f"outer.lookahead={o.lookahead} (it predicts the step from the SGD momentum v)"
             if o.lookahead
             else f"outer.method={o.method!r} (only the DiLoCo family has an outer optimizer)"

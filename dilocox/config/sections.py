@@ -182,7 +182,8 @@ class OuterConfig:
     nesterov: bool = True
     optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
     # sgd (the papers' outer Nesterov: lr, momentum, nesterov above) | muon (torch.optim.Muon on the blocks' hidden
-    # matrices with lr and momentum above, sgd on the rest; TP = 1, not elastic, no look-ahead, no reshard yet)
+    # matrices with lr and momentum above, sgd on the rest; TP = 1, no look-ahead, no reshard yet; a live join heals
+    # its state too)
     overlap: str = "none"  # none | delayed | eager
     lookahead: float = 0.0  # overlap=delayed: each inner phase starts from θ − lookahead·lr·v, the step the
     # in-flight average will make as predicted by the outer momentum v (0 = off; 1 = the full prediction); the

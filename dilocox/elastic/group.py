@@ -106,7 +106,7 @@ class ElasticConfig:
     lighthouse_auth: the lighthouse(s) sit behind a ``LighthouseGuard``: connect through a relay that proves ``secret``.
     host: address this replica advertises and binds its store and its state server to (loopback by default).
     secret: the run secret (``security.secret_file``): a joiner's state transfer is authenticated both ways
-        (``elastic/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
+        (``net/transfer.py``); None: unauthenticated (still nothing unpickled, every length bounded).
     encrypt: the state transfer (and the authenticated collectives) are also encrypted (``security.encrypt``).
     collectives: the quorum's process group: ``gloo`` (torchft's), ``authenticated`` (``elastic/mesh.py``) or ``auto``
         (authenticated with ``lighthouse_auth``, else gloo).
@@ -232,7 +232,7 @@ class ElasticOuterGroup:
             cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
         )
         # a primary and its standbys (http://a:p,http://b:q): the Manager talks to a local relay that forwards to the
-        # first one that listens (dilocox/elastic/relay.py; docs/ELASTIC.md "A standby lighthouse")
+        # first one that listens (dilocox/net/relay.py; docs/ELASTIC.md "A standby lighthouse")
         endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
         auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
         if auth is not None:  # a replica that authenticates refuses a plain lighthouse, in one line (issue 42)

@@ -55,6 +55,7 @@ class QuorumGroup:
         self.contributors: list[int] = []  # of the last committed call (without the rejected ones)
         self.healed = False  # the last call healed this replica
         self.agreed: int | None = None  # the max of the last call's proposals
+        self.stats = None  # a CommStats every call's bytes are counted in (outer/group.py)
         self._trace = os.environ.get(TRACE_ENV)
 
     @property
@@ -70,17 +71,15 @@ class QuorumGroup:
     ) -> None:
         self.elastic.set_state_fns(state_fn, load_fn, max_state_bytes=max_state_bytes)
 
-    def allreduce_mean(
-        self,
-        tensors: list[Tensor],
-        step: int,
-        contribute: bool = True,
-        codec=None,
-        stats=None,
-        propose=None,
-        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
-    ) -> list[Tensor]:
-        el = self.elastic
+    def allreduce_mean(self, tensors: list[Tensor], step: int, codec=None, propose=None) -> list[Tensor]:
+        return self._round(tensors, step, True, codec, propose, None)
+
+    def join(self, step: int, layout: Callable[[], tuple[list[Tensor], object]]) -> list[Tensor]:
+        return self._round(None, step, False, None, None, layout)
+
+    def _round(self, tensors, step: int, contribute: bool, codec, propose, layout) -> list[Tensor]:
+        """One round of the quorum (module docstring); ``layout`` (a joiner) resolves the inputs after its heal."""
+        el, stats = self.elastic, self.stats
         mr, check = el.cfg.max_replicas, bool(self.norm_check)
         side = torch.zeros(2 * mr if check else mr)  # [proposals | norms (norm_check)]
         if propose is not None:

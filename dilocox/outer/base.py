@@ -65,6 +65,7 @@ class OuterBase:
         self._comm_total_before = 0.0  # comm-thread seconds of earlier runs (restored on resume)
         self._blocked_now = 0.0
         self.comm_stats = CommStats()
+        self.group.stats = self.comm_stats  # (the group counts every call's bytes there)
         # the thread starts on the first submit, so a constructor that raises later leaves none behind
         self.comm = AsyncComm(
             delay_s=comm_delay_s,

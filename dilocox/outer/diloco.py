@@ -171,7 +171,7 @@ class DiLoCoOuter(OuterBase):
         self.load_extra: Callable[[object], None] | None = None
         if self.group.heals:
             # a received state holds θ, the outer momentum and the owner's extra (a SWARM peer's AdamW: 2 x params):
-            # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (elastic/transfer.py)
+            # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (net/transfer.py)
             st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
             self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
 
@@ -179,22 +179,13 @@ class DiLoCoOuter(OuterBase):
         """``outer.optimizer`` over each parameter's θ (by global name: Muon's split needs them)."""
         return build_outer_optimizer(self.ocfg, [(self.names[i], t) for i, t in zip(order, thetas)], vs)
 
-    def _allreduce(
-        self, comp, tensors: list[Tensor], step: int, contribute: bool = True, propose: int | None = None, layout=None
-    ) -> list[Tensor]:
-        """Runs on the comm thread: the mean over the outer group with the compressor ``comp`` (group.py)."""
-        late = {"layout": layout} if layout is not None else {}  # (only a joiner's call of a group that heals)
-        return self.group.allreduce_mean(
-            tensors, step, contribute, codec=comp, stats=self.comm_stats, propose=propose, **late
-        )
-
     def _launch(self, p: int, delta: list[Tensor], n: int) -> None:
         """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce with the H
         proposal of the last outer step (``_agree_max``)."""
         if self.group.heals:
             self._snapshot(n, p)
         self._carried, self._proposal = self._proposal, None
-        self.pending[p] = self._submit(self._allreduce, self.compressors[p], delta, n, True, self._carried)
+        self.pending[p] = self._submit(self.group.allreduce_mean, delta, n, self.compressors[p], self._carried)
 
     def _dp_broadcast(self, frags) -> None:
         if self.dp_shard is not None:
@@ -347,6 +338,7 @@ class DiLoCoOuter(OuterBase):
             "schedule": self.schedule.state_dict(),
             "theta": self.state.theta,
             "momentum": self.state.momentum,
+            "optimizer": self.state.optimizer_extra(copy=False),  # the outer optimizer's state beyond v (Muon's)
             "overlap": self.overlap,
             "ranks": [rank_of(c) for c in self.compressors],  # the rank this launch is compressed at (adaptive)
             "controller": self.controller.state_dict() if self.controller is not None else None,
@@ -382,6 +374,7 @@ class DiLoCoOuter(OuterBase):
             )
         st.theta.copy_(sd["theta"].to(st.theta.device))
         st.momentum.copy_(sd["momentum"].to(st.momentum.device))
+        st.load_optimizer_extra(sd.get("optimizer"))
         self.outer_step = int(sd["outer_step"])
         self.H = int(sd["H"])
         self.schedule.load_state_dict(sd["schedule"])
@@ -432,7 +425,7 @@ class DiLoCoOuter(OuterBase):
             shapes = self.state.shapes(p)
             return [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in shapes], self.compressors[p]
 
-        h = self.comm.submit(self._allreduce, None, None, 0, False, None, layout)
+        h = self.comm.submit(self.group.join, 0, layout)
         res = self._wait(h)
         if not self._after_wait():
             return None

@@ -60,7 +60,7 @@ class GradientSync(OuterBase):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        h = self._submit(self.group.allreduce_mean, [g.float() for g in grads], step, True, self.codec, self.comm_stats)
+        h = self._submit(self.group.allreduce_mean, [g.float() for g in grads], step, self.codec)
         for g, a in zip(grads, self._wait(h)):
             g.copy_(a)
         self._counters["blocked_s"] = self._blocked_now

@@ -3,20 +3,21 @@
 ``DiLoCoOuter`` and ``GradientSync`` reach the other replicas through an ``OuterGroup`` only (issue 25), on their
 comm thread. The protocol:
 
-- ``allreduce_mean(tensors, step, contribute=True, codec=None, stats=None, propose=None) -> list[Tensor]``: the
-  mean of ``tensors`` over the replicas that contribute to this call (the inputs are not modified). ``codec``: the
-  compressor that carries it (a ``compress/codec.py`` ``Codec``: the group hands it the wire of its process group,
-  ``dilocox/distributed/wire.py``; it counts its bytes in ``stats``), None for the plain fp32 mean.
-  ``contribute=False``: take part and receive the mean without adding to it (a replica joining a live run).
-  ``propose``: a positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of
-  the values the contributors of this call proposed, the same on all of them.
-  ``layout``: a function returning ``(tensors, codec)`` that takes their place, called inside the call once this
-  replica's heal (if any) is done: a replica joining a streaming run learns there which fragment's round it joins.
+- ``allreduce_mean(tensors, step, codec=None, propose=None) -> list[Tensor]``: the mean of ``tensors`` over the
+  replicas that contribute to this call (the inputs are not modified). ``codec``: the compressor that carries it (a
+  ``compress/codec.py`` ``Codec``: the group hands it the wire of its process group, ``distributed/wire.py``), None
+  for the plain fp32 mean. ``step`` seeds the codec's shared draws (the same on every replica). ``propose``: a
+  positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of the values the
+  contributors of this call proposed, the same on all of them.
+- ``stats``: a ``CommStats`` the group counts every call's bytes in (the codec's or the plain mean's); None: none.
 - ``contributors``, ``agreed``: of the last call (read after waiting for it; ``agreed`` None when nothing was
   proposed).
-- ``heals``: whether a call may hand this replica a live replica's state. Then ``set_state_fns(state_fn, load_fn,
-  max_state_bytes)`` says what a live replica sends (``state_fn``) and how this one takes it (``load_fn``, called
-  on the comm thread inside the call; the owner applies it after its wait).
+- Membership (a group that ``heals``: replicas join a live run). ``set_state_fns(state_fn, load_fn,
+  max_state_bytes)`` registers the outer loop's snapshot and restore hooks: what a live replica sends
+  (``state_fn``) and how this one takes it (``load_fn``, called on the comm thread inside the call; the owner
+  applies it after its wait). ``join(step, layout)``: take part in the live replicas' current round without
+  contributing; ``layout()`` returns the ``(tensors, codec)`` of that round, called once this replica's heal (if
+  any) is done: a replica joining a streaming run learns there which fragment's round it joins.
 
 Implementations: ``FixedGroup`` (below: a ``torch.distributed`` process group, or None for a single replica) and
 ``dilocox.elastic.quorum.QuorumGroup`` (a torchft quorum of the replicas alive at each call: the replicas of
@@ -33,7 +34,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from dilocox.compress.collectives import wire_bytes
+from dilocox.compress.collectives import CommStats, wire_bytes
 from dilocox.distributed.wire import wire_of
 
 log = logging.getLogger("dilocox.outer")
@@ -73,17 +74,11 @@ class OuterGroup(Protocol):
     heals: bool
     contributors: list[int]
     agreed: int | None
+    stats: CommStats | None
 
-    def allreduce_mean(
-        self,
-        tensors: list[Tensor],
-        step: int,
-        contribute: bool = True,
-        codec=None,
-        stats=None,
-        propose=None,
-        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
-    ) -> list[Tensor]: ...
+    def allreduce_mean(self, tensors: list[Tensor], step: int, codec=None, propose=None) -> list[Tensor]: ...
+
+    def join(self, step: int, layout: Callable[[], tuple[list[Tensor], object]]) -> list[Tensor]: ...
 
     def set_state_fns(
         self, state_fn: Callable[[], dict], load_fn: Callable[[dict], None], max_state_bytes: int | None = None
@@ -114,6 +109,7 @@ class FixedGroup:
         self.rejected: list[int] = []  # of the last call (norm_check)
         self.norms: list[float] = []  # every member's norm at the last call (norm_check)
         self.agreed: int | None = None
+        self.stats: CommStats | None = None
 
     @classmethod
     def of(cls, topo, norm_check: float = 0.0) -> FixedGroup:
@@ -122,20 +118,7 @@ class FixedGroup:
             return cls(None)
         return cls(topo.group("outer"), len(topo.ranks["outer"]), norm_check)
 
-    def allreduce_mean(
-        self,
-        tensors: list[Tensor],
-        step: int,
-        contribute: bool = True,
-        codec=None,
-        stats=None,
-        propose=None,
-        layout: Callable[[], tuple[list[Tensor], object]] | None = None,
-    ) -> list[Tensor]:
-        if layout is not None:  # (no heal here: the layout is known now)
-            tensors, codec = layout()
-        if not contribute:
-            raise ValueError("a fixed outer group has no joiners: every replica contributes to every all-reduce")
+    def allreduce_mean(self, tensors: list[Tensor], step: int, codec=None, propose=None) -> list[Tensor]:
         self.agreed = None
         if propose is not None:  # a tiny MAX before the mean (latency only: it is not waited for on the main thread)
             dev = tensors[0].device if tensors else torch.device("cpu")  # (NCCL groups take device tensors only)
@@ -146,9 +129,9 @@ class FixedGroup:
         if self.norm_check and self.pg is not None:
             tensors, scale = self._check_norms(tensors, step)
         if codec is not None:
-            out = codec.allreduce_mean(tensors, self.wire, step, stats)
+            out = codec.allreduce_mean(tensors, self.wire, step, self.stats)
         else:
-            out = self._plain_mean(tensors, stats)
+            out = self._plain_mean(tensors, self.stats)
         return out if scale == 1.0 else [o.mul_(scale) for o in out]
 
     def _plain_mean(self, tensors: list[Tensor], stats) -> list[Tensor]:
@@ -184,3 +167,6 @@ class FixedGroup:
 
     def set_state_fns(self, state_fn, load_fn, max_state_bytes: int | None = None) -> None:
         raise ValueError("a fixed outer group never heals a replica (use an elastic group: outer.elastic)")
+
+    def join(self, step: int, layout) -> list[Tensor]:
+        raise ValueError("a fixed outer group has no joiners: every replica contributes to every all-reduce")

@@ -157,7 +157,7 @@ class OuterState:
     def state_dict(self) -> dict:
         """θ and v (flat), and the optimizer's own state where it keeps any beyond v (``outer.optimizer=muon``)."""
         sd = {"theta": self.theta.detach().cpu().clone(), "momentum": self.momentum.detach().cpu().clone()}
-        extra = self._optimizer_extra()
+        extra = self.optimizer_extra()
         if extra is not None:
             sd["optimizer"] = extra
         return sd
@@ -165,17 +165,23 @@ class OuterState:
     def _is_flat_momentum(self, t) -> bool:
         return torch.is_tensor(t) and t.untyped_storage().data_ptr() == self.momentum.untyped_storage().data_ptr()
 
-    def _optimizer_extra(self) -> dict | None:
-        """The optimizer's per-parameter state beyond the views of ``momentum`` (Muon's own momentum), by position in
-        the optimizer's parameter order, on the host; None when there is none (``OuterSGD``)."""
+    def optimizer_extra(self, copy: bool = True) -> dict | None:
+        """The optimizer's per-parameter state beyond the views of ``momentum`` (Muon's own momentum), by position
+        (a str) in the optimizer's parameter order; None when there is none (``OuterSGD``). ``copy``: host copies (a
+        checkpoint); False: the live tensors (a live join's snapshot: they change only in ``outer_step``, on the main
+        thread, after the all-reduce that may serve them was waited for, as θ and v)."""
         if self.optimizer is None:
             return None
         state = {}
         for k, i in enumerate(self._order):
             st = self.optimizer.state.get(self._views[i], {})
-            rest = {n: v.detach().cpu().clone() for n, v in st.items() if not self._is_flat_momentum(v)}
+            rest = {
+                n: (v.detach().cpu().clone() if copy else v) if torch.is_tensor(v) else v
+                for n, v in st.items()
+                if not self._is_flat_momentum(v)
+            }
             if rest:
-                state[k] = rest
+                state[str(k)] = rest
         return {"state": state} if state else None
 
     def load_state_dict(self, sd: dict) -> None:
@@ -187,14 +193,24 @@ class OuterState:
                     f"{self.numel}: the checkpoint was written for a different model or parallel layout"
                 )
             getattr(self, key).copy_(t)
-        extra = sd.get("optimizer")
-        if extra is not None:  # the optimizer's own state (v's views were restored with ``momentum`` above)
-            if self.optimizer is None or max(map(int, extra["state"]), default=-1) >= len(self._order):
-                raise ValueError(
-                    "the checkpoint's outer optimizer state does not fit this shard's parameters: it was written "
-                    "for a different outer.optimizer, model or parallel layout"
-                )
-            for k, st in extra["state"].items():
-                t = self._views[self._order[int(k)]]
-                for n, v in st.items():
-                    self.optimizer.state[t][n] = v.to(t.device) if torch.is_tensor(v) else v
+        self.load_optimizer_extra(sd.get("optimizer"))
+
+    def load_optimizer_extra(self, extra: dict | None) -> None:
+        """Restore what ``optimizer_extra`` returned (None: nothing beyond v; the optimizer's own state is cleared, so
+        a live join does not keep a state of the trajectory it left)."""
+        if extra is None:
+            if self.optimizer is not None:
+                for i in self._order:
+                    st = self.optimizer.state.get(self._views[i], {})
+                    for n in [n for n, v in st.items() if not self._is_flat_momentum(v)]:
+                        del st[n]
+            return
+        if self.optimizer is None or max(map(int, extra["state"]), default=-1) >= len(self._order):
+            raise ValueError(
+                "the checkpoint's outer optimizer state does not fit this shard's parameters: it was written "
+                "for a different outer.optimizer, model or parallel layout"
+            )
+        for k, st in extra["state"].items():
+            t = self._views[self._order[int(k)]]
+            for n, v in st.items():
+                self.optimizer.state[t][n] = v.to(t.device, copy=True) if torch.is_tensor(v) else v  # (never shared)
