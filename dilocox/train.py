@@ -155,6 +155,8 @@ class Trainer(TrainerState):
             comm_bandwidth=emulated_bandwidth_bytes(),
             group=self.elastic,
         )
+        if cfg.outer.lr_schedule == "inner" and self.outer is not None:  # the outer lr follows the inner schedule
+            self.outer.lr_factor = lambda step: lr_at(step, cfg) / cfg.optim.lr
         if self.outer is not None:  # every wait on the outer all-reduce: warned about, then bounded
             self.outer.bound_waits(
                 cfg.outer.timeout_s,

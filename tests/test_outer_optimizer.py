@@ -173,3 +173,50 @@ def test_outer_optimizer_config_is_checked(overrides, match):
     with pytest.raises(ConfigError, match="outer.optimizer") as e:
         load_config("configs/tiny-dilocox.yaml", overrides)
     assert match in str(e.value)
+
+
+def _single_replica(steps: int, lr_factor=None, **outer) -> dict:
+    """One replica of the oracle's TinyNet under DiLoCoOuter (H = 4, overlap none) with ``lr_factor``."""
+    from dilocox.config import CompressConfig, OuterConfig
+    from dilocox.outer import build_outer
+    from tests.reference_diloco import forward_backward, layer_of, make_inner_opt, make_model
+
+    model = make_model(7)
+    opt = make_inner_opt(model)
+    ocfg = OuterConfig(method="diloco", sync_every=4, overlap="none", **outer)
+    loop = build_outer(list(model.named_parameters()), None, ocfg, CompressConfig(), 7, layer_of=layer_of)
+    loop.lr_factor = lr_factor
+    for step in range(steps):
+        forward_backward(model, 7, 0, step)
+        opt.step()
+        opt.zero_grad()
+        loop.after_inner_step(step)
+    loop.finish()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_outer_lr_schedule_scales_every_outer_step_by_the_factor_of_its_step():
+    """outer.lr_schedule=inner: the outer step after inner step s is taken at lr x factor(s). A constant factor equals
+    the oracle at that lr; a factor that drops to 0 after step 7 leaves θ where the sync at step 8 put it."""
+    from tests.reference_diloco import run_reference
+
+    half = _single_replica(12, lambda s: 0.5)
+    ref = run_reference(1, 12, 7, 4, lr=0.35)
+    assert all(torch.equal(half[n], ref[0][n]) for n in half)
+    cut = _single_replica(12, lambda s: 1.0 if s < 8 else 0.0)
+    at8 = run_reference(1, 8, 7, 4)
+    assert all(torch.equal(cut[n], at8[0][n]) for n in cut)
+    assert not all(torch.equal(cut[n], v) for n, v in _single_replica(12).items())
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["--outer.lr_schedule=cosine"], "must be constant or inner"),
+        (["--outer.lr_schedule=inner", "--outer.method=allreduce"], "outer.method='allreduce'"),
+    ],
+)
+def test_outer_lr_schedule_config_is_checked(overrides, match):
+    with pytest.raises(ConfigError, match="outer.lr_schedule") as e:
+        load_config("configs/tiny-dilocox.yaml", overrides)
+    assert match in str(e.value)

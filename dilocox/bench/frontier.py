@@ -64,6 +64,17 @@ POINTS = [
     ("muloco H=20 1/64 2-bit (Muon inner)", "muloco", "muloco", ["--outer.sync_every=20"]),
     ("diloco H=20, Muon inner", "muloco", "diloco", ["--outer.sync_every=20", "--optim.name=muon"]),
 ]  # fmt: skip
+# issue 41's levers on the `dilocox` preset (and the uncompressed streaming baseline), run by label with --points
+# (not in the default sweep): each changes one thing of the preset
+LEVERS = [
+    ("streaming H=20 K=2 fp32", "streaming", "streaming", ["--outer.sync_every=20", "--compress.quant=none"]),
+    ("dilocox outer lr follows inner", "dilocox", "dilocox", ["--outer.lr_schedule=inner"]),
+    ("dilocox Muon outer", "dilocox", "dilocox", ["--outer.optimizer=muon"]),
+    ("dilocox EF decay 0.9", "dilocox", "dilocox", ["--compress.sparse.ef_decay=0.9"]),
+    ("dilocox tau=0", "dilocox", "dilocox", ["--outer.streaming.tau=0"]),
+    ("dilocox 1/64 (2x bytes)", "dilocox", "dilocox", ["--compress.sparse.density=0.015625"]),
+    ("dilocox outer momentum 0.9", "dilocox", "dilocox", ["--outer.momentum=0.9"]),
+]  # fmt: skip
 QUICK = [
     "allreduce",
     "diloco H=20",
@@ -220,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default=None, help="comma list (default 0,1; --quick: 0)")
     ap.add_argument("--corpora", default="code,prose")
-    ap.add_argument("--points", default=None, help="comma list of point labels (default: all, --quick: QUICK)")
+    ap.add_argument(
+        "--points", default=None, help="comma list of point labels (default: all but LEVERS, --quick: QUICK)"
+    )
     ap.add_argument("--long-steps", type=int, default=0, help="re-run the first seed's front points at N steps")
     ap.add_argument("--out", default=os.path.join("docs", "bench", "frontier"))
     ap.add_argument("--render", action="store_true", help="only re-draw the plot and table from OUT/results.json")
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--corpora: unknown {bad}; choose from {sorted(CORPORA)}")
         seeds = [int(x) for x in (a.seeds or ("0" if a.quick else "0,1")).split(",")]
         wanted = a.points.split(",") if a.points else (QUICK if a.quick else [p[0] for p in POINTS])
-        points = [p for p in POINTS if p[0] in wanted]
+        points = [p for p in POINTS + LEVERS if p[0] in wanted]
         if len(points) != len(wanted):
             ap.error(f"--points: unknown {sorted(set(wanted) - {p[0] for p in points})}")
         t0 = time.time()

@@ -313,6 +313,13 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         )
     if o.lookahead > 0 and o.elastic.enabled:
         _fail("outer.lookahead", o.lookahead, "is not supported with outer.elastic.enabled yet; set outer.lookahead=0")
+    if o.lr_schedule not in ("constant", "inner"):
+        _fail("outer.lr_schedule", o.lr_schedule, "must be constant or inner")
+    if o.lr_schedule == "inner" and (o.method not in ("diloco", "none") or o.lookahead):
+        why = (
+            "outer.lookahead (it predicts the step at the constant lr)" if o.lookahead else f"outer.method={o.method!r}"
+        )
+        _fail("outer.lr_schedule", o.lr_schedule, f"needs the DiLoCo family's outer optimizer, not {why}")
     if o.optimizer not in ("sgd", "muon"):
         _fail("outer.optimizer", o.optimizer, "must be one of ['sgd', 'muon']")
     if o.optimizer != "sgd":

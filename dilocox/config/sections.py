@@ -185,6 +185,8 @@ class OuterConfig:
     # matrices with lr and momentum above, sgd on the rest; TP = 1, no look-ahead, no reshard yet; a live join heals
     # its state too)
     overlap: str = "none"  # none | delayed | eager
+    lr_schedule: str = "constant"  # constant | inner: the outer lr (every group of outer.optimizer) times the inner
+    # schedule's lr_at(step) / optim.lr at each outer step: warm-up and decay follow the inner ones (issue 41's lever)
     lookahead: float = 0.0  # overlap=delayed: each inner phase starts from θ − lookahead·lr·v, the step the
     # in-flight average will make as predicted by the outer momentum v (0 = off; 1 = the full prediction); the
     # pseudo-gradient is taken from that start, so only the start point moves (outer/diloco.py docstring)

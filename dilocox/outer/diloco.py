@@ -167,6 +167,8 @@ class DiLoCoOuter(OuterBase):
         # the owner's part of the snapshot (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called with every
         # snapshot (main thread, right before the launch: return copies of what the main thread changes while that
         # all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
+        # outer.lr_schedule=inner: the trainer sets it to step -> lr_at(step) / optim.lr (None: the constant outer lr)
+        self.lr_factor: Callable[[int], float] | None = None
         self.snapshot_extra: Callable[[], object] | None = None
         self.load_extra: Callable[[object], None] | None = None
         if self.group.heals:
@@ -200,6 +202,8 @@ class DiLoCoOuter(OuterBase):
             self._step_times.append(now - self._t_end)  # the inner step itself, outer work excluded
         n = step + 1
         self._blocked_now = 0.0
+        if self.lr_factor is not None:  # outer.lr_schedule=inner: the outer steps of this step at the inner lr's ratio
+            self.state.set_lr_factor(self.lr_factor(step))
         syncing = self.schedule.syncs_at(n)
         self.crossed_replicas = bool(syncing or self.schedule.launches_at(n))
         if self.overlap == "none":

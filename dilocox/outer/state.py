@@ -116,6 +116,15 @@ class OuterState:
         """Concatenate per-parameter tensors of one fragment into one flat fp32 state-device tensor."""
         return torch.cat([t.reshape(-1).float() for t in tensors]).to(self.device)
 
+    def set_lr_factor(self, factor: float) -> None:
+        """Every group of the outer optimizer at ``factor`` x its configured lr (``outer.lr_schedule=inner``)."""
+        if self.optimizer is None:
+            return
+        if not hasattr(self, "_base_lrs"):
+            self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g, base in zip(self.optimizer.param_groups, self._base_lrs):
+            g["lr"] = base * factor
+
     @torch.no_grad()
     def outer_step(self, p: int, grad: Tensor) -> None:
         """θ_p ← the outer optimizer's step on fragment ``p`` with ``grad`` (flat fp32 on the state device, laid out as
