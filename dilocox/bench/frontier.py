@@ -27,7 +27,7 @@ import time
 from dilocox.bench.methods import run as run_methods
 from dilocox.bench.runner import machine_line, write_results
 
-CORPORA = {"code": "--data.source=stdlib", "prose": "--data.source=prose"}
+CORPORA = {"code": "--data.source=stdlib", "prose": "--data.source=prose", "docs": "--data.source=docs"}
 
 # (label, family, preset, overrides): the knobs that set the bytes of each family
 POINTS = [

@@ -45,7 +45,7 @@ _CHOICES = {
     "model.attn_backend": ("sdpa", "flash_attn", "te"),
     "model.linear_backend": ("torch", "fp8"),
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
-    "data.source": ("stdlib", "prose", "text", "memmap", "hf"),
+    "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
     "optim.schedule": ("cosine", "constant", "linear"),
     "optim.name": ("adamw", "muon", "sgd"),

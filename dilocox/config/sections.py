@@ -101,7 +101,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib (Python's stdlib sources) | prose (pydoc_data.topics) | text | memmap | hf
+    source: str = "stdlib"  # stdlib (Python's stdlib sources) | prose (pydoc_data.topics) | docs (prose + the stdlib's
+    # docstrings, 4.6x prose: long runs) | text | memmap | hf
     path: str | None = None  # text: file/dir/glob; memmap: prepared dir; hf: a hub dataset name, local data files
     # (text/json/jsonl/parquet/csv), a dataset directory written by save_to_disk, or a local copy of a hub dataset
     # (the last two load offline)

@@ -442,7 +442,7 @@ PREPARE_HELP = """usage: dilocox data prepare [CONFIG] [--out DIR] [--section.ke
 
 Tokenize the config's corpus once into train.bin / val.bin / meta.json (cached; a run with the
 same data keys reuses it). Only the data section is used:
-  --data.source=stdlib|prose|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
+  --data.source=stdlib|prose|docs|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
   --data.bpe_vocab_size=N  --data.max_bytes=N (opt-in cap; default: all)  --data.val_fraction=F
   --data.hf_config=NAME  --data.hf_split=SPLIT  --data.hf_text_field=FIELD  --data.cache_dir=DIR
   --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key>
