@@ -23,7 +23,8 @@ number of replicas R must be the same):
   like the model's, and the tensors are re-sliced and re-flattened in the new layout's
   fragment / data-rank order. The same holds for the stored result of an in-flight
   all-reduce (``pending``; a checkpoint stores the finished result), eager's own previous
-  pseudo-gradient, and the compressors' error-feedback buffers (per tensor). Carried over
+  pseudo-gradient, the compressors' error-feedback buffers (per tensor) and the outer optimizer's own state
+  (``outer.optimizer=muon``: Muon's momentum per matrix; TP = 1 on both layouts). Carried over
   as they are: H, the outer step count, the sync schedule (next sync step per fragment), the
   low-rank rank (per fragment: the largest rank among the saved ranks whose tensors land in
   it), and the comm counters / byte stats (stats only: those of the first saved rank read).
@@ -257,14 +258,13 @@ def _saved_outer_order(
 
 
 def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
-    """One saved rank's outer entry cut into per-name tensors (its local TP slices)."""
-    if o["state"].get("optimizer") is not None:
-        raise ckpt.CheckpointError(
-            f"outer state of {where} holds an outer optimizer's own state (outer.optimizer other than sgd), which "
-            "resharding does not carry yet; resume it on its own layout"
-        )
+    """One saved rank's outer entry cut into per-name tensors (its local TP slices); ``optimizer``: the outer
+    optimizer's own state per name (Muon's momentum; keyed by position in the fragments' order when saved)."""
     theta, mom = o["state"]["theta"], o["state"]["momentum"]
-    out: dict = {k: {} for k in ("theta", "momentum", "pending", "own_prev", "errors", "frag", "rank", "dim")}
+    extra = (o["state"].get("optimizer") or {}).get("state") or {}
+    extra = {int(k): v for k, v in extra.items()}
+    kinds = ("theta", "momentum", "pending", "own_prev", "errors", "frag", "rank", "dim", "optimizer")
+    out: dict = {k: {} for k in kinds}
     need = sum(named[i][1].numel() for frag in frags for i in frag)
     if need != theta.numel():
         raise ckpt.CheckpointError(
@@ -289,6 +289,8 @@ def _outer_by_name(o: dict, named: list, frags: list, where: str) -> dict:
                 out["own_prev"][name] = o["own_prev"][f][pos - start : pos - start + n].view(shape)
             if errs:
                 out["errors"][name] = errs[str(k)]
+            if extra.get(len(out["theta"]) - 1):
+                out["optimizer"][name] = extra[len(out["theta"]) - 1]
             pos += n
     return out
 
@@ -385,6 +387,18 @@ def _relayout_outer(full: dict, step_dir: str, layout_str: str, P: int, T: int, 
     theta = torch.zeros(st.numel, dtype=torch.float32)
     mom = torch.zeros(st.numel, dtype=torch.float32)
     pending, own_prev, comps = [], [], []
+    extra = {}  # the outer optimizer's own state by position in this layout's fragment order (TP = 1: whole tensors)
+    for g, i in enumerate(i for frag in st.fragments for i in frag):
+        saved = full.get("optimizer", {}).get(outer.names[i])
+        if saved:
+            got = {n: v.detach().clone() if torch.is_tensor(v) else v for n, v in saved[0].items()}
+            bad = [n for n, v in got.items() if torch.is_tensor(v) and v.shape != outer.params[i].shape]
+            if T != 1 or bad:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {step_dir}: the outer optimizer's state of {outer.names[i]} does not fit this "
+                    "layout (outer.optimizer=muon needs parallel.tensor=1 on both layouts)"
+                )
+            extra[str(g)] = got
     for f, frag in enumerate(st.fragments):
         for i in frag:
             _check_fragment_of(full, step_dir, layout_str, P, outer.names[i], f)
@@ -407,7 +421,7 @@ def _relayout_outer(full: dict, step_dir: str, layout_str: str, P: int, T: int, 
                 "errors": {str(k): e for k, e in enumerate(errs)} if frag and all(e is not None for e in errs) else {},
             }
         )
-    return theta, mom, pending, own_prev, comps
+    return theta, mom, pending, own_prev, comps, ({"state": extra} if extra else None)
 
 
 def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Module, outer, stages: list[int]) -> dict:
@@ -420,7 +434,7 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
     saved_cfg = (meta.get("config") or {}).get("outer") or {}
     pattern = (saved_cfg.get("streaming") or {}).get("pattern", cfg.outer.streaming.pattern)
     ref, full = _gather_saved_outer(step_dir, cfg, topo, stages, layout, pattern)
-    theta, mom, pending, own_prev, comps = _relayout_outer(full, step_dir, meta["layout"], P, T, model, outer)
+    theta, mom, pending, own_prev, comps, extra = _relayout_outer(full, step_dir, meta["layout"], P, T, model, outer)
     return {
         "version": ref.get("version", 1),
         "method": ref["method"],
@@ -429,7 +443,7 @@ def resharded_outer_state(step_dir: str, cfg: Config, topo, model: torch.nn.Modu
         "overlap": ref["overlap"],
         "fragments": ref["fragments"],
         "dp_sharded": outer.dp_shard is not None,
-        "state": {"theta": theta, "momentum": mom},
+        "state": {"theta": theta, "momentum": mom, **({"optimizer": extra} if extra else {})},
         "pending": pending,
         "pending_comm_s": list(ref.get("pending_comm_s", [0.0] * len(pending))),
         "own_prev": own_prev,

@@ -189,6 +189,15 @@ def test_diloco_delayed_tp2_checkpoint_resumes_on_one_rank(tmp_path):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_muon_outer_checkpoint_resumes_on_another_layout(tmp_path):
+    """outer.optimizer=muon saved as PP=2 and resumed on one rank: Muon's momentum is resharded by parameter name
+    with θ and v (it used to be refused), and the resumed losses equal the uninterrupted run's."""
+    extra = DILOCO + ["--outer.overlap=none", "--outer.optimizer=muon"]
+    full, out, step_dir = _diloco_case(tmp_path, "pp2", "one", extra)
+    saved = [ckpt.load_checkpoint(step_dir, r)["outer"]["state"]["optimizer"]["state"] for r in range(2)]
+    assert all(saved), "each stage saved Muon's momentum"
+
+
 def _saved_tp2_by_name(tmp_path, step_dir):
     """The outer entries of a 1-replica TP=2 checkpoint's two ranks, per parameter name."""
     from dilocox.reshard import _outer_by_name, _saved_outer_order

@@ -183,8 +183,8 @@ class OuterConfig:
     nesterov: bool = True
     optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
     # sgd (the papers' outer Nesterov: lr, momentum, nesterov above) | muon (torch.optim.Muon on the blocks' hidden
-    # matrices with lr and momentum above, sgd on the rest; TP = 1, no look-ahead, no reshard yet; a live join heals
-    # its state too)
+    # matrices with lr and momentum above, sgd on the rest; TP = 1, no look-ahead; a live join and a resume on
+    # another layout carry its state)
     overlap: str = "none"  # none | delayed | eager
     lr_schedule: str = "constant"  # constant | inner: the outer lr (every group of outer.optimizer) times the inner
     # schedule's lr_at(step) / optim.lr at each outer step: warm-up and decay follow the inner ones (issue 41's lever)
