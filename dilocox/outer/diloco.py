@@ -167,8 +167,7 @@ class DiLoCoOuter(OuterBase):
         # the owner's part of the snapshot (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called with every
         # snapshot (main thread, right before the launch: return copies of what the main thread changes while that
         # all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
-        # outer.lr_schedule=inner: the trainer sets it to step -> lr_at(step) / optim.lr (None: the constant outer lr)
-        self.lr_factor: Callable[[int], float] | None = None
+        self.lr_factor: Callable[[int], float] | None = None  # outer.lr_schedule=inner (set by the trainer)
         self.snapshot_extra: Callable[[], object] | None = None
         self.load_extra: Callable[[object], None] | None = None
         if self.group.heals:
