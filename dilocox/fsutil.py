@@ -33,14 +33,24 @@ def atomic_path(path: str, sync: bool = True) -> Iterator[str]:
         yield tmp
         if sync:
             _fsync(tmp, os.O_RDONLY)
-        os.replace(tmp, path)
-        _fsync(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # the rename itself, durable
+        replace_durably(tmp, path)  # (the rename itself, durable)
     except BaseException:
         try:
             os.remove(tmp)
         except OSError:
             pass
         raise
+
+
+def sync_dir(path: str) -> None:
+    """fsync the directory ``path``: the renames, creations and removals of its entries survive a power loss."""
+    _fsync(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def replace_durably(src: str, dst: str) -> None:
+    """``os.replace(src, dst)`` (atomic: ``dst`` is the old file or ``src``'s, never neither), made durable."""
+    os.replace(src, dst)
+    sync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
 def _fsync(path: str, flags: int) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -36,11 +37,12 @@ from typing import Any
 import yaml
 
 from dilocox.config import Config, ConfigError
-from dilocox.fsutil import atomic_write_text
+from dilocox.fsutil import atomic_path, atomic_write_text, replace_durably, sync_dir
 
 LOCK_NAME = "run.lock"
 METRICS_NAME = "metrics.jsonl"
 DISCARDED_NAME = "metrics.discarded.jsonl"
+SET_ASIDE_PREFIX = ".metrics.set-aside."  # + token + ".jsonl": the records of a set-aside in progress
 
 # Keys a resume may change (with a warning): they set how long / how fast / what is logged,
 # not what a given step computes, or a layout that the resume reshards exactly (dilocox.reshard).
@@ -298,6 +300,7 @@ def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:
     Raises RunDirError (one line naming ``--checkpoint.resume=none`` and a new ``--log.run_dir``) when the earlier
     run had checkpoints that are not in ``ckpt_dir`` (moved, deleted), finished, or trained another config: a silent
     start at step 0 would append the same steps again to its ``metrics.jsonl``."""
+    finish_set_aside(run_dir)  # (records whose set-aside a crash cut short: they were judged already)
     info = earlier_records(run_dir)
     if info is None:
         return None
@@ -329,20 +332,70 @@ def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:
 
 
 def set_aside_metrics(run_dir: str) -> int:
-    """Move every record of ``metrics.jsonl`` to ``metrics.discarded.jsonl`` (a fresh start); return how many."""
+    """Move every record of ``metrics.jsonl`` to ``metrics.discarded.jsonl`` (a fresh start); return how many.
+
+    No record is lost or ends in both files, wherever the process dies: ``metrics.jsonl`` is first renamed to
+    ``.metrics.set-aside.<token>.jsonl`` (atomic: its records are then in that file only), the discarded file is then
+    replaced whole (``fsutil.atomic_path``) by itself + a marker line naming the token + those records, and only then
+    is the set-aside file removed (and an empty ``metrics.jsonl`` written). A set-aside that a crash cut short is
+    finished by the next call, ``check_fresh_start`` or ``truncate_metrics`` (``finish_set_aside``): the marker says
+    whether its records are in the discarded file already."""
+    n = finish_set_aside(run_dir)
     path = os.path.join(run_dir, METRICS_NAME)
     if not os.path.exists(path):
-        return 0
-    with open(path) as f:
-        lines = [ln if ln.endswith("\n") else ln + "\n" for ln in f if ln.strip()]
-    if lines:
-        with open(os.path.join(run_dir, DISCARDED_NAME), "a") as f:
-            f.write(json.dumps({"discarded_after_step": 0, "time": time.time()}) + "\n")
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
+        return n
+    token = secrets.token_hex(8)
+    staged = os.path.join(run_dir, f"{SET_ASIDE_PREFIX}{token}.jsonl")
+    replace_durably(path, staged)
+    n += _discard_staged(run_dir, staged, token)
     atomic_write_text(path, "")
+    return n
+
+
+def finish_set_aside(run_dir: str) -> int:
+    """Finish every ``set_aside_metrics`` that a crash cut short (oldest first); return how many records it moved."""
+    try:
+        names = [n for n in os.listdir(run_dir) if n.startswith(SET_ASIDE_PREFIX) and n.endswith(".jsonl")]
+    except OSError:  # (no run dir yet)
+        return 0
+    paths = sorted((os.path.join(run_dir, n) for n in names), key=lambda p: os.stat(p).st_mtime_ns)
+    return sum(_discard_staged(run_dir, p, os.path.basename(p)[len(SET_ASIDE_PREFIX) : -len(".jsonl")]) for p in paths)
+
+
+def _discard_staged(run_dir: str, staged: str, token: str) -> int:
+    """The records of the set-aside file ``staged`` appended to the discarded file after a marker naming ``token``
+    (unless a marker names it already: a crash after that step), then ``staged`` removed."""
+    with open(staged, "rb") as f:
+        lines = [ln if ln.endswith(b"\n") else ln + b"\n" for ln in f if ln.strip()]
+    discarded = os.path.join(run_dir, DISCARDED_NAME)
+    mark = json.dumps({"discarded_after_step": 0, "time": time.time(), "set_aside": token}).encode() + b"\n"
+    if lines and not _marked(discarded, token):
+        with atomic_path(discarded, sync=False) as tmp:
+            with open(tmp, "wb") as out:
+                last = b"\n"
+                try:
+                    with open(discarded, "rb") as old:
+                        while chunk := old.read(1 << 20):
+                            out.write(chunk)
+                            last = chunk[-1:]
+                except FileNotFoundError:
+                    pass
+                out.write((b"" if last == b"\n" else b"\n") + mark)  # (after a line cut by a crash: on its own line)
+                out.writelines(lines)
+                out.flush()
+                os.fsync(out.fileno())
+    os.remove(staged)
+    sync_dir(run_dir)
     return len(lines)
+
+
+def _marked(discarded: str, token: str) -> bool:
+    needle = json.dumps({"set_aside": token})[1:-1].encode()
+    try:
+        with open(discarded, "rb") as f:
+            return any(needle in line for line in f)
+    except FileNotFoundError:
+        return False
 
 
 # --------------------------------------------------------------------------- history
@@ -367,7 +420,9 @@ def write_config_history(run_dir: str, text: str, step: int) -> str:
 def truncate_metrics(run_dir: str, step: int) -> int:
     """Drop the ``metrics.jsonl`` records logged after ``step`` (moved to metrics.discarded.jsonl); return how many.
 
-    Records without a step (summaries, resume marks) are kept when they precede the first dropped record."""
+    Records without a step (summaries, resume marks) are kept when they precede the first dropped record. A
+    set-aside that a crash cut short is finished first (``finish_set_aside``)."""
+    finish_set_aside(run_dir)
     return move_records_after(os.path.join(run_dir, METRICS_NAME), os.path.join(run_dir, DISCARDED_NAME), step)
 
 

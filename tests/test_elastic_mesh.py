@@ -184,6 +184,57 @@ def test_an_elastic_quorum_of_two_on_the_authenticated_mesh():
         lh.shutdown()
 
 
+def test_members_announced_by_name_get_the_reserved_slots_by_their_addresses():
+    """A member may be announced by host name; the gate matches a connection's peer ADDRESS against the trusted ones,
+    so the names are resolved before ``trust`` (issue 42): "localhost" grants 127.0.0.1 the reserved slots."""
+    meshes = _members(2)
+    try:
+        members = [(m.addr.replace("127.0.0.1", "localhost"), m.begin()) for m in meshes]
+        assert _on_all(meshes, lambda r, m: m.join("by-name", r, members)) == [None, None]
+        slot = meshes[0].server.gate.admit("127.0.0.1")
+        assert slot is not None and slot[1] is True  # a member's slot (before: "localhost" itself was trusted)
+        meshes[0].server.gate.release(slot)
+        x = torch.arange(4.0)
+
+        def body(r: int, m: Mesh):
+            t = x * (r + 1)
+            m.all_reduce(t)
+            return t
+
+        assert all(torch.equal(o, x * 3) for o in _on_all(meshes, body))  # (and the round works: dialed by name)
+    finally:
+        for m in meshes:
+            m.close()
+
+
+def test_a_member_name_that_does_not_resolve_in_time_grants_nothing_and_is_logged_once(caplog):
+    from dilocox.net.mesh import MemberAddresses
+
+    calls: list[str] = []
+
+    def resolve(name: str) -> set[str]:
+        calls.append(name)
+        if name == "slow.example":
+            time.sleep(5.0)  # (past the 2 s bound: its answer comes too late for this round)
+            return {"192.0.2.9"}
+        if name == "gone.example":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return {"192.0.2.1", "2001:db8::1"}
+
+    addrs = MemberAddresses(resolve=resolve)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="dilocox.net.mesh"):
+        got = addrs(["10.0.0.5", "[2001:db8::7]", "ok.example", "slow.example", "gone.example"])
+        took = time.monotonic() - t0
+        again = addrs(["ok.example", "slow.example", "gone.example"])  # (within the TTL: no second lookup)
+    assert 1.9 <= took < 3.5, took  # bounded by the 2 s of the round's lookups together, not 5 s
+    assert got == again | {"10.0.0.5", "2001:db8::7"} == {"10.0.0.5", "2001:db8::7", "192.0.2.1", "2001:db8::1"}
+    assert sorted(calls) == ["gone.example", "ok.example", "slow.example"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and any("'gone.example'" in w for w in warned), warned
+    assert any("'slow.example'" in w and "no answer within 2 s" in w for w in warned), warned
+
+
 @pytest.mark.parametrize(
     "overrides, msg",
     [

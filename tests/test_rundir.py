@@ -462,3 +462,81 @@ def test_fresh_start_on_earlier_records_is_allowed_only_when_nothing_is_lost(tmp
     moved = open(os.path.join(d, rundir.DISCARDED_NAME)).read().splitlines()
     assert json.loads(moved[0])["discarded_after_step"] == 0 and len(moved) == 6 and moved[-1] == '{"step": 4, "lo'
     assert rundir.check_fresh_start(d, ck, cfg) is None  # nothing left to protect
+
+
+class _Died(BaseException):
+    """The process died here (a BaseException: no ``except OSError`` / ``except Exception`` of the code catches it)."""
+
+
+_FS_CALLS = ("replace", "rename", "remove", "unlink", "open", "fsync", "link")
+
+
+def _records_where(d):
+    """Every record line of the run dir, by where it is: metrics.jsonl, the discarded file (without its markers), and
+    a pending set-aside whose marker is not in the discarded file yet (one that is counts nowhere: it is done)."""
+
+    def lines(name):
+        p = os.path.join(d, name)
+        return open(p).read().splitlines() if os.path.exists(p) else []
+
+    discarded = lines(rundir.DISCARDED_NAME)
+    pending = []
+    for name in os.listdir(d):
+        if name.startswith(rundir.SET_ASIDE_PREFIX):
+            token = name[len(rundir.SET_ASIDE_PREFIX) : -len(".jsonl")]
+            if not any(f'"set_aside": "{token}"' in ln for ln in discarded):
+                pending += lines(name)
+    return lines("metrics.jsonl"), [ln for ln in discarded if "discarded_after_step" not in ln], pending
+
+
+def test_set_aside_metrics_loses_and_duplicates_no_record_wherever_the_process_dies(tmp_path, monkeypatch):
+    """The process dies at its k-th file-system call inside ``set_aside_metrics`` (every k until one runs through:
+    each rename, removal, open and fsync): right after, every record is in exactly one place (metrics.jsonl, the
+    discarded file, or a pending set-aside not yet in it); the next start (``check_fresh_start``, then the set-aside
+    again) moves each to the discarded file exactly once. Before, a death between the append and the rewrite of
+    metrics.jsonl left every record in both files."""
+    records = [json.dumps({"step": i, "loss": 1.0 / i}) for i in range(1, 6)] + ['{"step": 6, "lo']  # (a cut line)
+    older = [json.dumps({"discarded_after_step": 3, "time": 1.0}), json.dumps({"step": 4})]
+    cfg = load_config(TINY, ["--checkpoint.resume=none"])
+    k, real = 0, {n: getattr(os, n) for n in _FS_CALLS}
+    while True:
+        d = str(tmp_path / f"run{k}")
+        os.makedirs(d)
+        with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+            f.write("\n".join(records))  # (the last line without its newline: cut by a kill)
+        with open(os.path.join(d, rundir.DISCARDED_NAME), "w") as f:
+            f.write("\n".join(older) + "\n")
+        calls = [0]
+
+        def dying(name):
+            def call(*a, **kw):
+                calls[0] += 1
+                if calls[0] > k:
+                    raise _Died(f"os.{name}")
+                return real[name](*a, **kw)
+
+            return call
+
+        with monkeypatch.context() as m:
+            for n in _FS_CALLS:
+                m.setattr(os, n, dying(n))
+            try:
+                moved = rundir.set_aside_metrics(d)
+                died = False
+            except _Died:
+                died = True
+        live, discarded, pending = _records_where(d)
+        everywhere = live + discarded + pending
+        assert sorted(everywhere) == sorted(records + older[1:]), (k, live, discarded, pending)  # once each
+        # the next start: the check finishes a cut-short set-aside, and the set-aside runs again
+        rundir.check_fresh_start(d, os.path.join(d, "checkpoints"), cfg)
+        again = rundir.set_aside_metrics(d)
+        live, discarded, pending = _records_where(d)
+        assert live == [] and pending == [] and discarded == older[1:] + records, (k, live, discarded)
+        assert not [n for n in os.listdir(d) if n.startswith(rundir.SET_ASIDE_PREFIX)]
+        if not died:
+            assert open(os.path.join(d, "metrics.jsonl")).read() == ""
+            assert moved == len(records) and again == 0
+            break
+        k += 1
+    assert k >= 8, k  # (the set-aside's steps: rename, write, fsyncs, replace, remove, the empty file)

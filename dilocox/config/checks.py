@@ -430,6 +430,16 @@ def check_muon_layout(o: OptimConfig, p: ParallelConfig) -> None:
 def check_security(sec: Any) -> None:
     if sec.encrypt and not sec.authenticate:
         _fail("security.encrypt", True, "needs security.authenticate=true (the key comes from the handshake)")
+    from dilocox.net.secure import MAX_HANDSHAKE_S  # (the bound every accept loop enforces: secure.set_handshake_s)
+
+    h = sec.handshake_s
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 < h <= MAX_HANDSHAKE_S:
+        _fail(
+            "security.handshake_s",
+            h,
+            f"must be seconds in (0, {MAX_HANDSHAKE_S:g}]: the default 2 on a LAN, e.g. "
+            "--security.handshake_s=5 on a lossy WAN link",
+        )
 
 
 def check_train(train: TrainConfig) -> None:

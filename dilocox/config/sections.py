@@ -390,3 +390,6 @@ class SecurityConfig:
     encrypt: bool = False  # also encrypt every message of those connections (ChaCha20-Poly1305, key from the
     # handshake); needs authenticate. Costs CPU per byte: docs/BENCHMARKS.md (`dilocox bench rpc`). The gloo outer
     # all-reduce is not covered (docs/SECURITY.md)
+    handshake_s: float = 2.0  # every server of the run ends its handshake with a connection within this (seconds,
+    # at most 30): a silent stranger holds one of its address's 4 slots that long. Raise it (e.g. 5) on a lossy WAN
+    # where a handshake's few round trips may need retransmits; `dilocox lighthouse`/`swarm store`: --handshake-s

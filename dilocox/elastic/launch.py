@@ -51,7 +51,7 @@ from dilocox.elastic.supervisor import ElasticLaunch as ElasticLaunch
 from dilocox.elastic.supervisor import _Replica as _Replica
 from dilocox.launch.netns import Cluster, netns_available
 from dilocox.launch.switch import SwitchError, parse_latency, parse_loss
-from dilocox.net.secure import SecretError, load_or_create_secret
+from dilocox.net.secure import HANDSHAKE_S, SecretError, load_or_create_secret
 
 # --------------------------------------------------------------------------- `dilocox launch --elastic`
 
@@ -143,6 +143,8 @@ def _security_args(cfg, run_dir: str, overrides, lighthouse_opts, auth_lighthous
             raise LaunchError("--authenticate-lighthouse needs security.authenticate=true (the run secret)")
         overrides.append("--outer.elastic.lighthouse_auth=true")
         lighthouse_opts += ["--secret-file", _run_secret(cfg, run_dir)]
+        if cfg.security.handshake_s != HANDSHAKE_S and "--handshake-s" not in lighthouse_opts:  # (the replicas
+            lighthouse_opts += ["--handshake-s", repr(float(cfg.security.handshake_s))]  # read it from their config)
     else:  # asked for (or no secret): a plain lighthouse, and replicas that do not try to authenticate to it
         overrides.append("--outer.elastic.lighthouse_auth=false")
         lighthouse_opts += ["--insecure"]

@@ -11,6 +11,8 @@ import sys
 import threading
 from typing import Sequence
 
+from dilocox.net.secure import HANDSHAKE_S
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dilocox lighthouse", description=lighthouse_main.__doc__)
@@ -37,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         help="serve plain gRPC on a --bind other hosts can reach, without --secret-file: whoever reaches it can join "
         "the quorum or kill a replica (a closed network only; the replicas need outer.elastic.lighthouse_auth=false)",
     )
+    p.add_argument(
+        "--handshake-s",
+        type=float,
+        default=HANDSHAKE_S,
+        help="with --secret-file: the guard ends its handshake with a connection within this many seconds (the "
+        "replicas' security.handshake_s; at most 30)",
+    )
     return p
 
 
@@ -52,6 +61,12 @@ def lighthouse_main(argv: Sequence[str] | None = None) -> int:
     for name in ("heartbeat_timeout_ms", "join_timeout_ms"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1 (milliseconds)")
+    from dilocox.net.secure import set_handshake_s
+
+    try:
+        set_handshake_s(a.handshake_s, "--handshake-s")
+    except ValueError as e:
+        p.error(str(e))
     host, sep, port = a.bind.rpartition(":")
     if not sep or not host or not port.isdigit():
         p.error(f"--bind {a.bind!r} is not HOST:PORT (e.g. 0.0.0.0:29510, [::]:0)")

@@ -33,6 +33,7 @@ and raises ``MeshError``; the next ``begin`` starts a fresh round.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import secrets
 import socket
@@ -53,7 +54,7 @@ from dilocox.net.rpc import (
     encode,
     read_message,
 )
-from dilocox.net.secure import HANDSHAKE_S, AcceptGate, dial, server_handshake
+from dilocox.net.secure import AcceptGate, dial, handshake_s, server_handshake
 
 log = logging.getLogger("dilocox.net.mesh")
 
@@ -61,6 +62,8 @@ HELLO_LIMITS = Limits(max_message_bytes=0)  # a hello and its answer: a header o
 MAX_KEY = 512  # a round key (the quorum's store prefix) longer than this is not ours
 SEGMENT = 256 << 20  # bytes of tensor per message at most
 SERVICE = "mesh"  # the service name in every handshake of the pair connections
+RESOLVE_S = 2.0  # a member announced by name: its addresses must be known within this to get reserved slots
+RESOLVED_TTL_S = 60.0  # a name's addresses (or its failure) are looked up again after this
 
 
 class MeshError(RuntimeError):
@@ -83,11 +86,11 @@ class PairServer:
     """Accepts the run's pair connections on ``host`` (a free port): the mutual handshake, then hellos
     ``{key, src, nonce}`` until one names this member's current nonce (at most 3); that connection then waits in a
     queue under (key, src), the newest kept, until the member adopts it (``take``). At most ``max_handshakes``
-    connections in their handshake (``handshake_s`` each) and ``max_pending`` queued; a stranger (no secret) is closed
-    after the challenge, a malformed hello closes that connection only. The handshake slots are a
-    ``secure.AcceptGate``'s (at most 4 per address that is not a member of the current round and has not proven the
-    secret before; one over its cap is closed at once, not queued; the members' addresses keep reserved slots), each
-    held ``handshake_s`` at most."""
+    connections in their handshake (``handshake_s`` each; None: the process's ``secure.handshake_s()``) and
+    ``max_pending`` queued; a stranger (no secret) is closed after the challenge, a malformed hello closes that
+    connection only. The handshake slots are a ``secure.AcceptGate``'s (at most 4 per address, or IPv6 /64, that is
+    not a member of the current round and has not proven the secret before; one over its cap is closed at once, not
+    queued; the members' addresses keep reserved slots), each held ``handshake_s`` at most."""
 
     def __init__(
         self,
@@ -96,7 +99,7 @@ class PairServer:
         encrypt: bool,
         max_pending: int = 256,
         max_handshakes: int = 32,
-        handshake_s: float = HANDSHAKE_S,
+        handshake_s: float | None = None,
     ) -> None:
         self.secret, self.encrypt, self.handshake_s = secret, encrypt, handshake_s
         self.max_pending, self.max_handshakes = max_pending, max_handshakes
@@ -128,8 +131,9 @@ class PairServer:
     def _hello(self, conn: socket.socket, slot) -> None:
         queued = False
         try:
-            deadline = time.monotonic() + self.handshake_s
-            conn.settimeout(self.handshake_s)
+            bound = self.handshake_s or handshake_s()
+            deadline = time.monotonic() + bound
+            conn.settimeout(bound)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 key = server_handshake(conn, self.secret, deadline, SERVICE)
@@ -209,6 +213,78 @@ class PairServer:
         self.begin_round(None)
 
 
+class MemberAddresses:
+    """The IP addresses of the members' hosts, for ``AcceptGate.trust`` (whose reserved slots are matched against a
+    connection's peer address, never a name). An IP literal is itself; a name is resolved (every name of a round at
+    once, on daemon threads) and its answer, or its failure, kept ``ttl_s``; a name that fails to resolve, or does not
+    within ``timeout_s``, grants no reserved slot (its connections still get a stranger's, then a proven address's,
+    slots), logged once per name."""
+
+    def __init__(self, timeout_s: float = RESOLVE_S, ttl_s: float = RESOLVED_TTL_S, resolve=None) -> None:
+        self.timeout_s, self.ttl_s = timeout_s, ttl_s
+        self._resolve = resolve or _resolve_host
+        self._known: dict[str, tuple[float, frozenset[str]]] = {}  # name -> (when, addresses; empty: failed)
+        self._logged: set[str] = set()
+
+    def __call__(self, hosts) -> set[str]:
+        out, names, now = set(), set(), time.monotonic()
+        for h in hosts:
+            h = str(h).strip("[]")
+            try:
+                ipaddress.ip_address(h.split("%")[0])
+                out.add(h)
+            except ValueError:
+                hit = self._known.get(h)
+                if hit is not None and now - hit[0] < self.ttl_s:
+                    out |= hit[1]
+                else:
+                    names.add(h)
+        if names:
+            out |= self._lookup(sorted(names))
+        return out
+
+    def _lookup(self, names: list[str]) -> set[str]:
+        got: dict[str, object] = {}
+        lock = threading.Lock()
+
+        def look(name: str) -> None:
+            try:
+                r: object = frozenset(self._resolve(name))
+            except (OSError, UnicodeError) as e:  # (socket.gaierror; a name IDNA cannot encode)
+                r = e
+            with lock:
+                got[name] = r
+                if isinstance(r, frozenset) and r:  # (an answer after the deadline still serves the next rounds)
+                    self._known[name] = (time.monotonic(), r)
+
+        threads = [threading.Thread(target=look, args=(n,), name="mesh-resolve", daemon=True) for n in names]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout_s
+        for t in threads:  # (a lookup still running past the deadline is left to finish on its own)
+            t.join(max(0.0, deadline - time.monotonic()))
+        out, now = set(), time.monotonic()
+        for n in names:
+            with lock:
+                r = got.get(n)
+                ok = isinstance(r, frozenset) and r
+                if not ok:
+                    self._known[n] = (now, frozenset())
+            if ok:
+                out |= r
+            elif n not in self._logged:
+                self._logged.add(n)
+                why = r if r is not None else f"no answer within {self.timeout_s:g} s"
+                log.warning(
+                    "mesh: the member host %r does not resolve (%s): no reserved handshake slots for it", n, why
+                )
+        return out
+
+
+def _resolve_host(name: str) -> set[str]:
+    return {ai[4][0] for ai in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+
+
 class Mesh:
     """One member's side of the authenticated mesh (module docstring): ``begin``, ``join`` a round, then the
     collectives."""
@@ -219,6 +295,7 @@ class Mesh:
         self.secret, self.encrypt, self.timeout_s = secret, encrypt, float(timeout_s)
         self.server = PairServer(host, secret, encrypt)
         self.addr = self.server.addr
+        self.member_addresses = MemberAddresses()  # the members' hosts (names resolved, bounded) for trust
         self.rank, self.world, self.key, self.nonce = 0, 1, None, None
         self.pairs: dict[int, tuple[socket.socket, object]] = {}
         self._seq = 0
@@ -239,7 +316,8 @@ class Mesh:
         if self.nonce is None or members[rank][1] != self.nonce:
             raise MeshError("join: begin() the round first and publish its nonce")
         self.key, self.rank, self.world, self._seq = key, rank, len(members), 0
-        self.server.gate.trust(addr.rpartition(":")[0].strip("[]") for addr, _ in members)  # (reserved slots)
+        hosts = [addr.rpartition(":")[0] for addr, _ in members]
+        self.server.gate.trust(self.member_addresses(hosts))  # (reserved slots, by IP address: names resolved)
         deadline = time.monotonic() + self.timeout_s
         try:
             for j in range(rank + 1, self.world):  # dial first (never waits on the peer's configure), then adopt

@@ -35,7 +35,6 @@ import threading
 import time
 
 from dilocox.net.secure import (
-    HANDSHAKE_S,
     MAC_BYTES,
     AcceptGate,
     AuthError,
@@ -44,14 +43,16 @@ from dilocox.net.secure import (
     check_server_proof,
     client_hello,
     dial,
+    handshake_s,
     peer_uid,
     recv_by,
     same_user,
     server_handshake,
 )
 
-AUTH_TIMEOUT_S = HANDSHAKE_S  # a guard's handshake with a connection ends within this (2 s)
-DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy)
+# a guard's handshake with a connection ends within ``secure.handshake_s()`` (security.handshake_s, 2 s by default)
+DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy), or
+# the handshake bound and a second when that is longer (a lossy link: its own handshakes take as long)
 
 log = logging.getLogger("dilocox.net.relay")
 
@@ -107,7 +108,7 @@ class LighthouseRelay:
                     continue
                 return i, s, None
             try:  # both sides prove the run secret (for this service) before a byte of torchft's traffic is relayed
-                deadline = time.monotonic() + DIAL_TIMEOUT_S
+                deadline = time.monotonic() + max(DIAL_TIMEOUT_S, handshake_s() + 1.0)
                 s, key, _ = dial((h, p), self.secret, self.service, deadline, connect_timeout=self.connect_timeout_s)
             except (ConnectionRefusedError, socket.gaierror, socket.timeout, TimeoutError) as e:
                 log.debug("lighthouse relay %s: %s:%d: %s", self.address, h, p, e)
@@ -313,7 +314,7 @@ def unguarded(endpoints: list[tuple[str, int]], secret: bytes, service: str = "l
 class LighthouseGuard:
     """``dilocox lighthouse --secret-file F`` (issue 21): the public port in front of torchft's lighthouse, which
     then listens on loopback only. Every connection must prove the run secret (the mutual HMAC handshake of
-    dilocox/net/secure.py, within ``AUTH_TIMEOUT_S``) before it is piped to the lighthouse; a stranger is closed
+    dilocox/net/secure.py, within ``secure.handshake_s()``) before it is piped to the lighthouse; a stranger is closed
     without a byte reaching torchft, so it cannot join a quorum (and so take part in the outer all-reduce). At most
     ``max_pending`` connections are in their handshake at once, at most 4 from one address that has not proven the
     secret before (``secure.AcceptGate``: a connection over its cap is closed at once, not queued, and addresses
@@ -357,7 +358,7 @@ class LighthouseGuard:
         proven = False
         try:
             try:
-                key = server_handshake(conn, self.secret, time.monotonic() + AUTH_TIMEOUT_S, self.service)
+                key = server_handshake(conn, self.secret, time.monotonic() + handshake_s(), self.service)
                 proven = True
             except (OSError, AuthError) as e:
                 with self._count_lock:
@@ -372,7 +373,7 @@ class LighthouseGuard:
         finally:
             self.gate.release(slot, proven)
         try:
-            up = socket.create_connection(self.upstream, timeout=AUTH_TIMEOUT_S)
+            up = socket.create_connection(self.upstream, timeout=handshake_s())  # (loopback: at once)
         except OSError:
             _close(conn)
             return

@@ -50,7 +50,6 @@ import torch
 from torch import Tensor
 
 from dilocox.net.secure import (
-    HANDSHAKE_S,
     MAC_BYTES,
     AcceptGate,
     AuthError,
@@ -58,6 +57,7 @@ from dilocox.net.secure import (
     Sealer,
     check_server_proof,
     dial,
+    handshake_s,
     server_handshake,
     turn_away,
 )
@@ -84,7 +84,8 @@ class Limits:
     max_unauthenticated: int = 32  # connections in their handshake (secure.AcceptGate: + half as many reserved for
     max_unauthenticated_per_address: int = 4  # addresses that proved the secret before; at most this many per other
     # address: one over its cap is closed at once, not queued), each done within ...
-    handshake_timeout_s: float = HANDSHAKE_S  # ... this: a silent stranger holds a slot for 2 s at most
+    handshake_timeout_s: float | None = None  # ... this (None: the process's ``secure.handshake_s()``,
+    # security.handshake_s, 2 s by default): a silent stranger holds a slot that long at most
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
     message_timeout_s: float = 60.0  # a message that started must be complete within this
 
@@ -506,7 +507,7 @@ class RpcServer:
             if self.secret is not None:
                 proven = False
                 try:
-                    deadline = time.monotonic() + self.limits.handshake_timeout_s
+                    deadline = time.monotonic() + (self.limits.handshake_timeout_s or handshake_s())
                     key = server_handshake(conn, self.secret, deadline, self.service)
                     proven = True
                 except (AuthError, OSError) as e:  # (socket.timeout is an OSError: a slow or silent stranger)

@@ -13,8 +13,8 @@ secret, the construction of Python's own ``multiprocessing.connection`` (``deliv
 
 ``service`` names what the server serves (swarm-rpc, state, mesh, lighthouse, store, swarm-store, manager): a
 handshake made for one service of the run is refused by every other (issue 42). Before its challenge a server asks
-an ``AcceptGate`` for a handshake slot (per source address; ``BUSY`` and closed at once over the cap) and every
-handshake ends within ``HANDSHAKE_S``.
+an ``AcceptGate`` for a handshake slot (per source address, per /64 for IPv6; ``BUSY`` and closed at once over the
+cap) and every handshake ends within ``handshake_s()`` (``security.handshake_s``, default ``HANDSHAKE_S`` = 2 s).
 
 After that every message carries ``HMAC(K, direction | sequence number | message bytes)`` (``Sealer``):
 a message changed on the way, replayed within the connection or from another one, or sent in the other
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -42,7 +43,9 @@ MAGIC = b"DXA1"
 CHALLENGE_BYTES = 32
 MAC_BYTES = 32  # SHA-256
 SECRET_MIN_BYTES = 32  # 256 bits: a sniffed handshake cannot be brute-forced offline (``dilocox secret`` writes 32)
-HANDSHAKE_S = 2.0  # every server's handshake with a connection that has not proven the secret ends within this
+HANDSHAKE_S = 2.0  # every server's handshake with a connection that has not proven the secret ends within this (the
+# default of security.handshake_s: ``set_handshake_s``; at most MAX_HANDSHAKE_S)
+MAX_HANDSHAKE_S = 30.0
 BUSY = b"DXB1"  # sent instead of the challenge to a connection over its address's cap, then closed (AcceptGate)
 
 
@@ -120,10 +123,34 @@ def load_secret(path: str) -> bytes:
     return key
 
 
+_bound = {"handshake_s": HANDSHAKE_S}
+
+
+def handshake_s() -> float:
+    """This process's bound on a server's handshake with a connection (every accept loop's, read per connection)."""
+    return _bound["handshake_s"]
+
+
+def set_handshake_s(seconds: float, name: str = "security.handshake_s") -> None:
+    """Set ``handshake_s()`` (``security.handshake_s``; ``dilocox lighthouse`` / ``dilocox swarm store``
+    ``--handshake-s``): a lossy WAN link may need more than the default 2 s (several retransmits of a 150 ms RTT), at
+    the price of a silent stranger holding each of its address's slots that much longer. ValueError (one line naming
+    the field and the fix) outside (0, MAX_HANDSHAKE_S]."""
+    v = seconds
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= MAX_HANDSHAKE_S:
+        raise ValueError(
+            f"{name}={v!r} must be seconds in (0, {MAX_HANDSHAKE_S:g}]: e.g. 2 (the default) on a LAN, "
+            f"5 on a lossy WAN link"
+        )
+    _bound["handshake_s"] = float(v)
+
+
 def secret_for(sec, writer: str) -> bytes | None:
     """The run secret a process of this run uses, from its ``security`` config section: None when
     ``security.authenticate`` is false, else the file's secret; ``writer`` names who writes the file when the
-    setting is empty (the one-line fix in the error)."""
+    setting is empty (the one-line fix in the error). Also sets this process's handshake bound from
+    ``security.handshake_s`` (``set_handshake_s``): every process of a run reads its secret here, before it serves."""
+    set_handshake_s(getattr(sec, "handshake_s", HANDSHAKE_S))
     if not sec.authenticate:
         return None
     if not sec.secret_file:
@@ -264,8 +291,11 @@ class AcceptGate:
     secret before (``proven``, called after a handshake that succeeded) or is named ``trust``-ed (the run's members)
     may hold up to ``per_member`` and also use ``reserved`` slots no stranger can take. A connection over its cap is
     not queued: it is sent ``BUSY`` and closed at once (an honest client's ``dial`` tries again, bounded by its
-    deadline). Each admitted handshake must end within ``HANDSHAKE_S`` (the server's deadline), so a silent stranger
-    holds a slot that long at most, and a flood from one address takes ``per_address`` slots, never the run's."""
+    deadline). Each admitted handshake must end within ``handshake_s()`` (the server's deadline), so a silent
+    stranger holds a slot that long at most, and a flood from one address takes ``per_address`` slots, never the
+    run's. "One address" is one IPv4 address (an IPv4-mapped ``::ffff:a.b.c.d`` is its IPv4 address) or one IPv6
+    /64 (``key``): whoever holds one IPv6 address usually holds its whole /64, so the caps, the proven addresses and
+    the trusted ones are all counted per /64 (a host's temporary IPv6 addresses stay in its /64 as well)."""
 
     def __init__(
         self, per_address: int = 4, total: int = 32, reserved: int = 16, per_member: int = 32, remember: int = 4096
@@ -284,8 +314,19 @@ class AcceptGate:
         self.turned_away = 0  # connections closed at once over a cap (tests, logs)
 
     @staticmethod
-    def _norm(ip: str) -> str:
-        return ip[7:] if ip.startswith("::ffff:") else ip  # (an IPv4 client of a dual-stack socket)
+    def key(ip: str) -> str:
+        """What the gate counts ``ip`` under: an IPv4 address itself (also when mapped into IPv6: the client of a
+        dual-stack socket), an IPv6 address's /64 (``2001:db8:1:2::/64``); anything else (a name) as given."""
+        text = str(ip).strip().strip("[]").split("%")[0]  # (a link-local address's zone does not matter)
+        try:
+            a = ipaddress.ip_address(text)
+        except ValueError:
+            return text
+        if a.version == 4:
+            return str(a)
+        if a.ipv4_mapped is not None:
+            return str(a.ipv4_mapped)
+        return str(ipaddress.IPv6Network((a, 64), strict=False))
 
     def _known(self, ip: str) -> bool:
         return ip in self._trusted or ip in self._proven
@@ -293,7 +334,7 @@ class AcceptGate:
     def admit(self, ip: str) -> tuple[str, bool] | None:
         """A handshake slot for a connection from ``ip`` (give it back with ``release``), or None: over a cap, close
         the connection at once (``turn_away``)."""
-        ip = self._norm(ip)
+        ip = self.key(ip)
         with self._lock:
             held = self._held.get(ip, 0)
             member = self._known(ip)
@@ -352,9 +393,11 @@ class AcceptGate:
             return False
 
     def trust(self, ips) -> None:
-        """The run's member addresses (e.g. from a signed member list): they may use the reserved slots."""
+        """The run's member addresses (e.g. from a signed member list; IP addresses, not names: ``admit`` is asked
+        with a socket's peer address): they may use the reserved slots."""
+        keys = frozenset(self.key(ip) for ip in ips)
         with self._lock:
-            self._trusted = frozenset(self._norm(str(ip)) for ip in ips)
+            self._trusted = keys
 
     def held(self) -> int:
         with self._lock:

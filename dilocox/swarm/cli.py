@@ -25,6 +25,8 @@ import sys
 import threading
 from datetime import timedelta
 
+from dilocox.net.secure import HANDSHAKE_S
+
 
 class SwarmUsageError(ValueError):
     """A malformed ``dilocox swarm`` command line (one line, exit 2)."""
@@ -252,6 +254,13 @@ def store_main(argv: list[str]) -> int:
         help="serve the plain store on a --bind other hosts can reach, without --secret-file: whoever reaches it can "
         "read and rewrite the job's addresses (a closed network only; the peers need security.guard_services=false)",
     )
+    ap.add_argument(
+        "--handshake-s",
+        type=float,
+        default=HANDSHAKE_S,
+        help="with --secret-file: the guard ends its handshake with a connection within this many seconds (the "
+        "peers' security.handshake_s; at most 30)",
+    )
     a = ap.parse_args(argv)
     if not 0 < a.port < 65536:
         raise SwarmUsageError(f"--port {a.port} must be a TCP port in 1..65535")
@@ -262,6 +271,12 @@ def store_main(argv: list[str]) -> int:
             f"--bind {a.bind} is reachable from other hosts and has no --secret-file: pass --secret-file RUN_SECRET "
             "(the peers' security.secret_file), --bind 127.0.0.1, or --insecure on a closed network"
         )
+    from dilocox.net.secure import set_handshake_s
+
+    try:
+        set_handshake_s(a.handshake_s, "--handshake-s")
+    except ValueError as e:
+        raise SwarmUsageError(str(e)) from None
     secret = None
     if a.secret_file:
         from dilocox.net.secure import SecretError, load_secret
