@@ -35,8 +35,9 @@ from dilocox.distributed.topology import build_topology, group_ranks, init_distr
 from dilocox.elastic.group import ElasticError
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
+from dilocox.inner_step import InnerStep
 from dilocox.metrics import MetricsLogger, peak_flops
-from dilocox.model.parallel_layers import clip_grad_norm_
+from dilocox.model.parallel_layers import global_grad_norm
 from dilocox.model.transformer import build_stage_model, model_flops_per_token
 from dilocox.optim import build_inner_optimizer, lr_at  # (re-exported: ``from dilocox.train import lr_at`` works)
 from dilocox.outer import build_outer
@@ -139,7 +140,13 @@ class Trainer(TrainerState):
         )
         if cfg.train.compile and whole:
             self.engine.compile_whole()
-        self.optimizer = build_inner_optimizer(cfg, self.model, self.device)
+        # the inner optimizer (``self.optimizer``) inside the step after the backward pass: lr, clipping, step
+        self.inner = InnerStep(build_inner_optimizer(cfg, self.model, self.device), cfg)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (held by ``self.inner``)."""
+        return self.inner.optimizer
 
     def _init_outer(self) -> None:
         cfg, t = self.cfg, self.topo
@@ -211,7 +218,7 @@ class Trainer(TrainerState):
         self.step = n
         self.sampler.step = n  # this replica's own shard, at the live step: nothing trained twice
         self.tokens_seen = n * self.cfg.train.batch_size * self.cfg.train.seq_len
-        self.optimizer = build_inner_optimizer(self.cfg, self.model, self.device)  # from θ with a fresh AdamW
+        self.inner.optimizer = build_inner_optimizer(self.cfg, self.model, self.device)  # from θ, a fresh AdamW
         self.logger.info(
             f"elastic: replica {self.cfg.outer.elastic.replica_rank} {why}; continues at step {n} "
             f"(outer step {self.outer.outer_step}, {skipped} steps skipped)"
@@ -256,9 +263,6 @@ class Trainer(TrainerState):
     def train_step(self) -> float | torch.Tensor:
         """One inner step; returns its loss (a 0-dim device tensor under ``defer_sync``, else a float)."""
         cfg, step = self.cfg, self.step
-        lr = lr_at(step, cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         x, y = self.sampler.next_batch()
         loss = self.engine.forward_backward_async(self._to_device(x), self._to_device(y))
         if not self.defer_sync or self._outer_communicates(step):
@@ -270,14 +274,12 @@ class Trainer(TrainerState):
                 loss = value
         if self.outer is not None:
             self.outer.on_gradients(step)
-        if cfg.optim.grad_clip > 0:
-            self.grad_norm = clip_grad_norm_(
-                list(self.model.parameters()), cfg.optim.grad_clip, self.topo.tp_rank, self.topo.group("mp")
-            )
-            if not self.defer_sync:
-                self.grad_norm = float(self.grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # lr, optim.grad_clip by the global norm over the model-parallel group (each parameter once), step, zero_grad
+        done = self.inner.apply(
+            step, lambda: global_grad_norm(list(self.model.parameters()), self.topo.tp_rank, self.topo.group("mp"))
+        )
+        if "grad_norm" in done:  # a device tensor until the next log step reads it (defer_sync)
+            self.grad_norm = done["grad_norm"] if self.defer_sync else float(done["grad_norm"])
         if self.outer is not None:
             self.outer.after_inner_step(step)
         self.step += 1

@@ -1,7 +1,7 @@
 """The stage-sync extras of a SWARM peer (dilocox/swarm/peer_sync.py): optim.grad_clip's global norm through the
-store, the stage-local rule of DiLoCo-SWARM, and the bounded wait of a DiLoCo-SWARM joiner. In-process, no peers:
-the process-level checks are in test_swarm_runtime.py (1 x 1 with grad_clip vs the single process; the restart
-test, parametrized for diloco)."""
+store and the inner step it clips (dilocox/inner_step.py), the stage-local rule of DiLoCo-SWARM, and the bounded
+wait of a DiLoCo-SWARM joiner. In-process, no peers: the process-level checks are in test_swarm_runtime.py (1 x 1
+with grad_clip vs the single process; the restart test, parametrized for diloco)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from dilocox.config import Config
+from dilocox.inner_step import InnerStep
 from dilocox.net.rpc import RpcServer
+from dilocox.optim import lr_at
 from dilocox.swarm import peer_sync
 
 
@@ -41,7 +44,17 @@ def _client(master):
     return TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
 
 
-def test_clip_global_is_the_global_norm_on_every_stage(store):
+def _inner(clip: float, *grads: torch.Tensor) -> tuple[InnerStep, list[torch.nn.Parameter]]:
+    """A peer's InnerStep (the default schedule, SGD) over parameters holding ``grads``."""
+    cfg = Config()
+    cfg.optim.grad_clip = clip
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return InnerStep(torch.optim.SGD(params, lr=0.0), cfg), params
+
+
+def test_global_norm_is_the_global_norm_on_every_stage(store):
     torch.manual_seed(0)
     grads = [torch.randn(50), torch.randn(30) * 3]
     ref = [g.clone().requires_grad_(False) for g in grads]
@@ -51,49 +64,59 @@ def test_clip_global_is_the_global_norm_on_every_stage(store):
     want_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
     for step in (0, 1):
         peers = [_peer(_client(store), j, 2) for j in range(2)]
-        outs, recs = [None, None], [{}, {}]
+        norms = [None, None]
 
-        def run(j, step=step, peers=peers, outs=outs, recs=recs):
-            outs[j] = peer_sync.clip_global(peers[j], step, grads[j].clone(), recs[j])
+        def run(j, step=step, peers=peers, norms=norms):
+            norms[j] = peer_sync.global_norm(peers[j], step, grads[j].clone())
 
         threads = [threading.Thread(target=run, args=(j,)) for j in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=20)
-        for j in range(2):  # both stages: the same norm and coefficient, the single process's clipped grads
-            assert recs[j]["grad_norm"] == pytest.approx(want_norm, rel=1e-6)
-            assert recs[j]["clip_coef"] == recs[0]["clip_coef"] < 0.2
-            torch.testing.assert_close(outs[j], params[j].grad, rtol=1e-6, atol=1e-7)
+        assert norms[0] == norms[1] == pytest.approx(want_norm, rel=1e-6)  # the same norm on both stages
+        for j in range(2):  # and clipped by it, each stage's grads are the single process's clipped grads
+            inner, (p,) = _inner(1.0, grads[j])
+            rec = inner.clip(norms[j])
+            assert rec["grad_norm"] == norms[0] and rec["clip_coef"] == min(1.0, 1.0 / (norms[0] + 1e-6)) < 0.2
+            torch.testing.assert_close(p.grad, params[j].grad, rtol=1e-6, atol=1e-7)
     # step 1 read: the keys of step 0 are gone, those of step 1 stay until step 2
     assert not store.check([peer_sync.norm_key(0, 0)]) and not store.check([peer_sync.norm_key(0, 1)])
     assert store.check([peer_sync.norm_key(1, 0), peer_sync.norm_key(1, 1)])
 
 
-def test_clip_global_off_and_stage_without_microbatches(store):
-    rec: dict = {}
-    g = torch.ones(4)
-    assert peer_sync.clip_global(_peer(store, 0, 1, clip=0.0), 0, g, rec) is g and rec == {}
+def test_swarm_step_clipping_off_and_stage_without_microbatches(store):
+    inner, (p,) = _inner(0.0, torch.ones(4))
+    peer = _peer(store, 0, 1, clip=0.0, inner=inner, _set_grads=lambda g: setattr(p, "grad", g.clone()))
+    mean = torch.tensor([2.0, 2.0, 2.0, 2.0, 2.0])  # [grad sum | count]: the mean gradient is 1
+    assert peer_sync.swarm_step(peer, 0, mean) == {"lr": lr_at(0, inner.cfg)}  # clipping off: no norm exchanged
+    assert not store.check([peer_sync.norm_key(0, 0)])
     # a stage that served nothing this step still sends its (zero) norm, so the other stages do not wait for it
-    assert peer_sync.clip_global(_peer(store, 0, 1), 0, None, rec) is None
-    assert rec == {"grad_norm": 0.0, "clip_coef": 1.0}
+    inner.cfg.optim.grad_clip = 1.0
+    rec = peer_sync.swarm_step(peer, 1, torch.zeros(5))
+    assert rec == {"lr": lr_at(1, inner.cfg), "grad_norm": 0.0, "clip_coef": 1.0}
+    assert store.check([peer_sync.norm_key(1, 0)]) and p.grad is None
 
 
-def test_clip_global_missing_stage_is_bounded_and_named(store):
+def test_global_norm_missing_stage_is_bounded_and_named(store):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"stage\(s\) \[1\] sent none for step 3 within swarm.sync_timeout_s=0.3s"):
-        peer_sync.clip_global(_peer(store, 0, 2, sync_timeout_s=0.3), 3, torch.ones(4), {})
+        peer_sync.global_norm(_peer(store, 0, 2, sync_timeout_s=0.3), 3, torch.ones(4))
     assert time.monotonic() - t0 < 3
 
 
-def test_clip_local_uses_the_peers_own_norm():
-    g = torch.tensor([3.0, 4.0])
-    rec: dict = {}
-    out = peer_sync.clip_local(_peer(None, 1, 2, clip=1.0), g.clone(), rec)
-    assert rec["grad_norm"] == pytest.approx(5.0) and rec["clip_coef"] == pytest.approx(1 / (5 + 1e-6))
-    torch.testing.assert_close(out, g / (5 + 1e-6))
-    rec = {}
-    assert torch.equal(peer_sync.clip_local(_peer(None, 1, 2, clip=10.0), g.clone(), rec), g)  # below: untouched
+def test_local_step_uses_the_peers_own_norm():
+    for clip, coef in ((1.0, 1 / (5 + 1e-6)), (10.0, 1.0)):  # above the norm: untouched
+        inner, (p,) = _inner(clip, torch.zeros(2))
+        seen = []
+        peer = _peer(None, 1, 2, clip=clip, inner=inner, _set_grads=lambda g, p=p: setattr(p, "grad", g.clone()))
+        inner.optimizer.step = lambda seen=seen, p=p: seen.append(p.grad.clone())
+        rec = peer_sync.local_step(peer, 0, torch.tensor([6.0, 8.0]), 2)  # mean gradient [3, 4]
+        assert rec["grad_norm"] == pytest.approx(5.0) and rec["clip_coef"] == pytest.approx(coef)
+        assert torch.equal(seen[0], torch.tensor([3.0, 4.0]) * coef) and p.grad is None
+    seen.clear()
+    assert peer_sync.local_step(peer, 1, torch.zeros(2), 0) == {"lr": lr_at(1, inner.cfg)}  # no microbatch: no step
+    assert seen == []
 
 
 def _stage_peer(addrs: dict, **kw):

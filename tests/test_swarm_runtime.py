@@ -23,8 +23,8 @@ from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
 from dilocox.model.parallel_layers import clip_grad_norm_
 from dilocox.net.rpc import NotServing, PeerUnavailable, RemoteError, RpcServer, call
-from dilocox.optim import build_inner_optimizer
-from dilocox.swarm.peer import DIGEST_ENV, lr_at
+from dilocox.optim import build_inner_optimizer, lr_at
+from dilocox.swarm.peer import DIGEST_ENV
 from dilocox.swarm.runtime import PeerProc, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -362,6 +362,17 @@ def grad_norm_sq(params: Iterable[torch.Tensor], tp_rank: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def global_grad_norm(params: Iterable[torch.Tensor], tp_rank: int = 0, mp_group=None) -> torch.Tensor:
+    """The global L2 norm of the grads over the model-parallel (TP x PP) group, each parameter counted once (see
+    ``clip_grad_norm_``): a 0-dim fp32 tensor on the grads' device, no host sync."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = grad_norm_sq(params, tp_rank).to(device)
+    if mp_group is not None:
+        dist.all_reduce(sq, group=mp_group)
+    return sq.sqrt()
+
+
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_rank: int = 0, mp_group=None) -> torch.Tensor:
     """Clip grads to a global L2 norm taken over the model-parallel (TP x PP) group.
 
@@ -372,11 +383,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, tp_rank: in
     total norm before clipping (0-dim fp32 tensor).
     """
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    sq = grad_norm_sq(params, tp_rank).to(device)
-    if mp_group is not None:
-        dist.all_reduce(sq, group=mp_group)
-    norm = sq.sqrt()
+    norm = global_grad_norm(params, tp_rank, mp_group)
     if max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -1,9 +1,8 @@
 """What every part of a SWARM job shares: peer names and store keys, the error a peer stops with, the routers'
-factory, the inner learning-rate schedule (the same as ``dilocox train``'s)."""
+factory. (The inner step, its learning-rate schedule included, is ``dilocox train``'s: ``dilocox.inner_step``.)"""
 
 from __future__ import annotations
 
-from dilocox.optim import lr_at as lr_at  # the inner schedule of every trainer (re-exported for the peer modules)
 from dilocox.swarm.routing import RandomRouter, build_router
 
 DIGEST_ENV = "DILOCOX_SWARM_DIGESTS"  # set (tests): every sync record carries a hash of the params + AdamW state

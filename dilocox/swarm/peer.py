@@ -73,6 +73,7 @@ from torch import Tensor
 from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.fsutil import atomic_path
+from dilocox.inner_step import InnerStep
 from dilocox.model import build_stage_model
 from dilocox.net.rpc import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 from dilocox.net.secure import SecretError, open_value, sign_value
@@ -80,7 +81,7 @@ from dilocox.optim import build_inner_optimizer
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import checkpoint as peer_ckpt
 from dilocox.swarm import membership, peer_sync
-from dilocox.swarm.common import DIGEST_ENV, SwarmError, lr_at, make_router, peer_name, rpc_security, store_key
+from dilocox.swarm.common import DIGEST_ENV, SwarmError, make_router, peer_name, rpc_security, store_key
 from dilocox.swarm.faults import Faults
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
@@ -88,8 +89,8 @@ from dilocox.swarm.routing import NoLivePeer
 from dilocox.swarm.services import service_secret
 from dilocox.swarm.step_end import StepEnd
 
-# (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, lr_at, make_router, ...`` keeps working)
-__all__ = ["DIGEST_ENV", "SwarmError", "SwarmPeer", "lr_at", "main", "make_router", "peer_name"]
+# (re-exported: ``from dilocox.swarm.peer import DIGEST_ENV, make_router, ...`` keeps working)
+__all__ = ["DIGEST_ENV", "SwarmError", "SwarmPeer", "main", "make_router", "peer_name"]
 
 log = logging.getLogger("dilocox.swarm.peer")
 
@@ -139,6 +140,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # the inner optimizer of `dilocox train` (dilocox.optim): optim.name, no weight decay on biases and norms
         self.opt = build_inner_optimizer(cfg, self.model, torch.device("cpu"))
+        self.inner = InnerStep(self.opt, cfg)  # the step after the gradients: lr, clipping, AdamW, zero_grad
         self._init_step_state()
         if self.first:
             self._init_data()
@@ -464,29 +466,19 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             self.count, self.loss_sum = 0, 0.0
         if k in self.dump_grads:
             self.grads_dump[k] = {"grad_sum": grad_sum.clone(), "count": count}
-        lr = lr_at(k, self.cfg)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
         if self.s.sync == "swarm":
             flat = torch.cat([grad_sum, torch.tensor([float(count)])])
             if self.group is not None:
                 [flat] = self.group.allreduce_mean([flat], k)
                 rec["contributors"] = list(self.group.contributors)
-            total = float(flat[-1])  # mean count; the ratio below is sum / total count exactly as weights cancel
-            g = peer_sync.clip_global(self, k, flat[:-1] / total if total > 0 else None, rec)  # optim.grad_clip
-            if total > 0:
-                self._set_grads(g)
-                self.opt.step()
+            rec.update(peer_sync.swarm_step(self, k, flat))  # optim.grad_clip: the global norm over the stages
         else:
-            if count:
-                self._set_grads(peer_sync.clip_local(self, grad_sum / count, rec))  # optim.grad_clip: own norm
-                self.opt.step()
+            rec.update(peer_sync.local_step(self, k, grad_sum, count))  # optim.grad_clip: this peer's own norm
             self.outer.after_inner_step(k)
             if (k + 1) % self.cfg.outer.sync_every == 0:
                 rec["outer"] = True
                 if self.group is not None:
                     rec["outer_contributors"] = list(self.outer.contributors)
-        self.opt.zero_grad(set_to_none=True)
         rec["sync_s"] = time.monotonic() - t0
         if self.digests:
             rec["digest"] = peer_sync.state_digest(self)

@@ -1,22 +1,23 @@
-"""What a SWARM peer's stage sync adds to the plain step (issue 11): ``optim.grad_clip`` and the DiLoCo-SWARM join.
+"""What a SWARM peer's stage sync adds to the plain step (issue 11): its inner step with ``optim.grad_clip``'s norm,
+and the DiLoCo-SWARM join.
 
 Functions of the ``SwarmPeer`` (``peer.py`` calls them from its sync and its join; kept here because several
 features meet in peer.py). docs/SWARM.md, sections "Gradient clipping" and "Joining a running job".
 
-Gradient clipping (``optim.grad_clip`` > 0), the same formula as the pipeline engine
-(``dilocox.model.parallel_layers.clip_grad_norm_``): grads × min(1, c / (norm + 1e-6)).
+The inner step is ``dilocox.inner_step.InnerStep`` (the trainer's): lr, clipping, AdamW step, zero_grad. What is
+the peer's own is the global norm it clips by (``optim.grad_clip`` > 0; grads × min(1, c / (norm + 1e-6)), the
+coefficient in float64):
 
 - ``swarm.sync=swarm``: after the stage all-reduce every peer of stage j holds the same mean gradient g_j, so the
   global norm over the whole model is sqrt(Σ_j ||g_j||²), as in one pipeline. Each peer writes ||g_j||² of step k
   under ``swarm/norm/{k}/stage{j}`` in the launcher's TCPStore (every peer of a stage writes the same value), waits
-  (bounded by ``swarm.sync_timeout_s``) for every stage's value and clips with the coefficient computed from them in
-  stage order: the same on every peer. Once a peer has read step k's values it deletes its stage's key of step
-  k-1: every live peer has read that one by then (the stage all-reduce of step k needs all the stage's live peers
-  past their sync of step k-1, and step k's values of every stage need the same of every stage).
-- ``swarm.sync=diloco``: each peer steps on its own gradient, which no peer of another stage shares; the rule is
-  this peer's stage-local norm (over its own stage's parameters) in the same formula, with no communication. With
-  one stage it is the global clip; with n stages it clips less than the global norm would (a stage's norm is at
-  most the model's).
+  (bounded by ``swarm.sync_timeout_s``) for every stage's value and sums them in stage order: the same norm on every
+  peer. Once a peer has read step k's values it deletes its stage's key of step k-1: every live peer has read that
+  one by then (the stage all-reduce of step k needs all the stage's live peers past their sync of step k-1, and
+  step k's values of every stage need the same of every stage).
+- ``swarm.sync=diloco``: each peer steps on its own gradient, which no peer of another stage shares; the norm is
+  this peer's stage-local one (over its own stage's parameters), with no communication. With one stage it is the
+  global clip; with n stages it clips less than the global norm would (a stage's norm is at most the model's).
 
 DiLoCo-SWARM join (``--join`` with ``swarm.sync=diloco``): the stage's peers meet only every H = ``outer.sync_every``
 steps, in the DiLoCo outer step over the torchft quorum (``build_outer(..., group=QuorumGroup)``). The joiner pings its
@@ -47,7 +48,7 @@ from torch import Tensor
 
 from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
 from dilocox.net.secure import open_value, sign_value
-from dilocox.swarm.common import SwarmError, lr_at
+from dilocox.swarm.common import SwarmError
 
 log = logging.getLogger("dilocox.swarm.peer")
 
@@ -56,12 +57,8 @@ def norm_key(step: int, stage: int) -> str:
     return f"swarm/norm/{step}/stage{stage}"
 
 
-def _coef(max_norm: float, norm: float) -> float:
-    return min(1.0, max_norm / (norm + 1e-6))
-
-
 def _norm_waiter(peer):
-    """A second client of the peer's store, kept on the peer, for the blocking wait of ``clip_global``: the shared
+    """A second client of the peer's store, kept on the peer, for the blocking wait of ``global_norm``: the shared
     client stays free for the handler threads meanwhile."""
     w = getattr(peer, "_norm_store", None)
     if w is None:
@@ -74,13 +71,9 @@ def _norm_waiter(peer):
 
 
 @torch.no_grad()
-def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
-    """``swarm.sync=swarm``: clip this stage's averaged gradient ``g`` (flat; None when the stage served no
-    microbatch) by the global norm over all stages of step ``k`` (module docstring). Logs ``grad_norm`` (before
-    clipping) and ``clip_coef`` in ``rec``. Returns ``g`` (scaled in place)."""
-    c = peer.cfg.optim.grad_clip
-    if c <= 0:
-        return g
+def global_norm(peer, k: int, g: Tensor | None) -> float:
+    """``swarm.sync=swarm``: the norm over all stages of step ``k``'s averaged gradients, this stage's ``g`` (flat; None
+    when the stage served no microbatch: its norm is 0) with every other stage's from the store (module docstring)."""
     sq = float(g.double().pow(2).sum()) if g is not None else 0.0
     keys = [norm_key(k, j) for j in range(peer.n)]
     with peer.store_lock:
@@ -100,24 +93,32 @@ def clip_global(peer, k: int, g: Tensor | None, rec: dict) -> Tensor | None:
         sqs = [float.fromhex(open_value(run_secret(), key, peer.store.get(key).decode())) for key in keys]
         if k > 0:
             peer.store.delete_key(norm_key(k - 1, peer.stage))
-    norm = math.sqrt(sum(sqs))
-    coef = _coef(c, norm)
-    rec["grad_norm"], rec["clip_coef"] = norm, coef
-    if g is not None and coef < 1.0:
-        g.mul_(coef)
-    return g
+    return math.sqrt(sum(sqs))
 
 
-@torch.no_grad()
-def clip_local(peer, g: Tensor, rec: dict) -> Tensor:
-    """``swarm.sync=diloco``: clip this peer's own mean gradient ``g`` (flat) by its stage-local norm."""
-    c = peer.cfg.optim.grad_clip
-    if c <= 0:
-        return g
-    norm = math.sqrt(float(g.double().pow(2).sum()))
-    coef = _coef(c, norm)
-    rec["grad_norm"], rec["clip_coef"] = norm, coef
-    return g.mul_(coef) if coef < 1.0 else g
+def _inner_step(peer, k: int, g: Tensor | None, norm_fn) -> dict:
+    """The peer's inner step ``k`` (``InnerStep.apply``) on the mean gradient ``g`` (flat; None: no microbatch this
+    step, so no AdamW step). Returns the record's lr, grad_norm, clip_coef."""
+    if g is not None:
+        peer._set_grads(g)
+    return peer.inner.apply(k, norm_fn, take_step=g is not None)
+
+
+def swarm_step(peer, k: int, mean: Tensor) -> dict:
+    """``swarm.sync=swarm``: the inner step on the stage's all-reduced ``[grad sum | microbatch count]`` (the mean
+    of both parts: sum / total count exactly), clipped by the global norm over the stages."""
+    total = float(mean[-1])
+    g = mean[:-1] / total if total > 0 else None
+    return _inner_step(peer, k, g, lambda: global_norm(peer, k, g))
+
+
+def local_step(peer, k: int, grad_sum: Tensor, count: int) -> dict:
+    """``swarm.sync=diloco``: the inner step on this peer's own mean gradient, clipped by its stage-local norm (no
+    microbatch this step: the learning rate only, no norm)."""
+    if not count:
+        return _inner_step(peer, k, None, None)
+    g = grad_sum / count
+    return _inner_step(peer, k, g, lambda: math.sqrt(float(g.double().pow(2).sum())))
 
 
 def state_digest(peer) -> str:
@@ -277,15 +278,8 @@ def join_swarm(peer) -> int:
             f"{group.contributors}); start a joiner only while its stage is training"
         )
     k = peer._healed_step
-    total = float(mean[-1])
-    for g in peer.opt.param_groups:
-        g["lr"] = lr_at(k, peer.cfg)
     rec = {"step": k, "peer": peer.name, "joined": True, "contributors": list(group.contributors)}
-    g = clip_global(peer, k, mean[:-1] / total if total > 0 else None, rec)
-    if total > 0:
-        peer._set_grads(g)
-        peer.opt.step()
-    peer.opt.zero_grad(set_to_none=True)
+    rec.update(swarm_step(peer, k, mean))
     if peer.digests:
         rec["digest"] = state_digest(peer)
     with peer.cv:
