@@ -12,13 +12,13 @@ from dilocox.bench.runner import write_config
 from dilocox.config import load_config
 
 
-@pytest.mark.parametrize("point", frontier.POINTS, ids=lambda p: p[0])
+@pytest.mark.parametrize("point", frontier.POINTS + frontier.LEVERS, ids=lambda p: p[0])
 @pytest.mark.parametrize("corpus", sorted(frontier.CORPORA))
 def test_points_load_on_both_corpora(tmp_path, point, corpus):
     label, family, preset, extra = point
     path = write_config(str(tmp_path / "c.yaml"), ["tiny.yaml", f"methods/{preset}.yaml"], method_body(preset, 20))
     cfg = load_config(path, [frontier.CORPORA[corpus], "--train.seed=1", *extra])
-    assert cfg.data.source == ("stdlib" if corpus == "code" else "prose")
+    assert cfg.data.source == {"code": "stdlib", "prose": "prose", "docs": "docs"}[corpus]
     for o in extra:  # the knob the label names is the one set
         key, val = o.removeprefix("--").split("=")
         sec, *rest = key.split(".")
