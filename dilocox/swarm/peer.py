@@ -402,6 +402,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             self._write_record(rec)
             if peer_ckpt.due(self.cfg, k + 1):  # (a leaving peer too: it may be its stage's writer)
                 peer_ckpt.save(self, k + 1)
+            self.saved_through = k + 1  # (--die-mid-step waits for it: the fault lands after this step's save)
             if leaving:
                 membership.leave(self, k)
                 break

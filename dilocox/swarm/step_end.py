@@ -181,6 +181,9 @@ class StepEnd:
         in the first such step where this peer served, mid-step (it cannot sync the step before that marker) and
         after serving (the sender received those replies). Every sender then replays what completed here; requests
         still in flight here (another sender's) are re-sent."""
+        deadline = time.monotonic() + 10.0  # requests of a step are served while its checkpoint is still being written:
+        while getattr(self, "saved_through", step) < step and time.monotonic() < deadline:  # die after it (a test's
+            time.sleep(0.01)  # "mid-step k" means after the checkpoint of step k), bounded
         with self.lock:
             served = len(self.counted.get(step, ()))
         self.faults.die(f"{self.name}: --die-mid-step: kill -9 of itself in step {step} after {served} microbatch(es)")
