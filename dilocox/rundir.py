@@ -301,6 +301,7 @@ def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:
     run had checkpoints that are not in ``ckpt_dir`` (moved, deleted), finished, or trained another config: a silent
     start at step 0 would append the same steps again to its ``metrics.jsonl``."""
     finish_set_aside(run_dir)  # (records whose set-aside a crash cut short: they were judged already)
+    finish_moves(os.path.join(run_dir, METRICS_NAME), os.path.join(run_dir, DISCARDED_NAME))  # (a cut-short truncate)
     info = earlier_records(run_dir)
     if info is None:
         return None
@@ -370,23 +371,42 @@ def _discard_staged(run_dir: str, staged: str, token: str) -> int:
     discarded = os.path.join(run_dir, DISCARDED_NAME)
     mark = json.dumps({"discarded_after_step": 0, "time": time.time(), "set_aside": token}).encode() + b"\n"
     if lines and not _marked(discarded, token):
-        with atomic_path(discarded, sync=False) as tmp:
-            with open(tmp, "wb") as out:
-                last = b"\n"
-                try:
-                    with open(discarded, "rb") as old:
-                        while chunk := old.read(1 << 20):
-                            out.write(chunk)
-                            last = chunk[-1:]
-                except FileNotFoundError:
-                    pass
-                out.write((b"" if last == b"\n" else b"\n") + mark)  # (after a line cut by a crash: on its own line)
-                out.writelines(lines)
-                out.flush()
-                os.fsync(out.fileno())
+        append_atomically(discarded, [mark, *lines])
     os.remove(staged)
     sync_dir(run_dir)
     return len(lines)
+
+
+def append_atomically(path: str, lines: list[bytes]) -> None:
+    """``path`` replaced whole (``fsutil.atomic_path``, fsynced) by its old bytes + ``lines``: a crash leaves the old
+    file or the new one, never a half-appended line. After an old last line cut by a crash the new ones start on a
+    line of their own."""
+    with atomic_path(path, sync=False) as tmp:
+        with open(tmp, "wb") as out:
+            last = b"\n"
+            try:
+                with open(path, "rb") as old:
+                    while chunk := old.read(1 << 20):
+                        out.write(chunk)
+                        last = chunk[-1:]
+            except FileNotFoundError:
+                pass
+            out.write(b"" if last == b"\n" else b"\n")
+            out.writelines(lines)
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def _ends_with(path: str, tail: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < len(tail):
+                return False
+            f.seek(size - len(tail))
+            return f.read() == tail
+    except FileNotFoundError:
+        return False
 
 
 def _marked(discarded: str, token: str) -> bool:
@@ -426,31 +446,77 @@ def truncate_metrics(run_dir: str, step: int) -> int:
     return move_records_after(os.path.join(run_dir, METRICS_NAME), os.path.join(run_dir, DISCARDED_NAME), step)
 
 
+MOVING_INFIX = ".moving."  # <path>.moving.<step>.<token>: a move_records_after that a crash may have cut short
+
+
 def move_records_after(path: str, discarded_path: str, step: int, mark: bool = True) -> int:
     """Move the JSON-lines records of ``path`` whose ``step`` is above ``step`` (with the step-less ones after the
     first of them, and lines cut by a crash) to the end of ``discarded_path`` (``mark``: after a
-    ``discarded_after_step`` line); return how many moved. ``path`` is rewritten atomically."""
-    if not os.path.exists(path):
+    ``discarded_after_step`` line); return how many moved.
+
+    No record is lost or ends in both files, wherever the process dies (as ``set_aside_metrics``): ``path`` is
+    renamed to ``<path>.moving.<step>.<token>`` first (its records are then there only), the discarded file is
+    replaced whole by itself + the moved lines, ``path`` is written with the kept ones, and only then is the moving
+    file removed. The next call on ``path`` finishes a move a crash cut short: the moved lines are appended only
+    when the discarded file does not end with them already."""
+    n = finish_moves(path, discarded_path, mark)
+    if not os.path.exists(path) or not _split_after(_read_lines(path), step)[1]:
+        return n
+    staged = f"{path}{MOVING_INFIX}{step}.{secrets.token_hex(8)}"
+    replace_durably(path, staged)
+    return n + _finish_move(path, discarded_path, staged, step, mark)
+
+
+def finish_moves(path: str, discarded_path: str, mark: bool = True) -> int:
+    """Finish every ``move_records_after`` on ``path`` that a crash cut short; return how many records it moved."""
+    folder, base = os.path.split(path)
+    prefix = base + MOVING_INFIX
+    try:
+        names = sorted(n for n in os.listdir(folder or ".") if n.startswith(prefix))
+    except OSError:
         return 0
-    keep, drop = [], []
+    moved = 0
+    for name in names:
+        step_text = name[len(prefix) :].split(".", 1)[0]
+        if step_text.lstrip("-").isdigit():
+            moved += _finish_move(path, discarded_path, os.path.join(folder, name), int(step_text), mark)
+    return moved
+
+
+def _read_lines(path: str) -> list[str]:
     with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            line = line if line.endswith("\n") else line + "\n"
-            try:
-                rec = json.loads(line)
-            except ValueError:  # a line cut by a crash mid-write
-                drop.append(line)
-                continue
-            s = rec.get("step") if isinstance(rec, dict) else None
-            (drop if (isinstance(s, int) and s > step) or (s is None and drop) else keep).append(line)
-    if drop:
-        with open(discarded_path, "a") as f:
-            if mark:
-                f.write(json.dumps({"discarded_after_step": step, "time": time.time()}) + "\n")
-            f.writelines(drop)
-        atomic_write_text(path, "".join(keep))
+        return [ln if ln.endswith("\n") else ln + "\n" for ln in f if ln.strip()]
+
+
+def _split_after(lines: list[str], step: int) -> tuple[list[str], list[str]]:
+    keep, drop = [], []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # a line cut by a crash mid-write
+            drop.append(line)
+            continue
+        s = rec.get("step") if isinstance(rec, dict) else None
+        (drop if (isinstance(s, int) and s > step) or (s is None and drop) else keep).append(line)
+    return keep, drop
+
+
+def _finish_move(path: str, discarded_path: str, staged: str, step: int, mark: bool) -> int:
+    keep, drop = _split_after(_read_lines(staged), step)
+    tail = "".join(drop).encode()
+    if drop and not _ends_with(discarded_path, tail):
+        head = [json.dumps({"discarded_after_step": step, "time": time.time()}).encode() + b"\n"] if mark else []
+        append_atomically(discarded_path, [*head, tail])
+    kept = "".join(keep)
+    try:
+        with open(path) as f:
+            now = f.read()
+    except FileNotFoundError:
+        now = ""
+    if not now.startswith(kept):  # (written already, or a later writer made ``path`` anew: the kept lines first)
+        atomic_write_text(path, kept + now)
+    os.remove(staged)
+    sync_dir(os.path.dirname(path) or ".")
     return len(drop)
 
 

@@ -540,3 +540,82 @@ def test_set_aside_metrics_loses_and_duplicates_no_record_wherever_the_process_d
             break
         k += 1
     assert k >= 8, k  # (the set-aside's steps: rename, write, fsyncs, replace, remove, the empty file)
+
+
+def _moved_where(d):
+    """Every record line of metrics.jsonl, the discarded file (without markers) and a pending move's file."""
+
+    def lines(p):
+        return open(p).read().splitlines() if os.path.exists(p) else []
+
+    path, disc = os.path.join(d, "metrics.jsonl"), os.path.join(d, rundir.DISCARDED_NAME)
+    pending = [os.path.join(d, n) for n in os.listdir(d) if rundir.MOVING_INFIX in n]
+    return lines(path), [ln for ln in lines(disc) if "discarded_after_step" not in ln], pending
+
+
+@pytest.mark.parametrize("mark", [True, False])
+def test_move_records_after_loses_and_duplicates_no_record_wherever_the_process_dies(tmp_path, monkeypatch, mark):
+    """``truncate_metrics`` / SWARM's ``discard_records`` (``move_records_after``) die at their k-th file-system call
+    (every k until one runs through): right after, each record is in metrics.jsonl, the discarded file or the pending
+    move's file, and never in both of the first two unless the pending file holds it; the next call finishes the
+    move, and every record then sits in exactly one of the two files. Before, a death between the append to the
+    discarded file and the rewrite of the records' file left the moved records in both, and the next truncate
+    appended them again."""
+    records = [json.dumps({"step": i, "loss": 1.0 / i}) for i in range(1, 7)] + ['{"step": 7, "lo']  # (a cut line)
+    older = [json.dumps({"step": 9, "loss": 0.5})]
+    k, real = 0, {n: getattr(os, n) for n in _FS_CALLS}
+    while True:
+        d = str(tmp_path / f"run{k}")
+        os.makedirs(d)
+        path, disc = os.path.join(d, "metrics.jsonl"), os.path.join(d, rundir.DISCARDED_NAME)
+        with open(path, "w") as f:
+            f.write("\n".join(records))
+        with open(disc, "w") as f:
+            f.write("\n".join(older) + "\n")
+        calls = [0]
+
+        def dying(name):
+            def call(*a, **kw):
+                calls[0] += 1
+                if calls[0] > k:
+                    raise _Died(f"os.{name}")
+                return real[name](*a, **kw)
+
+            return call
+
+        with monkeypatch.context() as m:
+            for n in _FS_CALLS:
+                m.setattr(os, n, dying(n))
+            try:
+                moved = rundir.move_records_after(path, disc, 3, mark=mark)
+                died = False
+            except _Died:
+                died = True
+        live, discarded, pending = _moved_where(d)
+        in_pending = [ln for p in pending for ln in open(p).read().splitlines()]
+        assert set(live + discarded + in_pending) == set(records + older), k
+        assert not (set(live) & set(discarded) - set(in_pending)), (k, live, discarded)
+        again = rundir.move_records_after(path, disc, 3, mark=mark)  # the next start
+        live, discarded, pending = _moved_where(d)
+        assert pending == [] and live == records[:3], (k, live)
+        assert discarded == older + records[3:], (k, discarded)  # each moved record once, in order
+        if not died:
+            assert moved == 4 and again == 0
+            break
+        k += 1
+    assert k >= 6, k  # (the move's steps: rename, the discarded file's write and replace, the records' file, remove)
+
+
+def test_a_cut_short_move_keeps_what_a_later_writer_appended(tmp_path):
+    """A move cut short after the rename (the records' file gone), then a new writer made the file anew: finishing
+    the move puts the kept records first and keeps the new ones."""
+    d = str(tmp_path)
+    path, disc = os.path.join(d, "metrics.jsonl"), os.path.join(d, rundir.DISCARDED_NAME)
+    lines = [json.dumps({"step": i}) + "\n" for i in range(1, 5)]
+    with open(f"{path}{rundir.MOVING_INFIX}2.abcd", "w") as f:
+        f.writelines(lines)
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": 3, "new": True}) + "\n")
+    assert rundir.finish_moves(path, disc) == 2
+    assert open(path).read().splitlines() == [lines[0].strip(), lines[1].strip(), json.dumps({"step": 3, "new": True})]
+    assert [json.loads(x)["step"] for x in open(disc).read().splitlines()[1:]] == [3, 4]

@@ -20,12 +20,35 @@ from dilocox.net.mesh import Mesh, MeshError
 from dilocox.net.secure import open_value, sign_value
 
 
+def publish_window(timeout_s: float) -> float:
+    """How long the members of one quorum wait for each other's first key in the quorum's store (the mesh's address,
+    gloo's presence): min(timeout_s, max(10 s, timeout_s / 4)). They all get the lighthouse's answer at once and
+    publish first thing, so a member still silent then never got it: torchft's lighthouse counts a replica's request
+    that timed out on the replica's side (it clears its participants only when a quorum forms), and a quorum formed
+    just after includes a replica whose answer went nowhere. The others fail this step fast and retry on a new quorum
+    (the lost member is in it if it asks again) instead of waiting the whole ``timeout_s``."""
+    return min(timeout_s, max(10.0, timeout_s / 4))
+
+
+def await_key(store, key: str, deadline: float, who: str) -> None:
+    """Wait (until ``deadline``, monotonic) for ``key`` in ``store``; ``MeshError`` naming ``who`` past it."""
+    try:
+        store.wait([key], timedelta(seconds=max(0.01, deadline - time.monotonic())))
+    except Exception as e:  # (torch raises DistStoreError / RuntimeError "wait timeout")
+        raise MeshError(
+            f"{who} did not publish in the quorum's store within the publish window: it lost the lighthouse's "
+            f"answer (a quorum request that timed out on its side) or died; this step is retried on a new quorum "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        ) from e
+
+
 def _read_members(store, secret: bytes, key: str, world_size: int, seen: dict, deadline: float) -> list:
     """Every member's (address, nonce) from the quorum's store, signed for this round key; an entry this member read
     before under the same key (a quorum id reused) is waited on until it changes (MeshError past ``deadline``)."""
     members = []
     for r in range(world_size):
         k = f"dxmesh/{r}"
+        await_key(store, k, deadline, f"member {r}")
         while True:
             value = open_value(secret, f"{key}|{k}", store.get(k).decode())
             if value != seen.get(k):
@@ -65,7 +88,7 @@ def mesh_process_group(host: str, secret: bytes, encrypt: bool, timeout_s: float
 
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs) -> None:
             nonce = self.mesh.begin()  # (the old round is over whatever happens below)
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + publish_window(timeout_s)
             try:
                 store = create_store_client(self.relays.local(store_addr), timedelta(seconds=timeout_s))
                 k = f"dxmesh/{rank}"

@@ -31,6 +31,7 @@ import ipaddress
 import os
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -148,21 +149,41 @@ def quorum_pg(pg_cls, secret: bytes | None, timeout_s: float, collectives: str =
         if secret is None:
             raise ValueError("outer.elastic.collectives=authenticated needs outer.elastic.lighthouse_auth (the secret)")
         return mesh_process_group(host, secret, encrypt, timeout_s, relays)
-    if secret is None:
-        return pg_cls(timeout=timedelta(seconds=timeout_s))
 
-    class RelayedGloo(pg_cls):
+    class QuorumGloo(pg_cls):
+        """torchft's gloo group; with a secret its rendezvous goes through a relay proving it. Before gloo's own
+        rendezvous (bounded by the whole ``timeout_s``) every member says it is there and waits for the others
+        within ``publish_window`` (``elastic/mesh.py``: a member that lost the quorum's answer fails the step
+        fast)."""
+
         def __init__(self) -> None:
             super().__init__(timeout=timedelta(seconds=timeout_s))
             self.relays = relays
 
-        def configure(self, store_addr: str, *args, **kwargs) -> None:
-            super().configure(self.relays.local(store_addr), *args, **kwargs)
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs) -> None:
+            if secret is not None:
+                store_addr = self.relays.local(store_addr)
+            await_presence(store_addr, rank, world_size, timeout_s)
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
 
         def close_relays(self) -> None:
             self.relays.close()
 
-    return RelayedGloo()
+    return QuorumGloo()
+
+
+def await_presence(store_addr: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Say ``rank`` is here in the quorum's store (``host:port/prefix``) and wait for every other member within
+    ``publish_window(timeout_s)`` (``MeshError`` naming the first missing one)."""
+    from dilocox.elastic.mesh import await_key, publish_window
+    from dilocox.elastic.torchft import process_group_parts
+
+    create_store_client = process_group_parts()[1]
+    deadline = time.monotonic() + publish_window(timeout_s)
+    store = create_store_client(store_addr, timedelta(seconds=timeout_s))
+    store.set(f"dlx_present/{rank}", b"1")
+    for r in range(world_size):
+        await_key(store, f"dlx_present/{r}", deadline, f"member {r}")
 
 
 def _bracket(host: str) -> str:
