@@ -142,3 +142,48 @@ def test_the_manager_server_listens_on_loopback_behind_a_guard_at_the_replicas_a
         group.close()
         lh.shutdown()
     assert not ManagerGuard._relays and ManagerGuard._open == 0  # torchft's client is back
+
+
+def test_a_manager_port_taken_between_the_check_and_torchfts_bind_moves_the_guard(monkeypatch):
+    """Issue 42: the guard finds P free on 127.0.0.1, then another process takes 127.0.0.1:P before torchft binds it
+    (here: right after the check). torchft fails to bind (nothing is served on a port another holds); the replica
+    makes its guard again on another port and runs, its manager on a port nobody else holds."""
+    pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
+    host = _outward_address()
+    if host is None:
+        pytest.skip("no non-loopback address on this host")
+    from dilocox.elastic import ElasticConfig, ElasticOuterGroup, start_lighthouse, stores
+
+    taken: list[socket.socket] = []
+    real = stores._free_on_loopback
+
+    def check_then_taken(port: int) -> bool:
+        free = real(port)
+        if free and not taken:  # the other process wins the race, once
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            taken.append(s)
+        return free
+
+    monkeypatch.setattr(stores, "_free_on_loopback", check_then_taken)
+    monkeypatch.delenv("TORCHFT_MANAGER_PORT", raising=False)
+    secret = b"s" * 32
+    lh = start_lighthouse(1, bind="127.0.0.1:0", secret=secret, join_timeout_ms=200)
+    cfg = ElasticConfig(lighthouse_addr=lh.address(), replica_rank=0, min_replicas=1, max_replicas=2, timeout_s=20,
+                        quorum_timeout_s=20, host=host, lighthouse_auth=True, secret=secret)  # fmt: skip
+    group = None
+    try:
+        group = ElasticOuterGroup(cfg)
+        port = group.manager_guard.guard.port
+        assert taken and port != taken[0].getsockname()[1]
+        assert group._manager._manager.address() == f"http://{host}:{port}"
+        res = group.allreduce_mean(torch.arange(4.0))
+        assert res.contributors == [0] and torch.equal(res.mean, torch.arange(4.0))
+    finally:
+        if group is not None:
+            group.close()
+        lh.shutdown()
+        for s in taken:
+            s.close()
+    assert not stores.ManagerGuard._relays and stores.ManagerGuard._open == 0

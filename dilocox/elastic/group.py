@@ -27,6 +27,7 @@ torchft is imported lazily (on first construction) so that ``import dilocox`` wo
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -249,9 +250,7 @@ class ElasticOuterGroup:
         )
         self.manager_guard = None
         try:  # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
-            self.manager_guard = ManagerGuard(cfg.host, guarded, serve=group_rank == 0) if guarded else None
-            with advertise_store(advertise if group_rank == 0 else None, getattr(self.manager_guard, "bind", None)):
-                self._manager = self._new_manager(Manager, store)
+            self._manager = self._guarded_manager(Manager, store, guarded, advertise if group_rank == 0 else None)
             self.failover = self._new_failover(TCPStore, store)
         except BaseException:
             self.transport.shutdown()  # (its server would outlive the failed construction)
@@ -265,6 +264,27 @@ class ElasticOuterGroup:
         self.closed = False
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
         self.on_quorum: Callable[[int], None] | None = None
+
+    def _guarded_manager(self, manager_cls, store: tuple[str, int], guarded: bytes | None, advertise):
+        """The Manager, its server behind a ``ManagerGuard`` with ``guarded`` (rank 0 serves). The guard found the
+        port free on 127.0.0.1, but torchft binds it a moment later: a process that took it meanwhile makes torchft
+        fail to bind ("Address already in use"; nothing is served on a port another holds), and the guard is then
+        made again on another port (at most 5 times; a fixed TORCHFT_MANAGER_PORT is not moved)."""
+        serve = self.group_rank == 0
+        for attempt in range(5):
+            self.manager_guard = ManagerGuard(self.cfg.host, guarded, serve=serve) if guarded else None
+            bind = getattr(self.manager_guard, "bind", None)
+            try:
+                with advertise_store(advertise, bind):
+                    return self._new_manager(manager_cls, store)
+            except RuntimeError as e:
+                taken = "address already in use" in str(e).lower() and getattr(self.manager_guard, "guard", None)
+                if not taken or os.environ.get("TORCHFT_MANAGER_PORT") or attempt == 4:
+                    raise
+                log.warning("replica %d: %s was taken before torchft bound it; another port", self.cfg.replica_rank,
+                            bind)  # fmt: skip
+                self.manager_guard.close()
+        raise AssertionError("unreachable")
 
     def _new_manager(self, manager_cls, store: tuple[str, int]):
         """This rank's torchft ``Manager`` on the replica's store (``store``), healing through ``self.transport``."""
