@@ -33,6 +33,7 @@ from dilocox.distributed import signals
 from dilocox.distributed.comm import emulated_bandwidth_bytes
 from dilocox.distributed.topology import build_topology, group_ranks, init_distributed
 from dilocox.elastic.group import ElasticError
+from dilocox.elastic.standby import ACTIVATE_NAME, StandbyNotNeeded, await_activation
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
 from dilocox.inner_step import InnerStep
@@ -62,9 +63,13 @@ class Trainer(TrainerState):
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.t_created = time.time()
+        self.standby: dict | None = None  # a warm standby's activation (``_become_replica``)
         self._init_distributed()  # process groups, topology, the stop flag, device, the run-dir lock
         self._init_data()  # corpus, this replica's sampler, validation batches
         self._init_model()  # the stage model (+ Hugging Face init, compile), pipeline engine, inner optimizer
+        if cfg.outer.elastic.enabled and cfg.outer.elastic.standby:
+            self._become_replica()  # a warm standby: wait (bounded) to take a dead replica's place
         self._init_outer()  # the elastic group and the outer method (DiLoCo family), its bounded waits
         self._init_logging()  # counters, metrics logger, MFU inputs
         self._maybe_resume()
@@ -112,12 +117,14 @@ class Trainer(TrainerState):
         el = cfg.outer.elastic
         # elastic: the replica's data shard is its stable identity (replica_rank of max_replicas), so a replica that
         # comes back continues its own shard at the live step and reads nothing another replica reads
-        replica, n_replicas = (el.replica_rank, el.max_replicas) if el.enabled else (self.topo.replica, self.topo.R)
-        tokens = self.prepared.train_tokens()
-        self.sampler = TokenSampler(tokens, tr.seq_len, tr.batch_size, tr.seed, replica, n_replicas)
+        self._new_sampler(*((el.replica_rank, el.max_replicas) if el.enabled else (self.topo.replica, self.topo.R)))
         self.val_batches = (
             self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
         )
+
+    def _new_sampler(self, replica: int, n_replicas: int) -> None:
+        t = self.cfg.train
+        self.sampler = TokenSampler(self.prepared.train_tokens(), t.seq_len, t.batch_size, t.seed, replica, n_replicas)
 
     def _init_model(self) -> None:
         cfg, t = self.cfg, self.topo
@@ -200,6 +207,19 @@ class Trainer(TrainerState):
         self._unlogged: list[tuple[dict, bool]] = []  # records since the last printed one, tensors not yet read
 
     # ------------------------------------------------------------------ elastic
+    def _become_replica(self) -> None:
+        """A warm standby (``outer.elastic.standby``, dilocox/elastic/standby.py): everything but the elastic group is
+        built; wait (bounded) for the launcher's activation naming a dead replica's ``replica_rank``, then take its
+        identity (its data shard). ``self.standby`` keeps the times the join's log line reports."""
+        cfg, el = self.cfg, self.cfg.outer.elastic
+        if self.topo.rank == 0:
+            print(f"elastic: standby warm after {time.time() - self.t_created:.1f}s; waiting for {ACTIVATE_NAME} in "
+                  f"{cfg.log.run_dir} (at most {el.standby_timeout_s:g}s)", flush=True)  # fmt: skip
+        act = await_activation(cfg.log.run_dir, el.max_replicas, el.standby_timeout_s, since=self.t_created)
+        el.replica_rank = act["replica_rank"]
+        self._new_sampler(el.replica_rank, el.max_replicas)
+        self.standby = {"activated_wall": act["wall"], "warm_s": act["wall"] - self.t_created}
+
     def _elastic_join(self) -> None:
         """Join the live replicas (docs/ELASTIC.md): when they are ahead, take their outer state and step."""
         t0 = time.time()
@@ -209,8 +229,11 @@ class Trainer(TrainerState):
             via = f" (outer collectives: {pg.getBackendName()})" if pg is not None else ""
             self.logger.info(f"elastic: replica {self.cfg.outer.elastic.replica_rank} starts at step {self.step}{via}")
             return
-        self.outer.pop_jump()
-        self._continue_at(n, f"joined the live run at step {n} (state received in {time.time() - t0:.1f}s)")
+        self.outer.membership.pop_jump()
+        warm = ""
+        if self.standby is not None:  # (where a standby's rejoin went: issue 45's breakdown)
+            warm = f"; a standby: {t0 - self.standby['activated_wall']:.1f}s from its activation to the join"
+        self._continue_at(n, f"joined the live run at step {n} (state received in {time.time() - t0:.1f}s{warm})")
 
     def _continue_at(self, n: int, why: str) -> None:
         """Elastic: continue at the live replicas' inner step ``n`` from θ (this replica's params are θ now)."""
@@ -284,7 +307,9 @@ class Trainer(TrainerState):
             self.outer.after_inner_step(step)
         self.step += 1
         self.tokens_seen += cfg.train.batch_size * cfg.train.seq_len
-        if self.elastic is not None and (n := self.outer.pop_jump()) is not None:  # healed mid-run (docs/ELASTIC.md)
+        if (
+            self.elastic is not None and (n := self.outer.membership.pop_jump()) is not None
+        ):  # healed mid-run (docs/ELASTIC.md)
             self._continue_at(n, "was behind; took the live state")
         return loss
 
@@ -474,7 +499,12 @@ def build_elastic_group(cfg: Config, topo):
 
 def train(cfg: Config) -> dict:
     """Train ``cfg`` on this rank (config history and the run-dir lock: :mod:`dilocox.rundir`)."""
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except StandbyNotNeeded as e:  # a warm standby the run did not need: a clean end, one line
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(str(e), flush=True)
+        raise SystemExit(0) from None
     trainer.stop.install()
     # logs while the main thread sits in a collective longer than outer.warn_after_s (bounded by the group timeouts).
     # Not on one process: there is no collective to wait on (with it, the 1-rank tiny run measured 5-10 % fewer

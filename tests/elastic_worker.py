@@ -117,7 +117,7 @@ def main() -> None:
     qg = QuorumGroup(group, a.norm_check) if a.poison is None else _Poisoned(group, a.norm_check, float(a.poison))
     outer = build_outer(list(model.named_parameters()), None, ocfg, ccfg, a.seed, layer_of=layer_of, group=qg)
     n0 = outer.join()
-    outer.pop_jump()
+    outer.membership.pop_jump()
     if n0 is not None:
         opt = make_inner_opt(model)  # a joiner starts from θ with a fresh inner optimizer
     rec(event="start", step=n0 or 0, healed=n0 is not None)
@@ -149,7 +149,7 @@ def main() -> None:
             rank = rank_of(outer.compressors[0])
             rec(event="sync", step=step + 1, outer_step=outer.outer_step, contributors=outer.contributors, rank=rank,
                 H=outer.H)  # fmt: skip
-        jump = outer.pop_jump()
+        jump = outer.membership.pop_jump()
         if jump is not None:  # healed mid-run (it was behind): continue at the live step from θ, fresh AdamW
             rec(event="healed", step=jump)
             opt = make_inner_opt(model)

@@ -266,3 +266,62 @@ def test_train_dp_sharded_replica_kill_and_restart_rejoins_bit_identical(tmp_pat
                            weights_only=False)["model"] for r in (0, 1))  # fmt: skip
         for k in a:
             assert torch.equal(a[k], b[k]), (shard, k)
+
+
+@pytest.mark.fault
+@pytest.mark.slow  # ~60-120 s: 2 replicas and a standby on 2 shared cores
+def test_a_warm_standby_takes_a_killed_replicas_place_bit_identical(tmp_path):
+    """Issue 45: replicas 0 and 1 train; a standby job (``outer.elastic.standby``) is built and waits; replica 1 is
+    SIGKILLed mid-run and the standby activated as replica 1 at once (activate.json, as `dilocox launch --elastic
+    --standby-replicas` writes it). It joins the live run at a later step than replica 1 died at, never trains a
+    step twice, and ends bit-identical to replica 0."""
+    from dilocox.elastic.standby import activate
+
+    run = _Run(tmp_path, min_replicas=1, steps=160)
+    try:
+        deadline = time.monotonic() + 400
+        for r in range(2):
+            run.start(r, "--outer.elastic.initial_replicas=2")
+        run.start(2, "--outer.elastic.standby=true")  # (its replica_rank comes with the activation)
+        while "standby warm after" not in open(tmp_path / "r2.out").read():
+            assert time.monotonic() < deadline and run.procs[2][0].poll() is None, run.err(2)
+            time.sleep(0.1)
+        run.wait_step(1, 10, deadline)
+        run.kill(1)
+        died = max(x["step"] for x in _metrics(run.run_dir(1)) if "step" in x)
+        t_kill = time.time()
+        activate(run.run_dir(2), 1)
+        for r in (0, 2):
+            assert run.procs[r][-1].wait(timeout=max(1.0, deadline - time.monotonic())) == 0, run.err(r)
+    finally:
+        run.close()
+    out = open(tmp_path / "r2.out").read()
+    joined = [line for line in out.splitlines() if "joined the live run at step" in line]
+    assert joined and "a standby:" in joined[-1], out[-2000:]
+    n_join = int(joined[-1].split("at step ")[1].split()[0])
+    assert n_join > died and n_join % 4 == 0, (n_join, died)
+    steps = [x["step"] for x in _metrics(run.run_dir(2)) if "step" in x and "loss" in x]
+    assert steps and steps[0] >= n_join and steps == sorted(set(steps)), "the standby trained a step twice"
+    assert min(x["wall"] for x in _metrics(run.run_dir(2)) if "loss" in x) > t_kill
+    a, b = _final_model(run.run_dir(0)), _final_model(run.run_dir(2))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow  # ~10-20 s
+def test_a_standby_that_is_not_needed_ends_cleanly_after_its_bound(tmp_path):
+    """A standby never activated: after outer.elastic.standby_timeout_s it exits 0 with one line (no lighthouse is
+    ever contacted: the torchft manager is made only at the activation). A stale activate.json (an earlier run's,
+    written before the job started) does not activate it."""
+    from dilocox.elastic.standby import activate
+
+    os.makedirs(tmp_path / "replica2")
+    activate(str(tmp_path / "replica2"), 0)
+    run = _Run(tmp_path, min_replicas=1, steps=20)
+    try:
+        p = run.start(2, "--outer.elastic.standby=true", "--outer.elastic.standby_timeout_s=3")
+        assert p.wait(timeout=120) == 0, run.err(2)
+    finally:
+        run.close()
+    out = open(tmp_path / "r2.out").read()
+    assert "standby warm after" in out and "the run did not need this replica" in out, out[-2000:]
+    assert "joined the live run" not in out and not _metrics(run.run_dir(2))

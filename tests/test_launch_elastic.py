@@ -751,3 +751,71 @@ def test_elastic_launch_with_a_standby_lighthouse_hands_both_addresses_and_stops
     ev = _events(run_dir)
     assert [(e["event"], e.get("standby")) for e in ev[:2]] == [("lighthouse", None), ("lighthouse", True)]
     assert la.lighthouse.poll() is not None and la.standby_lighthouse.poll() is not None
+
+
+# A warm standby job: waits (bounded) for activate.json in its run dir, notes the replica rank it was given, then
+# runs DURATION s as a replica; SIGTERM ends it at once (as the trainer's default action before it is activated).
+FAKE_STANDBY = textwrap.dedent(
+    """
+    import json, os, sys, time
+    s, run_dir, out, duration = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+    path = os.path.join(run_dir, "activate.json")
+    deadline = time.time() + 60
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            sys.exit(0)
+        time.sleep(0.02)
+    r = json.load(open(path))["replica_rank"]
+    open(f"{out}/s{s}.{os.getpid()}.activated", "w").write(f"{r} {time.time()}")
+    time.sleep(duration)
+    open(f"{out}/s{s}.{os.getpid()}.done", "w").write("done")
+    """
+)
+
+
+def test_a_standby_takes_a_killed_replicas_place_and_a_restart_refills_the_pool(tmp_path):
+    """``--standby-replicas``: 2 replicas and 1 warm standby; replica 1 is SIGKILLed at 1.5 s: the standby is activated
+    at once as replica 1 (activate.json in its run dir names rank 1); the scheduled restart of replica 1 at 3 s finds
+    the slot served, so a NEW standby starts instead; at the end that idle standby is stopped, the run returns 0 and
+    nothing is left behind. A stale activate.json of an earlier run in a standby's dir is removed before it starts."""
+    run_dir = tmp_path / "run"
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "fake_standby.py"
+    script.write_text(FAKE_STANDBY)
+    (run_dir / "standby0").mkdir(parents=True)
+    (run_dir / "standby0" / "activate.json").write_text('{"replica_rank": 0, "wall": 1}')  # an earlier run's
+
+    def spare_argv(s: int, addr: str) -> list[str]:
+        return [sys.executable, str(script), str(s), str(run_dir / f"standby{s}"), str(out), "4.0"]
+
+    la = ElasticLaunch(
+        2,
+        _fake(tmp_path, duration=6.0),
+        str(run_dir),
+        schedule=parse_schedule(["1@1.5"], ["1@3"], 2),
+        env=ENV,
+        lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
+        timeout_s=60,
+        stop_timeout_s=5,
+        log=lambda m: None,
+        spares=1,
+        spare_argv=spare_argv,
+    )
+    assert la.run() == 0
+    ev = _events(run_dir)
+    kill = next(e for e in ev if e["event"] == "kill")
+    act = next(e for e in ev if e["event"] == "activate")
+    assert act["replica"] == 1 and act["standby"] == 0 and act["why"] == "killed"
+    assert 0 <= act["t"] - kill["t"] < 0.5, (kill, act)  # at once: no process start in between
+    activated = list(out.glob("s0.*.activated"))
+    assert len(activated) == 1 and activated[0].read_text().split()[0] == "1"
+    assert float(activated[0].read_text().split()[1]) - kill["wall"] < 2.0  # (the fake polls every 20 ms)
+    assert not [e for e in ev if e["event"] == "restart"]  # the slot was served: no second replica 1
+    refill = [e for e in ev if e["event"] == "standby" and e.get("standby") == 1]
+    assert len(refill) == 1 and 3.0 <= refill[0]["t"] - ev[1]["t"] < 4.5, ev
+    assert [e["standby"] for e in ev if e["event"] == "stop_standby"] == [1]  # never needed: stopped at the end
+    assert list(out.glob("s0.*.done")) and not list(out.glob("s1.*.activated"))
+    assert la.slots[1] is la.spares[0] and la.spares[0].serves == 1
+    for rep in la.replicas + la.spares:
+        assert tagged_pids(rep.tag) == []

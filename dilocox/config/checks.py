@@ -488,7 +488,7 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
             e.initial_replicas,
             f"must be null or in [min_replicas={e.min_replicas}, max_replicas={e.max_replicas}]",
         )
-    for name in ("timeout_s", "quorum_timeout_s"):
+    for name in ("timeout_s", "quorum_timeout_s", "standby_timeout_s"):
         if getattr(e, name) <= 0:
             _fail(f"outer.elastic.{name}", getattr(e, name), "must be > 0 seconds")
     if e.max_attempts < 1:

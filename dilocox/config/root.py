@@ -83,6 +83,9 @@ def validate(cfg: Config) -> None:
     check_optim(cfg.optim)
     check_muon_layout(cfg.optim, cfg.parallel)
     check_train(cfg.train)
+    if cfg.outer.elastic.standby and not cfg.outer.elastic.enabled:
+        _fail("outer.elastic.standby", True, "needs outer.elastic.enabled=true (a standby is a replica of an elastic "
+              "run: `dilocox launch --elastic N CONFIG --standby-replicas S` starts it)")  # fmt: skip
     if cfg.outer.elastic.enabled:
         check_elastic(cfg.outer, cfg.parallel)
         check_lighthouse_auth(cfg.outer, cfg.security)

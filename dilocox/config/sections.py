@@ -170,6 +170,10 @@ class ElasticSection:
     # the clear: a private network across sites) | authenticated (dilocox's mesh: the run secret's handshake on every
     # pair connection, each message MACed, or encrypted with security.encrypt; needs lighthouse_auth; elastic/mesh.py)
     # | auto (authenticated where lighthouse_auth is on, as under `dilocox launch --elastic`; else gloo)
+    standby: bool = False  # a warm standby (issue 45): build the model, data and optimizer, then wait (bounded by
+    # standby_timeout_s) until `dilocox launch --elastic --standby-replicas S` writes activate.json into log.run_dir,
+    # naming the replica_rank of a replica that died; then join the live run as it (its data shard) at once
+    standby_timeout_s: float = 3600.0  # bound on a standby's wait; past it the job exits 0 (it was not needed)
 
 
 @dataclass

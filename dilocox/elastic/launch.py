@@ -14,6 +14,10 @@ its tag (torchrun's workers live in their own session); "restart" starts the sam
 config's ``log.run_dir``; ``RUN/events.jsonl`` gets one line per event (``start``, ``kill``, ``restart``,
 ``exit``, ``lighthouse``, ``stop``) with the wall time (epoch seconds) and the seconds since the launch.
 
+``--standby-replicas S`` starts S warm standbys (``outer.elastic.standby``, ``RUN/standby{s}``): a replica that dies is
+replaced by an idle one at once (``activate.json``, ``dilocox/elastic/standby.py``); a later restart of its slot starts
+a new standby instead; idle ones are stopped at the end.
+
 With ``--netns`` (default when root can create network namespaces) each replica runs in its own namespace
 (``dilocox.launch.netns.Cluster``) behind a ``tc tbf`` cap of ``--bandwidth`` each way, and the lighthouse runs
 in the switch namespace at ``HUB_ADDR`` (reachable from every replica; its heartbeats cross the capped links).
@@ -57,9 +61,19 @@ from dilocox.net.secure import HANDSHAKE_S, SecretError, load_or_create_secret
 
 
 def train_argv(
-    config: str, r: int, n: int, nproc: int, lighthouse: str, min_replicas: int, run_dir: str, overrides: Sequence[str]
+    config: str,
+    r: int,
+    n: int,
+    nproc: int,
+    lighthouse: str,
+    min_replicas: int,
+    run_dir: str,
+    overrides: Sequence[str],
+    standby: int | None = None,
 ) -> list[str]:
-    """The command of replica r of n: one ``dilocox train`` job of ``nproc`` ranks, its own run dir."""
+    """The command of replica r of n: one ``dilocox train`` job of ``nproc`` ranks, its own run dir; ``standby`` s:
+    the command of warm standby s instead (``outer.elastic.standby``; its replica_rank comes with its activation)."""
+    name = f"replica{r}" if standby is None else f"standby{standby}"
     return [
         sys.executable,
         "-m",
@@ -75,7 +89,8 @@ def train_argv(
         f"--outer.elastic.replica_rank={r}",
         f"--outer.elastic.min_replicas={min_replicas}",
         f"--outer.elastic.initial_replicas={n}",  # the first outer step waits (bounded) for every replica's start-up
-        f"--log.run_dir={os.path.join(run_dir, f'replica{r}')}",
+        *(["--outer.elastic.standby=true"] if standby is not None else []),
+        f"--log.run_dir={os.path.join(run_dir, name)}",
     ]
 
 
@@ -196,6 +211,7 @@ def launch_elastic(
     loss: str | None = None,
     standby: bool = False,
     auth_lighthouse: bool | None = None,
+    standby_replicas: int = 0,
 ) -> int:
     """``dilocox launch --elastic N CONFIG ...`` as a function; returns the exit code. ``at``: the schedule's
     R@X means X seconds after the replicas started ("time") or the first time a replica logged step X ("step")."""
@@ -207,8 +223,9 @@ def launch_elastic(
         min_replicas = max(1, n - 1)
     if not 1 <= min_replicas <= n:
         raise LaunchError(f"--min-replicas {min_replicas} must be in [1, --elastic {n}]")
-    if at not in ("time", "step"):
-        raise LaunchError(f"--at {at!r} must be time or step")
+    if at not in ("time", "step") or standby_replicas < 0:
+        raise LaunchError(f"--at {at!r} must be time or step" if standby_replicas >= 0 else
+                          f"--standby-replicas {standby_replicas} must be >= 0")  # fmt: skip
     schedule = parse_schedule(kills, restarts, n)
     rtt_ms, jitter_ms, loss_p = _parse_delay(latency, jitter, loss)
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
@@ -225,8 +242,8 @@ def launch_elastic(
     os.makedirs(run_dir, exist_ok=True)
     overrides, lighthouse_opts = _security_args(cfg, run_dir, overrides, lighthouse_opts, auth_lighthouse)
 
-    def argv(r: int, addr: str) -> list[str]:
-        return train_argv(config, r, n, nproc, addr, min_replicas, run_dir, overrides)
+    def argv(r: int, addr: str, standby: int | None = None) -> list[str]:  # (standby s: its replica_rank comes later)
+        return train_argv(config, r, n, nproc, addr, min_replicas, run_dir, overrides, standby=standby)
 
     kw = dict(
         min_replicas=min_replicas,
@@ -237,6 +254,8 @@ def launch_elastic(
         log=log,
         clock=step_clock(run_dir, n) if at == "step" else None,
         standby=standby,
+        spares=standby_replicas,
+        spare_argv=lambda s, addr: argv(0, addr, s),
     )
     cap = fmt_bandwidth(rate_bps) if rate_bps else "uncapped"
     if not use_netns:
@@ -250,7 +269,8 @@ def launch_elastic(
     extra = f"; delay switch +{rtt_ms:g} ms RTT, jitter {jitter_ms:g} ms, loss {loss_p:.3%}" if delayed else ""
     log(f"dilocox launch: elastic, {n} replicas x {nproc} ranks in network namespaces, tbf {cap} each way{extra}")
     rate_mbit = None if rate_bps is None else rate_bps / 1e6
-    with Cluster(n, rate_mbit, hub=True, stop_grace_s=5.0, rtt_ms=rtt_ms, jitter_ms=jitter_ms, loss=loss_p) as c:
+    with Cluster(n + standby_replicas, rate_mbit, hub=True, stop_grace_s=5.0, rtt_ms=rtt_ms, jitter_ms=jitter_ms,
+                 loss=loss_p) as c:  # fmt: skip
         return ElasticLaunch(n, argv, run_dir, env=env, cluster=c, **kw).run()
 
 
@@ -283,6 +303,13 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
         "--standby-lighthouse", action="store_true", help="also start a standby lighthouse (docs/ELASTIC.md)"
     )
     p.add_argument(
+        "--standby-replicas",
+        type=int,
+        default=0,
+        metavar="S",
+        help="S warm standby jobs (built, idle): a replica that dies is replaced by one at once (docs/ELASTIC.md)",
+    )
+    p.add_argument(
         "--authenticate-lighthouse",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -311,6 +338,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
             loss=a.loss,
             standby=a.standby_lighthouse,
             auth_lighthouse=a.authenticate_lighthouse,
+            standby_replicas=a.standby_replicas,
         )
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"dilocox launch: error: {e}", file=sys.stderr)

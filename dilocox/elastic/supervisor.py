@@ -25,6 +25,7 @@ from dilocox.distributed.procs import (
     tagged_pids,
 )
 from dilocox.elastic.schedule import Action, LaunchError, last_error, last_summary
+from dilocox.elastic.standby import ACTIVATE_NAME, activate
 from dilocox.launch.netns import HUB_ADDR, Cluster
 
 LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
@@ -34,8 +35,12 @@ _ADDR_RE = re.compile(r"https?://\S+")
 
 
 class _Replica:
-    def __init__(self, r: int) -> None:
-        self.r = r
+    def __init__(self, r: int, spare: bool = False, ns: int | None = None) -> None:
+        self.r = r  # the replica's slot (a spare: its standby index)
+        self.spare = spare  # a warm standby (``--standby-replicas``): started idle, activated into a slot
+        self.name = f"standby{r}" if spare else f"replica{r}"  # its log and run dir
+        self.ns = r if ns is None else ns  # its network namespace (``Cluster`` index)
+        self.serves: int | None = None if spare else r  # the slot it trains as (a spare: once activated)
         self.proc: subprocess.Popen | None = None
         self.tag = ""
         self.incarnation = -1
@@ -69,6 +74,8 @@ class ElasticLaunch:
         log: Callable[[str], None] | None = None,
         clock: Callable[[], float] | None = None,
         standby: bool = False,
+        spares: int = 0,
+        spare_argv: Callable[[int, str], list[str]] | None = None,
     ) -> None:
         if n < 1:
             raise LaunchError(f"--elastic {n}: the number of replicas must be >= 1")
@@ -95,6 +102,13 @@ class ElasticLaunch:
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.launch_id = uuid.uuid4().hex[:12]
         self.replicas = [_Replica(r) for r in range(n)]
+        # warm standbys (dilocox/elastic/standby.py): ``spare_argv(s, addr)`` is standby s's command; a replica that
+        # dies (killed or crashed) is replaced at once by an idle one (``slots[r]``: the process training as r)
+        if spares and spare_argv is None:
+            raise LaunchError("--standby-replicas needs the standbys' command (spare_argv)")
+        self.spare_argv = spare_argv
+        self.spares = [_Replica(s, spare=True, ns=n + s) for s in range(spares)]
+        self.slots = list(self.replicas)
         self.lighthouse: subprocess.Popen | None = None
         self.standby_lighthouse: subprocess.Popen | None = None
         self.standby = standby
@@ -176,17 +190,35 @@ class ElasticLaunch:
         rep.tag = f"dilocox-elastic-{self.launch_id}-r{rep.r}-{rep.incarnation}"
         env = dict(self.env, **{RUN_TAG_ENV: rep.tag})
         if self.cluster is not None:
-            ifname = self.cluster.ifname(rep.r)
-            env.update(GLOO_SOCKET_IFNAME=ifname, DILOCOX_EMULATION="netns", **{HOST_ENV: self.cluster.addr(rep.r)})
-        log_path = os.path.join(self.run_dir, f"replica{rep.r}.log")
+            ifname = self.cluster.ifname(rep.ns)
+            env.update(GLOO_SOCKET_IFNAME=ifname, DILOCOX_EMULATION="netns", **{HOST_ENV: self.cluster.addr(rep.ns)})
+        log_path = os.path.join(self.run_dir, f"{rep.name}.log")
         if rep.log is None:
             rep.log = open(log_path, "a")
         rep.log.write(f"==== {kind} (incarnation {rep.incarnation}) at {time.time():.3f}\n")
         rep.log.flush()
-        argv = self.replica_argv(rep.r, self.lighthouse_addr)
-        rep.proc = self._popen(argv, env, rep.r, stdout=rep.log, stderr=subprocess.STDOUT)
+        if rep.spare:
+            stale = os.path.join(self.run_dir, rep.name, ACTIVATE_NAME)  # (an earlier run's activation)
+            if os.path.exists(stale):
+                os.remove(stale)
+            argv = self.spare_argv(rep.r, self.lighthouse_addr)
+        else:
+            argv = self.replica_argv(rep.r, self.lighthouse_addr)
+        rep.proc = self._popen(argv, env, rep.ns, stdout=rep.log, stderr=subprocess.STDOUT)
         rep.killed, rep.code = False, None
-        self.event(kind, replica=rep.r, pid=rep.proc.pid, incarnation=rep.incarnation)
+        who = {"standby": rep.r} if rep.spare else {"replica": rep.r}
+        self.event(kind, **who, pid=rep.proc.pid, incarnation=rep.incarnation)
+
+    def _activate_spare(self, r: int, why: str) -> None:
+        """Slot ``r`` lost its process (``why``): the first idle live standby becomes replica r (its activation file);
+        none idle: the slot stays empty until a scheduled restart."""
+        spare = next((x for x in self.spares if x.serves is None and x.proc is not None and x.code is None), None)
+        if spare is None:
+            return
+        activate(os.path.join(self.run_dir, spare.name), r)
+        spare.serves, self.slots[r] = r, spare
+        self.event("activate", replica=r, standby=spare.r, pid=spare.proc.pid, why=why)
+        self.log(f"dilocox launch: standby {spare.r} takes replica {r}'s place ({why})")
 
     def _kill_replica(self, rep: _Replica, sig: int = signal.SIGKILL) -> list[int]:
         """``sig`` to the replica's process group and to every process with its tag (other sessions too)."""
@@ -206,7 +238,7 @@ class ElasticLaunch:
                 return
             kill_tagged(rep.tag, signal.SIGKILL)
             time.sleep(0.05)
-        self.log(f"dilocox launch: replica {rep.r}: processes {tagged_pids(rep.tag)} still there after SIGKILL")
+        self.log(f"dilocox launch: {rep.name}: processes {tagged_pids(rep.tag)} still there after SIGKILL")
 
     # the run --------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -225,6 +257,8 @@ class ElasticLaunch:
             self._start_lighthouse()
             for rep in self.replicas:
                 self._start_replica(rep, "start")
+            for rep in self.spares:
+                self._start_replica(rep, "standby")
             return self._loop()
         finally:
             self._shutdown()
@@ -232,7 +266,7 @@ class ElasticLaunch:
                 signal.signal(sig, h)
             self._events.close()
             self._events = None
-            for rep in self.replicas:
+            for rep in self.replicas + self.spares:
                 if rep.log is not None:
                     rep.log.close()
 
@@ -252,47 +286,79 @@ class ElasticLaunch:
                 self.log(f"dilocox launch: the run passed --timeout {self.timeout_s:g} s: stopping it")
                 self._stop_replicas(signal.SIGTERM)
                 return 124
-            for rep in self.replicas:
-                if rep.proc is not None and rep.code is None and (code := rep.proc.poll()) is not None:
-                    rep.code = code
-                    if not rep.killed:
-                        self.event("exit", replica=rep.r, code=code, incarnation=rep.incarnation)
-                        level = "finished" if code == 0 else f"exited with code {code}"
-                        log_path = os.path.join(self.run_dir, f"replica{rep.r}.log")
-                        self.log(f"dilocox launch: replica {rep.r} {level} (log {log_path})")
-                        if code != 0 and (why := last_error(log_path)):  # its own one line, not just a code
-                            self.log(f"dilocox launch: replica {rep.r}: {why}")
-            running = [rep for rep in self.replicas if rep.code is None]
+            self._note_exits()
             while pending and pending[0].at_s <= at:
-                act = pending.pop(0)
-                rep = self.replicas[act.replica]
-                if act.kind == "kill":
-                    if rep.code is not None:
-                        self._skip(act, "already exited")
-                        continue
-                    rep.killed = True
-                    pids = self._kill_replica(rep, signal.SIGKILL)
-                    self._reap_replica(rep)
-                    rep.code = rep.proc.poll() if rep.proc.poll() is not None else -signal.SIGKILL
-                    self.event(
-                        "kill", replica=rep.r, pid=rep.proc.pid, tagged_pids=pids, incarnation=rep.incarnation, at=at
-                    )
-                    self.log(f"dilocox launch: killed replica {rep.r} (SIGKILL) at {now:.1f} s{self._where(at)}")
-                else:
-                    if not running:
-                        self._skip(act, "no replica left running")
-                        continue
-                    self._start_replica(rep, "restart")
-                    self.log(f"dilocox launch: restarted replica {rep.r} at {now:.1f} s{self._where(at)}")
-                running = [rep for rep in self.replicas if rep.code is None]
-            if not running:
+                self._apply(pending.pop(0), now, at)
+            if not [rep for rep in self.slots if rep.code is None]:
                 break
             time.sleep(0.05)
         for act in pending:
             self._skip(act, "the run ended first")
+        self._stop_idle_spares()
         self._report_losses()
-        codes = [rep.code for rep in self.replicas if not rep.killed]
+        codes = [rep.code for rep in self.slots if not rep.killed]  # (a failed replica a standby replaced: not here)
         return next((c for c in codes if c), 0)
+
+    def _note_exits(self) -> None:
+        """Record every process that exited by itself; a slot's process that failed is replaced by a standby."""
+        for rep in self.replicas + self.spares:
+            if rep.proc is None or rep.code is not None or (code := rep.proc.poll()) is None:
+                continue
+            rep.code = code
+            if rep.killed:
+                continue
+            who = {"standby": rep.r, "serves": rep.serves} if rep.spare else {"replica": rep.r}
+            self.event("exit", **who, code=code, incarnation=rep.incarnation)
+            level = "finished" if code == 0 else f"exited with code {code}"
+            log_path = os.path.join(self.run_dir, f"{rep.name}.log")
+            label = f"standby {rep.r}" if rep.spare else f"replica {rep.r}"
+            self.log(f"dilocox launch: {label} {level} (log {log_path})")
+            if code != 0 and (why := last_error(log_path)):  # its own one line, not just a code
+                self.log(f"dilocox launch: {rep.name}: {why}")
+            if code != 0 and rep.serves is not None and self.slots[rep.serves] is rep:
+                self._activate_spare(rep.serves, f"{rep.name} exited with code {code}")
+
+    def _apply(self, act: Action, now: float, at: float) -> None:
+        """One scheduled action on slot ``act.replica``: kill the process training as it (a standby then takes its
+        place), or restart it (when a standby already serves it: a new standby instead, the pool refilled)."""
+        r = act.replica
+        rep = self.slots[r]
+        if act.kind == "kill":
+            if rep.code is not None:
+                self._skip(act, "already exited")
+                return
+            rep.killed = True
+            pids = self._kill_replica(rep, signal.SIGKILL)
+            self._reap_replica(rep)
+            rep.code = rep.proc.poll() if rep.proc.poll() is not None else -signal.SIGKILL
+            self.event("kill", replica=r, pid=rep.proc.pid, tagged_pids=pids, incarnation=rep.incarnation, at=at,
+                       **({"standby": rep.r} if rep.spare else {}))  # fmt: skip
+            self.log(f"dilocox launch: killed replica {r} (SIGKILL) at {now:.1f} s{self._where(at)}")
+            self._activate_spare(r, "killed")
+            return
+        if not [x for x in self.slots if x.code is None]:
+            self._skip(act, "no replica left running")
+            return
+        if rep.code is None and rep.spare:  # a standby trains as r: refill the pool instead, in r's namespace
+            spare = _Replica(len(self.spares), spare=True, ns=r)
+            self.spares.append(spare)
+            self._start_replica(spare, "standby")
+            self.log(f"dilocox launch: replica {r} is served by standby {rep.r}: started standby {spare.r} instead "
+                     f"at {now:.1f} s{self._where(at)}")  # fmt: skip
+            return
+        self.slots[r] = self.replicas[r]
+        self._start_replica(self.replicas[r], "restart")
+        self.log(f"dilocox launch: restarted replica {r} at {now:.1f} s{self._where(at)}")
+
+    def _stop_idle_spares(self) -> None:
+        """The run is over: standbys never activated are ended (they hold nothing)."""
+        idle = [x for x in self.spares if x.serves is None and x.proc is not None and x.proc.poll() is None]
+        for rep in idle:
+            rep.killed = True
+            kill_group(rep.proc.pid, signal.SIGTERM)
+        for rep in idle:
+            self._reap_replica(rep, timeout_s=self.stop_timeout_s)
+            self.event("stop_standby", standby=rep.r)
 
     def _where(self, at: float) -> str:
         return "" if self.clock is None else f" (schedule clock {at:g})"
@@ -306,22 +372,23 @@ class ElasticLaunch:
 
     def _report_losses(self) -> None:
         """One line per replica: its final validation loss (the summary its last incarnation logged), or why none."""
-        for rep in self.replicas:
+        for r, rep in enumerate(self.slots):
             summary = None
+            via = f" (standby {rep.r})" if rep.spare else ""
             if not rep.killed and rep.code == 0:  # (a summary in the file could be an earlier run's otherwise)
-                summary = last_summary(os.path.join(self.run_dir, f"replica{rep.r}", "metrics.jsonl"))
+                summary = last_summary(os.path.join(self.run_dir, rep.name, "metrics.jsonl"))
             if summary is None or summary.get("final_val_loss") is None:
                 why = "killed" if rep.killed else f"exit code {rep.code}" if rep.code else "no summary logged"
-                self.log(f"dilocox launch: replica {rep.r}: no final val loss ({why})")
+                self.log(f"dilocox launch: replica {r}{via}: no final val loss ({why})")
                 continue
             self.log(
-                f"dilocox launch: replica {rep.r}: final val loss {float(summary['final_val_loss']):.4f} "
+                f"dilocox launch: replica {r}{via}: final val loss {float(summary['final_val_loss']):.4f} "
                 f"after {summary.get('steps')} steps (incarnation {rep.incarnation})"
             )
 
     def _stop_replicas(self, sig: int) -> None:
         """Ask (``sig``; torchrun forwards it: the ranks save and exit), wait ``stop_timeout_s``, then SIGKILL."""
-        live = [rep for rep in self.replicas if rep.proc is not None and rep.proc.poll() is None]
+        live = [rep for rep in self.replicas + self.spares if rep.proc is not None and rep.proc.poll() is None]
         for rep in live:
             kill_group(rep.proc.pid, sig)
         deadline = time.monotonic() + self.stop_timeout_s
@@ -329,10 +396,10 @@ class ElasticLaunch:
             try:
                 rep.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.log(f"dilocox launch: replica {rep.r} did not stop within {self.stop_timeout_s:g} s: SIGKILL")
+                self.log(f"dilocox launch: {rep.name} did not stop within {self.stop_timeout_s:g} s: SIGKILL")
 
     def _shutdown(self) -> None:
-        for rep in self.replicas:
+        for rep in self.replicas + self.spares:
             if rep.proc is not None:
                 self._kill_replica(rep, signal.SIGKILL)
                 self._reap_replica(rep)

@@ -57,8 +57,9 @@ on the main thread right before that replica's launch: θ, the outer momentum, t
 inner step ``n`` of the sync point (tensors by reference: the main thread does not touch θ or v until it has
 waited for that all-reduce, and the peer has fetched them before it). The healed replica contributes nothing to
 that step, takes the average like everyone, resets its error feedback and starts its next phase from θ at step
-``n`` (``pop_jump``); from then on it is bit-identical to the others (overlap none/delayed). The owner may add its
-own state to the snapshot (``snapshot_extra`` / ``load_extra``; the SWARM peer hands over its AdamW state so).
+``n`` (``membership.pop_jump``); from then on it is bit-identical to the others (overlap none/delayed). Who joins
+and how a heal travels is ``outer/membership.py``'s (this loop registers its snapshot and restore with it); the
+owner may add its own state (``membership.add_extra``; the SWARM peer hands over its AdamW state so).
 Eager's 1/R is the number of replicas that contributed to the last average.
 """
 
@@ -81,6 +82,7 @@ from dilocox.outer.base import OuterBase
 from dilocox.outer.dp_shard import DataShard, shard_over_data
 from dilocox.outer.fragments import SyncSchedule, assign_fragments
 from dilocox.outer.group import OuterGroup
+from dilocox.outer.membership import Membership
 from dilocox.outer.state import OuterState
 
 METHODS = ("diloco",)
@@ -149,44 +151,28 @@ class DiLoCoOuter(OuterBase):
         self.pending: list[CommHandle | None] = [None] * self.K
         self.own_prev: list[Tensor | None] = [None] * self.K  # eager: Δ_m^{t−1} per fragment
         self.controller = AdaptiveController.from_config(ccfg.adaptive) if ccfg.adaptive.enabled else None
-        # H agreement (``_agree_max``): this replica's H proposal not yet sent, the one the in-flight all-reduce
-        # carries, and the group's max of the last carried proposals not yet applied
-        self._proposal: int | None = None
-        self._carried: int | None = None
-        self._agreed: int | None = None
         self._step_times: list[float] = []
         self._t_end: float | None = None
-        # the live join (module docstring)
-        self.contributors: list[int] = list(self.group.contributors)  # of the last average
-        self._c_prev = max(1, len(self.contributors))  # eager's 1/R
-        self._snap: dict | None = None  # what a joiner gets (set on the main thread at each launch)
-        self._healed_sd: dict | None = None  # what this replica got (set on the comm thread by a heal)
-        self._jump: int | None = None  # set by a heal: the inner step to continue from
-        self._heal_frag = 0  # set by a heal: the fragment whose round it was
-        self.healed_at: int | None = None
-        # the owner's part of the snapshot (the SWARM peer: its AdamW state): ``snapshot_extra()`` is called with every
-        # snapshot (main thread, right before the launch: return copies of what the main thread changes while that
-        # all-reduce may still run), ``load_extra(obj)`` with what a heal received (main thread)
         self.lr_factor: Callable[[int], float] | None = None  # outer.lr_schedule=inner (set by the trainer)
-        self.snapshot_extra: Callable[[], object] | None = None
-        self.load_extra: Callable[[object], None] | None = None
-        if self.group.heals:
-            # a received state holds θ, the outer momentum and the owner's extra (a SWARM peer's AdamW: 2 x params):
-            # 4 x (θ + momentum) + 64 MiB bounds it, checked before anything is allocated (net/transfer.py)
-            st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
-            self.group.set_state_fns(self._heal_state, self._heal_load, max_state_bytes=4 * st_bytes + (64 << 20))
+        # the other replicas: contributors, the live join and the H agreement (outer/membership.py). A received state
+        # holds θ, the outer momentum and the owner's extra (a SWARM peer's AdamW: 2 x params): 4 x (θ + momentum)
+        # + 64 MiB bounds it, checked before anything is allocated (net/transfer.py)
+        self.membership = Membership(self.group, self.replica_group)
+        st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
+        self.membership.register(self._snapshot, self._restore, self._on_receive, 4 * st_bytes + (64 << 20))
+        self._c_prev = max(1, len(self.membership.contributors))  # eager's 1/R
 
     def _outer_optimizer(self, order: list[int], thetas: list[Tensor], vs: list[Tensor]) -> torch.optim.Optimizer:
         """``outer.optimizer`` over each parameter's θ (by global name: Muon's split needs them)."""
         return build_outer_optimizer(self.ocfg, [(self.names[i], t) for i, t in zip(order, thetas)], vs)
 
     def _launch(self, p: int, delta: list[Tensor], n: int) -> None:
-        """Snapshot what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce with the H
-        proposal of the last outer step (``_agree_max``)."""
-        if self.group.heals:
-            self._snapshot(n, p)
-        self._carried, self._proposal = self._proposal, None
-        self.pending[p] = self._submit(self.group.allreduce_mean, delta, n, self.compressors[p], self._carried)
+        """Offer what a joiner would get (a group that heals), then launch fragment ``p``'s all-reduce with the H
+        proposal of the last outer step (``Membership.agree_max``)."""
+        self.membership.offer(n, p)
+        self.pending[p] = self._submit(
+            self.group.allreduce_mean, delta, n, self.compressors[p], self.membership.carry()
+        )
 
     def _dp_broadcast(self, frags) -> None:
         if self.dp_shard is not None:
@@ -223,7 +209,7 @@ class DiLoCoOuter(OuterBase):
             if self._after_wait():  # healed in the round launched tau steps ago: from θ now, at this step
                 for q in range(self.K):
                     st.load_params(q, 0.0)
-                self.healed_at = self._jump = n
+                self.membership.continue_at(n)
             st.outer_step(p, avg)
             self._adapt(p, h)
             st.load_params(p, self.alpha)
@@ -275,32 +261,8 @@ class DiLoCoOuter(OuterBase):
             rank = int(t.item())
         if comp.rank > 0 and rank != comp.rank:  # σ's are bit-identical across the outer group: so is rank
             comp.set_rank(rank)
-        self.H = max(self._agree_max(int(H)), self.tau + 1)
+        self.H = max(self.membership.agree_max(int(H), self.H, self.params[0].device), self.tau + 1)
         self._step_times = []
-
-    def _agree_max(self, value: int) -> int:
-        """The largest H proposed at the PREVIOUS outer step over the outer group, then over this replica's
-        ranks; this step's proposal ``value`` goes out with the next launch and is used at the next outer step.
-
-        H comes from measured times, which differ between ranks, but every rank must sync at the same
-        steps: the max (the slowest link/step still hidden) over the outer group and then over the
-        replica group makes all ranks of all replicas and stages agree. The outer-group max rides on the
-        next pseudo-gradient all-reduce (``OuterGroup.allreduce_mean(propose=)``: a MAX before it on a fixed
-        group, a slot per replica in the same buffer on a torchft quorum, so the max is over the replicas
-        that contributed to that very step) and is read at the next outer step, after that all-reduce was
-        waited for: it never waits on the slow link (a blocking tiny all-reduce here cost about two round trips
-        per outer step, 0.3 s at 150 ms RTT). So a new H applies one phase later, like the all-reduce itself. The
-        replica-group max (inside the replica) stays blocking. The first outer step keeps the configured H (the
-        same on every rank); a healed replica takes the max its heal step carried.
-        """
-        agreed, self._agreed = self._agreed, None
-        self._proposal = int(value)
-        if agreed is None:
-            return self.H
-        got = torch.tensor([agreed], dtype=torch.int64, device=self.params[0].device)
-        if self.replica_group is not None:
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.replica_group)
-        return int(got.item())
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -327,15 +289,19 @@ class DiLoCoOuter(OuterBase):
     @property
     def stats(self) -> dict:
         out = super().stats
-        out["replicas"] = len(self.contributors)  # replicas averaged in the last outer step (an outage shows)
+        out["replicas"] = len(
+            self.membership.contributors
+        )  # replicas averaged in the last outer step (an outage shows)
         return out
 
     # ------------------------------------------------------------------ the live join (module docstring)
-    def _snapshot(self, n: int, p: int = 0) -> None:
-        self._snap = {
-            "valid": True,
-            "n": n,
-            "frag": p,  # the fragment whose round this is (its shapes and compressor: a joiner's ``layout``)
+    @property
+    def contributors(self) -> list[int]:
+        return self.membership.contributors
+
+    def _snapshot(self, n: int, p: int) -> dict:
+        """What a joiner healed by fragment ``p``'s launch at step ``n`` gets (``Membership.offer``)."""
+        return {
             "outer_step": self.outer_step,
             "H": self.H,
             "schedule": self.schedule.state_dict(),
@@ -345,31 +311,16 @@ class DiLoCoOuter(OuterBase):
             "overlap": self.overlap,
             "ranks": [rank_of(c) for c in self.compressors],  # the rank this launch is compressed at (adaptive)
             "controller": self.controller.state_dict() if self.controller is not None else None,
-            "extra": self.snapshot_extra() if self.snapshot_extra is not None else None,
         }
 
-    def _heal_state(self) -> dict:
-        return self._snap if self._snap is not None else {"valid": False}
-
-    def _heal_load(self, sd: dict) -> None:
-        if not sd.get("valid", False):
-            raise RuntimeError("the live replica chosen to heal this one has not launched an outer step yet")
-        # comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank
+    def _on_receive(self, sd: dict) -> None:
+        """Comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank."""
         for c, r in zip(self.compressors, sd.get("ranks") or []):
             if rank_of(c) > 0 and int(r) != c.rank:
                 c.set_rank(int(r))
-        self._healed_sd = sd  # the rest is applied on the main thread (_after_wait)
 
-    def _after_wait(self) -> bool:
-        """Main thread, after waiting for an all-reduce: who contributed; apply a heal. True if this replica was
-        healed."""
-        self.contributors = list(self.group.contributors)
-        self._c_prev = max(1, len(self.contributors))
-        sd, self._healed_sd = self._healed_sd, None
-        if sd is None:
-            if self._carried is not None:  # the max of the proposals that all-reduce carried (``_agree_max``)
-                self._agreed, self._carried = self.group.agreed, None
-            return False
+    def _restore(self, sd: dict) -> None:
+        """Main thread: take a live replica's state (``Membership.settle``)."""
         st = self.state
         if sd["overlap"] != self.overlap:
             raise RuntimeError(
@@ -384,27 +335,24 @@ class DiLoCoOuter(OuterBase):
         for c in self.compressors:
             c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left
         self.own_prev = [None] * self.K
-        self.healed_at = self._jump = int(sd["n"])
-        self._heal_frag = int(sd.get("frag", 0))
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])  # the same rank window: the same next rank
-        self._agreed, self._carried, self._proposal = self.group.agreed, None, None  # as the live replicas'
-        if self.load_extra is not None and sd.get("extra") is not None:
-            self.load_extra(sd["extra"])
-        return True
+
+    def _after_wait(self) -> bool:
+        """Main thread, after waiting for an all-reduce: who contributed (eager's 1/R), a heal applied. True if this
+        replica was healed."""
+        healed = self.membership.settle()
+        self._c_prev = max(1, len(self.membership.contributors))
+        return healed
 
     def _resume_healed(self, p: int, avg: Tensor) -> None:
         """delayed/eager after a heal: θ^t is the source's (it already stepped); the average ``avg`` of that step is
-        consumed at the end of the next phase, which starts now from θ (the caller continues at ``pop_jump()``)."""
+        consumed at the end of the next phase, which starts now from θ (the caller continues at
+        ``membership.pop_jump()``)."""
         shapes = self.state.shapes(p)
         parts = avg.split([s.numel() for s in shapes])
         self.pending[p] = DoneHandle([t.view(s).clone() for t, s in zip(parts, shapes)], 0.0)
         self.state.load_params(p, 0.0)
-
-    def pop_jump(self) -> int | None:
-        """After a heal: the inner step the live replicas are at (the caller continues there, from θ); else None."""
-        n, self._jump = self._jump, None
-        return n
 
     @torch.no_grad()
     def join(self) -> int | None:
@@ -421,10 +369,11 @@ class DiLoCoOuter(OuterBase):
             return None
         for c in self.compressors:
             c.errors = None  # nothing of this replica enters the step it joins
-        self._heal_frag = 0
+        m = self.membership
+        m.reset_join()
 
         def layout():  # comm thread, after the heal (if any): the round's fragment, its zeros and its compressor
-            p = int(self._healed_sd.get("frag", 0)) if self._healed_sd is not None else 0
+            p = m.received_frag()
             shapes = self.state.shapes(p)
             return [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in shapes], self.compressors[p]
 
@@ -432,7 +381,7 @@ class DiLoCoOuter(OuterBase):
         res = self._wait(h)
         if not self._after_wait():
             return None
-        n, p = self.healed_at, self._heal_frag
+        n, p = m.healed_at, m.heal_frag
         st = self.state
         for q in range(self.K):
             st.load_params(q, 0.0)
@@ -469,10 +418,7 @@ class DiLoCoOuter(OuterBase):
             own_prev=[t.detach().cpu().clone() if t is not None else None for t in self.own_prev],
             schedule=self.schedule.state_dict(),
             controller=self.controller.state_dict() if self.controller is not None else None,
-            # H agreement (``_agree_max``): the agreed max not yet applied (the in-flight all-reduce's, done now), and
-            # the proposal not yet sent
-            h_agreed=self.group.agreed if self._carried is not None else self._agreed,
-            h_proposed=self._proposal,
+            **self.membership.state_dict(),  # the H agreement: the max not yet applied, the proposal not yet sent
         )
 
     def _check_compatible(self, sd: dict) -> None:
@@ -501,4 +447,4 @@ class DiLoCoOuter(OuterBase):
         self.own_prev = [t.to(self.state.device) if t is not None else None for t in sd["own_prev"]]
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])
-        self._agreed, self._proposal, self._carried = sd.get("h_agreed"), sd.get("h_proposed"), None
+        self.membership.load_state_dict(sd)

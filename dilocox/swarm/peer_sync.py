@@ -136,8 +136,8 @@ def state_digest(peer) -> str:
 
 
 def hand_over_adamw(peer, outer) -> None:
-    """Add the peer's AdamW state to the DiLoCo outer snapshot that torchft sends a joiner (``DiLoCoOuter``'s
-    ``snapshot_extra``/``load_extra``). With outer.overlap none and no streaming delay the snapshot holds
+    """Add the peer's AdamW state to the DiLoCo outer snapshot that torchft sends a joiner
+    (``outer.membership.add_extra``). With outer.overlap none and no streaming delay the snapshot holds
     references: the main thread waits for that all-reduce (which the joiner joins only after its download) before
     its next AdamW step. Otherwise the inner steps go on while the all-reduce runs, and the state is copied at the
     snapshot."""
@@ -147,7 +147,7 @@ def hand_over_adamw(peer, outer) -> None:
         sd = peer.opt.state_dict()
         return sd if live else copy.deepcopy(sd)
 
-    outer.snapshot_extra, outer.load_extra = snapshot, peer.opt.load_state_dict
+    outer.membership.add_extra(snapshot, peer.opt.load_state_dict)
 
 
 def note_quorums(peer, group) -> None:
@@ -214,7 +214,7 @@ def join_diloco(peer) -> int:
         n = peer.outer.join()
     except RuntimeError as e:
         raise SwarmError(f"{peer.name}: joining stage {peer.stage}'s outer step failed: {e}") from e
-    peer.outer.pop_jump()  # join() returned it
+    peer.outer.membership.pop_jump()  # join() returned it
     if n is None:
         raise SwarmError(
             f"{peer.name}: joined stage {peer.stage}'s outer step, but no live peer sent its state (contributors "
