@@ -40,6 +40,7 @@ BENCHES = {
     "frontier": ("dilocox.bench.frontier", "val loss vs bytes sent: every method family swept, two corpora, the front"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),
+    "churn": ("dilocox.bench.churn", "R elastic replicas, one killed every T s and restarted D s later: goodput"),
     "swarm": (
         "dilocox.bench.swarm",
         "SWARM vs DiLoCo-SWARM; IWRR on slow peers; peer killed; H sweep; (e) activation codecs",

@@ -774,10 +774,11 @@ FAKE_STANDBY = textwrap.dedent(
 
 
 def test_a_standby_takes_a_killed_replicas_place_and_a_restart_refills_the_pool(tmp_path):
-    """``--standby-replicas``: 2 replicas and 1 warm standby; replica 1 is SIGKILLed at 1.5 s: the standby is activated
-    at once as replica 1 (activate.json in its run dir names rank 1); the scheduled restart of replica 1 at 3 s finds
-    the slot served, so a NEW standby starts instead; at the end that idle standby is stopped, the run returns 0 and
-    nothing is left behind. A stale activate.json of an earlier run in a standby's dir is removed before it starts."""
+    """``--standby-replicas``: 2 replicas and 1 warm standby. Replica 1 is SIGKILLed at 1.5 s: standby 0 is activated
+    at once as replica 1 (activate.json in its run dir names rank 1). The scheduled restart of replica 1 at 3 s finds
+    the slot served, so a NEW standby (1) starts instead. Slot 1 is killed again at 4 s, now standby 0: standby 1
+    takes over, and nothing else is hit (replica 0 runs to its end: the jobs' kill tags are unique). The run returns 0
+    and nothing is left behind. A stale activate.json of an earlier run in a standby's dir is removed first."""
     run_dir = tmp_path / "run"
     out = tmp_path / "out"
     out.mkdir()
@@ -791,9 +792,9 @@ def test_a_standby_takes_a_killed_replicas_place_and_a_restart_refills_the_pool(
 
     la = ElasticLaunch(
         2,
-        _fake(tmp_path, duration=6.0),
+        _fake(tmp_path, duration=7.0),
         str(run_dir),
-        schedule=parse_schedule(["1@1.5"], ["1@3"], 2),
+        schedule=parse_schedule(["1@1.5", "1@4"], ["1@3"], 2),
         env=ENV,
         lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
         timeout_s=60,
@@ -804,18 +805,42 @@ def test_a_standby_takes_a_killed_replicas_place_and_a_restart_refills_the_pool(
     )
     assert la.run() == 0
     ev = _events(run_dir)
-    kill = next(e for e in ev if e["event"] == "kill")
-    act = next(e for e in ev if e["event"] == "activate")
-    assert act["replica"] == 1 and act["standby"] == 0 and act["why"] == "killed"
-    assert 0 <= act["t"] - kill["t"] < 0.5, (kill, act)  # at once: no process start in between
-    activated = list(out.glob("s0.*.activated"))
-    assert len(activated) == 1 and activated[0].read_text().split()[0] == "1"
-    assert float(activated[0].read_text().split()[1]) - kill["wall"] < 2.0  # (the fake polls every 20 ms)
+    kills = [e for e in ev if e["event"] == "kill"]
+    acts = [e for e in ev if e["event"] == "activate"]
+    assert [(a["replica"], a["standby"], a["why"]) for a in acts] == [(1, 0, "killed"), (1, 1, "killed")]
+    assert [k.get("standby") for k in kills] == [None, 0]  # the second kill hit the standby serving slot 1
+    for k, a in zip(kills, acts):
+        assert 0 <= a["t"] - k["t"] < 0.5, (k, a)  # at once: no process start in between
+    for s, expect in ((0, "1"), (1, "1")):
+        [activated] = list(out.glob(f"s{s}.*.activated"))
+        assert activated.read_text().split()[0] == expect
     assert not [e for e in ev if e["event"] == "restart"]  # the slot was served: no second replica 1
     refill = [e for e in ev if e["event"] == "standby" and e.get("standby") == 1]
-    assert len(refill) == 1 and 3.0 <= refill[0]["t"] - ev[1]["t"] < 4.5, ev
-    assert [e["standby"] for e in ev if e["event"] == "stop_standby"] == [1]  # never needed: stopped at the end
-    assert list(out.glob("s0.*.done")) and not list(out.glob("s1.*.activated"))
-    assert la.slots[1] is la.spares[0] and la.spares[0].serves == 1
+    assert len(refill) == 1 and 3.0 <= refill[0]["t"] - ev[1]["t"] < 4.0, ev
+    assert not [e for e in ev if e["event"] == "stop_standby"]  # both were needed
+    assert [row[2] for row in _incarnations(tmp_path, 0)] == [True]  # replica 0 ran to its end
+    assert not list(out.glob("s0.*.done")) and list(out.glob("s1.*.done"))
+    assert la.slots[1] is la.spares[1] and la.spares[1].serves == 1
     for rep in la.replicas + la.spares:
         assert tagged_pids(rep.tag) == []
+
+
+def test_a_standby_never_needed_is_stopped_when_the_replicas_end(tmp_path):
+    """No replica dies: the idle standby is stopped once every replica finished (the run does not wait for it), the
+    run returns 0, nothing is left behind."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "fake_standby.py"
+    script.write_text(FAKE_STANDBY)
+    la = ElasticLaunch(
+        2, _fake(tmp_path, duration=2.0), str(run_dir), env=ENV, lighthouse_argv=lambda bind: FAKE_LIGHTHOUSE,
+        timeout_s=60, stop_timeout_s=5, log=lambda m: None, spares=1,
+        spare_argv=lambda s, addr: [sys.executable, str(script), str(s), str(run_dir / f"standby{s}"), str(out), "1"],
+    )  # fmt: skip
+    t0 = time.monotonic()
+    assert la.run() == 0
+    assert time.monotonic() - t0 < 30
+    ev = _events(run_dir)
+    assert [e["standby"] for e in ev if e["event"] == "stop_standby"] == [0]
+    assert not list(out.glob("s0.*.activated"))
+    assert tagged_pids(la.spares[0].tag) == []

@@ -187,7 +187,7 @@ class ElasticLaunch:
 
     def _start_replica(self, rep: _Replica, kind: str) -> None:
         rep.incarnation += 1
-        rep.tag = f"dilocox-elastic-{self.launch_id}-r{rep.r}-{rep.incarnation}"
+        rep.tag = f"dilocox-elastic-{self.launch_id}-{rep.name}-{rep.incarnation}"  # (unique: kill_tagged kills it)
         env = dict(self.env, **{RUN_TAG_ENV: rep.tag})
         if self.cluster is not None:
             ifname = self.cluster.ifname(rep.ns)

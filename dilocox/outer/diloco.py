@@ -65,6 +65,8 @@ Eager's 1/R is the number of replicas that contributed to the last average.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from typing import Callable
 
@@ -86,6 +88,7 @@ from dilocox.outer.membership import Membership
 from dilocox.outer.state import OuterState
 
 METHODS = ("diloco",)
+DIGEST_ENV = "DILOCOX_THETA_DIGEST"  # set: every step record carries a digest of θ after the last outer step
 
 
 class DiLoCoOuter(OuterBase):
@@ -161,6 +164,7 @@ class DiLoCoOuter(OuterBase):
         st_bytes = sum(t.numel() * t.element_size() for t in (self.state.theta, self.state.momentum))
         self.membership.register(self._snapshot, self._restore, self._on_receive, 4 * st_bytes + (64 << 20))
         self._c_prev = max(1, len(self.membership.contributors))  # eager's 1/R
+        self._digest: tuple[int, str] = (-1, "")  # (outer step, digest of θ then): DIGEST_ENV
 
     def _outer_optimizer(self, order: list[int], thetas: list[Tensor], vs: list[Tensor]) -> torch.optim.Optimizer:
         """``outer.optimizer`` over each parameter's θ (by global name: Muon's split needs them)."""
@@ -289,9 +293,12 @@ class DiLoCoOuter(OuterBase):
     @property
     def stats(self) -> dict:
         out = super().stats
-        out["replicas"] = len(
-            self.membership.contributors
-        )  # replicas averaged in the last outer step (an outage shows)
+        out["replicas"] = len(self.membership.contributors)  # averaged in the last outer step (an outage shows)
+        if os.environ.get(DIGEST_ENV):  # (bench churn: the replicas' θ compared at every outer step)
+            if self._digest[0] != self.outer_step:
+                raw = self.state.theta.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                self._digest = (self.outer_step, hashlib.sha256(raw).hexdigest()[:16])
+            out["theta_digest"] = self._digest[1]
         return out
 
     # ------------------------------------------------------------------ the live join (module docstring)
