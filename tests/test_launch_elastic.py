@@ -844,3 +844,38 @@ def test_a_standby_never_needed_is_stopped_when_the_replicas_end(tmp_path):
     assert [e["standby"] for e in ev if e["event"] == "stop_standby"] == [0]
     assert not list(out.glob("s0.*.activated"))
     assert tagged_pids(la.spares[0].tag) == []
+
+
+def test_the_schedule_kills_and_restarts_the_lighthouse_on_its_address(tmp_path):
+    """``--kill L@1 --restart L@2``: the lighthouse is SIGKILLed at 1 s and started again at 2 s with the bind
+    address it printed (the replicas' relays reconnect to the same address); both are in events.jsonl, the first
+    process is gone, the second is stopped at the end. ``L`` is checked like a replica (no restart before a kill)."""
+    binds = []
+
+    def lighthouse_argv(bind: str) -> list[str]:
+        binds.append(bind)
+        return FAKE_LIGHTHOUSE
+
+    la = ElasticLaunch(
+        2, _fake(tmp_path, duration=3.0), str(tmp_path / "run"), schedule=parse_schedule(["L@1"], ["l@2"], 2),
+        env=ENV, lighthouse_argv=lighthouse_argv, timeout_s=60, stop_timeout_s=5, log=lambda m: None,
+    )  # fmt: skip
+    first = []
+    real_start = la._start_one_lighthouse
+
+    def start(bind, name):
+        proc, addr = real_start(bind, name)
+        first.append(proc)
+        return proc, addr
+
+    la._start_one_lighthouse = start
+    assert la.run() == 0
+    ev = _events(tmp_path / "run")
+    kill = next(e for e in ev if e["event"] == "lighthouse_kill")
+    back = next(e for e in ev if e["event"] == "lighthouse_restart")
+    assert 1.0 <= kill["t"] - ev[1]["t"] < 2.0 and 2.0 <= back["t"] - ev[1]["t"] < 3.0, ev
+    assert binds == ["127.0.0.1:0", "127.0.0.1:1"] and back["address"] == "http://127.0.0.1:1"
+    assert len(first) == 2 and first[0].poll() is not None and first[1].poll() is not None
+    assert [e["replica"] for e in ev if e["event"] == "exit"] == [0, 1]  # the replicas ran on
+    with pytest.raises(LaunchError, match="the lighthouse is running then"):
+        parse_schedule([], ["L@3"], 2)

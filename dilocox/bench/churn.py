@@ -5,11 +5,13 @@ under ``dilocox launch --elastic``, twice with the same steps:
 
 1. undisturbed: every replica from start to end (its wall time W and per-replica tokens/s set the yardstick);
 2. churned: every ``--period`` seconds a random replica (seeded) is SIGKILLed (whole job) and restarted ``--down``
-   seconds later, while the run lasts; with ``--standby S`` a warm standby (``outer.elastic.standby``) takes the
+   seconds later, while the run lasts (``--lighthouse-kill T``: the lighthouse too, at T, back ``--down`` s later);
+   with ``--standby S`` a warm standby (``outer.elastic.standby``) takes the
    killed replica's place at once and the restart refills the pool instead (dilocox/elastic/standby.py).
 
-    dilocox bench churn [--replicas 4] [--steps 600] [--H 10] [--period 30] [--down 10] [--standby 0]
-                        [--method dilocox|streaming] [--seed 0] [--netns | --no-netns] [--out docs/bench/churn]
+    dilocox bench churn [--replicas 4] [--steps 600] [--H 0] [--period 30] [--down 10] [--standby 0]
+                        [--lighthouse-kill 0] [--method dilocox|streaming] [--seed 0] [--netns | --no-netns]
+                        [--out docs/bench/churn]
 
 Measured from the launcher's ``events.jsonl`` and every job's ``metrics.jsonl`` (``analyze``, pure):
 
@@ -137,6 +139,7 @@ def analyze(run: dict, tokens_per_step: int, replicas: int, rate_per_replica: fl
     compared, bad = digest_mismatches(jobs)
     out.update(outer_steps_compared=compared, outer_steps_differing=bad)
     out["kills"] = sum(1 for e in run["events"] if e["event"] == "kill")
+    out["lighthouse_kills"] = sum(1 for e in run["events"] if e["event"] == "lighthouse_kill" and "skipped" not in e)
     out["rejoins"] = _rejoins(run)
     done = next(j for n, j in sorted(jobs.items()) if j["summary"])
     out["final_val_loss"] = done["summary"].get("final_val_loss")
@@ -167,8 +170,8 @@ def markdown(res: dict) -> str:
         f"{res['replicas']} elastic replicas (one `dilocox train` job of one rank each), tiny GPT-2, the "
         f"`{res['method']}` preset with H={res['H']}, {res['steps']} steps; {res['emulation']}. Churned: a random "
         f"replica SIGKILLed every {res['period']:g} s and restarted {res['down']:g} s later ({c.get('kills', 0)} "
-        f"kills), {res['standby']} warm standby job(s). Measured {res['date']} on {res['machine']}; "
-        f"`{res['command']}`.",
+        f"kills; the lighthouse killed {c.get('lighthouse_kills', 0)} time(s)), {res['standby']} warm standby "
+        f"job(s). Measured {res['date']} on {res['machine']}; `{res['command']}`.",
         "",
         "| quantity | undisturbed | churned |",
         "|---|---|---|",
@@ -232,6 +235,9 @@ def bench(a, run_root: str) -> dict:
         full = _launch(cfg_path, os.path.join(run_root, "undisturbed"), a.replicas, overrides, a.netns)
         u = analyze(full, tps, a.replicas)
         kills, restarts = kill_schedule(a.replicas, a.period, a.down, u.get("wall_s", 0.0), a.seed)
+        if a.lighthouse_kill > 0:  # the lighthouse too, once: SIGKILLed, back on its address --down s later
+            kills.append(f"L@{a.lighthouse_kill:g}")
+            restarts.append(f"L@{a.lighthouse_kill + a.down:g}")
         bound = max(600.0, 4 * u.get("wall_s", 0))
         cut = _launch(cfg_path, os.path.join(run_root, "churned"), a.replicas, overrides, a.netns, kills=kills,
                       restarts=restarts, standby_replicas=a.standby, timeout_s=bound)  # fmt: skip
@@ -257,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--standby", type=int, default=0, help="warm standby jobs (outer.elastic.standby)")
     p.add_argument("--method", choices=("dilocox", "streaming"), default="dilocox")
     p.add_argument("--seed", type=int, default=0, help="which replica each kill hits")
+    p.add_argument("--lighthouse-kill", type=float, default=0.0, help="SIGKILL the lighthouse then (s; 0: never)")
     p.add_argument("--netns", dest="netns", action="store_true", default=None)
     p.add_argument("--no-netns", dest="netns", action="store_false")
     p.add_argument("--out", default="docs/bench/churn")

@@ -9,7 +9,8 @@ Replica r is ONE job: ``dilocox train CONFIG --nproc K --parallel.replicas=1 --o
 --outer.elastic.lighthouse=ADDR --outer.elastic.replica_rank=r --log.run_dir=RUN/replica{r}`` (K = data x
 pipeline x tensor of the config; its torchrun has its own rendezvous), started in its own session and tagged
 with its own ``DILOCOX_RUN_TAG``. With ``--at step``, R@X means "when a replica has logged training step X"
-(``step_clock``). "kill" SIGKILLs the replica's whole process group and every process carrying
+(``step_clock``); R = ``L`` is the lighthouse (killed, then restarted on its address). "kill" SIGKILLs the replica's
+whole process group and every process carrying
 its tag (torchrun's workers live in their own session); "restart" starts the same command again. RUN is the
 config's ``log.run_dir``; ``RUN/events.jsonl`` gets one line per event (``start``, ``kill``, ``restart``,
 ``exit``, ``lighthouse``, ``stop``) with the wall time (epoch seconds) and the seconds since the launch.

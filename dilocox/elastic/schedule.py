@@ -16,9 +16,13 @@ class LaunchError(Exception):
     """Bad elastic-launch input or a start-up failure: printed as one line."""
 
 
+LIGHTHOUSE = -1  # ``Action.replica`` of the lighthouse (``L@SECONDS``)
+
+
 @dataclass(frozen=True)
 class Action:
-    """``kill`` or ``restart`` replica ``replica`` at ``at_s`` seconds after the replicas were started."""
+    """``kill`` or ``restart`` replica ``replica`` (``LIGHTHOUSE``: the primary lighthouse) at ``at_s`` seconds after
+    the replicas were started."""
 
     kind: str
     replica: int
@@ -26,8 +30,8 @@ class Action:
 
 
 def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> list[Action]:
-    """``R@SECONDS`` specs -> actions sorted by time. A restart needs an earlier kill of the same replica;
-    a replica is not killed twice without a restart in between."""
+    """``R@SECONDS`` specs -> actions sorted by time (R = ``L``: the lighthouse, restarted on its address). A restart
+    needs an earlier kill of the same replica; a replica is not killed twice without a restart in between."""
     acts = []
     for kind, specs in (("kill", kills), ("restart", restarts)):
         for spec in specs:
@@ -35,23 +39,26 @@ def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> lis
             try:
                 if not sep:
                     raise ValueError
-                rr, tt = int(r), float(t)
+                rr, tt = LIGHTHOUSE if r.strip().upper() == "L" else int(r), float(t)
             except ValueError:
-                raise LaunchError(f"--{kind} {spec!r} is not R@SECONDS (e.g. --{kind} 2@40)") from None
-            if not 0 <= rr < n:
+                raise LaunchError(
+                    f"--{kind} {spec!r} is not R@SECONDS (e.g. --{kind} 2@40; L@40: the lighthouse)"
+                ) from None
+            if not (0 <= rr < n or rr == LIGHTHOUSE):
                 raise LaunchError(f"--{kind} {spec!r}: replica {rr} is not in [0, {n}) (--elastic {n})")
             if not (tt >= 0 and tt < float("inf")):
                 raise LaunchError(f"--{kind} {spec!r}: the time must be a finite number of seconds >= 0")
             acts.append(Action(kind, rr, tt))
     acts.sort(key=lambda a: (a.at_s, a.kind != "kill"))
-    alive = [True] * n
+    alive = dict.fromkeys([LIGHTHOUSE, *range(n)], True)
     for a in acts:
+        who = "L" if a.replica == LIGHTHOUSE else a.replica
+        what = "the lighthouse" if a.replica == LIGHTHOUSE else f"replica {a.replica}"
         if a.kind == "kill" and not alive[a.replica]:
-            raise LaunchError(f"--kill {a.replica}@{a.at_s:g}: replica {a.replica} is already killed then")
+            raise LaunchError(f"--kill {who}@{a.at_s:g}: {what} is already killed then")
         if a.kind == "restart" and alive[a.replica]:
             raise LaunchError(
-                f"--restart {a.replica}@{a.at_s:g}: replica {a.replica} is running then; restart needs an earlier "
-                f"--kill {a.replica}@SECONDS"
+                f"--restart {who}@{a.at_s:g}: {what} is running then; restart needs an earlier --kill {who}@SECONDS"
             )
         alive[a.replica] = a.kind == "restart"
     return acts

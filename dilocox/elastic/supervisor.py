@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from dilocox.distributed.procs import (
     spawn,
     tagged_pids,
 )
-from dilocox.elastic.schedule import Action, LaunchError, last_error, last_summary
+from dilocox.elastic.schedule import LIGHTHOUSE, Action, LaunchError, last_error, last_summary
 from dilocox.elastic.standby import ACTIVATE_NAME, activate
 from dilocox.launch.netns import HUB_ADDR, Cluster
 
@@ -322,6 +323,9 @@ class ElasticLaunch:
         """One scheduled action on slot ``act.replica``: kill the process training as it (a standby then takes its
         place), or restart it (when a standby already serves it: a new standby instead, the pool refilled)."""
         r = act.replica
+        if r == LIGHTHOUSE:
+            self._lighthouse_action(act.kind, now, at)
+            return
         rep = self.slots[r]
         if act.kind == "kill":
             if rep.code is not None:
@@ -349,6 +353,25 @@ class ElasticLaunch:
         self.slots[r] = self.replicas[r]
         self._start_replica(self.replicas[r], "restart")
         self.log(f"dilocox launch: restarted replica {r} at {now:.1f} s{self._where(at)}")
+
+    def _lighthouse_action(self, kind: str, now: float, at: float) -> None:
+        """``L@T``: SIGKILL the primary lighthouse, or start it again on the same address (the replicas' relays and
+        torchft's clients reconnect; they keep their last quorum meanwhile: dilocox/elastic/failover.py)."""
+        if kind == "kill":
+            if self.lighthouse is None or self.lighthouse.poll() is not None:
+                self.event("lighthouse_kill", skipped="not running")
+                return
+            kill_and_reap(self.lighthouse, what="lighthouse")
+            self.event("lighthouse_kill", pid=self.lighthouse.pid, at=at)
+            self.log(f"dilocox launch: killed the lighthouse (SIGKILL) at {now:.1f} s{self._where(at)}")
+            return
+        primary = self.lighthouse_addr.split(",")[0]
+        bind = primary.split("://", 1)[-1].rstrip("/")
+        if self.cluster is None and bind.startswith(("localhost", socket.gethostname())):
+            bind = "127.0.0.1:" + bind.rsplit(":", 1)[1]  # (torchft prints the host's name; it was bound on loopback)
+        _, addr = self._start_one_lighthouse(bind, "lighthouse")
+        self.event("lighthouse_restart", address=addr, pid=self.lighthouse.pid, at=at)
+        self.log(f"dilocox launch: restarted the lighthouse at {now:.1f} s{self._where(at)} ({addr})")
 
     def _stop_idle_spares(self) -> None:
         """The run is over: standbys never activated are ended (they hold nothing)."""
