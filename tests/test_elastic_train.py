@@ -325,3 +325,100 @@ def test_a_standby_that_is_not_needed_ends_cleanly_after_its_bound(tmp_path):
     out = open(tmp_path / "r2.out").read()
     assert "standby warm after" in out and "the run did not need this replica" in out, out[-2000:]
     assert "joined the live run" not in out and not _metrics(run.run_dir(2))
+
+
+def _listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports the processes ``pids`` listen on (Linux: their socket inodes in /proc/net/tcp{,6}, state LISTEN)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.slow  # ~60-120 s: two 2-replica runs
+def test_an_elastic_run_under_a_flood_from_another_address_loses_no_quorum_and_ends_bit_equal(tmp_path):
+    """Issue 42: two guarded replicas (lighthouse, stores, managers behind the secret; the outer all-reduce on the
+    authenticated mesh) while 127.0.0.2 floods the lighthouse's guard and EVERY port the replicas' processes listen
+    on for the whole run (20 silent connections per port per round, 300 kept open per port, and a garbage answer to
+    the challenge): both replicas average every outer step over both (no quorum lost, nobody left out) and end
+    bit-equal to the same run undisturbed."""
+    import socket
+    import threading
+
+    from dilocox.distributed.signals import tagged_pids
+
+    models, sent = {}, {"connections": 0, "ports": set()}
+    for kind in ("quiet", "loud"):
+        run = _Run(tmp_path / kind, min_replicas=2, steps=24, bandwidth="", auth=True)
+        stop, held = threading.Event(), {}
+
+        def flood():
+            lh_port = int(run.lh.address().rsplit(":", 1)[1])
+            while not stop.is_set():
+                pids = [pid for ps in run.procs.values() for p in ps for pid in tagged_pids(p.tag)]
+                for port in {lh_port} | _listening_ports(pids):
+                    sent["ports"].add(port)
+                    mine = held.setdefault(port, [])
+                    for _ in range(20):
+                        s = socket.socket()
+                        s.setblocking(False)
+                        try:
+                            s.bind(("127.0.0.2", 0))
+                            s.connect_ex(("127.0.0.1", port))
+                        except OSError:
+                            s.close()
+                            continue
+                        sent["connections"] += 1
+                        mine.append(s)
+                        if len(mine) > 300:
+                            mine.pop(0).close()
+                    g = socket.socket()
+                    g.settimeout(0.2)
+                    try:
+                        g.bind(("127.0.0.2", 0))
+                        g.connect(("127.0.0.1", port))
+                        if g.recv(36)[:4] == b"DXA1":
+                            g.sendall(os.urandom(64))
+                    except OSError:
+                        pass
+                    g.close()
+                time.sleep(0.01)
+
+        t = threading.Thread(target=flood, daemon=True)
+        try:
+            ps = [run.start(r, "--outer.elastic.initial_replicas=2", "--outer.elastic.collectives=authenticated")
+                  for r in range(2)]  # fmt: skip
+            if kind == "loud":
+                t.start()
+            for r, p in enumerate(ps):
+                assert p.wait(timeout=300) == 0, run.err(r)
+        finally:
+            stop.set()
+            if t.is_alive():
+                t.join(30)
+            for socks in held.values():
+                for s in socks:
+                    s.close()
+            run.close()
+        models[kind] = [_final_model(run.run_dir(r)) for r in range(2)]
+        for r in range(2):
+            outer = [x for x in _metrics(run.run_dir(r)) if "loss" in x and x.get("outer_step", 0) > 0]
+            assert outer and all(x["replicas"] == 2 for x in outer), (kind, r, [x["replicas"] for x in outer])
+    assert sent["connections"] >= 1000 and len(sent["ports"]) >= 5, sent  # (the lighthouse and each replica's servers)
+    for r in range(2):
+        a, b = models["quiet"][r], models["loud"][r]
+        assert all(torch.equal(a[k], b[k]) for k in a), r
