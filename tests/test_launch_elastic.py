@@ -879,3 +879,27 @@ def test_the_schedule_kills_and_restarts_the_lighthouse_on_its_address(tmp_path)
     assert [e["replica"] for e in ev if e["event"] == "exit"] == [0, 1]  # the replicas ran on
     with pytest.raises(LaunchError, match="the lighthouse is running then"):
         parse_schedule([], ["L@3"], 2)
+
+
+def test_a_standby_takes_the_launchers_activation_whenever_it_came_and_only_its_own(tmp_path, monkeypatch):
+    """The launcher's activate.json names the standby job's DILOCOX_RUN_TAG: taken even if written before the job
+    reached its wait (a replica that died while the standby was still starting), never another job's; one written
+    by hand (no tag) counts only if newer than the job's start. Past the bound: StandbyNotNeeded."""
+    from dilocox.distributed.procs import RUN_TAG_ENV
+    from dilocox.elastic.standby import StandbyNotNeeded, activate, await_activation
+
+    monkeypatch.setenv(RUN_TAG_ENV, "job-a")
+    d = str(tmp_path)
+    activate(d, 2, tag="job-a")
+    assert await_activation(d, 8, 1.0, since=time.time() + 100)["replica_rank"] == 2  # older than since: still ours
+    activate(d, 3, tag="job-b")  # another job's (an earlier run's standby with the same dir)
+    with pytest.raises(StandbyNotNeeded):
+        await_activation(d, 8, 0.3, since=0.0)
+    activate(d, 4)  # by hand
+    assert await_activation(d, 8, 1.0, since=0.0)["replica_rank"] == 4
+    with pytest.raises(StandbyNotNeeded):
+        await_activation(d, 8, 0.3, since=time.time() + 100)
+    with open(os.path.join(d, "activate.json"), "w") as f:
+        f.write('{"replica_rank": 9}')
+    with pytest.raises(ValueError, match="max_replicas=8"):
+        await_activation(d, 8, 0.3, since=0.0)

@@ -21,7 +21,8 @@ Measured from the launcher's ``events.jsonl`` and every job's ``metrics.jsonl`` 
 - rejoin per event: restart (or a standby's activation) -> that job's first step, and -> its first outer step;
 - bit-identity: every step record carries a digest of θ after the last outer step (``DILOCOX_THETA_DIGEST``); at
   every outer step all jobs that took it must hold the same θ;
-- final val loss of the first replica that finished against the undisturbed curve at the churned run's tokens.
+- final val loss of the first job by name (``replica0`` unless it died last) that logged a summary, against the
+  undisturbed curve at the churned run's tokens (every job ends with the same θ: the digests above).
 
 On a CPU-bound host (this one: 2 cores for R jobs) a dead replica's cores speed the survivors up, which a cluster
 with one accelerator per replica does not do: goodput here is an upper bound of the cluster's for the same events.

@@ -20,6 +20,7 @@ import json
 import os
 import time
 
+from dilocox.distributed.procs import RUN_TAG_ENV
 from dilocox.fsutil import atomic_write_text
 
 ACTIVATE_NAME = "activate.json"
@@ -30,10 +31,13 @@ class StandbyNotNeeded(Exception):
     """A standby's bounded wait ended without an activation (the run did not need it)."""
 
 
-def activate(run_dir: str, replica_rank: int) -> str:
-    """Tell the standby whose ``log.run_dir`` is ``run_dir`` to become replica ``replica_rank`` (atomic write)."""
+def activate(run_dir: str, replica_rank: int, tag: str | None = None) -> str:
+    """Tell the standby whose ``log.run_dir`` is ``run_dir`` to become replica ``replica_rank`` (atomic write).
+    ``tag``: the standby job's ``DILOCOX_RUN_TAG`` (the launcher's): it then takes the file whenever it was written,
+    even before the job reached its wait; without one, only a file written after the job started counts."""
     path = os.path.join(run_dir, ACTIVATE_NAME)
-    atomic_write_text(path, json.dumps({"replica_rank": int(replica_rank), "wall": time.time()}) + "\n")
+    rec = {"replica_rank": int(replica_rank), "wall": time.time(), **({"tag": tag} if tag else {})}
+    atomic_write_text(path, json.dumps(rec) + "\n")
     return path
 
 
@@ -56,15 +60,25 @@ def read_activation(path: str, max_replicas: int) -> dict | None:
             f'{path} is not a standby activation ({text[:80]!r}): it must be {{"replica_rank": R}} with R in '
             f"[0, outer.elastic.max_replicas={max_replicas}) (written by `dilocox launch --elastic --standby-replicas`)"
         )
-    return {"replica_rank": r, "wall": float(rec.get("wall", time.time()))}
+    return {"replica_rank": r, "wall": float(rec.get("wall", time.time())), "tag": rec.get("tag")}
+
+
+def _ours(act: dict | None, since: float, tag: str | None) -> bool:
+    if act is None:
+        return False
+    if act["tag"] is not None:  # the launcher's: for this very job (an earlier run's job had another tag)
+        return act["tag"] == tag
+    return act["wall"] >= since  # by hand: written after this job started (an older one is an earlier run's)
 
 
 def await_activation(run_dir: str, max_replicas: int, timeout_s: float, since: float) -> dict:
-    """Wait (bounded by ``timeout_s``) for the activation in ``run_dir`` written after ``since`` (epoch seconds: an
-    older one is an earlier run's); ``StandbyNotNeeded`` past it."""
+    """Wait (bounded by ``timeout_s``) for this job's activation in ``run_dir`` (``_ours``: the launcher's names this
+    job's ``DILOCOX_RUN_TAG``; one written by hand must be newer than ``since``, epoch seconds); ``StandbyNotNeeded``
+    past the bound."""
     path = os.path.join(run_dir, ACTIVATE_NAME)
     deadline = time.monotonic() + timeout_s
-    while (act := read_activation(path, max_replicas)) is None or act["wall"] < since:
+    tag = os.environ.get(RUN_TAG_ENV) or None
+    while not _ours(act := read_activation(path, max_replicas), since, tag):
         if time.monotonic() > deadline:
             raise StandbyNotNeeded(
                 f"standby: no activation in {path} within outer.elastic.standby_timeout_s={timeout_s:g}s; the run did "

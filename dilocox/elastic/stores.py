@@ -163,6 +163,7 @@ def quorum_pg(pg_cls, secret: bytes | None, timeout_s: float, collectives: str =
         def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args, **kwargs) -> None:
             if secret is not None:
                 store_addr = self.relays.local(store_addr)
+            self.abort(errored=False)  # (as torchft's configure does first: no collective runs on the old group)
             await_presence(store_addr, rank, world_size, timeout_s)
             super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
 
@@ -181,9 +182,12 @@ def await_presence(store_addr: str, rank: int, world_size: int, timeout_s: float
     create_store_client = process_group_parts()[1]
     deadline = time.monotonic() + publish_window(timeout_s)
     store = create_store_client(store_addr, timedelta(seconds=timeout_s))
-    store.set(f"dlx_present/{rank}", b"1")
-    for r in range(world_size):
-        await_key(store, f"dlx_present/{r}", deadline, f"member {r}")
+    try:
+        store.set(f"dlx_present/{rank}", b"1")
+        for r in range(world_size):
+            await_key(store, f"dlx_present/{r}", deadline, f"member {r}")
+    finally:
+        del store  # (its connection, not kept alive by a failed step's traceback)
 
 
 def _bracket(host: str) -> str:

@@ -213,10 +213,13 @@ class ElasticLaunch:
     def _activate_spare(self, r: int, why: str) -> None:
         """Slot ``r`` lost its process (``why``): the first idle live standby becomes replica r (its activation file);
         none idle: the slot stays empty until a scheduled restart."""
-        spare = next((x for x in self.spares if x.serves is None and x.proc is not None and x.code is None), None)
+        if not [x for i, x in enumerate(self.slots) if i != r and x.code is None and x.proc.poll() is None]:
+            return  # nobody left to heal from: as a restart then, nothing is started (the run is over)
+        spare = next((x for x in self.spares if x.serves is None and x.proc is not None and x.proc.poll() is None),
+                     None)  # fmt: skip
         if spare is None:
             return
-        activate(os.path.join(self.run_dir, spare.name), r)
+        activate(os.path.join(self.run_dir, spare.name), r, tag=spare.tag)
         spare.serves, self.slots[r] = r, spare
         self.event("activate", replica=r, standby=spare.r, pid=spare.proc.pid, why=why)
         self.log(f"dilocox launch: standby {spare.r} takes replica {r}'s place ({why})")
