@@ -316,6 +316,7 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
     from dilocox.net.secure import open_value
     from dilocox.swarm.common import store_key
     from dilocox.swarm.runtime import launch
+    from tests.flood import garbage_answer, silent
     from tests.swarm_noise import assert_exited_zero, launch_beside
     from tests.test_swarm_runtime import _cfg
 
@@ -339,13 +340,8 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
                 for addr in addrs:
                     host, port = addr.rsplit(":", 1)
                     for i in range(20):  # silent connections, opened without waiting (kept: 300 per peer)
-                        s = socket.socket()
-                        s.setblocking(False)
-                        try:
-                            s.bind(("127.0.0.2", 0))
-                            s.connect_ex((host, int(port)))
-                        except OSError:
-                            s.close()
+                        s = silent("127.0.0.2", host, int(port))
+                        if s is None:
                             continue
                         sent["connections"] += 1
                         if sent["at_first_step"] is None and os.path.exists(os.path.join(la.out_dir, "s0p0.jsonl")):
@@ -353,16 +349,7 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
                         held[addr].append(s)
                         if len(held[addr]) > 300:
                             held[addr].pop(0).close()
-                    s = socket.socket()  # and a garbage answer to the challenge
-                    s.settimeout(0.2)
-                    try:
-                        s.bind(("127.0.0.2", 0))
-                        s.connect((host, int(port)))
-                        if s.recv(36)[:4] == b"DXA1":
-                            s.sendall(rng.randbytes(64))
-                    except OSError:
-                        pass
-                    s.close()
+                    garbage_answer("127.0.0.2", host, int(port), rng.randbytes(64))  # and a garbage answer
                 time.sleep(0.01)
         finally:
             for socks in held.values():

@@ -356,10 +356,10 @@ def test_an_elastic_run_under_a_flood_from_another_address_loses_no_quorum_and_e
     on for the whole run (20 silent connections per port per round, 300 kept open per port, and a garbage answer to
     the challenge): both replicas average every outer step over both (no quorum lost, nobody left out) and end
     bit-equal to the same run undisturbed."""
-    import socket
     import threading
 
     from dilocox.distributed.signals import tagged_pids
+    from tests.flood import garbage_answer, silent
 
     models, sent = {}, {"connections": 0, "ports": set()}
     for kind in ("quiet", "loud"):
@@ -374,28 +374,14 @@ def test_an_elastic_run_under_a_flood_from_another_address_loses_no_quorum_and_e
                     sent["ports"].add(port)
                     mine = held.setdefault(port, [])
                     for _ in range(20):
-                        s = socket.socket()
-                        s.setblocking(False)
-                        try:
-                            s.bind(("127.0.0.2", 0))
-                            s.connect_ex(("127.0.0.1", port))
-                        except OSError:
-                            s.close()
+                        s = silent("127.0.0.2", "127.0.0.1", port)
+                        if s is None:
                             continue
                         sent["connections"] += 1
                         mine.append(s)
                         if len(mine) > 300:
                             mine.pop(0).close()
-                    g = socket.socket()
-                    g.settimeout(0.2)
-                    try:
-                        g.bind(("127.0.0.2", 0))
-                        g.connect(("127.0.0.1", port))
-                        if g.recv(36)[:4] == b"DXA1":
-                            g.sendall(os.urandom(64))
-                    except OSError:
-                        pass
-                    g.close()
+                    garbage_answer("127.0.0.2", "127.0.0.1", port, os.urandom(64))
                 time.sleep(0.01)
 
         t = threading.Thread(target=flood, daemon=True)

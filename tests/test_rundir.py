@@ -471,6 +471,29 @@ class _Died(BaseException):
 _FS_CALLS = ("replace", "rename", "remove", "unlink", "open", "fsync", "link")
 
 
+def _dying_after(monkeypatch, k: int, fn):
+    """``fn()`` with the process "dying" (``_Died``) at its (k+1)-th file-system call of ``_FS_CALLS``: (result, False)
+    when it ran through, (None, True) when it died."""
+    calls, real = [0], {n: getattr(os, n) for n in _FS_CALLS}
+
+    def dying(name):
+        def call(*a, **kw):
+            calls[0] += 1
+            if calls[0] > k:
+                raise _Died(f"os.{name}")
+            return real[name](*a, **kw)
+
+        return call
+
+    with monkeypatch.context() as m:
+        for n in _FS_CALLS:
+            m.setattr(os, n, dying(n))
+        try:
+            return fn(), False
+        except _Died:
+            return None, True
+
+
 def _records_where(d):
     """Every record line of the run dir, by where it is: metrics.jsonl, the discarded file (without its markers), and
     a pending set-aside whose marker is not in the discarded file yet (one that is counts nowhere: it is done)."""
@@ -498,7 +521,7 @@ def test_set_aside_metrics_loses_and_duplicates_no_record_wherever_the_process_d
     records = [json.dumps({"step": i, "loss": 1.0 / i}) for i in range(1, 6)] + ['{"step": 6, "lo']  # (a cut line)
     older = [json.dumps({"discarded_after_step": 3, "time": 1.0}), json.dumps({"step": 4})]
     cfg = load_config(TINY, ["--checkpoint.resume=none"])
-    k, real = 0, {n: getattr(os, n) for n in _FS_CALLS}
+    k = 0
     while True:
         d = str(tmp_path / f"run{k}")
         os.makedirs(d)
@@ -506,25 +529,7 @@ def test_set_aside_metrics_loses_and_duplicates_no_record_wherever_the_process_d
             f.write("\n".join(records))  # (the last line without its newline: cut by a kill)
         with open(os.path.join(d, rundir.DISCARDED_NAME), "w") as f:
             f.write("\n".join(older) + "\n")
-        calls = [0]
-
-        def dying(name):
-            def call(*a, **kw):
-                calls[0] += 1
-                if calls[0] > k:
-                    raise _Died(f"os.{name}")
-                return real[name](*a, **kw)
-
-            return call
-
-        with monkeypatch.context() as m:
-            for n in _FS_CALLS:
-                m.setattr(os, n, dying(n))
-            try:
-                moved = rundir.set_aside_metrics(d)
-                died = False
-            except _Died:
-                died = True
+        moved, died = _dying_after(monkeypatch, k, lambda: rundir.set_aside_metrics(d))
         live, discarded, pending = _records_where(d)
         everywhere = live + discarded + pending
         assert sorted(everywhere) == sorted(records + older[1:]), (k, live, discarded, pending)  # once each
@@ -563,7 +568,7 @@ def test_move_records_after_loses_and_duplicates_no_record_wherever_the_process_
     appended them again."""
     records = [json.dumps({"step": i, "loss": 1.0 / i}) for i in range(1, 7)] + ['{"step": 7, "lo']  # (a cut line)
     older = [json.dumps({"step": 9, "loss": 0.5})]
-    k, real = 0, {n: getattr(os, n) for n in _FS_CALLS}
+    k = 0
     while True:
         d = str(tmp_path / f"run{k}")
         os.makedirs(d)
@@ -572,25 +577,7 @@ def test_move_records_after_loses_and_duplicates_no_record_wherever_the_process_
             f.write("\n".join(records))
         with open(disc, "w") as f:
             f.write("\n".join(older) + "\n")
-        calls = [0]
-
-        def dying(name):
-            def call(*a, **kw):
-                calls[0] += 1
-                if calls[0] > k:
-                    raise _Died(f"os.{name}")
-                return real[name](*a, **kw)
-
-            return call
-
-        with monkeypatch.context() as m:
-            for n in _FS_CALLS:
-                m.setattr(os, n, dying(n))
-            try:
-                moved = rundir.move_records_after(path, disc, 3, mark=mark)
-                died = False
-            except _Died:
-                died = True
+        moved, died = _dying_after(monkeypatch, k, lambda: rundir.move_records_after(path, disc, 3, mark=mark))
         live, discarded, pending = _moved_where(d)
         in_pending = [ln for p in pending for ln in open(p).read().splitlines()]
         assert set(live + discarded + in_pending) == set(records + older), k
