@@ -1,5 +1,5 @@
 """The ``dilocox`` command: train | data | bench | plan | launch | lighthouse | swarm | export | import | generate |
-report | secret.
+report | secret | checkpoint.
 
     dilocox train CONFIG [--nproc N] [--section.key=value ...]
     dilocox data prepare CONFIG [--section.key=value ...]
@@ -15,6 +15,7 @@ report | secret.
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
     dilocox secret PATH                       (a new run secret, mode 0600: --security.secret_file=PATH)
+    dilocox checkpoint convert CKPT_DIR       (checkpoints of the earlier format onto torch.distributed.checkpoint)
     dilocox --version
 
 `dilocox COMMAND --help` prints a command's options; every config key is in docs/CONFIG.md.
@@ -311,6 +312,25 @@ def _secret(argv: list[str]) -> int:
     return 0
 
 
+def _checkpoint(argv: list[str]) -> int:
+    """``dilocox checkpoint convert CKPT_DIR|STEP_DIR``: earlier-format checkpoints onto DCP, in place."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="dilocox checkpoint", description=_checkpoint.__doc__)
+    sub = ap.add_subparsers(dest="action", required=True)
+    conv = sub.add_parser("convert", help="convert checkpoints of the earlier format (one torch.save file per rank)")
+    conv.add_argument("path", help="a checkpoint directory (log.run_dir/checkpoints) or one step_XXXXXXXX directory")
+    args = ap.parse_args(argv)
+    from dilocox.checkpoint.legacy import convert
+
+    done = convert(args.path)
+    for d in done:
+        print(f"converted {d} (the earlier files kept in {d}.pre-dcp: delete them once a resume works)")
+    if not done:
+        print(f"{args.path}: every checkpoint is already in the torch.distributed.checkpoint format")
+    return 0
+
+
 def _export(argv: list[str]) -> int:
     from dilocox.export import export_main
 
@@ -375,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _generate,
         "report": _report,
         "secret": _secret,
+        "checkpoint": _checkpoint,
     }
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)

@@ -2,7 +2,7 @@
 
 export: the run's final model (the latest complete checkpoint of any R x D x P x T layout,
 gathered by global names; the outer params θ for the DiLoCo family, see
-``dilocox.reshard.final_model``) becomes a Hugging Face directory: ``config.json``,
+``dilocox.checkpoint.full.final_model``) becomes a Hugging Face directory: ``config.json``,
 ``model.safetensors`` and the tokenizer (the run's trained BPE, or a byte-level
 ``tokenizer.json`` equivalent to dilocox's byte tokenizer). Architectures without an exact HF
 equivalent are refused (``dilocox.hf.check_exportable``).
@@ -27,10 +27,10 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
     """Export a run's final model to ``out_dir``; returns the checkpoint step directory used."""
     from dilocox import checkpoint as ckpt
     from dilocox import hf
+    from dilocox.checkpoint.full import final_model
     from dilocox.config import load_config
     from dilocox.generate import run_tokenizer
     from dilocox.model.subspace import dense_state_dict
-    from dilocox.reshard import final_model
 
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cfg_path):

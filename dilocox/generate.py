@@ -30,7 +30,7 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
 
     if os.path.exists(os.path.join(path, "config.yaml")):  # a dilocox run
         from dilocox import checkpoint as ckpt
-        from dilocox.reshard import final_model
+        from dilocox.checkpoint.full import final_model
 
         cfg = load_config(os.path.join(path, "config.yaml"))
         ckpt_dir = cfg.checkpoint.dir or os.path.join(path, "checkpoints")

@@ -10,10 +10,80 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from dilocox import checkpoint as ckpt
 from dilocox import rundir
-from dilocox.config import ConfigError, to_yaml
-from dilocox.reshard import resharded_state, restart_notes
+from dilocox.checkpoint import names
+from dilocox.config import Config, ConfigError, to_yaml
+
+
+class _Reader:
+    """The Trainer's ``ckpt.Reader``: its DCP targets on its own layout, and its state from them. On the saved
+    layout each rank reads its own rank's rest; on another one the replica's first rank's (``names``)."""
+
+    def __init__(self, tr: TrainerState):
+        self.tr = tr
+
+    def prepare(self, step_dir: str, meta: dict) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        tr, topo = self.tr, self.tr.topo
+        saved, mine = meta.get("layout", tr._layout()["layout"]), tr._layout()["layout"]
+        R, D, P, T = _parse_layout(saved)
+        if R != topo.R:
+            raise ckpt.CheckpointError(
+                f"checkpoint {step_dir} has parallel.replicas={R}, this run {topo.R}: the data sampler and outer "
+                "state are per replica; resume with the same parallel.replicas"
+            )
+        self.same = saved == mine
+        self.src = topo.rank if self.same else ((topo.replica * D) * P) * T
+        md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        outer_names = tr._outer_layout()[0] if tr._outer_layout() else None
+        return names.wanted(
+            md, topo.replica, self.src, list(tr.model.state_dict()), tr._opt_names(), outer_names, tr._dcp_target
+        )
+
+    def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
+        tr = self.tr
+        outer = tr.outer if tr._outer_layout() else None
+        return names.unflatten(
+            targets,
+            tr.topo.replica,
+            self.src,
+            list(tr.model.state_dict()),
+            tr._opt_names(),
+            outer,
+            self.same,
+            tr.optimizer.state_dict()["param_groups"],
+            step_dir,
+        )
+
+
+def _parse_layout(layout: str) -> tuple[int, int, int, int]:
+    import re
+
+    m = re.match(r"^R(\d+)xD(\d+)xP(\d+)xT(\d+)$", str(layout))
+    if not m:
+        raise ckpt.CheckpointError(f"checkpoint layout {layout!r} is not of the form R<r>xD<d>xP<p>xT<t>")
+    return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
+
+
+def restart_notes(cfg: Config) -> list[str]:
+    """What a resume on another layout re-initialises instead of resharding (logged as warnings)."""
+    from dilocox.outer.diloco import METHODS as FAMILY
+
+    if cfg.outer.method not in FAMILY:
+        return []
+    c, notes = cfg.compress, []
+    if c.lowrank.enabled:
+        notes.append(
+            "the low-rank compressor's warm-start Q (redrawn from the seed at the saved rank) and its "
+            "tail-energy estimate"
+        )
+    if c.adaptive.enabled:
+        notes.append("the adaptive controller's rank history and measured comm/step times (H and the rank carry over)")
+    return notes
 
 
 class TrainerState:
@@ -53,6 +123,65 @@ class TrainerState:
             self.outer.load_state_dict(sd["outer"])
         ckpt.set_rng_state(sd["rng"])
 
+    # ------------------------------------------------------------------ the state by global names (DCP)
+    def _opt_names(self) -> list[str]:
+        """Parameter names by inner-optimizer index (``optim.param_order``, as ``build_inner_optimizer`` lists)."""
+        from dilocox.optim import param_order
+
+        named = [(n, p.dim() >= 2) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [n for g in param_order(named, self.cfg.optim.name) for n in g]
+
+    def _outer_layout(self) -> tuple | None:
+        o = self.outer
+        if o is None or not hasattr(getattr(o, "state", None), "fragments"):
+            return None  # (no outer, or one without per-parameter state: saved whole in the rank's rest)
+        return o.names, [p.shape for p in o.params], o.state.fragments
+
+    def _tp(self) -> tuple[dict, object]:
+        """``(name -> partition_dim of every TP-sharded model tensor, the TP group's DeviceMesh or None)``."""
+        if getattr(self, "_tp_cache", None) is None:
+            from dilocox.model.parallel_layers import is_tensor_parallel
+
+            dims = {
+                n: t.partition_dim for n, t in self.model.state_dict(keep_vars=True).items() if is_tensor_parallel(t)
+            }
+            mesh = None
+            if self.topo.T > 1:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                mesh = DeviceMesh.from_group(self.topo.group("tp"), "cpu")
+            self._tp_cache = (dims, mesh)
+        return self._tp_cache
+
+    def _dcp_wrap(self, name: str, t: torch.Tensor):
+        """A TP slice of ``name`` as a DTensor sharded over the TP group (DCP records its global offset)."""
+        dims, mesh = self._tp()
+        dim = dims.get(name)
+        if mesh is None or dim is None or t.dim() <= dim:
+            return t
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(t, mesh, [Shard(dim)], run_check=False)
+
+    def _dcp_target(self, name: str | None, md) -> torch.Tensor:
+        """An empty load target for a saved key of global size ``md.size`` (this rank's slice for a TP tensor)."""
+        dims, mesh = self._tp()
+        size, dtype, dim = list(md.size), md.properties.dtype, dims.get(name) if name else None
+        if mesh is None or dim is None or len(size) <= dim or size[dim] % self.topo.T:
+            return torch.empty(size, dtype=dtype)
+        size[dim] //= self.topo.T
+        return self._dcp_wrap(name, torch.empty(size, dtype=dtype))
+
+    def _dcp_state(self) -> dict:
+        return names.flatten(
+            self.state_dict(),
+            self.topo.replica,
+            self.topo.rank,
+            self._opt_names(),
+            self._outer_layout(),
+            self._dcp_wrap,
+        )
+
     def _layout(self) -> dict:
         p = self.cfg.parallel
         return {
@@ -81,22 +210,19 @@ class TrainerState:
             return
         meta = ckpt.read_meta(path)
         self._check_resume_config(path, meta)
-        saved = meta.get("layout", self._layout()["layout"])
-        if saved != self._layout()["layout"]:  # saved on another R x D x P x T: reshard by global names
-            sd = resharded_state(path, self.cfg, self.topo, self.model, self.optimizer, outer=self.outer)
-            self.logger.info(f"resharding {path} from layout {saved} to {self._layout()['layout']}")
-            for what in restart_notes(self.cfg) if sd.get("outer") else []:
-                self.logger.info(f"warning: resharding restarts {what}")
-        elif r == "auto":  # verifies each shard's hash; on a damaged one falls back (all ranks alike) or stops
+        expect = {k: v for k, v in self._layout().items() if k != "layout"}  # another layout: DCP reshards
+        reader = _Reader(self)
+        if r == "auto":  # verifies the files' hashes; on a damaged one falls back (all ranks alike) or stops
             path, sd = ckpt.load_latest(
-                self.ckpt_dir,
-                self.topo.rank,
-                self.topo.world_size,
-                expect=self._layout(),
-                fallback=self.cfg.checkpoint.fallback,
+                self.ckpt_dir, self.topo.rank, self.topo.world_size, reader, expect, self.cfg.checkpoint.fallback
             )
         else:
-            sd = ckpt.load_checkpoint(path, self.topo.rank, self.topo.world_size, expect=self._layout())
+            sd = ckpt.load_step(path, self.topo.rank, self.topo.world_size, reader, expect)
+        saved = ckpt.read_meta(path).get("layout", self._layout()["layout"])
+        if saved != self._layout()["layout"]:
+            self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")
+            for what in restart_notes(self.cfg) if sd.get("outer") else []:
+                self.logger.info(f"warning: resharding restarts {what}")
         self.load_state_dict(sd)
         self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
@@ -134,7 +260,7 @@ class TrainerState:
             self.step,
             self.topo.rank,
             self.topo.world_size,
-            self.state_dict(),
+            self._dcp_state(),
             meta={**self._layout(), "config": self.cfg.to_dict()},
             agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,

@@ -1,11 +1,14 @@
-"""Checkpoint files: atomic, complete-or-ignored, corrupt shards give a clear error."""
+"""Checkpoint files on torch.distributed.checkpoint: atomic, complete-or-ignored, hashed, pickle-free; a damaged
+file or a failing rank gives one clear error on every rank."""
 
+import errno
 import os
 
 import pytest
 import torch
 
 from dilocox import checkpoint as ckpt
+from dilocox.checkpoint import names
 
 
 def _read(path):
@@ -14,7 +17,11 @@ def _read(path):
 
 
 def _state(v):
-    return {"w": torch.full((3,), float(v)), "step": v, "nested": {"lst": [1, 2], "none": None}}
+    return {"w": torch.full((3,), float(v)), "step": torch.tensor(v)}
+
+
+def _file(step_dir, rank=0):
+    return ckpt.rank_files(step_dir, rank)[0]
 
 
 def test_save_load_roundtrip_and_latest(tmp_path):
@@ -23,51 +30,72 @@ def test_save_load_roundtrip_and_latest(tmp_path):
         ckpt.save_checkpoint(d, step, 0, 1, _state(step), meta={"layout": "R1"}, keep=2)
     latest = ckpt.find_latest(d)
     assert latest.endswith("step_00000030")
-    sd = ckpt.load_checkpoint(latest, 0, 1, expect={"layout": "R1"})
-    assert sd["step"] == 30 and torch.equal(sd["w"], torch.full((3,), 30.0))
+    sd = ckpt.load_checkpoint(latest, expect={"layout": "R1"})
+    assert int(sd["step"]) == 30 and torch.equal(sd["w"], torch.full((3,), 30.0))
     # keep=2: the oldest complete checkpoint was removed
     assert [os.path.basename(p) for p in ckpt.complete_steps(d)] == ["step_00000020", "step_00000030"]
+    meta = ckpt.read_meta(latest)  # every file DCP wrote is recorded with its size and hash
+    assert meta["format"] == "dcp" and set(meta["files"]) == {".metadata", os.path.basename(_file(latest))}
 
 
-def test_interrupted_save_never_becomes_latest(tmp_path):
+def test_the_rest_is_json_not_pickle():
+    obj = {"step": 3, "t": (1, 2.5, None), "ints": {4: "x"}, "nan": float("inf"), "rng": {"torch": torch.arange(5)}}
+    data, tensors = names.encode(obj, "rank0/rest")
+    assert data.dtype == torch.uint8 and set(tensors) == {"rank0/rest/rng/torch"}
+    back = names.decode(data, tensors)
+    assert back["t"] == (1, 2.5, None) and back["ints"] == {4: "x"} and back["nan"] == float("inf")
+    assert torch.equal(back["rng"]["torch"], torch.arange(5))
+    with pytest.raises(ckpt.CheckpointError, match="object"):
+        names.encode({"x": object()}, "r")
+    with pytest.raises(ckpt.CheckpointError, match="only tensors"):  # DCP would pickle it
+        ckpt.save_checkpoint("/nonexistent", 1, 0, 1, {"step": 3})
+
+
+def test_interrupted_save_never_becomes_latest_and_is_cleared(tmp_path):
     d = str(tmp_path)
-    # a 2-rank checkpoint at step 10 (both shards), then a crash after rank 0 wrote step 20
-    ckpt.save_checkpoint(d, 10, 1, 2, _state(10))
-    ckpt.save_checkpoint(d, 10, 0, 2, _state(10))
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
     step20 = os.path.join(d, "step_00000020")
     os.makedirs(step20)
-    torch.save(_state(20), ckpt.shard_path(step20, 0))  # no COMPLETE.json: interrupted
+    with open(os.path.join(step20, "__7_0.distcp"), "wb") as f:  # an interrupted save's file, no COMPLETE.json
+        f.write(b"partial")
     assert ckpt.find_latest(d).endswith("step_00000010")
     with pytest.raises(ckpt.CheckpointError, match="interrupted"):
-        ckpt.load_checkpoint(step20, 0)
+        ckpt.load_checkpoint(step20)
+    ckpt.save_checkpoint(d, 20, 0, 1, _state(20))  # the next save at that step starts from an empty directory
+    assert not os.path.exists(os.path.join(step20, "__7_0.distcp"))
+    assert int(ckpt.load_checkpoint(ckpt.find_latest(d))["step"]) == 20
 
 
-def test_missing_rank_shard_is_not_marked_complete(tmp_path):
+def test_missing_rank_files_are_not_marked_complete(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"ranks \[1\]"):
         ckpt.save_checkpoint(str(tmp_path), 5, 0, 2, _state(5))
     assert ckpt.find_latest(str(tmp_path)) is None
 
 
-def test_truncated_shard_clear_error_and_nothing_overwritten(tmp_path):
+def test_truncated_file_clear_error_and_nothing_overwritten(tmp_path):
     d = str(tmp_path)
     ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
     ckpt.save_checkpoint(d, 20, 0, 1, _state(20))
-    bad = ckpt.shard_path(os.path.join(d, "step_00000020"), 0)
+    bad = _file(os.path.join(d, "step_00000020"))
     os.truncate(bad, os.path.getsize(bad) // 2)
-    good_before = _read(ckpt.shard_path(os.path.join(d, "step_00000010"), 0))
-    with pytest.raises(ckpt.CheckpointError, match="corrupt or truncated") as ei:
-        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)
-    assert "rank_00000.pt" in str(ei.value) and "resume" in str(ei.value)
-    assert _read(ckpt.shard_path(os.path.join(d, "step_00000010"), 0)) == good_before
+    good_before = _read(_file(os.path.join(d, "step_00000010")))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="corrupt or truncated") as ei:
+        ckpt.load_checkpoint(ckpt.find_latest(d))
+    assert "__0_0.distcp" in str(ei.value)
+    assert _read(_file(os.path.join(d, "step_00000010"))) == good_before
 
 
-def test_layout_mismatch_is_refused(tmp_path):
+def test_setting_mismatch_and_earlier_format_are_refused(tmp_path):
     d = str(tmp_path)
-    ckpt.save_checkpoint(d, 1, 0, 1, _state(1), meta={"layout": "R1xD1xP1xT1"})
-    with pytest.raises(ckpt.CheckpointError, match="world_size|ranks"):
-        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 4)
-    with pytest.raises(ckpt.CheckpointError, match="layout"):
-        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1, expect={"layout": "R2xD1xP1xT1"})
+    ckpt.save_checkpoint(d, 1, 0, 1, _state(1), meta={"method": "diloco"})
+    with pytest.raises(ckpt.CheckpointError, match="method"):
+        ckpt.load_checkpoint(ckpt.find_latest(d), expect={"method": "none"})
+    old = os.path.join(d, "step_00000002")  # a COMPLETE.json of the earlier format (one torch.save file per rank)
+    os.makedirs(old)
+    with open(os.path.join(old, "COMPLETE.json"), "w") as f:
+        f.write('{"step": 2, "shards": {"rank_00000.pt": {"bytes": 1, "sha256": "x"}}}')
+    with pytest.raises(ckpt.CheckpointError, match="dilocox checkpoint convert"):
+        ckpt.load_checkpoint(old)
 
 
 def test_rng_state_roundtrip():
@@ -80,7 +108,7 @@ def test_rng_state_roundtrip():
 def test_saving_an_already_complete_step_leaves_it_untouched(tmp_path):
     d = str(tmp_path)
     ckpt.save_checkpoint(d, 10, 0, 1, _state(10))
-    path = ckpt.shard_path(os.path.join(d, "step_00000010"), 0)
+    path = _file(os.path.join(d, "step_00000010"))
     before = _read(path)
     ckpt.save_checkpoint(d, 10, 0, 1, _state(99))
     assert _read(path) == before
@@ -92,7 +120,7 @@ def _save_per_node_dirs(rank, world, root, shared):
     out = []
     for step in (1, 1):  # the second save at the same step must be a no-op on every rank
         try:
-            ckpt.save_checkpoint(d, step, rank, world, _state(step), agree=ckpt.all_ranks_agree)
+            ckpt.save_checkpoint(d, step, rank, world, {f"w{rank}": torch.ones(2) * rank}, agree=ckpt.all_ranks_agree)
             out.append("ok")
         except ckpt.CheckpointError as e:
             out.append(str(e))
@@ -110,24 +138,34 @@ def test_node_local_checkpoint_dirs_fail_on_every_rank_without_hanging(tmp_path)
 
     res = run_ranks(2, _save_per_node_dirs, str(tmp_path), True, timeout=120)
     assert [out for out, _ in res] == [["ok", "ok"], ["ok", "ok"]]
-    assert ckpt.find_latest(str(tmp_path / "shared")).endswith(ckpt.step_dir_name(1))
+    step = ckpt.find_latest(str(tmp_path / "shared"))
+    assert step.endswith(ckpt.step_dir_name(1))
+    sd = ckpt.load_checkpoint(step)  # both ranks' keys in one checkpoint
+    assert torch.equal(sd["w0"], torch.zeros(2)) and torch.equal(sd["w1"], torch.ones(2))
 
 
-def _save_with_a_failing_rank(rank, world, d):
-    """Rank 1's state cannot be pickled (torch.save raises, as it does with RuntimeError on a full disk)."""
-    state = _state(3) if rank == 0 else {"bad": lambda: None}
+def _save_with_a_full_disk_on_rank_1(rank, world, d):
+    """Rank 1's disk fills while DCP writes its file (ENOSPC inside DCP's writer)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    if rank == 1:
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        fs._write_item = full
     try:
-        ckpt.save_checkpoint(d, 3, rank, world, state, agree=ckpt.all_ranks_agree)
+        ckpt.save_checkpoint(d, 3, rank, world, {f"w{rank}": torch.ones(4)}, agree=ckpt.all_ranks_agree)
         return "ok", os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
     except ckpt.CheckpointError as e:
         return str(e), os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
 
 
-def test_a_rank_failing_inside_torch_save_fails_every_rank(tmp_path):
+def test_a_rank_failing_inside_dcp_fails_every_rank(tmp_path):
     from tests.spawn import run_ranks
 
     ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, _state(1))  # an earlier, complete checkpoint
-    res = run_ranks(2, _save_with_a_failing_rank, str(tmp_path), timeout=120)
-    assert "rank 1 could not write its shard" in res[1][0] and "another rank could not write" in res[0][0], res
-    assert not res[0][1] and not res[1][1]  # no partial step dir (rank 0's shard removed too), no temp file
+    res = run_ranks(2, _save_with_a_full_disk_on_rank_1, str(tmp_path), timeout=120)
+    assert all("no space left on device" in r[0] and "older checkpoints are intact" in r[0] for r in res), res
+    assert not res[0][1] and not res[1][1]  # no partial step dir
     assert ckpt.find_latest(str(tmp_path)).endswith(ckpt.step_dir_name(1))  # latest untouched

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from dilocox import checkpoint as ckpt
+from dilocox.checkpoint import names
+from dilocox.checkpoint.full import rank_rest
 from tests.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +33,29 @@ def _state(v, n=3):
         "outer": {"v": [torch.ones(2)]},
         "step": v,
     }
+
+
+def _pack(sd):
+    """A nested state as DCP entries: its tensors by path, the rest as JSON (names.encode; nothing pickled)."""
+    data, tensors = names.encode(sd, "s")
+    return {"s": data, **tensors}
+
+
+def _unpack(flat):
+    return names.decode(flat["s"], {k: v for k, v in flat.items() if k.startswith("s/")})
+
+
+def _load(step_dir, **kw):
+    return _unpack(ckpt.load_checkpoint(step_dir, **kw))
+
+
+def _latest(d, rank=0, world=1, **kw):
+    path, sd = ckpt.load_latest(d, rank, world, ckpt.WholeReader(), **kw)
+    return path, _unpack(sd)
+
+
+def _file(step_dir, rank=0):
+    return ckpt.rank_files(step_dir, rank)[0]
 
 
 def _read(path):
@@ -56,7 +81,7 @@ def _names(d):
 def test_nonfinite_state_is_never_saved_and_good_ones_stay(tmp_path, where):
     d = str(tmp_path)
     for step in (10, 20):
-        ckpt.save_checkpoint(d, step, 0, 1, _state(step), keep=2)
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step)), keep=2)
     bad = _state(30)
     victim = {
         "model": bad["model"]["w"],
@@ -65,22 +90,22 @@ def test_nonfinite_state_is_never_saved_and_good_ones_stay(tmp_path, where):
     }
     victim[where][1] = float("nan") if where != "outer" else float("inf")
     with pytest.raises(ckpt.NonFiniteStateError) as ei:
-        ckpt.save_checkpoint(d, 30, 0, 1, bad, keep=2)
+        ckpt.save_checkpoint(d, 30, 0, 1, _pack(bad), keep=2)
     msg = str(ei.value)
     assert "step 30" in msg and where in msg and "step_00000020" in msg and "resume" in msg, msg
     assert not os.path.exists(os.path.join(d, "step_00000030"))
     assert _names(d) == ["step_00000010", "step_00000020"]  # keep=2 good ones, nothing pruned
     assert ckpt.find_latest(d).endswith("step_00000020")
-    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 20
+    assert _load(ckpt.find_latest(d))["step"] == 20
 
 
 def _save_nan_on_rank1(rank, world, d):
     try:
-        ckpt.save_checkpoint(d, 1, rank, world, _state(1), agree=ckpt.all_ranks_agree)
+        ckpt.save_checkpoint(d, 1, rank, world, _pack(_state(1)), agree=ckpt.all_ranks_agree)
         st = _state(2)
         if rank == 1:
             st["model"]["w"][0] = float("nan")
-        ckpt.save_checkpoint(d, 2, rank, world, st, agree=ckpt.all_ranks_agree)
+        ckpt.save_checkpoint(d, 2, rank, world, _pack(st), agree=ckpt.all_ranks_agree)
         return "saved"
     except ckpt.NonFiniteStateError as e:
         return str(e)
@@ -88,7 +113,7 @@ def _save_nan_on_rank1(rank, world, d):
 
 def test_nonfinite_on_one_rank_stops_every_rank(tmp_path):
     res = run_ranks(2, _save_nan_on_rank1, str(tmp_path), timeout=120)
-    assert "rank 1's state holds NaN/Inf in model.w" in res[1] and "another rank's state" in res[0], res
+    assert "rank 1's state holds NaN/Inf in s/model/w" in res[1] and "another rank's state" in res[0], res
     assert all("step_00000001" in m for m in res), res  # both name the last good checkpoint
     assert ckpt.find_latest(str(tmp_path)).endswith("step_00000001")
     assert not os.path.exists(tmp_path / "step_00000002")
@@ -141,8 +166,8 @@ def test_huge_lr_from_a_good_checkpoint_leaves_it_latest(tmp_path):
     assert second.returncode != 0, second.stdout[-2000:]
     assert "not saving the checkpoint of step 6" in second.stderr and good in second.stderr, second.stderr[-3000:]
     assert ckpt.find_latest(d) == good and _names(d) == ["step_00000004"]
-    sd = ckpt.load_checkpoint(good, 0, 1)
-    assert sd["step"] == 4 and not ckpt.nonfinite_tensors(sd)
+    assert not ckpt.nonfinite_tensors(ckpt.load_checkpoint(good))  # every key of it, full
+    assert rank_rest(good, 0)["step"] == 4
 
 
 # ----------------------------------------------------------------------------------------- corruption
@@ -150,42 +175,42 @@ def test_huge_lr_from_a_good_checkpoint_leaves_it_latest(tmp_path):
 
 def test_flipped_bytes_are_detected_and_named(tmp_path):
     d = str(tmp_path)
-    ckpt.save_checkpoint(d, 10, 0, 1, _state(10, n=4096))
+    ckpt.save_checkpoint(d, 10, 0, 1, _pack(_state(10, n=4096)))
     meta = ckpt.read_meta(ckpt.find_latest(d))
-    rec = meta["shards"]["rank_00000.pt"]
-    shard = ckpt.shard_path(ckpt.find_latest(d), 0)
+    rec = meta["files"]["__0_0.distcp"]
+    shard = _file(ckpt.find_latest(d))
     assert meta["hash"] == "sha256" and rec["bytes"] == os.path.getsize(shard)
     assert rec["sha256"] == ckpt.file_hash(shard)
-    assert sorted(os.listdir(ckpt.find_latest(d))) == ["COMPLETE.json", "rank_00000.pt"]  # sidecar folded in
-    _flip(shard)  # inside the tensor data: torch.load alone returns a wrong tensor without a word
+    assert sorted(os.listdir(ckpt.find_latest(d))) == [".metadata", "COMPLETE.json", "__0_0.distcp"]  # sidecar folded
+    _flip(shard, at=0.99)  # inside the tensor data: DCP alone returns a wrong tensor without a word
     with pytest.raises(ckpt.CorruptCheckpointError, match="sha256 does not match") as ei:
-        ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)
+        _load(ckpt.find_latest(d))
     assert shard in str(ei.value)
-    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1, verify=False)["step"] == 10  # what happened before
+    assert _load(ckpt.find_latest(d), verify=False)["step"] == 10  # what happened before
 
 
 def test_damaged_latest_falls_back_to_the_previous_one(tmp_path):
     d = str(tmp_path)
     for step in (10, 20, 30):
-        ckpt.save_checkpoint(d, step, 0, 1, _state(step, n=1024), keep=3)
-    _flip(ckpt.shard_path(os.path.join(d, "step_00000030"), 0))
-    with pytest.raises(ckpt.CorruptCheckpointError, match="rank_00000.pt.*fallback") as ei:
-        ckpt.load_latest(d, 0, 1, fallback=False, warn=lambda m: None)
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step, n=1024)), keep=3)
+    _flip(_file(os.path.join(d, "step_00000030")))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="__0_0.distcp.*fallback") as ei:
+        _latest(d, fallback=False, warn=lambda m: None)
     assert "step_00000030" in str(ei.value) and ckpt.find_latest(d).endswith("step_00000030")  # stop: nothing moved
     warnings = []
-    path, sd = ckpt.load_latest(d, 0, 1, warn=warnings.append)
+    path, sd = _latest(d, warn=warnings.append)
     assert path.endswith("step_00000020") and sd["step"] == 20
     text = "\n".join(warnings)
-    assert "step_00000030/rank_00000.pt" in text and "falling back" in text and "step_00000030.corrupt" in text, text
+    assert "step_00000030/__0_0.distcp" in text and "falling back" in text and "step_00000030.corrupt" in text, text
     assert ckpt.find_latest(d) == path and os.path.isdir(os.path.join(d, "step_00000030.corrupt"))
     # the run goes on and saves step 30 again: a real save, not skipped as "already complete"
-    ckpt.save_checkpoint(d, 30, 0, 1, _state(31), keep=3)
-    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 31
+    ckpt.save_checkpoint(d, 30, 0, 1, _pack(_state(31)), keep=3)
+    assert _load(ckpt.find_latest(d))["step"] == 31
     # a truncated shard, and a damaged COMPLETE.json, are corrupt too
-    os.truncate(ckpt.shard_path(os.path.join(d, "step_00000030"), 0), 100)
+    os.truncate(_file(os.path.join(d, "step_00000030")), 100)
     with open(os.path.join(d, "step_00000020", "COMPLETE.json"), "w") as f:
         f.write("{ not json")
-    path, sd = ckpt.load_latest(d, 0, 1, warn=warnings.append)
+    path, sd = _latest(d, warn=warnings.append)
     assert path.endswith("step_00000010") and sd["step"] == 10
 
 
@@ -195,20 +220,20 @@ def test_training_resumes_from_the_previous_checkpoint_when_latest_is_damaged(tm
     first = _cli([*_small(run), "--train.steps=4", "--checkpoint.every=2"])
     assert first.returncode == 0, first.stderr[-3000:]
     d = os.path.join(run, "checkpoints")
-    _flip(ckpt.shard_path(os.path.join(d, "step_00000004"), 0))
+    _flip(_file(os.path.join(d, "step_00000004")))
     second = _cli([*_small(run), "--train.steps=6", "--checkpoint.every=2"])
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout + second.stderr
-    assert "step_00000004/rank_00000.pt is corrupt" in out and "falling back" in out, out[-3000:]
+    assert "step_00000004/__0_0.distcp is corrupt" in out and "falling back" in out, out[-3000:]
     assert "resumed from " + os.path.join(d, "step_00000002") in out, out[-3000:]
     assert os.path.isdir(os.path.join(d, "step_00000004.corrupt"))
     assert ckpt.find_latest(d).endswith("step_00000006") and _names(d) == ["step_00000004", "step_00000006"]
-    assert ckpt.load_checkpoint(ckpt.find_latest(d), 0, 1)["step"] == 6
+    assert rank_rest(ckpt.find_latest(d), 0)["step"] == 6
 
 
 def _load_with_fallback(rank, world, d, fallback):
     try:
-        path, sd = ckpt.load_latest(d, rank, world, fallback=fallback, warn=lambda m: None)
+        path, sd = _latest(d, rank, world, fallback=fallback, warn=lambda m: None)
         return os.path.basename(path), sd["step"]
     except ckpt.CheckpointError as e:
         return "error", str(e)
@@ -217,12 +242,18 @@ def _load_with_fallback(rank, world, d, fallback):
 def test_ranks_agree_on_the_fallback(tmp_path):
     d = str(tmp_path)
     for step in (10, 20):
-        for r in (1, 0):
-            ckpt.save_checkpoint(d, step, r, 2, _state(step, n=1024))
-    _flip(ckpt.shard_path(os.path.join(d, "step_00000020"), 1))  # only rank 1 can see the damage
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step, n=1024)))
+        with open(os.path.join(d, ckpt.step_dir_name(step), "pad.bin"), "wb") as f:  # a second file to stripe
+            f.write(b"x" * 100)
+        meta = ckpt.read_meta(os.path.join(d, ckpt.step_dir_name(step)))
+        meta["files"]["pad.bin"] = {"bytes": 100, "sha256": ckpt.file_hash(f.name)}
+        with open(os.path.join(d, ckpt.step_dir_name(step), "COMPLETE.json"), "w") as f:
+            f.write(__import__("json").dumps(meta))
+    # the sorted files (.metadata, __0_0.distcp, pad.bin) are checked in stripes: rank 0 hashes pad.bin, rank 1 not
+    _flip(os.path.join(d, "step_00000020", "pad.bin"))
     res = run_ranks(2, _load_with_fallback, d, False, timeout=120)
     assert res[0][0] == res[1][0] == "error", res
-    assert "rank_00001.pt" in res[1][1] and "another rank" in res[0][1], res
+    assert "pad.bin" in res[0][1] and "another rank" in res[1][1], res
     res = run_ranks(2, _load_with_fallback, d, True, timeout=120)
     assert res == [("step_00000010", 10), ("step_00000010", 10)], res
     assert os.path.isdir(os.path.join(d, "step_00000020.corrupt"))
@@ -254,30 +285,30 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30, check=False)
 
 
-def test_full_disk_clear_error_no_partial_dir_older_intact(tmpfs):
+def test_full_disk_clear_error_no_partial_dir_older_intact(tmpfs, monkeypatch):
     d = os.path.join(tmpfs, "ckpt")
     big = 75_000  # two float32 tensors: 600 KB per shard
     for step in (1, 2):
-        ckpt.save_checkpoint(d, step, 0, 1, _state(step, n=big), keep=3)
-    before = {s: _read(ckpt.shard_path(os.path.join(d, s), 0)) for s in _names(d)}
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step, n=big)), keep=3)
+    before = {s: _read(_file(os.path.join(d, s))) for s in _names(d)}
     # (a) the shard's estimated size does not fit: refused before anything is created
     with pytest.raises(ckpt.CheckpointError) as ei:
-        ckpt.save_checkpoint(d, 3, 0, 1, _state(3, n=big * 2), keep=3)
+        ckpt.save_checkpoint(d, 3, 0, 1, _pack(_state(3, n=big * 2)), keep=3)
     msg = str(ei.value)
-    assert "no space left on device while writing" in msg and "rank_00000.pt" in msg and "needs ~1.2 MB" in msg, msg
+    assert "no space left on device while writing" in msg and "step_00000003" in msg and "needs ~1.2 MB" in msg, msg
     assert "free" in msg and "older checkpoints are intact" in msg and "step_00000002" in msg
-    # (b) the estimate fits (a big non-tensor payload) but the disk fills up while writing
-    blob = {**_state(3, n=1000), "blob": list(range(400_000))}
+    # (b) the estimate fits (it is off) but the disk fills up while DCP writes
+    monkeypatch.setattr("dilocox.checkpoint.save.estimate_bytes", lambda state: 1000)
     with pytest.raises(ckpt.CheckpointError) as ei:
-        ckpt.save_checkpoint(d, 3, 0, 1, blob, keep=3)
+        ckpt.save_checkpoint(d, 3, 0, 1, _pack(_state(3, n=big * 2)), keep=3)
     msg = str(ei.value)
-    assert "no space left on device while writing" in msg and "rank_00000.pt" in msg, msg
+    assert "no space left on device while writing" in msg and "step_00000003" in msg, msg
     assert "unexpected pos" not in msg
     assert sorted(os.listdir(d)) == ["latest", "step_00000001", "step_00000002"]  # no partial dir, no temp file
     assert ckpt.find_latest(d).endswith("step_00000002")
     for s, data in before.items():
-        assert _read(ckpt.shard_path(os.path.join(d, s), 0)) == data
-        assert ckpt.load_checkpoint(os.path.join(d, s), 0, 1)["step"] in (1, 2)
+        assert _read(_file(os.path.join(d, s))) == data
+        assert _load(os.path.join(d, s))["step"] in (1, 2)
 
 
 def test_preflight_writability_and_room(tmpfs, tmp_path):
@@ -320,12 +351,12 @@ def test_python_random_state_is_restored_exactly(tmp_path):
     random.seed(1234)
     random.gauss(0.0, 1.0)  # leaves gauss_next cached: part of the state
     torch.manual_seed(5)
-    ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, {"rng": ckpt.rng_state()})
+    ckpt.save_checkpoint(str(tmp_path), 1, 0, 1, _pack({"rng": ckpt.rng_state()}))
     want_state = random.getstate()
     want = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(64), torch.rand(3)]
     random.seed(999)
     torch.manual_seed(999)
-    sd = ckpt.load_checkpoint(ckpt.find_latest(str(tmp_path)), 0, 1)  # through torch.save / weights_only load
+    sd = _load(ckpt.find_latest(str(tmp_path)))  # through DCP and JSON (nothing pickled)
     ckpt.set_rng_state(sd["rng"])
     assert random.getstate() == want_state
     got = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(64), torch.rand(3)]

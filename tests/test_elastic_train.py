@@ -41,8 +41,10 @@ def _metrics(run_dir: str) -> list[dict]:
 
 
 def _final_model(run_dir: str) -> dict[str, torch.Tensor]:
-    path = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*", "rank*.pt")))[-1]
-    return torch.load(path, weights_only=False)["model"]
+    from dilocox.checkpoint.full import full_tensors
+
+    path = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "step_*[0-9]")))[-1]
+    return full_tensors(path, "replica0/model")
 
 
 class _Run:
@@ -261,11 +263,14 @@ def test_train_dp_sharded_replica_kill_and_restart_rejoins_bit_identical(tmp_pat
         run.close()
     out = open(tmp_path / "r1.out").read()
     assert [line for line in out.splitlines() if "joined the live run at step" in line], out[-2000:]
-    for shard in ("rank_00000.pt", "rank_00001.pt"):
-        a, b = (torch.load(glob.glob(os.path.join(run.run_dir(r), "checkpoints", "step_*", shard))[-1],
-                           weights_only=False)["model"] for r in (0, 1))  # fmt: skip
+    from dilocox.checkpoint.full import full_tensors
+
+    last = [sorted(glob.glob(os.path.join(run.run_dir(r), "checkpoints", "step_*[0-9]")))[-1] for r in (0, 1)]
+    for kind in ("model", "outer/theta"):  # (each data rank's half of the outer state, whole here)
+        a, b = (full_tensors(p, f"replica0/{kind}") for p in last)
+        assert a and set(a) == set(b)
         for k in a:
-            assert torch.equal(a[k], b[k]), (shard, k)
+            assert torch.equal(a[k], b[k]), (kind, k)
 
 
 @pytest.mark.fault

@@ -85,8 +85,8 @@ def _tokens(vocab=256):
 
 def _export_and_check(tmp_path, family, layout):
     from dilocox import checkpoint as ckpt
+    from dilocox.checkpoint.full import final_model
     from dilocox.cli import main
-    from dilocox.reshard import final_model
 
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf")
     world = 4 if layout else 1
@@ -235,8 +235,8 @@ def test_diloco_export_is_theta_and_mid_run_checkpoint_is_refused(tmp_path):
     """DiLoCo: the final checkpoint's model state is θ (the same on both replicas) and is what export writes;
     a mid-run checkpoint (replica-local params) is refused unless --replica-params."""
     from dilocox import checkpoint as ckpt
+    from dilocox.checkpoint.full import final_model, full_tensors
     from dilocox.cli import main
-    from dilocox.reshard import final_model, gather_full
 
     run_dir = str(tmp_path / "run")
     run_ranks(
@@ -254,11 +254,11 @@ def test_diloco_export_is_theta_and_mid_run_checkpoint_is_refused(tmp_path):
     )
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     mid, last = ckpt.complete_steps(os.path.join(run_dir, "checkpoints"))
-    r0, r1 = (gather_full(last, cfg.model, replica=r)["model"] for r in (0, 1))
+    r0, r1 = (full_tensors(last, f"replica{r}/model") for r in (0, 1))
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k  # θ: identical on every replica after finish()
     assert mid.endswith("step_00000004")  # due at 3, saved at the next outer sync (nothing crosses between syncs)
-    m0, m1 = (gather_full(mid, cfg.model, replica=r)["model"] for r in (0, 1))
+    m0, m1 = (full_tensors(mid, f"replica{r}/model") for r in (0, 1))
     assert all(torch.equal(m0[k], m1[k]) for k in m0)  # saved right after a sync: θ on both replicas
     with pytest.raises(ckpt.CheckpointError, match="mid-run"):
         final_model(mid, cfg.model)
@@ -276,8 +276,8 @@ def test_export_of_a_subspace_model_is_its_dense_equivalent(tmp_path):
     """Issue 24 item 2: a model trained with model.subspace_rank (k-wide out-projections and embedding, fixed parts
     rebuilt from the shape) exports as the dense GPT-2 with the same function: transformers' logits equal ours."""
     from dilocox import checkpoint as ckpt
+    from dilocox.checkpoint.full import final_model
     from dilocox.cli import main
-    from dilocox.reshard import final_model
 
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf")
     run_ranks(1, _train, run_dir, ["--model.subspace_rank=8"])

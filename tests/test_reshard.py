@@ -1,6 +1,7 @@
 """Resume on another layout: a PP=2 x TP=2 checkpoint resumed on 1 rank and on PP=1 x TP=2 continues
-the uninterrupted run's loss sequence (model and inner AdamW resharded by global names); so does a
-DiLoCo-family checkpoint (outer θ, momentum, in-flight result and error feedback resharded too)."""
+the uninterrupted run's loss sequence (model and inner AdamW saved by global names, resharded by
+torch.distributed.checkpoint); so does a DiLoCo-family checkpoint (outer θ, momentum, in-flight result and error
+feedback by name too)."""
 
 import os
 
@@ -9,6 +10,7 @@ import torch
 import yaml
 
 from dilocox import checkpoint as ckpt
+from dilocox.checkpoint.full import full_tensors, rank_rest
 from dilocox.config import load_config
 from tests.spawn import run_ranks
 
@@ -105,26 +107,25 @@ def test_tp2_checkpoint_resumes_on_one_rank(tmp_path):
 
 
 @pytest.mark.slow  # 2 + 1 ranks: ~40 s alone, more on a busy 2-core machine
-def test_gather_full_equals_the_one_process_model(tmp_path):
-    """The gathered model and AdamW moments of a TP=2 checkpoint equal a 1-rank checkpoint of the same run."""
-    from dilocox.reshard import gather_full
-
+def test_full_tensors_of_tp2_equal_the_one_process_model(tmp_path):
+    """The full model and AdamW moments DCP reads from a TP=2 checkpoint equal a 1-rank checkpoint of the same run
+    (the TP slices were saved as DTensor shards at their global offsets)."""
     run_ranks(2, _full_and_save, str(tmp_path / "t"), LAYOUTS["tp2"])
     run_ranks(1, _full_and_save, str(tmp_path / "o"), [])
-    cfg = _cfg(str(tmp_path / "x"))
-    a = gather_full(ckpt.find_latest(str(tmp_path / "t" / "part" / "checkpoints")), cfg.model, optimizer=True)
-    b = gather_full(ckpt.find_latest(str(tmp_path / "o" / "part" / "checkpoints")), cfg.model, optimizer=True)
-    assert set(a["model"]) == set(b["model"]) and set(a["optimizer"]) == set(b["optimizer"])
-    for k in a["model"]:
+    a_dir = ckpt.find_latest(str(tmp_path / "t" / "part" / "checkpoints"))
+    b_dir = ckpt.find_latest(str(tmp_path / "o" / "part" / "checkpoints"))
+    a, b = full_tensors(a_dir, "replica0/model"), full_tensors(b_dir, "replica0/model")
+    assert set(a) == set(b)
+    for k in a:
         # fp32 rounding of 3 Adam steps differs between layouts; a misplaced shard differs by ~init_std
-        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-3, atol=2e-4)
-    for k in a["optimizer"]:
-        assert int(a["optimizer"][k]["step"]) == int(b["optimizer"][k]["step"]) == STOP
-        for m in ("exp_avg", "exp_avg_sq"):
-            x, y = a["optimizer"][k][m], b["optimizer"][k][m]
-            if y.dim() < 2:  # e.g. k_proj's bias has an exactly-zero gradient: its moments are rounding noise
-                continue
-            torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-3 * float(y.abs().max()))
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=2e-4)
+    a, b = full_tensors(a_dir, "replica0/optim"), full_tensors(b_dir, "replica0/optim")
+    assert set(a) == set(b)
+    for k in a:
+        if k.endswith("/step"):
+            assert int(a[k]) == int(b[k]) == STOP
+        elif b[k].dim() >= 2:  # (e.g. k_proj's bias has an exactly-zero gradient: its moments are rounding noise)
+            torch.testing.assert_close(a[k], b[k], rtol=1e-2, atol=1e-3 * float(b[k].abs().max()))
 
 
 def _resume_outer(rank, world, run_dir, extra):
@@ -160,12 +161,10 @@ def _diloco_case(tmp_path, src, dst, extra, rel=2e-5):
     R = 2 if "--parallel.replicas=2" in extra else 1
     full = run_ranks(R * WORLD[src], _full_and_save, str(tmp_path), LAYOUTS[src] + extra)
     step_dir = ckpt.find_latest(str(tmp_path / "part" / "checkpoints"))
-    shard = ckpt.load_checkpoint(step_dir, 0)
-    assert shard["outer"]["method"] == "diloco" and shard["outer"]["outer_step"] == 1  # a real mid-run outer state
-    if "--outer.overlap=delayed" in extra:  # v is still 0 (Δ̄^0 = 0); the in-flight Δ̄^1 is what matters
-        assert float(shard["outer"]["pending"][0][0].abs().max()) > 0
-    else:
-        assert float(shard["outer"]["state"]["momentum"].abs().max()) > 0
+    rest = rank_rest(step_dir, 0)["outer"]
+    assert rest["method"] == "diloco" and rest["outer_step"] == 1  # a real mid-run outer state
+    kind = "pending" if "--outer.overlap=delayed" in extra else "momentum"  # delayed: v is still 0 (Δ̄^0 = 0)
+    assert max(float(t.abs().max()) for t in full_tensors(step_dir, f"replica0/outer/{kind}").values()) > 0
     out = run_ranks(R * WORLD[dst], _resume_outer, str(tmp_path / "part"), LAYOUTS[dst] + extra)
     for r, (losses, info) in enumerate(out):
         want = full[(r // WORLD[dst]) * WORLD[src]][STOP:]  # the same replica's uninterrupted losses
@@ -180,13 +179,12 @@ def test_diloco_delayed_tp2_checkpoint_resumes_on_one_rank(tmp_path):
     full, out, step_dir = _diloco_case(tmp_path, "tp2", "one", DILOCO + ["--outer.overlap=delayed"])
     info = out[0][1]
     assert info["pending"][0] is not None  # the in-flight result was carried over
-    # θ, v and the in-flight result of the one rank are the concatenations of the two TP ranks' (per name)
-    parts = _saved_tp2_by_name(tmp_path, step_dir)
+    # θ, v and the in-flight result of the one rank are the full tensors of the two TP ranks' slices (per name)
+    saved = full_tensors(step_dir, "replica0/outer")
     assert any(d is not None for _, _, d in info["named"].values())
     for k, (name, (theta, mom, dim)) in enumerate(info["named"].items()):
         for got, kind in ((theta, "theta"), (mom, "momentum"), (info["pending"][0][k], "pending")):
-            want = parts[0][kind][name] if dim is None else torch.cat([p[kind][name] for p in parts], dim)
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(got, saved[f"{kind}/{name}"], rtol=0, atol=0)
 
 
 def test_muon_outer_checkpoint_resumes_on_another_layout(tmp_path):
@@ -194,21 +192,8 @@ def test_muon_outer_checkpoint_resumes_on_another_layout(tmp_path):
     with θ and v (it used to be refused), and the resumed losses equal the uninterrupted run's."""
     extra = DILOCO + ["--outer.overlap=none", "--outer.optimizer=muon"]
     full, out, step_dir = _diloco_case(tmp_path, "pp2", "one", extra)
-    saved = [ckpt.load_checkpoint(step_dir, r)["outer"]["state"]["optimizer"]["state"] for r in range(2)]
-    assert all(saved), "each stage saved Muon's momentum"
-
-
-def _saved_tp2_by_name(tmp_path, step_dir):
-    """The outer entries of a 1-replica TP=2 checkpoint's two ranks, per parameter name."""
-    from dilocox.reshard import _outer_by_name, _saved_outer_order
-
-    cfg = _cfg(str(tmp_path / "x"))
-    parts = []
-    for t in range(2):
-        o = ckpt.load_checkpoint(step_dir, t)["outer"]
-        named, frags = _saved_outer_order(cfg.model, 0, 1, 2, 0, 1, 1, "sequential", False)
-        parts.append(_outer_by_name(o, named, frags, "test"))
-    return parts
+    saved = [k for k in full_tensors(step_dir, "replica0/outer") if k.startswith("opt.")]
+    assert {k.split("/")[1].split(".")[1] for k in saved} == {"0", "1"}, "each stage saved Muon's momentum"
 
 
 @pytest.mark.slow  # 2 + 2 ranks: ~12 s (quick loop: test_diloco_delayed_tp2_...)
@@ -240,10 +225,9 @@ def test_diloco_error_feedback_is_resharded(tmp_path, lowrank):
     info = out[0][1]
     errs = info["errors"][0]
     assert errs is not None and max(float(e.abs().max()) for e in errs) > 0
-    parts = _saved_tp2_by_name(tmp_path, step_dir)
-    for k, (name, (_, _, dim)) in enumerate(info["named"].items()):
-        want = parts[0]["errors"][name] if dim is None else torch.cat([p["errors"][name] for p in parts], dim)
-        torch.testing.assert_close(errs[k], want, rtol=0, atol=0)
+    saved = full_tensors(step_dir, "replica0/outer/errors")
+    for k, name in enumerate(info["named"]):
+        torch.testing.assert_close(errs[k], saved[name], rtol=0, atol=0)
 
 
 def _preset(name: str) -> list[str]:
@@ -282,12 +266,12 @@ def test_presets_resume_on_another_layout(tmp_path, name):
     and low-rank factors follow the new slicing; Q and the controller restart), and the schedule carries over."""
     full = run_ranks(2, _full_and_save, str(tmp_path), LAYOUTS["tp2"] + _preset(name) + PRESETS[name])[0]
     step_dir = ckpt.find_latest(str(tmp_path / "part" / "checkpoints"))
-    saved = ckpt.load_checkpoint(step_dir, 0)["outer"]
-    assert any(p is not None for p in saved["pending"])
+    saved = rank_rest(step_dir, 0)["outer"]
+    assert any(saved["pending"])  # (a rank's rest marks which fragments hold an in-flight result)
     losses, info = run_ranks(1, _resume_outer, str(tmp_path / "part"), _preset(name) + PRESETS[name])[0]
     assert info["next_sync"] == saved["schedule"]["next_sync"] and info["H"] == saved["H"]
     assert info["outer_step"] == saved["outer_step"] >= 1
-    assert [p is None for p in info["pending"]] == [p is None for p in saved["pending"]]
+    assert [p is not None for p in info["pending"]] == saved["pending"]
     assert losses == pytest.approx(full[STOP:], rel=2e-2), (losses, full[STOP:])
 
 
@@ -309,28 +293,16 @@ def test_streaming_fragments_moved_by_a_pipeline_change_are_refused(tmp_path):
         run_ranks(1, _resume, str(tmp_path / "part"), extra)
 
 
-def test_outer_state_needs_an_outer_method(tmp_path):
-    """A checkpoint holding DiLoCo outer state cannot be resharded into a run without an outer method."""
-    from dilocox.reshard import resharded_state
+def test_outer_state_needs_an_outer_method():
+    """A checkpoint holding DiLoCo outer state cannot be loaded into a run without an outer method."""
+    from dilocox.checkpoint import names
 
-    step_dir = tmp_path / "ck" / "step_00000003"
-    os.makedirs(step_dir)
-    cfg = _cfg(str(tmp_path / "x"))
-    from dilocox.model.transformer import build_model
-    from dilocox.train import build_inner_optimizer
-
-    model = build_model(cfg.model)
-    opt = build_inner_optimizer(cfg, model, torch.device("cpu"))
-    for r in range(2):
-        shard = {"step": 3, "model": model.state_dict(), "optimizer": opt.state_dict(), "outer": {"method": "diloco"}}
-        torch.save(shard, ckpt.shard_path(str(step_dir), r))
-    (step_dir / "COMPLETE.json").write_text('{"step": 3, "world_size": 2, "layout": "R1xD1xP1xT2", "method": "none"}')
-
-    class Topo:
-        R, replica = 1, 0
-
+    data, tensors = names.encode(
+        {"step": 3, "optimizer": {"param_groups": []}, "outer": {"method": "diloco"}, "outer_by_name": True},
+        "rank0/rest",
+    )
     with pytest.raises(ckpt.CheckpointError, match="no outer method"):
-        resharded_state(str(step_dir), cfg, Topo(), model, opt)
+        names.unflatten({"rank0/rest": data, **tensors}, 0, 0, [], [], None, True, [], "step_00000003")
 
 
 @pytest.mark.slow  # 2 + 1 ranks
@@ -341,3 +313,58 @@ def test_muon_pp2_checkpoint_resumes_on_one_rank(tmp_path):
     for losses in run_ranks(1, _resume, str(tmp_path / "part"), ["--optim.name=muon"]):
         assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (losses, full[STOP:])
         assert losses != pytest.approx(full[: STEPS - STOP], rel=1e-3)
+
+
+# ----------------------------------------------------------------------------------------- the earlier format
+def _full_and_save_legacy(rank, world, tmp, extra):
+    """As ``_full_and_save``, but the save at step STOP is in dilocox's earlier format: one ``torch.save`` of
+    ``Trainer.state_dict()`` per rank and a COMPLETE.json with each file's size and hash."""
+    import json
+
+    import torch.distributed as dist
+
+    from dilocox.train import Trainer
+
+    run = Trainer(_cfg(f"{tmp}/part", *extra, resume="none"))
+    losses = [run.train_step() for _ in range(STOP)]
+    step_dir = os.path.join(run.ckpt_dir, ckpt.step_dir_name(STOP))
+    os.makedirs(step_dir, exist_ok=True)
+    torch.save(run.state_dict(), os.path.join(step_dir, f"rank_{rank:05d}.pt"))
+    if world > 1:
+        dist.barrier()
+    if rank == 0:
+        shards = {}
+        for r in range(world):
+            p = os.path.join(step_dir, f"rank_{r:05d}.pt")
+            shards[os.path.basename(p)] = {"bytes": os.path.getsize(p), "sha256": ckpt.file_hash(p)}
+        meta = {"step": STOP, "world_size": world, **run._layout(), "config": run.cfg.to_dict(), "hash": "sha256"}
+        with open(os.path.join(step_dir, "COMPLETE.json"), "w") as f:
+            json.dump({**meta, "shards": shards}, f)
+        with open(os.path.join(run.ckpt_dir, "latest"), "w") as f:
+            f.write(ckpt.step_dir_name(STOP) + "\n")
+    if world > 1:
+        dist.barrier()
+    return losses + [run.train_step() for _ in range(STEPS - STOP)]
+
+
+@pytest.mark.slow  # 2 + 2 + 1 ranks
+def test_a_checkpoint_of_the_earlier_format_converts_and_resumes(tmp_path, capsys):
+    """A DiLoCo (overlap delayed) TP=2 checkpoint of the earlier format is refused with the convert command named;
+    after `dilocox checkpoint convert` it resumes on its own layout and on one rank, equal to the uninterrupted
+    run (the converter joins the TP slices into full tensors; each rank's rest is kept as it was)."""
+    from dilocox.cli import main
+
+    extra = DILOCO + ["--outer.overlap=delayed"]
+    full = run_ranks(2, _full_and_save_legacy, str(tmp_path), LAYOUTS["tp2"] + extra)[0]
+    ck = str(tmp_path / "part" / "checkpoints")
+    with pytest.raises(RuntimeError, match="dilocox checkpoint convert"):
+        run_ranks(2, _resume, str(tmp_path / "part"), LAYOUTS["tp2"] + extra)
+    assert main(["checkpoint", "convert", ck]) == 0
+    assert "converted" in capsys.readouterr().out
+    step_dir = ckpt.find_latest(ck)
+    assert ckpt.read_meta(step_dir)["format"] == "dcp" and os.path.isdir(step_dir + ".pre-dcp")
+    for dst in ("tp2", "one"):
+        for losses in run_ranks(WORLD[dst], _resume, str(tmp_path / "part"), LAYOUTS[dst] + extra):
+            assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (dst, losses, full[STOP:])
+    assert main(["checkpoint", "convert", ck]) == 0  # nothing left to convert: says so
+    assert "already" in capsys.readouterr().out

@@ -1,24 +1,30 @@
-"""Sharded, atomic, verified checkpoints of the whole training state.
+"""Sharded, atomic, verified checkpoints of the whole training state, on ``torch.distributed.checkpoint``.
 
-Layout (one directory per saved step, one file per rank)::
+Layout (one directory per saved step, a DCP checkpoint inside)::
 
-    <dir>/step_00000100/rank_00003.pt     this rank's shard: model, inner + outer optimizer,
-                                          data position, RNG, ... (plain tensors/containers)
+    <dir>/step_00000100/.metadata         DCP's index: every key's global shape and where its chunks are
+    <dir>/step_00000100/__3_0.distcp      rank 3's chunks: model, inner + outer optimizer state by global
+                                          parameter name, its data position, RNG, ... (``names``)
     <dir>/step_00000100/COMPLETE.json     written by rank 0 after every rank has saved; holds
-                                          each shard's size and SHA-256
+                                          each file's size and SHA-256, the layout and the config
     <dir>/latest                          text: the name of the newest COMPLETE step dir
 
-Every file is written to a temporary name and moved into place with ``os.replace`` (atomic
-on POSIX), ``latest`` only after ``COMPLETE.json``. A crash at any point therefore leaves
-the previous checkpoint and the previous ``latest`` untouched; a step directory without
-``COMPLETE.json`` is ignored on resume. Loading uses ``torch.load(weights_only=True)``.
+The keys name what a tensor is, not where it lived (``dilocox.checkpoint.names``), so a checkpoint loads onto
+another pipeline / tensor / data layout by DCP's own resharding. Checkpoints of the earlier format (one
+``torch.save`` file per rank) convert once with ``dilocox checkpoint convert`` (``dilocox.checkpoint.legacy``).
+
+DCP's files are complete (and fsynced) before rank 0 writes COMPLETE.json; it and ``latest`` are written to a
+temporary name and moved into place with ``os.replace`` (atomic on POSIX), ``latest`` only after
+``COMPLETE.json``. A crash at any point therefore leaves the previous checkpoint and the previous ``latest``
+untouched; a step directory without ``COMPLETE.json`` is ignored on resume (and cleared by the next save at that
+step). Nothing is pickled: DCP's tensor files, and JSON for the rest.
 
 What is refused, so that a bad checkpoint never replaces a good one:
 
 * a state with a NaN/Inf tensor anywhere (params, optimizer moments, outer state) is not
   saved (:class:`NonFiniteStateError`, naming the last good checkpoint); pruning runs only
   after a new checkpoint is complete, so the good ones stay;
-* a shard whose size or SHA-256 does not match COMPLETE.json (flipped bits, truncation)
+* a file whose size or SHA-256 does not match COMPLETE.json (flipped bits, truncation)
   raises :class:`CorruptCheckpointError` naming the file; :func:`load_latest` then falls back
   to the previous complete checkpoint (all ranks agree on which) and sets the bad one aside
   as ``step_XXXXXXXX.corrupt``;
@@ -28,7 +34,8 @@ What is refused, so that a bad checkpoint never replaces a good one:
 
 Layout: ``layout`` (names, atomic writes, COMPLETE.json, verification, the errors), ``state``
 (NaN/Inf check, sizes, RNG state), ``save`` (``save_checkpoint``, ``preflight``), ``load``
-(``load_checkpoint``, ``load_latest``, the rank agreements). Import from ``dilocox.checkpoint``
+(``load_step``, ``load_latest``, the rank agreements), ``names`` (the state by global names, to DCP and back),
+``legacy`` (the converter of the earlier format). Import from ``dilocox.checkpoint``
 (``from dilocox import checkpoint as ckpt``): every name is re-exported here.
 """
 
@@ -40,12 +47,21 @@ from dilocox.checkpoint.layout import (
     complete_steps,
     file_hash,
     find_latest,
+    rank_files,
     read_meta,
-    shard_path,
     step_dir_name,
-    verify_shard,
+    verify_files,
 )
-from dilocox.checkpoint.load import all_ranks_agree, all_ranks_min, load_checkpoint, load_latest
+from dilocox.checkpoint.load import (
+    Reader,
+    WholeReader,
+    all_ranks_agree,
+    all_ranks_min,
+    check_meta,
+    load_checkpoint,
+    load_latest,
+    load_step,
+)
 from dilocox.checkpoint.save import disk_free, preflight, save_checkpoint
 from dilocox.checkpoint.state import (
     estimate_bytes,
@@ -69,16 +85,20 @@ __all__ = [
     "file_hash",
     "find_latest",
     "iter_tensors",
+    "Reader",
+    "WholeReader",
+    "check_meta",
     "load_checkpoint",
     "load_latest",
+    "load_step",
     "nonfinite_tensors",
     "preflight",
     "read_meta",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
-    "shard_path",
+    "rank_files",
     "state_nbytes",
     "step_dir_name",
-    "verify_shard",
+    "verify_files",
 ]

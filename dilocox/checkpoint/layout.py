@@ -1,10 +1,10 @@
 """A checkpoint on disk: its names, atomic hashed writes, the COMPLETE.json record and its verification.
 
-One directory per saved step (``step_00000100/``), one shard per rank (``rank_00003.pt``), a
-``COMPLETE.json`` written by rank 0 once every shard is in (each shard's size and SHA-256) and a
-``latest`` file naming the newest complete step. Every file is written to a temporary name, fsynced
-and moved into place (``_atomic_write_bytes``, hashing the bytes as they are written). Finding the
-complete steps, reading COMPLETE.json and checking a shard against it are here too, with the
+One directory per saved step (``step_00000100/``) holding a ``torch.distributed.checkpoint`` (``.metadata`` and
+each rank's ``__<rank>_<i>.distcp``), a ``COMPLETE.json`` written by rank 0 once every rank's files are in (each
+file's size and SHA-256) and a ``latest`` file naming the newest complete step. Small files are written to a
+temporary name, fsynced and moved into place (``_atomic_write_bytes``, hashing the bytes as they are written).
+Finding the complete steps, reading COMPLETE.json and checking the files against it are here too, with the
 checkpoint errors every part of ``dilocox.checkpoint`` raises.
 """
 
@@ -29,7 +29,7 @@ class CheckpointError(RuntimeError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A shard's bytes do not match its size/hash in COMPLETE.json, or it cannot be unpickled."""
+    """A file's bytes do not match its size/hash in COMPLETE.json, or DCP cannot read it."""
 
 
 class NonFiniteStateError(CheckpointError):
@@ -94,8 +94,18 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def shard_path(step_dir: str, rank: int) -> str:
-    return os.path.join(step_dir, f"rank_{rank:05d}.pt")
+def rank_files(step_dir: str, rank: int) -> list[str]:
+    """The data files DCP's ``FileSystemWriter`` wrote for ``rank`` (``__<rank>_<i>.distcp``)."""
+    if not os.path.isdir(step_dir):
+        return []
+    return sorted(
+        os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.startswith(f"__{rank}_") and n.endswith(".distcp")
+    )
+
+
+def record(paths: list[str]) -> dict:
+    """``{file name: {"bytes": size, HASH: hex}}`` of ``paths`` (COMPLETE.json's ``files``)."""
+    return {os.path.basename(p): {"bytes": os.path.getsize(p), HASH: file_hash(p)} for p in paths}
 
 
 def complete_steps(ckpt_dir: str) -> list[str]:
@@ -123,7 +133,7 @@ def find_latest(ckpt_dir: str) -> str | None:
 
 
 def _sum_path(step_dir: str, rank: int) -> str:
-    """Per-rank sidecar with the shard's size and hash; rank 0 folds them into COMPLETE.json."""
+    """Per-rank sidecar with its files' sizes and hashes; rank 0 folds them into COMPLETE.json."""
     return os.path.join(step_dir, f"rank_{rank:05d}.sum.json")
 
 
@@ -152,22 +162,22 @@ def read_meta(step_dir: str) -> dict:
     return meta
 
 
-def verify_shard(step_dir: str, rank: int, meta: dict | None = None) -> None:
-    """Check this rank's shard against the size and hash in COMPLETE.json (no-op for checkpoints
-    written before hashes were recorded). Raises :class:`CorruptCheckpointError` naming the file."""
-    meta = read_meta(step_dir) if meta is None else meta
-    path = shard_path(step_dir, rank)
-    rec = (meta.get("shards") or {}).get(os.path.basename(path))
-    if rec is None:
-        return
+def verify_files(step_dir: str, meta: dict, rank: int = 0, world_size: int = 1) -> None:
+    """Check this rank's stripe of the step's files (every ``world_size``-th, from ``rank``) against their sizes
+    and hashes in COMPLETE.json. Raises :class:`CorruptCheckpointError` naming the file."""
+    files = meta.get("files") or {}
     algo = meta.get("hash", HASH)
-    size = os.path.getsize(path)
-    if size != rec["bytes"]:
-        raise CorruptCheckpointError(
-            f"checkpoint shard {path} is corrupt or truncated: {size} bytes, COMPLETE.json records {rec['bytes']}"
-        )
-    if file_hash(path, algo) != rec[algo]:
-        raise CorruptCheckpointError(
-            f"checkpoint shard {path} is corrupt or truncated: its {algo} does not match "
-            "COMPLETE.json (flipped bits on disk or in transfer)"
-        )
+    for name in sorted(files)[rank::world_size]:
+        rec, path = files[name], os.path.join(step_dir, name)
+        if not os.path.exists(path):
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing (COMPLETE.json lists it)")
+        size = os.path.getsize(path)
+        if size != rec["bytes"]:
+            raise CorruptCheckpointError(
+                f"checkpoint file {path} is corrupt or truncated: {size} bytes, COMPLETE.json records {rec['bytes']}"
+            )
+        if file_hash(path, algo) != rec[algo]:
+            raise CorruptCheckpointError(
+                f"checkpoint file {path} is corrupt or truncated: its {algo} does not match "
+                "COMPLETE.json (flipped bits on disk or in transfer)"
+            )

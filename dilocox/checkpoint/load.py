@@ -1,9 +1,11 @@
-"""Loading a checkpoint: one shard with its checks, and the newest good checkpoint with fallback.
+"""Loading a checkpoint: one step with its checks, and the newest good checkpoint with fallback.
 
-``load_checkpoint`` checks that a step is complete, written by the same layout and settings, and
-(``verify``) that this rank's shard matches its size and hash, then loads it with
-``torch.load(weights_only=True)``. ``load_latest`` makes every rank load the same step, falls back
-past a damaged one (set aside as ``<step dir>.corrupt``) and points ``latest`` at the one loaded.
+``load_step`` (collective) checks that a step is complete, in this format and written with the same settings
+(``expect``), that its files match their sizes and hashes (each rank hashes a stripe of them), then asks the
+``Reader`` for this rank's targets and fills them with ``torch.distributed.checkpoint.load`` (which reads the
+saved chunks overlapping each target: another layout reshards by itself). ``load_latest`` makes every rank load
+the same step, falls back past a damaged one (set aside as ``<step dir>.corrupt``) and points ``latest`` at the
+one loaded.
 ``all_ranks_agree``/``all_ranks_min`` are the agreements over the default process group that both
 saving and loading use (identity without one).
 """
@@ -13,9 +15,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dilocox.checkpoint.layout import (
     CheckpointError,
@@ -25,9 +30,8 @@ from dilocox.checkpoint.layout import (
     complete_steps,
     find_latest,
     read_meta,
-    shard_path,
     step_dir_name,
-    verify_shard,
+    verify_files,
 )
 
 
@@ -55,16 +59,40 @@ def all_ranks_min(value: int) -> int:
     return int(t.item())
 
 
-def load_checkpoint(
-    step_dir: str, rank: int, world_size: int | None = None, expect: dict | None = None, verify: bool = True
-) -> dict:
-    """Load this rank's shard. Checks completeness, world size, any ``expect`` meta keys and (``verify``)
-    the shard's size and hash; a damaged shard raises :class:`CorruptCheckpointError`."""
-    meta = read_meta(step_dir)
-    if world_size is not None and meta.get("world_size") != world_size:
+class Reader(Protocol):
+    """What a loader needs from the state it restores (``Trainer``'s ``_CheckpointReader``)."""
+
+    def prepare(self, step_dir: str, meta: dict) -> dict:
+        """This rank's empty DCP targets for ``step_dir`` (raise :class:`CheckpointError` when it cannot fit)."""
+
+    def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
+        """The state to restore, from the filled targets."""
+
+
+class WholeReader:
+    """A ``Reader`` of every saved key as a full tensor (one process, or every rank alike: tools and tests)."""
+
+    def prepare(self, step_dir: str, meta: dict) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
+
+    def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
+        return targets
+
+
+def load_checkpoint(step_dir: str, expect: dict | None = None, verify: bool = True) -> dict:
+    """Every key of ``step_dir`` as a full tensor, in this process alone (checks as :func:`load_step`)."""
+    return load_step(step_dir, 0, 1, WholeReader(), expect, verify, agree=lambda flag: flag)
+
+
+def check_meta(step_dir: str, meta: dict, expect: dict | None) -> None:
+    """Refuse a checkpoint of another format or with another value of an ``expect`` key."""
+    if "shards" in meta and "files" not in meta:
         raise CheckpointError(
-            f"checkpoint {step_dir} was written by {meta.get('world_size')} ranks but this run has {world_size}; "
-            "resume with the same parallel layout (parallel.replicas/data/pipeline/tensor)"
+            f"{step_dir} is a checkpoint of dilocox's earlier format (one torch.save file per rank); convert it to "
+            f"the torch.distributed.checkpoint format once with: dilocox checkpoint convert {os.path.dirname(step_dir)}"
         )
     for k, v in (expect or {}).items():
         if k in meta and meta[k] != v:
@@ -72,25 +100,65 @@ def load_checkpoint(
                 f"checkpoint {step_dir} has {k}={meta[k]!r} but this run has {k}={v!r}; resume with "
                 "the same setting or start a fresh run_dir"
             )
-    path = shard_path(step_dir, rank)
-    if not os.path.exists(path):
-        raise CheckpointError(
-            f"checkpoint shard {path} is missing; the checkpoint is incomplete — resume from an earlier step directory"
-        )
-    hint = (
-        f"; delete or move {os.path.dirname(path)} to resume from the previous checkpoint, or start fresh in a new "
-        "log.run_dir"
-    )
+
+
+def _prepare(step_dir: str, rank: int, world_size: int, reader: Reader, expect: dict | None, verify: bool):
+    """This rank's part before the collective read: ``(targets or None, error or '', damaged)``."""
     try:
-        if verify:
-            verify_shard(step_dir, rank, meta)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        meta = read_meta(step_dir)
+        check_meta(step_dir, meta, expect)
+        if verify:  # the files are checked in stripes: each rank hashes 1/world of them
+            verify_files(step_dir, meta, rank, world_size)
+        return reader.prepare(step_dir, meta), "", False
     except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"{e}{hint}") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged zip
-        raise CorruptCheckpointError(
-            f"checkpoint shard {path} is corrupt or truncated ({type(e).__name__}: {e}){hint}"
-        ) from None
+        return None, str(e), True
+    except CheckpointError as e:
+        return None, str(e), False
+
+
+def _read(step_dir: str, targets: dict, world_size: int) -> str:
+    """The collective ``dcp.load`` into ``targets``; returns an error or '' (every rank sees the same outcome)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        with warnings.catch_warnings():  # (one process: DCP warns that it loads without a process group)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, checkpoint_id=step_dir, no_dist=not _dist_on() or world_size == 1)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
+        from dilocox.checkpoint.save import dcp_failures
+
+        why = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:300]}" for r, x in dcp_failures(e).items())
+        return f"checkpoint {step_dir} could not be read ({why})"
+    return ""
+
+
+def _dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_step(
+    step_dir: str,
+    rank: int,
+    world_size: int,
+    reader: Reader,
+    expect: dict | None = None,
+    verify: bool = True,
+    agree: Callable[[bool], bool] | None = None,
+) -> dict:
+    """Collective: check ``step_dir`` (format, ``expect`` keys, files against COMPLETE.json), read it into the
+    reader's targets with DCP and return the reader's state. Every rank raises the same error."""
+    agree = agree or all_ranks_agree
+    targets, err, corrupt = _prepare(step_dir, rank, world_size, reader, expect, verify)
+    if not agree(corrupt or not err):  # a setting or a missing directory somewhere: no fallback helps
+        raise CheckpointError(err or f"another rank cannot load {step_dir} (see its log)")
+    if not agree(not err):  # a damaged file somewhere: every rank raises the same kind (load_latest falls back)
+        raise CorruptCheckpointError(err or f"another rank found a damaged file in {step_dir} (see its log)")
+    err = _read(step_dir, targets, world_size)
+    if not agree(not err):
+        raise CorruptCheckpointError(err or f"another rank could not read {step_dir} (see its log)")
+    return reader.finish(step_dir, read_meta(step_dir), targets)
 
 
 def _warn(msg: str) -> None:
@@ -100,22 +168,23 @@ def _warn(msg: str) -> None:
 def load_latest(
     ckpt_dir: str,
     rank: int,
-    world_size: int | None = None,
+    world_size: int,
+    reader: Reader,
     expect: dict | None = None,
     fallback: bool = True,
     agree: Callable[[bool], bool] | None = None,
     reduce_min: Callable[[int], int] | None = None,
     warn: Callable[[str], None] = _warn,
 ) -> tuple[str, dict] | None:
-    """Load the newest good checkpoint in ``ckpt_dir``: (step dir, this rank's state), or None if none.
+    """Load the newest good checkpoint in ``ckpt_dir``: (step dir, the reader's state), or None if none.
 
-    Starts at :func:`find_latest`. If any rank's shard is damaged (size/hash mismatch, unreadable),
-    then with ``fallback`` every rank warns and moves on to the previous complete checkpoint; else
-    every rank raises :class:`CorruptCheckpointError`. All ranks load the same step: the candidate
-    is the minimum over ranks (``reduce_min``) and success is agreed (``agree``). Damaged
-    checkpoints passed over are renamed ``<step dir>.corrupt`` by rank 0 (so that neither a resume
-    nor a later save at that step mistakes them for good ones) and ``latest`` names the loaded one.
-    ``agree``/``reduce_min`` default to the default process group (identity without one)."""
+    Starts at :func:`find_latest`. If any rank finds a file damaged (size/hash mismatch, unreadable), then with
+    ``fallback`` every rank warns and moves on to the previous complete checkpoint; else every rank raises
+    :class:`CorruptCheckpointError`. All ranks load the same step: the candidate is the minimum over ranks
+    (``reduce_min``) and success is agreed (``agree``). Damaged checkpoints passed over are renamed
+    ``<step dir>.corrupt`` by rank 0 (so that neither a resume nor a later save at that step mistakes them for
+    good ones) and ``latest`` names the loaded one. ``agree``/``reduce_min`` default to the default process group
+    (identity without one)."""
     agree = agree or all_ranks_agree
     reduce_min = reduce_min or all_ranks_min
     newest = find_latest(ckpt_dir)
@@ -133,13 +202,18 @@ def load_latest(
                 )
             return None
         step_dir = os.path.join(ckpt_dir, step_dir_name(step))
-        sd, err, corrupt = _try_load_step(step_dir, step, mine, rank, world_size, expect)
-        if not agree(corrupt or not err):  # a layout mismatch or a missing directory: no fallback helps
-            raise CheckpointError(err or f"another rank cannot load {step_dir} (see its log)")
-        if agree(not err):
+        try:
+            if not agree(step in mine):
+                raise CheckpointError(
+                    f"rank {rank} does not see {step_dir} as complete; checkpoint.dir must be one directory shared "
+                    "by all ranks"
+                    if step not in mine
+                    else f"another rank does not see {step_dir} as complete (see its log)"
+                )
+            sd = load_step(step_dir, rank, world_size, reader, expect, agree=agree)
             break
-        sd = None
-        _fall_back_past(step_dir, err, rank, fallback, warn)
+        except CorruptCheckpointError as e:
+            _fall_back_past(step_dir, str(e), rank, fallback, warn)
         skipped.append(step_dir)
         mine = [s for s in mine if s < step]
     if skipped:
@@ -149,30 +223,11 @@ def load_latest(
     return step_dir, sd
 
 
-def _try_load_step(
-    step_dir: str, step: int, mine: list[int], rank: int, world_size: int | None, expect: dict | None
-) -> tuple[dict | None, str, bool]:
-    """Load this rank's shard of the agreed candidate ``step``: ``(state or None, error or '', damaged)``."""
-    sd, err, corrupt = None, "", False
-    try:
-        if step not in mine:
-            raise CheckpointError(
-                f"rank {rank} does not see {step_dir} as complete; checkpoint.dir must be one "
-                "directory shared by all ranks"
-            )
-        sd = load_checkpoint(step_dir, rank, world_size, expect)
-    except CorruptCheckpointError as e:
-        err, corrupt = str(e), True
-    except CheckpointError as e:
-        err = str(e)
-    return sd, err, corrupt
-
-
 def _fall_back_past(step_dir: str, err: str, rank: int, fallback: bool, warn: Callable[[str], None]) -> None:
     """A damaged ``step_dir`` (on some rank): raise without ``fallback``, else warn that it is passed over."""
     if not fallback:
         raise CorruptCheckpointError(
-            (err or f"another rank's shard of {step_dir} is damaged (see its log)")
+            (err or f"a file of {step_dir} is damaged (see another rank's log)")
             + "; checkpoint.fallback=false: stopping (checkpoint.fallback=true resumes from the previous complete "
             "checkpoint)"
         )

@@ -1,9 +1,9 @@
 """Saving a checkpoint on every rank, and the start-up check that one can be saved at all.
 
 ``save_checkpoint`` refuses a non-finite state and a disk without room before writing anything,
-writes this rank's shard atomically, lets rank 0 fold the shards' sizes and hashes into
-COMPLETE.json, move ``latest`` and prune old checkpoints, and removes the partial step directory
-when any rank failed. Every decision that could differ between ranks goes through ``agree`` so all
+saves the ranks' state with ``torch.distributed.checkpoint`` (each rank its own files), lets rank 0 fold the
+files' sizes and hashes into COMPLETE.json, move ``latest`` and prune old checkpoints, and removes the partial
+step directory when any rank failed. Every decision that could differ between ranks goes through ``agree`` so all
 ranks raise the same error. ``preflight`` checks at start-up that ``checkpoint.dir`` is writable
 on every rank and has room for one checkpoint (warning below ``keep + 1``).
 """
@@ -16,21 +16,22 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable
 
-import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dilocox.checkpoint.layout import (
     _MB,
     HASH,
     CheckpointError,
     NonFiniteStateError,
-    _atomic_write_bytes,
     _atomic_write_text,
     _sum_path,
     complete_steps,
     find_latest,
-    shard_path,
+    rank_files,
+    record,
     step_dir_name,
 )
 from dilocox.checkpoint.state import estimate_bytes, nonfinite_tensors
@@ -61,7 +62,8 @@ def save_checkpoint(
     agree: Callable[[bool], bool] | None = None,
     keep: int = 2,
 ) -> str:
-    """Write this rank's shard; rank 0 marks the step complete and moves ``latest``.
+    """Collective: save ``state`` (this rank's part of one DCP state dict, ``dilocox.checkpoint.names``) with
+    ``torch.distributed.checkpoint``; rank 0 marks the step complete and moves ``latest``.
 
     ``agree(flag)`` must be a collective over all ranks that returns whether ``flag`` is true
     on every rank (``all_ranks_agree``); it also synchronises them. Every decision that could
@@ -75,15 +77,19 @@ def save_checkpoint(
     checkpoints are pruned to ``keep`` only after the new one is complete. Returns the step directory.
     """
     agree = agree or (lambda flag: flag)
+    _only_tensors(state)
     step_dir = os.path.join(ckpt_dir, step_dir_name(step))
     # Already saved at this step (e.g. a run resumed at its last step saves again): never
     # rewrite shards inside a directory that is marked complete.
     if not agree(not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
         return step_dir
     _refuse_nonfinite(ckpt_dir, step, rank, state, agree)
-    path, need = shard_path(step_dir, rank), estimate_bytes(state)
-    _refuse_no_room(ckpt_dir, step, rank, path, need, agree)
-    err = _write_shard(ckpt_dir, step_dir, rank, state, path, need)
+    need = estimate_bytes(state)
+    _refuse_no_room(ckpt_dir, step, rank, step_dir, need, agree)
+    if rank == 0 and os.path.isdir(step_dir):  # an interrupted save's files: never mixed into this one
+        shutil.rmtree(step_dir, ignore_errors=True)
+    agree(True)
+    err = _write_dcp(ckpt_dir, step_dir, rank, world_size, state, need)
     if not agree(not err):
         _remove_partial(step_dir, rank, agree)
         raise CheckpointError(
@@ -105,6 +111,19 @@ def save_checkpoint(
             )
         )
     return step_dir
+
+
+def _only_tensors(state: dict) -> None:
+    """DCP would pickle anything else (and load it with ``weights_only=False``): refused before any collective
+    (a programming error, alike on every rank). ``names.encode`` turns other values into a tensor."""
+    import torch
+
+    bad = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint state {bad[:3]}: only tensors under str keys are saved (nothing is pickled); encode other "
+            "values with dilocox.checkpoint.names.encode"
+        )
 
 
 def _refuse_nonfinite(ckpt_dir: str, step: int, rank: int, state: dict, agree: Callable[[bool], bool]) -> None:
@@ -142,17 +161,44 @@ def _refuse_no_room(ckpt_dir: str, step: int, rank: int, path: str, need: int, a
         raise CheckpointError(_save_failed(err, step, ckpt_dir, rank))
 
 
-def _write_shard(ckpt_dir: str, step_dir: str, rank: int, state: dict, path: str, need: int) -> str:
-    """Write this rank's shard and its size/hash record atomically. Returns an error or ''."""
+def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, world_size: int, state: dict, need: int) -> str:
+    """Collective: ``dcp.save`` of ``state`` into ``step_dir``, then this rank's files' sizes and hashes into its
+    sidecar. Returns an error or '' (DCP gathers every rank's failure, so all ranks fail alike)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     try:
         os.makedirs(step_dir, exist_ok=True)
-        nbytes, digest = _atomic_write_bytes(path, lambda f: torch.save(state, f))
-        _atomic_write_text(_sum_path(step_dir, rank), json.dumps({"bytes": nbytes, HASH: digest}))
-    except Exception as e:  # noqa: BLE001 - a full disk surfaces from torch.save as RuntimeError
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return f"rank {rank}: " + _no_space(path, need, ckpt_dir)
-        return f"rank {rank} could not write its shard in {step_dir}: {type(e).__name__}: {e}"
+        writer = dcp.FileSystemWriter(step_dir, single_file_per_rank=True, sync_files=True)
+        with warnings.catch_warnings():  # (one process: DCP warns that it saves without a process group)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                no_dist=world_size == 1 or not (dist.is_available() and dist.is_initialized()),
+            )
+        _atomic_write_text(_sum_path(step_dir, rank), json.dumps(record(rank_files(step_dir, rank))))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
+        first = dcp_failures(e)
+        # (torch.save inside DCP's writer turns ENOSPC into RuntimeError "unexpected pos": the disk decides,
+        # measured while the partial files still hold their space)
+        if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in first.values()) or disk_free(ckpt_dir) < max(
+            need, _MB
+        ):
+            return f"rank {rank}: " + _no_space(step_dir, need, ckpt_dir)
+        return f"could not write {step_dir}: " + "; ".join(
+            f"rank {r}: {type(x).__name__}: {x}" for r, x in first.items()
+        )
     return ""
+
+
+def dcp_failures(e: BaseException) -> dict:
+    """``{rank: exception}`` of a DCP ``CheckpointException`` (every rank's failure, gathered by DCP), or
+    ``{"this rank": e}`` for any other exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(e, CheckpointException) and failures:
+        return {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(failures.items())}
+    return {"this rank": e}
 
 
 def _try_mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, meta: dict | None, keep: int) -> str:
@@ -185,21 +231,26 @@ def _save_failed(err: str, step: int, ckpt_dir: str, rank: int) -> str:
 
 def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, meta: dict | None, keep: int) -> str:
     """Rank 0: fold the shards' sums into COMPLETE.json, move ``latest``, prune. Returns an error or ''."""
-    missing = [
-        r
-        for r in range(world_size)
-        if not (os.path.exists(shard_path(step_dir, r)) and os.path.exists(_sum_path(step_dir, r)))
-    ]
-    if missing:
+    missing = [r for r in range(world_size) if not os.path.exists(_sum_path(step_dir, r))]
+    if missing or not os.path.exists(os.path.join(step_dir, ".metadata")):
         return (
-            f"rank 0 cannot see the shards of ranks {missing} in {step_dir}; checkpoint not marked complete. "
+            f"rank 0 cannot see the files of ranks {missing or 'all'} in {step_dir}; checkpoint not marked complete. "
             "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)"
         )
-    shards = {}
-    for r in range(world_size):  # O(world_size) small records: ~100 bytes each
+    files = {}
+    for r in range(world_size):  # O(world_size) small records: ~100 bytes per file
         with open(_sum_path(step_dir, r)) as f:
-            shards[os.path.basename(shard_path(step_dir, r))] = json.load(f)
-    info = {"step": step, "world_size": world_size, "time": time.time(), **(meta or {}), "hash": HASH, "shards": shards}
+            files.update(json.load(f))
+    files.update(record([os.path.join(step_dir, ".metadata")]))
+    info = {
+        "step": step,
+        "world_size": world_size,
+        "time": time.time(),
+        **(meta or {}),
+        "format": "dcp",
+        "hash": HASH,
+        "files": files,
+    }
     _atomic_write_text(os.path.join(step_dir, "COMPLETE.json"), json.dumps(info, indent=1))
     for r in range(world_size):
         try:
@@ -220,7 +271,7 @@ def _remove_partial(step_dir: str, rank: int, agree: Callable[[bool], bool]) -> 
     if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
         agree(True)
         return  # marked complete (only ``latest`` failed): a valid checkpoint, keep it
-    for p in (shard_path(step_dir, rank), _sum_path(step_dir, rank)):
+    for p in [*rank_files(step_dir, rank), _sum_path(step_dir, rank)]:
         try:
             os.remove(p)
         except OSError:

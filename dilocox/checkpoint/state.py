@@ -18,7 +18,7 @@ import torch
 def iter_tensors(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(dotted path, tensor) for every tensor in nested dicts/lists/tuples, whatever their class."""
     if isinstance(obj, torch.Tensor):
-        yield path, obj
+        yield path, obj.to_local() if hasattr(obj, "placements") else obj  # (a DTensor: this rank's slice)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             yield from iter_tensors(v, f"{path}.{k}" if path else str(k))

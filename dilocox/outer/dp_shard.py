@@ -60,7 +60,7 @@ class DataShard:
 
 def assign_owners(sizes: list[int], fragments: list[list[int]], D: int) -> list[int]:
     """The owning DP rank (0..D-1) of each tensor, from the tensor sizes alone (module docstring);
-    also used by ``dilocox.reshard`` to find a tensor's outer state in a checkpoint of another layout."""
+    also used by ``dilocox.checkpoint.legacy`` to find a tensor's outer state in a checkpoint of the earlier format."""
     owner = [0] * len(sizes)
     for p, frag in enumerate(fragments):
         if len(frag) < D:  # known to every DP rank alike, so all of them raise

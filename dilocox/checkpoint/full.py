@@ -1,0 +1,77 @@
+"""Full (unsharded) tensors of a checkpoint in one process: the final model for export and generation.
+
+``dcp.load`` into full-size targets reads every saved chunk of a key (the TP slices, the stages' layers), so a
+checkpoint of any R x D x P x T layout gives the whole model without a process group.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from dilocox.checkpoint import names
+from dilocox.checkpoint.layout import CheckpointError, read_meta
+from dilocox.checkpoint.load import check_meta
+
+
+def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every saved key under ``prefix/`` as a full tensor, by the rest of its key."""
+    import torch.distributed.checkpoint as dcp
+
+    check_meta(step_dir, read_meta(step_dir), None)
+    md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    want = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in md.items()
+        if k.startswith(prefix + "/") and hasattr(m, "size")
+    }
+    if want:
+        with warnings.catch_warnings():  # (one process, no process group: DCP says so)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(want, checkpoint_id=step_dir, no_dist=True)
+    return {k[len(prefix) + 1 :]: v for k, v in want.items()}
+
+
+def rank_rest(step_dir: str, rank: int = 0) -> dict:
+    """Saved rank ``rank``'s rest (step, sampler, RNG, the outer loop's fields ...), decoded."""
+    rk = names.key(f"rank{rank}", "rest")
+    t = full_tensors(step_dir, f"rank{rank}")
+    if "rest" not in t:
+        raise CheckpointError(f"{step_dir} holds no state of rank {rank}")
+    return names.decode(t["rest"], {f"{rk}/{k[5:]}": v for k, v in t.items() if k.startswith("rest/")})
+
+
+def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) -> dict[str, torch.Tensor]:
+    """The full model of a checkpoint for export / generation.
+
+    Without an outer method (one replica) that is the model state. For the DiLoCo family the final model is
+    the outer params θ: ``Trainer.run`` calls ``outer.finish()`` (params := θ) before its last save, so the
+    final checkpoint's model state IS θ. A mid-run checkpoint's model state is replica 0's local params (θ plus
+    the local steps since the last sync), which is not θ: refused unless ``allow_replica_params``."""
+    meta = read_meta(step_dir)
+    model = full_tensors(step_dir, names.key("replica0", "model"))
+    if not model:
+        raise CheckpointError(f"{step_dir} holds no model state of replica 0")
+    outer = rank_rest(step_dir, 0).get("outer") or {}
+    method = outer.get("method", meta.get("method"))
+    if outer and not allow_replica_params and not meta.get("final", False) and not _is_final(step_dir):
+        raise CheckpointError(
+            f"{step_dir} is a mid-run checkpoint of outer.method={method!r}: its model state is replica 0's "
+            "local params, not the outer params θ (the final model). Export the final checkpoint of the run, or pass "
+            "--replica-params to export replica 0's local params anyway"
+        )
+    return model
+
+
+def _is_final(step_dir: str) -> bool:
+    """Whether this step is the run's last (``train.steps`` of the run's config.yaml)."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
+    step = int(read_meta(step_dir).get("step", -1))
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(cfg_path):
+        from dilocox.config import load_config
+
+        return step >= load_config(cfg_path).train.steps
+    return False
