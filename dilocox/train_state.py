@@ -37,6 +37,11 @@ class _Reader:
                 "state are per replica; resume with the same parallel.replicas"
             )
         self.same = saved == mine
+        if not self.same and tr.outer is not None and tr._outer_layout() is None:
+            raise ckpt.CheckpointError(
+                f"checkpoint {step_dir}: outer.method={tr.cfg.outer.method}'s state (its error feedback) is per rank; "
+                f"resume it on its saved layout {saved} (parallel.data/pipeline/tensor as saved)"
+            )
         self.src = topo.rank if self.same else ((topo.replica * D) * P) * T
         md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
         outer_names = tr._outer_layout()[0] if tr._outer_layout() else None
@@ -47,7 +52,7 @@ class _Reader:
     def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
         tr = self.tr
         outer = tr.outer if tr._outer_layout() else None
-        return names.unflatten(
+        sd = names.unflatten(
             targets,
             tr.topo.replica,
             self.src,
@@ -58,6 +63,8 @@ class _Reader:
             tr.optimizer.state_dict()["param_groups"],
             step_dir,
         )
+        tr.load_state_dict(sd)  # (here: a refusal on one rank is agreed by load_step, every rank raises)
+        return sd
 
 
 def _parse_layout(layout: str) -> tuple[int, int, int, int]:
@@ -223,7 +230,6 @@ class TrainerState:
             self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")
             for what in restart_notes(self.cfg) if sd.get("outer") else []:
                 self.logger.info(f"warning: resharding restarts {what}")
-        self.load_state_dict(sd)
         self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
 

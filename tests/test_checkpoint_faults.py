@@ -249,14 +249,25 @@ def test_ranks_agree_on_the_fallback(tmp_path):
         meta["files"]["pad.bin"] = {"bytes": 100, "sha256": ckpt.file_hash(f.name)}
         with open(os.path.join(d, ckpt.step_dir_name(step), "COMPLETE.json"), "w") as f:
             f.write(__import__("json").dumps(meta))
-    # the sorted files (.metadata, __0_0.distcp, pad.bin) are checked in stripes: rank 0 hashes pad.bin, rank 1 not
+    # every rank checks .metadata, the other files in stripes: rank 0 hashes __0_0.distcp, rank 1 pad.bin
     _flip(os.path.join(d, "step_00000020", "pad.bin"))
     res = run_ranks(2, _load_with_fallback, d, False, timeout=120)
     assert res[0][0] == res[1][0] == "error", res
-    assert "pad.bin" in res[0][1] and "another rank" in res[1][1], res
+    assert "pad.bin" in res[1][1] and "another rank" in res[0][1], res
     res = run_ranks(2, _load_with_fallback, d, True, timeout=120)
     assert res == [("step_00000010", 10), ("step_00000010", 10)], res
     assert os.path.isdir(os.path.join(d, "step_00000020.corrupt"))
+
+
+def test_a_damaged_index_falls_back_on_every_rank(tmp_path):
+    """DCP's .metadata (a pickle) is hashed by every rank before any rank reads it: a flipped byte in it makes both
+    ranks fall back together, none crashes in the unpickler while the other waits."""
+    d = str(tmp_path)
+    for step in (10, 20):
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step, n=256)))
+    _flip(os.path.join(d, "step_00000020", ".metadata"), at=0.3)
+    res = run_ranks(2, _load_with_fallback, d, True, timeout=120)
+    assert res == [("step_00000010", 10), ("step_00000010", 10)], res
 
 
 # ----------------------------------------------------------------------------------------- full disk

@@ -368,3 +368,17 @@ def test_a_checkpoint_of_the_earlier_format_converts_and_resumes(tmp_path, capsy
             assert losses == pytest.approx(full[STOP:], rel=2e-5, abs=2e-5), (dst, losses, full[STOP:])
     assert main(["checkpoint", "convert", ck]) == 0  # nothing left to convert: says so
     assert "already" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # 2 + 2 + 2 ranks
+@pytest.mark.parametrize("method", ["allreduce", "cocktailsgd"])
+def test_per_step_sync_resumes_exactly_and_refuses_another_layout(tmp_path, method):
+    """outer.method=allreduce / cocktailsgd (R=2): the sync's state (CocktailSGD's error feedback, per rank) is
+    saved in each rank's rest; the resume on the saved layout continues each replica's losses, and a resume on
+    another layout is refused on every rank with the layout named."""
+    extra = ["--parallel.replicas=2", f"--outer.method={method}"]
+    full = run_ranks(2, _full_and_save, str(tmp_path), extra)
+    for r, losses in enumerate(run_ranks(2, _resume, str(tmp_path / "part"), extra)):
+        assert losses == pytest.approx(full[r][STOP:], rel=2e-5, abs=2e-5), (r, losses, full[r][STOP:])
+    with pytest.raises(RuntimeError, match="resume it on its saved layout R2xD1xP1xT1"):
+        run_ranks(4, _resume, str(tmp_path / "part"), extra + ["--parallel.tensor=2"])

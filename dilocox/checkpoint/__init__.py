@@ -17,7 +17,8 @@ DCP's files are complete (and fsynced) before rank 0 writes COMPLETE.json; it an
 temporary name and moved into place with ``os.replace`` (atomic on POSIX), ``latest`` only after
 ``COMPLETE.json``. A crash at any point therefore leaves the previous checkpoint and the previous ``latest``
 untouched; a step directory without ``COMPLETE.json`` is ignored on resume (and cleared by the next save at that
-step). Nothing is pickled: DCP's tensor files, and JSON for the rest.
+step). None of our values is pickled (DCP's tensor files, and JSON for the rest); DCP's ``.metadata`` index is a
+pickle, read only after its SHA-256 matched COMPLETE.json.
 
 What is refused, so that a bad checkpoint never replaces a good one:
 

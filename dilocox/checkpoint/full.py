@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from dilocox.checkpoint import names
-from dilocox.checkpoint.layout import CheckpointError, read_meta
+from dilocox.checkpoint.layout import CheckpointError, read_meta, verify_files
 from dilocox.checkpoint.load import check_meta
 
 
@@ -20,7 +20,9 @@ def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
     """Every saved key under ``prefix/`` as a full tensor, by the rest of its key."""
     import torch.distributed.checkpoint as dcp
 
-    check_meta(step_dir, read_meta(step_dir), None)
+    meta = read_meta(step_dir)
+    check_meta(step_dir, meta, None)
+    verify_files(step_dir, meta)  # every file's hash (DCP's .metadata index is a pickle: checked before it is read)
     md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
     want = {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype)

@@ -163,11 +163,13 @@ def read_meta(step_dir: str) -> dict:
 
 
 def verify_files(step_dir: str, meta: dict, rank: int = 0, world_size: int = 1) -> None:
-    """Check this rank's stripe of the step's files (every ``world_size``-th, from ``rank``) against their sizes
-    and hashes in COMPLETE.json. Raises :class:`CorruptCheckpointError` naming the file."""
+    """Check DCP's ``.metadata`` and this rank's stripe of the other files (every ``world_size``-th, from ``rank``)
+    against their sizes and hashes in COMPLETE.json. Raises :class:`CorruptCheckpointError` naming the file.
+    Every rank checks ``.metadata``: DCP reads it with ``pickle``, so it is unpickled only once its hash matched."""
     files = meta.get("files") or {}
     algo = meta.get("hash", HASH)
-    for name in sorted(files)[rank::world_size]:
+    rest = sorted(n for n in files if n != ".metadata")
+    for name in ([".metadata"] if ".metadata" in files else []) + rest[rank::world_size]:
         rec, path = files[name], os.path.join(step_dir, name)
         if not os.path.exists(path):
             raise CorruptCheckpointError(f"checkpoint file {path} is missing (COMPLETE.json lists it)")

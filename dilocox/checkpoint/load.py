@@ -66,7 +66,7 @@ class Reader(Protocol):
         """This rank's empty DCP targets for ``step_dir`` (raise :class:`CheckpointError` when it cannot fit)."""
 
     def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
-        """The state to restore, from the filled targets."""
+        """Restore the state from the filled targets (raise to refuse it: every rank then raises); returns it."""
 
 
 class WholeReader:
@@ -114,6 +114,8 @@ def _prepare(step_dir: str, rank: int, world_size: int, reader: Reader, expect: 
         return None, str(e), True
     except CheckpointError as e:
         return None, str(e), False
+    except Exception as e:  # noqa: BLE001 - an unreadable file (OSError, DCP's index): every rank must agree below
+        return None, f"checkpoint {step_dir} cannot be read: {type(e).__name__}: {e}", True
 
 
 def _read(step_dir: str, targets: dict, world_size: int) -> str:
@@ -158,7 +160,14 @@ def load_step(
     err = _read(step_dir, targets, world_size)
     if not agree(not err):
         raise CorruptCheckpointError(err or f"another rank could not read {step_dir} (see its log)")
-    return reader.finish(step_dir, read_meta(step_dir), targets)
+    sd, err = None, ""
+    try:  # (what a rank refuses here, e.g. a tensor moved to another fragment, may differ between ranks)
+        sd = reader.finish(step_dir, read_meta(step_dir), targets)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+        err = str(e) if isinstance(e, CheckpointError) else f"restoring {step_dir}: {type(e).__name__}: {e}"
+    if not agree(not err):
+        raise CheckpointError(err or f"another rank could not restore {step_dir} (see its log)")
+    return sd
 
 
 def _warn(msg: str) -> None:

@@ -18,8 +18,9 @@ layout DCP reads whatever saved chunks overlap each target, so resharding is DCP
 ``rest`` is layout-bound: a resume on the same layout reads its own rank's; on another layout the replica's first
 rank's, and the parts with no meaning there restart (``restart_notes`` in dilocox.reshard).
 
-Nothing is pickled: DCP would store a non-tensor value with ``torch.save`` and load it with
+No value of ours is pickled: DCP would store a non-tensor value with ``torch.save`` and load it with
 ``torch.load(weights_only=False)``, so the ``rest`` is written as JSON in a uint8 tensor (``encode``/``decode``).
+(DCP's own index, ``.metadata``, is a pickle: every load checks its SHA-256 against COMPLETE.json first.)
 """
 
 from __future__ import annotations
@@ -218,6 +219,8 @@ def flatten(
             for n, t in d.items():
                 t = t.detach().cpu()
                 flat[key(r, "outer", kind, n)] = wrap(n, t) if t.dim() else t
+    else:  # none, or per-step sync (its error feedback is this rank's): whole, in the rank's rest
+        rest["outer"] = sd.get("outer") or {}
     data, tensors = encode(rest, key(f"rank{rank}", "rest"))
     flat[key(f"rank{rank}", "rest")] = data
     flat.update(tensors)

@@ -89,6 +89,13 @@ def save_checkpoint(
     if rank == 0 and os.path.isdir(step_dir):  # an interrupted save's files: never mixed into this one
         shutil.rmtree(step_dir, ignore_errors=True)
     agree(True)
+    try:
+        os.makedirs(step_dir, exist_ok=True)
+        err = ""
+    except OSError as e:
+        err = f"rank {rank} cannot create {step_dir}: {e}"
+    if not agree(not err):  # (before DCP's collectives: every rank enters them, or none)
+        raise CheckpointError(_save_failed(err or f"another rank cannot create {step_dir}", step, ckpt_dir, rank))
     err = _write_dcp(ckpt_dir, step_dir, rank, world_size, state, need)
     if not agree(not err):
         _remove_partial(step_dir, rank, agree)
@@ -168,7 +175,6 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, world_size: int, state: 
     import torch.distributed.checkpoint as dcp
 
     try:
-        os.makedirs(step_dir, exist_ok=True)
         writer = dcp.FileSystemWriter(step_dir, single_file_per_rank=True, sync_files=True)
         with warnings.catch_warnings():  # (one process: DCP warns that it saves without a process group)
             warnings.simplefilter("ignore", UserWarning)
