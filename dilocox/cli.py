@@ -48,6 +48,7 @@ BENCHES = {
     ),
     "switch": ("dilocox.bench.switch", "the delay switch's ceiling (TCP Gbit/s, 1500-B frames/s) next to the bridge"),
     "rpc": ("dilocox.bench.rpc", "what authentication and encryption add to a SWARM RPC call and hop"),
+    "checkpoint": ("dilocox.bench.checkpoint", "save / load / reshard seconds on DCP next to a per-rank torch.save"),
 }
 
 

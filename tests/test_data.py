@@ -604,3 +604,27 @@ def test_prepare_streams_with_memory_below_the_corpus_size(tmp_path):
     base, peak, nbytes, ntok = map(int, r.stdout.split()[-4:])
     assert nbytes == 120_000_000 and ntok == nbytes + 1200  # every byte, one end-of-document token per file
     assert (peak - base) * 1024 < 100e6, f"prepare added {(peak - base) / 1024:.0f} MB of peak RSS for 120 MB"
+
+
+def test_bpe_trains_on_a_strided_sample_of_a_large_corpus(tmp_path):
+    """data.bpe_train_bytes: past it the BPE trains on every k-th training document (k = ceil(train bytes / limit)),
+    equal to training on exactly those documents; the whole corpus is still tokenized, and the sample is keyed."""
+    from dilocox.data.prepare import bpe_stride
+    from dilocox.data.tokenizer import train_bpe
+
+    d = tmp_path / "c"
+    d.mkdir()
+    for i in range(40):
+        (d / f"{i:03d}.txt").write_text(f"doc {i} " + ("alpha beta " if i % 2 else "gamma delta ") * (20 + i) + "\n")
+    base = dict(source="text", path=str(d), cache_dir=str(tmp_path / "cache"), tokenizer="bpe", bpe_vocab_size=300)
+    docs = read_corpus(DataConfig(**base, val_fraction=0.1)).docs
+    train, val = split_documents(docs, 0.1)
+    limit = sum(len(x.encode()) for x in train) // 3
+    k = bpe_stride(sum(len(x.encode()) for x in train), limit)
+    assert k == 4  # (3 and a remainder)
+    p = prepare(DataConfig(**base, val_fraction=0.1, bpe_train_bytes=limit))
+    assert p.meta["bpe_sample_stride"] == k and p.meta["train_docs"] == len(train)
+    want = train_bpe(train[::k], 300)
+    assert np.array_equal(p.train_tokens(), want.encode_docs(train).astype(p.train_tokens().dtype))
+    whole = prepare(DataConfig(**base, val_fraction=0.1, bpe_train_bytes=None))
+    assert whole.meta["bpe_sample_stride"] == 1 and whole.dir != p.dir

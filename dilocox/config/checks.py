@@ -103,6 +103,8 @@ _POSITIVE = (  # checked in this order; None (an unset optional) passes
     "outer.timeout_s",
     "outer.warn_after_s",
     "train.stop_timeout_s",
+    "data.max_bytes",
+    "data.bpe_train_bytes",
 )
 
 _NON_NEGATIVE = ("train.eval_batches", "checkpoint.every", "checkpoint.keep")

@@ -120,13 +120,14 @@ def _identity(cfg: DataConfig) -> dict:
 
 
 def tokenizer_key(cfg: DataConfig) -> str:
-    return _hash({**_identity(cfg), "bpe_vocab_size": cfg.bpe_vocab_size})
+    return _hash({**_identity(cfg), "bpe_vocab_size": cfg.bpe_vocab_size, "bpe_train_bytes": cfg.bpe_train_bytes})
 
 
 def data_key(cfg: DataConfig) -> str:
     ident = {**_identity(cfg), "tokenizer": cfg.tokenizer}
     if cfg.tokenizer == "bpe":
         ident["bpe_vocab_size"] = cfg.bpe_vocab_size
+        ident["bpe_train_bytes"] = cfg.bpe_train_bytes
     elif cfg.tokenizer.startswith(PRETRAINED):  # the tokens depend on the file's content, not its name
         with open(pretrained_path(cfg.tokenizer), "rb") as f:
             ident["tokenizer_sha256"] = hashlib.sha256(f.read()).hexdigest()
@@ -200,7 +201,9 @@ def _write(tmp: str, name: str, arr: np.ndarray) -> None:
 
 
 PROGRESS_EVERY_S = 10.0  # a pass over the corpus that takes longer prints a progress line this often
-ENCODE_BATCH_BYTES = 8_000_000  # documents are tokenized and written in batches of about this many bytes
+# documents are tokenized and written in batches of about this many bytes: a BPE holds ~70 bytes per input byte
+# while it encodes (tokenizers' Encoding objects), so 1 MB keeps that near 70 MB (8 MB: 560 MB measured)
+ENCODE_BATCH_BYTES = 1_000_000
 
 
 def _split_stream(stream: DocStream, i: int, head_bytes: int | None, sizes):
@@ -259,10 +262,21 @@ def _tokenizer(cfg: DataConfig, stream, i: int, head_bytes, sizes, tmp: str):
         f"bpe{cfg.bpe_vocab_size}-{tokenizer_key(cfg)[:16]}.json",
     )
     n_train = i + (head_bytes is not None)  # (a hint for the trainer's progress; the cut head may be empty)
-    train_docs = (d for split, d in _split_stream(stream, i, head_bytes, sizes) if split == "train")
-    tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache, length=n_train)
+    stride = bpe_stride(sum(sizes[:i]) + (head_bytes or 0), cfg.bpe_train_bytes)
+    train_docs = (
+        d
+        for k, (split, d) in enumerate(_split_stream(stream, i, head_bytes, sizes))
+        if split == "train" and k % stride == 0
+    )
+    tok = load_or_train_bpe(train_docs, cfg.bpe_vocab_size, cache, length=-(-n_train // stride))
+    tok.sample_stride = stride
     shutil.copyfile(cache, os.path.join(tmp, "tokenizer.json"))
     return tok
+
+
+def bpe_stride(train_bytes: int, limit: int | None) -> int:
+    """Every how many training documents the BPE trains on, to stay near ``limit`` bytes (1: all of them)."""
+    return 1 if limit is None or train_bytes <= limit else -(-train_bytes // max(limit, 1))
 
 
 def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
@@ -334,6 +348,7 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         "cut": stream.cut,  # data.max_bytes cut the source (sizes), else None
         "content_sha256": content.hexdigest(),
         "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
+        "bpe_sample_stride": getattr(tok, "sample_stride", None),  # trained on every k-th training document
         "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},
         "tokens_per_sec": n_tokens / max(seconds, 1e-9),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -422,7 +437,9 @@ def prepare_main(argv: list[str] | None = None) -> int:
     print(f"source     {m['source']}")
     if note := cap_note(m.get("cut")):
         print(f"cap        {note}")
-    print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}")
+    k = m.get("bpe_sample_stride") or 1
+    sample = f"  (trained on every {k}th training document: data.bpe_train_bytes)" if k > 1 else ""
+    print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}{sample}")
     print(f"train      {p.train_path}  {m['train_tokens']:,} tokens  ({m['train_docs']} documents)")
     print(f"val        {p.val_path}  {m['val_tokens']:,} tokens  ({m['val_docs']} documents)")
     print(

@@ -90,7 +90,10 @@ class BPETokenizer:
     def encode_docs(self, docs: list[str]) -> np.ndarray:
         dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
         parts = []
-        for enc in self.tok.encode_batch(docs, add_special_tokens=False):
+        # encode_batch_fast (tokenizers >= 0.20): the same ids without the offsets, ~2x faster; memory is ~70 bytes
+        # per input byte either way (the Encoding objects), so callers keep batches small (prepare: 1 MB)
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        for enc in encode(docs, add_special_tokens=False):
             parts += [np.asarray(enc.ids, dtype=dtype), np.array([self.eot_id], dtype=dtype)]
         return np.concatenate(parts)
 

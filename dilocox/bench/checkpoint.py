@@ -1,0 +1,196 @@
+"""``dilocox bench checkpoint``: what a checkpoint costs on dilocox's format (torch.distributed.checkpoint) next to
+what a user would write by hand (a ``torch.save`` of each rank's state dict).
+
+For a model (default: GPT-2 small, 163M parameters untied) on a few layouts, every rank builds the Trainer and takes
+one training step (so AdamW holds its two moments), then, ``--repeats`` times each:
+
+* **dilocox save**: ``Trainer.save`` (DCP's ``save`` of the state by global names, every file hashed, COMPLETE.json
+  and ``latest`` moved by rank 0);
+* **torch.save (reference)**: ``torch.save`` of the rank's ``Trainer.state_dict()`` to its own file, fsynced (the
+  hand-written per-rank checkpoint, and dilocox's earlier format without its hashes);
+* **dilocox load**: ``Trainer._maybe_resume`` on the same layout (hashes checked, DCP read, state restored);
+
+and one process resumes the last checkpoint onto ONE rank (DCP reshards: the layout change a user makes when they
+move a run to other hardware). Times are wall seconds on rank 0 between barriers, the median over the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from dilocox.bench.runner import machine_line
+
+LAYOUTS = {"one": (1, []), "tp2": (2, ["--parallel.tensor=2"]), "pp2": (2, ["--parallel.pipeline=2"])}
+
+
+def _cfg(model: str, run_dir: str, layout: list[str], ckpt_dir: str | None = None):
+    from dilocox.config import load_config
+
+    return load_config(
+        model,
+        [
+            "--data.source=stdlib",
+            "--data.max_bytes=300000",
+            f"--data.cache_dir={os.path.join(os.path.dirname(run_dir), 'cache')}",
+            f"--log.run_dir={run_dir}",
+            "--train.steps=1000",
+            "--train.batch_size=2",
+            "--train.seq_len=64",
+            "--train.eval_every=0",
+            "--log.tensorboard=false",
+            "--log.progress=false",
+            "--checkpoint.every=0",
+            "--checkpoint.keep=1",
+            "--parallel.microbatches=2",
+            *([f"--checkpoint.dir={ckpt_dir}"] if ckpt_dir else []),
+            *layout,
+        ],
+    )
+
+
+def _timed(fn, barrier) -> float:
+    barrier()
+    t0 = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - t0
+
+
+def _worker(rank: int, world: int, port: int, model: str, root: str, layout: list[str], repeats: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from dilocox.train import Trainer
+
+    t = Trainer(_cfg(model, os.path.join(root, "run"), layout))
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    t.train_step()
+    out: dict = {"params": sum(p.numel() for p in t.model.parameters())}
+    ref = os.path.join(root, "ref")
+    os.makedirs(ref, exist_ok=True)
+
+    def ref_save() -> None:
+        path = os.path.join(ref, f"rank_{rank:05d}.pt")
+        with open(path, "wb") as f:
+            torch.save(t.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    for _ in range(repeats):
+        t.step += 1
+        out.setdefault("save", []).append(_timed(lambda: t.save(record=False), barrier))
+        out.setdefault("ref_save", []).append(_timed(ref_save, barrier))
+        out.setdefault("load", []).append(_timed(t._maybe_resume, barrier))
+    step_dir = os.path.join(t.ckpt_dir, f"step_{t.step:08d}")
+    out["bytes"] = sum(os.path.getsize(os.path.join(step_dir, n)) for n in os.listdir(step_dir))
+    out["ref_bytes"] = sum(os.path.getsize(os.path.join(ref, n)) for n in os.listdir(ref))
+    out["ckpt_dir"] = t.ckpt_dir
+    if rank == 0:
+        q.put(out)
+    barrier()
+
+
+def _reshard_worker(rank: int, world: int, port: int, model: str, root: str, ckpt_dir: str, repeats: int, q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from dilocox.train import Trainer
+
+    t = Trainer(_cfg(model, os.path.join(root, "one"), [], ckpt_dir=os.path.join(root, "none")))
+    t.ckpt_dir = ckpt_dir
+    q.put([_timed(t._maybe_resume, lambda: None) for _ in range(repeats)])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, world: int, *args):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=fn, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=3600)
+    for p in procs:
+        p.join(600)
+        if p.exitcode:
+            raise RuntimeError(f"bench checkpoint: a rank exited with {p.exitcode}")
+    return out
+
+
+def run(model: str, layouts: list[str], repeats: int, root: str) -> list[dict]:
+    rows = []
+    for name in layouts:
+        world, extra = LAYOUTS[name]
+        d = os.path.join(root, name)
+        shutil.rmtree(d, ignore_errors=True)
+        got = _spawn(_worker, world, model, d, extra, repeats)
+        got["reshard"] = _spawn(_reshard_worker, 1, model, d, got["ckpt_dir"], repeats) if name != "one" else None
+        rows.append({"layout": name, "ranks": world, **got})
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+def markdown(rows: list[dict], model: str, repeats: int) -> str:
+    med = statistics.median
+    lines = [
+        f"`dilocox bench checkpoint --model {model} --repeats {repeats}` — {machine_line()}, "
+        f"{time.strftime('%Y-%m-%d')}; {rows[0]['params'] / 1e6:.0f}M parameters + AdamW, median of {repeats}",
+        "",
+        "| layout | ranks | dilocox checkpoint | dilocox save (s) | torch.save per rank (s) | save vs torch.save "
+        "| dilocox load, same layout (s) | load onto 1 rank (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        save, ref = med(r["save"]), med(r["ref_save"])
+        reshard = f"{med(r['reshard']):.2f}" if r["reshard"] else "(same)"
+        lines.append(
+            f"| {r['layout']} | {r['ranks']} | {r['bytes'] / 1e6:,.0f} MB (torch.save {r['ref_bytes'] / 1e6:,.0f} MB) "
+            f"| {save:.2f} | {ref:.2f} | {save / ref:.2f}x | {med(r['load']):.2f} | {reshard} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="dilocox bench checkpoint", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="configs/model/gpt2-small.yaml", help="a model config (configs/model/*.yaml)")
+    ap.add_argument("--layouts", default="one,tp2,pp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--repeats", type=int, default=3, help="saves and loads per layout (the median is reported)")
+    ap.add_argument("--out", default="docs/bench/checkpoint", help="where results.md / results.json go")
+    ap.add_argument("--workdir", default=None, help="scratch directory for the checkpoints (default: a temp dir)")
+    a = ap.parse_args(argv)
+    layouts = [x for x in a.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        ap.error(f"--layouts: {bad} not among {list(LAYOUTS)}")
+    root = a.workdir or tempfile.mkdtemp(prefix="dilocox-bench-ckpt-")
+    rows = run(a.model, layouts, a.repeats, root)
+    md = markdown(rows, a.model, a.repeats)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
