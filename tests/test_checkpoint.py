@@ -148,17 +148,19 @@ def _save_with_a_full_disk_on_rank_1(rank, world, d):
     """Rank 1's disk fills while DCP writes its file (ENOSPC inside DCP's writer)."""
     import torch.distributed.checkpoint.filesystem as fs
 
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = fs._write_item
     if rank == 1:
-
-        def full(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
         fs._write_item = full
     try:
         ckpt.save_checkpoint(d, 3, rank, world, {f"w{rank}": torch.ones(4)}, agree=ckpt.all_ranks_agree)
         return "ok", os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
     except ckpt.CheckpointError as e:
         return str(e), os.path.exists(os.path.join(d, ckpt.step_dir_name(3)))
+    finally:
+        fs._write_item = real  # (the rank pool's processes run later tests)
 
 
 def test_a_rank_failing_inside_dcp_fails_every_rank(tmp_path):

@@ -78,12 +78,15 @@ def _worker(rank: int, world: int, port: int, model: str, root: str, layout: lis
     ref = os.path.join(root, "ref")
     os.makedirs(ref, exist_ok=True)
 
-    def ref_save() -> None:
-        path = os.path.join(ref, f"rank_{rank:05d}.pt")
+    def ref_save() -> None:  # a new file per save, the previous one removed after it (as checkpoint.keep=1)
+        path = os.path.join(ref, f"step_{t.step:08d}_rank_{rank:05d}.pt")
         with open(path, "wb") as f:
             torch.save(t.state_dict(), f)
             f.flush()
             os.fsync(f.fileno())
+        for old in os.listdir(ref):
+            if old.endswith(f"_rank_{rank:05d}.pt") and os.path.join(ref, old) != path:
+                os.remove(os.path.join(ref, old))
 
     for _ in range(repeats):
         t.step += 1

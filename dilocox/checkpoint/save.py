@@ -175,7 +175,10 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, world_size: int, state: 
     import torch.distributed.checkpoint as dcp
 
     try:
-        writer = dcp.FileSystemWriter(step_dir, single_file_per_rank=True, sync_files=True)
+        # one writer thread: with thread_count=2 GPT-2 small + AdamW saves in 3.0 s instead of 4.9 s here, but in
+        # torch 2.13 an extra writer thread's exception is lost (filesystem._write_data only joins it), so a full
+        # disk there would pass unnoticed
+        writer = dcp.FileSystemWriter(step_dir, single_file_per_rank=True, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # (one process: DCP warns that it saves without a process group)
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(

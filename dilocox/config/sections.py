@@ -113,7 +113,7 @@ class DataConfig:
     tokenizer: str = "byte"  # byte | bpe (trained on the corpus) | hf:PATH (a model's own tokenizer.json, or the
     # Hugging Face model directory holding it: GPT-2's, Qwen's; model.vocab_size must cover its vocabulary)
     bpe_vocab_size: int = 4096
-    bpe_train_bytes: int | None = 200_000_000  # the BPE trains on about this many bytes of the training documents
+    bpe_train_bytes: int | None = 100_000_000  # the BPE trains on about this many bytes of the training documents
     # (every k-th document, k from their sizes): its memory and time stay bounded on a large corpus; None = all
     cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
     val_fraction: float = 0.02
