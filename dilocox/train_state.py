@@ -24,6 +24,7 @@ class _Reader:
 
     def __init__(self, tr: TrainerState):
         self.tr = tr
+        self.part = tr._dcp_part()
 
     def prepare(self, step_dir: str, meta: dict) -> dict:
         import torch.distributed.checkpoint as dcp
@@ -43,7 +44,7 @@ class _Reader:
                 f"resume it on its saved layout {saved} (parallel.data/pipeline/tensor as saved)"
             )
         self.src = topo.rank if self.same else ((topo.replica * D) * P) * T
-        md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        md = dcp.FileSystemReader(os.path.join(step_dir, self.part[0])).read_metadata().state_dict_metadata
         outer_names = tr._outer_layout()[0] if tr._outer_layout() else None
         return names.wanted(
             md, topo.replica, self.src, list(tr.model.state_dict()), tr._opt_names(), outer_names, tr._dcp_target
@@ -179,6 +180,12 @@ class TrainerState:
         size[dim] //= self.topo.T
         return self._dcp_wrap(name, torch.empty(size, dtype=dtype))
 
+    def _dcp_part(self) -> tuple[str, object, int]:
+        """This rank's DCP checkpoint: its replica's own directory, saved and read by the replica's ranks alone (DCP's
+        plan exchange never crosses the slow link between replicas)."""
+        t = self.topo
+        return f"replica{t.replica}", t.group("replica"), t.D * t.P * t.T
+
     def _dcp_state(self) -> dict:
         return names.flatten(
             self.state_dict(),
@@ -270,6 +277,7 @@ class TrainerState:
             meta={**self._layout(), "config": self.cfg.to_dict()},
             agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,
+            part=self._dcp_part(),
         )
         if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
             self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})

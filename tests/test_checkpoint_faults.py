@@ -55,7 +55,9 @@ def _latest(d, rank=0, world=1, **kw):
 
 
 def _file(step_dir, rank=0):
-    return ckpt.rank_files(step_dir, rank)[0]
+    from dilocox.checkpoint.layout import dcp_dirs
+
+    return ckpt.rank_files(dcp_dirs(step_dir)[0], rank)[0]
 
 
 def _read(path):
@@ -224,7 +226,7 @@ def test_training_resumes_from_the_previous_checkpoint_when_latest_is_damaged(tm
     second = _cli([*_small(run), "--train.steps=6", "--checkpoint.every=2"])
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout + second.stderr
-    assert "step_00000004/__0_0.distcp is corrupt" in out and "falling back" in out, out[-3000:]
+    assert "step_00000004/replica0/__0_0.distcp is corrupt" in out and "falling back" in out, out[-3000:]
     assert "resumed from " + os.path.join(d, "step_00000002") in out, out[-3000:]
     assert os.path.isdir(os.path.join(d, "step_00000004.corrupt"))
     assert ckpt.find_latest(d).endswith("step_00000006") and _names(d) == ["step_00000004", "step_00000006"]

@@ -33,7 +33,8 @@ def test_a_clean_write_replaces_and_creates_the_directory(tmp_path):
 
 def test_every_writer_uses_it():
     """No module of dilocox renames a temp file onto its target by itself any more (data/prepare.py's publish of a
-    whole prepared directory, a rename of a directory, is the one other atomic move)."""
+    whole prepared directory and checkpoint/legacy.py's swap of a converted step directory, renames of directories,
+    are the other atomic moves)."""
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dilocox")
     offenders = []
     for d, _, files in os.walk(root):

@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, model: str, root: str, layout: lis
         out.setdefault("ref_save", []).append(_timed(ref_save, barrier))
         out.setdefault("load", []).append(_timed(t._maybe_resume, barrier))
     step_dir = os.path.join(t.ckpt_dir, f"step_{t.step:08d}")
-    out["bytes"] = sum(os.path.getsize(os.path.join(step_dir, n)) for n in os.listdir(step_dir))
+    out["bytes"] = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(step_dir) for n in names)
     out["ref_bytes"] = sum(os.path.getsize(os.path.join(ref, n)) for n in os.listdir(ref))
     out["ckpt_dir"] = t.ckpt_dir
     if rank == 0:

@@ -1,13 +1,17 @@
 """Sharded, atomic, verified checkpoints of the whole training state, on ``torch.distributed.checkpoint``.
 
-Layout (one directory per saved step, a DCP checkpoint inside)::
+Layout (one directory per saved step, one DCP checkpoint per replica inside)::
 
-    <dir>/step_00000100/.metadata         DCP's index: every key's global shape and where its chunks are
-    <dir>/step_00000100/__3_0.distcp      rank 3's chunks: model, inner + outer optimizer state by global
-                                          parameter name, its data position, RNG, ... (``names``)
-    <dir>/step_00000100/COMPLETE.json     written by rank 0 after every rank has saved; holds
-                                          each file's size and SHA-256, the layout and the config
-    <dir>/latest                          text: the name of the newest COMPLETE step dir
+    <dir>/step_00000100/replica0/.metadata      DCP's index: every key's global shape and where its chunks are
+    <dir>/step_00000100/replica0/__3_0.distcp   the chunks of replica 0's rank 3: model, inner + outer optimizer
+                                                state by global parameter name, its data position, RNG, ...
+                                                (``names``)
+    <dir>/step_00000100/COMPLETE.json           written by rank 0 after every rank has saved; holds
+                                                each file's size and SHA-256, the layout and the config
+    <dir>/latest                                text: the name of the newest COMPLETE step dir
+
+Each replica saves and reads its own DCP checkpoint over its own ranks (DCP's plan exchange stays inside the
+cluster, never on the slow link); only the agreements (a flag per rank) span the replicas, at an outer sync.
 
 The keys name what a tensor is, not where it lived (``dilocox.checkpoint.names``), so a checkpoint loads onto
 another pipeline / tensor / data layout by DCP's own resharding. Checkpoints of the earlier format (one

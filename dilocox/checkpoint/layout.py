@@ -103,9 +103,17 @@ def rank_files(step_dir: str, rank: int) -> list[str]:
     )
 
 
-def record(paths: list[str]) -> dict:
-    """``{file name: {"bytes": size, HASH: hex}}`` of ``paths`` (COMPLETE.json's ``files``)."""
-    return {os.path.basename(p): {"bytes": os.path.getsize(p), HASH: file_hash(p)} for p in paths}
+def dcp_dirs(step_dir: str) -> list[str]:
+    """The DCP checkpoints of a step: one per replica (``replicaR/``, as the Trainer saves), or the step directory
+    itself (one checkpoint of the default group)."""
+    subs = sorted(os.path.join(step_dir, n) for n in os.listdir(step_dir) if n.startswith("replica"))
+    subs = [d for d in subs if os.path.exists(os.path.join(d, ".metadata"))]
+    return subs or [step_dir]
+
+
+def record(paths: list[str], base: str) -> dict:
+    """``{path relative to base: {"bytes": size, HASH: hex}}`` of ``paths`` (COMPLETE.json's ``files``)."""
+    return {os.path.relpath(p, base): {"bytes": os.path.getsize(p), HASH: file_hash(p)} for p in paths}
 
 
 def complete_steps(ckpt_dir: str) -> list[str]:
@@ -168,8 +176,9 @@ def verify_files(step_dir: str, meta: dict, rank: int = 0, world_size: int = 1) 
     Every rank checks ``.metadata``: DCP reads it with ``pickle``, so it is unpickled only once its hash matched."""
     files = meta.get("files") or {}
     algo = meta.get("hash", HASH)
-    rest = sorted(n for n in files if n != ".metadata")
-    for name in ([".metadata"] if ".metadata" in files else []) + rest[rank::world_size]:
+    index = sorted(n for n in files if os.path.basename(n) == ".metadata")  # (one per replica's DCP directory)
+    rest = sorted(n for n in files if n not in index)
+    for name in index + rest[rank::world_size]:
         rec, path = files[name], os.path.join(step_dir, name)
         if not os.path.exists(path):
             raise CorruptCheckpointError(f"checkpoint file {path} is missing (COMPLETE.json lists it)")

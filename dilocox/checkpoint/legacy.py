@@ -126,18 +126,28 @@ def convert_step(step_dir: str) -> str:
         if len(slices) != T:
             raise CheckpointError(f"{step_dir}: {k} has {len(slices)} of {T} tensor-parallel slices")
         flat[k] = torch.cat([slices[t] for t in range(T)], cat_dim[k])
-    tmp = step_dir + ".dcp-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True), no_dist=True)
-    files = record([os.path.join(tmp, n) for n in sorted(os.listdir(tmp))])
+    staged = step_dir + ".dcp-tmp"  # (a whole directory, swapped in below)
+    shutil.rmtree(staged, ignore_errors=True)
+    paths = []
+    for r in range(R):  # one DCP checkpoint per replica, as the Trainer saves them
+        mine = {k: v for k, v in flat.items() if _replica_of(k, D * P * T) == r}
+        where = os.path.join(staged, f"replica{r}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(mine, storage_writer=dcp.FileSystemWriter(where, single_file_per_rank=True), no_dist=True)
+        paths += [os.path.join(where, n) for n in sorted(os.listdir(where))]
     info = {k: v for k, v in meta.items() if k != "shards"}
-    info.update({"format": "dcp", "hash": HASH, "files": files, "converted": time.time()})
-    _atomic_write_text(os.path.join(tmp, "COMPLETE.json"), json.dumps(info, indent=1))
+    info.update({"format": "dcp", "hash": HASH, "files": record(paths, staged), "converted": time.time()})
+    _atomic_write_text(os.path.join(staged, "COMPLETE.json"), json.dumps(info, indent=1))
     os.replace(step_dir, step_dir + ".pre-dcp")
-    os.replace(tmp, step_dir)
+    os.rename(staged, step_dir)
     return step_dir
+
+
+def _replica_of(key: str, per_replica: int) -> int:
+    """The replica a key belongs to: ``replicaR/...``, or ``rankG/...`` of a rank of replica G // per_replica."""
+    head = key.split("/")[0]
+    return int(head[len("replica") :]) if head.startswith("replica") else int(head[len("rank") :]) // per_replica
 
 
 def convert(path: str) -> list[str]:

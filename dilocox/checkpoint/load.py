@@ -28,6 +28,7 @@ from dilocox.checkpoint.layout import (
     _atomic_write_text,
     _step_of,
     complete_steps,
+    dcp_dirs,
     find_latest,
     read_meta,
     step_dir_name,
@@ -60,7 +61,11 @@ def all_ranks_min(value: int) -> int:
 
 
 class Reader(Protocol):
-    """What a loader needs from the state it restores (``Trainer``'s ``_CheckpointReader``)."""
+    """What a loader needs from the state it restores (``Trainer``'s ``_Reader``). ``part``: ``(subdir, group,
+    group size)`` of the DCP checkpoint it reads, as ``save_checkpoint`` took it; None: ``step_dir`` itself, read
+    by every rank of the default group."""
+
+    part: tuple[str, object, int] | None
 
     def prepare(self, step_dir: str, meta: dict) -> dict:
         """This rank's empty DCP targets for ``step_dir`` (raise :class:`CheckpointError` when it cannot fit)."""
@@ -70,12 +75,17 @@ class Reader(Protocol):
 
 
 class WholeReader:
-    """A ``Reader`` of every saved key as a full tensor (one process, or every rank alike: tools and tests)."""
+    """A ``Reader`` of every saved key of one DCP checkpoint (``step_dir/subdir``) as a full tensor: tools, tests.
+    ``size``: the ranks reading it together (1: this process alone)."""
+
+    def __init__(self, subdir: str = "", size: int | None = None):
+        self.part = None if size is None else (subdir, None, size)
+        self.subdir = subdir
 
     def prepare(self, step_dir: str, meta: dict) -> dict:
         import torch.distributed.checkpoint as dcp
 
-        md = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        md = dcp.FileSystemReader(os.path.join(step_dir, self.subdir)).read_metadata().state_dict_metadata
         return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
 
     def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
@@ -83,8 +93,13 @@ class WholeReader:
 
 
 def load_checkpoint(step_dir: str, expect: dict | None = None, verify: bool = True) -> dict:
-    """Every key of ``step_dir`` as a full tensor, in this process alone (checks as :func:`load_step`)."""
-    return load_step(step_dir, 0, 1, WholeReader(), expect, verify, agree=lambda flag: flag)
+    """Every key of ``step_dir`` (all its DCP checkpoints: one per replica) as a full tensor, in this process alone
+    (checks as :func:`load_step`)."""
+    out: dict = {}
+    for d in dcp_dirs(step_dir):
+        reader = WholeReader(os.path.relpath(d, step_dir), 1)
+        out.update(load_step(step_dir, 0, 1, reader, expect, verify, agree=lambda flag: flag))
+    return out
 
 
 def check_meta(step_dir: str, meta: dict, expect: dict | None) -> None:
@@ -118,26 +133,29 @@ def _prepare(step_dir: str, rank: int, world_size: int, reader: Reader, expect: 
         return None, f"checkpoint {step_dir} cannot be read: {type(e).__name__}: {e}", True
 
 
-def _read(step_dir: str, targets: dict, world_size: int) -> str:
-    """The collective ``dcp.load`` into ``targets``; returns an error or '' (every rank sees the same outcome)."""
+def _read(step_dir: str, targets: dict, part: tuple) -> str:
+    """The collective ``dcp.load`` into ``targets`` over the part's group; returns an error or '' (every rank of the
+    part sees the same outcome; the caller's agreement spans the parts)."""
     import torch.distributed.checkpoint as dcp
 
+    from dilocox.checkpoint.save import group_rank
+
+    subdir, group, size = part
     try:
         with warnings.catch_warnings():  # (one process: DCP warns that it loads without a process group)
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, checkpoint_id=step_dir, no_dist=not _dist_on() or world_size == 1)
+            dcp.load(
+                targets,
+                checkpoint_id=os.path.join(step_dir, subdir),
+                process_group=group,
+                no_dist=group_rank(group, size)[1],
+            )
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
         from dilocox.checkpoint.save import dcp_failures
 
         why = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:300]}" for r, x in dcp_failures(e).items())
         return f"checkpoint {step_dir} could not be read ({why})"
     return ""
-
-
-def _dist_on() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def load_step(
@@ -157,7 +175,7 @@ def load_step(
         raise CheckpointError(err or f"another rank cannot load {step_dir} (see its log)")
     if not agree(not err):  # a damaged file somewhere: every rank raises the same kind (load_latest falls back)
         raise CorruptCheckpointError(err or f"another rank found a damaged file in {step_dir} (see its log)")
-    err = _read(step_dir, targets, world_size)
+    err = _read(step_dir, targets, getattr(reader, "part", None) or ("", None, world_size))
     if not agree(not err):
         raise CorruptCheckpointError(err or f"another rank could not read {step_dir} (see its log)")
     sd, err = None, ""

@@ -1,6 +1,7 @@
 """The Trainer's state as one flat, layout-independent ``torch.distributed.checkpoint`` (DCP) state dict, and back.
 
-Every rank contributes its part of ONE state dict whose keys name what a tensor IS, not where it lived::
+Every rank contributes its part of its replica's state dict (one DCP checkpoint per replica, ``replicaR/``, saved by
+the replica's ranks over their own group) whose keys name what a tensor IS, not where it lived::
 
     replica0/model/layers.3.attn.qkv.weight        the replica's local parameters (and buffers)
     replica0/optim/layers.3.attn.qkv.weight/exp_avg  the inner optimizer's state, by parameter name
@@ -18,8 +19,9 @@ layout DCP reads whatever saved chunks overlap each target, so resharding is DCP
 ``rest`` is layout-bound: a resume on the same layout reads its own rank's; on another layout the replica's first
 rank's, and the parts with no meaning there restart (``restart_notes`` in dilocox.reshard).
 
-No value of ours is pickled: DCP would store a non-tensor value with ``torch.save`` and load it with
-``torch.load(weights_only=False)``, so the ``rest`` is written as JSON in a uint8 tensor (``encode``/``decode``).
+No value of ours is pickled: DCP would store a non-tensor value with ``torch.save`` and load it with a full
+unpickler (``torch.load`` without weights_only), so the ``rest`` is written as JSON in a uint8 tensor
+(``encode``/``decode``).
 (DCP's own index, ``.metadata``, is a pickle: every load checks its SHA-256 against COMPLETE.json first.)
 """
 

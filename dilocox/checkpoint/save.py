@@ -61,9 +61,14 @@ def save_checkpoint(
     meta: dict | None = None,
     agree: Callable[[bool], bool] | None = None,
     keep: int = 2,
+    part: tuple[str, object, int] | None = None,
 ) -> str:
     """Collective: save ``state`` (this rank's part of one DCP state dict, ``dilocox.checkpoint.names``) with
     ``torch.distributed.checkpoint``; rank 0 marks the step complete and moves ``latest``.
+
+    ``part = (subdir, group, group size)``: the DCP checkpoint this rank belongs to, in ``step_dir/subdir``, saved
+    by the ranks of ``group`` alone (the Trainer: one per replica, so DCP's plan exchange never crosses the slow
+    link); default: one checkpoint in ``step_dir`` by every rank of the default group.
 
     ``agree(flag)`` must be a collective over all ranks that returns whether ``flag`` is true
     on every rank (``all_ranks_agree``); it also synchronises them. Every decision that could
@@ -89,14 +94,15 @@ def save_checkpoint(
     if rank == 0 and os.path.isdir(step_dir):  # an interrupted save's files: never mixed into this one
         shutil.rmtree(step_dir, ignore_errors=True)
     agree(True)
+    part = part or ("", None, world_size)
     try:
-        os.makedirs(step_dir, exist_ok=True)
+        os.makedirs(os.path.join(step_dir, part[0]), exist_ok=True)
         err = ""
     except OSError as e:
         err = f"rank {rank} cannot create {step_dir}: {e}"
     if not agree(not err):  # (before DCP's collectives: every rank enters them, or none)
         raise CheckpointError(_save_failed(err or f"another rank cannot create {step_dir}", step, ckpt_dir, rank))
-    err = _write_dcp(ckpt_dir, step_dir, rank, world_size, state, need)
+    err = _write_dcp(ckpt_dir, step_dir, rank, part, state, need)
     if not agree(not err):
         _remove_partial(step_dir, rank, agree)
         raise CheckpointError(
@@ -168,25 +174,35 @@ def _refuse_no_room(ckpt_dir: str, step: int, rank: int, path: str, need: int, a
         raise CheckpointError(_save_failed(err, step, ckpt_dir, rank))
 
 
-def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, world_size: int, state: dict, need: int) -> str:
-    """Collective: ``dcp.save`` of ``state`` into ``step_dir``, then this rank's files' sizes and hashes into its
-    sidecar. Returns an error or '' (DCP gathers every rank's failure, so all ranks fail alike)."""
+def group_rank(group, size: int) -> tuple[int, bool]:
+    """``(this rank's rank in group, whether DCP runs without a process group)`` for a part of ``size`` ranks."""
     import torch.distributed as dist
+
+    on = dist.is_available() and dist.is_initialized()
+    if size == 1 or not on:
+        return 0, True
+    return dist.get_rank(group), False
+
+
+def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict, need: int) -> str:
+    """Collective over the part's group: ``dcp.save`` of ``state`` into ``step_dir/subdir``, then this rank's files'
+    sizes and hashes (and the group coordinator's ``.metadata``) into its sidecar. Returns an error or '' (DCP
+    gathers every rank's failure, so all ranks of the part fail alike; the caller's agreement spans all parts)."""
     import torch.distributed.checkpoint as dcp
 
+    subdir, group, size = part
+    where = os.path.join(step_dir, subdir)
+    grank, no_dist = group_rank(group, size)
     try:
         # one writer thread: with thread_count=2 GPT-2 small + AdamW saves in 3.0 s instead of 4.9 s here, but in
         # torch 2.13 an extra writer thread's exception is lost (filesystem._write_data only joins it), so a full
         # disk there would pass unnoticed
-        writer = dcp.FileSystemWriter(step_dir, single_file_per_rank=True, sync_files=True, thread_count=1)
+        writer = dcp.FileSystemWriter(where, single_file_per_rank=True, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # (one process: DCP warns that it saves without a process group)
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(
-                state,
-                storage_writer=writer,
-                no_dist=world_size == 1 or not (dist.is_available() and dist.is_initialized()),
-            )
-        _atomic_write_text(_sum_path(step_dir, rank), json.dumps(record(rank_files(step_dir, rank))))
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        mine = rank_files(where, grank) + ([os.path.join(where, ".metadata")] if grank == 0 else [])
+        _atomic_write_text(_sum_path(step_dir, rank), json.dumps(record(mine, step_dir)))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
         first = dcp_failures(e)
         # (torch.save inside DCP's writer turns ENOSPC into RuntimeError "unexpected pos": the disk decides,
@@ -241,7 +257,7 @@ def _save_failed(err: str, step: int, ckpt_dir: str, rank: int) -> str:
 def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, meta: dict | None, keep: int) -> str:
     """Rank 0: fold the shards' sums into COMPLETE.json, move ``latest``, prune. Returns an error or ''."""
     missing = [r for r in range(world_size) if not os.path.exists(_sum_path(step_dir, r))]
-    if missing or not os.path.exists(os.path.join(step_dir, ".metadata")):
+    if missing:
         return (
             f"rank 0 cannot see the files of ranks {missing or 'all'} in {step_dir}; checkpoint not marked complete. "
             "checkpoint.dir must be one directory shared by all ranks (a network filesystem on multi-node runs)"
@@ -250,7 +266,6 @@ def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, met
     for r in range(world_size):  # O(world_size) small records: ~100 bytes per file
         with open(_sum_path(step_dir, r)) as f:
             files.update(json.load(f))
-    files.update(record([os.path.join(step_dir, ".metadata")]))
     info = {
         "step": step,
         "world_size": world_size,
@@ -280,12 +295,11 @@ def _remove_partial(step_dir: str, rank: int, agree: Callable[[bool], bool]) -> 
     if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
         agree(True)
         return  # marked complete (only ``latest`` failed): a valid checkpoint, keep it
-    for p in [*rank_files(step_dir, rank), _sum_path(step_dir, rank)]:
-        try:
-            os.remove(p)
-        except OSError:
-            pass
-    agree(True)  # every rank is done with the directory
+    try:
+        os.remove(_sum_path(step_dir, rank))
+    except OSError:
+        pass
+    agree(True)  # every rank is done with the directory (rank 0 removes it with every rank's files)
     if rank == 0 and not os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
         shutil.rmtree(step_dir, ignore_errors=True)
     agree(True)  # and no rank reports the failure before it is gone
