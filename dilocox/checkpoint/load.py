@@ -138,7 +138,7 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
     part sees the same outcome; the caller's agreement spans the parts)."""
     import torch.distributed.checkpoint as dcp
 
-    from dilocox.checkpoint.save import group_rank
+    from dilocox.checkpoint.save import _dcp_rank
 
     subdir, group, size = part
     try:
@@ -148,7 +148,7 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
                 targets,
                 checkpoint_id=os.path.join(step_dir, subdir),
                 process_group=group,
-                no_dist=group_rank(group, size)[1],
+                no_dist=_dcp_rank(group, size)[1],
             )
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
         from dilocox.checkpoint.save import dcp_failures

@@ -174,7 +174,7 @@ def _refuse_no_room(ckpt_dir: str, step: int, rank: int, path: str, need: int, a
         raise CheckpointError(_save_failed(err, step, ckpt_dir, rank))
 
 
-def group_rank(group, size: int) -> tuple[int, bool]:
+def _dcp_rank(group, size: int) -> tuple[int, bool]:
     """``(this rank's rank in group, whether DCP runs without a process group)`` for a part of ``size`` ranks."""
     import torch.distributed as dist
 
@@ -192,7 +192,7 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict
 
     subdir, group, size = part
     where = os.path.join(step_dir, subdir)
-    grank, no_dist = group_rank(group, size)
+    grank, no_dist = _dcp_rank(group, size)
     try:
         # one writer thread: with thread_count=2 GPT-2 small + AdamW saves in 3.0 s instead of 4.9 s here, but in
         # torch 2.13 an extra writer thread's exception is lost (filesystem._write_data only joins it), so a full
