@@ -15,6 +15,7 @@ import torch
 from dilocox import checkpoint as ckpt
 from dilocox import rundir
 from dilocox.checkpoint import names
+from dilocox.checkpoint.legacy import parse_layout
 from dilocox.config import Config, ConfigError, to_yaml
 
 
@@ -31,7 +32,7 @@ class _Reader:
 
         tr, topo = self.tr, self.tr.topo
         saved, mine = meta.get("layout", tr._layout()["layout"]), tr._layout()["layout"]
-        R, D, P, T = _parse_layout(saved)
+        R, D, P, T = parse_layout(saved)
         if R != topo.R:
             raise ckpt.CheckpointError(
                 f"checkpoint {step_dir} has parallel.replicas={R}, this run {topo.R}: the data sampler and outer "
@@ -66,15 +67,6 @@ class _Reader:
         )
         tr.load_state_dict(sd)  # (here: a refusal on one rank is agreed by load_step, every rank raises)
         return sd
-
-
-def _parse_layout(layout: str) -> tuple[int, int, int, int]:
-    import re
-
-    m = re.match(r"^R(\d+)xD(\d+)xP(\d+)xT(\d+)$", str(layout))
-    if not m:
-        raise ckpt.CheckpointError(f"checkpoint layout {layout!r} is not of the form R<r>xD<d>xP<p>xT<t>")
-    return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
 
 
 def restart_notes(cfg: Config) -> list[str]:
