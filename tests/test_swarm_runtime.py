@@ -22,7 +22,8 @@ from dilocox.data.prepare import prepare
 from dilocox.data.sampler import TokenSampler
 from dilocox.model import build_model
 from dilocox.model.parallel_layers import clip_grad_norm_
-from dilocox.net.rpc import NotServing, PeerUnavailable, RemoteError, RpcServer, call
+from dilocox.net.client import call
+from dilocox.net.rpc import NotServing, PeerUnavailable, RemoteError, RpcServer
 from dilocox.optim import build_inner_optimizer, lr_at
 from dilocox.swarm.peer import DIGEST_ENV
 from dilocox.swarm.runtime import PeerProc, launch

@@ -362,7 +362,7 @@ def _rtt_client(a: argparse.Namespace) -> int:
                 times.append(dt)
         sock.close()
     elif a.transport == "rpc":
-        from dilocox.net.rpc import call
+        from dilocox.net.client import call
 
         for i in range(a.iters + a.warmup):
             t0 = time.perf_counter()

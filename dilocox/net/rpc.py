@@ -18,7 +18,8 @@ instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the s
 same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
-``max_connections`` authenticated connections (further ones wait in the listen backlog, unaccepted) and hands the
+``max_connections`` authenticated connections (at the cap, the one idle longest is closed for a new one, else new
+ones wait in the listen backlog, unaccepted: callers keep their connections, ``net/client.py``) and hands the
 handshake slots out through a ``secure.AcceptGate`` (``max_unauthenticated`` in all, at most
 ``max_unauthenticated_per_address`` per source address that has not proven the secret before; a connection over its
 cap is closed at once, not queued), each handshake done within ``handshake_timeout_s``; it drops a connection
@@ -27,8 +28,9 @@ that connection only (logged once per peer address).
 
 ``RpcServer(handler)`` serves on a TCP port with one thread per connection; ``handler(method, meta,
 tensors) -> (meta, tensors[, release])`` runs in that thread (it may itself call other peers; ``release()``, when
-given, is called once the reply's bytes are sent: the handler may hand out live tensors until then). ``call(addr, ...)``
-opens a connection, sends, and waits for the reply under ONE deadline (``timeout_s``, enforced with
+given, is called once the reply's bytes are sent: the handler may hand out live tensors until then); a connection
+carries any number of requests, one after the other. ``dilocox.net.client.call(addr, ...)`` sends one request on a
+kept connection (or a new one) and waits for the reply under ONE deadline (``timeout_s``, enforced with
 socket timeouts on every connect/send/recv). A connection refused / reset / timed out raises
 ``PeerUnavailable`` naming the address (the SWARM rule: the caller bans that peer and re-sends); an
 exception inside the remote handler raises ``RemoteError`` (the peer is alive: not a reason to ban it).
@@ -39,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import select
 import socket
 import struct
 import threading
@@ -55,8 +58,6 @@ from dilocox.net.secure import (
     AuthError,
     Crypter,
     Sealer,
-    check_server_proof,
-    dial,
     handshake_s,
     server_handshake,
     turn_away,
@@ -334,69 +335,6 @@ def _parse(
     return method, meta, tensors
 
 
-def _parse_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"peer address {addr!r} is not host:port")
-    return host.strip("[]"), int(port)
-
-
-def call(
-    addr: str,
-    method: str,
-    meta: dict,
-    tensors: dict[str, Tensor] | None = None,
-    timeout_s: float = 30.0,
-    secret=_DEFAULT,
-    limits: Limits | None = None,
-    encrypt=_DEFAULT,
-    service: str = SWARM_RPC,
-) -> tuple[dict, dict[str, Tensor]]:
-    """Send one request to ``addr`` (``host:port``) and return the reply's ``(meta, tensors)``.
-
-    Everything (connect, authentication, send, the remote handler's work, receive) must finish within
-    ``timeout_s``, else ``PeerUnavailable``; ``RemoteError`` when the remote handler raised. ``secret``
-    (default: ``use_secret``'s) authenticates both sides for ``service`` (the server's must be the same); a server
-    without the secret, or of another service, is unavailable.
-    """
-    secret = _state["secret"] if secret is _DEFAULT else secret
-    encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
-    deadline = time.monotonic() + timeout_s
-    host, port = _parse_addr(addr)
-    frames = encode(method, meta, tensors)
-    try:
-        if secret is not None:  # the request follows the client's proof at once; the server's proof is checked
-            sock, key, expect = dial((host, port), secret, service, deadline, full=False)  # before its reply is read
-        else:
-            sock = socket.create_connection((host, port), timeout=max(0.01, timeout_s))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with sock:
-            seal = channel(key, "client", encrypt) if secret is not None else None
-            try:
-                _send_all(sock, frames, deadline, addr, seal)
-                proof = bytes(_recv_exact(sock, MAC_BYTES, deadline)) if secret is not None else b""
-            except ConnectionError:
-                if secret is None:
-                    raise
-                raise AuthError(
-                    "the server closed the connection right after our proof: it holds another run secret "
-                    "(security.secret_file must be the same file on every host), serves another service than "
-                    f"{service!r}, runs with another security.encrypt, or it died"
-                ) from None
-            if secret is not None:
-                check_server_proof(proof, expect)
-            status, rmeta, rtensors = read_message(sock, deadline, limits, seal)
-    except (socket.timeout, TimeoutError) as e:
-        raise PeerUnavailable(addr, f"no reply to {method!r} within {timeout_s:.1f}s ({e})") from e
-    except (OSError, json.JSONDecodeError, struct.error) as e:  # AuthError and ProtocolError are ConnectionErrors
-        raise PeerUnavailable(addr, f"{method!r}: {type(e).__name__}: {e}") from e
-    if status == "unavailable":
-        raise PeerUnavailable(addr, f"{method!r}: not serving: {rmeta.get('error', '')}")
-    if status == "error":
-        raise RemoteError(addr, str(rmeta.get("error", "unknown error")))
-    return rmeta, rtensors
-
-
 class RpcServer:
     """Serves ``handler`` on ``host:port`` (port 0: a free one; see ``.addr``), one thread per connection.
 
@@ -437,8 +375,9 @@ class RpcServer:
             per_member=lim.max_unauthenticated,
         )
         self._handshaking = 0  # connections in _conns still in their handshake (not counted in max_connections)
+        self._idle_since: dict[socket.socket, float] = {}  # connections waiting for their next request: since when
         self._was_full = False  # (over_cap counts the times a cap was reached, not the polls while it holds)
-        self.rejected = {"over_cap": 0, "auth": 0, "malformed": 0, "idle": 0}  # counters (tests, logs)
+        self.rejected = {"over_cap": 0, "auth": 0, "malformed": 0, "idle": 0, "evicted": 0}  # counters (tests, logs)
         self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
         self._thread.start()
 
@@ -454,6 +393,8 @@ class RpcServer:
         while not self._stop.is_set():
             with self._lock:  # authenticated connections at their cap: new ones wait in the kernel's listen backlog
                 full = len(self._conns) - self._handshaking >= self.limits.max_connections
+            if full and select.select([self._sock], [], [], 0)[0] and self._evict_idle():
+                continue  # (only for a connection that waits in the backlog)
             if full:
                 self.rejected["over_cap"] += 1 if not self._was_full else 0
                 self._was_full = True
@@ -492,6 +433,21 @@ class RpcServer:
                 with self._lock:
                     self._conns.discard(conn)
                 conn.close()
+
+    def _evict_idle(self) -> bool:
+        """Close the connection idle longest (a caller's kept one: it dials again when it needs it); False if none."""
+        with self._lock:
+            if not self._idle_since:
+                return False
+            conn = min(self._idle_since, key=self._idle_since.__getitem__)
+            del self._idle_since[conn]  # (its thread sees this and serves no further request on it)
+            self._conns.discard(conn)  # (no longer counted: the next accept does not evict another)
+            self.rejected["evicted"] += 1
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return True
 
     def _handshake_done(self, slot, proven: bool = False) -> None:
         if slot is None:
@@ -550,11 +506,14 @@ class RpcServer:
             self._handshake_done(slot)  # (setsockopt failed before the handshake)
             with self._lock:
                 self._conns.discard(conn)
+                self._idle_since.pop(conn, None)
             conn.close()
 
     def _read_idle(self, conn: socket.socket, seal: Sealer | None = None):
         conn.settimeout(0.5)
         idle_until = time.monotonic() + self.limits.idle_timeout_s
+        with self._lock:
+            self._idle_since[conn] = time.monotonic()
         while True:
             try:
                 first = conn.recv(1, socket.MSG_PEEK)
@@ -566,7 +525,9 @@ class RpcServer:
                         self.rejected["idle"] += 1
                     return None, None, None
                 continue
-            if not first:
+            with self._lock:
+                evicted = self._idle_since.pop(conn, None) is None
+            if not first or evicted:
                 return None, None, None
             # a message has started: the rest must follow within a bound
             return read_message(conn, time.monotonic() + self.limits.message_timeout_s, self.limits, seal)

@@ -32,7 +32,8 @@ from datetime import timedelta
 
 from torch import Tensor
 
-from dilocox.net.rpc import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer, call
+from dilocox.net.client import call
+from dilocox.net.rpc import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer
 
 log = logging.getLogger("dilocox.net.transfer")
 
@@ -229,7 +230,7 @@ class StateTransport:
         t0 = time.monotonic()
         meta, tensors = call(
             addr, "state", {"step": int(step)}, timeout_s=timeout.total_seconds(), secret=self._secret,
-            limits=self._recv_limits, encrypt=self._encrypt, service=SERVICE,
+            limits=self._recv_limits, encrypt=self._encrypt, service=SERVICE, keep=False,
         )  # fmt: skip
         if meta.get("step") != int(step) or "skeleton" not in meta:
             raise ProtocolError(

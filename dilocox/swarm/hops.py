@@ -17,7 +17,8 @@ import time
 import torch
 from torch import Tensor
 
-from dilocox.net.rpc import PeerUnavailable, call, run_secret
+from dilocox.net.client import call
+from dilocox.net.rpc import PeerUnavailable, run_secret
 from dilocox.net.secure import open_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError, split_peer_name, store_key

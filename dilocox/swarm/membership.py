@@ -24,7 +24,8 @@ import logging
 import threading
 import time
 
-from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.client import call
+from dilocox.net.rpc import PeerUnavailable, RemoteError, run_secret
 from dilocox.net.secure import open_value
 from dilocox.swarm.common import peer_name
 from dilocox.swarm.rebalance import PeerLoad

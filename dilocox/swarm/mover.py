@@ -32,7 +32,8 @@ import os
 import threading
 import time
 
-from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.client import call
+from dilocox.net.rpc import PeerUnavailable, RemoteError, run_secret
 from dilocox.net.secure import open_value, sign_value
 from dilocox.swarm.common import peer_name, split_peer_name, store_key
 from dilocox.swarm.membership import MEMBERS_KEY, peer_loads

@@ -46,7 +46,8 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.net.rpc import PeerUnavailable, RemoteError, call, run_secret
+from dilocox.net.client import call
+from dilocox.net.rpc import PeerUnavailable, RemoteError, run_secret
 from dilocox.net.secure import open_value, sign_value
 from dilocox.swarm.common import SwarmError
 

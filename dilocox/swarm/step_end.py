@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from dilocox.net.rpc import PeerUnavailable, RemoteError, call
+from dilocox.net.client import call
+from dilocox.net.rpc import PeerUnavailable, RemoteError
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError
 
