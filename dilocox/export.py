@@ -2,7 +2,8 @@
 
 export: the run's final model (the latest complete checkpoint of any R x D x P x T layout,
 gathered by global names; the outer params θ for the DiLoCo family, see
-``dilocox.checkpoint.full.final_model``) becomes a Hugging Face directory: ``config.json``,
+``dilocox.checkpoint.full.final_model``; a SWARM run's ``--out``: its stages' parameters together,
+``dilocox.swarm.final``) becomes a Hugging Face directory: ``config.json``,
 ``model.safetensors`` and the tokenizer (the run's trained BPE, or a byte-level
 ``tokenizer.json`` equivalent to dilocox's byte tokenizer). Architectures without an exact HF
 equivalent are refused (``dilocox.hf.check_exportable``).
@@ -37,14 +38,19 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
         raise FileNotFoundError(f"{run_dir} has no config.yaml; give the log.run_dir of a dilocox training run")
     cfg = load_config(cfg_path)
     hf.check_exportable(cfg.model)  # refuse before reading any shard
-    if step_dir is None:
-        ckpt_dir = cfg.checkpoint.dir
-        if not (ckpt_dir and os.path.isdir(ckpt_dir)):
-            ckpt_dir = os.path.join(run_dir, "checkpoints")
-        step_dir = ckpt.find_latest(ckpt_dir)
+    from dilocox.swarm import final as swarm_final
+
+    if step_dir is None and swarm_final.is_swarm_run(run_dir):  # a `dilocox swarm --out` directory
+        full, step_dir = swarm_final.final_model(run_dir, cfg, allow_replica_params)
+    else:
         if step_dir is None:
-            raise FileNotFoundError(f"{run_dir}: no complete checkpoint under {ckpt_dir}; nothing to export")
-    full = final_model(step_dir, cfg.model, allow_replica_params)
+            ckpt_dir = cfg.checkpoint.dir
+            if not (ckpt_dir and os.path.isdir(ckpt_dir)):
+                ckpt_dir = os.path.join(run_dir, "checkpoints")
+            step_dir = ckpt.find_latest(ckpt_dir)
+            if step_dir is None:
+                raise FileNotFoundError(f"{run_dir}: no complete checkpoint under {ckpt_dir}; nothing to export")
+        full = final_model(step_dir, cfg.model, allow_replica_params)
     # a subspace-constrained model (model.subspace_rank) exports as the dense model with the same function
     full, mcfg = dense_state_dict(cfg.model, full), dataclasses.replace(cfg.model, subspace_rank=0)
     hf.save_hf_dir(out_dir, mcfg, full, run_tokenizer(cfg))

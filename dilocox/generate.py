@@ -1,8 +1,8 @@
 """``dilocox generate RUN_DIR|HF_DIR --prompt TEXT``: sample from a trained model (a quick look).
 
 The model is the run's final model (gathered from the latest checkpoint of any layout, see
-``dilocox.reshard.final_model``) or a Hugging Face directory of the supported families (read
-through ``dilocox.hf``), run as one process on CPU or GPU. Sampling: greedy
+``dilocox.checkpoint.full.final_model``; a SWARM run's from its stages, ``dilocox.swarm.final``) or a Hugging Face
+directory of the supported families (read through ``dilocox.hf``), run as one process on CPU or GPU. Sampling: greedy
 (``--temperature 0``), or softmax(logits / temperature) restricted to the ``--top-k`` most likely
 tokens, drawn from a ``torch.Generator`` seeded with ``--seed``: the same seed gives the same text.
 """
@@ -31,15 +31,19 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
     if os.path.exists(os.path.join(path, "config.yaml")):  # a dilocox run
         from dilocox import checkpoint as ckpt
         from dilocox.checkpoint.full import final_model
+        from dilocox.swarm import final as swarm_final
 
         cfg = load_config(os.path.join(path, "config.yaml"))
-        ckpt_dir = cfg.checkpoint.dir or os.path.join(path, "checkpoints")
-        if not os.path.isabs(ckpt_dir) and not os.path.isdir(ckpt_dir):
-            ckpt_dir = os.path.join(path, "checkpoints")
-        step_dir = ckpt.find_latest(ckpt_dir)
-        if step_dir is None:
-            raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt_dir}; train first")
-        full = final_model(step_dir, cfg.model, allow_replica_params)
+        if swarm_final.is_swarm_run(path):  # a `dilocox swarm --out` directory
+            full, _ = swarm_final.final_model(path, cfg, allow_replica_params)
+        else:
+            ckpt_dir = cfg.checkpoint.dir or os.path.join(path, "checkpoints")
+            if not os.path.isabs(ckpt_dir) and not os.path.isdir(ckpt_dir):
+                ckpt_dir = os.path.join(path, "checkpoints")
+            step_dir = ckpt.find_latest(ckpt_dir)
+            if step_dir is None:
+                raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt_dir}; train first")
+            full = final_model(step_dir, cfg.model, allow_replica_params)
         mcfg = cfg.model
         tokenizer = run_tokenizer(cfg)
     else:

@@ -331,6 +331,12 @@ def test_diloco_swarm_run_syncs_every_H(tmp_path):
     for j in (0, 1):  # after the last outer step every peer of a stage holds θ: bit-identical
         a, b = res.peers[f"s{j}p0"]["params"], res.peers[f"s{j}p1"]["params"]
         assert all(torch.equal(a[n], b[n]) for n in a), f"stage {j}"
+    # dilocox export / generate take the run's model from its stages (dilocox/swarm/final.py): θ of both stages
+    from dilocox.swarm.final import final_model
+
+    full, _ = final_model(str(tmp_path), load_config(str(tmp_path / "config.yaml")))
+    assert set(full) == {n for j in (0, 1) for n in res.peers[f"s{j}p0"]["params"]}
+    assert all(torch.equal(full[n], p) for j in (0, 1) for n, p in res.peers[f"s{j}p0"]["params"].items())
 
 
 # ---------------------------------------------------------------------------------------------- faults

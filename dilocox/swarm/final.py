@@ -1,0 +1,125 @@
+"""The whole model of a SWARM run (``dilocox swarm CONFIG --out OUT``) for ``dilocox export`` and ``dilocox generate``
+(issue 43 item 4: a SWARM run's model goes where a ``dilocox train`` run's goes).
+
+Each peer serves one stage's layers, named as in the whole model (``layers.<global i>``, ``embed`` on stage 0,
+``norm_f``/``head`` on the last), so the stages' parameters together are the model's state dict. Where they come
+from, in this order:
+
+1. the run finished: every peer that ended it wrote ``OUT/s{j}p{i}.pt`` after its last sync (``swarm.sync=swarm``:
+   every peer of a stage holds the same bytes; ``swarm.sync=diloco``: after ``outer.finish()``, θ, the same on every
+   peer of the stage). Per stage the files of the peers whose records reach the stage's last step are taken; they
+   must be equal (else the run is refused, naming the files);
+2. else the newest complete SWARM checkpoint (``swarm/checkpoint.py``, every file's SHA-256 checked): its stage
+   parameters are the model for ``swarm.sync=swarm``; for ``swarm.sync=diloco`` a mid-run file holds a peer's local
+   parameters, not θ, so it is refused unless ``allow_replica_params`` (``--replica-params``), as for ``dilocox
+   train``'s DiLoCo checkpoints.
+
+Every file is read with ``torch.load(weights_only=True)`` (tensors and plain values only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from dilocox.checkpoint.layout import CheckpointError
+
+PEER_RE = re.compile(r"^s(\d+)p(\d+)\.(pt|jsonl)$")
+
+
+def is_swarm_run(run_dir: str) -> bool:
+    """A SWARM job's --out: peers' records or results (``s{j}p{i}.jsonl`` / ``.pt``) beside its config.yaml."""
+    try:
+        return any(PEER_RE.match(n) for n in os.listdir(run_dir))
+    except OSError:
+        return False
+
+
+def _last_step(run_dir: str, name: str) -> int:
+    path = os.path.join(run_dir, f"{name}.jsonl")
+    last = -1
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    last = max(last, int(json.loads(line).get("step", -1)))
+                except (ValueError, AttributeError):
+                    continue  # (a line cut by a crash)
+    except OSError:
+        pass
+    return last
+
+
+def _finished_stages(run_dir: str, n_stages: int) -> dict[int, dict[str, dict]]:
+    """{stage: {peer name: its final params}} of the peers that ended the run, per stage the ones at its last step."""
+    names: dict[int, list[str]] = {}
+    for n in os.listdir(run_dir):
+        m = PEER_RE.match(n)
+        if m and m.group(3) == "pt" and int(m.group(1)) < n_stages:
+            names.setdefault(int(m.group(1)), []).append(n[:-3])
+    out = {}
+    for j, peers in names.items():
+        steps = {p: _last_step(run_dir, p) for p in peers}
+        top = max(steps.values())
+        out[j] = {
+            p: torch.load(os.path.join(run_dir, f"{p}.pt"), map_location="cpu", weights_only=True)["params"]
+            for p in sorted(peers)
+            if steps[p] == top
+        }
+    return out
+
+
+def _one_per_stage(stages: dict[int, dict[str, dict]], where: str) -> dict[str, torch.Tensor]:
+    full: dict[str, torch.Tensor] = {}
+    for j in sorted(stages):
+        (first, params), *rest = stages[j].items()
+        for other, theirs in rest:
+            if set(theirs) != set(params) or any(not torch.equal(theirs[k], params[k]) for k in params):
+                raise CheckpointError(
+                    f"{where}: {first}.pt and {other}.pt end the run with different parameters of stage {j} (the "
+                    "peers of a stage must hold the same bytes after the last sync); export a SWARM checkpoint with "
+                    "--checkpoint, or check the run's logs"
+                )
+        full.update(params)
+    return full
+
+
+def final_model(run_dir: str, cfg, allow_replica_params: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """(the whole model's state dict, where it came from) of the SWARM run in ``run_dir`` (module docstring)."""
+    from dilocox.model.transformer import build_model
+    from dilocox.swarm import checkpoint as peer_ckpt
+
+    n = len(cfg.swarm.peers_per_stage)
+    stages, source = _finished_stages(run_dir, n), run_dir
+    if len(stages) < n:
+        ckpt_dir = peer_ckpt.checkpoint_dir(cfg, run_dir)
+        newest = peer_ckpt.newest_complete(ckpt_dir, n)
+        missing = sorted(set(range(n)) - set(stages))
+        if newest is None:
+            raise CheckpointError(
+                f"{run_dir}: the SWARM run did not finish (no s{missing[0]}p*.pt of stage {missing[0]}) and "
+                f"{ckpt_dir} holds no complete SWARM checkpoint: nothing to export (set checkpoint.every > 0)"
+            )
+        if cfg.swarm.sync == "diloco" and not allow_replica_params:
+            raise CheckpointError(
+                f"{run_dir}: the SWARM run did not finish (stage {missing[0]} has no final file); its newest "
+                f"checkpoint {newest[1]} holds each peer's local parameters, not the outer params θ "
+                "(swarm.sync=diloco). Finish the run (--resume), or pass --replica-params to export them anyway"
+            )
+        stages = {}
+        for j in range(n):
+            _step, path = peer_ckpt.pick(ckpt_dir, n, j, 0)  # (its hash checked)
+            stages[j] = {os.path.basename(path)[:-3]: torch.load(path, map_location="cpu", weights_only=True)["params"]}
+        source = newest[1]
+    full = _one_per_stage(stages, source)
+    want = set(build_model(cfg.model, device="meta").state_dict())
+    if set(full) != want:
+        odd = sorted(set(full) ^ want)
+        raise CheckpointError(
+            f"{source}: the stages' parameters do not make the model of {run_dir}/config.yaml (differ in "
+            f"{odd[:4]}{' ...' if len(odd) > 4 else ''}): was the config changed after the run?"
+        )
+    return full, source
