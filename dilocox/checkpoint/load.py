@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dilocox.checkpoint.layout import (
     CheckpointError,
@@ -137,6 +136,7 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
     """The collective ``dcp.load`` into ``targets`` over the part's group; returns an error or '' (every rank of the
     part sees the same outcome; the caller's agreement spans the parts)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (lazy: DCP costs ~1 s at import)
 
     from dilocox.checkpoint.save import _dcp_rank
 

@@ -19,8 +19,6 @@ import time
 import warnings
 from collections.abc import Callable
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from dilocox.checkpoint.layout import (
     _MB,
     HASH,
@@ -192,6 +190,8 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict
 
     subdir, group, size = part
     where = os.path.join(step_dir, subdir)
+    from torch.distributed.checkpoint.api import CheckpointException  # (lazy: DCP costs ~1 s at import)
+
     grank, no_dist = _dcp_rank(group, size)
     try:
         # one writer thread: with thread_count=2 GPT-2 small + AdamW saves in 3.0 s instead of 4.9 s here, but in
@@ -220,6 +220,8 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict
 def dcp_failures(e: BaseException) -> dict:
     """``{rank: exception}`` of a DCP ``CheckpointException`` (every rank's failure, gathered by DCP), or
     ``{"this rank": e}`` for any other exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     failures = getattr(e, "failures", None)
     if isinstance(e, CheckpointException) and failures:
         return {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(failures.items())}
