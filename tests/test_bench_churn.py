@@ -25,8 +25,12 @@ def _run() -> dict:
         {"event": "restart", "replica": 0, "wall": 200.0, "t": 101.0, "skipped": "the run ended first"},
     ]
     summary = {"final_val_loss": 2.5}
+    startups = [{"event": "startup", "wall": 99.5, "process_s": 9.0},  # the first incarnation's: before the restart
+                {"event": "startup", "wall": 111.5, "process_s": 1.25, "distributed_s": 0.1, "data_s": 0.05,
+                 "model_s": 0.2, "outer_s": 0.1, "join_s": 0.3}]  # fmt: skip
     return {"events": events, "jobs": {"replica0": {"steps": r0, "summary": summary},
-                                       "replica1": {"steps": first + second, "summary": summary}}}  # fmt: skip
+                                       "replica1": {"steps": first + second, "summary": summary,
+                                                    "startups": startups}}}  # fmt: skip
 
 
 def test_incarnations_and_useful_steps():
@@ -47,12 +51,14 @@ def test_goodput_rejoin_and_digests_by_hand():
     [rj] = res["rejoins"]  # (the skipped restart is not an event)
     assert rj["job"] == "replica1" and rj["first_step_s"] == 2.0 and rj["first_outer_step_s"] == 4.0
     assert rj["at_step"] == 12 and res["final_val_loss"] == 2.5
+    assert rj["startup"]["process_s"] == 1.25 and rj["startup"]["join_s"] == 0.3  # the restarted process's record
     undisturbed = analyze(_run(), 10, 2)  # its own rate: 34 steps x 10 tokens over 19 s, over 2 replicas
     assert undisturbed["tokens_per_s_per_replica"] == pytest.approx(340 / 19 / 2)
     text = markdown({"undisturbed": undisturbed, "churned": res, "replicas": 2, "method": "dilocox", "H": 5,
                      "steps": 20, "emulation": "loopback", "period": 30.0, "down": 10.0, "standby": 0,
                      "date": "d", "machine": "m", "command": "c", "loss_vs_equal_tokens_pct": 0.5})  # fmt: skip
-    assert "| goodput (target ≥ 0.90) |" in text and "| restart replica 1 | 11.0 | replica1 | 2.0 | 4.0 |" in text
+    assert "| goodput (target ≥ 0.90) |" in text
+    assert "| restart replica 1 | 11.0 | replica1 | 2.0 | 4.0 | 1.2, 0.1, 0.1, 0.2, 0.1, 0.3 |" in text
 
 
 def test_digests_of_a_standby_and_a_replica_are_compared_together():

@@ -41,6 +41,8 @@ from dilocox.bench.elastic import read_jsonl, val_at_tokens
 from dilocox.bench.runner import machine_line, write_config, write_results
 
 LAYOUT = "parallel: {replicas: 1}\n"
+# the phases of a restarted job's start-up (its ``startup`` record, ``Trainer.startup``), in order
+STARTUP = ("process_s", "distributed_s", "data_s", "model_s", "outer_s", "join_s")
 TRAIN_FLAGS = ["--checkpoint.resume=none", "--checkpoint.every=0", "--log.progress=false", "--log.tensorboard=false",
                "--log.every=1"]  # fmt: skip
 
@@ -69,6 +71,7 @@ def read_churn_run(run_dir: str) -> dict:
             jobs[name] = {
                 "steps": [x for x in recs if "step" in x and "wall" in x and "loss" in x],
                 "summary": next((x["summary"] for x in reversed(recs) if "summary" in x), {}),
+                "startups": [x for x in recs if x.get("event") == "startup" and "wall" in x],
             }
     return {"events": read_jsonl(os.path.join(run_dir, "events.jsonl")), "jobs": jobs}
 
@@ -110,6 +113,9 @@ def _rejoins(run: dict) -> list[dict]:
         name = f"standby{e['standby']}" if e["event"] == "activate" else f"replica{e['replica']}"
         after = [x for x in run["jobs"].get(name, {"steps": []})["steps"] if x["wall"] > e["wall"]]
         rec = {"event": e["event"], "replica": e.get("replica"), "job": name, "t": e["t"]}
+        ready = [x for x in run["jobs"].get(name, {}).get("startups", []) if x["wall"] > e["wall"]]
+        if ready and e["event"] == "restart":  # where the restarted process's seconds went (Trainer.startup)
+            rec["startup"] = {k: v for k, v in ready[0].items() if k.endswith("_s")}
         if after:
             o0 = after[0].get("outer_step", 0)
             outer = next((x["wall"] for x in after if x.get("outer_step", 0) > o0), None)
@@ -188,12 +194,15 @@ def markdown(res: dict) -> str:
         f"| final val loss | {_f(u.get('final_val_loss'), '.4f')} | {_f(c.get('final_val_loss'), '.4f')} "
         f"({_f(res.get('loss_vs_equal_tokens_pct'), '+.2f')} % vs undisturbed at equal tokens; target within 1 %) |",
         "",
-        "| event | t (s) | job | → first step (s) | → first outer step (s) |",
-        "|---|---|---|---|---|",
+        "| event | t (s) | job | → first step (s) | → first outer step (s) | a restart's start-up (s): process, "
+        "groups, data, model, outer, join |",
+        "|---|---|---|---|---|---|",
     ]
     for r in c.get("rejoins", []):
-        lines.append(f"| {r['event']} replica {r['replica']} | {r['t']:.1f} | {r['job']} | "
-                     f"{_f(r.get('first_step_s'), '.1f')} | {_f(r.get('first_outer_step_s'), '.1f')} |")  # fmt: skip
+        su = r.get("startup") or {}
+        parts = ", ".join(_f(su.get(k), ".1f") for k in STARTUP) if su else "—"
+        times = f"{_f(r.get('first_step_s'), '.1f')} | {_f(r.get('first_outer_step_s'), '.1f')}"
+        lines.append(f"| {r['event']} replica {r['replica']} | {r['t']:.1f} | {r['job']} | {times} | {parts} |")
     return "\n".join(lines)
 
 
