@@ -40,8 +40,8 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
     hf.check_exportable(cfg.model)  # refuse before reading any shard
     from dilocox.swarm import final as swarm_final
 
-    if step_dir is None and swarm_final.is_swarm_run(run_dir):  # a `dilocox swarm --out` directory
-        full, step_dir = swarm_final.final_model(run_dir, cfg, allow_replica_params)
+    if swarm_final.is_swarm_run(run_dir):  # a `dilocox swarm --out` directory (--checkpoint: one of its steps)
+        full, step_dir = swarm_final.final_model(run_dir, cfg, allow_replica_params, step_dir)
     else:
         if step_dir is None:
             ckpt_dir = cfg.checkpoint.dir

@@ -6,7 +6,7 @@ on) as ``dilocox launch --elastic 2`` starts it, in network namespaces: the ligh
 replica in its own, and one more namespace on the same bridge that runs nothing of the run: the stranger (no
 secret). The launch runs in a subprocess under a time bound (the victims); while both replicas train, the test
 lists every TCP socket listening on a non-loopback address in the run's namespaces (``ss -ltn``) and, from the
-stranger's namespace, sends each one nothing, an HTTP/1.1 status request, the lighthouse dashboard's kill request,
+stranger's namespace, checks that each one is reached and opens with dilocox's challenge, then sends each one nothing, an HTTP/1.1 status request, the lighthouse dashboard's kill request,
 an HTTP/2 (gRPC) preface and zeros. The only bytes allowed back are dilocox's authentication challenge (or its
 BUSY): a plain gRPC, HTTP, TCPStore or gloo server would answer otherwise. A ``torch.distributed.TCPStore`` client
 must get nothing from any of them either. The replicas must still train after the probe (else a closed port would
@@ -114,7 +114,9 @@ def _probe(stranger: str, target: tuple[str, int]) -> list[str]:
     bad = []
     for name, payload in PAYLOADS.items():
         got = _answer(*target, payload)
-        if got and not (got.startswith(MAGIC) or got.startswith(BUSY)):
+        if name == "nothing" and not (got.startswith(MAGIC) or got.startswith(BUSY)):  # (reached, and a guard)
+            bad.append(f"{target[0]}:{target[1]} is not dilocox's guard (its first bytes: {got[:40]!r})")
+        elif got and not (got.startswith(MAGIC) or got.startswith(BUSY)):
             bad.append(f"{target[0]}:{target[1]} answered {name!r} with {got[:40]!r}")
     store = _store_answers(*target)
     if store is not None:

@@ -88,6 +88,27 @@ def test_a_finished_swarm_run_exports_its_stages_as_one_model(tmp_path):
     assert all(torch.equal(model.state_dict()[k], full[k]) for k in full)
 
 
+def test_a_stage_whose_finishers_all_died_is_not_taken_from_a_peer_that_left_early(tmp_path):
+    """Stage 1's only file is a peer's that left at step 1 (rebalancing); the run ended at step 3: the export does not
+    mix it with stage 0's final params (no checkpoint: refused)."""
+    out, cfg = _run_dir(tmp_path)
+    _, (s0, s1) = _stages(cfg)
+    _write_peer(out, "s0p0", s0, 3)
+    _write_peer(out, "s1p1", s1, 1)
+    with pytest.raises(CheckpointError, match="no final s1p"):
+        final_model(out, cfg)
+
+
+def test_tied_embeddings_of_a_one_stage_swarm_run_export(tmp_path):
+    out, cfg = _run_dir(tmp_path, "--swarm.peers_per_stage=[2]", "--model.tie_embeddings=true")
+    full, (s0,) = _stages(cfg)
+    params = dict(build_model(cfg.model).named_parameters())  # (what a peer saves: the tied table once)
+    assert "head.weight" not in params
+    _write_peer(out, "s0p0", {k: v.detach() for k, v in params.items()}, 3)
+    got, _ = final_model(out, cfg)
+    assert set(got) == set(full) and torch.equal(got["head.weight"], got["embed.weight"])
+
+
 def test_peers_of_a_stage_that_end_apart_are_refused_and_an_early_stopper_is_not_taken(tmp_path):
     out, cfg = _run_dir(tmp_path)
     full, (s0, s1) = _stages(cfg)
@@ -135,13 +156,21 @@ def test_an_unfinished_run_exports_its_newest_checkpoint_or_refuses_local_params
     else:
         got, source = final_model(out, cfg)
     assert source.endswith("step_00000002") and all(torch.equal(got[k], full[k]) for k in full)
-    # a damaged file is not exported: the hash is checked (here the only checkpoint: refused)
-    pt = os.path.join(source, "s1p0.pt")
+    # a newer step whose stage-1 file is damaged: every stage goes back to step 2 together (hashes checked)
+    later = {k: v * 2.0 for k, v in s0.items()}
+    _save_checkpoint(out, cfg, 0, 0, later, 4, sync)
+    _save_checkpoint(out, cfg, 1, 0, {k: v * 2.0 for k, v in s1.items()}, 4, sync)
+    pt = os.path.join(os.path.dirname(source), "step_00000004", "s1p0.pt")
     raw = bytearray(open(pt, "rb").read())
     raw[-10] ^= 0xFF
     open(pt, "wb").write(bytes(raw))
-    with pytest.raises(Exception, match="damaged|corrupt"):
-        final_model(out, cfg, allow_replica_params=True)
+    got, source = final_model(out, cfg, allow_replica_params=True)
+    assert source.endswith("step_00000002") and all(torch.equal(got[k], full[k]) for k in full)
+    # --checkpoint STEP_DIR: that step, or a refusal naming it when one of its files is damaged
+    got, source = final_model(out, cfg, allow_replica_params=True, step_dir=source)
+    assert all(torch.equal(got[k], full[k]) for k in full)
+    with pytest.raises(CheckpointError, match="step_00000004: not a complete SWARM checkpoint step"):
+        final_model(out, cfg, allow_replica_params=True, step_dir=os.path.dirname(pt))
 
 
 def test_a_changed_model_config_is_named(tmp_path):

@@ -54,22 +54,49 @@ def _last_step(run_dir: str, name: str) -> int:
 
 
 def _finished_stages(run_dir: str, n_stages: int) -> dict[int, dict[str, dict]]:
-    """{stage: {peer name: its final params}} of the peers that ended the run, per stage the ones at its last step."""
-    names: dict[int, list[str]] = {}
+    """{stage: {peer name: its final params}} of the peers that ended the run: those whose records reach the run's
+    last step (the highest over all stages' peers). A stage without one (its finishers died before their final
+    save; a peer that left mid-run does not count) is missing from the result."""
+    steps: dict[int, dict[str, int]] = {}
     for n in os.listdir(run_dir):
         m = PEER_RE.match(n)
         if m and m.group(3) == "pt" and int(m.group(1)) < n_stages:
-            names.setdefault(int(m.group(1)), []).append(n[:-3])
+            steps.setdefault(int(m.group(1)), {})[n[:-3]] = _last_step(run_dir, n[:-3])
+    top = max((k for per in steps.values() for k in per.values()), default=-1)
     out = {}
-    for j, peers in names.items():
-        steps = {p: _last_step(run_dir, p) for p in peers}
-        top = max(steps.values())
-        out[j] = {
-            p: torch.load(os.path.join(run_dir, f"{p}.pt"), map_location="cpu", weights_only=True)["params"]
-            for p in sorted(peers)
-            if steps[p] == top
-        }
+    for j, per in steps.items():
+        last = {p: torch.load(os.path.join(run_dir, f"{p}.pt"), map_location="cpu", weights_only=True)["params"]
+                for p in sorted(per) if per[p] == top}  # fmt: skip
+        if last:
+            out[j] = last
     return out
+
+
+def _checkpoint_stages(run_dir: str, cfg, n: int, step_dir: str | None) -> tuple[dict[int, dict[str, dict]], str]:
+    """Every stage's file of one SWARM checkpoint step (``step_dir``, else the newest step where every stage has a
+    file that verifies: a damaged file moves all stages back together); hashes checked."""
+    from dilocox.swarm import checkpoint as peer_ckpt
+    from dilocox.swarm.common import SwarmError
+
+    ckpt_dir = os.path.dirname(os.path.abspath(step_dir)) if step_dir else peer_ckpt.checkpoint_dir(cfg, run_dir)
+    try:
+        per_stage = [dict(peer_ckpt.candidates_in(ckpt_dir, n, j, 0)) for j in range(n)]
+    except SwarmError as e:
+        raise CheckpointError(f"{run_dir}: {e}") from None
+    common = set.intersection(*(set(c) for c in per_stage))
+    if step_dir is not None:
+        want = next((s for s in common if os.path.samefile(os.path.dirname(per_stage[0][s]), step_dir)), None)
+        if want is None:
+            raise CheckpointError(f"{step_dir}: not a complete SWARM checkpoint step whose files all verify")
+        common = {want}
+    if not common:
+        raise CheckpointError(f"{ckpt_dir}: no SWARM checkpoint step where every stage's file verifies (see warnings)")
+    step = max(common)
+    stages = {
+        j: {os.path.basename(c[step])[:-3]: torch.load(c[step], map_location="cpu", weights_only=True)["params"]}
+        for j, c in enumerate(per_stage)
+    }
+    return stages, os.path.dirname(per_stage[0][step])
 
 
 def _one_per_stage(stages: dict[int, dict[str, dict]], where: str) -> dict[str, torch.Tensor]:
@@ -80,42 +107,42 @@ def _one_per_stage(stages: dict[int, dict[str, dict]], where: str) -> dict[str, 
             if set(theirs) != set(params) or any(not torch.equal(theirs[k], params[k]) for k in params):
                 raise CheckpointError(
                     f"{where}: {first}.pt and {other}.pt end the run with different parameters of stage {j} (the "
-                    "peers of a stage must hold the same bytes after the last sync); export a SWARM checkpoint with "
-                    "--checkpoint, or check the run's logs"
+                    "peers of a stage must hold the same bytes after the last sync); export a SWARM checkpoint step "
+                    "with --checkpoint STEP_DIR, or check the run's logs"
                 )
         full.update(params)
     return full
 
 
-def final_model(run_dir: str, cfg, allow_replica_params: bool = False) -> tuple[dict[str, torch.Tensor], str]:
-    """(the whole model's state dict, where it came from) of the SWARM run in ``run_dir`` (module docstring)."""
+def final_model(
+    run_dir: str, cfg, allow_replica_params: bool = False, step_dir: str | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """(the whole model's state dict, where it came from) of the SWARM run in ``run_dir`` (module docstring);
+    ``step_dir``: that SWARM checkpoint step instead (``dilocox export --checkpoint``)."""
     from dilocox.model.transformer import build_model
     from dilocox.swarm import checkpoint as peer_ckpt
 
     n = len(cfg.swarm.peers_per_stage)
-    stages, source = _finished_stages(run_dir, n), run_dir
+    stages, source = ({}, run_dir) if step_dir else (_finished_stages(run_dir, n), run_dir)
     if len(stages) < n:
-        ckpt_dir = peer_ckpt.checkpoint_dir(cfg, run_dir)
-        newest = peer_ckpt.newest_complete(ckpt_dir, n)
+        newest = peer_ckpt.newest_complete(peer_ckpt.checkpoint_dir(cfg, run_dir), n)
         missing = sorted(set(range(n)) - set(stages))
-        if newest is None:
+        if step_dir is None and newest is None:
             raise CheckpointError(
-                f"{run_dir}: the SWARM run did not finish (no s{missing[0]}p*.pt of stage {missing[0]}) and "
-                f"{ckpt_dir} holds no complete SWARM checkpoint: nothing to export (set checkpoint.every > 0)"
+                f"{run_dir}: the SWARM run did not finish (no final s{missing[0]}p*.pt of stage {missing[0]} at the "
+                f"run's last step) and it holds no complete SWARM checkpoint: nothing to export (checkpoint.every > 0)"
             )
         if cfg.swarm.sync == "diloco" and not allow_replica_params:
             raise CheckpointError(
-                f"{run_dir}: the SWARM run did not finish (stage {missing[0]} has no final file); its newest "
-                f"checkpoint {newest[1]} holds each peer's local parameters, not the outer params θ "
+                f"{run_dir}: {'a' if step_dir else 'the run did not finish; its newest'} SWARM checkpoint "
+                f"({step_dir or newest[1]}) holds each peer's local parameters, not the outer params θ "
                 "(swarm.sync=diloco). Finish the run (--resume), or pass --replica-params to export them anyway"
             )
-        stages = {}
-        for j in range(n):
-            _step, path = peer_ckpt.pick(ckpt_dir, n, j, 0)  # (its hash checked)
-            stages[j] = {os.path.basename(path)[:-3]: torch.load(path, map_location="cpu", weights_only=True)["params"]}
-        source = newest[1]
+        stages, source = _checkpoint_stages(run_dir, cfg, n, step_dir)
     full = _one_per_stage(stages, source)
     want = set(build_model(cfg.model, device="meta").state_dict())
+    if cfg.model.tie_embeddings and "head.weight" in want and "embed.weight" in full:
+        full.setdefault("head.weight", full["embed.weight"])  # (tied: named_parameters lists the table once)
     if set(full) != want:
         odd = sorted(set(full) ^ want)
         raise CheckpointError(
