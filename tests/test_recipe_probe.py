@@ -1,16 +1,16 @@
-"""Issue 42 item 1: a stranger on another host reaches nothing of the documented elastic recipe that answers
-without the run secret.
+"""Issue 42 item 1: a stranger on another host reaches nothing of the documented elastic recipe that answers without
+the run secret.
 
 The recipe (docs/ELASTIC.md: a guarded ``dilocox lighthouse``, replicas with the defaults, ``security.authenticate``
 on) as ``dilocox launch --elastic 2`` starts it, in network namespaces: the lighthouse in the switch namespace, each
 replica in its own, and one more namespace on the same bridge that runs nothing of the run: the stranger (no
-secret). The launch runs in a subprocess under a time bound (the victims); while both replicas train, the test
-lists every TCP socket listening on a non-loopback address in the run's namespaces (``ss -ltn``) and, from the
-stranger's namespace, checks that each one is reached and opens with dilocox's challenge, then sends each one nothing, an HTTP/1.1 status request, the lighthouse dashboard's kill request,
-an HTTP/2 (gRPC) preface and zeros. The only bytes allowed back are dilocox's authentication challenge (or its
-BUSY): a plain gRPC, HTTP, TCPStore or gloo server would answer otherwise. A ``torch.distributed.TCPStore`` client
-must get nothing from any of them either. The replicas must still train after the probe (else a closed port would
-pass for a guarded one).
+secret). The launch runs in a subprocess under a time bound (the victims); while both replicas train, the test lists
+every TCP socket listening on a non-loopback address in the run's namespaces (``ss -ltn``) and, from the stranger's
+namespace, checks that each one is reached and opens with dilocox's challenge, then sends each one nothing, an
+HTTP/1.1 status request, the lighthouse dashboard's kill request, an HTTP/2 (gRPC) preface and zeros. The only bytes
+allowed back are dilocox's authentication challenge (or its BUSY): a plain gRPC, HTTP, TCPStore or gloo server would
+answer otherwise. A ``torch.distributed.TCPStore`` client must get nothing from any of them either. The replicas
+must still train after the probe (else a closed port would pass for a guarded one).
 """
 
 from __future__ import annotations
