@@ -28,6 +28,7 @@ import difflib
 import os
 import sys
 import textwrap
+import time
 import typing
 
 CONFIG_DOC = "docs/CONFIG.md"
@@ -191,10 +192,12 @@ def _launch_local(nproc: int, args: list[str]) -> int:
     from dilocox.config import load_config
     from dilocox.distributed.signals import supervise
     from dilocox.launch.local_run import local_run_argv, loopback_env
+    from dilocox.metrics import STARTED_AT_ENV, process_age_s
 
     cfg = load_config(args[1], args[2:]) if args[:1] == ["train"] else None
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[STARTED_AT_ENV] = repr(time.time() - (process_age_s() or 0.0))  # the ranks' start-up counts from here
     loopback = cfg is None or not cfg.outer.elastic.enabled  # (an elastic replica is reached from other hosts)
     if loopback:
         env = loopback_env(env)

@@ -60,6 +60,29 @@ def fmt_time(s: float) -> str:
     return f"{s}s"
 
 
+STARTED_AT_ENV = "DILOCOX_STARTED_AT"  # set by `dilocox train --nproc N` for its ranks: when the command started
+
+
+def process_age_s() -> float | None:
+    """Seconds since this job's command started: ``DILOCOX_STARTED_AT`` when a launching ``dilocox train`` set it
+    for its ranks, else this process's own age (Linux: /proc/self/stat's start time against /proc/uptime); None
+    where neither is known. (A restarted replica's start-up: interpreter, imports, config, rank launch.)"""
+    at = os.environ.get(STARTED_AT_ENV)
+    if at:
+        try:
+            return max(0.0, time.time() - float(at))
+        except ValueError:
+            pass
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime (fields from 3 after ")")
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class MetricsLogger:
     def __init__(
         self,

@@ -37,7 +37,7 @@ from dilocox.elastic.standby import ACTIVATE_NAME, StandbyNotNeeded, await_activ
 from dilocox.engine import PipelineEngine
 from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
 from dilocox.inner_step import InnerStep
-from dilocox.metrics import MetricsLogger, peak_flops
+from dilocox.metrics import MetricsLogger, peak_flops, process_age_s
 from dilocox.model.parallel_layers import global_grad_norm
 from dilocox.model.transformer import build_stage_model, model_flops_per_token
 from dilocox.optim import build_inner_optimizer, lr_at  # (re-exported: ``from dilocox.train import lr_at`` works)
@@ -65,16 +65,31 @@ class Trainer(TrainerState):
         self.cfg = cfg
         self.t_created = time.time()
         self.standby: dict | None = None  # a warm standby's activation (``_become_replica``)
+        # where the start-up's seconds go (issue 45: a restarted replica's rejoin), logged as the run's first record
+        self.startup, clock = {"process_s": process_age_s()}, [time.monotonic()]
+
+        def took(phase: str) -> None:
+            now = time.monotonic()
+            self.startup[f"{phase}_s"] = self.startup.get(f"{phase}_s", 0.0) + now - clock[0]
+            clock[0] = now
+
         self._init_distributed()  # process groups, topology, the stop flag, device, the run-dir lock
+        took("distributed")
         self._init_data()  # corpus, this replica's sampler, validation batches
+        took("data")
         self._init_model()  # the stage model (+ Hugging Face init, compile), pipeline engine, inner optimizer
+        took("model")
         if cfg.outer.elastic.enabled and cfg.outer.elastic.standby:
             self._become_replica()  # a warm standby: wait (bounded) to take a dead replica's place
+            took("standby_wait")
         self._init_outer()  # the elastic group and the outer method (DiLoCo family), its bounded waits
         self._init_logging()  # counters, metrics logger, MFU inputs
+        took("outer")
         self._maybe_resume()
+        took("resume")
         if self.elastic is not None:
             self._elastic_join()
+            took("join")
         self._check_checkpoint_space()
 
     def _init_distributed(self) -> None:
@@ -345,6 +360,10 @@ class Trainer(TrainerState):
         if skipped is not None:
             return skipped
         self._announce()
+        if self.topo.rank == 0:  # (after _begin_run: a fresh start's set-aside records never take it along)
+            took = {k: round(v, 3) for k, v in self.startup.items() if v is not None}
+            self.logger.write({"event": "startup", "wall": time.time(), **took})
+            self.logger.info("start-up (s): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in took.items()))
         start_step, t_start = self.step, time.time()
         self._rate_mark = (t_start, self.step)  # tokens/s since the last printed record
         ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import time
 
 import pytest
 
@@ -124,6 +125,35 @@ def test_short_training_beats_unigram_entropy(tmp_path):
     steps = [r for r in lines if "step" in r]
     assert steps[-1]["step"] == cfg.train.steps and all(math.isfinite(r["loss"]) for r in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0
+
+
+def test_the_start_up_is_timed_by_phase_in_the_runs_first_record(tmp_path):
+    """Where a (re)started job's seconds go before its first step (issue 45): one ``startup`` record, the run's
+    first, with the command's age at the Trainer's start and each phase of the Trainer's construction."""
+    from dilocox.metrics import STARTED_AT_ENV, process_age_s
+    from dilocox.train import train
+
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        [f"--log.run_dir={tmp_path}", f"--data.cache_dir={tmp_path}/cache", "--log.tensorboard=false",
+         "--log.progress=false", "--train.steps=2", "--train.eval_every=0", "--checkpoint.every=0"],
+    )  # fmt: skip
+    t0 = time.time()
+    train(cfg)
+    took = time.time() - t0
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    su = lines[0]
+    assert su["event"] == "startup" and "step" not in su
+    phases = ("distributed_s", "data_s", "model_s", "outer_s", "resume_s")
+    assert all(su[k] >= 0 for k in phases) and sum(su[k] for k in phases) < took
+    assert su["process_s"] >= 0  # (this test's process: its age at the Trainer's start)
+    assert any("loss" in r for r in lines[1:])  # the step records follow it
+    # a launching `dilocox train --nproc N` hands its ranks the command's start: the age counts from there
+    os.environ[STARTED_AT_ENV] = repr(time.time() - 12.5)
+    try:
+        assert 12.5 <= process_age_s() < 20.0
+    finally:
+        del os.environ[STARTED_AT_ENV]
 
 
 @pytest.mark.parametrize("steps,warns", [(7, True), (10, False)])
