@@ -9,6 +9,7 @@ replayed on it is refused.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -182,6 +183,17 @@ def test_a_server_at_its_cap_closes_its_longest_idle_connection_for_a_new_caller
             list(ex.map(lambda n: call(srv.addr, "f", {"n": n}, {"x": torch.zeros(1)}, timeout_s=10, secret=SECRET),
                         range(2)))  # fmt: skip
         assert fresh_pool.idle(srv.addr) == 2
+        # a stranger's connections at the cap (silent, or garbage for the challenge) never make room: only a
+        # newcomer that proved the secret does, and never at the cost of a connection idle under EVICT_AFTER_S
+        time.sleep(1.1)  # (rpc.EVICT_AFTER_S: both kept connections now idle long enough to make way)
+        for payload in (b"", b"\x00" * 64):
+            with socket.create_connection(("127.0.0.1", int(srv.addr.rsplit(":", 1)[1])), timeout=5) as s:
+                assert s.recv(4) == b"DXA1"  # accepted (there is room), challenged ...
+                if payload:
+                    s.sendall(payload)
+                time.sleep(0.3)
+        time.sleep(0.3)
+        assert srv.rejected["evicted"] == 0 and srv.rejected["auth"] >= 1  # ... refused, and nothing made way
         t = time.monotonic()
         meta, _ = client.call(srv.addr, "f", {"n": 9}, {"x": torch.zeros(1)}, timeout_s=5, secret=SECRET, keep=False)
         assert meta == {"n": 9} and time.monotonic() - t < 2.0

@@ -15,14 +15,15 @@ When a kept connection is not used:
   300 s by default): closed, a new one is dialed;
 - the server closed it meanwhile (a restart, its idle timeout): a non-blocking peek sees the end of the stream (or
   bytes nobody asked for) and it is closed;
-- the request went out on it but the connection ended before the FIRST byte of the reply: it is closed and the
-  request is sent once more on a fresh connection, within the same deadline. This is safe for every method: the
-  server reads a request whole before its handler runs and always answers or closes because it stops, and a
-  stopped server refuses the fresh connection (the caller then sees ``PeerUnavailable``, as before). A timeout, a
-  reply cut short or a bad tag is never retried (the handler may have run).
+- the request went out on it but the connection ended before the FIRST byte of the reply, within ``STALE_RETRY_S``
+  of the send: it is closed and the request is sent once more on a fresh connection, within the same deadline. This
+  is safe for every method: the server reads a request whole before its handler runs and always answers or closes
+  because it stops, and a stopped server refuses the fresh connection (the caller then sees ``PeerUnavailable``, as
+  before). A timeout, a reply cut short or a bad tag is never retried (the handler may have run).
 
 Any error closes the connection it happened on. At most ``POOL_PER_KEY`` idle connections are kept per key (a
-peer's ``max_inflight`` concurrent calls to one peer open that many; the rest are closed when they return).
+peer's ``max_inflight`` concurrent calls to one peer open that many; the rest are closed when they return); idle ones
+past ``POOL_IDLE_S`` are closed every few seconds, whichever peer they lead to.
 ``call(..., keep=False)`` dials and closes as before (a joiner's one state download).
 """
 
@@ -54,6 +55,8 @@ from dilocox.net.secure import MAC_BYTES, AuthError, check_server_proof, dial
 
 POOL_IDLE_S = 60.0  # a kept connection unused for longer is closed, not reused (well inside the server's 300 s)
 POOL_PER_KEY = 8
+STALE_RETRY_S = 0.25  # a request is sent again on a fresh connection only if the kept one ended this soon after it
+# went out (its meta, e.g. a SWARM forward's budget, was written for the first send)
 
 
 def _parse_addr(addr: str) -> tuple[str, int]:
@@ -86,6 +89,7 @@ class Pool:
         self._lock = threading.Lock()
         self.dialed = 0  # connections made (tests, the rpc bench)
         self.reused = 0
+        self._swept = time.monotonic()
 
     def take(self, key: tuple) -> _Conn | None:
         """The most recently used idle connection of ``key`` that is still open, or None."""
@@ -97,18 +101,34 @@ class Pool:
                     return None
                 c = conns.pop()
             if now - c.idle_since <= self.idle_s and _still_open(c.sock):
-                self.reused += 1
+                with self._lock:
+                    self.reused += 1
                 return c
             c.close()
 
-    def give_back(self, key: tuple, c: _Conn) -> None:
-        c.idle_since = time.monotonic()
+    def count_dial(self) -> None:
         with self._lock:
+            self.dialed += 1
+
+    def give_back(self, key: tuple, c: _Conn) -> None:
+        now = c.idle_since = time.monotonic()
+        stale: list[_Conn] = []
+        with self._lock:
+            if now - self._swept > min(5.0, self.idle_s):  # connections to peers that went away: closed in time
+                self._swept = now
+                for k in list(self._idle):
+                    keep = [x for x in self._idle[k] if now - x.idle_since <= self.idle_s]
+                    stale += [x for x in self._idle[k] if now - x.idle_since > self.idle_s]
+                    if keep:
+                        self._idle[k] = keep
+                    else:
+                        del self._idle[k]
             conns = self._idle.setdefault(key, [])
             if len(conns) < self.per_key:
                 conns.append(c)
-                return
-        c.close()
+                c = None
+        for x in stale + ([c] if c is not None else []):
+            x.close()
 
     def close_all(self) -> None:
         with self._lock:
@@ -143,6 +163,7 @@ class _Stale(Exception):
 
 def _exchange(c: _Conn, frames: list, deadline: float, addr: str, reused: bool, service: str, limits):
     """Send one request on ``c`` and read its reply: (status, meta, tensors)."""
+    sent = time.monotonic()
     try:
         _send_all(c.sock, frames, deadline, addr, c.seal)
         if c.expect is not None:
@@ -155,9 +176,11 @@ def _exchange(c: _Conn, frames: list, deadline: float, addr: str, reused: bool, 
                 raise socket.timeout("no reply before the deadline")
             c.sock.settimeout(left)
             if c.sock.recv(1, socket.MSG_PEEK) == b"":
+                if time.monotonic() - sent > STALE_RETRY_S:
+                    raise ConnectionResetError("the peer closed the connection before its reply")
                 raise _Stale()
     except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as e:
-        if reused:
+        if reused and time.monotonic() - sent <= STALE_RETRY_S:
             raise _Stale() from e
         if c.expect is None:
             raise
@@ -233,7 +256,7 @@ def _drop(c: _Conn | None) -> None:
 
 
 def _dial(host: str, port: int, secret, service: str, deadline: float, timeout_s: float, encrypt) -> _Conn:
-    POOL.dialed += 1
+    POOL.count_dial()
     if secret is not None:  # the request follows the client's proof at once; the server's proof is checked
         sock, key, expect = dial((host, port), secret, service, deadline, full=False)  # before its reply is read
         return _Conn(sock, channel(key, "client", encrypt), expect)

@@ -18,8 +18,9 @@ instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the s
 same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
-``max_connections`` authenticated connections (at the cap, the one idle longest is closed for a new one, else new
-ones wait in the listen backlog, unaccepted: callers keep their connections, ``net/client.py``) and hands the
+``max_connections`` authenticated connections (at the cap, a newcomer that proves the secret makes the connection idle
+longest, for at least ``EVICT_AFTER_S``, close: callers keep their connections, ``net/client.py``; else new ones
+wait in the listen backlog, unaccepted) and hands the
 handshake slots out through a ``secure.AcceptGate`` (``max_unauthenticated`` in all, at most
 ``max_unauthenticated_per_address`` per source address that has not proven the secret before; a connection over its
 cap is closed at once, not queued), each handshake done within ``handshake_timeout_s``; it drops a connection
@@ -41,7 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import select
 import socket
 import struct
 import threading
@@ -100,6 +100,7 @@ class Limits:
         return max(1, self.max_message_bytes)  # no dimension of a tensor that fits can exceed its bytes
 
 
+EVICT_AFTER_S = 1.0  # a server at its cap closes a connection idle this long for a newcomer that proved the secret
 SWARM_RPC = "swarm-rpc"  # the service name of a SWARM peer's RPC in every handshake (secure.server_handshake)
 
 
@@ -391,11 +392,10 @@ class RpcServer:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:  # authenticated connections at their cap: new ones wait in the kernel's listen backlog
+            with self._lock:  # authenticated connections at their cap: new ones wait in the kernel's listen backlog,
                 full = len(self._conns) - self._handshaking >= self.limits.max_connections
-            if full and select.select([self._sock], [], [], 0)[0] and self._evict_idle():
-                continue  # (only for a connection that waits in the backlog)
-            if full:
+                room = full and self._longest_idle() is not None  # unless one of them idles: accepted, and once it
+            if full and not room:  # proves the secret, the longest idle makes way (_make_room; a stranger never does)
                 self.rejected["over_cap"] += 1 if not self._was_full else 0
                 self._was_full = True
                 time.sleep(0.01)
@@ -434,20 +434,29 @@ class RpcServer:
                     self._conns.discard(conn)
                 conn.close()
 
-    def _evict_idle(self) -> bool:
-        """Close the connection idle longest (a caller's kept one: it dials again when it needs it); False if none."""
+    def _longest_idle(self) -> socket.socket | None:
+        """(under the lock) The connection idle longest, if for at least ``EVICT_AFTER_S`` (never a fresh one)."""
+        if not self._idle_since:
+            return None
+        conn = min(self._idle_since, key=self._idle_since.__getitem__)
+        return conn if time.monotonic() - self._idle_since[conn] >= EVICT_AFTER_S else None
+
+    def _make_room(self) -> None:
+        """A connection that proved the secret (or any, without one) took the server over its cap: close the one
+        idle longest (a caller's kept connection: it dials again when it needs it). One per newcomer."""
         with self._lock:
-            if not self._idle_since:
-                return False
-            conn = min(self._idle_since, key=self._idle_since.__getitem__)
+            if len(self._conns) - self._handshaking <= self.limits.max_connections:
+                return
+            conn = self._longest_idle()
+            if conn is None:
+                return  # (all busy: one over the cap until one ends)
             del self._idle_since[conn]  # (its thread sees this and serves no further request on it)
-            self._conns.discard(conn)  # (no longer counted: the next accept does not evict another)
+            self._conns.discard(conn)
             self.rejected["evicted"] += 1
         try:
             conn.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        return True
 
     def _handshake_done(self, slot, proven: bool = False) -> None:
         if slot is None:
@@ -473,6 +482,7 @@ class RpcServer:
                     self._handshake_done(slot, proven)
                     slot = None
                 seal = channel(key, "server", self.encrypt)
+            self._make_room()
             while not self._stop.is_set():
                 try:
                     # an idle connection may wait for its next request, but wakes up to see the stop flag
