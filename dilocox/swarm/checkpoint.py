@@ -344,8 +344,7 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
     got = load(peer, path)
     if os.path.basename(path) != file_stem(peer.stage, peer.index) + ".pt":
         log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
-    with peer.cv:
-        peer.step = got
+    peer.enter_step(got)
     dropped = discard_records(peer.out_dir, peer.name, got)
     log.info(
         "%s: resumed from %s at step %d%s", peer.name, path, got,

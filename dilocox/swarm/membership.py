@@ -195,9 +195,7 @@ def handle(peer, method: str, meta: dict):
         snap["leaving"] = peer.leave_requested
         return snap, {}
     if method == "leave":
-        if meta.get("move_to") is not None:
-            peer.move_to = dict(meta["move_to"])
-        peer.leave_requested = True
+        peer.request_leave(meta.get("move_to"))
         when = "its current step" if peer.s.sync == "swarm" else "its current outer phase"
         log.info("%s: asked to leave stage %d after %s (then: %s)", peer.name, peer.stage, when, peer.move_to)
         return {"step": peer.step}, {}
@@ -234,9 +232,7 @@ def handle(peer, method: str, meta: dict):
             log.info("%s: %s left the next stage", peer.name, sender)
             return {}, {}
         if j == peer.stage - 1:
-            with peer.cv:
-                peer.expected_up = [p for p in peer.expected_up if p != sender]
-                peer.cv.notify_all()
+            peer.drop_upstream(sender)
             log.info("%s: %s left the previous stage", peer.name, sender)
             return {}, {}
     raise ValueError(f"{peer.name}: {method} from {sender}, which is not in a neighbouring stage")

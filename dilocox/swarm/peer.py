@@ -50,8 +50,7 @@ The protocol (docs: the SWARM section of README; issue 11):
 - ``optim.grad_clip``: swarm: the global norm over the stages' averaged gradients (exchanged through the store);
   diloco: each peer's stage-local norm (``peer_sync``, docs/SWARM.md "Gradient clipping").
 
-Results: ``OUT/<name>.jsonl`` (one record per step) and ``OUT/<name>.pt`` (final params, the visits
-log, gradients dumped at the steps given by ``--dump-grads``) where name is ``s{j}p{k}``.
+Results: ``OUT/<name>.jsonl`` (a record per step), ``OUT/<name>.pt`` (final params, visits, ``--dump-grads``), name ``s{j}p{k}``.
 """
 
 from __future__ import annotations
@@ -322,6 +321,22 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                 self._die(int(meta["step"]))
             return {"name": self.name, "step": self.step, **peer_sync.phase_info(self)}, {}
         raise ValueError(f"{self.name}: unknown method {method!r}")
+
+    def enter_step(self, step: int, serving: bool | None = None) -> None:
+        """Move to ``step`` (a sync, resume or join landed there), waking its waiting requests; ``serving``: set too."""
+        with self.cv:
+            self.step, self.serving = step, self.serving if serving is None else serving
+            self.cv.notify_all()
+
+    def drop_upstream(self, name: str) -> None:
+        """An upstream peer left for good: no sync waits for its end-of-step marker again."""
+        with self.cv:
+            self.expected_up = [p for p in self.expected_up if p != name]
+            self.cv.notify_all()
+
+    def request_leave(self, move_to: dict | None) -> None:
+        """Leave after the current step (or outer phase), then serve ``move_to`` if given."""
+        self.move_to, self.leave_requested = (dict(move_to) if move_to is not None else self.move_to), True
 
     def _wait_step(self, step: int, what: str, deadline: float | None = None) -> None:
         wait = self.s.step_timeout_s if deadline is None else min(self.s.step_timeout_s, deadline - time.monotonic())

@@ -225,10 +225,7 @@ def join_diloco(peer) -> int:
     rec = {"step": k, "peer": peer.name, "joined": True, "outer": True, "contributors": list(peer.outer.contributors)}
     if peer.digests:
         rec["digest"] = state_digest(peer)
-    with peer.cv:
-        peer.step = n
-        peer.serving = True
-        peer.cv.notify_all()
+    peer.enter_step(n, serving=True)
     rec["seconds"] = time.monotonic() - t0
     peer.records.append(rec)
     peer._write_record(rec)
@@ -283,10 +280,7 @@ def join_swarm(peer) -> int:
     rec.update(swarm_step(peer, k, mean))
     if peer.digests:
         rec["digest"] = state_digest(peer)
-    with peer.cv:
-        peer.step = k + 1
-        peer.serving = True
-        peer.cv.notify_all()
+    peer.enter_step(k + 1, serving=True)
     rec["seconds"] = time.monotonic() - t0
     peer.records.append(rec)
     peer._write_record(rec)
