@@ -50,7 +50,7 @@ The protocol (docs: the SWARM section of README; issue 11):
 - ``optim.grad_clip``: swarm: the global norm over the stages' averaged gradients (exchanged through the store);
   diloco: each peer's stage-local norm (``peer_sync``, docs/SWARM.md "Gradient clipping").
 
-Results: ``OUT/<name>.jsonl`` (a record per step), ``OUT/<name>.pt`` (final params, visits, ``--dump-grads``), name ``s{j}p{k}``.
+Results: ``OUT/s{j}p{k}.jsonl`` (a record per step), ``OUT/s{j}p{k}.pt`` (final params, visits, dumped grads).
 """
 
 from __future__ import annotations
