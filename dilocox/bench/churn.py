@@ -11,6 +11,7 @@ under ``dilocox launch --elastic``, twice with the same steps:
 
     dilocox bench churn [--replicas 4] [--steps 600] [--H 0] [--period 30] [--down 10] [--standby 0]
                         [--lighthouse-kill 0] [--method dilocox|streaming] [--seed 0] [--netns | --no-netns]
+                        [--bandwidth 100mbit] [--latency 50ms]
                         [--out docs/bench/churn]
 
 Measured from the launcher's ``events.jsonl`` and every job's ``metrics.jsonl`` (``analyze``, pure):
@@ -228,7 +229,9 @@ def bench(a, run_root: str) -> dict:
     os.environ[DIGEST_ENV] = "1"
     ok, why = netns_available()
     use = ok if a.netns is None else a.netns
-    emulation = "network namespaces (uncapped)" if use else f"loopback ({why or 'namespaces off'})"
+    link = ", ".join(x for x in (a.bandwidth and f"{a.bandwidth} each way", a.latency and f"{a.latency} round trip")
+                     if x) or "uncapped"  # fmt: skip
+    emulation = f"network namespaces ({link})" if use else f"loopback ({why or 'namespaces off'})"
     preset = "methods/streaming.yaml" if a.method == "streaming" else "methods/dilocox.yaml"
     with tempfile.TemporaryDirectory() as tmp:
         body = LAYOUT + (f"outer: {{sync_every: {a.H}}}\n" if a.H else "")  # (0: the preset's own H)
@@ -242,7 +245,8 @@ def bench(a, run_root: str) -> dict:
             raise ValueError(f"--steps {a.steps} must be a multiple of H={a.H} with at least 3 outer steps")
         overrides.append(f"--train.eval_every={a.H * 10}")
         tps = cfg.train.batch_size * cfg.train.seq_len
-        full = _launch(cfg_path, os.path.join(run_root, "undisturbed"), a.replicas, overrides, a.netns)
+        wan = {k: v for k, v in (("bandwidth", a.bandwidth), ("latency", a.latency)) if v}
+        full = _launch(cfg_path, os.path.join(run_root, "undisturbed"), a.replicas, overrides, a.netns, **wan)
         u = analyze(full, tps, a.replicas)
         kills, restarts = kill_schedule(a.replicas, a.period, a.down, u.get("wall_s", 0.0), a.seed)
         if a.lighthouse_kill > 0:  # the lighthouse too, once: SIGKILLed, back on its address --down s later
@@ -250,7 +254,7 @@ def bench(a, run_root: str) -> dict:
             restarts.append(f"L@{a.lighthouse_kill + a.down:g}")
         bound = max(600.0, 4 * u.get("wall_s", 0))
         cut = _launch(cfg_path, os.path.join(run_root, "churned"), a.replicas, overrides, a.netns, kills=kills,
-                      restarts=restarts, standby_replicas=a.standby, timeout_s=bound)  # fmt: skip
+                      restarts=restarts, standby_replicas=a.standby, timeout_s=bound, **wan)  # fmt: skip
     c = analyze(cut, tps, a.replicas, u.get("tokens_per_s_per_replica"))
     eq = val_at_tokens(val_curve(full, tps), c.get("tokens_total", 0))
     fin = c.get("final_val_loss")
@@ -274,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", choices=("dilocox", "streaming"), default="dilocox")
     p.add_argument("--seed", type=int, default=0, help="which replica each kill hits")
     p.add_argument("--lighthouse-kill", type=float, default=0.0, help="SIGKILL the lighthouse then (s; 0: never)")
+    p.add_argument("--bandwidth", default=None, help="cap each replica's link, e.g. 100mbit (network namespaces)")
+    p.add_argument("--latency", default=None, help="round trip between the sites, e.g. 50ms (the delay switch)")
     p.add_argument("--netns", dest="netns", action="store_true", default=None)
     p.add_argument("--no-netns", dest="netns", action="store_false")
     p.add_argument("--out", default="docs/bench/churn")
