@@ -876,7 +876,7 @@ def test_the_schedule_kills_and_restarts_the_lighthouse_on_its_address(tmp_path)
     assert 1.0 <= kill["t"] - ev[1]["t"] < 2.0 and 2.0 <= back["t"] - ev[1]["t"] < 3.0, ev
     assert binds == ["127.0.0.1:0", "127.0.0.1:1"] and back["address"] == "http://127.0.0.1:1"
     assert len(first) == 2 and first[0].poll() is not None and first[1].poll() is not None
-    assert [e["replica"] for e in ev if e["event"] == "exit"] == [0, 1]  # the replicas ran on
+    assert sorted(e["replica"] for e in ev if e["event"] == "exit") == [0, 1]  # the replicas ran on (either first)
     with pytest.raises(LaunchError, match="the lighthouse is running then"):
         parse_schedule([], ["L@3"], 2)
 
