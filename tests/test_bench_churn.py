@@ -3,6 +3,8 @@ every outer step) on synthetic records whose every number is worked out by hand.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dilocox.bench.churn import analyze, digest_mismatches, incarnations, kill_schedule, markdown, useful
@@ -74,3 +76,21 @@ def test_kill_schedule_is_seeded_and_every_restart_lands_in_the_run():
     assert kill_schedule(4, 30.0, 10.0, 125.0, seed=3) == (kills, restarts)
     with pytest.raises(ValueError, match="--down"):
         kill_schedule(4, 10.0, 10.0, 100.0, seed=0)
+
+
+def test_the_link_options_reach_both_launches(monkeypatch, tmp_path):
+    """``--bandwidth``/``--latency``: the undisturbed and the churned launch both run behind the same link."""
+    from dilocox.bench import churn
+
+    seen = []
+
+    def fake_launch(cfg_path, run_dir, replicas, overrides, netns, **kw):
+        seen.append((os.path.basename(run_dir), {k: kw.get(k) for k in ("bandwidth", "latency")}))
+        return _run()
+
+    monkeypatch.setattr(churn, "_launch", fake_launch)
+    out = tmp_path / "out"
+    argv = ["--replicas", "2", "--steps", "20", "--period", "30", "--down", "10", "--bandwidth", "100mbit",
+            "--latency", "50ms", "--no-netns", "--out", str(out)]  # fmt: skip
+    assert churn.main(argv) == 0
+    assert seen == [(name, {"bandwidth": "100mbit", "latency": "50ms"}) for name in ("undisturbed", "churned")]
