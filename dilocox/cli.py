@@ -40,6 +40,7 @@ BENCHES = {
     "train": ("dilocox.bench.train", "tiny GPT-2: 1 CPU rank vs 4 ranks (PP=2 x TP=2); --reference: vs a plain loop"),
     "methods": ("dilocox.bench.methods", "every method preset at equal tokens, 2 replicas x PP=2"),
     "frontier": ("dilocox.bench.frontier", "val loss vs bytes sent: every method family swept, two corpora, the front"),
+    "scale": ("dilocox.bench.scale", "the gap to allreduce by model width x replicas (R x PP=1) at equal tokens"),
     "lengths": ("dilocox.bench.lengths", "the gap to allreduce by run length, from frontier results (no training)"),
     "wan": ("dilocox.bench.wan", "the method presets over capped inter-cluster links, measured vs planned"),
     "elastic": ("dilocox.bench.elastic", "3 elastic replicas x PP=2, one killed at 1/3 and restarted at 2/3"),

@@ -94,8 +94,11 @@ class MetricsLogger:
         progress: bool = True,
         wandb_project: str | None = None,
         config: dict | None = None,
+        name: str = "metrics",
     ):
-        """``wandb_project``: also log to that Weights & Biases project, with ``config`` attached (None: no W&B)."""
+        """``wandb_project``: also log to that Weights & Biases project, with ``config`` attached (None: no W&B).
+        ``name``: the records go to ``run_dir/NAME.jsonl`` and TensorBoard's events to ``run_dir/tb`` (``metrics``,
+        one trainer) or ``run_dir/tb/NAME`` (a SWARM peer ``s{j}p{i}``: one curve per peer, side by side)."""
         self.enabled = enabled
         self.wandb = None
         self.total_steps = total_steps
@@ -106,6 +109,7 @@ class MetricsLogger:
         # Files are opened at the first record, not here: a run refused at start-up (run dir locked,
         # incompatible or finished resume) leaves the run dir's files as they were.
         self._sinks = (run_dir, jsonl, tensorboard, wandb_project, config)
+        self.name = name
         self._opened = False
         self.purge_step: int | None = None
 
@@ -113,18 +117,28 @@ class MetricsLogger:
         """Records after ``step`` from an earlier run are being dropped: TensorBoard purges its events past it too."""
         self.purge_step = step
 
+    def prepare(self) -> None:
+        """Import TensorBoard's writer now, opening no file (a SWARM peer, before it serves: the import takes about
+        a second, which its first step would otherwise spend while the other stages wait)."""
+        if self.enabled and self._sinks[2]:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except ImportError:
+                pass  # (said at the first record)
+
     def _open(self) -> None:
         self._opened = True
         run_dir, jsonl, tensorboard, wandb_project, config = self._sinks
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            self.jsonl = open(os.path.join(run_dir, f"{self.name}.jsonl"), "a")
         if tensorboard:
             try:
                 # lazy: the optional tensorboard package is slow to import and often absent
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=self.purge_step)
+                tb_dir = os.path.join(run_dir, "tb", *([] if self.name == "metrics" else [self.name]))
+                self.tb = SummaryWriter(tb_dir, purge_step=self.purge_step)
             except ImportError:  # said once, on one line: the default asks for it
                 self.tb = None
                 self.info(
@@ -135,7 +149,7 @@ class MetricsLogger:
                 self.tb = None
                 self.info(f"warning: TensorBoard disabled: {type(e).__name__}: {e}")
         if wandb_project is not None:
-            self.wandb = WandbTracker(run_dir, wandb_project, config)
+            self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
 
     def write(self, record: dict) -> None:
         """Append one record (any keys) to the jsonl file and TensorBoard."""

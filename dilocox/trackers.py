@@ -29,13 +29,16 @@ def _scalars(record: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
 class WandbTracker:
     """One W&B run: step records become history rows, the end-of-run summary the run's summary."""
 
-    def __init__(self, run_dir: str, project: str, config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, run_dir: str, project: str, config: dict[str, Any] | None = None, part: str | None = None
+    ) -> None:
+        """One W&B run named after ``run_dir`` (``part``: a SWARM peer's name, appended: one run per peer)."""
         try:
             import wandb  # lazy on purpose: an optional dependency, imported only when log.wandb is true
         except ImportError as e:
             raise RuntimeError(WANDB_MISSING) from e
         os.makedirs(run_dir, exist_ok=True)
-        name = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+        name = os.path.basename(os.path.normpath(os.path.abspath(run_dir))) + (f"-{part}" if part else "")
         # init_timeout: the wait for wandb's service process is bounded (seconds)
         self.run = wandb.init(
             project=project,

@@ -40,3 +40,18 @@ def test_the_verdict_takes_the_best_uncompressed_point_per_length(tmp_path):
     assert "| dilocox | 1.9300 (+7.2 %) | 1.3600 (+4.6 %) |" in md
     assert "3000 steps: dilocox 1.3600 (+4.6 %) vs streaming H=20 K=2 fp32 1.3500 (+3.8 %) -> NOT met" in md
     assert os.path.getsize(out / "gap.png") > 1000
+
+
+def test_a_point_run_alone_takes_its_gap_from_the_allreduce_of_another_dir(tmp_path):
+    """``bench frontier --points "dilocox tau=0"`` runs no allreduce: its gap is to the allreduce row of the same
+    corpus, seed and length in another DIR; with none anywhere the cell says so."""
+    a = _dir(tmp_path, "a", 1000, {"allreduce": 2.0, "dilocox": 2.1})
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    rows = [{"label": "dilocox tau=0", "corpus": "docs", "seed": 0, "steps": s, "final_val_loss": 2.05}
+            for s in (1000, 3000)]  # fmt: skip
+    (lone / "results.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+    out = tmp_path / "out"
+    assert lengths.main([a, str(lone), "--out", str(out)]) == 0
+    md = (out / "results.md").read_text()
+    assert "| dilocox tau=0 | 2.0500 (+2.5 %) | 2.0500 (no allreduce run) |" in md

@@ -19,6 +19,7 @@ from dilocox.plan import (
     method_names,
     paper_worked_example,
     parse_bandwidth,
+    format_table,
     plan,
     quant_bytes,
     sync_bytes,
@@ -341,3 +342,21 @@ def test_plan_of_every_run_config(capsys, monkeypatch):
         rc = main([os.path.join("configs", name), "--bandwidth", "100mbit"])
         text = capsys.readouterr()
         assert rc == 0 and "(this config)" in text.out or rc == 2 and "trains one replica" in text.err, name
+
+
+@pytest.mark.parametrize("step_s", [0.05, 0.6, 1.5, 30.0])
+@pytest.mark.parametrize("latency", [0.0, 0.15])
+def test_tau_for_97_is_the_least_tau_whose_own_plan_keeps_97_percent(step_s, latency):
+    """The plan's recommended streaming overlap: the row planned at that tau keeps >= 97 % of the compute and the
+    row at tau - 1 does not; none when no tau the config allows ([0, H/K)) does; '-' for a method without tau."""
+    model = load_config(os.path.join(ROOT, "configs", "model", "gpt2-tiny.yaml")).model
+    kw = dict(latency_s=latency, step_time_s=step_s, method="dilocox")
+    base = plan(model, 2, 100e6, **kw)
+    H, K, tau = base["H"], base["fragments"], base["tau_for_97"]
+    utils = [plan(model, 2, 100e6, tau=t, **kw)["utilization"] for t in range(H // K)]
+    if tau is None:
+        assert all(u < 0.97 for u in utils)
+        assert "(raise H)" in format_table([base])
+    else:
+        assert utils[tau] >= 0.97 and all(u < 0.97 for u in utils[:tau])
+    assert plan(model, 2, 100e6, latency_s=latency, step_time_s=step_s, method="allreduce")["tau_for_97"] is None

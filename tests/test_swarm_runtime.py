@@ -202,6 +202,15 @@ def test_one_peer_per_stage_equals_single_process(tmp_path):
             names.add(n)
     assert names == set(ref_params)  # the two stages hold the whole model, nothing twice
     assert all(r == ["s0p0", "s1p0"] for r in res.peers["s0p0"]["routes"].values())
+    # the peers log as a trainer does (dilocox.metrics.MetricsLogger): OUT/s{j}p{i}.jsonl, and TensorBoard per peer
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for name in ("s0p0", "s1p0"):
+        assert all("wall" in r for r in res.records[name])
+        ev = EventAccumulator(str(tmp_path / "tb" / name))
+        ev.Reload()
+        got = [(e.step, e.value) for e in ev.Scalars("grad_norm")]
+        assert got == [(r["step"], pytest.approx(r["grad_norm"], rel=1e-6)) for r in res.records[name]]
 
 
 # ---------------------------------------------------------------------------------------------- (b) 2 x 2

@@ -48,6 +48,11 @@ def table(rows: list[dict]) -> dict:
         g["points"].setdefault(r["label"], {})[r["steps"]] = r
     for g in out.values():
         g["steps"] = sorted(g["steps"])
+        base = g["points"].get("allreduce", {})
+        for per in g["points"].values():  # a point run on its own (no allreduce in its frontier run): its gap is
+            for steps, r in per.items():  # to the allreduce row of the same corpus, seed and length in another DIR
+                if "loss_vs_allreduce_pct" not in r and steps in base:
+                    r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base[steps]["final_val_loss"] - 1.0)
     return out
 
 
@@ -58,7 +63,7 @@ def verdicts(groups: dict) -> list[dict]:
         for steps in g["steps"]:
             ours = g["points"].get("dilocox", {}).get(steps)
             unc = [p[steps] for label, p in g["points"].items() if uncompressed(label) and steps in p]
-            if ours is None or not unc:
+            if ours is None or not unc or "loss_vs_allreduce_pct" not in ours:
                 continue
             best = min(unc, key=lambda r: r["final_val_loss"])
             out.append({"corpus": corpus, "seed": seed, "steps": steps, "dilocox": ours["final_val_loss"],
@@ -67,6 +72,11 @@ def verdicts(groups: dict) -> list[dict]:
                         "best_uncompressed_gap_pct": best["loss_vs_allreduce_pct"],
                         "free": ours["final_val_loss"] <= best["final_val_loss"]})  # fmt: skip
     return out
+
+
+def _cell(r: dict) -> str:
+    gap = r.get("loss_vs_allreduce_pct")
+    return f"{r['final_val_loss']:.4f} " + (f"({gap:+.1f} %)" if gap is not None else "(no allreduce run)")
 
 
 def markdown(groups: dict, verdict: list[dict], meta: dict) -> str:
@@ -78,10 +88,7 @@ def markdown(groups: dict, verdict: list[dict], meta: dict) -> str:
             "|---|" + "---|" * len(steps),
         ]
         for label, per in g["points"].items():
-            cells = [
-                f"{per[s]['final_val_loss']:.4f} ({per[s]['loss_vs_allreduce_pct']:+.1f} %)" if s in per else "-"
-                for s in steps
-            ]
+            cells = [_cell(per[s]) if s in per else "-" for s in steps]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     if verdict:
@@ -107,7 +114,7 @@ def plot(groups: dict, path: str) -> None:
         for label, per in g["points"].items():
             if label == "allreduce":
                 continue
-            xs = sorted(per)
+            xs = sorted(s for s in per if "loss_vs_allreduce_pct" in per[s])
             style = "-" if label == "dilocox" else "--"
             gaps = [per[s]["loss_vs_allreduce_pct"] for s in xs]
             ax.plot(xs, gaps, marker="o", linestyle=style, label=f"{label} ({corpus}, seed {seed})")

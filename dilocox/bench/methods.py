@@ -30,7 +30,7 @@ LAYOUT = """parallel: {replicas: 2, pipeline: 2, microbatches: 2}
 """
 
 
-def method_body(method: str, H: int) -> str:
+def method_body(method: str, H: int, layout: str = LAYOUT) -> str:
     """Per-method settings scaled to a short CPU run (the papers' H=100..500 are for 4k-step runs). The
     ``dilocox`` preset keeps its own H (= 4: a fragment every 2 steps; its density sets its bytes, not H)."""
     extra = {
@@ -41,7 +41,7 @@ def method_body(method: str, H: int) -> str:
         ),
     }.get(method, "")
     sync = "" if method in ("allreduce", "cocktailsgd", "dilocox") else f"outer: {{sync_every: {H}}}\n"
-    return LAYOUT + sync + extra
+    return layout + sync + extra
 
 
 # (label, preset, overrides): DiLoCoX with one part at a time switched off or changed
@@ -73,25 +73,32 @@ ABLATION = [
 
 
 def run(
-    methods: list[str] | list[tuple[str, str, list[str]]], steps: int, H: int, run_root: str, common: list[str] = ()
+    methods: list[str] | list[tuple[str, str, list[str]]],
+    steps: int,
+    H: int,
+    run_root: str,
+    common: list[str] = (),
+    layout: str = LAYOUT,
+    nproc: int = 4,
 ) -> list[dict]:
     """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens;
-    ``common`` overrides (e.g. ``--train.seed=1``) apply to every run."""
+    ``common`` overrides (e.g. ``--train.seed=1``) apply to every run; ``layout`` (YAML) and ``nproc`` set the
+    replicas and stages (``bench scale`` runs R replicas x PP=1 on R ranks)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(methods):
             label, m, extra = (entry, entry, []) if isinstance(entry, str) else entry
             cfg = write_config(
-                os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H)
+                os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H, layout)
             )
             res = run_train(
                 cfg,
-                4,
+                nproc,
                 os.path.join(run_root, f"{i}-{m}"),
                 [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra],
             )
             s = res["summary"]
-            # bytes sent to the other replica by the 2 ranks (stages) of replica 0
+            # bytes sent to the other replicas by the ranks (stages) of replica 0
             sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
             blocked = max((r.get("outer_blocked_total_s", 0.0) for r in res["ranks"]), default=0.0)
             rows.append(

@@ -43,6 +43,7 @@ def format_table(rows: list[dict]) -> str:
         "H*T_step",
         "util",
         "tokens/s",
+        "tau for 97%",
     ] + [f"BW for {float(u):.0%}" for u in tgt]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -60,10 +61,20 @@ def format_table(rows: list[dict]) -> str:
             fmt_seconds(r["compute_s"]),
             f"{r['utilization']:.1%}",
             f"{r['tokens_per_s']:,.0f}",
+            _tau_cell(r),
         ]
         cells += [fmt_bandwidth(r["bandwidth_for"][u]) for u in tgt]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _tau_cell(r: dict) -> str:
+    """The least streaming overlap that keeps 97 % (predict.smallest_tau); '-' where tau does not apply."""
+    if r["fragments"] == 1 or r["overlap"] != "none":
+        return "-"
+    if r.get("tau_for_97") is None:
+        return f"none < {max(r['H'] // r['fragments'], 1)} (raise H)"
+    return str(r["tau_for_97"])
 
 
 def _finite(x):

@@ -32,6 +32,17 @@ def wall_time(compute_s: float, comm_s: float, overlap_s: float, fragments: int 
     return compute_s + fragments * max(0.0, comm_s / fragments - overlap_s)
 
 
+def smallest_tau(compute_s: float, comm_s: float, t_step: float, fragments: int, H: int, target: float = 0.97):
+    """The least streaming overlap tau (inner steps, in [0, H/K), as the config allows) at which the predicted
+    utilization reaches ``target``; None when even the deepest does not. The loss side of the trade: a deeper tau
+    costs loss at equal tokens (docs/BENCHMARKS.md §4g: tau = 0 is the best-loss point), so a run takes the least
+    tau its link needs."""
+    for tau in range(max(H // fragments, 1)):
+        if compute_s / wall_time(compute_s, comm_s, tau * t_step, fragments) >= target:
+            return tau
+    return None
+
+
 def utilization(compute_s: float, comm_s: float, overlap: str) -> float:
     """§10 as written: none -> C/(C+T); delayed/eager -> C/max(C, T)."""
     if overlap == "none":
@@ -184,6 +195,8 @@ def plan(
         "utilization": compute / wall,
         "tokens_per_s": replicas * tokens_per_step * H / wall,
         "bandwidth_for": {f"{u:.2f}": bandwidth_for(u, compute, wire, lat, overlap_s, K) / goodput for u in targets},
+        # streaming (K > 1, no one-step delay): the least tau that keeps 97 % of the compute on this link
+        "tau_for_97": smallest_tau(compute, t_comm, t_step, K, H) if K > 1 and method.overlap == "none" else None,
     }
 
 

@@ -346,6 +346,7 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
         log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
     peer.enter_step(got)
     dropped = discard_records(peer.out_dir, peer.name, got)
+    peer.metrics.resume_at(got)  # TensorBoard drops its events past the step too (a trainer's resume does the same)
     log.info(
         "%s: resumed from %s at step %d%s", peer.name, path, got,
         f" ({dropped} record(s) of later steps moved to {peer.name}.discarded.jsonl)" if dropped else "",

@@ -287,5 +287,5 @@ def leave(peer, step: int) -> None:
     if peer.move_to is not None:
         rec["moved_to"] = f"s{peer.move_to['stage']}p{peer.move_to['index']}"
     peer.records.append(rec)
-    peer._write_record(rec)
+    peer.metrics.write(rec)
     log.info("%s: left stage %d after step %d", peer.name, peer.stage, step)

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -73,6 +72,7 @@ from dilocox.config import Config, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.fsutil import atomic_path
 from dilocox.inner_step import InnerStep
+from dilocox.metrics import MetricsLogger
 from dilocox.model import build_stage_model
 from dilocox.net.rpc import NotServing, RemoteError, RpcServer, run_encrypts, run_secret, use_secret
 from dilocox.net.secure import SecretError, open_value, sign_value
@@ -119,11 +119,13 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         # a joiner moved here by rebalancing gets a new index in its stage: below the job's peer count (torchft ranks)
         if not 0 <= stage < self.n or not 0 <= index < (sum(self.pps) if join else self.pps[stage]):
             raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={self.pps}")
-        self.stage, self.index, self.m = stage, index, self.pps[stage]
-        self.name = peer_name(stage, index)
-        self.first, self.last = stage == 0, stage == self.n - 1
-        self.steps = cfg.train.steps if steps is None else steps
+        self.stage, self.index, self.m, self.name = stage, index, self.pps[stage], peer_name(stage, index)
+        self.first, self.last, self.steps = stage == 0, stage == self.n - 1, cfg.train.steps if steps is None else steps
         self.out_dir, self.dump_grads = out_dir, set(dump_grads)
+        lg = cfg.log  # OUT/s{j}p{i}.jsonl (the run's results: always), TensorBoard OUT/tb/s{j}p{i}, W&B as trainers
+        self.metrics = MetricsLogger(out_dir, True, self.steps, tensorboard=lg.tensorboard, progress=False,
+                                     wandb_project=lg.wandb_project if lg.wandb else None, config=cfg.to_dict(),
+                                     name=self.name)  # fmt: skip
         self.faults = faults  # injected slowness and failure (tests, heterogeneous-peer benchmarks): swarm/faults.py
         self.store, self.lighthouse = store, lighthouse
         self.store_lock = threading.Lock()  # the store client is shared by the handler threads
@@ -217,6 +219,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         resume_from = peer_ckpt.candidates(self) if self.resume and not self.join else None
         if not self.resume and not self.join:
             peer_ckpt.refuse_stale(self.cfg, self.out_dir)
+        self.metrics.prepare()
         me = store_key(self.stage, self.index)
         self.store.set(me, sign_value(run_secret(), me, self.server.addr))  # (a stranger's entry fails the check)
         keys = [store_key(j, i) for j in range(self.n) for i in members[j]]
@@ -414,7 +417,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             rec.update(self._sync(k))
             rec["seconds"] = time.monotonic() - t0
             self.records.append(rec)
-            self._write_record(rec)
+            self.metrics.write(rec)
             if peer_ckpt.due(self.cfg, k + 1):  # (a leaving peer too: it may be its stage's writer)
                 peer_ckpt.save(self, k + 1)
             self.saved_through = k + 1  # (--die-mid-step waits for it: the fault lands after this step's save)
@@ -505,10 +508,6 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         return rec
 
     # ------------------------------------------------------------------ output
-    def _write_record(self, rec: dict) -> None:
-        with open(os.path.join(self.out_dir, f"{self.name}.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
     def save(self) -> None:
         path = os.path.join(self.out_dir, f"{self.name}.pt")
         with atomic_path(path) as tmp:
@@ -528,6 +527,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
     def close(self) -> None:
         self.server.close()
+        self.metrics.close()
         if self.outer is not None:
             self.outer.close(timeout=5.0)
         if self.group is not None:

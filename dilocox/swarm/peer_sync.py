@@ -228,7 +228,7 @@ def join_diloco(peer) -> int:
     peer.enter_step(n, serving=True)
     rec["seconds"] = time.monotonic() - t0
     peer.records.append(rec)
-    peer._write_record(rec)
+    peer.metrics.write(rec)
     log.info(
         "%s: joined stage %d's outer step at step %d (pinged %s; θ, momentum and AdamW state from a live peer), "
         "serving from step %d",
@@ -283,6 +283,6 @@ def join_swarm(peer) -> int:
     peer.enter_step(k + 1, serving=True)
     rec["seconds"] = time.monotonic() - t0
     peer.records.append(rec)
-    peer._write_record(rec)
+    peer.metrics.write(rec)
     log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", peer.name, k, k + 1)
     return k + 1
