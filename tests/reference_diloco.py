@@ -144,6 +144,7 @@ def run_reference(
     lookahead: float = 0.0,
     rejoin: dict[int, list[int]] | None = None,
     outer: str = "sgd",
+    merge: str = "mix",
 ) -> list[dict[str, torch.Tensor]]:
     """Train R replicas for ``steps`` inner steps with the outer rule; return final params per replica.
 
@@ -163,7 +164,10 @@ def run_reference(
     ``lookahead`` = γ (overlap delayed): after each outer step the replicas start from θ − γ·lr·v (v: the outer SGD's
     momentum buffer) and the pseudo-gradient is taken from that start: Δ = θ − γ·lr·v − θ_m.
 
-    ``outer`` = "muon": the outer optimizer is Muon on the layers' matrices and SGD on the rest (``_MuonOuter``)."""
+    ``outer`` = "muon": the outer optimizer is Muon on the layers' matrices and SGD on the rest (``_MuonOuter``).
+
+    ``merge`` = "replay" (streaming, overlap none): each replica keeps its params at a round's launch, w0; at the
+    round's sync w ← w + (1 − α)(θ − w0) (the mix from w0, then the steps since added back)."""
     models = [make_model(seed) for _ in range(R)]
     opts = [make_inner_opt(m, inner) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -179,6 +183,7 @@ def run_reference(
     ]
     pending: list[list[torch.Tensor] | None] = [None] * K  # none: launched average; delayed/eager: Δ̄^{t−1}
     own_prev: list[list[list[torch.Tensor] | None]] = [[None] * K for _ in range(R)]
+    at_launch: list[list[dict | None]] = [[None] * K for _ in range(R)]  # merge=replay: params at the launch
 
     def is_sync(p: int, n: int) -> bool:
         return n > 0 and n % H == (p * H // K) % H
@@ -241,6 +246,10 @@ def run_reference(
                     if is_sync(p, n + tau):
                         n_sync[0] += 1  # (a round: one fragment's all-reduce)
                         pending[p] = mean(deltas(p), p)
+                        if merge == "replay":
+                            assert not rejoin, "rejoin is modelled for merge=mix"
+                            for m in range(R):
+                                at_launch[m][p] = {x: w[m][x].detach().clone() for x in frags[p]}
                         for m in (rejoin or {}).get(n_sync[0], []):
                             for x in names:
                                 w[m][x].copy_(theta[0][x])
@@ -249,7 +258,11 @@ def run_reference(
                         _outer_update(outer_opt[0][p], [theta[0][x] for x in frags[p]], pending[p])
                         pending[p] = None
                         for m in range(R):
-                            load(p, m, mix)
+                            if merge == "replay":
+                                for x in frags[p]:
+                                    w[m][x].add_((1 - mix) * (theta[0][x] - at_launch[m][p][x]))
+                            else:
+                                load(p, m, mix)
                 elif is_sync(p, n):
                     assert not rejoin, "rejoin is modelled for overlap none"
                     n_sync[0] += 1

@@ -25,6 +25,8 @@ CASES = {
     "eager": dict(H=3, steps=12, overlap="eager"),
     "streaming": dict(H=4, steps=13, overlap="none", K=2, tau=1, alpha=0.5),  # ends with fragment 1 in flight
     "streaming_strided": dict(H=4, steps=12, overlap="none", K=2, tau=1, alpha=0.5, pattern="strided"),
+    # merge=replay: the mix from the launch's params, the steps since added back (ends with a fragment in flight)
+    "streaming_replay": dict(H=6, steps=13, overlap="none", K=2, tau=2, alpha=0.5, merge="replay"),
     "delayed_fragments": dict(H=4, steps=12, overlap="delayed", K=2),
     "delayed_lookahead": dict(H=3, steps=12, overlap="delayed", lookahead=1.0),
     "delayed_fragments_lookahead": dict(H=4, steps=12, overlap="delayed", K=2, lookahead=0.5),
@@ -33,7 +35,11 @@ CASES = {
 
 def _configs(c: dict) -> tuple[OuterConfig, CompressConfig]:
     s = StreamingConfig(
-        fragments=c.get("K", 1), tau=c.get("tau", 0), alpha=c.get("alpha", 0.5), pattern=c.get("pattern", "sequential")
+        fragments=c.get("K", 1),
+        tau=c.get("tau", 0),
+        alpha=c.get("alpha", 0.5),
+        pattern=c.get("pattern", "sequential"),
+        merge=c.get("merge", "mix"),
     )
     o = OuterConfig(
         method=c.get("method", "diloco"),
@@ -129,9 +135,16 @@ def test_matches_reference(R):
             alpha=c.get("alpha", 0.5),
             pattern=c.get("pattern", "sequential"),
             lookahead=c.get("lookahead", 0.0),
+            merge=c.get("merge", "mix"),
         )
         for m in range(R):
             _close(res[m][name]["params"], ref[m], 1e-6)
+        if c.get("merge") == "replay":  # replay changes the run (the test can fail): not the mix oracle
+            mixed = run_reference(R, c["steps"], SEED, c["H"], K=2, tau=c["tau"], alpha=c["alpha"])
+            assert (
+                max(float((mixed[0][n] - torch.as_tensor(res[0][name]["params"][n])).abs().max()) for n in mixed[0])
+                > 1e-4
+            )
         if c.get("lookahead"):  # the look-ahead changes the run (the test can fail): not the plain delayed oracle
             plain = run_reference(R, c["steps"], SEED, c["H"], overlap="delayed", K=c.get("K", 1))
             assert (
@@ -190,6 +203,8 @@ RESUME = {
     "eager": (dict(H=3, steps=12, overlap="eager"), (6,)),
     "none": (dict(H=3, steps=12, overlap="none"), (5,)),
     "streaming": (dict(H=4, steps=13, overlap="none", K=2, tau=1, alpha=0.5), (3, 9)),  # fragment 0 in flight
+    # merge=replay: the own Δ of the round in flight is saved (fragment 0 launched at 4, fragment 1 at 7)
+    "streaming_replay": (dict(H=6, steps=13, overlap="none", K=2, tau=2, alpha=0.5, merge="replay"), (5, 8)),
     # compressor state (error feedback, PowerSGD Q) and an in-flight compressed average
     "delayed_lowrank_int4": (dict(H=3, steps=12, overlap="delayed", quant="int4", lowrank=True, rank=2), (4, 6)),
     "delayed_lookahead": (dict(H=3, steps=12, overlap="delayed", lookahead=1.0), (4, 6)),

@@ -72,6 +72,7 @@ LEVERS = [
     ("dilocox Muon outer", "dilocox", "dilocox", ["--outer.optimizer=muon"]),
     ("dilocox EF decay 0.9", "dilocox", "dilocox", ["--compress.sparse.ef_decay=0.9"]),
     ("dilocox tau=0", "dilocox", "dilocox", ["--outer.streaming.tau=0"]),
+    ("dilocox merge=replay", "dilocox", "dilocox", ["--outer.streaming.merge=replay"]),
     ("dilocox 1/64 (2x bytes)", "dilocox", "dilocox", ["--compress.sparse.density=0.015625"]),
     ("dilocox outer momentum 0.9", "dilocox", "dilocox", ["--outer.momentum=0.9"]),
 ]  # fmt: skip

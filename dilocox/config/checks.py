@@ -54,6 +54,7 @@ _CHOICES = {
     "outer.state_device": ("host", "device"),
     "outer.elastic.collectives": ("auto", "gloo", "authenticated"),
     "outer.streaming.pattern": ("sequential", "strided"),
+    "outer.streaming.merge": ("mix", "replay"),
     "compress.quant": QUANT_KINDS,
     "compress.collective": ("auto", "allgather", "reduce_scatter"),
     "train.device": ("auto", "cpu", "cuda"),

@@ -120,6 +120,8 @@ class DiLoCoOuter(OuterBase):
         self.overlap, self.K, self.tau = ocfg.overlap, s.fragments, s.tau
         streaming = s.fragments > 1 or s.tau > 0
         self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
+        # merge=replay (tau > 0): the mix from the params at launch (θ − own Δ, kept in own_prev), the tau steps since
+        self.replay = s.merge == "replay" and self.overlap == "none" and self.tau > 0
         if self.group.heals and self.K > 1 and self.overlap != "none":
             raise ValueError(
                 f"outer.streaming.fragments={self.K} with outer.overlap={self.overlap!r} is not elastic: a joiner "
@@ -197,7 +199,10 @@ class DiLoCoOuter(OuterBase):
         self.crossed_replicas = bool(syncing or self.schedule.launches_at(n))
         if self.overlap == "none":
             for p in self.schedule.launches_at(n):
-                self._launch(p, self.state.pseudo_gradient(p), n)
+                delta = self.state.pseudo_gradient(p)
+                if self.replay:  # Δ = θ − θ_m: the params at launch are θ − Δ (θ_p stays until p's sync)
+                    self.own_prev[p] = self.state.flatten(delta)
+                self._launch(p, delta, n)
         for p in syncing:
             self._sync(p, n)
         self._dp_broadcast(syncing)
@@ -214,9 +219,14 @@ class DiLoCoOuter(OuterBase):
                 for q in range(self.K):
                     st.load_params(q, 0.0)
                 self.membership.continue_at(n)
+            own, self.own_prev[p] = self.own_prev[p] if self.replay else None, None  # (None after a heal: θ)
+            ref = st.frag(st.theta, p) - own if own is not None else None
             st.outer_step(p, avg)
             self._adapt(p, h)
-            st.load_params(p, self.alpha)
+            if ref is not None:
+                st.merge_from(p, self.alpha, ref)
+            else:
+                st.load_params(p, self.alpha)
             self.outer_step += 1
             self.schedule.advance(p, self.H)
             return
@@ -284,6 +294,7 @@ class DiLoCoOuter(OuterBase):
                 self.own_prev[p] = None
             st.outer_step(p, grad)
             self.outer_step += 1
+        self.own_prev = [None] * self.K  # (merge=replay: the params are θ from here)
         self._counters["drain_s"] = self._blocked_now  # the wait for the last in-flight all-reduces (run's end)
         for p in range(self.K):
             st.load_params(p, 0.0)
