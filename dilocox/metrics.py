@@ -118,13 +118,19 @@ class MetricsLogger:
         self.purge_step = step
 
     def prepare(self) -> None:
-        """Import TensorBoard's writer now, opening no file (a SWARM peer, before it serves: the import takes about
-        a second, which its first step would otherwise spend while the other stages wait)."""
-        if self.enabled and self._sinks[2]:
+        """Do the slow part of opening now, writing no record: import TensorBoard's writer (about a second) and start
+        the W&B run (``wandb.init`` may wait up to 120 s). A SWARM peer calls it before it serves, so its first
+        step does not stall the other stages (their RPC and sync timeouts)."""
+        if not self.enabled:
+            return
+        run_dir, _, tensorboard, wandb_project, config = self._sinks
+        if tensorboard:
             try:
                 import torch.utils.tensorboard  # noqa: F401
             except ImportError:
                 pass  # (said at the first record)
+        if wandb_project is not None and self.wandb is None:
+            self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
 
     def _open(self) -> None:
         self._opened = True
@@ -148,7 +154,7 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001 - optional
                 self.tb = None
                 self.info(f"warning: TensorBoard disabled: {type(e).__name__}: {e}")
-        if wandb_project is not None:
+        if wandb_project is not None and self.wandb is None:
             self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
 
     def write(self, record: dict) -> None:

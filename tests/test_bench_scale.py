@@ -80,6 +80,11 @@ def test_table_and_verdicts(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| d=256 (3.36M params) | R=2 | R=4 | R=8 |" in md and "| d=64 (0.25M params) | R=2 | R=4 | R=8 |" in md
     assert "| dilocox | 1.5300 (+2.0 %, 1,000x) | 1.5600 (+4.0 %, 1,000x) | 1.6000 (+8.0 %, 1,000x) |" in md
+    (more / "results.json").write_text(json.dumps({"meta": dict(meta, steps=3000), "rows": redo}))
+    with pytest.raises(SystemExit, match="steps 3000 vs 1000"):
+        scale.main(["--render", "--out", str(tmp_path), "--merge", str(more)])
+    lone = [_row("dilocox", 128, 2, 1.7, 10**6)]  # no allreduce in the sweep: no gap, said so, not +0.0 %
+    assert "| dilocox | 1.7000 (no allreduce run) |" in scale.markdown(lone, meta)
 
 
 def test_render_without_results_is_one_line(tmp_path):

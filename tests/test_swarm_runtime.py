@@ -41,6 +41,7 @@ TINY = [
     "--swarm.step_timeout_s=60",
     "--swarm.sync_timeout_s=60",
     "--swarm.rpc_timeout_s=20",
+    "--log.tensorboard=false",  # (one test turns it on and reads the events)
 ]
 
 
@@ -173,7 +174,7 @@ def _unflatten(peer: dict, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_one_peer_per_stage_equals_single_process(tmp_path):
     # optim.grad_clip: the global norm over both stages (exchanged through the store) must clip every step here
-    cfg = _cfg("--swarm.routing=fixed", "--optim.grad_clip=1.0")
+    cfg = _cfg("--swarm.routing=fixed", "--optim.grad_clip=1.0", "--log.tensorboard=true")
     steps = 3
     res = launch(cfg, str(tmp_path), peers_per_stage=[1, 1], steps=steps, timeout_s=240, dump_grads=(0, 2))
     _check_rcs(res)

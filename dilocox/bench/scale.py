@@ -98,15 +98,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
             cells = []
             for R in reps:
                 r = next((x for x in g if x["label"] == label and x["replicas"] == R), None)
-                cells.append(
-                    "-"
-                    if r is None
-                    else f"{r['final_val_loss']:.4f} ({r.get('loss_vs_allreduce_pct', 0):+.1f} %, "
-                    f"{r.get('bytes_ratio_vs_allreduce', 1):,.0f}x)"
-                )
+                cells.append("-" if r is None else _cell(r))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Issue 41 (at the largest width, the `dilocox` preset within 3 % of all-reduce):", *verdicts(rows)]
     return "\n".join(lines)
+
+
+def _cell(r: dict) -> str:
+    if "loss_vs_allreduce_pct" not in r:  # (a sweep without allreduce: no gap to give)
+        return f"{r['final_val_loss']:.4f} (no allreduce run)"
+    return f"{r['final_val_loss']:.4f} ({r['loss_vs_allreduce_pct']:+.1f} %, {r['bytes_ratio_vs_allreduce']:,.0f}x)"
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -135,9 +136,10 @@ def plot(rows: list[dict], path: str) -> None:
     widths = sorted({r["width"] for r in rows})
     for label, marker in zip(labels, "osD^v"):
         for width, ls in zip(widths, ("-", "--", ":", "-.")):
-            pts = sorted((r for r in rows if r["label"] == label and r["width"] == width), key=lambda r: r["replicas"])
+            pts = sorted((r for r in rows if r["label"] == label and r["width"] == width
+                          and "loss_vs_allreduce_pct" in r), key=lambda r: r["replicas"])  # fmt: skip
             if pts:
-                ax.plot([r["replicas"] for r in pts], [r.get("loss_vs_allreduce_pct", 0) for r in pts], marker=marker,
+                ax.plot([r["replicas"] for r in pts], [r["loss_vs_allreduce_pct"] for r in pts], marker=marker,
                         linestyle=ls, label=f"{label}, d={width}")  # fmt: skip
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
@@ -188,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         meta, rows = _read(a.out)
         for d in a.merge:  # another sweep's cells (e.g. the largest width at fewer R), the later run's row kept
             more_meta, more = _read(d)
+            differ = [k for k in ("steps", "global_batch", "corpus", "seed") if more_meta.get(k) != meta.get(k)]
+            if differ:
+                raise SystemExit(
+                    f"dilocox bench scale --merge {d}: its {', '.join(differ)} differ from {a.out}'s "
+                    f"({', '.join(f'{k} {more_meta.get(k)} vs {meta.get(k)}' for k in differ)}); merge sweeps of "
+                    "the same steps, batch, corpus and seed only"
+                )
             keys = {(r["width"], r["replicas"], r["label"]) for r in more}
             rows = [r for r in rows if (r["width"], r["replicas"], r["label"]) not in keys] + more
             meta["wall_min"] = meta.get("wall_min", 0.0) + more_meta.get("wall_min", 0.0)

@@ -6,7 +6,7 @@ the replica's ranks over their own group) whose keys name what a tensor IS, not 
     replica0/model/layers.3.attn.qkv.weight        the replica's local parameters (and buffers)
     replica0/optim/layers.3.attn.qkv.weight/exp_avg  the inner optimizer's state, by parameter name
     replica0/outer/theta/layers.3.attn.qkv.weight  the DiLoCo family's outer state by parameter name: theta,
-                                                   momentum, pending (an in-flight result), own_prev (eager),
+                                                   momentum, pending (an in-flight result), own_prev (eager, replay),
                                                    errors (error feedback), opt.<k> (the outer optimizer's own
                                                    state, e.g. Muon's), frag / rank (its fragment, its low-rank rank)
     rank5/rest                                     everything else of rank 5 (step, tokens, sampler, RNG, the outer

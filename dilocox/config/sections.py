@@ -144,10 +144,7 @@ class StreamingConfig:
     tau: int = 0  # overlap in inner steps
     alpha: float = 0.5  # mixing of local and global fragment params
     pattern: str = "sequential"  # sequential | strided
-    # mix: θ_m ← α θ_m + (1 − α) θ at the sync (the paper's); replay: the same mix taken from the params the round
-    # was launched with, then the tau steps trained while it flew added back (= mix when tau = 0; docs/ALGORITHMS.md
-    # §4b)
-    merge: str = "mix"  # mix | replay (mix from the launch's params + the tau steps since; = mix when tau = 0)
+    merge: str = "mix"  # mix | replay (the mix from the launch's params + the tau steps since; ALGORITHMS §4b)
 
 
 @dataclass

@@ -220,11 +220,12 @@ class DiLoCoOuter(OuterBase):
                     st.load_params(q, 0.0)
                 self.membership.continue_at(n)
             own, self.own_prev[p] = self.own_prev[p] if self.replay else None, None  # (None after a heal: θ)
-            ref = st.frag(st.theta, p) - own if own is not None else None
+            if own is not None:  # own = Δ → Δ − θ_old = −θ⁰ (the params at launch), in place
+                own.sub_(st.frag(st.theta, p))
             st.outer_step(p, avg)
             self._adapt(p, h)
-            if ref is not None:
-                st.merge_from(p, self.alpha, ref)
+            if own is not None:
+                st.merge_from(p, self.alpha, own.add_(st.frag(st.theta, p)))  # θ_new − θ⁰
             else:
                 st.load_params(p, self.alpha)
             self.outer_step += 1

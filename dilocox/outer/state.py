@@ -163,16 +163,19 @@ class OuterState:
                 w.mul_(alpha).add_(t.to(w.device, w.dtype), alpha=1.0 - alpha)
 
     @torch.no_grad()
-    def merge_from(self, p: int, alpha: float, ref: Tensor) -> None:
-        """θ_{m,p} ← θ_{m,p} + (1 − α)(θ_p − ref): ``load_params``' mix taken from ``ref`` (flat fp32: the fragment's
-        params when its round was launched) instead of from θ_{m,p}, so the steps trained while the round flew keep
-        their progress (``outer.streaming.merge=replay``; with ref = θ_{m,p} it is the mix itself)."""
+    def merge_from(self, p: int, alpha: float, step: Tensor) -> None:
+        """θ_{m,p} ← θ_{m,p} + (1 − α)·step with step = θ_p − θ⁰_{m,p} (flat fp32; θ⁰: the fragment's params when its
+        round was launched): ``load_params``' mix taken from θ⁰ instead of from θ_{m,p}, so the steps trained while
+        the round flew keep their progress (``outer.streaming.merge=replay``, ALGORITHMS §4b)."""
         ws = [self.params[i] for i in self.fragments[p]]
         if not ws:
             return
-        step = (self.frag(self.theta, p) - ref.to(self.theta.device)).to(ws[0].device)
-        for w, d in zip(ws, self._split(step, p)):
-            w.add_(d.to(w.dtype), alpha=1.0 - alpha)
+        ds = self._split(step.to(ws[0].device), p)
+        if all(w.dtype == torch.float32 for w in ws):
+            torch._foreach_add_(ws, ds, alpha=1.0 - alpha)
+        else:
+            for w, d in zip(ws, ds):
+                w.add_(d.to(w.dtype), alpha=1.0 - alpha)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

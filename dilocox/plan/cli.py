@@ -70,7 +70,7 @@ def format_table(rows: list[dict]) -> str:
 
 def _tau_cell(r: dict) -> str:
     """The least streaming overlap that keeps 97 % (predict.smallest_tau); '-' where tau does not apply."""
-    if r["fragments"] == 1 or r["overlap"] != "none":
+    if r["outer_method"] != "diloco" or r["overlap"] != "none":
         return "-"
     if r.get("tau_for_97") is None:
         return f"none < {max(r['H'] // r['fragments'], 1)} (raise H)"

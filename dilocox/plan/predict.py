@@ -33,7 +33,7 @@ def wall_time(compute_s: float, comm_s: float, overlap_s: float, fragments: int 
 
 
 def smallest_tau(compute_s: float, comm_s: float, t_step: float, fragments: int, H: int, target: float = 0.97):
-    """The least streaming overlap tau (inner steps, in [0, H/K), as the config allows) at which the predicted
+    """The least overlap tau (inner steps, in [0, H/K), as the config allows) at which the predicted
     utilization reaches ``target``; None when even the deepest does not. The loss side of the trade: a deeper tau
     costs loss at equal tokens (docs/BENCHMARKS.md §4g: tau = 0 is the best-loss point), so a run takes the least
     tau its link needs."""
@@ -195,9 +195,14 @@ def plan(
         "utilization": compute / wall,
         "tokens_per_s": replicas * tokens_per_step * H / wall,
         "bandwidth_for": {f"{u:.2f}": bandwidth_for(u, compute, wire, lat, overlap_s, K) / goodput for u in targets},
-        # streaming (K > 1, no one-step delay): the least tau that keeps 97 % of the compute on this link
-        "tau_for_97": smallest_tau(compute, t_comm, t_step, K, H) if K > 1 and method.overlap == "none" else None,
+        # the DiLoCo family without the one-step delay: the least tau that keeps 97 % of the compute on this link
+        "tau_for_97": smallest_tau(compute, t_comm, t_step, K, H) if _has_tau(method) else None,
     }
+
+
+def _has_tau(method: Method) -> bool:
+    """Whether ``outer.streaming.tau`` applies: the DiLoCo family with overlap none (any K)."""
+    return method.outer.method == "diloco" and method.overlap == "none"
 
 
 def plan_all(
