@@ -123,18 +123,22 @@ class MetricsLogger:
         step does not stall the other stages (their RPC and sync timeouts)."""
         if not self.enabled:
             return
-        run_dir, _, tensorboard, wandb_project, config = self._sinks
-        if tensorboard:
+        if self._sinks[2]:  # log.tensorboard
             try:
                 import torch.utils.tensorboard  # noqa: F401
             except ImportError:
                 pass  # (said at the first record)
+        self._start_wandb()
+
+    def _start_wandb(self) -> None:
+        """The W&B run, once (``prepare`` or the first record): named after the run dir (and a SWARM peer's name)."""
+        run_dir, _, _, wandb_project, config = self._sinks
         if wandb_project is not None and self.wandb is None:
             self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
 
     def _open(self) -> None:
         self._opened = True
-        run_dir, jsonl, tensorboard, wandb_project, config = self._sinks
+        run_dir, jsonl, tensorboard, _, _ = self._sinks
         os.makedirs(run_dir, exist_ok=True)
         if jsonl:
             self.jsonl = open(os.path.join(run_dir, f"{self.name}.jsonl"), "a")
@@ -154,8 +158,7 @@ class MetricsLogger:
             except Exception as e:  # noqa: BLE001 - optional
                 self.tb = None
                 self.info(f"warning: TensorBoard disabled: {type(e).__name__}: {e}")
-        if wandb_project is not None and self.wandb is None:
-            self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
+        self._start_wandb()
 
     def write(self, record: dict) -> None:
         """Append one record (any keys) to the jsonl file and TensorBoard."""
