@@ -28,17 +28,21 @@ def test_uncompressed_means_whole_pseudo_gradients():
 def test_the_verdict_takes_the_best_uncompressed_point_per_length(tmp_path):
     a = _dir(tmp_path, "a", 1000, {"allreduce": 1.8, "streaming H=20 K=2 fp32": 2.0, "diloco H=20": 1.95,
                                    "streaming H=20 K=2 int4": 1.5, "dilocox": 1.93})  # fmt: skip
-    b = _dir(tmp_path, "b", 3000, {"allreduce": 1.3, "streaming H=20 K=2 fp32": 1.35, "dilocox": 1.36})
+    b = _dir(tmp_path, "b", 3000, {"allreduce": 1.3, "streaming H=20 K=2 fp32": 1.35, "dilocox": 1.36,
+                                   "dilocox-far": 1.34})  # fmt: skip
     out = tmp_path / "out"
     assert lengths.main([a, b, "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
-    v = {x["steps"]: x for x in res["verdicts"]}
+    v = {x["steps"]: x for x in res["verdicts"] if x["preset"] == "dilocox"}
+    far = [x for x in res["verdicts"] if x["preset"] == "dilocox-far"]  # graded where it ran: at 3000 only
+    assert [(x["steps"], x["free"]) for x in far] == [(3000, True)]
     # 1000: the best uncompressed is diloco (1.95), not the int4 streaming point (1.5, compressed): dilocox 1.93 wins
     assert v[1000]["best_uncompressed"] == "diloco H=20" and v[1000]["free"] is True
     assert v[3000]["best_uncompressed"] == "streaming H=20 K=2 fp32" and v[3000]["free"] is False
     md = (out / "results.md").read_text()
     assert "| dilocox | 1.9300 (+7.2 %) | 1.3600 (+4.6 %) |" in md
     assert "3000 steps: dilocox 1.3600 (+4.6 %) vs streaming H=20 K=2 fp32 1.3500 (+3.8 %) -> NOT met" in md
+    assert "3000 steps: dilocox-far 1.3400 (+3.1 %) vs streaming H=20 K=2 fp32 1.3500 (+3.8 %) -> met" in md
     assert os.path.getsize(out / "gap.png") > 1000
 
 

@@ -197,6 +197,16 @@ def test_join_markdown_and_targets():
     assert "| dilocox | 3.1000 | +3.3 % | 20 | 0 | 5 |" in md
     assert "6.0 kB, 8.0 kB per replica" in md
     assert "| 4.000 MB (H 10, r 16) | +0.0 % |" in md
+    # --render A --merge B C: one table; each method labelled with its bench's --set, a repeated label numbered
+    tau0 = {"meta": {**res["meta"], "date": "e", "overrides": ["--outer.streaming.tau=0"]}, "rows": rows}
+    merged = wan.merge([res, tau0, res], ["a/results.json", "b/results.json", "c/results.json"])
+    labels = list(dict.fromkeys(r["method"] for r in merged["rows"]))
+    assert labels == ["allreduce", "dilocox", "allreduce outer.streaming.tau=0", "dilocox outer.streaming.tau=0",
+                      "allreduce (run 2)", "dilocox (run 2)"]  # fmt: skip
+    assert len(merged["rows"]) == 3 * len(rows) and merged["meta"]["dates"] == ["d", "e"]
+    md = wan.markdown(merged)
+    assert md.startswith("Merged from a/results.json, b/results.json, c/results.json")
+    assert "| dilocox outer.streaming.tau=0 | 10 Mbit/s | 150 ms | 100 | 19,500 | 97.5 % |" in md
 
 
 @pytest.mark.slow  # ~37 s on 2 cores
@@ -213,6 +223,7 @@ def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path)
         reference=False,
         baseline_run=False,
         log=logs.append,
+        overrides=["--outer.sync_every=4"],  # --set: every method's runs and plans (allreduce has no H)
     )
     assert logs[0] == "emulation: netns"
     wan.write_outputs(res, str(tmp_path / "out"), plots=False)
@@ -222,7 +233,8 @@ def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path)
     n = load_config(
         write_config(str(tmp_path / "a.yaml"), ["tiny.yaml", "methods/allreduce.yaml"], method_body("allreduce", 2))
     ).model.num_params()
-    syncs = {"diloco": 2, "allreduce": 4}  # 4 steps: H=2 phases, or every step
+    syncs = {"diloco": 1, "allreduce": 4}  # 4 steps: one H=4 phase (the override, not the body's H=2), or every step
+    assert saved["meta"]["overrides"] == ["--outer.sync_every=4"] and "`--outer.sync_every=4`" in md
     assert [r["method"] for r in saved["rows"]] == ["diloco", "allreduce"]
     for r in saved["rows"]:
         for key in (
@@ -245,7 +257,7 @@ def test_tiny_bench_in_namespaces_counts_the_bytes_that_cross_the_link(tmp_path)
         assert r["bytes_framework_by_replica"] == [syncs[r["method"]] * 4 * n] * 2
         assert abs(r["veth_diff_pct"]) < PAYLOAD_TOLERANCE_PCT, r
         assert 0.0 < r["veth_diff_raw_pct"] < 8.0, r  # frame headers are on the wire too
-        assert r["err_bytes_pct"] == pytest.approx(0.0, abs=1e-9)
+        assert r["err_bytes_pct"] == pytest.approx(0.0, abs=1e-9)  # the plan read the override too
         assert f"| {r['method']} | 100 Mbit/s | 0 ms | 4 |" in md
 
 

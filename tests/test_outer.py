@@ -27,6 +27,9 @@ CASES = {
     "streaming_strided": dict(H=4, steps=12, overlap="none", K=2, tau=1, alpha=0.5, pattern="strided"),
     # merge=replay: the mix from the launch's params, the steps since added back (ends with a fragment in flight)
     "streaming_replay": dict(H=6, steps=13, overlap="none", K=2, tau=2, alpha=0.5, merge="replay"),
+    # the dilocox-far preset's schedule: one fragment (the whole shard) every H, mixed tau = 2 steps after its launch
+    "streaming_one_fragment": dict(H=4, steps=14, overlap="none", K=1, tau=2, alpha=0.5),  # ends with one in flight
+    "streaming_one_fragment_replay": dict(H=4, steps=14, overlap="none", K=1, tau=2, alpha=0.5, merge="replay"),
     "delayed_fragments": dict(H=4, steps=12, overlap="delayed", K=2),
     "delayed_lookahead": dict(H=3, steps=12, overlap="delayed", lookahead=1.0),
     "delayed_fragments_lookahead": dict(H=4, steps=12, overlap="delayed", K=2, lookahead=0.5),
@@ -140,7 +143,7 @@ def test_matches_reference(R):
         for m in range(R):
             _close(res[m][name]["params"], ref[m], 1e-6)
         if c.get("merge") == "replay":  # replay changes the run (the test can fail): not the mix oracle
-            mixed = run_reference(R, c["steps"], SEED, c["H"], K=2, tau=c["tau"], alpha=c["alpha"])
+            mixed = run_reference(R, c["steps"], SEED, c["H"], K=c.get("K", 1), tau=c["tau"], alpha=c["alpha"])
             assert (
                 max(float((mixed[0][n] - torch.as_tensor(res[0][name]["params"][n])).abs().max()) for n in mixed[0])
                 > 1e-4
@@ -205,6 +208,7 @@ RESUME = {
     "streaming": (dict(H=4, steps=13, overlap="none", K=2, tau=1, alpha=0.5), (3, 9)),  # fragment 0 in flight
     # merge=replay: the own Δ of the round in flight is saved (fragment 0 launched at 4, fragment 1 at 7)
     "streaming_replay": (dict(H=6, steps=13, overlap="none", K=2, tau=2, alpha=0.5, merge="replay"), (5, 8)),
+    "streaming_one_fragment": (dict(H=4, steps=14, overlap="none", K=1, tau=2, alpha=0.5), (5, 9)),  # in flight
     # compressor state (error feedback, PowerSGD Q) and an in-flight compressed average
     "delayed_lowrank_int4": (dict(H=3, steps=12, overlap="delayed", quant="int4", lowrank=True, rank=2), (4, 6)),
     "delayed_lookahead": (dict(H=3, steps=12, overlap="delayed", lookahead=1.0), (4, 6)),

@@ -11,8 +11,10 @@ from dilocox.bench.runner import write_config
 from dilocox.config import ModelConfig, load_config
 from dilocox.model.transformer import build_model
 from dilocox.plan import (
+    PRESET_PAIR,
     Method,
     bandwidth_for,
+    choose_preset,
     collective_cost,
     format_table,
     load_method,
@@ -360,3 +362,28 @@ def test_tau_for_97_is_the_least_tau_whose_own_plan_keeps_97_percent(step_s, lat
     else:
         assert utils[tau] >= 0.97 and all(u < 0.97 for u in utils[:tau])
     assert plan(model, 2, 100e6, latency_s=latency, step_time_s=step_s, method="allreduce")["tau_for_97"] is None
+
+
+@pytest.mark.parametrize("step_s", [0.05, 0.15, 0.6, 30.0])
+@pytest.mark.parametrize("latency", [0.0, 0.15, 1.0])
+def test_plan_chooses_the_better_loss_preset_where_the_link_lets_it_keep_97_percent(step_s, latency, capsys):
+    """Issue 41 item 4: `dilocox` (the better loss) where its plan keeps >= 97 % of the compute, else `dilocox-far`
+    where that does, else the one that keeps the most; `dilocox plan` prints the choice under the table. The pair
+    sends the same bytes per inner step, and the far preset hides more: it never keeps less than `dilocox`."""
+    model = load_config(os.path.join(ROOT, "configs", "model", "gpt2-tiny.yaml")).model
+    kw = dict(latency_s=latency, step_time_s=step_s, tokens_per_step=1024, pipeline=2)  # configs/tiny-dilocox.yaml
+    name, rows = choose_preset(model, 2, 100e6, **kw)
+    assert [r["method"] for r in rows] == list(PRESET_PAIR)
+    near, far = (plan(model, 2, 100e6, method=m, **kw) for m in PRESET_PAIR)
+    assert [near["utilization"], far["utilization"]] == [r["utilization"] for r in rows]
+    assert far["utilization"] >= near["utilization"] - 1e-12
+    assert near["wire_bytes_per_replica"] / near["H"] == pytest.approx(
+        far["wire_bytes_per_replica"] / far["H"], rel=0.02
+    )
+    want = "dilocox" if near["utilization"] >= 0.97 else "dilocox-far"
+    assert name == want
+    cfg = os.path.join(ROOT, "configs", "tiny-dilocox.yaml")
+    args = [cfg, "--bandwidth", "100mbit", "--latency", str(latency), "--step-time", str(step_s)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"preset for this link: methods/{want}.yaml" in out

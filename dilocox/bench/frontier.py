@@ -75,6 +75,19 @@ LEVERS = [
     ("dilocox merge=replay", "dilocox", "dilocox", ["--outer.streaming.merge=replay"]),
     ("dilocox 1/64 (2x bytes)", "dilocox", "dilocox", ["--compress.sparse.density=0.015625"]),
     ("dilocox outer momentum 0.9", "dilocox", "dilocox", ["--outer.momentum=0.9"]),
+    # item 4's far-link preset (configs/methods/dilocox-far.yaml) and the candidates it was chosen from: more steps
+    # to hide a fragment's all-gather behind, the same bytes per step
+    ("dilocox-far", "dilocox-far", "dilocox-far", []),
+    ("dilocox H=6 tau=2 3/256", "dilocox", "dilocox",
+     ["--outer.sync_every=6", "--compress.sparse.density=0.01171875", "--outer.streaming.tau=2"]),
+    ("dilocox K=1 tau=2", "dilocox", "dilocox", ["--outer.streaming.fragments=1", "--outer.streaming.tau=2"]),
+    ("dilocox K=1 tau=3", "dilocox", "dilocox", ["--outer.streaming.fragments=1", "--outer.streaming.tau=3"]),
+    # ... with the replay merge (ALGORITHMS §4b), which keeps the tau steps trained while the sync flew
+    ("dilocox K=1 tau=2 replay", "dilocox", "dilocox",
+     ["--outer.streaming.fragments=1", "--outer.streaming.tau=2", "--outer.streaming.merge=replay"]),
+    ("dilocox H=6 tau=2 3/256 replay", "dilocox", "dilocox",
+     ["--outer.sync_every=6", "--compress.sparse.density=0.01171875", "--outer.streaming.tau=2",
+      "--outer.streaming.merge=replay"]),
 ]  # fmt: skip
 QUICK = [
     "allreduce",

@@ -19,8 +19,7 @@ Tiny GPT-2 on the stdlib corpus, each peer one process on this host (loopback), 
 (c) a stage-1 peer killed (SIGKILL) at a third of a 2 x 2 IWRR run: tokens/s before / after, time from the kill
     to the first re-routed microbatch (the first ban of the dead peer by a stage-0 peer: the microbatch is re-sent
     at once) and the microbatches stage 1 trained per step (nothing lost: every step's batch trained once).
-(d) the H ablation: DiLoCo-SWARM 4 x 2 at H in ``--ablation-H`` (10, 50, 200), the steps of (a) (its run at the
-    same H is reused), final validation loss of each.
+(d) the H ablation: DiLoCo-SWARM 4 x 2 at H in ``--ablation-H`` (10, 50, 200), the steps of (a), final val loss.
 
     dilocox bench swarm [--steps 400] [--H 50] [--ablation-H 10,50,200] [--hetero-steps 12] [--pace 0.2]
                         [--hetero-mb 12] [--parts a,b,c,d] [--out docs/bench/swarm]
@@ -371,9 +370,10 @@ def _params(res: dict, part: str) -> dict:
 def _md_part_a(res: dict) -> list[str]:
     """Part (a)'s section of ``markdown``: the runs' table, then DiLoCo-SWARM against SWARM and the control."""
     a, pa = res["a"], _params(res, "a")
+    per_peer = [r["tokens"] // (pa["steps"] * r["peers"][0]) for r in a.values()][0]  # batch x seq, every run
     lines = [
         f"**(a) Paper 000's experiment, small scale** ({pa['steps']} steps each, tiny GPT-2 4 layers d=64, "
-        f"2 stages, batch 4 x 64 tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
+        f"2 stages, {per_peer:,} tokens per stage-0 peer and step; DiLoCo-SWARM H={pa['H']}"
         + ("" if pa["H"] == 50 else " instead of the paper's 50")
         + (
             f"; every run with {' '.join(pa['set'])}"

@@ -65,6 +65,7 @@ from dilocox.bench.wan_report import _f as _f
 from dilocox.bench.wan_report import _json_safe as _json_safe
 from dilocox.bench.wan_report import _steps_cell as _steps_cell
 from dilocox.bench.wan_report import markdown as markdown
+from dilocox.bench.wan_report import merge
 from dilocox.bench.wan_report import plot as plot
 from dilocox.bench.wan_report import targets as targets
 from dilocox.bench.wan_report import write_outputs as write_outputs
@@ -301,26 +302,26 @@ def bench(
     baseline_run: bool = True,
     log=print,
     rtts_ms: list[float] = (0.0,),
+    overrides: list[str] = (),
 ) -> dict:
     """Run every (method, cap, RTT) and the uncapped no-delay references; return ``{"meta", "rows"}``.
 
-    ``reference=False`` skips the uncapped runs ("% of uncapped" stays empty and the plan takes
-    the step time of each run itself); ``baseline_run=False`` skips the no-sync run (its few kB
-    are then left in the veth payload). Both only to make quick checks quicker.
-    """
+    ``reference=False`` skips the uncapped runs ("% of uncapped" stays empty and the plan takes the step time of each
+    run itself); ``baseline_run=False`` skips the no-sync run (its few kB are then left in the veth payload). Both only
+    to make quick checks quicker. ``overrides`` (``--set``) apply to every method's runs and to its plan."""
     from dilocox.config import load_config
 
     rtts_ms = sorted(set(float(x) for x in rtts_ms))
     mode, why, runner = _emulation(emulation, rtts_ms, log)
     loss_steps = steps if loss_steps is None else max(loss_steps, steps)
-    rows, t0 = [], time.time()
+    rows, t0, flags = [], time.time(), [*TRAIN_FLAGS, *overrides]
     with tempfile.TemporaryDirectory() as tmp:
         baseline = None
         if mode == "netns" and baseline_run:  # everything that crosses the link except the outer collectives
             baseline = _baseline(runner, tmp, run_root, steps, log)
         for m in methods:
             path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H))
-            cfg = load_config(path)
+            cfg = load_config(path, list(overrides))
             tokens = cfg.train.batch_size * cfg.train.seq_len * REPLICAS
             t_step = None
             capped = [(cap, rtt, steps_within(cfg, cap, steps, max_comm_s, rtt)) for rtt in rtts_ms for cap in caps]
@@ -329,7 +330,7 @@ def bench(
             lengths = sorted({steps, loss_steps}, reverse=True) if reference else []
             for cap, rtt, n in [(None, 0.0, k) for k in lengths] + capped:
                 name = run_name(m, cap, rtt, n, steps)
-                run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *TRAIN_FLAGS], rtt_ms=rtt)
+                run = runner(path, cap, os.path.join(run_root, name), [f"--train.steps={n}", *flags], rtt_ms=rtt)
                 row = _measured_row(run, cfg, m, cap, rtt, name, n, steps, loss_steps, tokens, baseline)
                 if (cap is None and t_step is None) or not reference:
                     # the step time uncapped, the collectives' own CPU time (gloo's copies and reductions,
@@ -355,6 +356,7 @@ def bench(
         "steps": steps,
         "loss_steps": loss_steps,
         "H": H,
+        "overrides": list(overrides),
         "max_comm_s": max_comm_s,
         "reference": reference,
         "reference_window": True,  # shortened runs are compared with steps 2..n of the uncapped run
@@ -386,7 +388,8 @@ def method_configs(meta: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for m in meta["methods"]:
             body = method_body(m, meta.get("H", 20))
-            out[m] = load_config(write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], body))
+            path = write_config(os.path.join(tmp, f"{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], body)
+            out[m] = load_config(path, list(meta.get("overrides") or []))
     return out
 
 
@@ -471,6 +474,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--H", type=int, default=20, help="inner steps per outer step of the local-step methods")
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="--section.key=value",
+        help="a config override for every method's runs and plans, e.g. --set=--outer.streaming.tau=0 (repeatable)",
+    )
+    ap.add_argument(
         "--max-comm-s",
         type=float,
         default=15.0,
@@ -481,6 +491,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-sync baseline run (quick checks)")
     ap.add_argument(
         "--render", metavar="RESULTS_JSON", help="only re-write results.md and the plots from a results.json"
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        default=[],
+        help="with --render: more results.json to render in the same tables (each method labelled with its --set)",
     )
     ap.add_argument(
         "--resummarize",
@@ -500,15 +517,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
-    if (a.replan or a.resummarize) and not a.render:
-        ap.error("--replan and --resummarize work on a finished result: add --render RESULTS_JSON")
+    if (a.replan or a.resummarize or a.merge) and not a.render:
+        ap.error("--replan, --resummarize and --merge work on finished results: add --render RESULTS_JSON")
+    if a.merge and (a.replan or a.resummarize):
+        ap.error("--merge renders finished results as they are: --replan and --resummarize work on one at a time")
     if a.render:
-        try:
-            with open(a.render) as f:
-                res = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"dilocox bench wan: error: --render {a.render}: {e}", file=sys.stderr)
-            return 2
+        loaded = []
+        for path in [a.render, *a.merge]:
+            try:
+                with open(path) as f:
+                    loaded.append(json.load(f))
+            except (OSError, json.JSONDecodeError) as e:
+                print(f"dilocox bench wan: error: --render/--merge {path}: {e}", file=sys.stderr)
+                return 2
+        res = merge(loaded, [a.render, *a.merge]) if a.merge else loaded[0]
         if a.resummarize:
             res = resummarize(res, a.run_root)
         if a.replan:
@@ -538,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             reference=not a.no_uncapped,
             baseline_run=not a.no_baseline,
             rtts_ms=rtts,
+            overrides=a.set,
         )
     except (ValueError, RuntimeError, SwitchError) as e:
         print(f"dilocox bench wan: error: {e}", file=sys.stderr)

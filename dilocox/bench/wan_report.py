@@ -26,19 +26,23 @@ def _rtt(ms: float | None) -> str:
     return f"{ms or 0:g} ms"
 
 
+GRADED = ("dilocox", "dilocox-far", "dilocox-paper")
+
+
 def targets(rows: list[dict], caps: list[float]) -> list[str]:
     """The issue's targets (issue 20), as measured (pass/fail); only those whose rows were run. They were set for
-    DiLoCoX: graded for both the ``dilocox`` preset and DiLoCoX's own recipe (``dilocox-paper``) where run."""
+    DiLoCoX: graded for the ``dilocox`` presets (the loss point and the far-link one) and DiLoCoX's own recipe
+    (``dilocox-paper``) where run."""
     cap_rows = [r for r in rows if r["cap_bps"] is not None]
     get = {(r["method"], r["cap_bps"], r.get("rtt_ms") or 0.0): r for r in cap_rows}
     for r in sorted((r for r in rows if r["cap_bps"] is None), key=lambda r: r["steps"]):
         get[(r["method"], None, 0.0)] = r  # the longest uncapped run: the loss at equal tokens
     out = []
-    for m in ("dilocox", "dilocox-paper"):
+    for m in GRADED:
         out += _method_targets(get, m)
     out += _plan_within(cap_rows, "err_tokens_per_s_pct", "the plan within 15 % of the measured tokens/s")
     out += _plan_within(cap_rows, "err_own_tokens_per_s_pct", "the plan at each run's own compute speed within 15 %")
-    for m in ("dilocox", "dilocox-paper"):
+    for m in GRADED:
         out += _loss_target(get, m)
     return out
 
@@ -103,7 +107,17 @@ def _steps_cell(r: dict) -> str:
 
 def _md_header(m: dict) -> list[str]:
     """The lines above the tables: machine, emulation and run lengths, then what the plan columns mean."""
-    return [
+    merged = (
+        [
+            f"Merged from {', '.join(m['merged_from'])} (`dilocox bench wan --render ... --merge ...`; dates "
+            f"{', '.join(m['dates'])}; code {', '.join(m['codes'])}); each method is labelled with its bench's `--set` "
+            "overrides. The first bench's header:",
+            "",
+        ]
+        if m.get("merged_from")
+        else []
+    )
+    return merged + [
         f"Machine: {m['machine']}; date {m['date']}; code {m.get('git') or 'unknown'}; "
         f"load average at the end {', '.join(f'{x:.1f}' for x in m['load_avg'])} "
         f"(the 2 cores are shared: tokens/s are noisy). Emulation: **{m['emulation']}**"
@@ -116,7 +130,9 @@ def _md_header(m: dict) -> list[str]:
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), "
         f"8 x 128 tokens "
         f"per replica per step, H={m['H']} for the local-step methods but the `dilocox` preset (its own H = 4; "
-        "settings of `bench methods`). Capped runs: "
+        "settings of `bench methods`"
+        + (f"; overrides for every run: `{' '.join(m['overrides'])}`" if m.get("overrides") else "")
+        + "). Capped runs: "
         f"{m['steps']} steps (fewer where the predicted communication exceeds {m['max_comm_s']:g} s: see steps); "
         + (
             f'uncapped runs: {m["steps"]} steps (the "% of uncapped" reference; a shortened capped run '
@@ -379,6 +395,32 @@ def _json_safe(x):
     if isinstance(x, (list, tuple)):
         return [_json_safe(v) for v in x]
     return x
+
+
+def merge(results: list[dict], sources: list[str]) -> dict:
+    """Several finished benches (``--render A --merge B C``) as one: the rows of all, each method labelled with its
+    bench's ``--set`` overrides (``dilocox outer.streaming.tau=0``) and numbered where one label repeats (repeated
+    runs of one config: the spread is the noise). Render-only: the merged rows no longer name a preset."""
+    rows, seen = [], {}
+    for res in results:
+        sets = " ".join(o.lstrip("-") for o in res["meta"].get("overrides") or [])
+        run_labels = {}
+        for r in res["rows"]:
+            base = f"{r['method']} {sets}".strip()
+            if base not in run_labels:
+                seen[base] = seen.get(base, 0) + 1
+                run_labels[base] = base if seen[base] == 1 else f"{base} (run {seen[base]})"
+            rows.append({**r, "method": run_labels[base]})
+    meta = dict(results[0]["meta"])
+    meta.update(
+        overrides=[],
+        merged_from=list(sources),
+        methods=list(dict.fromkeys(r["method"] for r in rows)),
+        bench_wall_s=sum(x["meta"].get("bench_wall_s") or 0.0 for x in results),
+        dates=sorted({x["meta"]["date"] for x in results}),
+        codes=sorted({str(x["meta"].get("git")) for x in results}),
+    )
+    return {"meta": meta, "rows": rows}
 
 
 def write_outputs(res: dict, out_dir: str, plots: bool = True) -> str:

@@ -36,7 +36,8 @@ Bandwidth strings: ``100mbit``, ``1gbit``, ``10Gbit/s``, ``1Gbps`` (bits), ``125
 decimal prefixes.
 
 Layout: ``units`` (bandwidth and duration strings), ``methods`` (the presets, ``Method``),
-``payloads`` (bytes per sync, ``rank_shards``), ``predict`` (the time model, ``plan``, ``plan_all``),
+``payloads`` (bytes per sync, ``rank_shards``), ``predict`` (the time model, ``plan``, ``plan_all``,
+``choose_preset``: which of the two ``dilocox`` presets a link wants),
 ``cli`` (``dilocox plan``). Import from ``dilocox.plan``: every name is re-exported here.
 """
 
@@ -48,8 +49,10 @@ from dilocox.plan.predict import (
     DEFAULT_LATENCY_S,
     DEFAULT_MFU,
     DEFAULT_TOKENS_PER_STEP,
+    PRESET_PAIR,
     TARGETS,
     bandwidth_for,
+    choose_preset,
     paper_worked_example,
     plan,
     plan_all,
@@ -64,9 +67,11 @@ __all__ = [
     "DEFAULT_LATENCY_S",
     "DEFAULT_MFU",
     "DEFAULT_TOKENS_PER_STEP",
+    "PRESET_PAIR",
     "TARGETS",
     "Method",
     "bandwidth_for",
+    "choose_preset",
     "collective_cost",
     "configs_dir",
     "fmt_bandwidth",

@@ -20,6 +20,9 @@ from dilocox.plan.predict import (
     DEFAULT_LATENCY_S,
     DEFAULT_MFU,
     DEFAULT_TOKENS_PER_STEP,
+    PRESET_PAIR,
+    UTIL_TARGET,
+    choose_preset,
     plan,
     plan_all,
 )
@@ -47,7 +50,7 @@ def format_table(rows: list[dict]) -> str:
     ] + [f"BW for {float(u):.0%}" for u in tgt]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        ov = r["overlap"] if r["fragments"] == 1 else f"streaming K={r['fragments']} tau={r['tau']}"
+        ov = r["overlap"] if r["fragments"] == 1 and not r["tau"] else f"streaming K={r['fragments']} tau={r['tau']}"
         cells = [
             r["method"],
             str(r["H"]),
@@ -75,6 +78,23 @@ def _tau_cell(r: dict) -> str:
     if r.get("tau_for_97") is None:
         return f"none < {max(r['H'] // r['fragments'], 1)} (raise H)"
     return str(r["tau_for_97"])
+
+
+def choice_line(name: str, rows: list[dict]) -> str:
+    """What ``choose_preset`` picked on this link and why (each preset's predicted utilization)."""
+    kept = ", ".join(f"`{r['method']}` {r['utilization']:.1%}" for r in rows)
+    first = rows[0]["method"]
+    why = (
+        f"it keeps >= {UTIL_TARGET:.0%} of the compute"
+        if next(r for r in rows if r["method"] == name)["utilization"] >= UTIL_TARGET
+        else f"none keeps {UTIL_TARGET:.0%}: the one that keeps the most"
+    )
+    if name != first and why.startswith("it"):
+        why += f" where `{first}` (the better loss) does not"
+    return (
+        f"preset for this link: methods/{name}.yaml ({why}; predicted utilization {kept}; the trade-off: "
+        "docs/BENCHMARKS.md §4i)"
+    )
 
 
 def _finite(x):
@@ -237,6 +257,7 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
         pipeline=args.pipeline,
         tensor=args.tensor,
     )
+    args.mcfg, args.plan_kw = mcfg, kw
     rows = []
     for m in methods or known:
         if isinstance(m, Method):
@@ -271,6 +292,8 @@ def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
         print(line)
     print(f"\ninner step: {step}\n")
     print(format_table(rows))
+    if all(m in method_names() for m in PRESET_PAIR) and getattr(args, "plan_kw", None) is not None:
+        print("\n" + choice_line(*choose_preset(args.mcfg, args.replicas, bw, **args.plan_kw)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_finite(rows), f, indent=2)

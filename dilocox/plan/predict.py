@@ -200,6 +200,23 @@ def plan(
     }
 
 
+# issue 41 item 4's pair, best loss first: the `dilocox` preset (a fragment every 2 steps, tau = 1) and
+# `dilocox-far` (the same bytes per step, more steps of compute to hide each sync behind): see their YAML headers
+PRESET_PAIR = ("dilocox", "dilocox-far")
+UTIL_TARGET = 0.97
+
+
+def choose_preset(
+    model: ModelConfig | int, replicas: int, bandwidth_bps: float, pair=PRESET_PAIR, target: float = UTIL_TARGET, **kw
+) -> tuple[str, list[dict]]:
+    """``(name, rows)``: the first preset of ``pair`` (ordered best loss first) whose predicted utilization on this
+    link reaches ``target``, else the one that keeps the most compute; ``rows``: the plan of each (``kw``: ``plan``'s
+    keywords: step time, latency, layout, ...)."""
+    rows = [plan(model, replicas, bandwidth_bps, method=m, **kw) for m in pair]
+    ok = [r for r in rows if r["utilization"] >= target]
+    return (ok[0] if ok else max(rows, key=lambda r: r["utilization"]))["method"], rows
+
+
 def _has_tau(method: Method) -> bool:
     """Whether ``outer.streaming.tau`` applies: the DiLoCo family with overlap none (any K)."""
     return method.outer.method == "diloco" and method.overlap == "none"
