@@ -36,8 +36,8 @@ OWN_H = ("allreduce", "cocktailsgd", "dilocox", "dilocox-far")
 
 
 def method_body(method: str, H: int, layout: str = LAYOUT) -> str:
-    """Per-method settings scaled to a short CPU run (the papers' H=100..500 are for 4k-step runs). The
-    ``dilocox`` preset keeps its own H (= 4: a fragment every 2 steps; its density sets its bytes, not H)."""
+    """Per-method settings scaled to a short CPU run (the papers' H=100..500 are for 4k-step runs). The presets of
+    ``OWN_H`` keep their own H (`dilocox`: 4, a fragment every 2 steps; its density sets its bytes, not H)."""
     extra = {
         "opendiloco": "",
         "streaming": "",

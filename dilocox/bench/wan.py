@@ -548,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if a.steps < 2 or a.H < 1:
             raise ValueError(f"--steps={a.steps} must be >= 2 (tokens/s leaves out step 1) and --H={a.H} >= 1")
+        method_configs({"methods": methods, "H": a.H, "overrides": a.set})  # a bad --set: one line, before any run
         res = bench(
             methods,
             caps,

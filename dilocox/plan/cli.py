@@ -84,13 +84,12 @@ def choice_line(name: str, rows: list[dict]) -> str:
     """What ``choose_preset`` picked on this link and why (each preset's predicted utilization)."""
     kept = ", ".join(f"`{r['method']}` {r['utilization']:.1%}" for r in rows)
     first = rows[0]["method"]
-    why = (
-        f"it keeps >= {UTIL_TARGET:.0%} of the compute"
-        if next(r for r in rows if r["method"] == name)["utilization"] >= UTIL_TARGET
-        else f"none keeps {UTIL_TARGET:.0%}: the one that keeps the most"
-    )
-    if name != first and why.startswith("it"):
-        why += f" where `{first}` (the better loss) does not"
+    if max(r["utilization"] for r in rows) < UTIL_TARGET:
+        why = f"none keeps {UTIL_TARGET:.0%}: the one that keeps the most"
+    else:
+        why = f"it keeps >= {UTIL_TARGET:.0%} of the compute" + (
+            "" if name == first else f" where `{first}` (the better loss) does not"
+        )
     return (
         f"preset for this link: methods/{name}.yaml ({why}; predicted utilization {kept}; the trade-off: "
         "docs/BENCHMARKS.md §4i)"
@@ -292,7 +291,7 @@ def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
         print(line)
     print(f"\ninner step: {step}\n")
     print(format_table(rows))
-    if all(m in method_names() for m in PRESET_PAIR) and getattr(args, "plan_kw", None) is not None:
+    if set(PRESET_PAIR) <= set(method_names()):
         print("\n" + choice_line(*choose_preset(args.mcfg, args.replicas, bw, **args.plan_kw)))
     if args.json:
         with open(args.json, "w") as f:
