@@ -28,7 +28,7 @@ class _Reader:
         self.part = tr._dcp_part()
 
     def prepare(self, step_dir: str, meta: dict) -> dict:
-        import torch.distributed.checkpoint as dcp
+        from dilocox.checkpoint.reader import reader
 
         tr, topo = self.tr, self.tr.topo
         saved, mine = meta.get("layout", tr._layout()["layout"]), tr._layout()["layout"]
@@ -45,7 +45,7 @@ class _Reader:
                 f"resume it on its saved layout {saved} (parallel.data/pipeline/tensor as saved)"
             )
         self.src = topo.rank if self.same else ((topo.replica * D) * P) * T
-        md = dcp.FileSystemReader(os.path.join(step_dir, self.part[0])).read_metadata().state_dict_metadata
+        md = reader(os.path.join(step_dir, self.part[0])).read_metadata().state_dict_metadata
         outer_names = tr._outer_layout()[0] if tr._outer_layout() else None
         return names.wanted(
             md, topo.replica, self.src, list(tr.model.state_dict()), tr._opt_names(), outer_names, tr._dcp_target
@@ -125,17 +125,10 @@ class TrainerState:
 
     # ------------------------------------------------------------------ the state by global names (DCP)
     def _opt_names(self) -> list[str]:
-        """Parameter names by inner-optimizer index (``optim.param_order``, as ``build_inner_optimizer`` lists)."""
-        from dilocox.optim import param_order
-
-        named = [(n, p.dim() >= 2) for n, p in self.model.named_parameters() if p.requires_grad]
-        return [n for g in param_order(named, self.cfg.optim.name) for n in g]
+        return names.opt_param_names(self.model, self.cfg.optim.name)
 
     def _outer_layout(self) -> tuple | None:
-        o = self.outer
-        if o is None or not hasattr(getattr(o, "state", None), "fragments"):
-            return None  # (no outer, or one without per-parameter state: saved whole in the rank's rest)
-        return o.names, [p.shape for p in o.params], o.state.fragments
+        return names.outer_layout(self.outer)
 
     def _tp(self) -> tuple[dict, object]:
         """``(name -> partition_dim of every TP-sharded model tensor, the TP group's DeviceMesh or None)``."""

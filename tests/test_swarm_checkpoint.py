@@ -163,7 +163,7 @@ def _check(res):
 def test_stop_and_resume_equals_one_run(tmp_path, sync):
     # diloco: H=2 with delayed overlap; each peer writes its own file (own AdamW state, own θ between outer steps)
     cfg = _cfg(f"--swarm.sync={sync}", "--outer.sync_every=2", "--outer.overlap=delayed")
-    writers = ["s0p0.pt", "s1p0.pt"] if sync == "swarm" else ["s0p0.pt", "s0p1.pt", "s1p0.pt", "s1p1.pt"]
+    writers = ["s0p0", "s1p0"] if sync == "swarm" else ["s0p0", "s0p1", "s1p0", "s1p1"]
     whole = launch(cfg, str(tmp_path / "whole"), peers_per_stage=[2, 2], steps=6, timeout_s=240)
     _check(whole)
     out = str(tmp_path / "split")
@@ -173,11 +173,13 @@ def test_stop_and_resume_equals_one_run(tmp_path, sync):
     # step 2 (every=2) and step 3 (the end); swarm: one file per stage, written by its lowest live peer
     assert sorted(os.listdir(ckpt)) == ["step_00000002", "step_00000003"]
     for d in os.listdir(ckpt):
-        assert sorted(f for f in os.listdir(os.path.join(ckpt, d)) if f.endswith(".pt")) == writers
+        step_dir = os.path.join(ckpt, d)  # one DCP directory per writer, its .json record beside it
+        assert sorted(f for f in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, f))) == writers
+        assert sorted(f[:-5] for f in os.listdir(step_dir) if f.endswith(".json")) == writers
     with pytest.raises(SwarmError, match="--resume"):  # a fresh run into it is refused, nothing started
         launch(cfg, out, peers_per_stage=[2, 2], steps=6, timeout_s=60)
     if sync == "swarm":  # a flipped byte in stage 1's file of step 3: every stage goes back to step 2 together
-        with open(os.path.join(ckpt, "step_00000003", "s1p0.pt"), "r+b") as f:
+        with open(os.path.join(ckpt, "step_00000003", "s1p0", "__0_0.distcp"), "r+b") as f:
             f.seek(100)
             b = f.read(1)
             f.seek(100)
@@ -186,7 +188,9 @@ def test_stop_and_resume_equals_one_run(tmp_path, sync):
     _check(again)
     if sync == "swarm":
         with open(os.path.join(out, "s1p1.log")) as f:
-            assert re.search(r"resumed from \S+/step_00000002/s1p0\.pt at step 2\b", f.read())
+            log = f.read()
+        assert re.search(r"resumed from \S+/step_00000002/s1p0 at step 2\b", log)
+        assert re.search(r"step_00000003/s1p0/__0_0\.distcp is corrupt .*s1p0\.json", log), log[-3000:]
         assert [d for d in os.listdir(ckpt) if d.startswith("step_00000003.stale-")], os.listdir(ckpt)
     _assert_same_params(whole, again, ["s0p0", "s0p1", "s1p0", "s1p1"])
     for name in ("s0p0", "s0p1"):  # the records: each step once, the resumed steps' losses those of one run
@@ -219,3 +223,108 @@ def test_diloco_stage_losing_its_last_peer_names_the_checkpoint_and_resumes_bit_
     assert [r["step"] for r in again.records["s0p0"]] == list(range(6))
     with open(os.path.join(out, "s0p0.discarded.jsonl")) as f:  # step 4's record of the killed run
         assert [json.loads(line)["step"] for line in f] == [4]
+
+
+# ---------------------------------------------------------------------------------------------- the DCP format
+
+
+def _peer(cfg, stage, seed, out):
+    """A SWARM peer's state as ``Peer`` holds it (``swarm.sync=diloco``): stage ``stage`` of 2, its AdamW and its
+    DiLoCo outer loop on its own (no group), without a server."""
+    import dataclasses
+
+    from dilocox.model.transformer import build_stage_model
+    from dilocox.optim import build_inner_optimizer
+    from dilocox.outer import build_outer
+
+    model = build_stage_model(cfg.model, stage, 2, seed=seed)
+    opt = build_inner_optimizer(cfg, model, torch.device("cpu"))
+    outer = build_outer(
+        list(model.named_parameters()), None, dataclasses.replace(cfg.outer, method="diloco"), cfg.compress,
+        seed=0, layer_of=model.param_layer_id, n_layers_total=cfg.model.n_layers, group=None,
+    )  # fmt: skip
+    s = types.SimpleNamespace(sync="diloco")
+    return types.SimpleNamespace(
+        s=s, group=None, cfg=cfg, out_dir=out, stage=stage, index=0, n=2, model=model, opt=opt, outer=outer,
+        name=f"s{stage}p0",
+    )  # fmt: skip
+
+
+def _train(peer, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for k in range(steps):
+        for p in peer.model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 0.01
+        peer.opt.step()
+        peer.outer.after_inner_step(k)
+
+
+def test_a_peer_saves_one_dcp_checkpoint_by_global_names_and_loads_it_back_exactly(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = _cfg("--swarm.sync=diloco", "--outer.sync_every=2", "--outer.overlap=delayed", "--model.n_layers=4")
+    out = str(tmp_path)
+    a = _peer(cfg, 1, seed=0, out=out)
+    _train(a, 3, seed=1)  # an outer step at the end of step 1, in flight past step 2 (delayed overlap)
+    where = ck.save(a, 3)
+    assert where == os.path.join(out, "checkpoints", "step_00000003", "s1p0")
+    keys = set(dcp.FileSystemReader(where).read_metadata().state_dict_metadata)
+    # stage 1 of 2 of a 4-layer model holds layers 2 and 3, named as in the whole model
+    w = "attn.q_proj.weight"
+    assert f"replica0/model/layers.2.{w}" in keys and f"replica0/model/layers.0.{w}" not in keys
+    assert {f"replica0/optim/layers.3.{w}/exp_avg", f"replica0/outer/theta/layers.3.{w}"} <= keys
+    assert any(k.startswith("replica0/outer/pending/") for k in keys), "the in-flight outer result is not kept"
+    assert "rank0/rest" in keys
+    with open(os.path.join(os.path.dirname(where), "s1p0.json")) as f:
+        rec = json.load(f)
+    assert rec["dir"] == "s1p0" and {os.path.basename(n) for n in rec["files"]} == {".metadata", "__0_0.distcp"}
+
+    b = _peer(cfg, 1, seed=5, out=out)  # other initial weights: everything must come from the file
+    assert ck.load(b, where) == 3
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    sa, sb = a.opt.state_dict(), b.opt.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+    oa, ob = a.outer.state_dict(), b.outer.state_dict()
+    assert torch.equal(oa["state"]["theta"], ob["state"]["theta"])
+    assert torch.equal(oa["state"]["momentum"], ob["state"]["momentum"])
+    # the same steps after the load: the same bytes (the pending outer result is applied in step 3's sync)
+    _train(a, 2, seed=9)
+    _train(b, 2, seed=9)
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+
+    # the peer's stage must match: stage 0 refuses stage 1's file
+    with pytest.raises(SwarmError, match="holds parameters"):
+        ck.load(_peer(cfg, 0, seed=0, out=out), where)
+    # a flipped byte in the data file: named by the verification, with its record
+    data = os.path.join(where, "__0_0.distcp")
+    with open(data, "r+b") as f:
+        f.seek(64)
+        byte = f.read(1)
+        f.seek(64)
+        f.write(bytes([byte[0] ^ 1]))
+    assert re.search(r"__0_0\.distcp is corrupt .*s1p0\.json", ck._verify(os.path.dirname(where), rec))
+
+
+def test_an_earlier_format_peer_file_still_resumes(tmp_path):
+    cfg = _cfg("--swarm.sync=diloco", "--outer.sync_every=2", "--model.n_layers=4")
+    a = _peer(cfg, 0, seed=0, out=str(tmp_path))
+    _train(a, 2, seed=1)
+    from dilocox.checkpoint.state import rng_state
+
+    old = {  # what swarm/checkpoint.py VERSION 1 wrote with torch.save
+        "version": 1, "step": 2, "stage": 0, "index": 0, "sync": "diloco",
+        "params": {n: p.detach() for n, p in a.model.named_parameters()}, "opt": a.opt.state_dict(),
+        "outer": a.outer.state_dict(), "rng": rng_state(),
+    }  # fmt: skip
+    path = os.path.join(str(tmp_path), "s0p0.pt")
+    torch.save(old, path)
+    b = _peer(cfg, 0, seed=3, out=str(tmp_path))
+    assert ck.load(b, path) == 2
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(a.outer.state_dict()["state"]["theta"], b.outer.state_dict()["state"]["theta"])

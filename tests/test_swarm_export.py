@@ -160,7 +160,7 @@ def test_an_unfinished_run_exports_its_newest_checkpoint_or_refuses_local_params
     later = {k: v * 2.0 for k, v in s0.items()}
     _save_checkpoint(out, cfg, 0, 0, later, 4, sync)
     _save_checkpoint(out, cfg, 1, 0, {k: v * 2.0 for k, v in s1.items()}, 4, sync)
-    pt = os.path.join(os.path.dirname(source), "step_00000004", "s1p0.pt")
+    pt = os.path.join(os.path.dirname(source), "step_00000004", "s1p0", "__0_0.distcp")
     raw = bytearray(open(pt, "rb").read())
     raw[-10] ^= 0xFF
     open(pt, "wb").write(bytes(raw))
@@ -170,7 +170,7 @@ def test_an_unfinished_run_exports_its_newest_checkpoint_or_refuses_local_params
     got, source = final_model(out, cfg, allow_replica_params=True, step_dir=source)
     assert all(torch.equal(got[k], full[k]) for k in full)
     with pytest.raises(CheckpointError, match="step_00000004: not a complete SWARM checkpoint step"):
-        final_model(out, cfg, allow_replica_params=True, step_dir=os.path.dirname(pt))
+        final_model(out, cfg, allow_replica_params=True, step_dir=os.path.dirname(os.path.dirname(pt)))
 
 
 def test_a_changed_model_config_is_named(tmp_path):

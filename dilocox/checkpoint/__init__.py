@@ -22,7 +22,8 @@ temporary name and moved into place with ``os.replace`` (atomic on POSIX), ``lat
 ``COMPLETE.json``. A crash at any point therefore leaves the previous checkpoint and the previous ``latest``
 untouched; a step directory without ``COMPLETE.json`` is ignored on resume (and cleared by the next save at that
 step). None of our values is pickled (DCP's tensor files, and JSON for the rest); DCP's ``.metadata`` index is a
-pickle, read only after its SHA-256 matched COMPLETE.json.
+pickle, read only after its SHA-256 matched COMPLETE.json and then only by an unpickler that resolves DCP's own
+metadata classes and nothing else (``dilocox.checkpoint.reader``).
 
 What is refused, so that a bad checkpoint never replaces a good one:
 

@@ -14,6 +14,7 @@ import torch
 from dilocox.checkpoint import names
 from dilocox.checkpoint.layout import CheckpointError, dcp_dirs, read_meta, verify_files
 from dilocox.checkpoint.load import check_meta
+from dilocox.checkpoint.reader import reader
 
 
 def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
@@ -22,9 +23,9 @@ def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
 
     meta = read_meta(step_dir)
     check_meta(step_dir, meta, None)
-    verify_files(step_dir, meta)  # every file's hash (DCP's .metadata index is a pickle: checked before it is read)
+    verify_files(step_dir, meta)  # every file's hash (the index is then read by ``reader``)
     for where in dcp_dirs(step_dir):
-        md = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+        md = reader(where).read_metadata().state_dict_metadata
         if any(k.startswith(prefix + "/") for k in md):
             break
     want = {
@@ -35,7 +36,7 @@ def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
     if want:
         with warnings.catch_warnings():  # (one process, no process group: DCP says so)
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(want, checkpoint_id=where, no_dist=True)
+            dcp.load(want, storage_reader=reader(where), no_dist=True)
     return {k[len(prefix) + 1 :]: v for k, v in want.items()}
 
 

@@ -82,9 +82,9 @@ class WholeReader:
         self.subdir = subdir
 
     def prepare(self, step_dir: str, meta: dict) -> dict:
-        import torch.distributed.checkpoint as dcp
+        from dilocox.checkpoint.reader import reader
 
-        md = dcp.FileSystemReader(os.path.join(step_dir, self.subdir)).read_metadata().state_dict_metadata
+        md = reader(os.path.join(step_dir, self.subdir)).read_metadata().state_dict_metadata
         return {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
 
     def finish(self, step_dir: str, meta: dict, targets: dict) -> dict:
@@ -138,6 +138,7 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # (lazy: DCP costs ~1 s at import)
 
+    from dilocox.checkpoint.reader import reader
     from dilocox.checkpoint.save import _dcp_rank
 
     subdir, group, size = part
@@ -146,7 +147,7 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
                 targets,
-                checkpoint_id=os.path.join(step_dir, subdir),
+                storage_reader=reader(os.path.join(step_dir, subdir)),
                 process_group=group,
                 no_dist=_dcp_rank(group, size)[1],
             )

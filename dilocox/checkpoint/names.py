@@ -22,7 +22,8 @@ rank's, and the parts with no meaning there restart (``restart_notes`` in diloco
 No value of ours is pickled: DCP would store a non-tensor value with ``torch.save`` and load it with a full
 unpickler (``torch.load`` without weights_only), so the ``rest`` is written as JSON in a uint8 tensor
 (``encode``/``decode``).
-(DCP's own index, ``.metadata``, is a pickle: every load checks its SHA-256 against COMPLETE.json first.)
+(DCP's own index, ``.metadata``, is a pickle: every load checks its SHA-256 against COMPLETE.json first and reads
+it with ``dilocox.checkpoint.reader``'s restricted unpickler.)
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def param_of(k: str) -> str | None:
     if len(parts) == 4 and parts[1] in ("optim", "outer"):
         return parts[2] if parts[1] == "optim" else parts[3]
     return None
+
+
+def opt_param_names(model: torch.nn.Module, optim_name: str) -> list[str]:
+    """Parameter names by inner-optimizer index (``optim.param_order``, as ``build_inner_optimizer`` lists them)."""
+    from dilocox.optim import param_order
+
+    named = [(n, p.dim() >= 2) for n, p in model.named_parameters() if p.requires_grad]
+    return [n for g in param_order(named, optim_name) for n in g]
+
+
+def outer_layout(outer) -> tuple | None:
+    """``(names, shapes, fragments)`` of a DiLoCo-family outer state, for :func:`flatten`; None for no outer or
+    one without per-parameter state (saved whole in the rank's rest)."""
+    if outer is None or not hasattr(getattr(outer, "state", None), "fragments"):
+        return None
+    return outer.names, [p.shape for p in outer.params], outer.state.fragments
 
 
 # ---------------------------------------------------------------------------------------------- the rest (JSON)

@@ -5,11 +5,18 @@ SWARM peers keep their state on their own, so a stage that loses its last peer u
 the end of the run (S = the last step), into ``CKPT/step_{S:08d}/`` (CKPT = ``checkpoint.dir``, else
 ``OUT/checkpoints``; on several hosts it must be a shared directory):
 
-- ``s{j}p{i}.pt``: the writer's stage parameters (by name), its inner optimizer's state, its DiLoCo outer state
-  (``swarm.sync=diloco``: the ``DiLoCoOuter`` state dict, in-flight work waited for and kept pending, as a
-  ``dilocox train`` checkpoint holds it) and its RNG state, written atomically (temp file, fsync, rename);
-- ``s{j}p{i}.json``: its size and SHA-256 (hashed while it is written, as the rest of dilocox's checkpoints), the
-  step, the stage layout and the config; written after the ``.pt`` is in place, so a ``.json`` means a whole file.
+- ``s{j}p{i}/``: the writer's state as one ``torch.distributed.checkpoint`` (DCP) directory, through
+  ``dilocox.checkpoint.names`` as a trainer's replica saves it (one peer = one replica of its stage's layers, named
+  as in the whole model): ``replica0/model/<name>`` its stage parameters, ``replica0/optim/<name>/<k>`` its inner
+  optimizer's state, ``replica0/outer/<kind>/<name>`` its DiLoCo outer state (``swarm.sync=diloco``: in-flight work
+  waited for and kept pending, as a ``dilocox train`` checkpoint holds it), ``rank0/rest`` the step, RNG state and
+  the rest as JSON. Written into a temporary directory and moved into place; nothing pickled, and DCP's index is
+  read by ``dilocox.checkpoint.reader``'s restricted unpickler;
+- ``s{j}p{i}.json``: each of its files' size and SHA-256, the step, the stage layout and the config; written after
+  the directory is in place, so a ``.json`` means a whole checkpoint.
+
+Checkpoints of the earlier format (one ``s{j}p{i}.pt`` file, ``torch.save``, read with ``weights_only=True``) still
+resume and export.
 
 Who writes: ``swarm.sync=swarm`` leaves every live peer of a stage with the same bytes after each sync, so ONE peer
 writes, the lowest index among that sync's contributors (every peer computes the same answer from the same agreed
@@ -44,7 +51,17 @@ import time
 
 import torch
 
-from dilocox.checkpoint.layout import HASH, _atomic_write_bytes, _atomic_write_text, file_hash, step_dir_name
+from dilocox.checkpoint import names
+from dilocox.checkpoint.layout import (
+    HASH,
+    CheckpointError,
+    CorruptCheckpointError,
+    _atomic_write_text,
+    file_hash,
+    record,
+    step_dir_name,
+    verify_files,
+)
 from dilocox.checkpoint.state import nonfinite_tensors, rng_state, set_rng_state
 from dilocox.rundir import config_changes, move_records_after
 from dilocox.swarm.common import SwarmError
@@ -53,7 +70,7 @@ log = logging.getLogger("dilocox.swarm.peer")
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _FILE_RE = re.compile(r"^s(\d+)p(\d+)\.json$")
-VERSION = 1
+VERSION = 2  # 2: a DCP directory per peer (1: one torch.save file)
 # config keys a resume may change without a warning beyond the log line: where and how many peers serve a stage,
 # how microbatches are routed and timed (the stage state is the same whoever serves it)
 LAYOUT_KEYS = frozenset(
@@ -95,13 +112,14 @@ def _steps(ckpt_dir: str) -> list[tuple[int, str]]:
 
 
 def stage_files(step_dir: str) -> dict[int, dict[int, dict]]:
-    """{stage: {index: its .json record}} of the whole files in ``step_dir`` (a .json whose .pt is gone: skipped)."""
+    """{stage: {index: its .json record}} of the whole checkpoints in ``step_dir`` (a .json whose directory or .pt
+    is gone: skipped)."""
     out: dict[int, dict[int, dict]] = {}
     try:
-        names = os.listdir(step_dir)
+        listed = os.listdir(step_dir)
     except OSError:
         return out
-    for name in names:
+    for name in listed:
         m = _FILE_RE.match(name)
         if not m:
             continue
@@ -110,11 +128,24 @@ def stage_files(step_dir: str) -> dict[int, dict[int, dict]]:
                 rec = json.load(f)
         except (OSError, ValueError):
             continue
-        f = rec.get("file") if isinstance(rec, dict) else None
-        if not isinstance(f, str) or f != name[:-5] + ".pt" or not os.path.exists(os.path.join(step_dir, f)):
-            continue
-        out.setdefault(int(m.group(1)), {})[int(m.group(2))] = rec
+        if isinstance(rec, dict) and _target(step_dir, rec, name[:-5]) is not None:
+            out.setdefault(int(m.group(1)), {})[int(m.group(2))] = rec
     return out
+
+
+def _target(step_dir: str, rec: dict, stem: str) -> str | None:
+    """The checkpoint a record names (its DCP directory, or an earlier format's .pt) if it exists, else None."""
+    d, f = rec.get("dir"), rec.get("file")
+    if d == stem and isinstance(rec.get("files"), dict) and os.path.isdir(os.path.join(step_dir, d)):
+        return os.path.join(step_dir, d)
+    if f == stem + ".pt" and os.path.exists(os.path.join(step_dir, f)):
+        return os.path.join(step_dir, f)
+    return None
+
+
+def record_path(path: str) -> str:
+    """The .json record of a checkpoint (its DCP directory or .pt file)."""
+    return (path[:-3] if path.endswith(".pt") else path.rstrip(os.sep)) + ".json"
 
 
 def complete_steps(ckpt_dir: str, n_stages: int) -> list[tuple[int, str]]:
@@ -167,30 +198,56 @@ def writes(peer) -> bool:
 
 
 def peer_state(peer, step: int) -> dict:
-    return {
+    """The peer's state as DCP entries by global names (``names.flatten``; module docstring)."""
+    sd = {
         "version": VERSION,
         "step": step,
         "stage": peer.stage,
         "index": peer.index,
         "sync": peer.s.sync,
-        "params": {n: p.detach() for n, p in peer.model.named_parameters()},
-        "opt": peer.opt.state_dict(),
+        "model": {n: p.detach() for n, p in peer.model.named_parameters()},
+        "optimizer": peer.opt.state_dict(),
         "outer": peer.outer.state_dict() if peer.outer is not None else None,
         "rng": rng_state(),
     }
+    return names.flatten(
+        sd, 0, 0, names.opt_param_names(peer.model, peer.cfg.optim.name), names.outer_layout(peer.outer)
+    )
+
+
+def _write_dcp(where: str, state: dict) -> list[str]:
+    """``state`` as a DCP checkpoint in the new directory ``where`` (written beside it, fsynced, moved into place;
+    a leftover of an interrupted save is replaced); returns its files."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    tmp = f"{where}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+        with warnings.catch_warnings():  # (one process, no process group: DCP says so)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        shutil.rmtree(where, ignore_errors=True)  # (no .json names it: an interrupted save's leftover)
+        os.replace(tmp, where)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(os.path.join(where, n) for n in os.listdir(where))
 
 
 def save(peer, step: int) -> str | None:
-    """Write this peer's checkpoint of ``step`` if it is a writer (``writes``); returns the .pt path or None.
+    """Write this peer's checkpoint of ``step`` if it is a writer (``writes``); returns its directory or None.
     A state holding NaN/Inf is not written (SwarmError naming the newest good checkpoint)."""
     if not writes(peer):
         return None
     ckpt = checkpoint_dir(peer.cfg, peer.out_dir)
     step_dir = os.path.join(ckpt, step_dir_name(step))
     stem = file_stem(peer.stage, peer.index)
-    pt, meta_path = os.path.join(step_dir, stem + ".pt"), os.path.join(step_dir, stem + ".json")
+    where, meta_path = os.path.join(step_dir, stem), os.path.join(step_dir, stem + ".json")
     if os.path.exists(meta_path):  # (a resumed run's last step, saved again at its end: never rewritten)
-        return pt
+        return where
     t0 = time.monotonic()
     state = peer_state(peer, step)
     bad = nonfinite_tensors(state)
@@ -201,15 +258,18 @@ def save(peer, step: int) -> str | None:
         )
     try:
         os.makedirs(step_dir, exist_ok=True)
-        size, digest = _atomic_write_bytes(pt, lambda f: torch.save(state, f))
+        files = record(_write_dcp(where, state), step_dir)
     except FileNotFoundError:  # a faster writer completed a newer step and pruned this one meanwhile (sync=diloco)
-        log.warning("%s: checkpoint of step %d skipped: %s was pruned (a newer one is complete)", peer.name, step, pt)
+        log.warning(
+            "%s: checkpoint of step %d skipped: %s was pruned (a newer one is complete)", peer.name, step, where
+        )
         return None
     except OSError as e:
         raise SwarmError(
-            f"{peer.name}: writing the checkpoint of step {step} to {pt} failed ({e}); "
+            f"{peer.name}: writing the checkpoint of step {step} to {where} failed ({e}); "
             + describe_newest(peer.cfg, peer.out_dir, peer.n)
         ) from e
+    size = sum(f["bytes"] for f in files.values())
     rec = {
         "version": VERSION,
         "step": step,
@@ -217,17 +277,18 @@ def save(peer, step: int) -> str | None:
         "index": peer.index,
         "n_stages": peer.n,
         "sync": peer.s.sync,
-        "file": os.path.basename(pt),
+        "dir": stem,
+        "files": files,
         "bytes": size,
         "hash": HASH,
-        HASH: digest,
         "config": peer.cfg.to_dict(),
         "time": time.time(),
     }
     _atomic_write_text(meta_path, json.dumps(rec, indent=1, sort_keys=True) + "\n")
-    log.info("%s: checkpoint of step %d: %s (%.1f MB, %.2f s)", peer.name, step, pt, size / 1e6, time.monotonic() - t0)
+    took = time.monotonic() - t0
+    log.info("%s: checkpoint of step %d: %s (%.1f MB, %.2f s)", peer.name, step, where, size / 1e6, took)
     prune(ckpt, peer.n, peer.cfg.checkpoint.keep)
-    return pt
+    return where
 
 
 def prune(ckpt_dir: str, n_stages: int, keep: int) -> None:
@@ -246,8 +307,16 @@ def prune(ckpt_dir: str, n_stages: int, keep: int) -> None:
 
 
 def _verify(step_dir: str, rec: dict) -> str | None:
-    """None when the file matches its record, else why not."""
-    path = os.path.join(step_dir, rec["file"])
+    """None when the checkpoint matches its record (every file's size and SHA-256), else why not."""
+    if "dir" in rec:
+        if ".metadata" not in {os.path.basename(n) for n in rec["files"]}:
+            return f"{os.path.join(step_dir, rec['dir'])}.json lists no DCP index (.metadata)"
+        try:
+            verify_files(step_dir, rec)
+        except CorruptCheckpointError as e:
+            return str(e).replace("COMPLETE.json", rec["dir"] + ".json")
+        return None
+    path = os.path.join(step_dir, rec["file"])  # the earlier format: one file
     try:
         size = os.path.getsize(path)
     except OSError as e:
@@ -277,7 +346,7 @@ def candidates_in(ckpt_dir: str, n_stages: int, stage: int, index: int) -> list[
         for i in ([index] if index in files else []) + sorted(i for i in files if i != index):
             why = _verify(step_dir, files[i])
             if why is None:
-                out.append((step, os.path.join(step_dir, files[i]["file"])))
+                out.append((step, _target(step_dir, files[i], file_stem(stage, i))))
                 break
             log.warning("--resume: %s; skipped", why)
     return out
@@ -342,7 +411,7 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
                 os.replace(d, aside)
                 log.warning("%s: --resume from step %d: moved %s aside to %s", peer.name, step, d, aside)
     got = load(peer, path)
-    if os.path.basename(path) != file_stem(peer.stage, peer.index) + ".pt":
+    if os.path.basename(path).split(".")[0] != file_stem(peer.stage, peer.index):
         log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
     peer.enter_step(got)
     dropped = discard_records(peer.out_dir, peer.name, got)
@@ -357,7 +426,7 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
 
 def check_config(peer, path: str) -> None:
     """Refuse a resume whose config changes what a step computes (the keys named), log the allowed changes."""
-    with open(path[:-3] + ".json") as f:
+    with open(record_path(path)) as f:
         rec = json.load(f)
     if int(rec.get("n_stages", peer.n)) != peer.n:
         raise SwarmError(
@@ -389,25 +458,57 @@ def check_config(peer, path: str) -> None:
         log.info("%s: resuming with changed settings (schedule/layout, allowed): %s", peer.name, listed)
 
 
+def read_state(path: str, model_keys: list[str] | None = None, opt_names=None, outer=None) -> dict:
+    """A peer checkpoint (its DCP directory, or an earlier format's .pt) as ``{"model": params, "optimizer",
+    "outer", "step", "stage", "sync", "rng", ...}``; ``model_keys``/``opt_names``/``outer``: the loading peer's
+    (None: the parameters alone, as saved). Files are verified by the caller (``candidates_in``)."""
+    if path.endswith(".pt"):
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        return {**sd, "model": sd["params"], "optimizer": sd.get("opt")}
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from dilocox.checkpoint.reader import reader
+
+    md = reader(path).read_metadata().state_dict_metadata
+    got = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
+    with warnings.catch_warnings():  # (one process, no process group: DCP says so)
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(got, storage_reader=reader(path), no_dist=True)
+    saved = [k.split("/", 2)[2] for k in got if k.startswith("replica0/model/")]
+    if model_keys is None:
+        return {"model": {n: got[names.key("replica0", "model", n)] for n in saved}}
+    if set(saved) != set(model_keys):
+        raise SwarmError(
+            f"--resume: {path} holds parameters {sorted(set(saved) ^ set(model_keys))[:4]} that the peer's stage "
+            "does not (or the other way round): the model or swarm.peers_per_stage's stage count changed"
+        )
+    return names.unflatten(got, 0, 0, model_keys, opt_names, outer, True, None, path)
+
+
 @torch.no_grad()
 def load(peer, path: str) -> int:
     """Load ``path`` into ``peer`` (params, inner optimizer, outer state, RNG); returns its step."""
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    named = dict(peer.model.named_parameters())
+    try:
+        sd = read_state(path, list(named), names.opt_param_names(peer.model, peer.cfg.optim.name), peer.outer)
+    except CheckpointError as e:
+        raise SwarmError(f"--resume: {path} cannot be loaded into {peer.name}: {e}") from e
     if sd.get("stage") != peer.stage or sd.get("sync") != peer.s.sync:
         raise SwarmError(
             f"--resume: {path} holds stage {sd.get('stage')} with swarm.sync={sd.get('sync')}; {peer.name} serves "
             f"stage {peer.stage} with swarm.sync={peer.s.sync}"
         )
-    named = dict(peer.model.named_parameters())
-    if set(named) != set(sd["params"]):
+    if set(named) != set(sd["model"]):
         raise SwarmError(
-            f"--resume: {path} holds parameters {sorted(set(sd['params']) ^ set(named))[:4]} that {peer.name}'s stage "
-            "does not (or the other way round): the model or swarm.peers_per_stage's stage count changed"
+            f"--resume: {path} holds parameters {sorted(set(sd['model']) ^ set(named))[:4]} that {peer.name}'s "
+            "stage does not (or the other way round): the model or swarm.peers_per_stage's stage count changed"
         )
     for n, p in named.items():
-        p.copy_(sd["params"][n])
+        p.copy_(sd["model"][n])
     try:
-        peer.opt.load_state_dict(sd["opt"])
+        peer.opt.load_state_dict(sd["optimizer"])
         if peer.outer is not None:
             peer.outer.load_state_dict(sd["outer"])
     except (ValueError, KeyError, RuntimeError) as e:

@@ -14,7 +14,8 @@ from, in this order:
    parameters, not θ, so it is refused unless ``allow_replica_params`` (``--replica-params``), as for ``dilocox
    train``'s DiLoCo checkpoints.
 
-Every file is read with ``torch.load(weights_only=True)`` (tensors and plain values only).
+A peer's final ``.pt`` is read with ``torch.load(weights_only=True)`` (tensors and plain values only); a checkpoint
+through DCP with the restricted index reader (``dilocox.checkpoint.reader``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _checkpoint_stages(run_dir: str, cfg, n: int, step_dir: str | None) -> tuple
         raise CheckpointError(f"{ckpt_dir}: no SWARM checkpoint step where every stage's file verifies (see warnings)")
     step = max(common)
     stages = {
-        j: {os.path.basename(c[step])[:-3]: torch.load(c[step], map_location="cpu", weights_only=True)["params"]}
+        j: {os.path.basename(c[step]).split(".")[0]: peer_ckpt.read_state(c[step])["model"]}
         for j, c in enumerate(per_stage)
     }
     return stages, os.path.dirname(per_stage[0][step])
