@@ -138,6 +138,20 @@ def _decode_rows(ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, k: int, c
     return idx, (codes.float() + (0.5 - off)) * s.unsqueeze(1)
 
 
+def _kernel_here(device: torch.device) -> bool:
+    """Is the compiled ``sparse_encode`` used for a tensor on ``device``?"""
+    return device.type == "cpu" and kernels.have_extension("cpu") and _has_op()
+
+
+def _kernel_encode(flat: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tensor:
+    """``encode`` of a non-empty flat fp32 CPU tensor by the compiled kernel (``_kernel_here``)."""
+    n = flat.numel()
+    c, k, _ = layout(n, chunk, density)
+    out = torch.empty(tensor_payload_bytes(n, chunk, density, bits), dtype=torch.uint8)
+    torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits)
+    return out
+
+
 def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: bool = True) -> torch.Tensor:
     """One tensor's payload (uint8) from its error-fed values ``e`` (any shape, fp32): the compiled CPU kernel
     (csrc/sparse_cpu.cpp) when the extension is built, else the vectorised torch ops (any device)."""
@@ -146,10 +160,8 @@ def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: b
     if n == 0:
         return torch.zeros(0, dtype=torch.uint8, device=e.device)
     c, k, n_c = layout(n, chunk, density)
-    if use_kernel and flat.device.type == "cpu" and kernels.have_extension("cpu") and _has_op():
-        out = torch.empty(tensor_payload_bytes(n, chunk, density, bits), dtype=torch.uint8)
-        torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits)
-        return out
+    if use_kernel and _kernel_here(flat.device):
+        return _kernel_encode(flat, chunk, density, bits)
     padded = torch.zeros(n_c * c, dtype=torch.float32, device=e.device)
     padded[:n] = flat
     return torch.cat([t.reshape(-1) for t in _encode_rows(padded.view(n_c, c), k, bits)])
@@ -403,8 +415,11 @@ class SparseCompressor:
         del vs
         if not _all_finite(self._err):
             raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
-        if self.use_kernel and device.type == "cpu" and kernels.have_extension("cpu") and _has_op():
-            mine = torch.cat([encode(e, self.chunk, self.density, self.bits) for e in self.errors])
+        if self.use_kernel and _kernel_here(device):  # (asked once per call, not once per tensor)
+            mine = torch.cat(
+                [_kernel_encode(e.reshape(-1), self.chunk, self.density, self.bits) for e in self.errors if e.numel()]
+                or [torch.zeros(0, dtype=torch.uint8)]
+            )
         else:
             mine = gr.encode(self._err, self.block_elems)
         wire = solo_or(wire)

@@ -195,10 +195,10 @@ class DiLoCoOuter(OuterBase):
         self._blocked_now = 0.0
         if self.lr_factor is not None:  # outer.lr_schedule=inner: the outer steps of this step at the inner lr's ratio
             self.state.set_lr_factor(self.lr_factor(step))
-        syncing = self.schedule.syncs_at(n)
-        self.crossed_replicas = bool(syncing or self.schedule.launches_at(n))
+        launching, syncing = self.schedule.at(n)
+        self.crossed_replicas = bool(syncing or launching)
         if self.overlap == "none":
-            for p in self.schedule.launches_at(n):
+            for p in launching:
                 delta = self.state.pseudo_gradient(p)
                 if self.replay:  # Δ = θ − θ_m: the params at launch are θ − Δ (θ_p stays until p's sync)
                     self.own_prev[p] = self.state.flatten(delta)

@@ -78,6 +78,12 @@ class SyncSchedule:
         """Fragments whose outer step happens after inner step count ``n``."""
         return [p for p in range(self.k) if self.next_sync[p] == n]
 
+    def at(self, n: int) -> tuple[list[int], list[int]]:
+        """``(launches_at(n), syncs_at(n))`` in one call (the outer loop asks both after every inner step)."""
+        return [p for p in range(self.k) if self.next_sync[p] - self.tau == n], [
+            p for p in range(self.k) if self.next_sync[p] == n
+        ]
+
     def advance(self, p: int, h: int) -> None:
         """Fragment ``p`` just synced; its next sync is ``h`` steps later."""
         if h <= self.tau:
