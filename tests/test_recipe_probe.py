@@ -1,5 +1,5 @@
-"""Issue 42 item 1: a stranger on another host reaches nothing of the documented elastic recipe that answers without
-the run secret.
+"""Issue 42 item 1: a stranger on another host reaches nothing of the documented elastic and SWARM recipes that
+answers without the run secret.
 
 The recipe (docs/ELASTIC.md: a guarded ``dilocox lighthouse``, replicas with the defaults, ``security.authenticate``
 on) as ``dilocox launch --elastic 2`` starts it, in network namespaces: the lighthouse in the switch namespace, each
@@ -178,6 +178,92 @@ def test_a_stranger_reaches_nothing_of_the_elastic_recipe_that_answers_without_t
         assert moved(), f"a replica stopped training after the probe: {before} -> {_steps(run_dir)}"
     finally:
         proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+
+
+SWARM_WRAPPER = r"""
+import json, sys
+import dilocox.swarm.netns as N
+from dilocox.config import load_config
+from dilocox.swarm.runtime import launch
+
+class WithStranger(N.Cluster):  # one namespace more than the peers use: the stranger's host
+    def __init__(self, n, *a, rates_mbit=None, **kw):
+        super().__init__(n + 1, *a, rates_mbit=None if rates_mbit is None else [*rates_mbit, None], **kw)
+
+    def start(self):
+        super().start()
+        info = {"run": [self.ns(r) for r in range(self.n - 1)] + [self.switch], "stranger": self.ns(self.n - 1),
+                "addrs": {self.ns(r): self.addr(r) for r in range(self.n - 1)}}
+        print("NAMESPACES " + json.dumps(info), flush=True)
+
+N.Cluster = WithStranger
+cfg = load_config(sys.argv[1], sys.argv[3:])
+res = launch(cfg, sys.argv[2], steps=100000, timeout_s=240, launcher=N.netns_launcher())
+sys.exit(0)
+"""
+
+
+def _swarm_steps(out: str, names: list[str]) -> dict[str, int]:
+    """peer -> its last recorded step (``OUT/s{j}p{i}.jsonl``)."""
+    got = {}
+    for n in names:
+        try:
+            with open(os.path.join(out, f"{n}.jsonl")) as f:
+                steps = [json.loads(x)["step"] for x in f if '"step"' in x]
+            if steps:
+                got[n] = steps[-1]
+        except (OSError, ValueError, KeyError):
+            pass
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["swarm", "diloco"])
+def test_a_stranger_reaches_nothing_of_the_swarm_recipe_that_answers_without_the_secret(tmp_path, sync):
+    """The SWARM recipe as ``dilocox swarm --netns`` runs it (docs/SWARM.md; ``security.authenticate`` on by default):
+    [2, 2] peers, each in its own namespace, the address store and the two stages' lighthouses in the switch
+    namespace, a stranger's namespace on the same bridge. Every listener of the run on a non-loopback address (the
+    peers' RPC servers, the stage groups' stores, managers and mesh, the hub's store and lighthouse guards) is
+    probed as in the elastic test; the peers must go on training after the probe."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    from tests.test_swarm_runtime import TINY
+
+    over = [*TINY, "--swarm.peers_per_stage=[2,2]", f"--swarm.sync={sync}", "--outer.sync_every=4"]
+    out = str(tmp_path / "job")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    argv = [sys.executable, "-c", SWARM_WRAPPER, os.path.join(ROOT, "configs", "tiny.yaml"), out, *over]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    names = ["s0p0", "s0p1", "s1p0", "s1p1"]
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and min(_swarm_steps(out, names).values(), default=-1) < 4:
+            assert proc.poll() is None, "the job ended early:\n" + "".join(lines[-30:])
+            time.sleep(0.5)
+        assert len(_swarm_steps(out, names)) == 4, "the peers did not train within 150 s:\n" + "".join(lines[-30:])
+        info = json.loads(next(x for x in lines if x.startswith("NAMESPACES "))[len("NAMESPACES ") :])
+        targets = [t for ns in info["run"] for t in _listeners(ns, info["addrs"].get(ns))]
+        assert len(targets) >= 7, targets  # 4 peers' RPC servers, the hub's store and two lighthouses at least
+        before = _swarm_steps(out, names)
+        with ThreadPoolExecutor(8) as ex:
+            bad = [b for found in ex.map(lambda t: _probe(info["stranger"], t), targets) for b in found]
+        assert not bad, "\n".join(bad)
+        moved = lambda: all(_swarm_steps(out, names).get(n, -1) > before[n] + 2 for n in names)  # noqa: E731
+        t = time.monotonic()
+        while not moved() and time.monotonic() - t < 60:
+            time.sleep(0.5)
+        assert moved(), f"a peer stopped training after the probe: {before} -> {_swarm_steps(out, names)}"
+    finally:
+        os.killpg(proc.pid, 15)  # (the launcher's handlers tear the namespaces down)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
