@@ -328,3 +328,32 @@ def test_an_earlier_format_peer_file_still_resumes(tmp_path):
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
     assert torch.equal(a.outer.state_dict()["state"]["theta"], b.outer.state_dict()["state"]["theta"])
+
+
+@pytest.mark.slow
+def test_a_resume_onto_another_stage_count_takes_each_layer_by_name(tmp_path):
+    # a [1, 1] job of a 4-layer model saves at step 2 and 3; resumed as [1, 1, 1, 1] (one layer per stage instead of
+    # two), every layer's parameters and AdamW state come from whichever saved stage held them: the run goes on as
+    # the uninterrupted [1, 1] one (equal up to the order in which the stages' gradient norms are summed)
+    cfg = _cfg("--model.n_layers=4", "--optim.grad_clip=0")
+    whole = launch(cfg, str(tmp_path / "whole"), peers_per_stage=[1, 1], steps=6, timeout_s=240)
+    _check(whole)
+    out = str(tmp_path / "split")
+    _check(launch(cfg, out, peers_per_stage=[1, 1], steps=3, timeout_s=240))
+    again = launch(cfg, out, peers_per_stage=[1, 1, 1, 1], steps=6, timeout_s=240, resume=True)
+    _check(again)
+    new = ["s0p0", "s1p0", "s2p0", "s3p0"]
+    for name in new:
+        with open(os.path.join(out, f"{name}.log")) as f:
+            assert re.search(r"resume from a checkpoint of 2 stages onto 4: its layers are taken by name", f.read())
+    a = {**_params(whole, "s0p0"), **_params(whole, "s1p0")}
+    b = {k: v for name in new for k, v in _params(again, name).items()}
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.allclose(a[n], b[n], rtol=0, atol=1e-6), f"{n} differs by {(a[n] - b[n]).abs().max()}"
+    assert [r["step"] for r in again.records["s0p0"]] == list(range(6))
+    losses = lambda res: [r["loss"] for r in res.records["s0p0"]]  # noqa: E731
+    assert losses(again)[:3] == losses(whole)[:3]
+    assert losses(again)[3:] == pytest.approx(losses(whole)[3:], abs=1e-5)
+    # the new stage count's checkpoints are complete on their own (step 4 and 6, 4 stages each)
+    assert [s for s, _ in ck.complete_steps(os.path.join(out, "checkpoints"), 4)] == [4, 6]

@@ -85,6 +85,9 @@ LEVERS = [
     # ... with the replay merge (ALGORITHMS §4b), which keeps the tau steps trained while the sync flew
     ("dilocox K=1 tau=2 replay", "dilocox", "dilocox",
      ["--outer.streaming.fragments=1", "--outer.streaming.tau=2", "--outer.streaming.merge=replay"]),
+    # the mixing weight of the far-link preset (Streaming DiLoCo's alpha, 0.5 as shipped)
+    ("dilocox-far alpha=0.25", "dilocox-far", "dilocox-far", ["--outer.streaming.alpha=0.25"]),
+    ("dilocox-far alpha=0.75", "dilocox-far", "dilocox-far", ["--outer.streaming.alpha=0.75"]),
     ("dilocox H=6 tau=2 3/256 replay", "dilocox", "dilocox",
      ["--outer.sync_every=6", "--compress.sparse.density=0.01171875", "--outer.streaming.tau=2",
       "--outer.streaming.merge=replay"]),

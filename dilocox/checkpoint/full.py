@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -17,10 +18,22 @@ from dilocox.checkpoint.load import check_meta
 from dilocox.checkpoint.reader import reader
 
 
-def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
-    """Every saved key under ``prefix/`` as a full tensor, by the rest of its key."""
+def load_keys(where: str, keep: Callable[[str], bool] = lambda k: True) -> dict[str, torch.Tensor]:
+    """The keys of the one DCP checkpoint ``where`` that ``keep`` accepts, as full tensors, in this process alone
+    (its index read by ``reader``; the caller has verified the files)."""
     import torch.distributed.checkpoint as dcp
 
+    md = reader(where).read_metadata().state_dict_metadata
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if keep(k)}
+    if want:
+        with warnings.catch_warnings():  # (one process, no process group: DCP says so)
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(want, storage_reader=reader(where), no_dist=True)
+    return want
+
+
+def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every saved key under ``prefix/`` as a full tensor, by the rest of its key."""
     meta = read_meta(step_dir)
     check_meta(step_dir, meta, None)
     verify_files(step_dir, meta)  # every file's hash (the index is then read by ``reader``)
@@ -28,16 +41,8 @@ def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
         md = reader(where).read_metadata().state_dict_metadata
         if any(k.startswith(prefix + "/") for k in md):
             break
-    want = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for k, m in md.items()
-        if k.startswith(prefix + "/") and hasattr(m, "size")
-    }
-    if want:
-        with warnings.catch_warnings():  # (one process, no process group: DCP says so)
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(want, storage_reader=reader(where), no_dist=True)
-    return {k[len(prefix) + 1 :]: v for k, v in want.items()}
+    got = load_keys(where, lambda k: k.startswith(prefix + "/"))
+    return {k[len(prefix) + 1 :]: v for k, v in got.items()}
 
 
 def rank_rest(step_dir: str, rank: int = 0) -> dict:

@@ -31,9 +31,11 @@ it verifies (its own file of the step, else the lowest index of its stage: a new
 from that peer's inner state, as a joiner does); through the address store the peers take the newest step on every
 list (a damaged file in one stage moves every stage back together), the job's first peer moves newer step
 directories aside (``step_X.stale-T``: partial ones would mix with this run's saves), and each peer loads its file.
-The config must not change what a step computes, nor the number of stages (a changed stage-0 peer count is allowed
-with a warning: it changes the batch). Records of the steps after it move to ``s{j}p{i}.discarded.jsonl``. A peer
-that stops with an error names the newest complete checkpoint and the resume command.
+The config must not change what a step computes (a changed stage-0 peer count is allowed with a warning: it changes
+the batch). Another stage count is allowed from DCP checkpoints: each peer then lists the steps where every saved
+stage has a file that verifies, and takes its layers' parameters, inner optimizer and outer state from them by name.
+Records of the steps after it move to ``s{j}p{i}.discarded.jsonl``. A peer that stops with an error names the newest
+complete checkpoint and the resume command.
 
 Saving is on the peer's main thread, between its sync and its next step: the stage's other peers wait for it at
 their next sync (keep a save well under ``swarm.sync_timeout_s``). Not saved: the routers' throughput estimates,
@@ -52,6 +54,7 @@ import time
 import torch
 
 from dilocox.checkpoint import names
+from dilocox.checkpoint.full import load_keys
 from dilocox.checkpoint.layout import (
     HASH,
     CheckpointError,
@@ -148,9 +151,24 @@ def record_path(path: str) -> str:
     return (path[:-3] if path.endswith(".pt") else path.rstrip(os.sep)) + ".json"
 
 
-def complete_steps(ckpt_dir: str, n_stages: int) -> list[tuple[int, str]]:
-    """(step, step dir) of the steps where every one of the ``n_stages`` stages has a file, oldest first."""
-    return [(s, d) for s, d in _steps(ckpt_dir) if all(j in stage_files(d) for j in range(n_stages))]
+def saved_stages(files: dict[int, dict[int, dict]]) -> int | None:
+    """The stage count the records of one step (``stage_files``) name, None when none does."""
+    counts = [r["n_stages"] for per in files.values() for r in per.values() if isinstance(r.get("n_stages"), int)]
+    return max(counts) if counts else None
+
+
+def complete_steps(ckpt_dir: str, n_stages: int | None) -> list[tuple[int, str]]:
+    """(step, step dir) of the steps where every one of the ``n_stages`` stages has a file (and the records name no
+    other stage count), oldest first; ``n_stages`` None: every stage of the count its records name (a resume onto
+    another stage count)."""
+    out = []
+    for s, d in _steps(ckpt_dir):
+        files = stage_files(d)
+        saved = saved_stages(files)
+        n = n_stages if n_stages is not None else saved
+        if n and (saved is None or saved == n) and all(j in files for j in range(n)):
+            out.append((s, d))
+    return out
 
 
 def newest_complete(ckpt_dir: str, n_stages: int) -> tuple[int, str] | None:
@@ -329,10 +347,24 @@ def _verify(step_dir: str, rec: dict) -> str | None:
     return None
 
 
-def candidates_in(ckpt_dir: str, n_stages: int, stage: int, index: int) -> list[tuple[int, str]]:
+def _verified(step_dir: str, files: dict[int, dict], stage: int, index: int) -> str | None:
+    """The checkpoint of ``stage`` in ``step_dir`` that verifies: ``index``'s own, else the lowest index's."""
+    for i in ([index] if index in files else []) + sorted(i for i in files if i != index):
+        why = _verify(step_dir, files[i])
+        if why is None:
+            return _target(step_dir, files[i], file_stem(stage, i))
+        log.warning("--resume: %s; skipped", why)
+    return None
+
+
+def candidates_in(
+    ckpt_dir: str, n_stages: int, stage: int, index: int, resplit: bool = False
+) -> list[tuple[int, str | tuple[str, ...]]]:
     """(step, this peer's file) of every complete step where this stage has a file that verifies (its own, else the
-    lowest index of its stage), newest first. Damaged files are logged and skipped."""
-    complete = complete_steps(ckpt_dir, n_stages)
+    lowest index of its stage), newest first. Damaged files are logged and skipped. ``resplit``: a step saved by a
+    job of another stage count counts too, with a file of EVERY saved stage (a tuple, by stage): the peer's layers
+    are taken from them by name (``load``)."""
+    complete = complete_steps(ckpt_dir, None if resplit else n_stages)
     if not complete:
         found = [s for s, _ in _steps(ckpt_dir)]
         raise SwarmError(
@@ -340,21 +372,24 @@ def candidates_in(ckpt_dir: str, n_stages: int, stage: int, index: int) -> list[
             f"saved; step directories found: {found or 'none'}); start a fresh run without --resume in another --out "
             "(or move those directories away)"
         )
-    out = []
+    out: list[tuple[int, str | tuple[str, ...]]] = []
     for step, step_dir in reversed(complete):
-        files = stage_files(step_dir)[stage]
-        for i in ([index] if index in files else []) + sorted(i for i in files if i != index):
-            why = _verify(step_dir, files[i])
-            if why is None:
-                out.append((step, _target(step_dir, files[i], file_stem(stage, i))))
-                break
-            log.warning("--resume: %s; skipped", why)
+        files = stage_files(step_dir)
+        saved = saved_stages(files) or n_stages
+        if saved == n_stages:
+            one = _verified(step_dir, files[stage], stage, index)
+            if one is not None:
+                out.append((step, one))
+            continue
+        every = [_verified(step_dir, files[j], j, index) for j in range(saved)]
+        if None not in every:
+            out.append((step, tuple(every)))
     return out
 
 
-def pick(ckpt_dir: str, n_stages: int, stage: int, index: int) -> tuple[int, str]:
+def pick(ckpt_dir: str, n_stages: int, stage: int, index: int, resplit: bool = False) -> tuple[int, str]:
     """The newest ``candidates_in`` (one peer on its own; ``resume`` agrees on a step with the others)."""
-    got = candidates_in(ckpt_dir, n_stages, stage, index)
+    got = candidates_in(ckpt_dir, n_stages, stage, index, resplit)
     if not got:
         raise SwarmError(f"--resume: every checkpoint of stage {stage} in {ckpt_dir} is damaged (see the warnings)")
     return got[0]
@@ -364,7 +399,7 @@ def candidates(peer) -> list[tuple[int, str]]:
     """``candidates_in`` for this peer (before it publishes its address), with the config checked against the
     newest one's."""
     ckpt = checkpoint_dir(peer.cfg, peer.out_dir)
-    got = candidates_in(ckpt, peer.n, peer.stage, peer.index)
+    got = candidates_in(ckpt, peer.n, peer.stage, peer.index, resplit=True)
     if got:
         check_config(peer, got[0][1])
     return got
@@ -411,7 +446,12 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
                 os.replace(d, aside)
                 log.warning("%s: --resume from step %d: moved %s aside to %s", peer.name, step, d, aside)
     got = load(peer, path)
-    if os.path.basename(path).split(".")[0] != file_stem(peer.stage, peer.index):
+    if isinstance(path, tuple):
+        log.warning(
+            "%s: --resume from a checkpoint of %d stages onto %d: its layers are taken by name from %s",
+            peer.name, len(path), peer.n, ", ".join(os.path.basename(p) for p in path),
+        )  # fmt: skip
+    elif os.path.basename(path).split(".")[0] != file_stem(peer.stage, peer.index):
         log.warning("%s: --resume: no file of its own at step %d: starts from %s", peer.name, step, path)
     peer.enter_step(got)
     dropped = discard_records(peer.out_dir, peer.name, got)
@@ -424,11 +464,18 @@ def resume(peer, cands: list[tuple[int, str]]) -> None:
         log.info("%s: step %d is at or past the run's %d steps: nothing to train", peer.name, got, peer.steps)
 
 
-def check_config(peer, path: str) -> None:
-    """Refuse a resume whose config changes what a step computes (the keys named), log the allowed changes."""
-    with open(record_path(path)) as f:
+def check_config(peer, path: str | tuple[str, ...]) -> None:
+    """Refuse a resume whose config changes what a step computes (the keys named), log the allowed changes. Another
+    stage count is allowed from DCP checkpoints (``path`` a tuple: every saved stage's), not from ``.pt`` files."""
+    resplit = isinstance(path, tuple)
+    if resplit and any(p.endswith(".pt") for p in path):
+        raise SwarmError(
+            f"--resume: {path[0]} is of the earlier .pt format, which resumes only with its stage count "
+            f"({len(path)} stages, this job has {peer.n}); set swarm.peers_per_stage back to {len(path)} stages"
+        )
+    with open(record_path(path[0] if resplit else path)) as f:
         rec = json.load(f)
-    if int(rec.get("n_stages", peer.n)) != peer.n:
+    if int(rec.get("n_stages", peer.n)) != peer.n and not resplit:
         raise SwarmError(
             f"--resume: {path} was written by a job of {rec.get('n_stages')} stages, this one has {peer.n} "
             f"(swarm.peers_per_stage={list(peer.pps)}): a resume keeps the stages (their layers); set it back, or "
@@ -437,6 +484,12 @@ def check_config(peer, path: str) -> None:
     saved = rec.get("config")
     if not isinstance(saved, dict):
         return
+    if resplit:  # (swarm.peers_per_stage changes with the stage count: a layout key)
+        log.warning(
+            "%s: --resume onto %d stages from a checkpoint of %d: parameters, inner optimizer and outer state move by "
+            "name (an adaptive compressor's controller restarts, as after a reshard)",
+            peer.name, peer.n, len(path),
+        )  # fmt: skip
     before = (saved.get("swarm") or {}).get("peers_per_stage") or [peer.pps[0]]
     if int(before[0]) != peer.pps[0]:
         log.warning(
@@ -458,6 +511,23 @@ def check_config(peer, path: str) -> None:
         log.info("%s: resuming with changed settings (schedule/layout, allowed): %s", peer.name, listed)
 
 
+def read_resplit(paths: tuple[str, ...], stage: int, model_keys: list[str], opt_names: list[str], outer, groups):
+    """``read_state`` of a peer of another stage layout: its parameters' entries (model, inner optimizer, outer
+    state, by global name) from whichever saved stage holds them, the rest (step, RNG, the outer loop's counters)
+    from the saved stage of the same number (else the last); its optimizer keeps this run's ``groups``."""
+    mine = set(model_keys)
+    src = min(stage, len(paths) - 1)
+    got: dict = {}
+    for j, path in enumerate(paths):
+        got.update(load_keys(path, lambda k: names.param_of(k) in mine or (j == src and k.startswith("rank0/rest"))))
+    missing = [n for n in model_keys if names.key("replica0", "model", n) not in got]
+    if missing:
+        raise SwarmError(
+            f"--resume: no saved stage of {paths[0]}'s step holds parameters {missing[:4]}: the model changed"
+        )
+    return names.unflatten(got, 0, 0, model_keys, opt_names, outer, False, groups, paths[src])
+
+
 def read_state(path: str, model_keys: list[str] | None = None, opt_names=None, outer=None) -> dict:
     """A peer checkpoint (its DCP directory, or an earlier format's .pt) as ``{"model": params, "optimizer",
     "outer", "step", "stage", "sync", "rng", ...}``; ``model_keys``/``opt_names``/``outer``: the loading peer's
@@ -465,17 +535,7 @@ def read_state(path: str, model_keys: list[str] | None = None, opt_names=None, o
     if path.endswith(".pt"):
         sd = torch.load(path, map_location="cpu", weights_only=True)
         return {**sd, "model": sd["params"], "optimizer": sd.get("opt")}
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from dilocox.checkpoint.reader import reader
-
-    md = reader(path).read_metadata().state_dict_metadata
-    got = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items()}
-    with warnings.catch_warnings():  # (one process, no process group: DCP says so)
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(got, storage_reader=reader(path), no_dist=True)
+    got = load_keys(path)
     saved = [k.split("/", 2)[2] for k in got if k.startswith("replica0/model/")]
     if model_keys is None:
         return {"model": {n: got[names.key("replica0", "model", n)] for n in saved}}
@@ -488,14 +548,20 @@ def read_state(path: str, model_keys: list[str] | None = None, opt_names=None, o
 
 
 @torch.no_grad()
-def load(peer, path: str) -> int:
+def load(peer, path: str | tuple[str, ...]) -> int:
     """Load ``path`` into ``peer`` (params, inner optimizer, outer state, RNG); returns its step."""
     named = dict(peer.model.named_parameters())
+    opt_names = names.opt_param_names(peer.model, peer.cfg.optim.name)
+    resplit = isinstance(path, tuple)
     try:
-        sd = read_state(path, list(named), names.opt_param_names(peer.model, peer.cfg.optim.name), peer.outer)
+        if resplit:
+            groups = peer.opt.state_dict()["param_groups"]
+            sd = read_resplit(path, peer.stage, list(named), opt_names, peer.outer, groups)
+        else:
+            sd = read_state(path, list(named), opt_names, peer.outer)
     except CheckpointError as e:
         raise SwarmError(f"--resume: {path} cannot be loaded into {peer.name}: {e}") from e
-    if sd.get("stage") != peer.stage or sd.get("sync") != peer.s.sync:
+    if (sd.get("stage") != peer.stage and not resplit) or sd.get("sync") != peer.s.sync:
         raise SwarmError(
             f"--resume: {path} holds stage {sd.get('stage')} with swarm.sync={sd.get('sync')}; {peer.name} serves "
             f"stage {peer.stage} with swarm.sync={peer.s.sync}"

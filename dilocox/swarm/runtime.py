@@ -187,7 +187,7 @@ def _check_checkpoints(cfg: Config, out_dir: str, steps: int | None, resume: boo
 
     if resume:  # (no complete checkpoint: one line; a finished run: one line, as `dilocox train` says it)
         ckpt = peer_ckpt.checkpoint_dir(cfg, out_dir)
-        at, _ = peer_ckpt.pick(ckpt, len(cfg.swarm.peers_per_stage), 0, 0)
+        at, _ = peer_ckpt.pick(ckpt, len(cfg.swarm.peers_per_stage), 0, 0, resplit=True)
         if at >= (steps or cfg.train.steps):
             raise SwarmError(
                 f"--resume: the newest checkpoint in {ckpt} is at step {at}, at or past --steps "
