@@ -246,13 +246,16 @@ def test_a_stranger_reaches_nothing_of_the_swarm_recipe_that_answers_without_the
     names = ["s0p0", "s0p1", "s1p0", "s1p1"]
     try:
         deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and min(_swarm_steps(out, names).values(), default=-1) < 4:
+        trained = lambda: len(got := _swarm_steps(out, names)) == 4 and min(got.values()) >= 4  # noqa: E731
+        while time.monotonic() < deadline and not trained():
             assert proc.poll() is None, "the job ended early:\n" + "".join(lines[-30:])
             time.sleep(0.5)
         assert len(_swarm_steps(out, names)) == 4, "the peers did not train within 150 s:\n" + "".join(lines[-30:])
         info = json.loads(next(x for x in lines if x.startswith("NAMESPACES "))[len("NAMESPACES ") :])
-        targets = [t for ns in info["run"] for t in _listeners(ns, info["addrs"].get(ns))]
-        assert len(targets) >= 7, targets  # 4 peers' RPC servers, the hub's store and two lighthouses at least
+        per_ns = {ns: _listeners(ns, info["addrs"].get(ns)) for ns in info["run"]}
+        # each peer's RPC server (and its stage group's services), the hub's store and two lighthouses
+        assert all(len(per_ns[ns]) >= 1 for ns in info["addrs"]) and len(per_ns[info["run"][-1]]) >= 3, per_ns
+        targets = [t for found in per_ns.values() for t in found]
         before = _swarm_steps(out, names)
         with ThreadPoolExecutor(8) as ex:
             bad = [b for found in ex.map(lambda t: _probe(info["stranger"], t), targets) for b in found]

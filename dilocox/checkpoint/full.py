@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from dilocox.checkpoint import names
-from dilocox.checkpoint.layout import CheckpointError, dcp_dirs, read_meta, verify_files
+from dilocox.checkpoint.layout import CheckpointError, CorruptCheckpointError, dcp_dirs, read_meta, verify_files
 from dilocox.checkpoint.load import check_meta
 from dilocox.checkpoint.reader import reader
 
@@ -22,13 +22,20 @@ def load_keys(where: str, keep: Callable[[str], bool] = lambda k: True) -> dict[
     """The keys of the one DCP checkpoint ``where`` that ``keep`` accepts, as full tensors, in this process alone
     (its index read by ``reader``; the caller has verified the files)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dilocox.checkpoint.save import dcp_failures
 
     md = reader(where).read_metadata().state_dict_metadata
     want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if keep(k)}
     if want:
-        with warnings.catch_warnings():  # (one process, no process group: DCP says so)
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(want, storage_reader=reader(where), no_dist=True)
+        try:
+            with warnings.catch_warnings():  # (one process, no process group: DCP says so)
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(want, storage_reader=reader(where), no_dist=True)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps a reader's error in a BaseException
+            why = "; ".join(f"{type(x).__name__}: {str(x)[:300]}" for x in dcp_failures(e).values())
+            raise CorruptCheckpointError(f"checkpoint {where} could not be read ({why})") from None
     return want
 
 

@@ -6,7 +6,8 @@ the same shared file system. And an index that declares a key as bytes (``BytesS
 load planner read that key with ``torch.load(weights_only=False)``. dilocox saves only tensors (everything else is
 JSON in a uint8 tensor, ``names.encode``), so its index holds nothing but DCP's own metadata classes, torch sizes,
 dtypes and layouts, and paths. :func:`reader` reads the index with an unpickler that resolves exactly those
-(``ALLOWED``); anything else, bytes entries included, is refused with :class:`CorruptCheckpointError`. The tensor
+(``ALLOWED``) and never sets attributes of a class; anything else, bytes entries included, is refused with
+:class:`CorruptCheckpointError`. The tensor
 data DCP reads with ``torch.load(weights_only=True)`` itself.
 """
 
@@ -41,13 +42,26 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):
+    """Python's own (pure-Python) unpickler with ``find_class`` restricted to ``ALLOWED`` and ``BUILD`` refused on a
+    class: the C unpickler would let an index set attributes of an allowed class (``PurePosixPath``, DCP's
+    dataclasses) for the whole process, even though the load is refused afterwards."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if name in ALLOWED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(torch.__dict__.get(name), torch.dtype):  # (no lazy submodule import)
+            return torch.__dict__[name]
         raise pickle.UnpicklingError(f"{module}.{name} is not a part of a dilocox checkpoint's index")
+
+    def _build(self) -> None:
+        if len(self.stack) >= 2 and isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError(f"BUILD on the class {self.stack[-2].__name__} (it would change the class)")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _build
 
 
 def read_index(f: Any, where: str) -> Any:

@@ -77,15 +77,8 @@ VERSION = 2  # 2: a DCP directory per peer (1: one torch.save file)
 # config keys a resume may change without a warning beyond the log line: where and how many peers serve a stage,
 # how microbatches are routed and timed (the stage state is the same whoever serves it)
 LAYOUT_KEYS = frozenset(
-    {
-        "swarm.peers_per_stage",
-        "swarm.host",
-        "swarm.routing",
-        "swarm.max_inflight",
-        "swarm.ban_s",
-        "swarm.rebalance_period_s",
-        "swarm.rebalance_min_gain",
-    }
+    "swarm.peers_per_stage swarm.host swarm.routing swarm.max_inflight swarm.ban_s swarm.rebalance_period_s "
+    "swarm.rebalance_min_gain".split()
 )
 
 
@@ -239,6 +232,9 @@ def _write_dcp(where: str, state: dict) -> list[str]:
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dilocox.checkpoint.save import dcp_failures
 
     tmp = f"{where}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -249,6 +245,10 @@ def _write_dcp(where: str, state: dict) -> list[str]:
             dcp.save(state, storage_writer=writer, no_dist=True)
         shutil.rmtree(where, ignore_errors=True)  # (no .json names it: an interrupted save's leftover)
         os.replace(tmp, where)
+    except CheckpointException as e:  # (a BaseException wrapping the writer's error: its OSError, else one made)
+        shutil.rmtree(tmp, ignore_errors=True)
+        first = next(iter(dcp_failures(e).values()))
+        raise first if isinstance(first, OSError) else OSError(f"{type(first).__name__}: {first}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -327,12 +327,17 @@ def prune(ckpt_dir: str, n_stages: int, keep: int) -> None:
 def _verify(step_dir: str, rec: dict) -> str | None:
     """None when the checkpoint matches its record (every file's size and SHA-256), else why not."""
     if "dir" in rec:
-        if ".metadata" not in {os.path.basename(n) for n in rec["files"]}:
-            return f"{os.path.join(step_dir, rec['dir'])}.json lists no DCP index (.metadata)"
+        d, files = rec["dir"], rec.get("files")
+        if not isinstance(files, dict) or f"{d}/.metadata" not in files:
+            return f"{os.path.join(step_dir, d)}.json lists no DCP index ({d}/.metadata)"
+        if any(not k.startswith(d + "/") or ".." in k.split("/") for k in files):
+            return f"{os.path.join(step_dir, d)}.json lists files outside {d}/"
         try:
             verify_files(step_dir, rec)
         except CorruptCheckpointError as e:
-            return str(e).replace("COMPLETE.json", rec["dir"] + ".json")
+            return str(e).replace("COMPLETE.json", d + ".json")
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            return f"{os.path.join(step_dir, d)}.json is malformed or unreadable ({type(e).__name__}: {e})"
         return None
     path = os.path.join(step_dir, rec["file"])  # the earlier format: one file
     try:
@@ -535,10 +540,11 @@ def read_state(path: str, model_keys: list[str] | None = None, opt_names=None, o
     if path.endswith(".pt"):
         sd = torch.load(path, map_location="cpu", weights_only=True)
         return {**sd, "model": sd["params"], "optimizer": sd.get("opt")}
+    if model_keys is None:  # (the parameters alone: export)
+        got = load_keys(path, lambda k: k.startswith("replica0/model/"))
+        return {"model": {k.split("/", 2)[2]: v for k, v in got.items()}}
     got = load_keys(path)
     saved = [k.split("/", 2)[2] for k in got if k.startswith("replica0/model/")]
-    if model_keys is None:
-        return {"model": {n: got[names.key("replica0", "model", n)] for n in saved}}
     if set(saved) != set(model_keys):
         raise SwarmError(
             f"--resume: {path} holds parameters {sorted(set(saved) ^ set(model_keys))[:4]} that the peer's stage "
