@@ -85,6 +85,11 @@ LEVERS = [
     # ... with the replay merge (ALGORITHMS §4b), which keeps the tau steps trained while the sync flew
     ("dilocox K=1 tau=2 replay", "dilocox", "dilocox",
      ["--outer.streaming.fragments=1", "--outer.streaming.tau=2", "--outer.streaming.merge=replay"]),
+    # the inner learning rate (configs/tiny.yaml: 3e-3), for the scale sweep's smaller local batches
+    ("dilocox inner lr 1.5e-3", "dilocox", "dilocox", ["--optim.lr=1.5e-3"]),
+    ("dilocox inner lr 6e-3", "dilocox", "dilocox", ["--optim.lr=6e-3"]),
+    ("dilocox inner lr 1.2e-2", "dilocox", "dilocox", ["--optim.lr=1.2e-2"]),
+    ("allreduce lr 6e-3", "allreduce-tuned", "allreduce", ["--optim.lr=6e-3"]),
     # the mixing weight of the far-link preset (Streaming DiLoCo's alpha, 0.5 as shipped)
     ("dilocox-far alpha=0.25", "dilocox-far", "dilocox-far", ["--outer.streaming.alpha=0.25"]),
     ("dilocox-far alpha=0.75", "dilocox-far", "dilocox-far", ["--outer.streaming.alpha=0.75"]),

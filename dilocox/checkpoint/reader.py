@@ -3,7 +3,7 @@
 ``torch.distributed.checkpoint.FileSystemReader`` reads a checkpoint's index (``.metadata``) with ``pickle.load``
 (torch 2.13), so a crafted index runs code, whatever hash check came first when the record and the index lie on
 the same shared file system. And an index that declares a key as bytes (``BytesStorageMetadata``) makes DCP's
-load planner read that key with ``torch.load(weights_only=False)``. dilocox saves only tensors (everything else is
+load planner read that key with a full, unrestricted ``torch.load``. dilocox saves only tensors (everything else is
 JSON in a uint8 tensor, ``names.encode``), so its index holds nothing but DCP's own metadata classes, torch sizes,
 dtypes and layouts, and paths. :func:`reader` reads the index with an unpickler that resolves exactly those
 (``ALLOWED``) and never sets attributes of a class; anything else, bytes entries included, is refused with

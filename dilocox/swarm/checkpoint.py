@@ -66,6 +66,7 @@ from dilocox.checkpoint.layout import (
     verify_files,
 )
 from dilocox.checkpoint.state import nonfinite_tensors, rng_state, set_rng_state
+from dilocox.fsutil import replace_durably
 from dilocox.rundir import config_changes, move_records_after
 from dilocox.swarm.common import SwarmError
 
@@ -244,7 +245,7 @@ def _write_dcp(where: str, state: dict) -> list[str]:
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=writer, no_dist=True)
         shutil.rmtree(where, ignore_errors=True)  # (no .json names it: an interrupted save's leftover)
-        os.replace(tmp, where)
+        replace_durably(tmp, where)  # (a directory: the rename made durable, as fsutil's files are)
     except CheckpointException as e:  # (a BaseException wrapping the writer's error: its OSError, else one made)
         shutil.rmtree(tmp, ignore_errors=True)
         first = next(iter(dcp_failures(e).values()))
