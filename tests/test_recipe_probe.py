@@ -32,21 +32,27 @@ from dilocox.net.secure import BUSY, MAGIC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WRAPPER = r"""
+STRANGER = r"""
 import json, sys
-import dilocox.elastic.launch as L
-from dilocox.launch.netns import Cluster
 
 class WithStranger(Cluster):  # one namespace more than the run uses: the stranger's host
-    def __init__(self, n, *a, **kw):
-        super().__init__(n + 1, *a, **kw)
+    def __init__(self, n, *a, rates_mbit=None, **kw):
+        super().__init__(n + 1, *a, rates_mbit=None if rates_mbit is None else [*rates_mbit, None], **kw)
 
     def start(self):
         super().start()
         info = {"run": [self.ns(r) for r in range(self.n - 1)] + [self.switch], "stranger": self.ns(self.n - 1),
                 "addrs": {self.ns(r): self.addr(r) for r in range(self.n - 1)}}
         print("NAMESPACES " + json.dumps(info), flush=True)
+"""
 
+WRAPPER = (
+    r"""
+import dilocox.elastic.launch as L
+from dilocox.launch.netns import Cluster
+"""
+    + STRANGER
+    + r"""
 L.Cluster = WithStranger
 cfg, run_dir = sys.argv[1], sys.argv[2]
 sys.exit(L.launch_elastic(cfg, 2, ["--train.steps=100000", "--checkpoint.every=0", "--log.progress=false",
@@ -54,6 +60,7 @@ sys.exit(L.launch_elastic(cfg, 2, ["--train.steps=100000", "--checkpoint.every=0
                                    f"--log.run_dir={run_dir}"],
                           min_replicas=1, netns=True, timeout_s=240))
 """
+)
 
 PAYLOADS = {
     "nothing": b"",
@@ -185,27 +192,21 @@ def test_a_stranger_reaches_nothing_of_the_elastic_recipe_that_answers_without_t
             proc.wait(timeout=10)
 
 
-SWARM_WRAPPER = r"""
-import json, sys
+SWARM_WRAPPER = (
+    r"""
 import dilocox.swarm.netns as N
 from dilocox.config import load_config
 from dilocox.swarm.runtime import launch
-
-class WithStranger(N.Cluster):  # one namespace more than the peers use: the stranger's host
-    def __init__(self, n, *a, rates_mbit=None, **kw):
-        super().__init__(n + 1, *a, rates_mbit=None if rates_mbit is None else [*rates_mbit, None], **kw)
-
-    def start(self):
-        super().start()
-        info = {"run": [self.ns(r) for r in range(self.n - 1)] + [self.switch], "stranger": self.ns(self.n - 1),
-                "addrs": {self.ns(r): self.addr(r) for r in range(self.n - 1)}}
-        print("NAMESPACES " + json.dumps(info), flush=True)
-
+Cluster = N.Cluster
+"""
+    + STRANGER
+    + r"""
 N.Cluster = WithStranger
 cfg = load_config(sys.argv[1], sys.argv[3:])
 res = launch(cfg, sys.argv[2], steps=100000, timeout_s=240, launcher=N.netns_launcher())
 sys.exit(0)
 """
+)
 
 
 def _swarm_steps(out: str, names: list[str]) -> dict[str, int]:
