@@ -1,7 +1,7 @@
 """Run a function on N local gloo ranks (test-only helper: the multi-rank tests use it).
 
 ``run_ranks(world, fn, *args)`` runs ``fn(rank, world, *args)`` on ``world`` processes joined by a gloo
-process group on a free localhost port and returns the list of return values (index = rank). An
+process group and returns the list of return values (index = rank). An
 exception in any rank is re-raised in the parent with that rank's traceback, so a failing multi-rank
 test reads like a single-process one.
 
@@ -20,7 +20,9 @@ import atexit
 import io
 import os
 import queue as pyqueue
+import shutil
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -37,15 +39,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_task(rank: int, world: int, port: int, fn: Callable, args: tuple) -> tuple[str, Any]:
-    """One task in this process: the rank's environment, gloo init, ``fn``, tear-down."""
+def _run_task(rank: int, world: int, rdzv: tuple[int, str], fn: Callable, args: tuple) -> tuple[str, Any]:
+    """One task in this process: the rank's environment, gloo init, ``fn``, tear-down.
+
+    The ranks meet through a file store (``rdzv[1]``, a path new for this call), not a TCP port: a port
+    picked free and released can be taken by another xdist worker before rank 0 listens on it
+    (EADDRINUSE in CI). ``MASTER_PORT`` is still set (``rdzv[0]``) for code that reads it."""
     import torch
+
+    port, store = rdzv
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         out = fn(rank, world, *args)
         # Serialise to bytes: torch's queue would share tensors through file descriptors that
         # vanish when this process exits (ConnectionResetError in the parent for many tensors).
@@ -62,13 +70,13 @@ def _run_task(rank: int, world: int, port: int, fn: Callable, args: tuple) -> tu
                 pass
 
 
-def _fresh_worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _fresh_worker(rank: int, world: int, rdzv: tuple[int, str], fn: Callable, args: tuple, results: Any) -> None:
     """A new process for one task."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
-    status, payload = _run_task(rank, world, port, fn, args)
+    status, payload = _run_task(rank, world, rdzv, fn, args)
     results.put((rank, status, payload, False))
 
 
@@ -103,7 +111,7 @@ def _pool_worker(rank: int, world: int, tasks: Any, results: Any) -> None:
             continue
         if msg is None:
             return
-        port, fn, args, env, cwd = msg
+        rdzv, fn, args, env, cwd = msg
         # the parent's environment and directory of this call, as a process spawned now would have them
         os.environ.clear()
         os.environ.update(env)
@@ -111,7 +119,7 @@ def _pool_worker(rank: int, world: int, tasks: Any, results: Any) -> None:
         os.chdir(cwd)
         torch.manual_seed(_FRESH_SEED)
         torch.set_default_dtype(dtype0)
-        status, payload = _run_task(rank, world, port, fn, args)
+        status, payload = _run_task(rank, world, rdzv, fn, args)
         _release_run_dir_locks()
         left = [t for t in threading.enumerate() if t.ident not in threads0 and t.is_alive()]
         clean = not left and all(signal.getsignal(s) == handlers0[s] for s in sigs)
@@ -151,10 +159,10 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def submit(self, port: int, fn: Callable, args: tuple) -> None:
+    def submit(self, rdzv: tuple[int, str], fn: Callable, args: tuple) -> None:
         env, cwd = dict(os.environ), os.getcwd()
         for q in self.tasks:
-            q.put((port, fn, args, env, cwd))
+            q.put((rdzv, fn, args, env, cwd))
 
     def close(self, graceful: bool) -> None:
         if graceful:
@@ -218,14 +226,15 @@ def _collect(world: int, results: Any, procs: list, timeout: float) -> tuple[dic
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0, fresh: bool = False) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results ordered by rank."""
-    port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="dilocox-rdzv-")
+    rdzv = (free_port(), os.path.join(store_dir, "store"))
     fresh = fresh or os.environ.get("DILOCOX_TEST_FRESH_RANKS") == "1"
     pool = None
     if fresh:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         procs = [
-            ctx.Process(target=_fresh_worker, args=(r, world, port, fn, args, results), daemon=False)
+            ctx.Process(target=_fresh_worker, args=(r, world, rdzv, fn, args, results), daemon=False)
             for r in range(world)
         ]
         for p in procs:
@@ -236,7 +245,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0, fres
             if pool is not None:
                 pool.close(graceful=False)
             pool = _POOLS[world] = _Pool(world)
-        pool.submit(port, fn, args)
+        pool.submit(rdzv, fn, args)
         results, procs = pool.results, pool.procs
     ok = False
     try:
@@ -252,6 +261,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300.0, fres
                 p.join(timeout=5 if not ok else 60)
                 if p.is_alive():
                     p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise RuntimeError("a rank failed:\n" + "\n".join(errors))
     return [got[r] for r in range(world)]
