@@ -33,7 +33,38 @@ import torch.multiprocessing as mp
 _FRESH_SEED = 67280421310721  # torch.initial_seed() of a new CPU process
 
 
+_PORT_SPAN = 400  # ports per xdist worker, below the kernel's ephemeral range
+_port_next = 0
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A localhost port free now, that no other test process will be handed.
+
+    A port the kernel hands out (bind to 0) is from the ephemeral range, which every socket of every xdist
+    worker draws from: released here, it can be another worker's before our server listens (EADDRINUSE in
+    CI). So each worker takes ports from its own slice below that range (gw0: 20000.., gw1: 20400.., ...),
+    in turn, skipping any not free; the kernel's pick only where the slice does not fit."""
+    global _port_next
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    base = 20000 + _PORT_SPAN * (int(worker) if worker.isdigit() else 0)
+    if base + _PORT_SPAN <= _ephemeral_low():
+        for _ in range(_PORT_SPAN):
+            port = base + _port_next % _PORT_SPAN
+            _port_next += 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

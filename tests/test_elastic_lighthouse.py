@@ -28,14 +28,9 @@ from dilocox.elastic.failover import (
     rendezvous_salt,
     start_quorum_with_failover,
 )
+from tests.spawn import free_port
 
 ATTEMPT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _accept_all(srv: socket.socket) -> None:
@@ -76,7 +71,7 @@ def test_lighthouse_address_errors():
 
 
 def test_unreachable_lighthouse_is_not_asked_and_ends_at_the_deadline():
-    addr = f"http://127.0.0.1:{_free_port()}"
+    addr = f"http://127.0.0.1:{free_port()}"
     assert not lighthouse_listening(addr)
     m = _FakeManager([])
     t0 = time.monotonic()
@@ -130,7 +125,7 @@ class _FakeQuorumManager(_FakeManager):
 
 
 def test_kept_quorum_while_the_lighthouse_is_down_is_bounded():
-    addr = f"http://127.0.0.1:{_free_port()}"
+    addr = f"http://127.0.0.1:{free_port()}"
     m = _FakeQuorumManager([])
     f = LighthouseFailover(m, addr, max_outage_s=0.6, attempt_s=ATTEMPT_S)
     r = f.quorum(time.monotonic() + 30.0)
@@ -147,7 +142,7 @@ def test_kept_quorum_while_the_lighthouse_is_down_is_bounded():
 
 
 def test_no_kept_quorum_after_a_failed_step_or_before_the_first_quorum():
-    addr = f"http://127.0.0.1:{_free_port()}"
+    addr = f"http://127.0.0.1:{free_port()}"
     m = _FakeQuorumManager([])
     f = LighthouseFailover(m, addr, max_outage_s=30.0, attempt_s=ATTEMPT_S)
     assert f.quorum(time.monotonic() + 30.0).kept_last_quorum
@@ -184,7 +179,7 @@ def test_ranks_of_one_replica_keep_or_ask_together_by_rank_0s_decision():
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(16)
@@ -410,7 +405,7 @@ def test_replicas_of_two_ranks_keep_their_quorum_through_a_lighthouse_restart(tm
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     secret = tmp_path / "secret"
     subprocess.run([sys.executable, "-m", "dilocox.cli", "secret", str(secret)], env=env, check=True, cwd=root)
@@ -472,8 +467,8 @@ def test_standby_addresses_are_parsed_in_order_and_any_one_listening_counts():
     srv = socket.create_server(("127.0.0.1", 0))
     try:
         up = f"http://127.0.0.1:{srv.getsockname()[1]}"
-        assert lighthouse_listening(f"http://127.0.0.1:{_free_port()},{up}")  # the primary refuses, the standby not
-        assert not lighthouse_listening(f"http://127.0.0.1:{_free_port()}")
+        assert lighthouse_listening(f"http://127.0.0.1:{free_port()},{up}")  # the primary refuses, the standby not
+        assert not lighthouse_listening(f"http://127.0.0.1:{free_port()}")
     finally:
         srv.close()
 
@@ -554,7 +549,7 @@ def test_relay_goes_to_the_standby_while_the_primary_refuses_and_back_when_it_li
 def test_relay_with_no_lighthouse_listening_closes_at_once():
     from dilocox.net.relay import LighthouseRelay
 
-    relay = LighthouseRelay([("127.0.0.1", _free_port()), ("127.0.0.1", _free_port())], connect_timeout_s=0.5)
+    relay = LighthouseRelay([("127.0.0.1", free_port()), ("127.0.0.1", free_port())], connect_timeout_s=0.5)
     try:
         t0 = time.monotonic()
         assert _ask(relay.address) == b""  # closed: torchft's request fails and is retried, bounded
@@ -578,7 +573,7 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
     from dilocox.distributed.procs import kill_and_reap, kill_group, spawn
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     secret = tmp_path / "secret"
     subprocess.run([sys.executable, "-m", "dilocox.cli", "secret", str(secret)], env=env, check=True, cwd=root)
