@@ -96,6 +96,16 @@ LEVERS = [
     ("dilocox H=6 tau=2 3/256 replay", "dilocox", "dilocox",
      ["--outer.sync_every=6", "--compress.sparse.density=0.01171875", "--outer.streaming.tau=2",
       "--outer.streaming.merge=replay"]),
+    # the stretch (>= 4,000x all-reduce's bytes): a quarter of the preset's bytes per step, by syncing 4x less often,
+    # by a 4x sparser top-k, or half of each
+    ("dilocox H=16 (1/4 bytes)", "dilocox", "dilocox", ["--outer.sync_every=16"]),
+    ("dilocox 1/512 (1/4 bytes)", "dilocox", "dilocox", ["--compress.sparse.density=0.001953125"]),
+    ("dilocox H=8 1/256 (1/4 bytes)", "dilocox", "dilocox",
+     ["--outer.sync_every=8", "--compress.sparse.density=0.00390625"]),
+    # the scale sweep's learning rates, each method at its own best (R = 4: all-reduce gains from 6e-3 too)
+    ("allreduce lr 1.2e-2", "allreduce-tuned", "allreduce", ["--optim.lr=1.2e-2"]),
+    ("dilocox inner lr 2.4e-2", "dilocox", "dilocox", ["--optim.lr=2.4e-2"]),
+    ("dilocox inner lr 1.2e-2 outer lr 1.0", "dilocox", "dilocox", ["--optim.lr=1.2e-2", "--outer.lr=1.0"]),
 ]  # fmt: skip
 QUICK = [
     "allreduce",
