@@ -185,7 +185,8 @@ class OuterConfig:
 
     method: str = "none"  # none | allreduce | diloco | cocktailsgd
     sync_every: int = 100  # H inner steps per outer step
-    lr: float = 0.7
+    lr: float = 0.7  # with more replicas, raise it together with optim.lr (4 replicas of the tiny model: inner
+    # 4x, outer 1.0; docs/BENCHMARKS.md 4h)
     momentum: float = 0.9
     nesterov: bool = True
     optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
