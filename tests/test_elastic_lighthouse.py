@@ -8,6 +8,7 @@ replicas are never restarted. Unit tests drive ``start_quorum_with_failover`` an
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -619,6 +620,39 @@ def test_replicas_go_on_through_the_standby_when_the_primary_lighthouse_dies(tmp
 
 
 # ------------------------------------------------------------------------------------------ the lighthouse's guard
+def test_guard_counts_a_port_probe_but_logs_only_a_stranger(caplog):
+    """A connection closed before its first byte (``lighthouse_listening``'s readiness probe, which every guarded run
+    makes) is counted but not logged as a refusal; a stranger who sends anything is logged, once per address."""
+    from dilocox.net.relay import LighthouseGuard
+
+    inner = _Echo(b"L:")
+    guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", inner.port), b"s" * 32, "lighthouse")
+    caplog.set_level(logging.WARNING, logger="dilocox")
+
+    def refused(n: int) -> list[str]:
+        deadline = time.monotonic() + 10
+        while guard.rejected < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert guard.rejected == n
+        return [r.getMessage() for r in caplog.records if "guard: refused" in r.getMessage()]
+
+    try:
+        for _ in range(2):
+            assert lighthouse_listening(f"http://127.0.0.1:{guard.port}")
+        assert refused(2) == []
+        for _ in range(2):
+            with socket.create_connection(("127.0.0.1", guard.port), timeout=5) as s:
+                s.settimeout(5)
+                assert s.recv(64).startswith(b"DXA1")  # (read: a close with unread bytes would be a reset)
+                s.sendall(b"PRI * HTTP/2.0\r\n")
+                s.shutdown(socket.SHUT_WR)
+                assert s.recv(64) == b""  # the guard closes it
+        assert refused(4) == ["lighthouse guard: refused 127.0.0.1 (connection closed during authentication)"]
+    finally:
+        guard.close()
+        inner.close()
+
+
 def test_guard_lets_only_a_secret_holder_through_to_the_lighthouse(tmp_path):
     """``dilocox lighthouse --secret-file``'s guard in front of a stand-in lighthouse (an echo server): a relay that
     holds the secret is served; a stranger speaking HTTP/2 and a relay with another secret are closed without a

@@ -39,6 +39,7 @@ from dilocox.net.secure import (
     AcceptGate,
     AuthError,
     Busy,
+    ClosedSilently,
     Sealer,
     check_server_proof,
     client_hello,
@@ -361,12 +362,12 @@ class LighthouseGuard:
                 key = server_handshake(conn, self.secret, time.monotonic() + handshake_s(), self.service)
                 proven = True
             except (OSError, AuthError) as e:
-                with self._count_lock:
-                    self.rejected += 1
-                    first = ip not in self._logged
-                    if len(self._logged) < 4096:  # (bounded: a flood from many addresses)
+                with self._count_lock:  # counted, and logged once per address (a flood does not flood the log),
+                    self.rejected += 1  # but a connection closed before its first byte is a port probe: not logged
+                    first = not isinstance(e, ClosedSilently) and ip not in self._logged
+                    if first and len(self._logged) < 4096:  # (bounded: a flood from many addresses)
                         self._logged.add(ip)
-                if first:  # once per address: probes and floods do not flood the log
+                if first:
                     log.warning("%s guard: refused %s (%s)", self.service, ip, e or type(e).__name__)
                 _close(conn)
                 return

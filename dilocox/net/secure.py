@@ -53,6 +53,12 @@ class AuthError(ConnectionError):
     """The other side does not hold the run secret, or a message failed its check."""
 
 
+class ClosedSilently(AuthError):
+    """The other side closed before a byte of the message awaited (on a server: of the client's proof), or reset the
+    connection before the proof: a port probe, such as ``failover.lighthouse_listening``'s, not an attempt at the
+    secret (a server counts it and need not log it)."""
+
+
 class Busy(AuthError):
     """The server turned the connection away before its challenge (its slots for our address were full): retry."""
 
@@ -181,7 +187,7 @@ def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
         sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise AuthError("connection closed during authentication")
+            raise (AuthError if buf else ClosedSilently)("connection closed during authentication")
         buf += chunk
     return bytes(buf)
 
@@ -205,8 +211,11 @@ def server_handshake(sock: socket.socket, secret: bytes, deadline: float, servic
     fails: no secret, or a proof made for another service)."""
     svc = _service(service)
     cs = secrets.token_bytes(CHALLENGE_BYTES)
-    _send(sock, MAGIC + cs, deadline)
-    reply = recv_by(sock, CHALLENGE_BYTES + MAC_BYTES, deadline)
+    try:  # (a probe that closes at once resets the connection when our challenge reaches it unread)
+        _send(sock, MAGIC + cs, deadline)
+        reply = recv_by(sock, CHALLENGE_BYTES + MAC_BYTES, deadline)
+    except (BrokenPipeError, ConnectionResetError) as e:
+        raise ClosedSilently(f"the client reset the connection before its proof ({e})") from None
     cc, proof = reply[:CHALLENGE_BYTES], reply[CHALLENGE_BYTES:]
     if not hmac.compare_digest(proof, _mac(secret, b"client", svc, cs, cc)):
         raise AuthError(f"the client does not hold the run secret (or it asked for another service than {service!r})")
