@@ -134,3 +134,100 @@ def test_a_swarm_checkpoint_with_a_crafted_index_and_a_matching_record_runs_noth
     with pytest.raises(SwarmError, match="is refused"):
         ck.load(_peer(cfg, 0, seed=1, out=str(tmp_path)), where)
     assert not os.path.exists(marker)
+
+
+def test_a_crafted_index_neither_changes_the_process_nor_crashes_hangs_or_blows_up():
+    # each refused with a CorruptCheckpointError, quickly: before, a BUILD rewrote an enum member or _get_layout's
+    # cache for the process, a deep tuple hashed as a key crashed the process (C stack), references to one string
+    # made a gigantic repr or path (GBs from 140 KB), colliding keys made a dict quadratic, and a KeyError of a
+    # 5000-digit int or a storage_meta of another type escaped as a ValueError / AttributeError
+    import io
+    import struct
+    import time
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from dilocox.checkpoint.reader import read_index
+
+    u = lambda t: b"X" + struct.pack("<I", len(t)) + t.encode()  # noqa: E731
+    g = lambda m, n: u(m) + u(n) + b"\x93"  # noqa: E731
+    M = "torch.distributed.checkpoint.metadata"
+    layout, size, index = g("torch.serialization", "_get_layout"), g("torch", "Size"), g(M, "MetadataIndex")
+    refs = u("a" * 10_000) + b"\x940(" + b"h\x00" * 2000 + b"t"  # (a repr / a path of 20 MB)
+    # (hash(-1) == hash(-2): two MetadataIndex keys of offsets (-1,) and (-2,) have one hash)
+    key = lambda off: index + b")\x81}" + u("fqn") + u("w") + b"s" + u("offset") + size + b"(" + off + b"t\x85Rsb"  # noqa: E731
+    ints = b"".join(b"\x8a\x09" + (i * (2**61 - 1)).to_bytes(9, "little") + b"N" for i in range(1, 50))  # one hash
+    puts = b"".join(b"p%d\n" % (i * (2**61 - 1)) for i in range(1, 50))
+    meta = g(M, "Metadata") + b")\x81}(" + u("state_dict_metadata") + b"}" + u("storage_meta")
+    crafted = {
+        "BUILD on a _MEM_FORMAT_ENCODING": g(M, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}" + u("_value_") + b"Kcsb.",
+        "BUILD on a function": layout + b"}" + u("cache") + b"}" + u("torch.strided") + u("x") + b"ssb.",
+        "a dict key of type tuple": b"})" + b"\x85" * 10**5 + b"Ns.",
+        "a call of _get_layout": layout + b"\x8b" + struct.pack("<I", 2100) + b"\x11" * 2100 + b"\x85R.",
+        "a call of PosixPath": g("pathlib", "PosixPath") + refs + b"R.",
+        "a call of _MEM_FORMAT_ENCODING": g(M, "_MEM_FORMAT_ENCODING") + refs + b"\x85R.",
+        "BUILD of a TensorProperties": g(M, "TensorProperties") + b")\x81(NNN" + refs + b"Ntb.",
+        "a dict key of type int": b"}(" + ints + b"u.",
+        "two keys of the same hash": b"}(" + key(b"J\xff\xff\xff\xff") + b"N" + key(b"J\xfe\xff\xff\xff") + b"Nu.",
+        "an opcode DCP's index does not use": b"N" + puts + b".",
+        "storage_meta of type int": meta + b"K\x05ub.",
+    }
+    strided, member = torch.strided, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    for why, raw in crafted.items():
+        t = time.perf_counter()
+        with pytest.raises(CorruptCheckpointError, match=why) as e:
+            read_index(io.BytesIO(b"\x80\x04" + raw), "x")
+        assert time.perf_counter() - t < 10 and len(str(e.value)) < 1000, why
+    assert torch.serialization._get_layout("torch.strided") is strided and member.value == 0
+    assert _MEM_FORMAT_ENCODING(0) is member and member.name == "TORCH_CONTIGUOUS_FORMAT"
+
+
+def test_an_index_that_points_outside_its_directory_or_past_its_files_is_refused(tmp_path, monkeypatch):
+    """An index made only of allowed classes can still lie: a storage entry naming another directory's file (DCP
+    would read a tensor from there, outside every record's hash), an entry past the end of its file, a chunk outside
+    its tensor, a size no tensor has, transforms, or an index too large to read. Each is refused by name."""
+    import copy
+
+    import dilocox.checkpoint.reader as rd
+
+    other, good = str(tmp_path / "other"), str(tmp_path / "good")
+    _save(other, {"a": torch.full((3,), 42.0)})
+    _save(good, {"a": torch.zeros(3)})
+    with open(os.path.join(good, ".metadata"), "rb") as f:
+        md = pickle.load(f)  # (our own file: the test's writer side)
+    info = next(iter(md.storage_data.values()))
+    theirs = os.path.join(other, info.relative_path)
+
+    def refused(change, match: str) -> None:
+        bad = copy.deepcopy(md)
+        change(bad)
+        with open(os.path.join(good, ".metadata"), "wb") as f:
+            pickle.dump(bad, f)
+        with pytest.raises(CorruptCheckpointError, match=match):
+            reader(good).read_metadata()
+
+    def entry(**kw):
+        def change(m):
+            for v in m.storage_data.values():
+                for k, x in kw.items():
+                    setattr(v, k, x)
+
+        return change
+
+    outside = "not a file of the checkpoint's own directory"
+    refused(entry(relative_path=theirs), outside)
+    refused(entry(relative_path="../other/" + info.relative_path), outside)
+    refused(entry(relative_path=".."), outside)
+    refused(entry(length=info.length + 1), "shorter than its entries")
+    refused(entry(relative_path="missing.distcp"), "missing or shorter")
+    refused(entry(offset=-1), "negative or non-integer")
+    refused(entry(transform_descriptors=["zstd"]), "names transforms")
+    refused(lambda m: setattr(m.state_dict_metadata["a"], "size", torch.Size([1 << 41])), "a size or chunks")
+    refused(lambda m: setattr(m.state_dict_metadata["a"].chunks[0], "sizes", torch.Size([4])), "outside its tensor")
+    refused(lambda m: setattr(m, "state_dict_metadata", 5), "state_dict_metadata is not a dict")
+    with open(os.path.join(good, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    assert reader(good).read_metadata().state_dict_metadata["a"].size == torch.Size([3])
+    monkeypatch.setattr(rd, "MAX_INDEX_BYTES", os.path.getsize(os.path.join(good, ".metadata")) - 1)
+    with pytest.raises(CorruptCheckpointError, match=r"bytes \(at most"):
+        reader(good).read_metadata()
