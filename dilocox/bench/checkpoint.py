@@ -63,12 +63,19 @@ def _timed(fn, barrier) -> float:
     return time.perf_counter() - t0
 
 
-def _worker(rank: int, world: int, port: int, model: str, root: str, layout: list[str], repeats: int, q) -> None:
+def _worker(rank: int, world: int, store: str, model: str, root: str, layout: list[str], repeats: int, q) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if world > 1:  # the ranks meet through a file (no port to race another process for); the Trainer reuses the group
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+        )
     from dilocox.train import Trainer
 
     t = Trainer(_cfg(model, os.path.join(root, "run"), layout))
@@ -102,7 +109,7 @@ def _worker(rank: int, world: int, port: int, model: str, root: str, layout: lis
     barrier()
 
 
-def _reshard_worker(rank: int, world: int, port: int, model: str, root: str, ckpt_dir: str, repeats: int, q) -> None:
+def _reshard_worker(rank: int, world: int, store: str, model: str, root: str, ckpt_dir: str, repeats: int, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from dilocox.train import Trainer
 
@@ -111,28 +118,39 @@ def _reshard_worker(rank: int, world: int, port: int, model: str, root: str, ckp
     q.put([_timed(t._maybe_resume, lambda: None) for _ in range(repeats)])
 
 
-def free_port() -> int:
-    import socket
+def _spawn(fn, world: int, *args, timeout_s: float = 3600.0):
+    """``fn`` on ``world`` spawned ranks; rank 0's result. A rank that exits with an error ends the wait at once."""
+    import queue
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, world: int, *args):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=fn, args=(r, world, port, *args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = q.get(timeout=3600)
-    for p in procs:
-        p.join(600)
-        if p.exitcode:
-            raise RuntimeError(f"bench checkpoint: a rank exited with {p.exitcode}")
-    return out
+    store_dir = tempfile.mkdtemp(prefix="dilocox-bench-ckpt-rdzv-")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(r, world, os.path.join(store_dir, "store"), *args, q)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                out = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                    codes = [p.exitcode for p in procs]
+                    raise RuntimeError(f"bench checkpoint: no result (rank exit codes {codes}, None: still running)")
+        for p in procs:
+            p.join(600)
+            if p.exitcode:
+                raise RuntimeError(f"bench checkpoint: a rank exited with {p.exitcode}")
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def run(model: str, layouts: list[str], repeats: int, root: str) -> list[dict]:
