@@ -154,16 +154,18 @@ def test_a_manager_port_taken_between_the_check_and_torchfts_bind_moves_the_guar
         pytest.skip("no non-loopback address on this host")
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup, start_lighthouse, stores
 
-    taken: list[socket.socket] = []
+    taken: list[int] = []
+    held: list[socket.socket] = []
     real = stores._free_on_loopback
 
     def check_then_taken(port: int) -> bool:
         free = real(port)
         if free and not taken:  # the other process wins the race, once
-            s = socket.socket()
-            s.bind(("127.0.0.1", port))
-            s.listen()
-            taken.append(s)
+            taken.append(port)
+            try:  # with SO_REUSEADDR, as the check binds: a TIME_WAIT on P must not fail the test's own bind
+                held.append(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                pass  # a real other process took P first: the race this test stages, all the same
         return free
 
     monkeypatch.setattr(stores, "_free_on_loopback", check_then_taken)
@@ -176,7 +178,7 @@ def test_a_manager_port_taken_between_the_check_and_torchfts_bind_moves_the_guar
     try:
         group = ElasticOuterGroup(cfg)
         port = group.manager_guard.guard.port
-        assert taken and port != taken[0].getsockname()[1]
+        assert taken and port != taken[0]
         assert group._manager._manager.address() == f"http://{host}:{port}"
         res = group.allreduce_mean(torch.arange(4.0))
         assert res.contributors == [0] and torch.equal(res.mean, torch.arange(4.0))
@@ -184,6 +186,6 @@ def test_a_manager_port_taken_between_the_check_and_torchfts_bind_moves_the_guar
         if group is not None:
             group.close()
         lh.shutdown()
-        for s in taken:
+        for s in held:
             s.close()
     assert not stores.ManagerGuard._relays and stores.ManagerGuard._open == 0
