@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tests.fake_slurm import run_fake_sbatch
-from tests.spawn import processes_naming
+from tests.spawn import free_port, processes_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launcher", "slurm", "swarm.sbatch")
@@ -277,13 +275,11 @@ def test_swarm_sbatch_resume_passes_it_to_every_peer(tmp_path):
 
 
 def _free_ports(n: int) -> list[int]:
-    """n distinct free ports: the sockets are held together while chosen (two free_port() calls may return one port,
-    the first being closed again before the second is asked for)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """n distinct free ports from this xdist worker's own slice (``tests/spawn.free_port``: taken in turn, so distinct;
+    a port the kernel hands out and we release can be another worker's before the job binds it)."""
+    ports = [free_port() for _ in range(n)]
+    assert len(set(ports)) == n, ports
+    return ports
 
 
 @pytest.mark.slow
