@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -49,7 +50,7 @@ RECV = textwrap.dedent("""
     tcp = n * 8 / (time.monotonic() - t0) / 1e9
     time.sleep(float(sys.argv[1]) + 1.5)
     dt = max(1e-9, seen[2] - seen[1])
-    print(f"{tcp} {seen[0]} {dt}", flush=True)
+    open(sys.argv[2], "w").write(f"{tcp} {seen[0]} {dt}")
 """)
 
 SEND_TCP = textwrap.dedent("""
@@ -72,11 +73,15 @@ SEND_UDP = textwrap.dedent("""
 
 def measure(rtt_ms: float | None, seconds: float, senders: int) -> dict:
     """One row: the switch (rtt_ms set) or the bridge (None)."""
+    from dilocox.distributed.procs import read_ready_line
     from dilocox.launch.netns import Cluster
 
-    with Cluster(2, None, rtt_ms=rtt_ms or 0.0) as c:
-        recv = c.exec(1, [sys.executable, "-c", RECV, str(seconds)], stdout=subprocess.PIPE, text=True)
-        assert recv.stdout.readline().strip() == "up"
+    with Cluster(2, None, rtt_ms=rtt_ms or 0.0) as c, tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "recv")
+        recv = c.exec(1, [sys.executable, "-c", RECV, str(seconds), out], stdout=subprocess.PIPE, text=True)
+        if read_ready_line(recv, r"^up$", 60.0) is None:  # (a silent receiver must not hang the bench)
+            recv.kill()
+            raise RuntimeError("the receiver in the second namespace did not start within 60 s")
         ns0 = ["ip", "netns", "exec", c.ns(0), sys.executable, "-c"]
         subprocess.run([*ns0, SEND_TCP, c.addr(1), str(seconds)], check=True, timeout=seconds + 60)
         tx0, rx0, t0 = c.tx_packets(0), c._stat(1, "rx_packets"), time.monotonic()
@@ -85,8 +90,9 @@ def measure(rtt_ms: float | None, seconds: float, senders: int) -> dict:
             p.wait(timeout=seconds + 60)
         time.sleep(0.5)  # (frames still in the switch)
         sent, got, dt = c.tx_packets(0) - tx0, c._stat(1, "rx_packets") - rx0, time.monotonic() - t0 - 0.5
-        tcp, _, _ = recv.stdout.readline().split()
-        recv.wait(timeout=30)
+        recv.wait(timeout=seconds + 30)
+        with open(out) as f:
+            tcp, _, _ = f.read().split()
     fps = got / dt  # frames delivered to the receiver's interface (before its socket), per second
     return {
         "udp_frames_sent_per_s": sent / dt,

@@ -130,7 +130,9 @@ def run_netns(
 def tcp_retrans_segs(ns: str) -> int:
     """TCP segments retransmitted inside a namespace (its own /proc/net/snmp): sent twice on the
     wire, counted once by the framework."""
-    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True, text=True, timeout=30
+    ).stdout
     head, vals = [line.split()[1:] for line in out.splitlines() if line.startswith("Tcp:")][:2]
     return int(vals[head.index("RetransSegs")])
 
@@ -439,12 +441,16 @@ def git_state() -> str | None:
     """The commit the bench ran on, and the files that differed from it (None outside git)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return None
     files = [line[3:] for line in dirty.splitlines() if line[3:].endswith(".py") or line[3:].endswith(".yaml")]
     return head + (f" + uncommitted changes to {', '.join(files)}" if files else "")

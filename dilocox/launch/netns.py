@@ -78,7 +78,7 @@ _probe: tuple[bool, str] | None = None
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run one iproute2 command (``ip`` or ``tc``); raise with its stderr on failure."""
-    p = subprocess.run(list(args), capture_output=True, text=True)
+    p = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
     if check and p.returncode != 0:
         raise RuntimeError(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
     return p
@@ -356,8 +356,11 @@ class Cluster:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 kill_group(p.pid, signal.SIGKILL)
-                p.wait()
-        subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # (uninterruptible in the kernel: the namespaces go regardless)
+                    print(f"dilocox launch: pid {p.pid} outlived SIGKILL by 10 s", file=sys.stderr, flush=True)
+        subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True, timeout=120)
         if self._switch is not None:  # killed with the namespace's processes just above
             try:
                 self._switch.wait(timeout=10)
@@ -365,7 +368,10 @@ class Cluster:
                 kill_group(self._switch.pid, signal.SIGKILL)
         if self._reaper is not None:
             self._reaper.stdin.close()  # the reaper re-runs the (now empty) teardown and exits
-            self._reaper.wait()
+            try:
+                self._reaper.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._reaper.kill()
         for sig, prev in self._prev_handlers.items():
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, prev)
@@ -424,5 +430,5 @@ def cleanup_stale() -> list[str]:
             stale.append(name)
     script = "".join(f"for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}\n" for ns in stale)
     if script:
-        subprocess.run(["sh", "-c", script], capture_output=True)
+        subprocess.run(["sh", "-c", script], capture_output=True, timeout=120)
     return stale
