@@ -181,8 +181,6 @@ def test_unguarded_reads_busy_as_a_guard_and_silence_as_plain(answer, plain):
         for c in held:
             c.close()
         srv.close()
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    closed_port = free.getsockname()[1]
-    free.close()
-    assert unguarded([("127.0.0.1", closed_port)], b"s" * 32, wait_s=1.0) is None
+    with socket.socket() as free:  # bound, not listening, held: refused, and no other process can take it meanwhile
+        free.bind(("127.0.0.1", 0))
+        assert unguarded([("127.0.0.1", free.getsockname()[1])], b"s" * 32, wait_s=1.0) is None
