@@ -281,9 +281,12 @@ class Trainer(TrainerState):
     def _nonfinite_error(self, loss: float, step: int, now: int | None = None) -> FloatingPointError:
         where = "before the bad update" if now is None else f"at step {now} (losses are read at the log steps)"
         lr = self.cfg.optim.lr
+        outer = ""
+        if getattr(self.outer, "schedule", None) is not None:  # (the DiLoCo family: an outer step over the replicas)
+            outer = f", or outer.lr (now {self.cfg.outer.lr}: the outer step moves every replica)"
         return FloatingPointError(
             f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped {where}. "
-            f"Lower optim.lr (now {lr}) or set optim.grad_clip, and resume from the last good checkpoint "
+            f"Lower optim.lr (now {lr}){outer}, or set optim.grad_clip, and resume from the last good checkpoint "
             f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
             "non-finite states are never saved)"
         )

@@ -4,13 +4,14 @@ rows), and a real two-cell sweep on 2 ranks gives rows whose bytes fall with com
 
 import json
 import os
+import re
 
 import pytest
 
 from dilocox.bench import scale
 from dilocox.bench.frontier import CORPORA, LEVERS, POINTS
 from dilocox.bench.methods import method_body
-from dilocox.bench.runner import write_config
+from dilocox.bench.runner import root_cause, write_config
 from dilocox.config import load_config
 from dilocox.model import build_model
 
@@ -87,6 +88,28 @@ def test_table_and_verdicts(tmp_path):
     assert "| dilocox | 1.7000 (no allreduce run) |" in scale.markdown(lone, meta)
 
 
+def test_a_failed_runs_cause_is_the_first_ranks_error_not_its_peers_timeout():
+    """``bench.runner.root_cause``: what a failed ``dilocox train`` is reported by (a sweep's "failed" cell)."""
+    torchrun = (
+        "[rank1]: Traceback (most recent call last):\n"
+        "[rank1]: dilocox.distributed.signals.CommTimeoutError: the outer all-reduce failed: peer closed\n"
+        '[rank3]:   File "train.py", line 3, in step\n'
+        "[rank3]: FloatingPointError: loss is nan at step 540 (replica 3); training stopped\n"
+    )
+    assert root_cause(torchrun) == "rank 3: FloatingPointError: loss is nan at step 540 (replica 3); training stopped"
+    said = "note: cut\ntraining stopped (rank 1): loss is inf at step 2 (replica 1); Lower\ntraining stopped (rank 0)"
+    assert root_cause(said) == "rank 1: training stopped: loss is inf at step 2 (replica 1); Lower"
+    assert root_cause("[rank0]: torch.distributed.DistBackendError: peer gone\n") == (
+        "rank 0: torch.distributed.DistBackendError: peer gone"  # only consequences: the first of them
+    )
+    assert root_cause("config error: data.source='x' is not one of\n") == "config error: data.source='x' is not one of"
+    assert root_cause("Killed\n") == ""
+    bad = dict(_row("dilocox", 64, 2, float("nan"), 0), failed=root_cause(said))
+    rows = [_row("allreduce", 64, 2, 2.0, 10**9), bad]
+    meta = dict(machine="m", date="d", steps=1000, corpus="docs", seed=0, global_batch=16, wall_min=1.0)
+    assert "| dilocox | diverged: loss is inf at step 2 (replica 1) |" in scale.markdown(rows, meta)
+
+
 def test_render_without_results_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="cannot read"):
         scale.main(["--render", "--out", str(tmp_path / "none")])
@@ -95,15 +118,23 @@ def test_render_without_results_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_a_real_sweep_of_two_cells(tmp_path, monkeypatch):
     """Width 32, R = 2, 8 steps: allreduce and dilocox run as 2-rank jobs; every row is there and compression
-    sends fewer bytes at the same tokens."""
+    sends fewer bytes at the same tokens. A lever that diverges (inner lr 1e30) is a cell of its own, named by its
+    rank's error, and the points after it still run."""
     monkeypatch.chdir(tmp_path)
+    lever = ("dilocox lr 1e30", "dilocox", "dilocox", ["--optim.lr=1e30"])
+    monkeypatch.setattr(scale, "LEVERS", [*scale.LEVERS, lever])
     out = tmp_path / "out"
-    assert scale.main(["--widths", "32", "--replicas", "2", "--steps", "8", "--global-batch", "4",
-                       "--points", "allreduce,dilocox", "--corpus", "code", "--out", str(out)]) == 0  # fmt: skip
+    assert scale.main(["--widths", "32", "--replicas", "2", "--steps", "8", "--global-batch", "4", "--points",
+                       "allreduce,dilocox lr 1e30,dilocox", "--corpus", "code", "--out", str(out)]) == 0  # fmt: skip
     got = json.loads((out / "results.json").read_text())
     rows = {r["label"]: r for r in got["rows"]}
-    assert set(rows) == {"allreduce", "dilocox"}
-    for r in rows.values():
+    assert set(rows) == {"allreduce", "dilocox lr 1e30", "dilocox"}
+    for r in (rows["allreduce"], rows["dilocox"]):
         assert (r["replicas"], r["width"], r["tokens_per_replica"]) == (2, 32, 8 * 2 * 128)
     assert rows["dilocox"]["bytes_sent_per_replica"] * 50 < rows["allreduce"]["bytes_sent_per_replica"]
-    assert "| d=32 " in (out / "results.md").read_text()
+    bad = rows["dilocox lr 1e30"]
+    assert re.search(r"training stopped: loss is -?(nan|inf) at step \d+", bad["failed"]), bad["failed"]
+    assert "outer.lr" in bad["failed"]  # (the message names both rates of a DiLoCo-family run)
+    assert "loss_vs_allreduce_pct" not in bad
+    md = (out / "results.md").read_text()
+    assert "| d=32 " in md and "| dilocox lr 1e30 | diverged: loss is " in md

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
-from dilocox.bench.runner import line_plot, machine_line, run_train, write_config, write_results
+from dilocox.bench.runner import TrainingFailed, line_plot, machine_line, run_train, write_config, write_results
 
 METHODS = [
     "allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox-paper", "dilocox", "sparseloco",
@@ -85,10 +86,13 @@ def run(
     common: list[str] = (),
     layout: str = LAYOUT,
     nproc: int = 4,
+    keep_going: bool = False,
 ) -> list[dict]:
     """Run each entry (a preset name, or ``(label, preset, overrides)``) at equal tokens;
     ``common`` overrides (e.g. ``--train.seed=1``) apply to every run; ``layout`` (YAML) and ``nproc`` set the
-    replicas and stages (``bench scale`` runs R replicas x PP=1 on R ranks)."""
+    replicas and stages (``bench scale`` runs R replicas x PP=1 on R ranks). ``keep_going``: a run that fails (a
+    learning-rate lever that diverges) becomes a row with ``failed`` (its rank's error) and a NaN loss, and the
+    sweep goes on; else the failure is raised."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, entry in enumerate(methods):
@@ -96,12 +100,20 @@ def run(
             cfg = write_config(
                 os.path.join(tmp, f"{i}-{m}.yaml"), ["tiny.yaml", f"methods/{m}.yaml"], method_body(m, H, layout)
             )
-            res = run_train(
-                cfg,
-                nproc,
-                os.path.join(run_root, f"{i}-{m}"),
-                [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra],
-            )
+            try:
+                res = run_train(
+                    cfg,
+                    nproc,
+                    os.path.join(run_root, f"{i}-{m}"),
+                    [f"--train.steps={steps}", "--train.eval_every=50", *common, *extra],
+                )
+            except TrainingFailed as e:
+                if not keep_going:
+                    raise
+                print(f"dilocox bench: {label} failed: {e.cause or e}; going on", file=sys.stderr, flush=True)
+                rows.append({"method": label, "preset": m, "overrides": list(extra), "failed": e.cause or str(e)[:500],
+                             "final_val_loss": float("nan"), "bytes_sent_per_replica": 0, "val_curve": []})  # fmt: skip
+                continue
             s = res["summary"]
             # bytes sent to the other replicas by the ranks (stages) of replica 0
             sent = sum(r.get("outer_bytes_sent", 0) for r in res["ranks"] if "replica 0" in r["coord"])
@@ -121,9 +133,9 @@ def run(
                     + [(s["steps"], s["final_val_loss"])],
                 }
             )
-    base = next((r for r in rows if r["method"] == "allreduce"), None)
+    base = next((r for r in rows if r["method"] == "allreduce" and "failed" not in r), None)
     for r in rows:
-        if base:
+        if base and "failed" not in r:
             r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
             r["bytes_ratio_vs_allreduce"] = base["bytes_sent_per_replica"] / max(1, r["bytes_sent_per_replica"])
     return rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,38 @@ def clear_run_dir(run_dir: str) -> None:
             os.remove(path)
         elif name == "checkpoints":
             shutil.rmtree(path)
+
+
+class TrainingFailed(RuntimeError):
+    """``dilocox train`` exited non-zero; ``cause`` is the first error a rank raised (``root_cause``)."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+# a rank's exception line as torchrun prefixes it ("[rank3]: FloatingPointError: loss is nan ..."), or unprefixed;
+# or the one line dilocox prints for an error the user can act on (cli._error_kind: "training stopped (rank 1): ...")
+_ERROR_LINE = re.compile(
+    r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b.*)$"
+    r"|^((?:config|data|export|checkpoint) error|training stopped|elastic run stopped)(?: \(rank (\d+)\))?: (.*)$"
+)
+# errors that follow from another rank's failure (its peer closed the connection), not causes
+_CONSEQUENCE = ("CommTimeoutError", "DistBackendError", "ChildFailedError", "SignalException")
+
+
+def root_cause(stderr: str) -> str:
+    """The first exception a rank raised, from ``dilocox train``'s stderr; errors that only follow from another
+    rank's exit (a collective whose peer went away) are passed over while a cause is there. '' when none is."""
+    found = []
+    for m in filter(None, map(_ERROR_LINE.match, stderr.splitlines())):
+        rank, text = (m.group(1), m.group(2)) if m.group(2) else (m.group(4), f"{m.group(3)}: {m.group(5)}")
+        found.append((rank, text.strip()[:500]))
+    causes = [f for f in found if not f[1].split(":")[0].endswith(_CONSEQUENCE)]
+    if not (causes or found):
+        return ""
+    rank, text = (causes or found)[0]
+    return (f"rank {rank}: " if rank else "") + text
 
 
 def run_train(
@@ -65,7 +98,12 @@ def run_train(
     proc = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
     wall = time.time() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"training failed ({' '.join(cmd)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        cause = root_cause(proc.stderr)
+        raise TrainingFailed(
+            cause,
+            f"training failed: {cause or f'exit code {proc.returncode}'}\n({' '.join(cmd)}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+        )
     return dict(read_run(run_dir), wall_s=wall, stdout=proc.stdout)
 
 

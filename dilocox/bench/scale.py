@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -64,15 +65,21 @@ def run(a: argparse.Namespace, points: list[tuple], save=None) -> list[dict]:
             entries = [(label, preset, [*extra, *over]) for label, _, preset, over in points]
             layout = f"parallel: {{replicas: {R}, pipeline: 1}}\n"
             got = run_methods(
-                entries, a.steps, H_BASE, os.path.join("runs", "bench-scale", f"d{width}-r{R}"), common, layout, R
+                entries,
+                a.steps,
+                H_BASE,
+                os.path.join("runs", "bench-scale", f"d{width}-r{R}"),
+                common,
+                layout,
+                R,
+                keep_going=True,  # (a lever that diverges is a cell of its own: "failed", and the sweep goes on)
             )
             for r in got:
                 label = r.pop("method")
                 r.pop("val_curve", None)
                 r.update(label=label, width=width, params=params_of(width), replicas=R, steps=a.steps,
                          corpus=a.corpus, seed=a.seed, global_batch=a.global_batch)  # fmt: skip
-                print(f"d{width} R={R} {label}: {r['final_val_loss']:.4f} ({r.get('loss_vs_allreduce_pct', 0):+.1f} %)",
-                      flush=True)  # fmt: skip
+                print(f"d{width} R={R} {label}: {_cell(r)}", flush=True)
             rows += got
             if save is not None:
                 save(rows)
@@ -105,6 +112,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 
 def _cell(r: dict) -> str:
+    if "failed" in r:  # (the rank's error: a diverged run names its step, e.g. "loss is nan at step 540")
+        err = re.sub(r"^rank \d+: ", "", r["failed"])
+        if err.startswith(("FloatingPointError: loss is", "training stopped: loss is")):
+            return "diverged: " + err.split(": ", 1)[1].split(";")[0][:80]
+        return "failed: " + err[:80]
     if "loss_vs_allreduce_pct" not in r:  # (a sweep without allreduce: no gap to give)
         return f"{r['final_val_loss']:.4f} (no allreduce run)"
     return f"{r['final_val_loss']:.4f} ({r['loss_vs_allreduce_pct']:+.1f} %, {r['bytes_ratio_vs_allreduce']:,.0f}x)"
