@@ -110,6 +110,7 @@ LEVERS = [
     ("dilocox inner lr 6e-3 outer lr 1.0", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=1.0"]),
     ("dilocox inner lr 1.2e-2 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=1.2e-2", "--outer.lr=1.4"]),
     ("dilocox inner lr 6e-3 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=1.4"]),
+    ("dilocox inner lr 6e-3 outer lr 1.7", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=1.7"]),
     ("dilocox inner lr 6e-3 outer lr 2.0", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=2.0"]),
     ("dilocox inner lr 3e-3 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=3e-3", "--outer.lr=1.4"]),
     # R = 8 (two sequences a replica): its own pair
