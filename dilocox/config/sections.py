@@ -186,7 +186,7 @@ class OuterConfig:
     method: str = "none"  # none | allreduce | diloco | cocktailsgd
     sync_every: int = 100  # H inner steps per outer step
     lr: float = 0.7  # with more replicas, raise it together with optim.lr (4 replicas of the tiny model: inner
-    # 4x, outer 1.0; docs/BENCHMARKS.md 4h)
+    # 4x, outer 1.0 at width 64; inner 2x, outer 1.4 at width 128, where 1.7 blows up; docs/BENCHMARKS.md 4h)
     momentum: float = 0.9
     nesterov: bool = True
     optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
