@@ -78,7 +78,10 @@ _probe: tuple[bool, str] | None = None
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run one iproute2 command (``ip`` or ``tc``); raise with its stderr on failure."""
-    p = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    try:
+        p = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{' '.join(args)}` did not finish within 60 s") from None
     if check and p.returncode != 0:
         raise RuntimeError(f"`{' '.join(args)}` failed ({p.returncode}): {p.stderr.strip()}")
     return p
@@ -360,7 +363,10 @@ class Cluster:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:  # (uninterruptible in the kernel: the namespaces go regardless)
                     print(f"dilocox launch: pid {p.pid} outlived SIGKILL by 10 s", file=sys.stderr, flush=True)
-        subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True, timeout=120)
+        try:
+            subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True, timeout=120)
+        except subprocess.TimeoutExpired:  # (the reaper below runs the teardown once more)
+            print("dilocox launch: deleting the namespaces took over 120 s", file=sys.stderr, flush=True)
         if self._switch is not None:  # killed with the namespace's processes just above
             try:
                 self._switch.wait(timeout=10)
