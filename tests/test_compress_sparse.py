@@ -167,7 +167,7 @@ def test_payload_is_far_below_fp32_at_the_preset():
         (["--compress.sparse.enabled=true", "--compress.quant=int4"], "set compress.quant=none"),
         (["--compress.sparse.enabled=true", "--compress.sparse.ef_decay=1.5"], "compress.sparse.ef_decay"),
         (["--compress.sparse.enabled=true", "--compress.error_feedback=false"], "compress.error_feedback"),
-        (["--compress.sparse.enabled=true", "--compress.collective=reduce_scatter"], "compress.collective"),
+        (["--compress.sign.enabled=true", "--compress.collective=reduce_scatter"], "compress.collective"),
         (["--compress.sparse.enabled=true", "--outer.method=cocktailsgd"], "not outer.method='cocktailsgd'"),
     ],
 )

@@ -116,6 +116,13 @@ LEVERS = [
     # R = 8 (two sequences a replica): its own pair
     ("dilocox inner lr 2.4e-2 outer lr 1.0", "dilocox", "dilocox", ["--optim.lr=2.4e-2", "--outer.lr=1.0"]),
     ("dilocox inner lr 2.4e-2 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=2.4e-2", "--outer.lr=1.4"]),
+    # the sparse reduce-scatter (compress/sparse_rs.py): each chunk's owner averages and re-sparsifies, ~2 payloads
+    # sent per sync whatever R, where the all-gather sends R - 1
+    ("dilocox reduce-scatter", "dilocox", "dilocox", ["--compress.collective=reduce_scatter"]),
+    ("dilocox inner lr 2.4e-2 outer lr 1.4 reduce-scatter", "dilocox", "dilocox",
+     ["--optim.lr=2.4e-2", "--outer.lr=1.4", "--compress.collective=reduce_scatter"]),
+    ("dilocox inner lr 6e-3 outer lr 1.4 reduce-scatter", "dilocox", "dilocox",
+     ["--optim.lr=6e-3", "--outer.lr=1.4", "--compress.collective=reduce_scatter"]),
 ]  # fmt: skip
 QUICK = [
     "allreduce",

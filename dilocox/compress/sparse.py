@@ -40,11 +40,12 @@ import time
 
 import torch
 
-from dilocox.compress import kernels
+from dilocox.compress import kernels, sparse_rs
 from dilocox.compress.codec import Wire, gather, register, solo_or
 from dilocox.compress.collectives import CommStats
 
 SPARSE_BITS = (2, 4, 8)
+COLLECTIVES = ("allgather", "reduce_scatter")
 
 
 def _has_op() -> bool:  # (an extension built before the op existed lacks it)
@@ -366,7 +367,19 @@ class SparseCompressor:
 
     lossy = True
 
-    def __init__(self, shapes: list[torch.Size], chunk: int, density: float, bits: int, ef_decay: float) -> None:
+    def __init__(
+        self,
+        shapes: list[torch.Size],
+        chunk: int,
+        density: float,
+        bits: int,
+        ef_decay: float,
+        collective: str = "allgather",
+    ) -> None:
+        if collective not in COLLECTIVES:
+            raise ValueError(
+                f"compress.collective={collective!r} with compress.sparse is not one of {list(COLLECTIVES)}"
+            )
         if bits not in SPARSE_BITS:
             raise ValueError(f"compress.sparse.bits={bits} is not one of {list(SPARSE_BITS)}")
         if not 0 < density <= 1:
@@ -376,6 +389,8 @@ class SparseCompressor:
         self.shapes = [torch.Size(s) for s in shapes]
         self.chunk, self.density, self.bits, self.ef_decay = int(chunk), float(density), int(bits), float(ef_decay)
         self.kind = f"top{density:g}/int{bits}"
+        self.collective = collective  # allgather | reducescatter (compress/sparse_rs.py: bytes flat in R)
+        self._owner = sparse_rs.OwnerResidual()
         # the error buffers: None, or one per tensor - views of the group matrices ``_err`` when this compressor
         # made them; anything else (a checkpoint's, a reset to None) is copied into fresh matrices at the next sync
         self.errors: list[torch.Tensor] | None = None
@@ -390,6 +405,8 @@ class SparseCompressor:
         return sum(self._sizes)
 
     def wire_bytes(self, world: int, rank: int | None = None) -> int:
+        if self.collective == "reduce_scatter" and world > 1:
+            return sparse_rs.wire_bytes(self._groups, world)
         return (world - 1) * self.payload_bytes() if world > 1 else 0
 
     def allreduce_mean(
@@ -415,6 +432,14 @@ class SparseCompressor:
         del vs
         if not _all_finite(self._err):
             raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
+        wire = solo_or(wire)
+        world = wire.size()
+        if self.collective == "reduce_scatter" and world > 1:
+            out = sparse_rs.sync(gr, self._err, wire, self._owner, self.ef_decay, self.block_elems)
+            if stats is not None:
+                b = self.wire_bytes(world)
+                stats.add(b, b, time.perf_counter() - t0)
+            return [gr.view(out, i).to(t.dtype) for i, t in enumerate(tensors)]
         if self.use_kernel and _kernel_here(device):  # (asked once per call, not once per tensor)
             mine = torch.cat(
                 [_kernel_encode(e.reshape(-1), self.chunk, self.density, self.bits) for e in self.errors if e.numel()]
@@ -422,8 +447,7 @@ class SparseCompressor:
             )
         else:
             mine = gr.encode(self._err, self.block_elems)
-        wire = solo_or(wire)
-        world, me = wire.size(), wire.rank()
+        me = wire.rank()
         bufs = gather(wire, mine)
         acc = [torch.empty_like(e) for e in self._err]
         for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
@@ -460,13 +484,18 @@ class SparseCompressor:
         sd: dict = {"rank": 0, "errors": {}}
         if self.errors is not None:
             sd["errors"] = {str(i): e.clone() for i, e in enumerate(self.errors)}
+        if self.collective == "reduce_scatter" and (owner := self._owner.state_dict()):
+            sd["owner"] = owner
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.errors = load_error_buffers(sd, self.shapes)
+        self._owner.load_state_dict(sd.get("owner") or {})
 
 
 @register("sparse", enabled=lambda ccfg: ccfg.sparse.enabled)
 def _build(ccfg, shapes, seed, ids) -> SparseCompressor:
     sp = ccfg.sparse
-    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay)
+    # auto stays the all-gather: at R = 2 the reduce-scatter sends the same bytes and adds the owner's second top-k
+    collective = "reduce_scatter" if ccfg.collective == "reduce_scatter" else "allgather"
+    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay, collective)

@@ -376,7 +376,7 @@ def check_codecs(c: CompressConfig) -> None:
             _fail(f"compress.{name}.{key}", value, why)
         if not c.error_feedback:
             _fail("compress.error_feedback", False, f"must be true with compress.{name} (its error buffer is the rule)")
-        if c.collective not in ("auto", "allgather"):
+        if c.collective not in ("auto", "allgather") and not (name == "sparse" and c.collective == "reduce_scatter"):
             _fail("compress.collective", c.collective, f"must be auto or allgather with compress.{name} (all-gather)")
         if c.quant != "none" or c.lowrank.enabled or c.adaptive.enabled:
             _fail(

@@ -276,7 +276,10 @@ class AdaptiveConfig:
 class CompressConfig:
     quant: str = "none"  # none | fp16 | int8 | int4
     group_size: int = 128
-    collective: str = "auto"  # auto | allgather | reduce_scatter
+    # auto | allgather | reduce_scatter: quant's (auto: all-gather up to 4 replicas); with compress.sparse auto is
+    # the all-gather ((R-1) payloads sent per sync) and reduce_scatter has each chunk's owner average, re-sparsify
+    # and all-gather the mean (~2 payloads whatever R; compress/sparse_rs.py; other codecs: all-gather only)
+    collective: str = "auto"
     error_feedback: bool = True
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)

@@ -1,0 +1,249 @@
+"""The sparse codec's reduce-scatter (``compress.collective: reduce_scatter`` with ``compress.sparse``): flat in R.
+
+The all-gather of ``compress/sparse.py`` sends each replica's payload P to every other replica: (R − 1) · P per
+replica per sync, while a ring all-reduce of the dense shard sends 2 (R − 1) / R of it. So the codec's advantage
+over all-reduce halves with every doubling of R (1,092x fewer bytes at R = 2, 273x at R = 8; docs/BENCHMARKS.md
+§4h). This collective reduces inside the network instead, as gTop-k and Ok-Topk do (Shi et al. 2019; Li and
+Hoefler 2022):
+
+    each group's chunk rows are split into R contiguous ranges; range j is owned by member j
+    all-to-all:  member i sends member j its encoded rows of range j (the payload of ``sparse.py``, row by row)
+    owner j:     m = (1/R) Σ_i decoded rows of member i, summed in member order (padding entries zeroed)
+                 r_j = β r_j + m              the owner's residual (β = ``ef_decay``, as the members' own buffers)
+                 encode r_j's rows (top-k, b bits: the same rule and k), r_j −= the decoded rows
+    all-gather:  every member gets every owner's encoded rows and decodes them: the mean applied on every member
+
+so each member sends 2 (R − 1) · P / R (both phases, padded to the largest range), about 2P whatever R is, and
+every member decodes the same bytes: the result is bit-identical on each. The owner's second top-k keeps the k
+largest entries of the mean per chunk (the union of R members' picks has up to R·k); what it drops stays in its
+residual for the next sync, as a member's error buffer does. The residual belongs to a (member count, rank) pair:
+when the membership changes (an elastic replica leaves or joins) it starts from zero, and a checkpoint keeps it
+only for the same pair. At R = 2 the bytes equal the all-gather's, and the second top-k only adds error: the
+collective is for R >= 4. ``reference_sync`` below is the same rule as plain per-chunk Python over
+``sparse.reference_encode``/``reference_decode``; the tests compare them bit for bit on real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dilocox.compress.codec import Wire
+
+
+def ranges(rows: int, world: int) -> list[tuple[int, int]]:
+    """Member j's rows [a, b) of a group of ``rows`` chunk rows (contiguous, sizes differing by at most one)."""
+    return [(rows * j // world, rows * (j + 1) // world) for j in range(world)]
+
+
+def segment_bytes(gr, world: int) -> int:
+    """Bytes of the largest member's range over all groups: what one member sends another in each phase."""
+    per = [0] * world
+    for g, (_, _, rows) in enumerate(gr.groups):
+        wi, wc = gr.widths[g]
+        for j, (a, b) in enumerate(ranges(rows, world)):
+            per[j] += (b - a) * (wi + wc + 2)
+    return max(per)
+
+
+def wire_bytes(gr, world: int) -> int:
+    """Bytes one member sends per sync: (R − 1) segments in the all-to-all, (R − 1) in the all-gather."""
+    return 2 * (world - 1) * segment_bytes(gr, world) if world > 1 else 0
+
+
+def _pad_cols(gr, g: int, a: int, b: int) -> list[tuple[int, int]]:
+    """(row − a, first padding column) of each tensor's zero-padded last chunk that falls in rows [a, b)."""
+    c = gr.groups[g][0]
+    out = []
+    for i, (gi, r0, n_c) in gr.place.items():
+        last = r0 + n_c - 1
+        col = gr.numels[i] - (n_c - 1) * c
+        if gi == g and a <= last < b and col < c:
+            out.append((last - a, col))
+    return out
+
+
+def _pack(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], size: int, device) -> torch.Tensor:
+    """Rows' (index, code, scale) bytes, group by group, into one zero-padded segment of ``size`` bytes."""
+    seg = torch.zeros(size, dtype=torch.uint8, device=device)
+    o = 0
+    for t in (x for p in parts for x in p):
+        n = t.numel()
+        seg[o : o + n] = t.reshape(-1)
+        o += n
+    return seg
+
+
+def _unpack(seg: torch.Tensor, gr, spans: list[tuple[int, int]]):
+    """Inverse of ``_pack`` for the row spans [a, b) of each group: yields (group, indices, values)."""
+    from dilocox.compress.sparse import _decode_rows
+
+    o = 0
+    for g, (a, b) in enumerate(spans):
+        c, k, _ = gr.groups[g]
+        wi, wc = gr.widths[g]
+        n = b - a
+        ib = seg[o : o + n * wi].view(n, wi)
+        cb = seg[o + n * wi : o + n * (wi + wc)].view(n, wc)
+        sb = seg[o + n * (wi + wc) : o + n * (wi + wc + 2)].clone().view(n, 2)  # (clone: aligned)
+        o += n * (wi + wc + 2)
+        if n:
+            yield g, *_decode_rows(ib, cb, sb, k, c, gr.bits)
+
+
+class OwnerResidual:
+    """The owner's residual rows of one (member count, rank) pair (module docstring)."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.rows: list[torch.Tensor] = []
+
+    def take(self, gr, world: int, me: int, device) -> list[torch.Tensor]:
+        """This member's residual rows per group: kept when the pair (and the rows) are the same, else zeros."""
+        want = [(ranges(rows, world)[me], c) for c, _, rows in gr.groups]
+        shapes = [(b - a, c) for (a, b), c in want]
+        if self.key != (world, me) or [tuple(r.shape) for r in self.rows] != shapes:
+            self.rows = [torch.zeros(s, device=device) for s in shapes]
+            self.key = (world, me)
+        elif self.rows and self.rows[0].device != device:
+            self.rows = [r.to(device) for r in self.rows]
+        return self.rows
+
+    def state_dict(self) -> dict:
+        if self.key is None:
+            return {}
+        return {"world": self.key[0], "rank": self.key[1], "rows": {str(g): r.clone() for g, r in enumerate(self.rows)}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.key, self.rows = None, []
+        if sd and "rows" in sd:
+            self.key = (int(sd["world"]), int(sd["rank"]))
+            self.rows = [sd["rows"][str(g)].float() for g in range(len(sd["rows"]))]
+
+
+def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: float, block_elems: int):
+    """One reduce-scatter sync of the error-fed group matrices ``err`` (``SparseCompressor``): subtracts what this
+    member sent from ``err`` and returns the mean as group matrices (rows of every range, identical on each member)."""
+    from dilocox.compress.sparse import _decode_rows, _encode_rows
+
+    world, me = wire.size(), wire.rank()
+    device = err[0].device
+    enc = []  # per group: (index, code, scale) bytes of every row
+    for g, (c, k, _) in enumerate(gr.groups):
+        blk = [_encode_rows(err[g][a:b], k, gr.bits) for a, b in gr.blocks(g, block_elems)]
+        enc.append([torch.cat(x) if len(x) > 1 else x[0] for x in zip(*blk)])
+        for a, b in gr.blocks(g, block_elems):  # e −= what this member sent
+            idx, vals = _decode_rows(enc[g][0][a:b], enc[g][1][a:b], enc[g][2][a:b].contiguous(), k, c, gr.bits)
+            err[g][a:b].scatter_add_(1, idx, vals.neg_())
+    for pad in gr.pads(err):
+        pad.zero_()
+    spans = [ranges(rows, world) for _, _, rows in gr.groups]
+    size = segment_bytes(gr, world)
+    send = torch.cat(
+        [
+            _pack([tuple(t[a:b] for t in enc[g]) for g, (a, b) in enumerate(s[j] for s in spans)], size, device)
+            for j in range(world)
+        ]
+    )
+    recv = torch.empty_like(send)
+    wire.all_to_all_single(recv, send)
+    mine = [s[me] for s in spans]
+    res = owner.take(gr, world, me, device)
+    acc = [torch.zeros(b - a, gr.groups[g][0], device=device) for g, (a, b) in enumerate(mine)]
+    for i in range(world):  # decoded and summed in member order
+        for g, idx, vals in _unpack(recv[i * size : (i + 1) * size], gr, mine):
+            acc[g].scatter_add_(1, idx, vals)
+    parts = []
+    for g, (a, b) in enumerate(mine):
+        c, k, _ = gr.groups[g]
+        acc[g].div_(world)
+        for row, col in _pad_cols(gr, g, a, b):
+            acc[g][row, col:] = 0.0
+        res[g].mul_(beta).add_(acc[g])
+        part = (
+            _encode_rows(res[g], k, gr.bits)
+            if b > a
+            else tuple(torch.zeros(0, dtype=torch.uint8, device=device) for _ in "ics")
+        )
+        if b > a:
+            idx, vals = _decode_rows(part[0], part[1], part[2].contiguous(), k, c, gr.bits)
+            res[g].scatter_add_(1, idx, vals.neg_())
+            for row, col in _pad_cols(gr, g, a, b):
+                res[g][row, col:] = 0.0
+        parts.append(part)
+    gathered = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
+    wire.all_gather(gathered, _pack(parts, size, device))
+    out = [torch.zeros(rows, c, device=device) for c, _, rows in gr.groups]
+    for j in range(world):
+        owned = [s[j] for s in spans]
+        for g, idx, vals in _unpack(gathered[j], gr, owned):
+            a, b = owned[g]
+            out[g][a:b].scatter_(1, idx, vals)
+    return out
+
+
+# --------------------------------------------------------------------------- the plain reference
+
+
+def reference_sync(
+    deltas: list[list[torch.Tensor]],
+    errors: list[list[torch.Tensor]],
+    residual: dict,
+    chunk: int,
+    density: float,
+    bits: int,
+    beta: float,
+) -> list[torch.Tensor]:
+    """One sync of every member at once, as plain per-chunk Python: ``deltas[r]``/``errors[r]`` are member r's
+    tensors (``errors`` updated in place), ``residual`` maps (tensor, chunk) to the owner's residual chunk (updated).
+    Chunks are owned as in ``sync``: per chunk size, the tensors' chunks in tensor order are one list of rows split
+    into R contiguous ranges. Returns the mean every member applies (one list of tensors)."""
+    from dilocox.compress.sparse import layout, reference_decode, reference_encode
+
+    world = len(deltas)
+    shapes = [t.shape for t in deltas[0]]
+    rows_of: dict[int, list[tuple[int, int]]] = {}  # chunk size -> its rows (tensor, chunk) in order
+    for i, s in enumerate(shapes):
+        if s.numel():
+            c, _, n_c = layout(s.numel(), chunk, density)
+            rows_of.setdefault(c, []).extend((i, j) for j in range(n_c))
+
+    def chunk_of(t: torch.Tensor, c: int, j: int) -> torch.Tensor:
+        flat = t.reshape(-1)
+        piece = torch.zeros(c)
+        part = flat[j * c : (j + 1) * c]
+        piece[: part.numel()] = part
+        return piece
+
+    sent = []  # sent[r][(i, j)] = member r's decoded chunk
+    for r in range(world):
+        mine = {}
+        for i, s in enumerate(shapes):
+            e = errors[r][i]
+            e.mul_(beta).add_(deltas[r][i].float())
+            if not s.numel():
+                continue
+            c, _, n_c = layout(s.numel(), chunk, density)
+            flat = e.reshape(-1)
+            for j in range(n_c):
+                x = chunk_of(e, c, j)
+                d = reference_decode(reference_encode(x, c, density, bits), c, c, density, bits)
+                mine[(i, j)] = d
+                n = min(c, s.numel() - j * c)
+                flat[j * c : j * c + n] -= d[:n]
+        sent.append(mine)
+    out = [torch.zeros(s) for s in shapes]
+    for c, rows in rows_of.items():
+        for i, j in rows:
+            n = min(c, shapes[i].numel() - j * c)
+            m = torch.zeros(c)
+            for r in range(world):
+                m += sent[r][(i, j)]
+            m /= world
+            m[n:] = 0.0
+            res = residual.setdefault((i, j), torch.zeros(c))
+            res.mul_(beta).add_(m)
+            d = reference_decode(reference_encode(res, c, density, bits), c, c, density, bits)
+            res -= d
+            res[n:] = 0.0
+            out[i].reshape(-1)[j * c : j * c + n] = d[:n]
+    return out
