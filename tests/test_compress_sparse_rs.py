@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dilocox.compress import sparse_rs
 from dilocox.compress.collectives import CommStats
 from dilocox.compress.compressor import build_compressor
-from dilocox.compress.sparse import SparseCompressor
+from dilocox.compress.sparse import SparseCompressor, reference_reduce_scatter
 from dilocox.config import load_config
 from dilocox.distributed.wire import wire_of
 from tests.spawn import run_ranks
@@ -71,7 +70,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_the_reduce_scatter_equals_its_reference_on_every_rank(world):
-    """Every rank applies the same bits, those of ``reference_sync`` (plain per-chunk Python over the codec's
+    """Every rank applies the same bits, those of ``reference_reduce_scatter`` (plain per-chunk Python over the codec's
     reference encoder: member error feedback, owner-by-range averaging, the owner's residual and second top-k), sync
     after sync, with a padded last chunk, a short tensor, an empty one and ranges that leave a member no row; each
     rank keeps the reference's error buffers; a resume from the state dict repeats the last sync bit for bit."""
@@ -80,7 +79,7 @@ def test_the_reduce_scatter_equals_its_reference_on_every_rank(world):
     errors = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
     residual: dict = {}
     for t in range(steps):
-        want = sparse_rs.reference_sync(
+        want = reference_reduce_scatter(
             [_deltas(r, t) for r in range(world)], errors, residual, CHUNK, DENSITY, BITS, BETA
         )
         for r in range(world):
@@ -141,3 +140,33 @@ def test_the_owner_residual_is_kept_for_its_member_count_and_rank_only():
         ).collective
         == "allgather"
     )  # auto: the all-gather
+
+
+def _rs_run(rank, world, tmp, extra, steps, stop):
+    from dilocox.train import Trainer
+    from tests.test_train import _train_and_resume, tiny_cfg
+
+    t = Trainer(tiny_cfg(f"{tmp}/probe", *extra, "--checkpoint.resume=none", steps=1))
+    collectives = [c.collective for c in t.outer.compressors]
+    del t
+    return collectives, _train_and_resume(rank, world, tmp, extra, steps, stop)
+
+
+def test_two_replicas_train_and_resume_exactly_through_the_checkpoint(tmp_path):
+    """The collective in a real run: 2 replicas of DiLoCo with the sparse codec's reduce-scatter; a run stopped after
+    two syncs and resumed follows the uninterrupted one bit for bit (each owner's residual is in the checkpoint: a
+    residual restarted from zero changes the next sync's mean)."""
+    from tests.test_train import _assert_resume_exact
+
+    extra = [
+        "--parallel.replicas=2",
+        "--outer.method=diloco",
+        "--outer.sync_every=2",
+        "--outer.momentum=0",
+        "--compress.sparse.enabled=true",
+        "--compress.sparse.chunk=64",
+        "--compress.collective=reduce_scatter",
+    ]
+    res = run_ranks(2, _rs_run, str(tmp_path), extra, 8, 5)
+    assert [c for c, _ in res] == [["reduce_scatter"]] * 2
+    _assert_resume_exact([r for _, r in res])

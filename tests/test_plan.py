@@ -164,6 +164,11 @@ def test_collectives():
     assert sync_bytes(10**6, load_method("opendiloco"), 5)["collective"] == "reduce_scatter"
     assert sync_bytes(10**6, load_method("cocktailsgd"), 8)["collective"] == "allgather"
     assert sync_bytes(10**6, load_method("opendiloco"), 5)["collective_steps"] == 2 * 4
+    rs = load_method("dilocox")
+    assert sync_bytes(10**6, rs, 8)["collective"] == "allgather"  # the sparse codec: auto is the all-gather
+    rs.compress.collective = "reduce_scatter"
+    assert sync_bytes(10**6, rs, 8)["collective"] == "reduce_scatter"
+    assert sync_bytes(10**6, rs, 8)["wire_bytes"] < sync_bytes(10**6, load_method("dilocox"), 8)["wire_bytes"] / 3
 
 
 def test_streaming_splits_the_peak():
@@ -242,6 +247,7 @@ ONE_SYNC = [
     ("eager", 4, []),
     ("dilocox-paper", 4, ["--compress.adaptive.h_min=4"]),
     ("dilocox", 4, []),  # K=2, tau=1: fragment 1 syncs after step 2, fragment 0 after step 4
+    ("dilocox", 4, ["--compress.collective=reduce_scatter"]),  # the sparse codec's reduce-scatter
 ]
 TINY = [
     "--model.n_layers=2",
@@ -268,7 +274,9 @@ def _bytes_sent(rank, world, cfg_path, overrides):
 
 
 # ~1-4 s per preset in the warm rank pool (was ~30 s each through torchrun)
-@pytest.mark.parametrize("name,steps,extra", ONE_SYNC, ids=[x[0] for x in ONE_SYNC])
+@pytest.mark.parametrize(
+    "name,steps,extra", ONE_SYNC, ids=[x[0] + "".join(e[e.rfind("=") :] for e in x[2]) for x in ONE_SYNC]
+)
 def test_plan_bytes_equal_what_a_one_sync_run_counts(tmp_path, data_cache, name, steps, extra):
     cfg_path = write_config(str(tmp_path / "run.yaml"), ["tiny.yaml", f"methods/{name}.yaml"])
     ov = [*TINY, f"--data.cache_dir={data_cache}", f"--train.steps={steps}", *extra]

@@ -252,6 +252,69 @@ def reference_decode(payload: torch.Tensor, numel: int, chunk: int, density: flo
 # --------------------------------------------------------------------------- the compressor
 
 
+def reference_reduce_scatter(
+    deltas: list[list[torch.Tensor]],
+    errors: list[list[torch.Tensor]],
+    residual: dict,
+    chunk: int,
+    density: float,
+    bits: int,
+    beta: float,
+) -> list[torch.Tensor]:
+    """One sync of every member at once, as plain per-chunk Python: ``deltas[r]``/``errors[r]`` are member r's
+    tensors (``errors`` updated in place), ``residual`` maps (tensor, chunk) to the owner's residual chunk (updated).
+    Chunks are owned as in ``sparse_rs.sync``: per chunk size, the tensors' chunks in tensor order are one list of
+    rows split into R contiguous ranges. Returns the mean every member applies (one list of tensors)."""
+    world = len(deltas)
+    shapes = [t.shape for t in deltas[0]]
+    rows_of: dict[int, list[tuple[int, int]]] = {}  # chunk size -> its rows (tensor, chunk) in order
+    for i, s in enumerate(shapes):
+        if s.numel():
+            c, _, n_c = layout(s.numel(), chunk, density)
+            rows_of.setdefault(c, []).extend((i, j) for j in range(n_c))
+
+    def chunk_of(t: torch.Tensor, c: int, j: int) -> torch.Tensor:
+        flat = t.reshape(-1)
+        piece = torch.zeros(c)
+        part = flat[j * c : (j + 1) * c]
+        piece[: part.numel()] = part
+        return piece
+
+    sent = []  # sent[r][(i, j)] = member r's decoded chunk
+    for r in range(world):
+        mine = {}
+        for i, s in enumerate(shapes):
+            e = errors[r][i]
+            e.mul_(beta).add_(deltas[r][i].float())
+            if not s.numel():
+                continue
+            c, _, n_c = layout(s.numel(), chunk, density)
+            flat = e.reshape(-1)
+            for j in range(n_c):
+                x = chunk_of(e, c, j)
+                d = reference_decode(reference_encode(x, c, density, bits), c, c, density, bits)
+                mine[(i, j)] = d
+                n = min(c, s.numel() - j * c)
+                flat[j * c : j * c + n] -= d[:n]
+        sent.append(mine)
+    out = [torch.zeros(s) for s in shapes]
+    for c, rows in rows_of.items():
+        for i, j in rows:
+            n = min(c, shapes[i].numel() - j * c)
+            m = torch.zeros(c)
+            for r in range(world):
+                m += sent[r][(i, j)]
+            m /= world
+            m[n:] = 0.0
+            res = residual.setdefault((i, j), torch.zeros(c))
+            res.mul_(beta).add_(m)
+            d = reference_decode(reference_encode(res, c, density, bits), c, c, density, bits)
+            res -= d
+            res[n:] = 0.0
+            out[i].reshape(-1)[j * c : j * c + n] = d[:n]
+    return out
+
+
 def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor] | None:
     """The error-feedback buffers of a compressor's ``state_dict`` (``{"errors": {"0": tensor, ...}}``), checked
     against this shard's tensor shapes; None when the state holds none."""
@@ -317,6 +380,15 @@ class _Groups:
         g, r0, _ = self.place[i]
         c = self.groups[g][0]
         return bufs[g].view(-1)[r0 * c : r0 * c + self.numels[i]].view(self.shapes[i])
+
+    def encode_rows(self, g: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_encode_rows`` of rows of group ``g``'s matrix."""
+        return _encode_rows(rows, self.groups[g][1], self.bits)
+
+    def decode_rows(self, g: int, ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor):
+        """``_decode_rows`` of rows of group ``g``: (indices, values)."""
+        c, k, _ = self.groups[g]
+        return _decode_rows(ib, cb, sb, k, c, self.bits)
 
     def pads(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The zero padding of each tensor's last chunk inside ``bufs`` (views; empty list when none is padded)."""

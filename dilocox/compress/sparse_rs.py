@@ -19,7 +19,7 @@ largest entries of the mean per chunk (the union of R members' picks has up to R
 residual for the next sync, as a member's error buffer does. The residual belongs to a (member count, rank) pair:
 when the membership changes (an elastic replica leaves or joins) it starts from zero, and a checkpoint keeps it
 only for the same pair. At R = 2 the bytes equal the all-gather's, and the second top-k only adds error: the
-collective is for R >= 4. ``reference_sync`` below is the same rule as plain per-chunk Python over
+collective is for R >= 4. ``sparse.reference_reduce_scatter`` is the same rule as plain per-chunk Python over
 ``sparse.reference_encode``/``reference_decode``; the tests compare them bit for bit on real gloo ranks.
 """
 
@@ -75,11 +75,8 @@ def _pack(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], size: in
 
 def _unpack(seg: torch.Tensor, gr, spans: list[tuple[int, int]]):
     """Inverse of ``_pack`` for the row spans [a, b) of each group: yields (group, indices, values)."""
-    from dilocox.compress.sparse import _decode_rows
-
     o = 0
     for g, (a, b) in enumerate(spans):
-        c, k, _ = gr.groups[g]
         wi, wc = gr.widths[g]
         n = b - a
         ib = seg[o : o + n * wi].view(n, wi)
@@ -87,7 +84,7 @@ def _unpack(seg: torch.Tensor, gr, spans: list[tuple[int, int]]):
         sb = seg[o + n * (wi + wc) : o + n * (wi + wc + 2)].clone().view(n, 2)  # (clone: aligned)
         o += n * (wi + wc + 2)
         if n:
-            yield g, *_decode_rows(ib, cb, sb, k, c, gr.bits)
+            yield g, *gr.decode_rows(g, ib, cb, sb)
 
 
 class OwnerResidual:
@@ -123,16 +120,14 @@ class OwnerResidual:
 def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: float, block_elems: int):
     """One reduce-scatter sync of the error-fed group matrices ``err`` (``SparseCompressor``): subtracts what this
     member sent from ``err`` and returns the mean as group matrices (rows of every range, identical on each member)."""
-    from dilocox.compress.sparse import _decode_rows, _encode_rows
-
     world, me = wire.size(), wire.rank()
     device = err[0].device
     enc = []  # per group: (index, code, scale) bytes of every row
-    for g, (c, k, _) in enumerate(gr.groups):
-        blk = [_encode_rows(err[g][a:b], k, gr.bits) for a, b in gr.blocks(g, block_elems)]
+    for g in range(len(gr.groups)):
+        blk = [gr.encode_rows(g, err[g][a:b]) for a, b in gr.blocks(g, block_elems)]
         enc.append([torch.cat(x) if len(x) > 1 else x[0] for x in zip(*blk)])
         for a, b in gr.blocks(g, block_elems):  # e −= what this member sent
-            idx, vals = _decode_rows(enc[g][0][a:b], enc[g][1][a:b], enc[g][2][a:b].contiguous(), k, c, gr.bits)
+            idx, vals = gr.decode_rows(g, enc[g][0][a:b], enc[g][1][a:b], enc[g][2][a:b].contiguous())
             err[g][a:b].scatter_add_(1, idx, vals.neg_())
     for pad in gr.pads(err):
         pad.zero_()
@@ -154,21 +149,18 @@ def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: fl
             acc[g].scatter_add_(1, idx, vals)
     parts = []
     for g, (a, b) in enumerate(mine):
-        c, k, _ = gr.groups[g]
+        if b == a:  # (a group with fewer rows than members)
+            parts.append(tuple(torch.zeros(0, dtype=torch.uint8, device=device) for _ in "ics"))
+            continue
         acc[g].div_(world)
         for row, col in _pad_cols(gr, g, a, b):
             acc[g][row, col:] = 0.0
         res[g].mul_(beta).add_(acc[g])
-        part = (
-            _encode_rows(res[g], k, gr.bits)
-            if b > a
-            else tuple(torch.zeros(0, dtype=torch.uint8, device=device) for _ in "ics")
-        )
-        if b > a:
-            idx, vals = _decode_rows(part[0], part[1], part[2].contiguous(), k, c, gr.bits)
-            res[g].scatter_add_(1, idx, vals.neg_())
-            for row, col in _pad_cols(gr, g, a, b):
-                res[g][row, col:] = 0.0
+        part = gr.encode_rows(g, res[g])
+        idx, vals = gr.decode_rows(g, part[0], part[1], part[2].contiguous())
+        res[g].scatter_add_(1, idx, vals.neg_())  # r −= what the owner sent
+        for row, col in _pad_cols(gr, g, a, b):
+            res[g][row, col:] = 0.0
         parts.append(part)
     gathered = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
     wire.all_gather(gathered, _pack(parts, size, device))
@@ -178,72 +170,4 @@ def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: fl
         for g, idx, vals in _unpack(gathered[j], gr, owned):
             a, b = owned[g]
             out[g][a:b].scatter_(1, idx, vals)
-    return out
-
-
-# --------------------------------------------------------------------------- the plain reference
-
-
-def reference_sync(
-    deltas: list[list[torch.Tensor]],
-    errors: list[list[torch.Tensor]],
-    residual: dict,
-    chunk: int,
-    density: float,
-    bits: int,
-    beta: float,
-) -> list[torch.Tensor]:
-    """One sync of every member at once, as plain per-chunk Python: ``deltas[r]``/``errors[r]`` are member r's
-    tensors (``errors`` updated in place), ``residual`` maps (tensor, chunk) to the owner's residual chunk (updated).
-    Chunks are owned as in ``sync``: per chunk size, the tensors' chunks in tensor order are one list of rows split
-    into R contiguous ranges. Returns the mean every member applies (one list of tensors)."""
-    from dilocox.compress.sparse import layout, reference_decode, reference_encode
-
-    world = len(deltas)
-    shapes = [t.shape for t in deltas[0]]
-    rows_of: dict[int, list[tuple[int, int]]] = {}  # chunk size -> its rows (tensor, chunk) in order
-    for i, s in enumerate(shapes):
-        if s.numel():
-            c, _, n_c = layout(s.numel(), chunk, density)
-            rows_of.setdefault(c, []).extend((i, j) for j in range(n_c))
-
-    def chunk_of(t: torch.Tensor, c: int, j: int) -> torch.Tensor:
-        flat = t.reshape(-1)
-        piece = torch.zeros(c)
-        part = flat[j * c : (j + 1) * c]
-        piece[: part.numel()] = part
-        return piece
-
-    sent = []  # sent[r][(i, j)] = member r's decoded chunk
-    for r in range(world):
-        mine = {}
-        for i, s in enumerate(shapes):
-            e = errors[r][i]
-            e.mul_(beta).add_(deltas[r][i].float())
-            if not s.numel():
-                continue
-            c, _, n_c = layout(s.numel(), chunk, density)
-            flat = e.reshape(-1)
-            for j in range(n_c):
-                x = chunk_of(e, c, j)
-                d = reference_decode(reference_encode(x, c, density, bits), c, c, density, bits)
-                mine[(i, j)] = d
-                n = min(c, s.numel() - j * c)
-                flat[j * c : j * c + n] -= d[:n]
-        sent.append(mine)
-    out = [torch.zeros(s) for s in shapes]
-    for c, rows in rows_of.items():
-        for i, j in rows:
-            n = min(c, shapes[i].numel() - j * c)
-            m = torch.zeros(c)
-            for r in range(world):
-                m += sent[r][(i, j)]
-            m /= world
-            m[n:] = 0.0
-            res = residual.setdefault((i, j), torch.zeros(c))
-            res.mul_(beta).add_(m)
-            d = reference_decode(reference_encode(res, c, density, bits), c, c, density, bits)
-            res -= d
-            res[n:] = 0.0
-            out[i].reshape(-1)[j * c : j * c + n] = d[:n]
     return out

@@ -122,8 +122,9 @@ def sync_bytes(model: ModelConfig | int, method: Method, replicas: int, pipeline
                 if fact:
                     n_coll = 2
                     lowrank += sum(sum(shapes[idx[i]]) * comp.rank for i in fact if len(shapes[idx[i]]) == 2)
-    if method.outer.method == "cocktailsgd" or selected(c) is not None:  # (the registered codecs all-gather)
-        coll = "allgather"
+    if method.outer.method == "cocktailsgd" or selected(c) is not None:  # (the registered codecs all-gather ...)
+        rs = c.sparse.enabled and c.collective == "reduce_scatter"  # (... but the sparse one may reduce-scatter)
+        coll = "reduce_scatter" if rs else "allgather"
     elif c.quant == "none":
         coll = "ring"
     else:
