@@ -123,6 +123,10 @@ LEVERS = [
      ["--optim.lr=2.4e-2", "--outer.lr=1.4", "--compress.collective=reduce_scatter"]),
     ("dilocox inner lr 6e-3 outer lr 1.4 reduce-scatter", "dilocox", "dilocox",
      ["--optim.lr=6e-3", "--outer.lr=1.4", "--compress.collective=reduce_scatter"]),
+    ("dilocox inner lr 6e-3 outer lr 1.0 reduce-scatter", "dilocox", "dilocox",
+     ["--optim.lr=6e-3", "--outer.lr=1.0", "--compress.collective=reduce_scatter"]),
+    ("dilocox inner lr 1.2e-2 outer lr 1.0 reduce-scatter", "dilocox", "dilocox",
+     ["--optim.lr=1.2e-2", "--outer.lr=1.0", "--compress.collective=reduce_scatter"]),
 ]  # fmt: skip
 QUICK = [
     "allreduce",
