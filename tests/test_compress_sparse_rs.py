@@ -48,8 +48,8 @@ class _Counting:
         self.wire.all_to_all_single(out, t)
 
 
-def _syncs(rank: int, world: int, steps: int, collective: str):
-    comp = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective)
+def _syncs(rank: int, world: int, steps: int, collective: str, keep: int = 1):
+    comp = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective, keep)
     wire = _Counting(wire_of(dist.group.WORLD))
     out, snap = [], None
     for t in range(steps):
@@ -58,7 +58,7 @@ def _syncs(rank: int, world: int, steps: int, collective: str):
         out.append(([r.clone() for r in res], [e.clone() for e in comp.errors], st.bytes_sent, wire.sent - before))
         if t == steps - 2:
             snap = comp.state_dict()
-    again = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective)  # resumed before the last sync
+    again = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective, keep)  # resumed before the last sync
     again.load_state_dict(snap)
     resumed = again.allreduce_mean(_deltas(rank, steps - 1), wire, steps - 1)
     return out, resumed, comp.wire_bytes(world)
@@ -68,19 +68,20 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_the_reduce_scatter_equals_its_reference_on_every_rank(world):
+@pytest.mark.parametrize("world,keep", [(2, 1), (3, 1), (4, 1), (4, 2)])
+def test_the_reduce_scatter_equals_its_reference_on_every_rank(world, keep):
     """Every rank applies the same bits, those of ``reference_reduce_scatter`` (plain per-chunk Python over the codec's
     reference encoder: member error feedback, owner-by-range averaging, the owner's residual and second top-k), sync
     after sync, with a padded last chunk, a short tensor, an empty one and ranges that leave a member no row; each
-    rank keeps the reference's error buffers; a resume from the state dict repeats the last sync bit for bit."""
+    rank keeps the reference's error buffers; a resume from the state dict repeats the last sync bit for bit. With
+    owner_keep = 2 the owners send 2k entries per chunk of the mean."""
     steps = 3
-    res = run_ranks(world, _syncs, steps, "reduce_scatter")
+    res = run_ranks(world, _syncs, steps, "reduce_scatter", keep)
     errors = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
     residual: dict = {}
     for t in range(steps):
         want = reference_reduce_scatter(
-            [_deltas(r, t) for r in range(world)], errors, residual, CHUNK, DENSITY, BITS, BETA
+            [_deltas(r, t) for r in range(world)], errors, residual, CHUNK, DENSITY, BITS, BETA, keep
         )
         for r in range(world):
             got, errs, _, _ = res[r][0][t]
@@ -107,6 +108,11 @@ def test_the_bytes_on_the_wire_stay_flat_in_R_where_the_all_gathers_grow():
     # this layout: rows per group 10 (C = 64, 10 bytes a row) and 1 (C = 10, 4 bytes); R = 4: ranges of 2-3 rows
     assert rs[4][0][2] == 2 * 3 * (3 * 10 + 4)  # the largest range (3 rows + the short tensor's row) padded
     assert rs[4][0][2] < 0.75 * ag[0][0][0][2]
+    # owner_keep = 2: the all-gather phase's rows carry 16 entries (18 bytes a row; the short tensor's 5)
+    two = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, "reduce_scatter", 2)
+    assert two.wire_bytes(4) == 3 * ((3 * 10 + 4) + (3 * 18 + 5))
+    keep2 = run_ranks(4, _syncs, 2, "reduce_scatter", 2)
+    assert all(keep2[r][0][0][2] == keep2[r][0][0][3] == two.wire_bytes(4) for r in range(4))
     n = 4096 * 64  # a preset-sized shard: the padding is noise, the bytes per member flat in R
     comp = SparseCompressor([torch.Size([n])], 4096, 1 / 128, 2, 0.95, "reduce_scatter")
     per = {w: comp.wire_bytes(w) for w in (2, 4, 8, 16)}

@@ -260,6 +260,7 @@ def reference_reduce_scatter(
     density: float,
     bits: int,
     beta: float,
+    owner_keep: int = 1,
 ) -> list[torch.Tensor]:
     """One sync of every member at once, as plain per-chunk Python: ``deltas[r]``/``errors[r]`` are member r's
     tensors (``errors`` updated in place), ``residual`` maps (tensor, chunk) to the owner's residual chunk (updated).
@@ -308,7 +309,8 @@ def reference_reduce_scatter(
             m[n:] = 0.0
             res = residual.setdefault((i, j), torch.zeros(c))
             res.mul_(beta).add_(m)
-            d = reference_decode(reference_encode(res, c, density, bits), c, c, density, bits)
+            k2 = min(c, owner_keep * layout(c, chunk, density)[1])  # the owner keeps owner_keep x k
+            d = reference_decode(reference_encode(res, c, k2 / c, bits), c, c, k2 / c, bits)
             res -= d
             res[n:] = 0.0
             out[i].reshape(-1)[j * c : j * c + n] = d[:n]
@@ -381,14 +383,23 @@ class _Groups:
         c = self.groups[g][0]
         return bufs[g].view(-1)[r0 * c : r0 * c + self.numels[i]].view(self.shapes[i])
 
-    def encode_rows(self, g: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``_encode_rows`` of rows of group ``g``'s matrix."""
-        return _encode_rows(rows, self.groups[g][1], self.bits)
-
-    def decode_rows(self, g: int, ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor):
-        """``_decode_rows`` of rows of group ``g``: (indices, values)."""
+    def kept(self, g: int, keep: int = 1) -> int:
+        """Entries kept per chunk of group ``g`` at ``keep`` x its k (at most the chunk)."""
         c, k, _ = self.groups[g]
-        return _decode_rows(ib, cb, sb, k, c, self.bits)
+        return min(c, keep * k)
+
+    def row_widths(self, g: int, keep: int = 1) -> tuple[int, int]:
+        """(index bytes, code bytes) of one encoded row (chunk) of group ``g`` at ``keep`` x its k (+ 2 scale bytes)."""
+        k = self.kept(g, keep)
+        return -(-k * index_bits(self.groups[g][0]) // 8), -(-k * self.bits // 8)
+
+    def encode_rows(self, g: int, rows: torch.Tensor, keep: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_encode_rows`` of rows of group ``g``'s matrix, keeping ``keep`` x its k per row."""
+        return _encode_rows(rows, self.kept(g, keep), self.bits)
+
+    def decode_rows(self, g: int, ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, keep: int = 1):
+        """``_decode_rows`` of rows of group ``g`` (encoded at ``keep`` x its k): (indices, values)."""
+        return _decode_rows(ib, cb, sb, self.kept(g, keep), self.groups[g][0], self.bits)
 
     def pads(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The zero padding of each tensor's last chunk inside ``bufs`` (views; empty list when none is padded)."""
@@ -447,6 +458,7 @@ class SparseCompressor:
         bits: int,
         ef_decay: float,
         collective: str = "allgather",
+        owner_keep: int = 1,
     ) -> None:
         if collective not in COLLECTIVES:
             raise ValueError(
@@ -463,6 +475,9 @@ class SparseCompressor:
         self.kind = f"top{density:g}/int{bits}"
         self.collective = collective  # allgather | reducescatter (compress/sparse_rs.py: bytes flat in R)
         self._owner = sparse_rs.OwnerResidual()
+        self.owner_keep = int(owner_keep)  # the reduce-scatter's owner keeps owner_keep x k entries of the mean
+        if self.owner_keep < 1:
+            raise ValueError(f"compress.sparse.owner_keep={owner_keep} must be >= 1")
         # the error buffers: None, or one per tensor - views of the group matrices ``_err`` when this compressor
         # made them; anything else (a checkpoint's, a reset to None) is copied into fresh matrices at the next sync
         self.errors: list[torch.Tensor] | None = None
@@ -478,7 +493,7 @@ class SparseCompressor:
 
     def wire_bytes(self, world: int, rank: int | None = None) -> int:
         if self.collective == "reduce_scatter" and world > 1:
-            return sparse_rs.wire_bytes(self._groups, world)
+            return sparse_rs.wire_bytes(self._groups, world, self.owner_keep)
         return (world - 1) * self.payload_bytes() if world > 1 else 0
 
     def allreduce_mean(
@@ -507,7 +522,7 @@ class SparseCompressor:
         wire = solo_or(wire)
         world = wire.size()
         if self.collective == "reduce_scatter" and world > 1:
-            out = sparse_rs.sync(gr, self._err, wire, self._owner, self.ef_decay, self.block_elems)
+            out = sparse_rs.sync(gr, self._err, wire, self._owner, self.ef_decay, self.block_elems, self.owner_keep)
             if stats is not None:
                 b = self.wire_bytes(world)
                 stats.add(b, b, time.perf_counter() - t0)
@@ -570,4 +585,4 @@ def _build(ccfg, shapes, seed, ids) -> SparseCompressor:
     sp = ccfg.sparse
     # auto stays the all-gather: at R = 2 the reduce-scatter sends the same bytes and adds the owner's second top-k
     collective = "reduce_scatter" if ccfg.collective == "reduce_scatter" else "allgather"
-    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay, collective)
+    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay, collective, sp.owner_keep)

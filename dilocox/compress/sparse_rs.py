@@ -35,19 +35,19 @@ def ranges(rows: int, world: int) -> list[tuple[int, int]]:
     return [(rows * j // world, rows * (j + 1) // world) for j in range(world)]
 
 
-def segment_bytes(gr, world: int) -> int:
-    """Bytes of the largest member's range over all groups: what one member sends another in each phase."""
+def segment_bytes(gr, world: int, keep: int = 1) -> int:
+    """Bytes of the largest member's range over all groups, its rows encoded at ``keep`` x k: what one member sends
+    another in the all-to-all (``keep`` = 1) and in the all-gather (the owner's ``keep``)."""
     per = [0] * world
     for g, (_, _, rows) in enumerate(gr.groups):
-        wi, wc = gr.widths[g]
         for j, (a, b) in enumerate(ranges(rows, world)):
-            per[j] += (b - a) * (wi + wc + 2)
+            per[j] += (b - a) * (sum(gr.row_widths(g, keep)) + 2)
     return max(per)
 
 
-def wire_bytes(gr, world: int) -> int:
+def wire_bytes(gr, world: int, keep: int) -> int:
     """Bytes one member sends per sync: (R − 1) segments in the all-to-all, (R − 1) in the all-gather."""
-    return 2 * (world - 1) * segment_bytes(gr, world) if world > 1 else 0
+    return (world - 1) * (segment_bytes(gr, world) + segment_bytes(gr, world, keep)) if world > 1 else 0
 
 
 def _pad_cols(gr, g: int, a: int, b: int) -> list[tuple[int, int]]:
@@ -73,18 +73,19 @@ def _pack(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], size: in
     return seg
 
 
-def _unpack(seg: torch.Tensor, gr, spans: list[tuple[int, int]]):
-    """Inverse of ``_pack`` for the row spans [a, b) of each group: yields (group, indices, values)."""
+def _unpack(seg: torch.Tensor, gr, spans: list[tuple[int, int]], keep: int = 1):
+    """Inverse of ``_pack`` for the row spans [a, b) of each group (encoded at ``keep`` x k): yields (group,
+    indices, values)."""
     o = 0
     for g, (a, b) in enumerate(spans):
-        wi, wc = gr.widths[g]
+        wi, wc = gr.row_widths(g, keep)
         n = b - a
         ib = seg[o : o + n * wi].view(n, wi)
         cb = seg[o + n * wi : o + n * (wi + wc)].view(n, wc)
         sb = seg[o + n * (wi + wc) : o + n * (wi + wc + 2)].clone().view(n, 2)  # (clone: aligned)
         o += n * (wi + wc + 2)
         if n:
-            yield g, *gr.decode_rows(g, ib, cb, sb)
+            yield g, *gr.decode_rows(g, ib, cb, sb, keep)
 
 
 class OwnerResidual:
@@ -117,9 +118,10 @@ class OwnerResidual:
             self.rows = [sd["rows"][str(g)].float() for g in range(len(sd["rows"]))]
 
 
-def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: float, block_elems: int):
+def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: float, block_elems: int, keep: int):
     """One reduce-scatter sync of the error-fed group matrices ``err`` (``SparseCompressor``): subtracts what this
-    member sent from ``err`` and returns the mean as group matrices (rows of every range, identical on each member)."""
+    member sent from ``err`` and returns the mean as group matrices (rows of every range, identical on each member).
+    The owners keep ``keep`` x k entries per chunk of the mean."""
     world, me = wire.size(), wire.rank()
     device = err[0].device
     enc = []  # per group: (index, code, scale) bytes of every row
@@ -156,18 +158,19 @@ def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: fl
         for row, col in _pad_cols(gr, g, a, b):
             acc[g][row, col:] = 0.0
         res[g].mul_(beta).add_(acc[g])
-        part = gr.encode_rows(g, res[g])
-        idx, vals = gr.decode_rows(g, part[0], part[1], part[2].contiguous())
+        part = gr.encode_rows(g, res[g], keep)
+        idx, vals = gr.decode_rows(g, part[0], part[1], part[2].contiguous(), keep)
         res[g].scatter_add_(1, idx, vals.neg_())  # r −= what the owner sent
         for row, col in _pad_cols(gr, g, a, b):
             res[g][row, col:] = 0.0
         parts.append(part)
+    size = segment_bytes(gr, world, keep)
     gathered = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(world)]
     wire.all_gather(gathered, _pack(parts, size, device))
     out = [torch.zeros(rows, c, device=device) for c, _, rows in gr.groups]
     for j in range(world):
         owned = [s[j] for s in spans]
-        for g, idx, vals in _unpack(gathered[j], gr, owned):
+        for g, idx, vals in _unpack(gathered[j], gr, owned, keep):
             a, b = owned[g]
             out[g][a:b].scatter_(1, idx, vals)
     return out
