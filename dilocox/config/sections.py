@@ -234,7 +234,8 @@ class SparseConfig:
     ef_decay: float = 0.95  # beta of the error buffer e = beta e + delta (SparseLoCo's replacement for outer momentum)
     owner_keep: int = 1  # compress.collective=reduce_scatter: each chunk's owner sends owner_keep x k entries of the
     # mean (of the up to R x k the replicas picked; the rest waits in its residual). 1: ~2 payloads sent per sync
-    # whatever R, 2: ~3 (BENCHMARKS 4h: at 4 replicas of width 128, 1 costs +14.5 % loss against the all-gather)
+    # whatever R, 2: ~3 (BENCHMARKS 4h: at 4 replicas of width 128, 1 costs +14.5 % loss against the all-gather,
+    # 2 costs +5.5 %)
 
     def problems(self) -> list[tuple[str, object, str]]:
         """(field, value, what is wrong) of a codec section (config/checks.py ``check_codecs``)."""
