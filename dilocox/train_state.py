@@ -83,6 +83,8 @@ def restart_notes(cfg: Config) -> list[str]:
         )
     if c.adaptive.enabled:
         notes.append("the adaptive controller's rank history and measured comm/step times (H and the rank carry over)")
+    if c.sparse.enabled and c.collective == "reduce_scatter":
+        notes.append("the sparse reduce-scatter's owner residuals (each owner's rows depend on the layout)")
     return notes
 
 

@@ -50,6 +50,7 @@ class _Counting:
 
 def _syncs(rank: int, world: int, steps: int, collective: str, keep: int = 1):
     comp = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective, keep)
+    comp.block_elems = 2 * CHUNK  # row blocks of 2 chunks: the multi-block path
     wire = _Counting(wire_of(dist.group.WORLD))
     out, snap = [], None
     for t in range(steps):
@@ -59,8 +60,10 @@ def _syncs(rank: int, world: int, steps: int, collective: str, keep: int = 1):
         if t == steps - 2:
             snap = comp.state_dict()
     again = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, collective, keep)  # resumed before the last sync
+    kept = {k: v.clone() for k, v in (snap.get("owner") or {}).get("rows", {}).items()}
     again.load_state_dict(snap)
     resumed = again.allreduce_mean(_deltas(rank, steps - 1), wire, steps - 1)
+    assert all(torch.equal(snap["owner"]["rows"][k], v) for k, v in kept.items())  # the snapshot is not written to
     return out, resumed, comp.wire_bytes(world)
 
 
@@ -68,7 +71,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.parametrize("world,keep", [(2, 1), (3, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world,keep", [(2, 1), (3, 1), (4, 1), (4, 2), (3, 8)])  # 8: k' capped at C (short)
 def test_the_reduce_scatter_equals_its_reference_on_every_rank(world, keep):
     """Every rank applies the same bits, those of ``reference_reduce_scatter`` (plain per-chunk Python over the codec's
     reference encoder: member error feedback, owner-by-range averaging, the owner's residual and second top-k), sync
@@ -136,6 +139,11 @@ def test_the_owner_residual_is_kept_for_its_member_count_and_rank_only():
     assert all(bool((r == 1).all()) for r in own.take(comp._groups, 3, 1, torch.device("cpu")))
     own.load_state_dict(sd)
     assert all(bool((r == 0).all()) for r in own.take(comp._groups, 3, 2, torch.device("cpu")))  # rank changed
+    comp.allreduce_mean(_deltas(0, 0), None, 0)  # (one member: the all-gather's path, the buffers made)
+    comp._owner.load_state_dict(sd)
+    comp.errors = None  # a heal or a join resets the error buffers (outer/diloco.py): the owner's residual too
+    comp.allreduce_mean(_deltas(0, 1), None, 1)
+    assert comp._owner.key is None and not comp._owner.rows
     cfg = load_config(
         os.path.join(ROOT, "configs", "methods", "dilocox.yaml"), ["--compress.collective=reduce_scatter"]
     )

@@ -473,7 +473,7 @@ class SparseCompressor:
         self.shapes = [torch.Size(s) for s in shapes]
         self.chunk, self.density, self.bits, self.ef_decay = int(chunk), float(density), int(bits), float(ef_decay)
         self.kind = f"top{density:g}/int{bits}"
-        self.collective = collective  # allgather | reducescatter (compress/sparse_rs.py: bytes flat in R)
+        self.collective = collective  # allgather | reduce_scatter (compress/sparse_rs.py: bytes flat in R)
         self._owner = sparse_rs.OwnerResidual()
         self.owner_keep = int(owner_keep)  # the reduce-scatter's owner keeps owner_keep x k entries of the mean
         if self.owner_keep < 1:
@@ -566,6 +566,8 @@ class SparseCompressor:
         if old is not None:
             for i in gr.place:
                 self.errors[i].copy_(old[i])
+        else:  # a fresh start or a reset (a heal or a join: a trajectory this replica left): the owner's too
+            self._owner = sparse_rs.OwnerResidual()
 
     def state_dict(self) -> dict:
         sd: dict = {"rank": 0, "errors": {}}

@@ -115,7 +115,7 @@ class OwnerResidual:
         self.key, self.rows = None, []
         if sd and "rows" in sd:
             self.key = (int(sd["world"]), int(sd["rank"]))
-            self.rows = [sd["rows"][str(g)].float() for g in range(len(sd["rows"]))]
+            self.rows = [sd["rows"][str(g)].detach().clone().float() for g in range(len(sd["rows"]))]
 
 
 def sync(gr, err: list[torch.Tensor], wire: Wire, owner: OwnerResidual, beta: float, block_elems: int, keep: int):
