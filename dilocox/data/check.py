@@ -9,19 +9,13 @@ field and the fix.
 from __future__ import annotations
 
 from dilocox.config import Config, ConfigError
-from dilocox.data.prepare import PreparedData, prepare
+from dilocox.data.prepare import PreparedData, prepare_or_error
 from dilocox.data.sources import DataError
 
 
 def check_data(cfg: Config) -> PreparedData:
     """Prepare (or reuse) ``cfg.data`` and check vocabulary and split sizes against ``cfg``."""
-    try:
-        p = prepare(cfg.data)
-    except DataError:
-        raise
-    except (FileNotFoundError, ValueError, KeyError, ImportError, RuntimeError) as e:  # the data layer's own errors
-        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
-        raise DataError(msg) from e
+    p = prepare_or_error(cfg.data)
     if p.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the {p.meta['tokenizer']} "

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -46,7 +47,8 @@ from dilocox.data.tokenizer import (
     pretrained_path,
 )
 
-FORMAT = 2  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut")
+FORMAT = 3  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
+# 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES)
 
 
 @dataclass
@@ -209,9 +211,12 @@ ENCODE_BATCH_BYTES = 1_000_000
 def _split_stream(stream: DocStream, i: int, head_bytes: int | None, sizes):
     """One pass over ``stream``: ("train" | "val", document), with the split of ``split_plan`` (the one document it
     cuts is split at a line end); a document whose size changed since the first pass is an error."""
+    changed = "the corpus changed while it was being prepared ({}); prepare it again"
+    n = 0
     for idx, doc in enumerate(stream):
-        if idx < len(sizes) and len(doc.encode("utf-8")) != sizes[idx]:
-            raise DataError(f"the corpus changed while it was being prepared (document {idx}); prepare it again")
+        n = idx + 1
+        if idx >= len(sizes) or len(doc.encode("utf-8")) != sizes[idx]:
+            raise DataError(changed.format(f"document {idx}" + (" is new" if idx >= len(sizes) else "")))
         if idx < i:
             yield "train", doc
         elif idx == i and head_bytes is not None:
@@ -221,6 +226,8 @@ def _split_stream(stream: DocStream, i: int, head_bytes: int | None, sizes):
             yield "val", tail
         else:
             yield "val", doc
+    if n != len(sizes):
+        raise DataError(changed.format(f"{len(sizes)} documents on the first pass, {n} on this one"))
 
 
 class _Progress:
@@ -374,6 +381,26 @@ def _publish(tmp: str, out_dir: str, key: str) -> None:
             raise
 
 
+def _tmp_prefix() -> str:
+    return f".tmp-{socket.gethostname().replace('/', '_')}-"
+
+
+def _sweep_dead_builds(parent: str) -> None:
+    """Remove the half-built directories (``.tmp-<this host>-<pid>-*``) of builds on this host whose process is gone
+    (killed: SIGKILL, the OOM killer), which their own ``finally`` never removed. Other hosts' are left alone."""
+    prefix = _tmp_prefix()
+    for name in os.listdir(parent):
+        pid = name[len(prefix) :].split("-", 1)[0] if name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
     """Tokenize the configured corpus into memmap files (cached; safe to call from every rank).
 
@@ -392,7 +419,8 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
         os.makedirs(parent, exist_ok=True)
         with _file_lock(out_dir + ".lock"):
             if (p := _try_cached(out_dir, key)) is None:
-                tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+                _sweep_dead_builds(parent)
+                tmp = tempfile.mkdtemp(prefix=f"{_tmp_prefix()}{os.getpid()}-", dir=parent)
                 try:
                     meta = _build(cfg, key, tmp)
                     with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -405,6 +433,18 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
                 return p
     p.cache_hit, p.seconds = True, time.perf_counter() - t0
     return p
+
+
+def prepare_or_error(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
+    """``prepare``, with the data layer's own failures (a missing file, a directory without meta.json, a tokenizer
+    that does not load) as one-line ``DataError``s: what ``dilocox train`` and ``dilocox data prepare`` print."""
+    try:
+        return prepare(cfg, out_dir)
+    except DataError:
+        raise
+    except (FileNotFoundError, ValueError, KeyError, ImportError, RuntimeError, OverflowError) as e:
+        msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
+        raise DataError(msg) from e
 
 
 # --------------------------------------------------------------------------- CLI
@@ -424,12 +464,14 @@ def prepare_main(argv: list[str] | None = None) -> int:
     out = None
     for i, a in enumerate(args):
         if a == "--out" or a.startswith("--out="):
-            out = a.split("=", 1)[1] if "=" in a else args[i + 1]
+            out = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if not out or out.startswith("--"):
+                raise DataError("--out needs a directory: dilocox data prepare [CONFIG] --out DIR")
             del args[i : i + (1 if "=" in a else 2)]
             break
     config = args.pop(0) if args and not args[0].startswith("--") else None
     cfg = _data_only_config(config, args)
-    p = prepare(cfg.data, out_dir=out)
+    p = prepare_or_error(cfg.data, out_dir=out)
     m = p.meta
     n = m["train_tokens"] + m["val_tokens"]
     built = m["seconds"]["total"]

@@ -13,7 +13,8 @@ Six sources (``data.source``):
               their order) its module, class and function docstrings (``ast.get_docstring``), one module =
               one document; about 2.1 MB (4.6x prose) on CPython 3.11.
 - ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden and
-              binary files skipped) or a glob; one file = one document.
+              binary files skipped) or a glob; one file = one document (a file over 1 MB: one per MB, cut at a line
+              end, ``TEXT_PIECE_BYTES``).
 - ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension), a
               ``save_to_disk`` directory or a local copy of a hub dataset (both offline), or a
               hub dataset name (needs a network); ``data.hf_config`` names the dataset's config
@@ -257,10 +258,46 @@ def _docstring_raws(files: list[str]):
             yield "\n\n".join(parts).encode("utf-8")
 
 
-def _file_raws(files: list[str]):
+# data.source=text reads a file larger than this as several documents, each cut at a line end: a 1 GB file of one
+# document would otherwise be held, encoded and (for a BPE) trained on at once (~150x its size in memory). Each
+# piece ends with the end-of-document token, one per MB; the stdlib corpora (no file over 1 MB) are not cut.
+TEXT_PIECE_BYTES = 1 << 20
+
+
+def _pieces(fh, limit: int):
+    """The bytes of the open file ``fh`` in pieces of at most ``limit`` bytes, each cut after its last newline (or,
+    in a piece without one, before a UTF-8 character that the cut would split)."""
+    rest = b""
+    while chunk := fh.read(limit - len(rest)):
+        buf = rest + chunk
+        if len(buf) < limit:
+            rest = buf
+            break
+        cut = buf.rfind(b"\n") + 1 or _char_end(buf)
+        yield buf[:cut]
+        rest = buf[cut:]
+    if rest:
+        yield rest
+
+
+def _char_end(buf: bytes) -> int:
+    """The length of ``buf`` less a UTF-8 character its end cuts (the whole length when none is cut)."""
+    i = len(buf) - 1
+    while i > 0 and len(buf) - i < 4 and buf[i] & 0xC0 == 0x80:  # back over continuation bytes to the lead byte
+        i -= 1
+    lead = buf[i]
+    need = 4 if lead >= 0xF0 else 3 if lead >= 0xE0 else 2 if lead >= 0xC0 else 1
+    return i if i > 0 and i + need > len(buf) else len(buf)
+
+
+def _file_raws(files: list[str], piece: int | None = None):
+    """Each file's bytes as one document, or (``piece``) a larger file as documents of at most ``piece`` bytes."""
     for f in files:
         with open(f, "rb") as fh:
-            yield fh.read()
+            if piece is None or os.fstat(fh.fileno()).st_size <= piece:
+                yield fh.read()
+            else:
+                yield from _pieces(fh, piece)
 
 
 def _is_saved_dataset(path: str | None) -> bool:
@@ -354,16 +391,25 @@ class DocStream:
             return raws, size, f"docs: pydoc_data.topics + stdlib docstrings (Python {sys.version.split()[0]})"
         if cfg.source == "text":
             files = local_files(cfg.path, "text")
-            return _file_raws(files), lambda: sum(os.path.getsize(f) for f in files), f"text {cfg.path}"
+            size = lambda: sum(os.path.getsize(f) for f in files)  # noqa: E731
+            return _file_raws(files, TEXT_PIECE_BYTES), size, f"text {cfg.path}"
         ds, where = _hf_rows(cfg)
 
         def rows():
-            for row in ds:
+            for n, row in enumerate(ds):
                 if cfg.hf_text_field not in row:
                     raise DataError(
                         f"data.hf_text_field={cfg.hf_text_field!r} is not a column of {where}; columns: {sorted(row)}"
                     )
-                yield str(row[cfg.hf_text_field]).encode("utf-8")
+                text = row[cfg.hf_text_field]
+                if text is None:  # a null cell: no document (not the text "None")
+                    continue
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"data.hf_text_field={cfg.hf_text_field!r} of {where} holds a {type(text).__name__}, not "
+                        f"text (row {n}: {str(text)[:80]!r}); name the column that holds the documents' text"
+                    )
+                yield text.encode("utf-8")
 
         return rows(), lambda: None, f"hf {where}, field {cfg.hf_text_field!r}"
 

@@ -66,7 +66,9 @@ class BPETokenizer:
 
     def __init__(self, tok, path: str | None = None):
         self.tok, self.path = tok, path
-        self.vocab_size = tok.get_vocab_size()
+        # the largest id + 1, not the count of tokens: a tokenizer.json whose ids have gaps (or added tokens above its
+        # vocabulary) would otherwise pass the model.vocab_size check and index past the embedding
+        self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         eot = next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
         if eot is None:
             raise ValueError(
