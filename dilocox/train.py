@@ -451,12 +451,21 @@ class Trainer(TrainerState):
             self._flush_logs()
             self._rate_mark = (now, self.step)
 
+    def _last_step(self) -> bool:
+        """The loop ends after this step: a stop asked for here ends the run as a finished one (outer.finish, the
+        final save), not with a mid-run checkpoint at train.steps that a rerun would take for the final model."""
+        tr = self.cfg.train
+        return self.step >= tr.steps or bool(tr.max_tokens and self.tokens_seen >= tr.max_tokens)
+
     def _at_boundary(self, ckpt_due: bool) -> bool:
         """Stop (a signal some rank got) or save (checkpoint.every) at this step boundary; returns ckpt_due."""
         cfg = self.cfg
         # some rank got SIGINT/SIGTERM: all stop at one step, save, exit 128+signal; the replicas tell each other
         # only at an outer sync (crossed_replicas), never between two (distributed/signals.py)
         if self.stop.should_stop(self.outer is None or self.outer.crossed_replicas):
+            if self._last_step():
+                self.logger.info(f"stop asked at the last step ({self.step}): finishing the run as it ends anyway")
+                return ckpt_due
             path = self.save()
             ckpt.all_ranks_agree(True)  # nobody exits before rank 0 wrote COMPLETE.json (srun --kill-on-bad-exit)
             raise signals.Interrupted(self.stop.agreed_signum, self.step, path)

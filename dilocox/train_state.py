@@ -219,6 +219,9 @@ class TrainerState:
             )
         else:
             sd = ckpt.load_step(path, self.topo.rank, self.topo.world_size, reader, expect)
+            if self.topo.rank == 0:  # a rewind: the later checkpoints of this run dir would block its own saves
+                ckpt.set_aside_later(self.ckpt_dir, path, self.logger.info)
+            ckpt.all_ranks_agree(True)  # no rank saves before they are set aside
         saved = ckpt.read_meta(path).get("layout", self._layout()["layout"])
         if saved != self._layout()["layout"]:
             self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")

@@ -67,6 +67,7 @@ from dilocox.checkpoint.load import (
     load_checkpoint,
     load_latest,
     load_step,
+    set_aside_later,
 )
 from dilocox.checkpoint.save import disk_free, preflight, save_checkpoint
 from dilocox.checkpoint.state import (
@@ -103,6 +104,7 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "set_aside_later",
     "rank_files",
     "state_nbytes",
     "step_dir_name",

@@ -268,6 +268,30 @@ def _fall_back_past(step_dir: str, err: str, rank: int, fallback: bool, warn: Ca
         )
 
 
+def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = _warn) -> list[str]:
+    """Rank 0, after a resume from ``step_dir`` (an explicit ``checkpoint.resume``, e.g. a rewind with a lower
+    learning rate): rename every complete checkpoint of ``ckpt_dir`` after its step to ``<step dir>.superseded``.
+    A save at a step whose directory is complete is skipped, so they would stand in for this run's own saves and
+    ``latest``. ``latest`` names ``step_dir`` when it is in ``ckpt_dir``. Returns the new names."""
+    step = int(read_meta(step_dir).get("step", -1))
+    later = [d for d in complete_steps(ckpt_dir) if _step_of(d) > step]
+    if later and os.path.dirname(os.path.abspath(step_dir)) == os.path.abspath(ckpt_dir):  # first: a crash between
+        _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(step_dir) + "\n")  # leaves it right
+    moved = []
+    for d in later:
+        dest = d + ".superseded"
+        if os.path.exists(dest):
+            dest = f"{dest}.{int(time.time())}"
+        os.replace(d, dest)
+        moved.append(dest)
+    if moved:
+        warn(
+            f"resumed from {step_dir}: the {len(moved)} later checkpoint(s) of {ckpt_dir} are trained again and were "
+            f"set aside as {', '.join(os.path.basename(m) for m in moved)} (delete them when no longer needed)"
+        )
+    return moved
+
+
 def _set_aside_damaged(ckpt_dir: str, skipped: list[str], step_dir: str, warn: Callable[[str], None]) -> None:
     """Rank 0: rename the damaged checkpoints passed over to ``<step dir>.corrupt`` and point ``latest`` at
     the loaded ``step_dir``."""

@@ -214,6 +214,9 @@ class DiLoCoOuter(OuterBase):
         st = self.state
         if self.overlap == "none":
             h, self.pending[p] = self.pending[p], None
+            if h is None:  # a finished run resumed with more train.steps: finish() applied this sync already
+                self.schedule.advance(p, self.H)
+                return
             avg = st.flatten(self._wait(h))
             if self._after_wait():  # healed in the round launched tau steps ago: from θ now, at this step
                 for q in range(self.K):

@@ -1,0 +1,98 @@
+"""Resume at the edges of a run: a rewind to an earlier checkpoint, more steps after a finished streaming run, and a
+stop asked for during the last step (in-process Trainers on the tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import torch
+
+from dilocox import checkpoint as ckpt
+from dilocox.checkpoint.full import final_model
+from dilocox.train import Trainer
+from tests.small_run import small_cfg
+
+
+def _run(cfg, before_step=None) -> Trainer:
+    t = Trainer(cfg)
+    if before_step is not None:
+        step = t.train_step
+
+        def hooked():
+            before_step(t)
+            return step()
+
+        t.train_step = hooked
+    try:
+        t.run()
+    finally:
+        if t.run_lock:
+            t.run_lock.release()
+        t.logger.close()
+    return t
+
+
+def test_a_rewind_sets_the_later_checkpoints_aside_and_saves_its_own(tmp_path):
+    """checkpoint.resume=<an earlier step dir> in the same run dir (the divergence message's advice: rewind with a
+    lower optim.lr): the later checkpoints become <step dir>.superseded, so the rewound run's saves at those steps
+    are written (a save at a complete step is skipped) and latest names them."""
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    _run(small_cfg(run, "--checkpoint.every=2", "--checkpoint.keep=0", steps=6))
+    old = final_model(str(ck / "step_00000006"))
+    _run(
+        small_cfg(
+            run, "--checkpoint.every=2", "--checkpoint.keep=0", "--optim.lr=1e-4",
+            f"--checkpoint.resume={ck / 'step_00000002'}", steps=6,
+        )
+    )  # fmt: skip
+    names = sorted(os.listdir(ck))
+    assert "step_00000004.superseded" in names and "step_00000006.superseded" in names, names
+    assert ckpt.find_latest(str(ck)) == str(ck / "step_00000006")
+    new = final_model(str(ck / "step_00000006"))
+    assert any(not torch.equal(old[k], new[k]) for k in old)  # the rewound run's own weights
+    assert torch.equal(
+        next(iter(final_model(str(ck / "step_00000006.superseded")).values())), next(iter(old.values()))
+    )  # nothing of the first run lost
+    events = [json.loads(x) for x in open(run / "metrics.jsonl")]
+    saved = [e["path"] for e in events if e.get("event") == "checkpoint"]
+    assert saved[-2:] == [str(ck / "step_00000002"), str(ck / "step_00000004")]  # (the final save logs no event)
+
+
+def test_more_steps_after_a_finished_streaming_run_with_a_fragment_in_flight(tmp_path):
+    """A streaming run (2 fragments, tau 1, overlap none) ends with a fragment's sync in flight: finish() applies it.
+    Resumed with a larger train.steps, the run reaches that fragment's sync point with nothing pending: it goes on
+    (it died on `_wait(None)`), and the replica's params after the extension are finite and moved."""
+    run = tmp_path / "run"
+    method = (
+        "--outer.method=diloco",
+        "--outer.sync_every=4",
+        "--outer.streaming.fragments=2",
+        "--outer.streaming.tau=1",
+    )
+    _run(small_cfg(run, *method, steps=5))
+    first = final_model(str(run / "checkpoints" / "step_00000005"))
+    t = _run(small_cfg(run, *method, "--checkpoint.resume=auto", steps=10))
+    assert t.step == 10
+    last = final_model(str(run / "checkpoints" / "step_00000010"))
+    assert all(torch.isfinite(v).all() for v in last.values())
+    assert any(not torch.equal(first[k], last[k]) for k in first)
+
+
+def test_a_stop_during_the_last_step_ends_the_run_as_finished(tmp_path):
+    """SIGINT/SIGTERM while the last step runs: the run ends as a finished one (outer.finish, the final save), equal
+    to an uninterrupted run, instead of a mid-run checkpoint at train.steps that a rerun takes as final."""
+    method = ("--outer.method=diloco", "--outer.sync_every=4")
+    _run(small_cfg(tmp_path / "full", *method, steps=6))
+
+    def sigint_in_last(t):
+        if t.step == 5:
+            t.stop.signum = signal.SIGINT
+
+    t = _run(small_cfg(tmp_path / "int", *method, steps=6), sigint_in_last)  # no signals.Interrupted
+    assert t.step == 6
+    full = final_model(str(tmp_path / "full" / "checkpoints" / "step_00000006"))
+    got = final_model(str(tmp_path / "int" / "checkpoints" / "step_00000006"))
+    assert all(torch.equal(full[k], got[k]) for k in full)
