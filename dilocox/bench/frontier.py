@@ -127,6 +127,8 @@ LEVERS = [
      ["--optim.lr=6e-3", "--outer.lr=1.0", "--compress.collective=reduce_scatter"]),
     ("dilocox inner lr 1.2e-2 outer lr 1.0 reduce-scatter", "dilocox", "dilocox",
      ["--optim.lr=1.2e-2", "--outer.lr=1.0", "--compress.collective=reduce_scatter"]),
+    ("dilocox reduce-scatter keep 2", "dilocox", "dilocox",
+     ["--compress.collective=reduce_scatter", "--compress.sparse.owner_keep=2"]),
     ("dilocox inner lr 6e-3 outer lr 1.0 reduce-scatter keep 2", "dilocox", "dilocox",
      ["--optim.lr=6e-3", "--outer.lr=1.0", "--compress.collective=reduce_scatter", "--compress.sparse.owner_keep=2"]),
 ]  # fmt: skip
