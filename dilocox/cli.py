@@ -156,6 +156,13 @@ def _train(argv: list[str]) -> int:
     nproc, overrides = _split_train_args(rest)
     cfg = load_config(path, overrides)
     world = cfg.parallel.world_size
+    if nproc is not None and "RANK" in os.environ and os.environ.get("WORLD_SIZE") != str(nproc):
+        raise UsageError(
+            f"--nproc {nproc}, but RANK={os.environ['RANK']} WORLD_SIZE={os.environ.get('WORLD_SIZE', 'unset')} are "
+            f"set: this process would run as one rank of a torchrun/SLURM launch, which starts the ranks itself. "
+            f"Under a launcher drop --nproc; for a leftover in this shell unset RANK and WORLD_SIZE to launch {nproc} "
+            "ranks here"
+        )
     if nproc is not None and "RANK" not in os.environ:
         if nproc != world:
             print(
@@ -386,6 +393,10 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
     return None
 
 
+# commands whose OSError on a path (an --out that is a file, a directory that cannot be made) is the user's input
+FILE_COMMANDS = ("export", "import", "report", "plan", "generate", "checkpoint")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmds = {
@@ -421,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmds[argv[0]](argv[1:])
     except UsageError as e:
         print(f"dilocox {argv[0]}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not (e.filename and argv[0] in FILE_COMMANDS):  # a path the user gave that cannot be written or read
+            raise
+        print(f"dilocox {argv[0]}: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
     except Exception as e:
         if (kind := _error_kind(e)) is None:

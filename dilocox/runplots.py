@@ -91,13 +91,19 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
             raise ReportError(f"{path}:{i + 1}: not a JSON record ({e.msg}); fix or delete that line") from None
         if not isinstance(rec, dict) or "step" not in rec:
             continue
-        t = float(rec.get("time", math.nan))
+        try:
+            step, t = int(rec["step"]), float(rec.get("time", math.nan))
+        except (TypeError, ValueError):
+            raise ReportError(
+                f"{path}:{i + 1}: step {rec['step']!r} / time {rec.get('time')!r} are not numbers; fix or delete "
+                "that line"
+            ) from None
         if last_raw is not None and t < last_raw:  # a resumed segment: its clock restarted at 0
             offset = last_time
         last_raw = t
         rec = dict(rec, time=t + offset)
         last_time = rec["time"]
-        by_step[int(rec["step"])] = rec
+        by_step[step] = rec
     if not by_step:
         raise ReportError(f"{path} has no step records (the run logged no step yet)")
     return [by_step[s] for s in sorted(by_step)]

@@ -51,7 +51,7 @@ def pick_device(cfg: Config, local_rank: int) -> torch.device:
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device='cuda' but no CUDA device is available; set --train.device=cpu")
+            raise ConfigError("train.device='cuda' but no CUDA device is available; set --train.device=cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -88,6 +88,18 @@ def restart_notes(cfg: Config) -> list[str]:
     return notes
 
 
+def _resume_path_problem(r: str) -> str | None:
+    """Why ``checkpoint.resume=r`` (not auto/none) names no step directory, with the fix; None when it does."""
+    step_dir = os.path.exists(os.path.join(r, "COMPLETE.json")) or os.path.basename(r).startswith("step_")
+    if os.path.isdir(r) and step_dir:
+        return None  # (a step directory without COMPLETE.json: read_meta says it was interrupted while saving)
+    what = f"checkpoint.resume={r!r} is not auto, none or a checkpoint's step directory"
+    if os.path.isdir(r) and (steps := ckpt.complete_steps(r)):
+        return f"{what}: it holds step directories; resume from one, e.g. --checkpoint.resume={steps[-1]}"
+    gone = "" if os.path.exists(r) else " (it does not exist)"
+    return f"{what}{gone}; give RUN_DIR/checkpoints/step_XXXXXXXX or auto"
+
+
 class TrainerState:
     """State dict, checkpoints, resume and run-dir checks of :class:`dilocox.train.Trainer`."""
 
@@ -206,6 +218,10 @@ class TrainerState:
             self._check_fresh_start()
             return
         path = ckpt.find_latest(self.ckpt_dir) if r == "auto" else r
+        if r != "auto":  # every rank alike: a path that is not a step directory is an input error, named
+            bad = _resume_path_problem(r)
+            if not ckpt.all_ranks_agree(bad is None):
+                raise ConfigError(bad or f"checkpoint.resume={r!r}: another rank cannot read it (see rank 0)")
         if path is None:
             self._check_fresh_start()
             return

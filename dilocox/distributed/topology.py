@@ -191,6 +191,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> tu
     env = os.environ
     if "MASTER_ADDR" not in env and "SLURM_NODELIST" in env:
         env["MASTER_ADDR"] = slurm_master_addr(env["SLURM_NODELIST"])
+    if "MASTER_ADDR" not in env:
+        raise ConfigError(
+            f"WORLD_SIZE={world} and RANK={rank} are set but MASTER_ADDR is not: launch the ranks with `dilocox train "
+            f"CONFIG --nproc {world}`, torchrun or srun (which set it), or unset RANK and WORLD_SIZE for one process"
+        )
     env.setdefault("MASTER_PORT", "29500")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

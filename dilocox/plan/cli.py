@@ -233,6 +233,7 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
     if path is None:
         raise ValueError("name a run config (dilocox plan configs/tiny-dilocox.yaml ...) or --model MODEL.yaml")
     bw = parse_bandwidth(args.bandwidth)
+    _check_numbers(args)
     mcfg = load_config(path).model
     known = method_names()
     methods: list = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
@@ -246,7 +247,7 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
     elif args.replicas is None:
         raise ValueError(f"--replicas is needed: {path} has no parallel section (it is a model file)")
     args.pipeline, args.tensor = args.pipeline or 1, args.tensor or 1
-    args.tokens_per_step = args.tokens_per_step or DEFAULT_TOKENS_PER_STEP
+    args.tokens_per_step = DEFAULT_TOKENS_PER_STEP if args.tokens_per_step is None else args.tokens_per_step
     kw = dict(
         tokens_per_step=args.tokens_per_step,
         peak_flops=args.gpus_per_replica * args.gpu_tflops * 1e12,
@@ -269,6 +270,21 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
         r["bytes_per_step"] = r["wire_bytes_per_replica"] / r["H"]
         r["vs_allreduce_per_step"] = ar_step / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
     return bw, rows
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The assumed hardware numbers must be physical (NaN included): a ValueError naming the flag otherwise."""
+    rules = [
+        ("--mfu", args.mfu, lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+        ("--gpus-per-replica", args.gpus_per_replica, lambda v: v > 0, "> 0"),
+        ("--gpu-tflops", args.gpu_tflops, lambda v: v > 0, "> 0"),
+        ("--latency", args.latency, lambda v: 0 <= v < math.inf, "seconds >= 0"),
+        ("--step-time", args.step_time, lambda v: v is None or 0 < v < math.inf, "seconds > 0"),
+        ("--tokens-per-step", args.tokens_per_step, lambda v: v is None or v > 0, "> 0"),
+    ]
+    for flag, value, ok, want in rules:
+        if not ok(value):
+            raise ValueError(f"{flag} {value} must be {want}")
 
 
 def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:

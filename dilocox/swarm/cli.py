@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -181,7 +182,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         raise SwarmUsageError(f"unexpected argument {bad[0]!r}: config keys are given as --section.key=value")
     if a.steps is not None and a.steps < 1:
         raise SwarmUsageError(f"--steps {a.steps} must be at least 1")
-    if a.timeout_s <= 0:
+    if not 0 < a.timeout_s < math.inf:  # (NaN too)
         raise SwarmUsageError(f"--timeout-s {a.timeout_s} must be > 0 seconds")
     peers = parse_peers(a.peers) if a.peers is not None else None
     delays = parse_delays(a.delay)
