@@ -12,7 +12,7 @@ report | secret | checkpoint.
     dilocox lighthouse --min-replicas M [--bind HOST:PORT]   (torchft lighthouse for elastic replicas)
     dilocox swarm CONFIG [--peers 2,2] [--steps N] [...]   (SWARM: several peers per stage; also launch --swarm)
     dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
-    dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S]
+    dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S] [--no-stop]
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
     dilocox secret PATH                       (a new run secret, mode 0600: --security.secret_file=PATH)
     dilocox checkpoint convert CKPT_DIR       (checkpoints of the earlier format onto torch.distributed.checkpoint)
@@ -106,7 +106,8 @@ options:
   -h, --help        this message
   --nproc N         run N local ranks through torchrun (N = replicas*data*pipeline*tensor);
                     without it the ranks come from the environment (torchrun, srun) or it is 1
-  --section.key=V   set any config key (also --section.key V); values are parsed as YAML
+  --section.key=V   set any config key (also --section.key V); values are parsed as YAML, but a
+                    text key (a path, a name) keeps V as typed
 
 config keys (meaning and default of each: {CONFIG_DOC}):
 {_config_keys()}"""

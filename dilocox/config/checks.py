@@ -10,6 +10,7 @@ field, its value and the constraint, e.g. ``model.n_heads=6 is not divisible by 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import os
@@ -110,6 +111,16 @@ _POSITIVE = (  # checked in this order; None (an unset optional) passes
 
 _NON_NEGATIVE = ("train.eval_batches", "checkpoint.every", "checkpoint.keep")
 
+_RANGES = (  # (field, holds, the allowed range); a NaN fails every one (the loader already refuses non-finite floats)
+    ("model.dropout", lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.1 (0 = off)"),
+    ("model.init_std", lambda v: v > 0, "must be > 0 (the initial weights' std), e.g. 0.02"),
+    ("model.norm_eps", lambda v: v > 0, "must be > 0, e.g. 1e-5"),
+    ("optim.betas", lambda v: all(0 <= b < 1 for b in v), "must each be in [0, 1), e.g. [0.9, 0.95]"),
+    ("optim.eps", lambda v: v > 0, "must be > 0, e.g. 1e-8"),
+    ("optim.weight_decay", lambda v: v >= 0, "must be >= 0 (0 = off), e.g. 0.1"),
+    ("optim.grad_clip", lambda v: v >= 0, "must be >= 0 (0 = off), e.g. 1.0"),
+)
+
 
 def _fail(name: str, value: Any, constraint: str) -> None:
     raise ConfigError(f"{name}={value!r} {constraint}")
@@ -125,7 +136,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 def _positive(cfg: Any, *names: str) -> None:
     for name in names:
         v = _get(cfg, name)
-        if v is not None and v <= 0:
+        if v is not None and not v > 0:  # (NaN too)
             _fail(name, v, "must be > 0")
 
 
@@ -160,7 +171,7 @@ def check_outer_schedule(
 
 
 def check_field_values(cfg: Any) -> None:
-    """Each field on its own: supported backends, choice fields, positive and non-negative numbers.
+    """Each field on its own: supported backends, choice fields, positive, non-negative and ranged numbers.
 
     ``cfg`` is the root config (fields are looked up by their dotted names)."""
     if cfg.model.linear_backend == "te":
@@ -172,13 +183,18 @@ def check_field_values(cfg: Any) -> None:
             "float8 GEMMs, or torch",
         )
     for name, choices in _CHOICES.items():
-        v = _get(cfg, name)
-        if v not in choices and not (name == "data.tokenizer" and isinstance(v, str) and v.startswith("hf:")):
-            _fail(name, v, f"is not one of {list(choices)} or hf:PATH (a model's tokenizer.json or its directory)")
+        v, tok = _get(cfg, name), name == "data.tokenizer"
+        if v not in choices and not (tok and isinstance(v, str) and v.startswith("hf:")):
+            close = difflib.get_close_matches(str(v), choices, n=1)
+            hf = " or hf:PATH (a model's tokenizer.json or its directory)" if tok else ""
+            _fail(name, v, f"is not one of {list(choices)}{hf}" + (f"; did you mean {close[0]!r}?" if close else ""))
     _positive(cfg, *_POSITIVE)
     for name in _NON_NEGATIVE:
         if _get(cfg, name) < 0:
             _fail(name, _get(cfg, name), "must be >= 0")
+    for name, holds, rule in _RANGES:
+        if not holds(_get(cfg, name)):
+            _fail(name, _get(cfg, name), rule)
 
 
 def check_trackers(log: LogConfig) -> None:
@@ -303,7 +319,7 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
         _fail("outer.streaming.alpha", s.alpha, "must be in [0, 1]")
     if not 0.0 <= o.momentum < 1.0:
         _fail("outer.momentum", o.momentum, "must be in [0, 1)")
-    if o.lr <= 0:
+    if not o.lr > 0:
         _fail("outer.lr", o.lr, "must be > 0")
     if not (0.0 <= o.lookahead <= 4.0):
         _fail("outer.lookahead", o.lookahead, "must be in [0, 4] (1 = start each phase at the predicted outer step)")
@@ -492,7 +508,7 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
             f"must be null or in [min_replicas={e.min_replicas}, max_replicas={e.max_replicas}]",
         )
     for name in ("timeout_s", "quorum_timeout_s", "standby_timeout_s"):
-        if getattr(e, name) <= 0:
+        if not getattr(e, name) > 0:
             _fail(f"outer.elastic.{name}", getattr(e, name), "must be > 0 seconds")
     if e.max_attempts < 1:
         _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
@@ -557,7 +573,7 @@ def check_swarm(s: SwarmConfig, o: OuterConfig) -> None:
     if s.max_inflight < 1:
         _fail("swarm.max_inflight", s.max_inflight, "must be >= 1")
     for name in ("rpc_timeout_s", "ban_s", "step_timeout_s", "startup_timeout_s", "sync_timeout_s"):
-        if getattr(s, name) <= 0:
+        if not getattr(s, name) > 0:
             _fail(f"swarm.{name}", getattr(s, name), "must be > 0 seconds")
     if not (0 <= s.rebalance_period_s < math.inf):
         _fail("swarm.rebalance_period_s", s.rebalance_period_s, "must be >= 0 seconds (0 = no rebalancing), e.g. 300")

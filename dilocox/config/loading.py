@@ -2,14 +2,17 @@
 
 ``load_config`` reads a YAML file (following its includes, relative to the including file; later
 keys win), deep-merges the command-line overrides over it, converts every value to its field's
-annotated type (``_coerce``: strings from the command line included), builds the dataclasses
-(unknown keys are refused with the known ones listed) and validates the result. ``to_yaml`` writes
-a config back out (the ``config.yaml`` of a run directory).
+annotated type (``_coerce``: strings from the command line included; a float must be finite),
+builds the dataclasses (unknown keys are refused with the known ones listed) and validates the
+result. A key repeated in one YAML mapping is refused (``_UniqueKeyLoader``), and an override of a
+string field keeps its text as typed (``--log.wandb_project=2024_01_05``, not YAML's 20240105).
+``to_yaml`` writes a config back out (the ``config.yaml`` of a run directory).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import sys
 import typing
@@ -26,22 +29,78 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(name: str, value: Any, tp: Any) -> Any:
-    """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
+_UNIONS = (typing.Union, getattr(__import__("types"), "UnionType", None))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (plain YAML keeps the last one silently: a
+    second ``train:`` would replace the whole first section). ``where`` names the file in the message."""
+
+    where = "<string>"
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; its keys may be overridden
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = lines.get(key)
+                except TypeError:  # an unhashable key: the base constructor names it
+                    continue
+                if first is not None:
+                    raise ConfigError(
+                        f"{self.where}: key {key!r} is repeated in one mapping (lines {first} and {line}); keep "
+                        "one (YAML would silently use the last)"
+                    )
+                lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(stream: Any, where: str) -> Any:
+    """``yaml.safe_load`` with ``_UniqueKeyLoader``: the one way config YAML is read here."""
+    loader = _UniqueKeyLoader(stream)
+    loader.where = where
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _field_type(dotted: str) -> Any:
+    """The annotated type of a dotted config key (``log.wandb_project`` -> str), or None if it names no field."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(tp) if is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _coerce(name: str, value: Any, tp: Any, default: Any = None) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError (``default``: the field's, for examples)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         if value is None and type(None) in args:
             return None
         if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner[0])
+        return _coerce(name, value, inner[0], default)
     if origin is tuple:
+        eg = f", e.g. [{', '.join(map(str, default))}]" if isinstance(default, tuple) else ""
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = _load_yaml(value, name)
+            except yaml.YAMLError:
+                raise ConfigError(
+                    f"{name}={value!r} is not a valid list; write a list of {len(args)} numbers{eg}"
+                ) from None
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{name}={value!r} must be a list of {len(args)} numbers")
+            raise ConfigError(f"{name}={value!r} must be a list of {len(args)} numbers{eg}")
         return tuple(_coerce(f"{name}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if isinstance(value, bool):
@@ -65,14 +124,19 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be a number, not a boolean")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}={value!r} must be a number")
+        if number is None:
+            raise ConfigError(f"{name}={value!r} must be a number")
+        if not math.isfinite(number):  # (no field takes nan/inf: none has such a default, no shipped config uses one)
+            raise ConfigError(f"{name}={value!r} must be a finite number")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -110,12 +174,17 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     for key, value in data.items():
         if key not in known:
             where, hint = prefix.rstrip(".") or "the top level", _suggest(key, known, prefix)
-            raise ConfigError(f"unknown config key {prefix}{key!r} (known keys of {where}: {sorted(known)}){hint}")
+            raise ConfigError(f"unknown config key {prefix}{key} (known keys of {where}: {sorted(known)}){hint}")
         tp = hints[key]
         if is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+        elif isinstance(value, dict):
+            raise ConfigError(
+                f"{prefix}{key} is a value, not a section (it was given the keys {list(value)}); set it to one "
+                f"value, e.g. {prefix}{key}={known[key].default!r}"
+            )
         else:
-            kwargs[key] = _coerce(f"{prefix}{key}", value, tp)
+            kwargs[key] = _coerce(f"{prefix}{key}", value, tp, known[key].default)
     if cls is Config:
         obj = cls.__new__(cls)
         for f in fields(cls):
@@ -148,7 +217,7 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
         )
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = _load_yaml(f, path)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"malformed YAML in {path}: {' '.join(str(e).split())}") from None
     if data is None:  # empty or only comments
@@ -159,14 +228,33 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     includes = data.pop("include", []) or []
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(
+            f"{path}: include must be a file name or a list of file names (relative to this file), got {includes!r}; "
+            "e.g. include: model/gpt2-tiny.yaml"
+        )
     merged: dict = {}
     for inc in includes:
         merged = _deep_merge(merged, _read_yaml(os.path.join(os.path.dirname(path), inc), seen + (path,)))
     return _deep_merge(merged, data)
 
 
+def _override_value(key: str, raw: str) -> Any:
+    """An override's value: its text as typed for a string field (``0755`` stays ``'0755'``; ``null``/``~`` is None
+    where the field allows None; a quoted text is unquoted), else parsed as YAML (an unparsable text stays text)."""
+    tp = _field_type(key)
+    text = tp is str or (typing.get_origin(tp) in _UNIONS and set(typing.get_args(tp)) == {str, type(None)})
+    if text and not (len(raw) >= 2 and raw[0] in "'\"" and raw[-1] == raw[0]):
+        return None if tp is not str and raw in ("~", "null", "Null", "NULL") else raw
+    try:
+        return _load_yaml(raw, f"--{key}") if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
 def parse_overrides(args: list[str]) -> dict:
-    """``["--train.steps=10", "--model.arch", "qwen"]`` -> nested dict (values parsed as YAML)."""
+    """``["--train.steps=10", "--model.arch", "qwen"]`` -> nested dict (values parsed as YAML, but a string field
+    keeps its text: ``_override_value``)."""
     out: dict = {}
     i = 0
     while i < len(args):
@@ -181,14 +269,18 @@ def parse_overrides(args: list[str]) -> dict:
                 raise ConfigError(f"override {a!r} has no value; write --{body}=VALUE")
             key, raw = body, args[i + 1]
             i += 1
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        value = _override_value(key, raw)
         node = out
         parts = key.split(".")
-        for p in parts[:-1]:
+        for j, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                path = ".".join(parts[: j + 1])
+                raise ConfigError(
+                    f"override --{key}: {path} is a value, not a section; set it with --{path}=VALUE"
+                    if _field_type(path) is not None and not is_dataclass(_field_type(path))
+                    else f"override --{key}: an earlier override set {path} to {node!r}; give only keys under it"
+                )
         node[parts[-1]] = value
         i += 1
     return out
