@@ -4,13 +4,15 @@ The model is the run's final model (gathered from the latest checkpoint of any l
 ``dilocox.checkpoint.full.final_model``; a SWARM run's from its stages, ``dilocox.swarm.final``) or a Hugging Face
 directory of the supported families (read through ``dilocox.hf``), run as one process on CPU or GPU. Sampling: greedy
 (``--temperature 0``), or softmax(logits / temperature) restricted to the ``--top-k`` most likely
-tokens, drawn from a ``torch.Generator`` seeded with ``--seed``: the same seed gives the same text.
+tokens, drawn from a ``torch.Generator`` seeded with ``--seed``: the same seed gives the same text. Generation stops
+after the tokenizer's end-of-document token (as transformers' generate stops at ``eos_token_id``) unless ``--no-stop``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -18,7 +20,7 @@ import torch
 
 USAGE = (
     "dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] "
-    "[--seed S] [--device cpu|cuda] [--replica-params]"
+    "[--seed S] [--device cpu|cuda] [--no-stop] [--replica-params]"
 )
 
 
@@ -75,10 +77,12 @@ class _HFTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
+        from dilocox.data.tokenizer import EOT_CANDIDATES
+
         self.tok = Tokenizer.from_file(path)
         self.kind = "bpe"
         self.vocab_size = self.tok.get_vocab_size()
-        self.eot_id = self.tok.token_to_id("<|endoftext|>")
+        self.eot_id = next((i for i in map(self.tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -101,6 +105,16 @@ def hf_tokenizer(hf_dir: str):
     return _HFTokenizer(path)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """ValueError naming the flag whose value :func:`sample` cannot use."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens={max_new_tokens} must be >= 1")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature={temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise ValueError(f"--top-k={top_k} must be >= 0 (0 = the whole vocabulary)")
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -111,11 +125,8 @@ def sample(
     seed: int = 0,
     stop_id: int | None = None,
 ) -> list[int]:
-    """Continue ``ids`` by up to ``max_new_tokens`` tokens (see the module docstring)."""
-    if temperature < 0:
-        raise ValueError(f"--temperature={temperature} must be >= 0 (0 = greedy)")
-    if top_k < 0:
-        raise ValueError(f"--top-k={top_k} must be >= 0 (0 = the whole vocabulary)")
+    """Continue ``ids`` by up to ``max_new_tokens`` tokens, stopping after ``stop_id`` (see the module docstring)."""
+    check_sampling(max_new_tokens, temperature, top_k)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
     device = next(model.parameters()).device
@@ -148,11 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=50, help="sample among the K most likely tokens (default 50)")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--no-stop", action="store_true", help="keep going past the end-of-document token")
     ap.add_argument("--replica-params", action="store_true", help="allow a mid-run checkpoint of a DiLoCo run")
     a = ap.parse_args(argv)
     try:
+        check_sampling(a.max_new_tokens, a.temperature, a.top_k)  # before the (slow) model load
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {a.device}: CUDA is not available on this machine; use --device cpu")
         model, tok, _ = load_model(a.path, a.device, a.replica_params)
-        new = sample(model, tok.encode(a.prompt), a.max_new_tokens, a.temperature, a.top_k, a.seed)
+        stop = None if a.no_stop else getattr(tok, "eot_id", None)
+        new = sample(model, tok.encode(a.prompt), a.max_new_tokens, a.temperature, a.top_k, a.seed, stop)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2

@@ -18,8 +18,9 @@ opt     OPTForCausalLM    layernorm with eps 1e-5 (HF hard-codes it), relu, lear
 qwen    Qwen2ForCausalLM  rmsnorm, swiglu, rope (default scaling), bias: false, qkv_bias: true
 ======= ================= ==========================================================================
 
-Tied or untied LM head both map exactly (``tie_word_embeddings``). dilocox's residual dropout
-has no Qwen2 counterpart (Qwen2 only has attention dropout); it only acts in training mode.
+Tied or untied LM head both map exactly (``tie_word_embeddings``). Import also reads base-model checkpoints
+(GPT2Model, OPTModel, Qwen2Model, as the hub's gpt2 and opt-* are saved): tied, their head is the embedding.
+dilocox's residual dropout has no Qwen2 counterpart (Qwen2 only has attention dropout); it only acts in training mode.
 """
 
 from __future__ import annotations
@@ -350,11 +351,24 @@ def to_hf_state_dict(m: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str,
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
+def _hf_names(fam: str, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf`` named as in the *ForCausalLM class: a base-model checkpoint (the hub's openai-community/gpt2,
+    facebook/opt-*) lacks the ``transformer.`` (gpt2) / ``model.`` prefix; transformers adds it when loading."""
+    pre, emb = {"gpt2": ("transformer.", "wte.weight"), "opt": ("model.", "decoder.embed_tokens.weight")}.get(
+        fam, ("model.", "embed_tokens.weight")
+    )
+    if pre + emb in hf or emb not in hf:
+        return hf
+    return {k if k.startswith(("lm_head.", pre)) else pre + k: v for k, v in hf.items()}
+
+
 def from_hf_state_dict(
     m: ModelConfig, hf: dict[str, torch.Tensor], src: str = "HF checkpoint"
 ) -> dict[str, torch.Tensor]:
-    """Full dilocox state dict of HF tensors (inverse of :func:`to_hf_state_dict`)."""
+    """Full dilocox state dict of HF tensors (inverse of :func:`to_hf_state_dict`); also of a base-model checkpoint
+    (GPT2Model, OPTModel, Qwen2Model: no ``transformer.``/``model.`` prefix, no lm_head; see :func:`_hf_names`)."""
     fam = check_exportable(m)
+    hf = _hf_names(fam, hf)
 
     def get(name):
         if name not in hf:
@@ -366,6 +380,9 @@ def from_hf_state_dict(
         if ours == "pos_embed.weight" and fam == "opt":
             continue
         if ours == "head.weight" and theirs not in hf:
+            if not m.tie_embeddings:
+                raise ExportError(f"{src} has no tensor {theirs!r} and config.json has tie_word_embeddings=false: "
+                                  "a base-model checkpoint without an LM head has no dilocox equivalent")  # fmt: skip
             out[ours] = get(_top_map(fam)["embed.weight"])  # tied in HF: the head is the embedding
             continue
         out[ours] = get(theirs)
@@ -444,22 +461,14 @@ def save_hf_dir(out_dir: str, m: ModelConfig, full: dict[str, torch.Tensor], tok
         if getattr(tokenizer, "kind", "byte") == "bpe":  # the run's BPE, or the pretrained tokenizer.json it used
             tokenizer.tok.save(tok_path)
             eos = tokenizer.tok.id_to_token(tokenizer.eot_id)
-        else:
-            byte_tokenizer_json(tok_path)
-            eos = "Ā"  # byte 0 (dilocox's end-of-document) in the byte-level alphabet
+            special = {"eos_token": eos, "bos_token": eos}
+        else:  # no eos/bos: transformers would match byte 0's stand-in "Ā" in raw text (U+0100 -> id 0)
+            byte_tokenizer_json(tok_path)  # config.json's eos_token_id 0 still stops HF generate
+            special = {}
+        meta = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False}
+        meta.update(model_max_length=m.max_seq_len, dilocox_tokenizer=tokenizer.kind)
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "eos_token": eos,
-                    "bos_token": eos,
-                    "add_prefix_space": False,
-                    "model_max_length": m.max_seq_len,
-                    "dilocox_tokenizer": tokenizer.kind,
-                },
-                f,
-                indent=2,
-            )
+            json.dump(meta, f, indent=2)
     with open(os.path.join(out_dir, "dilocox_model.json"), "w") as f:
         json.dump({k: getattr(m, k) for k in m.__dataclass_fields__}, f, indent=2)
 
