@@ -62,33 +62,6 @@ def test_a_text_file_over_the_piece_size_is_read_as_documents_cut_at_line_ends(t
     assert p.meta["train_docs"] + p.meta["val_docs"] == len(docs) and p.meta["format"] == prepmod.FORMAT
 
 
-@pytest.mark.slow  # writes and prepares a 30 MB file in a subprocess
-def test_one_large_file_prepares_in_memory_below_its_size(tmp_path):
-    """Peak RSS added by preparing one 30 MB text file (byte tokenizer): below 60 MB. Read whole, it was held, encoded
-    and joined at once: 5.9x a file's size measured (and ~150x with a BPE trained on it)."""
-    f = tmp_path / "one.txt"
-    line = "".join(chr(97 + (i * 7) % 26) for i in range(99)) + "\n"
-    f.write_text(line * 300_000)
-    code = (
-        "import resource, sys\n"
-        "from dilocox.config import DataConfig\n"
-        "from dilocox.data import prepare\n"
-        "cfg = DataConfig(source='text', path=sys.argv[1], cache_dir=sys.argv[2])\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "p = prepare(cfg)\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "print(base, peak, p.meta['bytes'], p.meta['train_docs'] + p.meta['val_docs'])\n"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(f), str(tmp_path / "cache")],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    base, peak, nbytes, ndocs = map(int, r.stdout.split()[-4:])
-    assert nbytes == 30_000_000 and ndocs >= 30_000_000 // srcmod.TEXT_PIECE_BYTES
-    assert (peak - base) * 1024 < 60e6, f"prepare added {(peak - base) / 1024:.0f} MB of peak RSS for 30 MB"
-
-
 def test_hf_null_cells_are_no_document_and_other_types_name_the_field(tmp_path):
     pytest.importorskip("datasets", reason="the datasets package is not installed")
     f = tmp_path / "rows.jsonl"
