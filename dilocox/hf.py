@@ -479,6 +479,8 @@ def resolve_hf_dir(name: str) -> str:
         if not os.path.exists(os.path.join(name, "config.json")):
             raise ExportError(f"{name} has no config.json; it is not a Hugging Face model directory")
         return name
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path (a hub name is NAME or ORG/NAME)
+        raise ExportError(f"{name} does not exist; give a local Hugging Face model directory (config.json + weights)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:

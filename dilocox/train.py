@@ -35,7 +35,7 @@ from dilocox.distributed.topology import build_topology, group_ranks, init_distr
 from dilocox.elastic.group import ElasticError
 from dilocox.elastic.standby import ACTIVATE_NAME, StandbyNotNeeded, await_activation
 from dilocox.engine import PipelineEngine
-from dilocox.hf import load_hf_full_state_dict, resolve_hf_dir
+from dilocox.hf import ExportError, load_hf_full_state_dict, resolve_hf_dir
 from dilocox.inner_step import InnerStep
 from dilocox.metrics import MetricsLogger, peak_flops, process_age_s
 from dilocox.model.parallel_layers import global_grad_norm
@@ -147,7 +147,10 @@ class Trainer(TrainerState):
             cfg.model, t.stage, t.P, t.tp_rank, t.T, t.group("tp"), seed=cfg.train.seed, device=self.device
         )
         if cfg.model.init_from:  # continued pre-training from a Hugging Face checkpoint (a resume overrides it)
-            hf_dir = resolve_hf_dir(cfg.model.init_from)
+            try:
+                hf_dir = resolve_hf_dir(cfg.model.init_from)
+            except ExportError as e:  # an input error of this run's config: named as one
+                raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
             hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
             self.model.load_full_state_dict(hf_sd)
         whole = t.P == 1 and t.T == 1  # one stage, no TP: forward + loss compile as one graph (engine.compile_whole)

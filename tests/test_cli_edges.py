@@ -98,3 +98,23 @@ def test_a_resume_path_that_is_no_step_directory_is_named(tmp_path):
 def test_swarm_timeout_nan_is_refused(capsys):
     assert cli_main(["swarm", TINY, "--timeout-s", "nan"]) == 2
     assert "--timeout-s nan" in capsys.readouterr().err
+
+
+def test_an_unknown_swarm_option_is_named(capsys):
+    assert cli_main(["swarm", TINY, "--stepz", "5"]) == 2
+    assert "--stepz is not an option of dilocox swarm" in capsys.readouterr().err
+
+
+def test_a_missing_init_from_path_says_it_does_not_exist(tmp_path):
+    """Before: a local path that does not exist went to the hub client, whose repo-id error was all it printed."""
+    from dilocox.hf import ExportError, resolve_hf_dir
+
+    for path in (str(tmp_path / "nope"), "./nope", "~/models/nope", "a/b/c"):
+        with pytest.raises(ExportError, match="does not exist; give a local Hugging Face model directory"):
+            resolve_hf_dir(path)
+
+
+def test_launch_elastic_zero_names_the_replica_count(capsys):
+    assert cli_main(["launch", "--elastic", "0", os.path.join(ROOT, "configs", "tiny-dilocox.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "--elastic 0: the number of replicas must be at least 1" in err and "--min-replicas" not in err

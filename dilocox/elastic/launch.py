@@ -220,6 +220,8 @@ def launch_elastic(
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     run_dir, overrides = _split_overrides(overrides)
+    if n < 1:
+        raise LaunchError(f"--elastic {n}: the number of replicas must be at least 1")
     if min_replicas is None:
         min_replicas = max(1, n - 1)
     if not 1 <= min_replicas <= n:

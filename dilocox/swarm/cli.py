@@ -177,9 +177,13 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
 
     ap = _run_parser(prog)
     a, rest = ap.parse_known_args(argv)
-    bad = [r for r in rest if not r.startswith("--")]
+    bad = [i for i, r in enumerate(rest) if not r.startswith("--")]
     if bad:
-        raise SwarmUsageError(f"unexpected argument {bad[0]!r}: config keys are given as --section.key=value")
+        prev = rest[bad[0] - 1] if bad[0] else ""
+        hint = f"{prev} is not an option of dilocox swarm (--help lists them); " if prev[:2] == "--" else ""
+        raise SwarmUsageError(
+            f"unexpected argument {rest[bad[0]]!r}: {hint}config keys are given as --section.key=value"
+        )
     if a.steps is not None and a.steps < 1:
         raise SwarmUsageError(f"--steps {a.steps} must be at least 1")
     if not 0 < a.timeout_s < math.inf:  # (NaN too)
