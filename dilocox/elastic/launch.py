@@ -220,12 +220,10 @@ def launch_elastic(
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     run_dir, overrides = _split_overrides(overrides)
-    if n < 1:
-        raise LaunchError(f"--elastic {n}: the number of replicas must be at least 1")
-    if min_replicas is None:
-        min_replicas = max(1, n - 1)
-    if not 1 <= min_replicas <= n:
-        raise LaunchError(f"--min-replicas {min_replicas} must be in [1, --elastic {n}]")
+    min_replicas = max(1, n - 1) if min_replicas is None else min_replicas
+    if n < 1 or not 1 <= min_replicas <= n:
+        raise LaunchError(f"--elastic {n}: the number of replicas must be at least 1" if n < 1 else
+                          f"--min-replicas {min_replicas} must be in [1, --elastic {n}]")  # fmt: skip
     if at not in ("time", "step") or standby_replicas < 0:
         raise LaunchError(f"--at {at!r} must be time or step" if standby_replicas >= 0 else
                           f"--standby-replicas {standby_replicas} must be >= 0")  # fmt: skip
