@@ -77,12 +77,12 @@ class _HFTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        from dilocox.data.tokenizer import EOT_CANDIDATES
+        from dilocox.data.tokenizer import eot_id_of
 
         self.tok = Tokenizer.from_file(path)
         self.kind = "bpe"
         self.vocab_size = self.tok.get_vocab_size()
-        self.eot_id = next((i for i in map(self.tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+        self.eot_id = eot_id_of(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -59,6 +59,11 @@ class ByteTokenizer:
         return np.frombuffer(sep.join(d.encode("utf-8") for d in docs) + sep, dtype=np.uint8).copy()
 
 
+def eot_id_of(tok) -> int | None:
+    """The id of the first of ``EOT_CANDIDATES`` a ``tokenizers.Tokenizer`` has, else None."""
+    return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+
+
 class BPETokenizer:
     """A ``tokenizers.Tokenizer`` (byte-level BPE) behind the common interface."""
 
@@ -69,7 +74,7 @@ class BPETokenizer:
         # the largest id + 1, not the count of tokens: a tokenizer.json whose ids have gaps (or added tokens above its
         # vocabulary) would otherwise pass the model.vocab_size check and index past the embedding
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        eot = next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+        eot = eot_id_of(tok)
         if eot is None:
             raise ValueError(
                 f"tokenizer {path or ''} has none of the end-of-document tokens {list(EOT_CANDIDATES)}; dilocox "
