@@ -521,5 +521,5 @@ def _finish_move(path: str, discarded_path: str, staged: str, step: int, mark: b
 
 
 def write_rank_summary(run_dir: str, rank: int, coord: str, summary: dict) -> None:
-    with open(os.path.join(run_dir, f"rank_{rank:05d}.json"), "w") as f:
-        json.dump({"rank": rank, "coord": coord, **summary}, f)
+    text = json.dumps({"rank": rank, "coord": coord, **summary})
+    atomic_write_text(os.path.join(run_dir, f"rank_{rank:05d}.json"), text)

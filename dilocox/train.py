@@ -338,11 +338,11 @@ class Trainer(TrainerState):
         """Final validation, per-rank summary file and the summary record/line."""
         cfg = self.cfg
         tokens_per_step = cfg.train.batch_size * cfg.train.seq_len * self.topo.R
-        final_val = self.validate()
+        final_val = self.validate() if self.val_batches else None  # eval_batches=0: null in JSON, not a bare NaN
         summary = {
             "steps": self.step,
             "final_val_loss": final_val,
-            "final_val_ppl": math.exp(min(final_val, 50)),
+            "final_val_ppl": None if final_val is None else math.exp(min(final_val, 50)),
             "wall_s": wall,
             "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
             "tokens_per_replica": self.tokens_seen,
@@ -353,9 +353,13 @@ class Trainer(TrainerState):
         rundir.write_rank_summary(cfg.log.run_dir, self.topo.rank, self.topo.describe(), summary)
         self.logger.write({"summary": summary})
         self.logger.info(
-            f"done: {self.step} steps, final val loss {final_val:.4f} "
-            f"(ppl {summary['final_val_ppl']:.2f}), "
-            f"{summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s"
+            f"done: {self.step} steps, "
+            + (
+                "no validation (train.eval_batches=0)"
+                if final_val is None
+                else f"final val loss {final_val:.4f} (ppl {summary['final_val_ppl']:.2f})"
+            )
+            + f", {summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s"
         )
         return summary
 

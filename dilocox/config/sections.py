@@ -307,7 +307,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile: at P = T = 1 forward + loss as one graph, else each transformer block
     # (as torchtitan); parameter names unchanged; pays a compile at start-up. docs/BENCHMARKS.md "GPU", 13c
     eval_every: int = 50
-    eval_batches: int = 4
+    eval_batches: int = 4  # 0: no validation (final_val_loss is null in metrics.jsonl and rank_*.json)
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
     stop_timeout_s: float = 60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not
     # saved and exited by then
