@@ -45,7 +45,10 @@ def _run(
     pytest.importorskip("torchft", reason="torchft==0.2.0 is not installed (pip install torchft==0.2.0)")
     from dilocox.elastic import start_lighthouse
 
-    lh = start_lighthouse(2, heartbeat_timeout_ms=1500, join_timeout_ms=20000)
+    # heartbeat 3 s, not 1.5: once in CI (2 workers, each with 3-4 torch processes on 2 cores) replica 0 was left
+    # alone waiting for a quorum after the others had finished; a replica whose heartbeat stalls past the timeout
+    # is left out of rounds, the suspected cause (not proven: _why() prints every replica's state if it recurs)
+    lh = start_lighthouse(2, heartbeat_timeout_ms=3000, join_timeout_ms=20000)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def cmd(r: int, die: bool) -> list[str]:
@@ -107,6 +110,16 @@ def _err(tmp_path, r: int) -> str:
         return "".join(line for line in f if "[INFO]" not in line)[-3000:]
 
 
+def _why(tmp_path, procs) -> str:
+    """Every replica's exit code, last records and stderr: enough to tell a lost quorum's cause (who was done, who
+    was behind) from a CI log alone (the run's tmp dir is gone by then)."""
+    out = [f"exit codes {[p.returncode for p in procs]} (replicas 0, 1, 2, then 2 restarted)"]
+    for r in range(3):
+        recs = _records(str(tmp_path / f"r{r}.jsonl")) if (tmp_path / f"r{r}.jsonl").exists() else []
+        out += [f"--- replica {r}: last records {recs[-4:]}", _err(tmp_path, r)[-1500:]]
+    return "\n".join(out)
+
+
 @pytest.mark.fault
 @pytest.mark.slow  # ~60-90 s: 3-4 replica processes with torchft on 2 shared cores
 @pytest.mark.parametrize("overlap", ["none", "delayed"])
@@ -116,8 +129,8 @@ def test_kill9_mid_phase_then_rejoin_matches_oracle(tmp_path, overlap):
     the survivors' final params equal the oracle given that membership; the rejoined replica's equal theirs
     bit for bit; it continues at a later inner step than it died at (no sample trained twice)."""
     procs, recs, _ = _run(tmp_path, overlap, "phase", die_at=6, restart=True, sleep=0.4)
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, _err(tmp_path, 0)
-    assert procs[3].returncode == 0, _err(tmp_path, 2)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, _why(tmp_path, procs)
+    assert procs[3].returncode == 0, _why(tmp_path, procs)
     syncs = [x for x in recs[0] if x["event"] == "sync"]
     assert [x["step"] for x in syncs] == list(range(H, STEPS + 1, H))
     members = _launched(recs[0], overlap)
@@ -151,8 +164,8 @@ def test_muon_outer_state_heals_with_the_replica(tmp_path):
     so the fp32 rounding of torchft's sum (not the oracle's) moves the trajectory by far more than any tolerance."""
     muon = ("--outer-optimizer", "muon")
     procs, recs, _ = _run(tmp_path, "none", "phase", die_at=6, restart=True, sleep=0.4, compress=muon)
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, _err(tmp_path, 0)
-    assert procs[3].returncode == 0, _err(tmp_path, 2)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, _why(tmp_path, procs)
+    assert procs[3].returncode == 0, _why(tmp_path, procs)
     members = _launched(recs[0], "none")
     starts = [x for x in recs[2] if x["event"] == "start"]
     assert len(starts) == 2 and starts[1]["healed"], starts
@@ -173,7 +186,7 @@ def test_kill9_while_allreduce_in_flight_survivors_go_on(tmp_path):
     over {0,1}, the survivors match the oracle and each other, within the timeout + a phase."""
     procs, recs, _ = _run(tmp_path, "delayed", "inflight", die_at=8, restart=False, sleep=0.1)
     assert procs[2].returncode == -signal.SIGKILL
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, _err(tmp_path, 0)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, _why(tmp_path, procs)
     syncs = [x for x in recs[0] if x["event"] == "sync"]
     launched = _launched(recs[0], "delayed")
     assert launched == _launched(recs[1], "delayed")
@@ -197,7 +210,7 @@ def test_compressed_outer_allreduce_across_kill_and_rejoin(tmp_path):
     procs, recs, _ = _run(
         tmp_path, "delayed", "phase", die_at=6, restart=True, sleep=0.4, compress=("--quant", "int4", "--lowrank", "2")
     )
-    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _err(tmp_path, 0) + _err(tmp_path, 2)
+    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _why(tmp_path, procs)
     members = _launched(recs[0], "delayed")
     starts = [x for x in recs[2] if x["event"] == "start"]
     t_join = starts[1]["step"] // H
@@ -225,7 +238,7 @@ def test_adaptive_rank_and_h_across_kill_and_rejoin(tmp_path):
         sleep=0.4,
         compress=("--quant", "int4", "--lowrank", "2", "--adaptive", "--vary-h"),
     )
-    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _err(tmp_path, 0) + _err(tmp_path, 2)
+    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _why(tmp_path, procs)
     starts = [i for i, x in enumerate(recs[2]) if x["event"] == "start"]
     assert len(starts) == 2 and recs[2][starts[1]]["healed"], recs[2]
     recs[2] = recs[2][starts[1] :]  # the restarted incarnation's records
@@ -258,7 +271,7 @@ def test_streaming_fragments_across_kill_and_rejoin_match_oracle(tmp_path, quant
     tau = 1
     extra = ("--fragments", "2", "--tau", str(tau), "--alpha", "0.5", "--quant", quant)
     procs, recs, _ = _run(tmp_path, "none", "phase", die_at=6, restart=True, sleep=0.4, compress=extra)
-    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _err(tmp_path, 0) + _err(tmp_path, 2)
+    assert all(p.returncode == 0 for p in (procs[0], procs[1], procs[3])), _why(tmp_path, procs)
     syncs = [x for x in recs[0] if x["event"] == "sync"]
     assert [x["step"] for x in syncs] == list(range(H // 2, STEPS + 1, H // 2))  # a fragment syncs every H/K steps
     members = [x["contributors"] for x in syncs]
@@ -291,7 +304,7 @@ def test_norm_check_leaves_a_poisoned_replica_out_of_every_elastic_mean(tmp_path
     check = ["--norm-check", "4"]
     procs, recs, _ = _run(tmp_path, "none", "phase", die_at=None, restart=False, sleep=0.05,
                           compress=tuple(check), per_replica={2: ["--poison", poison]})  # fmt: skip
-    assert all(p.returncode == 0 for p in procs), _err(tmp_path, 2)
+    assert all(p.returncode == 0 for p in procs), _why(tmp_path, procs)
     members = _launched(recs[0], "none")
     assert len(members) == STEPS // H and all(m == [0, 1] for m in members), members
     assert _launched(recs[2], "none") == members  # the poisoned replica sees the same (it is told it was left out)
@@ -312,7 +325,7 @@ def test_the_dilocox_presets_schedule_and_codec_over_the_quorum_match_the_oracle
     sparse = dict(chunk=64, density=0.09, bits=2, ef_decay=0.95)  # (tests/elastic_worker.py --quant sparse)
     extra = ("--fragments", "2", "--tau", "1", "--alpha", "0.5", "--quant", "sparse")
     procs, recs, _ = _run(tmp_path, "none", "phase", die_at=None, restart=False, sleep=0.05, compress=extra)
-    assert all(p.returncode == 0 for p in procs), _err(tmp_path, 0)
+    assert all(p.returncode == 0 for p in procs), _why(tmp_path, procs)
     syncs = [x for x in recs[0] if x["event"] == "sync"]
     assert len(syncs) == STEPS // (H // 2) and all(x["contributors"] == [0, 1, 2] for x in syncs)
     ref = run_reference(3, STEPS, SEED, H, K=2, tau=1, alpha=0.5, pattern="strided", sparse=sparse)
