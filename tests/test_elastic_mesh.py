@@ -261,8 +261,9 @@ def test_config_refusals_name_the_field(overrides, msg):
 
 
 def test_large_collectives_run_segment_by_segment_with_the_same_bits(monkeypatch):
-    """Past ``SEGMENT`` bytes a message would not seal (security.encrypt: < 2 GiB): the all-reduce and the all-gather
-    then run segment by segment (here 256 bytes), with the bits of one pass."""
+    """Past ``SEGMENT`` bytes a collective's message is split (each stays small; a sealed record is < 2 GiB under
+    security.encrypt): the all-reduce and the all-gather run segment by segment (here 256 bytes), with the bits of
+    one pass."""
     from dilocox.net import mesh as mesh_mod
 
     meshes = _members(3)

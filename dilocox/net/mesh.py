@@ -24,8 +24,8 @@ Collectives (what ``compress/collectives.py`` and the elastic group use): ``all_
 SUM ``all_reduce`` as a reduce-scatter then an all-gather (each member sums its chunk over the members in rank
 order, so every member ends with the same bits; 2 (W - 1) / W of the tensor sent per member, as a ring). A message
 carries at most ``SEGMENT`` bytes: a larger all-reduce or all-gather runs segment by segment (the same bits;
-``security.encrypt`` seals < 2 GiB a message; ``all_to_all_single``, used on compressed payloads only, is not
-segmented). Every wait is bounded: a round's dials and adoptions by ``timeout_s``,
+a message is sealed in records of < 2 GiB under ``security.encrypt``; ``all_to_all_single``, used on compressed
+payloads only, is not segmented). Every wait is bounded: a round's dials and adoptions by ``timeout_s``,
 each segment of a collective by ``timeout_s``; a failure closes the round's connections (the peers fail fast too)
 and raises ``MeshError``; the next ``begin`` starts a fresh round.
 """

@@ -55,6 +55,8 @@ from dilocox.net.secure import (
 DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy), or
 # the handshake bound and a second when that is longer (a lossy link: its own handshakes take as long)
 
+MAX_LOGGED = 4096  # source addresses a guard logs a refusal of (once each); more are only counted
+
 log = logging.getLogger("dilocox.net.relay")
 
 
@@ -336,6 +338,7 @@ class LighthouseGuard:
         self.port = self._srv.getsockname()[1]
         self.gate = AcceptGate(total=max_pending, reserved=max(1, max_pending // 2), per_member=max_pending)
         self.rejected, self._logged = 0, set()
+        self._piped: set[socket.socket] = set()  # both sockets of every pair being piped (closed by ``close``)
         self._count_lock = threading.Lock()  # (handshakes run on their own threads)
         self.closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"{service}-guard", daemon=True)
@@ -365,10 +368,12 @@ class LighthouseGuard:
                 with self._count_lock:  # counted, and logged once per address (a flood does not flood the log),
                     self.rejected += 1  # but a connection closed before its first byte is a port probe: not logged
                     first = not isinstance(e, ClosedSilently) and ip not in self._logged
-                    if first and len(self._logged) < 4096:  # (bounded: a flood from many addresses)
+                    first = first and len(self._logged) < MAX_LOGGED  # (bounded: past it, a flood from many
+                    if first:  # addresses is counted, not remembered nor logged)
                         self._logged.add(ip)
+                    last = "; further addresses are not logged" if len(self._logged) == MAX_LOGGED else ""
                 if first:
-                    log.warning("%s guard: refused %s (%s)", self.service, ip, e or type(e).__name__)
+                    log.warning("%s guard: refused %s (%s)%s", self.service, ip, e or type(e).__name__, last)
                 _close(conn)
                 return
         finally:
@@ -378,6 +383,11 @@ class LighthouseGuard:
         except OSError:
             _close(conn)
             return
+        with self._count_lock:  # (``close`` ends the pairs it piped too)
+            if self.closed:
+                _close(conn, up)
+                return
+            self._piped |= {conn, up}
         conn.settimeout(None)
         up.settimeout(None)
         pipe = FramedPipe(key, "server")  # the relay frames and MACs every chunk; so does this side
@@ -386,10 +396,16 @@ class LighthouseGuard:
         t.start()
         pipe.copy(conn, up, "open", "lighthouse guard")
         _close(conn, up)
+        with self._count_lock:
+            self._piped -= {conn, up}
 
     def close(self) -> None:
+        """Stop accepting and end every connection piped so far (both its sides)."""
         self.closed = True
         _close(self._srv)
+        with self._count_lock:
+            piped, self._piped = list(self._piped), set()
+        _close(*piped)
         self._thread.join(timeout=2.0)
 
 

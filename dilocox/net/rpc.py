@@ -14,8 +14,9 @@ With a run secret (``use_secret``, from ``security.secret_file``; ``dilocox.net.
 first runs the mutual HMAC challenge-response, and every message is followed by a 32-byte HMAC tag of the
 connection's key, direction and sequence number: a stranger is served nothing, a changed or replayed
 message closes the connection. With ``security.encrypt`` (``use_secret(..., encrypt=True)``) each message is
-instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the same bytes (``secure.Crypter``): the
-same checks, and its content is hidden from the path. Nothing read from the network is trusted before it is checked
+instead sent as ``[8-byte length][ChaCha20-Poly1305 ciphertext + tag]`` of the same bytes (``secure.Crypter``; one
+such record per ``MAX_SEALED`` bytes, the AEAD's bound, each with its own nonce): the same checks, and its content is
+hidden from the path. Nothing read from the network is trusted before it is checked
 (``Limits``): the header's length, its JSON shape, every tensor's dtype, shape and byte count (which must
 agree) and the message's total bytes are bounded BEFORE any buffer is allocated; a server keeps at most
 ``max_connections`` authenticated connections (at the cap, a newcomer that proves the secret makes the connection idle
@@ -100,6 +101,7 @@ class Limits:
         return max(1, self.max_message_bytes)  # no dimension of a tensor that fits can exceed its bytes
 
 
+MAX_LOGGED = 4096  # peer addresses a server logs a closed connection of (once each); more are only counted
 EVICT_AFTER_S = 1.0  # a server at its cap closes a connection idle this long for a newcomer that proved the secret
 SWARM_RPC = "swarm-rpc"  # the service name of a SWARM peer's RPC in every handshake (secure.server_handshake)
 
@@ -203,12 +205,16 @@ def _specs(header: object, limits: Limits) -> tuple[str, dict, list[tuple[str, t
 
 
 def encode(method: str, meta: dict, tensors: dict[str, Tensor] | None = None) -> list[bytes | memoryview]:
-    """The frames of one message (header first); tensors are made contiguous CPU tensors."""
+    """The frames of one message (header first); tensors are made contiguous CPU tensors. ValueError for a dtype that
+    is not on the wire (every receiver would close the connection, and the caller take it for a dead peer)."""
     specs, bufs = [], []
     for name, t in (tensors or {}).items():
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"tensor {name!r}: a {dtype} tensor cannot be sent (dtypes: {sorted(WIRE_DTYPES)})")
         t = t.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        specs.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()])
+        specs.append([name, dtype, list(t.shape), t.numel() * t.element_size()])
         bufs.append(memoryview(raw) if t.numel() else b"")
     header = json.dumps({"method": method, "meta": meta, "tensors": specs}).encode()
     return [_LEN.pack(len(header)), header, *bufs]
@@ -217,12 +223,11 @@ def encode(method: str, meta: dict, tensors: dict[str, Tensor] | None = None) ->
 def _send_all(
     sock: socket.socket, frames: list, deadline: float, addr: str, seal: Sealer | Crypter | None = None
 ) -> None:
-    if isinstance(seal, Crypter):  # the whole message, sealed: [8-byte length][ciphertext + tag]
-        plain = b"".join(frames)
-        if len(plain) > MAX_SEALED:
-            raise ValueError(f"a message of {len(plain)} bytes: security.encrypt seals at most {MAX_SEALED} bytes")
-        sealed = seal.encrypt(plain)
-        frames = [_LEN.pack(len(sealed)), sealed]
+    if isinstance(seal, Crypter):  # the message sealed in records of <= MAX_SEALED bytes: [8-byte length][ct + tag]
+        plain, frames = memoryview(b"".join(frames)), []
+        for a in range(0, len(plain), MAX_SEALED):
+            sealed = seal.encrypt(plain[a : a + MAX_SEALED])
+            frames += [_LEN.pack(len(sealed)), sealed]
     elif seal is not None:  # the message's tag follows it
         h = seal.sealer()
         for f in frames:
@@ -245,17 +250,35 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytearra
     return buf
 
 
-class _Buffer:
-    """``_recv_exact`` over bytes already received (a decrypted message)."""
+class _Sealed:
+    """``_recv_exact`` over the plaintext of a sealed message, record by record (``security.encrypt``): each record's
+    length is bounded (by ``MAX_SEALED`` and what is left of the message's limit) before it is read, and its tag is
+    checked before a byte of it is used."""
 
-    def __init__(self, data: bytes) -> None:
-        self.view, self.pos = memoryview(bytearray(data)), 0
+    def __init__(self, sock: socket.socket, seal: Crypter, most: int) -> None:
+        self.sock, self.seal, self.left = sock, seal, most
+        self.view, self.pos = memoryview(bytearray()), 0
+
+    def _next(self, deadline: float | None) -> None:
+        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size, deadline))
+        most = min(self.left, MAX_SEALED) + Crypter.TAG_BYTES
+        if not Crypter.TAG_BYTES < n <= most:
+            raise ProtocolError(f"a sealed record of {n} bytes (limit {most}: the run's largest)")
+        plain = self.seal.decrypt(_recv_exact(self.sock, n, deadline))
+        self.left -= len(plain)
+        self.view, self.pos = memoryview(bytearray(plain)), 0  # (writable: tensors are made over it)
 
     def read(self, n: int, deadline: float | None = None) -> bytearray | memoryview:
-        if self.pos + n > len(self.view):
-            raise ProtocolError("a sealed message shorter than its header claims")
-        out = self.view[self.pos : self.pos + n]
-        self.pos += n
+        if self.pos + n <= len(self.view):  # (within one record: no copy)
+            self.pos += n
+            return self.view[self.pos - n : self.pos]
+        out, got = bytearray(n), 0  # (n was bounded by the limits before this read)
+        while got < n:
+            if self.pos == len(self.view):
+                self._next(deadline)
+            k = min(n - got, len(self.view) - self.pos)
+            out[got : got + k] = self.view[self.pos : self.pos + k]
+            got, self.pos = got + k, self.pos + k
         return out
 
 
@@ -264,15 +287,11 @@ def read_message(
 ) -> tuple[str, dict, dict[str, Tensor]]:
     """One message from ``sock`` (deadline None: wait while the peer keeps the connection open), its claims
     checked against ``limits`` before anything is allocated and its tag against ``seal`` (if any; a ``Crypter``:
-    the sealed message's length is bounded by the limits, then it is decrypted whole and parsed)."""
+    each sealed record's length is bounded by the limits, then it is decrypted whole and parsed: ``_Sealed``)."""
     limits = limits or _state["limits"]
     if isinstance(seal, Crypter):
-        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline))
-        most = _LEN.size + limits.max_header + limits.max_message_bytes + Crypter.TAG_BYTES
-        if n > most:
-            raise ProtocolError(f"a sealed message of {n} bytes (limit {most}: the run's largest)")
-        buf = _Buffer(seal.decrypt(_recv_exact(sock, n, deadline)))
-        out = _parse(buf.read, None, limits, None)
+        buf = _Sealed(sock, seal, _LEN.size + limits.max_header + limits.max_message_bytes)
+        out = _parse(buf.read, deadline, limits, None)
         if buf.pos != len(buf.view):
             raise ProtocolError("a sealed message longer than its header claims")
         return out
@@ -385,10 +404,12 @@ class RpcServer:
     def _note(self, kind: str, peer: str, why: str) -> None:
         with self._lock:
             self.rejected[kind] += 1
-            first = peer not in self._logged
-            self._logged.add(peer)
+            first = peer not in self._logged and len(self._logged) < MAX_LOGGED  # (bounded: a flood from many
+            if first:  # addresses is counted in ``rejected``, not remembered nor logged past MAX_LOGGED of them)
+                self._logged.add(peer)
+            last = "; further addresses are not logged" if len(self._logged) == MAX_LOGGED else ""
         if first:  # once per peer address: a flood of bad messages does not flood the log
-            log.warning("%s: closed a connection from %s (%s): %s", self.name, peer, kind, why)
+            log.warning("%s: closed a connection from %s (%s): %s%s", self.name, peer, kind, why, last)
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
