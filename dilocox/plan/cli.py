@@ -281,10 +281,29 @@ def _check_numbers(args: argparse.Namespace) -> None:
         ("--latency", args.latency, lambda v: 0 <= v < math.inf, "seconds >= 0"),
         ("--step-time", args.step_time, lambda v: v is None or 0 < v < math.inf, "seconds > 0"),
         ("--tokens-per-step", args.tokens_per_step, lambda v: v is None or v > 0, "> 0"),
+        ("--replicas", args.replicas, lambda v: v is None or v >= 2, "an int >= 2 (R replicas joined by the link)"),
+        ("--pipeline", args.pipeline, lambda v: v is None or v >= 1, "an int >= 1 (stages per replica)"),
+        ("--tensor", args.tensor, lambda v: v is None or v >= 1, "an int >= 1 (tensor-parallel degree)"),
     ]
     for flag, value, ok, want in rules:
         if not ok(value):
             raise ValueError(f"{flag} {value} must be {want}")
+
+
+def _choice(args: argparse.Namespace, bw: float) -> str:
+    """The choice line, among the presets of the pair whose own settings fit this model and layout (streaming
+    fragments need as many layers per stage: the rows above may plan a layout the pair's K does not fit)."""
+    fits, why = [], []
+    for name in PRESET_PAIR:
+        try:
+            plan(args.mcfg, args.replicas, bw, method=name, **args.plan_kw)
+            fits.append(name)
+        except (ValueError, ConfigError) as e:
+            why.append(f"`{name}` does not fit this model and layout: {e}")
+    if not fits:
+        return "preset for this link: none; " + "; ".join(why)
+    line = choice_line(*choose_preset(args.mcfg, args.replicas, bw, pair=tuple(fits), **args.plan_kw))
+    return "; ".join([line, *why])
 
 
 def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
@@ -308,7 +327,7 @@ def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
     print(f"\ninner step: {step}\n")
     print(format_table(rows))
     if set(PRESET_PAIR) <= set(method_names()):
-        print("\n" + choice_line(*choose_preset(args.mcfg, args.replicas, bw, **args.plan_kw)))
+        print("\n" + _choice(args, bw))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_finite(rows), f, indent=2)

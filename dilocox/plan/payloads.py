@@ -18,7 +18,8 @@ import torch
 from dilocox.compress.cocktail import cocktail_payload_bytes
 from dilocox.compress.collectives import resolve_mode
 from dilocox.compress.compressor import build_compressor, selected
-from dilocox.config import ModelConfig
+from dilocox.config import ModelConfig, ParallelConfig
+from dilocox.config.checks import check_model_layout
 from dilocox.model.transformer import build_stage_model, param_layer_id
 from dilocox.outer.fragments import assign_fragments
 from dilocox.outer.gradsync import METHODS as PER_STEP
@@ -55,6 +56,8 @@ def rank_shards(model: ModelConfig, pipeline: int = 1, tensor: int = 1) -> list[
     if key not in _SHAPES:
         if pipeline < 1 or tensor < 1:
             raise ValueError(f"pipeline={pipeline}, tensor={tensor}: both must be >= 1")
+        # the rules training applies (whole heads and kv heads per TP rank, ...): the meta build below is at tp_size 1
+        check_model_layout(model, ParallelConfig(pipeline=pipeline, tensor=tensor))
         out = []
         for s in range(pipeline):
             stage = build_stage_model(model, s, pipeline, device="meta")  # tp_size 1: full shapes, split dims marked
