@@ -15,7 +15,8 @@ Not to be confused with ``dilocox.bench.report`` (benchmark tables).
 
 The step records are those the logging rank wrote (records with a ``step``). A resumed run appends
 to the same file: a later record for a step replaces the earlier one, and the wall clock of each
-appended segment (``time`` restarts at 0) continues from where the previous segment ended.
+appended segment (``time`` restarts at 0; the segment starts at its ``resume`` record) continues from where the
+previous segment ended.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
     with open(path) as f:
         lines = f.read().split("\n")
     by_step: dict[int, dict] = {}
-    offset, last_raw, last_time = 0.0, None, 0.0
+    offset, last_raw, last_time, new_segment = 0.0, None, 0.0, False
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -89,6 +90,9 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
                 print(f"report: ignoring the incomplete last line of {path}", file=sys.stderr)
                 break
             raise ReportError(f"{path}:{i + 1}: not a JSON record ({e.msg}); fix or delete that line") from None
+        if isinstance(rec, dict) and rec.get("event") == "resume":  # a resumed segment starts: its clock restarted
+            new_segment = True  # (its first step may come later on that clock than the last one here: start-up)
+            continue
         if not isinstance(rec, dict) or "step" not in rec:
             continue
         try:
@@ -98,9 +102,9 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
                 f"{path}:{i + 1}: step {rec['step']!r} / time {rec.get('time')!r} are not numbers; fix or delete "
                 "that line"
             ) from None
-        if last_raw is not None and t < last_raw:  # a resumed segment: its clock restarted at 0
+        if last_raw is not None and (new_segment or t < last_raw):  # a resumed segment: its clock restarted at 0
             offset = last_time
-        last_raw = t
+        last_raw, new_segment = t, False
         rec = dict(rec, time=t + offset)
         last_time = rec["time"]
         by_step[step] = rec

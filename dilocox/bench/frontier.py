@@ -25,7 +25,7 @@ import sys
 import time
 
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import machine_line, write_results
+from dilocox.bench.runner import fmt_loss, has_loss, loss_gap_pct, machine_line, write_results
 
 CORPORA = {"code": "--data.source=stdlib", "prose": "--data.source=prose", "docs": "--data.source=docs"}
 
@@ -144,7 +144,9 @@ H_BASE = 20  # method_body's H (the presets' sync_every unless a point overrides
 
 
 def pareto(rows: list[dict]) -> set[str]:
-    """Labels of the points no other point beats on both bytes and loss (ties: both stay)."""
+    """Labels of the points no other point beats on both bytes and loss (ties: both stay); a point without a final
+    val loss (``train.eval_batches=0``) is on no front and beats none."""
+    rows = [r for r in rows if has_loss(r)]
     front = set()
     for r in rows:
         if not any(
@@ -183,7 +185,9 @@ def _mark_front(rows: list[dict]) -> None:
         for r in g:
             r["on_front"] = r["label"] in front
             if base is not None:
-                r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
+                gap = loss_gap_pct(r, base)
+                if gap is not None:
+                    r["loss_vs_allreduce_pct"] = gap
                 r["bytes_ratio_vs_allreduce"] = base["bytes_sent_per_replica"] / max(1, r["bytes_sent_per_replica"])
 
 
@@ -194,14 +198,18 @@ def _verdicts(rows: list[dict]) -> list[str]:
         groups.setdefault((r["corpus"], r["seed"], r["steps"]), []).append(r)
     for (corpus, seed, steps), g in sorted(groups.items()):
         dx = next((r for r in g if r["label"] == "dilocox"), None)
-        cheap = [r for r in g if r.get("bytes_ratio_vs_allreduce", 0) >= 1000]
+        cheap = [r for r in g if r.get("bytes_ratio_vs_allreduce", 0) >= 1000 and "loss_vs_allreduce_pct" in r]
         best = min(cheap, key=lambda r: r["final_val_loss"]) if cheap else None
         line = f"- {corpus}, seed {seed}, {steps} steps: "
-        if dx is not None and "bytes_ratio_vs_allreduce" in dx:
+        if not any(r["family"] == "allreduce" for r in g):  # (a run of a few points alone: no ratio, no gap)
+            out.append(line + "no allreduce row in this run, so no ratio or gap to grade")
+            continue
+        if dx is not None and "loss_vs_allreduce_pct" in dx:
             beaten = [
                 r["label"]
                 for r in g
-                if r["bytes_sent_per_replica"] < dx["bytes_sent_per_replica"]
+                if has_loss(r)
+                and r["bytes_sent_per_replica"] < dx["bytes_sent_per_replica"]
                 and r["final_val_loss"] < dx["final_val_loss"]
             ]
             ok = dx["bytes_ratio_vs_allreduce"] >= 1000 and dx["loss_vs_allreduce_pct"] <= 3 and not beaten
@@ -237,8 +245,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         star = " *" if r.get("on_front") else ""
         lines.append(
             f"| {r['corpus']} | {r['seed']} | {r['steps']} | {r['label']}{star} | "
-            f"{r['bytes_sent_per_replica'] / 1e6:,.3f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | "
-            f"{r['final_val_loss']:.4f} | {r.get('loss_vs_allreduce_pct', 0):+.1f} % |"
+            f"{r['bytes_sent_per_replica'] / 1e6:,.3f} MB | {fmt_loss(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')}"
+            f" | {fmt_loss(r['final_val_loss'])} | {fmt_loss(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} |"
         )
     lines += ["", "Issue 23's targets:", *_verdicts(rows)]
     return "\n".join(lines)
@@ -261,7 +269,7 @@ def plot(rows: list[dict], path: str) -> None:
         ):
             g = [r for r in rows if r["corpus"] == corpus and r["seed"] == seed and r["steps"] == steps]
             for fam in fams:
-                pts = [r for r in g if r["family"] == fam]
+                pts = [r for r in g if r["family"] == fam and has_loss(r)]
                 if pts:
                     ax.scatter([max(1, r["bytes_sent_per_replica"]) for r in pts], [r["final_val_loss"] for r in pts],
                                marker=markers[fam], s=28, alpha=0.8, label=fam if ls == "-" else None)  # fmt: skip

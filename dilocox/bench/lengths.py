@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from dilocox.bench.runner import write_results
+from dilocox.bench.runner import has_loss, loss_gap_pct, write_results
 
 
 def uncompressed(label: str) -> bool:
@@ -51,8 +51,9 @@ def table(rows: list[dict]) -> dict:
         base = g["points"].get("allreduce", {})
         for per in g["points"].values():  # a point run on its own (no allreduce in its frontier run): its gap is
             for steps, r in per.items():  # to the allreduce row of the same corpus, seed and length in another DIR
-                if "loss_vs_allreduce_pct" not in r and steps in base:
-                    r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base[steps]["final_val_loss"] - 1.0)
+                gap = loss_gap_pct(r, base.get(steps))
+                if "loss_vs_allreduce_pct" not in r and gap is not None:
+                    r["loss_vs_allreduce_pct"] = gap
     return out
 
 
@@ -66,9 +67,10 @@ def verdicts(groups: dict) -> list[dict]:
     for (corpus, seed), g in sorted(groups.items()):
         for steps in g["steps"]:
             unc = [p[steps] for label, p in g["points"].items() if uncompressed(label) and steps in p]
+            unc = [r for r in unc if "loss_vs_allreduce_pct" in r and has_loss(r)]  # (each with a loss and a gap)
             for preset in PRESETS:
                 ours = g["points"].get(preset, {}).get(steps)
-                if ours is None or not unc or "loss_vs_allreduce_pct" not in ours:
+                if ours is None or not unc or "loss_vs_allreduce_pct" not in ours or not has_loss(ours):
                     continue
                 best = min(unc, key=lambda r: r["final_val_loss"])
                 out.append({"corpus": corpus, "seed": seed, "steps": steps, "preset": preset,
@@ -81,6 +83,8 @@ def verdicts(groups: dict) -> list[dict]:
 
 def _cell(r: dict) -> str:
     gap = r.get("loss_vs_allreduce_pct")
+    if not has_loss(r):
+        return "no final val loss"
     return f"{r['final_val_loss']:.4f} " + (f"({gap:+.1f} %)" if gap is not None else "(no allreduce run)")
 
 

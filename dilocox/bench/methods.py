@@ -21,7 +21,17 @@ import sys
 import tempfile
 import time
 
-from dilocox.bench.runner import TrainingFailed, line_plot, machine_line, run_train, write_config, write_results
+from dilocox.bench.runner import (
+    TrainingFailed,
+    fmt_loss,
+    has_loss,
+    line_plot,
+    loss_gap_pct,
+    machine_line,
+    run_train,
+    write_config,
+    write_results,
+)
 
 METHODS = [
     "allreduce", "diloco", "opendiloco", "cocktailsgd", "streaming", "eager", "dilocox-paper", "dilocox", "sparseloco",
@@ -130,13 +140,15 @@ def run(
                     "blocked_s": blocked,
                     "tokens_per_replica": s["tokens_per_replica"],
                     "val_curve": [(r["step"], r["val_loss"]) for r in res["steps"] if "val_loss" in r]
-                    + [(s["steps"], s["final_val_loss"])],
+                    + ([(s["steps"], s["final_val_loss"])] if has_loss(s) else []),
                 }
             )
     base = next((r for r in rows if r["method"] == "allreduce" and "failed" not in r), None)
     for r in rows:
         if base and "failed" not in r:
-            r["loss_vs_allreduce_pct"] = 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
+            gap = loss_gap_pct(r, base)  # (None where a run has no final val loss: train.eval_batches=0)
+            if gap is not None:
+                r["loss_vs_allreduce_pct"] = gap
             r["bytes_ratio_vs_allreduce"] = base["bytes_sent_per_replica"] / max(1, r["bytes_sent_per_replica"])
     return rows
 
@@ -157,8 +169,9 @@ def markdown(rows: list[dict], steps: int, H: int, common: list[str] = (), load:
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['final_val_loss']:.4f} | {r.get('loss_vs_allreduce_pct', 0):+.1f} % | "
-            f"{r['bytes_sent_per_replica'] / 1e6:,.2f} MB | {r.get('bytes_ratio_vs_allreduce', 1):,.0f}x | "
+            f"| {r['method']} | {fmt_loss(r['final_val_loss'])} | "
+            f"{fmt_loss(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} | {r['bytes_sent_per_replica'] / 1e6:,.2f} MB | "
+            f"{fmt_loss(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')} | "
             f"{r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |"
         )
     return "\n".join(lines)

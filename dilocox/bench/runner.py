@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -123,6 +124,27 @@ def read_run(run_dir: str) -> dict:
             with open(os.path.join(run_dir, name)) as f:
                 ranks.append(json.load(f))
     return {"steps": steps, "summary": summary, "ranks": ranks}
+
+
+def has_loss(r: dict, key: str = "final_val_loss") -> bool:
+    """Whether ``r[key]`` is a finite number: a run with ``train.eval_batches=0`` writes ``final_val_loss: null``
+    and a failed one NaN; such a row has no gap, is on no front and gets no verdict."""
+    v = r.get(key)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def loss_gap_pct(r: dict | None, base: dict | None) -> float | None:
+    """``r``'s final val loss against ``base``'s, in percent; None where either is missing or has none
+    (``has_loss``)."""
+    if r is None or base is None or not (has_loss(r) and has_loss(base)):
+        return None
+    return 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
+
+
+def fmt_loss(x, fmt: str = ".4f", unit: str = "") -> str:
+    """A table cell of a value that may be missing: "-" for None (a run without a final val loss, a row without an
+    all-reduce row to compare with), never a made-up 0 % or 1x."""
+    return "-" if x is None else format(x, fmt) + unit
 
 
 def write_results(out_dir: str, rows, md: str) -> None:

@@ -26,7 +26,7 @@ import time
 
 from dilocox.bench.frontier import CORPORA, LEVERS, POINTS
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import machine_line, write_results
+from dilocox.bench.runner import has_loss, machine_line, write_results
 
 DEFAULT_POINTS = "allreduce,streaming H=20 K=2 fp32,dilocox"
 H_BASE = 20
@@ -117,6 +117,8 @@ def _cell(r: dict) -> str:
         if err.startswith(("FloatingPointError: loss is", "training stopped: loss is")):
             return "diverged: " + err.split(": ", 1)[1].split(";")[0][:80]
         return "failed: " + err[:80]
+    if not has_loss(r):  # (train.eval_batches=0: final_val_loss null)
+        return "no final val loss"
     if "loss_vs_allreduce_pct" not in r:  # (a sweep without allreduce: no gap to give)
         return f"{r['final_val_loss']:.4f} (no allreduce run)"
     return f"{r['final_val_loss']:.4f} ({r['loss_vs_allreduce_pct']:+.1f} %, {r['bytes_ratio_vs_allreduce']:,.0f}x)"

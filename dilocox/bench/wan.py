@@ -343,7 +343,7 @@ def bench(
                 log(
                     f"{name:>28}: {n} steps, {row['tokens_per_s']:,.0f} tok/s, util {row['utilization']:.1%}, "
                     f"plan {row['plan']['tokens_per_s']:,.0f} tok/s, "
-                    f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {row['final_val_loss']:.4f} "
+                    f"sent {row['bytes_framework'] / 1e6:.3f} MB/replica, val loss {_f(row['final_val_loss'], '.4f')} "
                     f"[{time.time() - t0:.0f} s]"
                 )
     meta = {

@@ -10,7 +10,7 @@ import json
 import math
 import os
 
-from dilocox.bench.runner import series_style
+from dilocox.bench.runner import loss_gap_pct, series_style
 from dilocox.plan import fmt_bandwidth
 
 
@@ -72,8 +72,8 @@ def _method_targets(get: dict, m: str) -> list[str]:
 def _loss_target(get: dict, m: str) -> list[str]:
     out = []
     a, d = get.get(("allreduce", None, 0.0)), get.get((m, None, 0.0))
-    if a and d:
-        x = 100.0 * (d["final_val_loss"] / a["final_val_loss"] - 1.0)
+    x = loss_gap_pct(d, a)
+    if x is not None:
         out.append(
             f"{m} loss at equal tokens within 5 % of allreduce (uncapped runs): {x:+.1f} % -> "
             f"{'met' if abs(x) <= 5 else 'NOT met'}"
@@ -183,7 +183,7 @@ def _md_throughput(rows: list[dict]) -> list[str]:
             f"{_f(r.get('err_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_own_tokens_per_s'), ',.0f')} | "
             f"{_f(r.get('err_own_tokens_per_s_pct'), '+.1f', ' %')} | {_f(r.get('plan_utilization'), '.1%')} | "
             f"{_f(r.get('err_utilization_pp'), '+.1f')} | "
-            f"{r['final_val_loss']:.4f} |"
+            f"{_f(r['final_val_loss'], '.4f')} |"
         )
     return lines
 
@@ -232,9 +232,9 @@ def _md_loss(m: dict, rows: list[dict]) -> list[str]:
             "|---|---|---|---|---|---|",
         ]
     for r in ref:
-        vs = f"{100.0 * (r['final_val_loss'] / base['final_val_loss'] - 1.0):+.1f} %" if base else "-"
+        vs = _f(loss_gap_pct(r, base), "+.1f", " %")
         lines.append(
-            f"| {r['method']} | {r['final_val_loss']:.4f} | {vs} | {_f(r['H_final'], 'd')} | "
+            f"| {r['method']} | {_f(r['final_val_loss'], '.4f')} | {vs} | {_f(r['H_final'], 'd')} | "
             f"{_f(r['rank_final'], 'd')} | {_f(r['n_syncs'], 'd')} |"
         )
     return lines
