@@ -206,7 +206,8 @@ def cocktail_allreduce(
 class CocktailCodec:
     """CocktailSGD as a codec (``compress/codec.py``) of an outer group: the tensors (numels ``sizes``; an int: one
     tensor) are concatenated (per-tensor top-k and groups kept), exchanged with ``cocktail_allreduce`` and split back.
-    Its state is the error feedback ``error`` (flat fp32 of every element, updated in place by each call)."""
+    Its state is the error feedback ``error`` (flat fp32 of every element, updated in place by each call; it stays
+    zero with ``compress.error_feedback=false``: what is not sent is dropped)."""
 
     lossy = True
 
@@ -225,7 +226,8 @@ class CocktailCodec:
     def allreduce_mean(self, tensors: list[torch.Tensor], wire: Wire | None, step: int, stats=None) -> list:
         sizes = [t.numel() for t in tensors]
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        out = cocktail_allreduce(flat, wire, self.error, self.cfg, step, stats, self.seed, sizes)
+        error = self.error if getattr(self.cfg, "error_feedback", True) else None  # compress.error_feedback=false: none
+        out = cocktail_allreduce(flat, wire, error, self.cfg, step, stats, self.seed, sizes)
         return [o.view(t.shape) for o, t in zip(out.split(sizes), tensors)]
 
     def state_dict(self) -> dict:

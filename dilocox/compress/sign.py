@@ -47,6 +47,8 @@ def encode(m: torch.Tensor, block: int) -> torch.Tensor:
     """The message (uint8) of one flat fp32 tensor ``m`` (module docstring)."""
     n = m.numel()
     nb = nblocks(n, block)
+    if nb == 0:  # an empty tensor: an empty message
+        return torch.zeros(0, dtype=torch.uint8, device=m.device)
     x = F.pad(m, (0, nb * block - n)).view(nb, block)
     counts = torch.full((nb,), float(block), dtype=torch.float64, device=m.device)
     counts[-1] = n - (nb - 1) * block
@@ -58,7 +60,10 @@ def encode(m: torch.Tensor, block: int) -> torch.Tensor:
 def decode(payload: torch.Tensor, numel: int, block: int) -> torch.Tensor:
     """The values (flat fp32, ``numel``) of one tensor's message."""
     nb = nblocks(numel, block)
-    scales = payload[: 4 * nb].view(torch.float32)
+    scales = payload[: 4 * nb]
+    if scales.storage_offset() % 4 or scales.data_ptr() % 4:  # (a tensor's message inside a shard's may be unaligned)
+        scales = scales.clone()
+    scales = scales.view(torch.float32)
     bits = payload[4 * nb :].view(nb, block // 8, 1).to(torch.int32)
     pos = bits.bitwise_and(_BITS.to(payload.device)).ne(0).view(nb, block)
     vals = torch.where(pos, scales[:, None], -scales[:, None])
