@@ -411,6 +411,13 @@ def check_sparse_method(o: OuterConfig, c: CompressConfig) -> None:
             True,
             "compresses the outer sync of another method, not outer.method='cocktailsgd' (it has its own top-k)",
         )
+    for key in {"allreduce": ("adaptive",), "cocktailsgd": ("lowrank", "adaptive", "collective")}.get(o.method, ()):
+        on = c.collective == "reduce_scatter" if key == "collective" else getattr(c, key).enabled
+        if on:  # (accepted before and silently ignored: the run differed from the config in a way no log said)
+            field = "compress.collective" if key == "collective" else f"compress.{key}.enabled"
+            why = "its own random mask, top-k and compress.quant" if key != "adaptive" else "no adaptive controller"
+            _fail(field, c.collective if key == "collective" else True,
+                  f"has no effect with outer.method={o.method!r} ({why}); remove it")  # fmt: skip
     if c.sparse.enabled and o.method != "diloco":
         _fail(
             "compress.sparse.enabled",
