@@ -343,8 +343,9 @@ class Trainer(TrainerState):
             "steps": self.step,
             "final_val_loss": final_val,
             "final_val_ppl": None if final_val is None else math.exp(min(final_val, 50)),
-            "wall_s": wall,
-            "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall, 1e-9),
+            "wall_s": wall,  # the loop's, mid-run validation included (eval_s of it)
+            "eval_s": self.eval_s,
+            "tokens_per_s": tokens_per_step * (self.step - start_step) / max(wall - self.eval_s, 1e-9),
             "tokens_per_replica": self.tokens_seen,
         }
         if self.outer is not None:
@@ -375,7 +376,7 @@ class Trainer(TrainerState):
             self.logger.write({"event": "startup", "wall": time.time(), **took})
             self.logger.info("start-up (s): " + ", ".join(f"{k[:-2]} {v:.1f}" for k, v in took.items()))
         start_step, t_start = self.step, time.time()
-        self._rate_mark = (t_start, self.step)  # tokens/s since the last printed record
+        self.start_clock(t_start)
         ckpt_due = False  # checkpoint.every came up; saved at the next boundary that crosses the replicas anyway
         self.defer_sync = True
         while self.step < cfg.train.steps:
@@ -410,6 +411,10 @@ class Trainer(TrainerState):
                 f"to a multiple of {o.sync_every}"
             )
 
+    def start_clock(self, t_start: float) -> None:
+        """tokens/s since the last printed record; validation (``eval_s``) out of it, in ``wall_s`` and the ETA."""
+        self.eval_s, self._rate_mark = 0.0, (t_start, self.step, 0.0)  # (time, step, eval_s) at that record
+
     def loop_step(self, start_step: int, t_start: float, ckpt_due: bool) -> bool:
         """The body of :meth:`run`'s loop (also what ``dilocox bench train --reference`` times): a step, its record,
         then the stop and checkpoint decisions at the step boundary. Returns ``ckpt_due``."""
@@ -441,11 +446,13 @@ class Trainer(TrainerState):
             rec["grad_norm"] = self.grad_norm
         do_eval = bool(cfg.train.eval_every and self.val_batches and self.step % cfg.train.eval_every == 0)
         if do_eval:
-            rec["val_loss"] = self.validate()
+            t_eval, rec["val_loss"] = time.time(), self.validate()
+            self.eval_s += time.time() - t_eval
         now = time.time()
-        t_last, step_last = self._rate_mark
+        t_last, step_last, eval_last = self._rate_mark
         rate = (self.step - start_step) / max(1e-9, now - t_start)
-        rec["tokens_per_s"] = tokens_per_step * (self.step - step_last) / max(1e-9, now - t_last)
+        train_s = now - t_last - (self.eval_s - eval_last)
+        rec["tokens_per_s"] = tokens_per_step * (self.step - step_last) / max(1e-9, train_s)
         rec["eta_s"] = (cfg.train.steps - self.step) / max(rate, 1e-9)
         if self.peak:
             rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * self.topo.world_size)
@@ -456,7 +463,7 @@ class Trainer(TrainerState):
         self._unlogged.append((rec, printed))
         if printed:
             self._flush_logs()
-            self._rate_mark = (now, self.step)
+            self._rate_mark = (now, self.step, self.eval_s)
 
     def _last_step(self) -> bool:
         """The loop ends after this step: a stop asked for here ends the run as a finished one (outer.finish, the

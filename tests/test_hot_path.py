@@ -65,7 +65,7 @@ def test_train_compile_has_no_graph_breaks_at_tp_pp_1(tmp_path, arch, monkeypatc
 
 def _count_syncs(tr, steps):
     t0 = 0.0
-    tr._rate_mark = (t0, tr.step)
+    tr.start_clock(t0)
     with R.SyncCounter(R.optimizer_step_tensors(tr.optimizer)) as sc:
         for _ in range(steps):
             tr.loop_step(0, t0, False)

@@ -130,7 +130,7 @@ class DilocoxSide:
             self.tr = Trainer(cfg)
         self.tr.defer_sync = True  # as run() does
         self.t0 = time.time()
-        self.tr._rate_mark = (self.t0, 0)
+        self.tr.start_clock(self.t0)
         self.device, self.due = self.tr.device, False
 
     def step(self) -> None:
