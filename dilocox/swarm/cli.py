@@ -162,9 +162,46 @@ def parse_delays(items: list[str], flag: str = "--delay") -> dict[str, float]:
             out[name.strip()] = float(sec)
         except ValueError:
             raise SwarmUsageError(f"{flag} {it!r} must be PEER=SECONDS, e.g. s1p1=0.2") from None
-        if not name.strip().startswith("s") or "p" not in name or out[name.strip()] < 0:
-            raise SwarmUsageError(f"{flag} {it!r} must be PEER=SECONDS with PEER like s1p0 and SECONDS >= 0")
+        if not name.strip().startswith("s") or "p" not in name or not 0 <= out[name.strip()] < math.inf:
+            raise SwarmUsageError(f"{flag} {it!r} must be PEER=SECONDS with PEER like s1p0 and finite SECONDS >= 0")
     return out
+
+
+def refuse_unsupported(cfg) -> None:
+    """Train keys a SWARM peer does not read (it trains in fp32 on the CPU, eagerly, for --steps / train.steps):
+    set to something else they would be silently ignored, so they are refused (one line naming key and fix)."""
+    t = cfg.train
+    bad = [
+        ("train.max_tokens", t.max_tokens, t.max_tokens is not None, "stop by --steps instead"),
+        ("train.device", t.device, t.device == "cuda", "SWARM peers run on the CPU; set it to auto or cpu"),
+        ("train.dtype", t.dtype, t.dtype == "bf16", "SWARM peers compute in fp32; set it to auto or fp32"),
+        ("train.compile", t.compile, bool(t.compile), "SWARM peers run eagerly; set it to false"),
+    ]
+    for key, value, unsupported, fix in bad:
+        if unsupported:
+            raise SwarmUsageError(f"{key}={value!r} is not supported in SWARM mode (no peer reads it): {fix}")
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM/SIGHUP to ``dilocox swarm``: unwinds ``launch`` as Ctrl-C does, so its teardown kills every peer."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_stop_signal(signum, _frame) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_signals() -> dict:
+    """SIGTERM/SIGHUP raise ``_Stopped`` in the main thread (the default action would end this process without its
+    teardown, leaving every peer running); returns the previous handlers (none off the main thread). An ignored
+    signal stays ignored (``nohup dilocox swarm ...``: SIGHUP)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is not signal.SIG_IGN]
+    return {sig: signal.signal(sig, _on_stop_signal) for sig in sigs}
 
 
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
@@ -201,6 +238,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         overrides.append(f"--swarm.rebalance_period_s={a.rebalance_s}")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
     validate_swarm_layout(cfg)
+    refuse_unsupported(cfg)
     pps = list(cfg.swarm.peers_per_stage)
     if a.netns and sum(pps) > 250:
         raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
@@ -211,19 +249,25 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
             raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = a.out or os.path.join(cfg.log.run_dir, "swarm")
+    previous = _stop_signals()
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
             launcher=netns_launcher(rate_mbit, peer_rates, delay) if a.netns else None, resume=a.resume,
         )  # fmt: skip
-    except KeyboardInterrupt:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
-        print(f"swarm job: interrupted (SIGINT); every peer was stopped; their logs are in {out}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
+        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"swarm job: interrupted ({name}); every peer was stopped; their logs are in {out}", file=sys.stderr)
+        return 128 + signum
     except HubStartError as e:  # --netns: the namespaces are deleted already
         print(f"swarm job: {e}", file=sys.stderr)
         return 1
     except SwarmError as e:  # refused before any peer started (--resume without a checkpoint, a stale one without)
         raise SwarmUsageError(str(e)) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(summarize(res))
     moves = os.path.join(out, "rebalance.jsonl")
     if os.path.exists(moves):  # rebalancing: one line per move made, refused or failed
@@ -236,6 +280,11 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         print(f"swarm job: peers {failed} did not exit 0; their logs are in {out}", file=sys.stderr)
         print(f"swarm job: {peer_ckpt.describe_newest(cfg, out, len(pps))}", file=sys.stderr)
     return 0 if not failed else 1
+
+
+def _check_max_s(max_s: float) -> None:
+    if not 0 < max_s < math.inf:  # (NaN too; a negative or NaN bound stopped the service at once, exit 0)
+        raise SwarmUsageError(f"--max-s {max_s} must be a finite number of seconds > 0, e.g. 86400")
 
 
 def store_main(argv: list[str]) -> int:
@@ -267,6 +316,7 @@ def store_main(argv: list[str]) -> int:
         "peers' security.handshake_s; at most 30)",
     )
     a = ap.parse_args(argv)
+    _check_max_s(a.max_s)
     if not 0 < a.port < 65536:
         raise SwarmUsageError(f"--port {a.port} must be a TCP port in 1..65535")
     from dilocox.elastic.stores import _is_loopback
@@ -322,6 +372,7 @@ def rebalance_main(argv: list[str]) -> int:
     ap.add_argument("--max-s", type=float, default=7 * 86400.0, help="stop after this many seconds at the latest")
     ap.add_argument("overrides", nargs="*", help="config overrides, after --, as the peers get them")
     a = ap.parse_args(argv)
+    _check_max_s(a.max_s)
     lighthouses = {}
     for it in a.lighthouse:
         j, _, url = it.partition("=")
@@ -365,9 +416,13 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "rebalance":
         return rebalance_main(argv[1:])
     if argv and argv[0] == "peer":
+        from dilocox.swarm.common import SwarmError
         from dilocox.swarm.peer import main as peer_main
 
-        return peer_main(argv[1:])
+        try:
+            return peer_main(argv[1:])
+        except SwarmError as e:  # (a peer that cannot be built: e.g. --stage/--index outside swarm.peers_per_stage)
+            raise SwarmUsageError(str(e)) from None
     if not argv:
         raise SwarmUsageError("needs a CONFIG file: dilocox swarm CONFIG [--peers 2,2] [--steps N] (see --help)")
     return run_main(argv)

@@ -56,8 +56,10 @@ def _last_step(run_dir: str, name: str) -> int:
 
 def _finished_stages(run_dir: str, n_stages: int) -> dict[int, dict[str, dict]]:
     """{stage: {peer name: its final params}} of the peers that ended the run: those whose records reach the run's
-    last step (the highest over all stages' peers). A stage without one (its finishers died before their final
-    save; a peer that left mid-run does not count) is missing from the result."""
+    last step (the highest over all stages' peers) and whose ``.pt`` is of that run (its own records end there: a
+    ``--resume`` with a larger ``--steps`` that stopped early leaves the first run's ``.pt``). A stage without one
+    (its finishers died before their final save; a peer that left mid-run does not count) is missing from the
+    result."""
     steps: dict[int, dict[str, int]] = {}
     for n in os.listdir(run_dir):
         m = PEER_RE.match(n)
@@ -66,8 +68,16 @@ def _finished_stages(run_dir: str, n_stages: int) -> dict[int, dict[str, dict]]:
     top = max((k for per in steps.values() for k in per.values()), default=-1)
     out = {}
     for j, per in steps.items():
-        last = {p: torch.load(os.path.join(run_dir, f"{p}.pt"), map_location="cpu", weights_only=True)["params"]
-                for p in sorted(per) if per[p] == top}  # fmt: skip
+        last = {}
+        for p in sorted(per):
+            if per[p] != top:
+                continue
+            pt = torch.load(os.path.join(run_dir, f"{p}.pt"), map_location="cpu", weights_only=True)
+            own = [r.get("step") for r in pt.get("records") or [] if isinstance(r, dict)]
+            own = [int(s) for s in own if isinstance(s, int)]
+            if own and max(own) != top:  # an earlier run's file: a resumed run stopped before it wrote its own
+                continue
+            last[p] = pt["params"]
         if last:
             out[j] = last
     return out

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [plan_config(load_config(args.config), os.path.basename(args.config).removesuffix(".yaml"))]
             return _print(rows, args.json)
         peers: int | list[int]
-        parts = [p.strip() for p in str(args.peers).split(",") if p.strip()]
+        parts = [p.strip() for p in str(args.peers).split(",")]  # (an empty item, "1,,2", is an error too)
         if not parts or not all(p.isdigit() for p in parts):
             raise ValueError(f"--peers {args.peers!r}: write one count (4) or one per stage (4,2)")
         peers = int(parts[0]) if len(parts) == 1 else [int(p) for p in parts]
