@@ -17,6 +17,7 @@ import queue
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -36,9 +37,40 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def spawn(argv: list[str], **popen_kw) -> subprocess.Popen:
-    """``subprocess.Popen(argv, **popen_kw)`` in a new session (process group = the child's pid)."""
+def spawn(argv: list[str], die_with_parent: bool = False, **popen_kw) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen_kw)`` in a new session (process group = the child's pid).
+
+    ``die_with_parent`` (Linux): the child gets SIGTERM when this thread's process dies, even by SIGKILL (which no
+    handler sees: the launcher's own children, in their own session, ran on orphaned, e.g. torchrun and its ranks
+    after a ``kill -9`` of ``dilocox train --nproc``). SIGTERM, not SIGKILL: a torchrun forwards it and its ranks
+    save and stop. The caller's thread must outlive the child (the kernel's signal follows the forking thread)."""
+    if die_with_parent and _PRCTL is not None:
+        popen_kw["preexec_fn"] = _parent_death_signal(os.getpid())
     return subprocess.Popen(argv, start_new_session=True, **popen_kw)
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # (looked up here: nothing is loaded or imported between fork and exec)
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal(parent: int) -> Callable[[], None]:
+    def preexec() -> None:  # in the child, between fork and exec
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal this child
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def kill_group(pid: int | subprocess.Popen, sig: int = signal.SIGKILL) -> None:

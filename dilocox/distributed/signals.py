@@ -417,7 +417,7 @@ def supervise(cmd: list[str], env: dict, stop_timeout_s: float = 60.0, log: Call
         for sig in STOP_SIGNALS:
             prev[sig] = signal.signal(sig, on_signal)
     try:
-        proc = spawn(cmd, env=env)
+        proc = spawn(cmd, die_with_parent=True, env=env)  # (a SIGKILLed parent: torchrun stops, its ranks save)
         child.append(proc)
         if got:
             _forward(proc, got[0])

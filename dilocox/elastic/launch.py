@@ -193,6 +193,20 @@ def _run_secret(cfg, run_dir: str) -> str:
     return path
 
 
+def _check_counts(n: int, min_replicas: int | None, timeout_s: float, at: str, standby_replicas: int) -> int:
+    """The numeric options of ``launch --elastic`` (one-line LaunchErrors); returns min_replicas (default N-1)."""
+    min_replicas = max(1, n - 1) if min_replicas is None else min_replicas
+    if n < 1 or not 1 <= min_replicas <= n:
+        raise LaunchError(f"--elastic {n}: the number of replicas must be at least 1" if n < 1 else
+                          f"--min-replicas {min_replicas} must be in [1, --elastic {n}]")  # fmt: skip
+    if not 0 < timeout_s < float("inf"):
+        raise LaunchError(f"--timeout {timeout_s:g} must be a finite number of seconds > 0 (the whole run's bound)")
+    if at not in ("time", "step") or standby_replicas < 0:
+        raise LaunchError(f"--at {at!r} must be time or step" if standby_replicas >= 0 else
+                          f"--standby-replicas {standby_replicas} must be >= 0")  # fmt: skip
+    return min_replicas
+
+
 def launch_elastic(
     config: str,
     n: int,
@@ -220,19 +234,14 @@ def launch_elastic(
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     run_dir, overrides = _split_overrides(overrides)
-    min_replicas = max(1, n - 1) if min_replicas is None else min_replicas
-    if n < 1 or not 1 <= min_replicas <= n:
-        raise LaunchError(f"--elastic {n}: the number of replicas must be at least 1" if n < 1 else
-                          f"--min-replicas {min_replicas} must be in [1, --elastic {n}]")  # fmt: skip
-    if at not in ("time", "step") or standby_replicas < 0:
-        raise LaunchError(f"--at {at!r} must be time or step" if standby_replicas >= 0 else
-                          f"--standby-replicas {standby_replicas} must be >= 0")  # fmt: skip
+    min_replicas = _check_counts(n, min_replicas, timeout_s, at, standby_replicas)
     schedule = parse_schedule(kills, restarts, n)
     rtt_ms, jitter_ms, loss_p = _parse_delay(latency, jitter, loss)
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     # the config as replica 0 sees it: a bad key or layout is one line here, not N tracebacks later
-    probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "runs/x", overrides)
-    cfg = _probe_config(config, probe[probe.index("--nproc") + 2 :], auth_lighthouse)
+    # (without replica 0's own --log.run_dir, the last item: RUN is the config's log.run_dir unless one was given)
+    probe = train_argv(config, 0, n, 1, "http://127.0.0.1:1", min_replicas, run_dir or "", overrides)
+    cfg = _probe_config(config, probe[probe.index("--nproc") + 2 : -1], auth_lighthouse)
     if run_dir is None:
         run_dir = cfg.log.run_dir
     pc = cfg.parallel
@@ -318,6 +327,11 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
         "security.authenticate, itself on by default; --no-authenticate-lighthouse for a plain one; docs/SECURITY.md)",
     )
     a, overrides = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    for flag in ("heartbeat_timeout_ms", "join_timeout_ms"):  # (here, not in the lighthouse's log after its start)
+        if getattr(a, flag) < 1:
+            print(f"dilocox launch: error: --{flag.replace('_', '-')} {getattr(a, flag)} must be >= 1 (milliseconds)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     lh_opts = ["--heartbeat-timeout-ms", str(a.heartbeat_timeout_ms), "--join-timeout-ms", str(a.join_timeout_ms)]
     from dilocox.config import ConfigError
 

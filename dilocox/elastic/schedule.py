@@ -39,12 +39,13 @@ def parse_schedule(kills: Sequence[str], restarts: Sequence[str], n: int) -> lis
             try:
                 if not sep:
                     raise ValueError
-                rr, tt = LIGHTHOUSE if r.strip().upper() == "L" else int(r), float(t)
+                is_lh = r.strip().upper() == "L"
+                rr, tt = LIGHTHOUSE if is_lh else int(r), float(t)
             except ValueError:
                 raise LaunchError(
                     f"--{kind} {spec!r} is not R@SECONDS (e.g. --{kind} 2@40; L@40: the lighthouse)"
                 ) from None
-            if not (0 <= rr < n or rr == LIGHTHOUSE):
+            if not (0 <= rr < n or is_lh):  # (-1 is LIGHTHOUSE's number inside, not a name for it)
                 raise LaunchError(f"--{kind} {spec!r}: replica {rr} is not in [0, {n}) (--elastic {n})")
             if not (tt >= 0 and tt < float("inf")):
                 raise LaunchError(f"--{kind} {spec!r}: the time must be a finite number of seconds >= 0")

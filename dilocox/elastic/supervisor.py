@@ -131,7 +131,7 @@ class ElasticLaunch:
     # processes ------------------------------------------------------------------------
     def _popen(self, argv: list[str], env: dict, r: int | None, **kw: object) -> subprocess.Popen:
         if self.cluster is None:
-            return spawn(argv, env=env, **kw)
+            return spawn(argv, die_with_parent=True, env=env, **kw)  # (nothing runs on after a SIGKILLed launcher)
         if r is None:
             return self.cluster.exec_hub(argv, env=env, **kw)
         return self.cluster.exec(r, argv, env=env, **kw)
@@ -258,7 +258,12 @@ class ElasticLaunch:
             prev = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.t0 = time.time()
-            self._start_lighthouse()
+            try:
+                self._start_lighthouse()
+            except LaunchError:
+                if not self._signals:
+                    raise
+                return self._stopped_at_start()  # (Ctrl-C while the lighthouse started: a stop, not bad input)
             for rep in self.replicas:
                 self._start_replica(rep, "start")
             for rep in self.spares:
@@ -273,6 +278,12 @@ class ElasticLaunch:
             for rep in self.replicas + self.spares:
                 if rep.log is not None:
                     rep.log.close()
+
+    def _stopped_at_start(self) -> int:
+        sig = signal.Signals(self._signals[0])
+        self.event("stop", signal=sig.name)
+        self.log(f"dilocox launch: stopped by {sig.name} while the lighthouse was starting; no replica was started")
+        return 128 + sig
 
     def _loop(self) -> int:
         t_start = time.monotonic()

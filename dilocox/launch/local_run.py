@@ -88,6 +88,14 @@ def patch_torchrun_stores() -> None:
     dyn.DynamicRendezvousHandler._create_tcp_store_server = shared_store
 
 
+def failed_exit_code(first: int, codes: Sequence[int]) -> int:
+    """The launch's exit code when ranks failed: the first failed rank's own code (2: a config or run-dir error
+    that every rank agreed on, 1: an error, 143: stopped by a SIGTERM of its own, ...), else another rank's; 1 when
+    every failed rank was killed by a signal (the ranks torchrun stopped itself after the first failure die of its
+    SIGTERM: theirs is not what happened)."""
+    return next((c for c in (first, *codes) if c > 0), 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -98,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         run.main(sys.argv[1:] if argv is None else argv)
     except ChildFailedError as e:  # which rank failed and why, without torchrun's Python traceback around it
         print(e, file=sys.stderr)
-        return 1
+        return failed_exit_code(e.get_first_failure()[1].exitcode, [f.exitcode for f in e.failures.values()])
     except SignalException:  # SIGINT/SIGTERM forwarded by dilocox: the ranks stopped and saved; supervise reports it
         return 1
     return 0
