@@ -434,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"dilocox {argv[0]}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handlers were set (start-up): a stop, not a traceback
+        print(f"dilocox {argv[0]}{where}: interrupted (SIGINT)", file=sys.stderr)
+        return 130
     except OSError as e:
         if not (e.filename and argv[0] in FILE_COMMANDS):  # a path the user gave that cannot be written or read
             raise

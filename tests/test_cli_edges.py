@@ -118,3 +118,17 @@ def test_launch_elastic_zero_names_the_replica_count(capsys):
     assert cli_main(["launch", "--elastic", "0", os.path.join(ROOT, "configs", "tiny-dilocox.yaml")]) == 2
     err = capsys.readouterr().err
     assert "--elastic 0: the number of replicas must be at least 1" in err and "--min-replicas" not in err
+
+
+def test_ctrl_c_before_a_commands_own_handlers_is_one_line_and_130(capsys, monkeypatch):
+    """Ctrl-C during start-up (imports, config, before ``dilocox train`` sets its own handlers) printed a
+    KeyboardInterrupt traceback and ended with -2 (a review's ``ctrl_c.py``): now one line, exit 130 (128 + SIGINT)."""
+    from dilocox import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli_main(["train", TINY]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err == "dilocox train: interrupted (SIGINT)", err

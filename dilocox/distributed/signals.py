@@ -186,10 +186,8 @@ class StallMonitor:
                 key, since, next_warn = where, now, self.warn_after_s
                 continue
             if key is not None and now - since >= next_warn:
-                self._log(
-                    f"waiting {now - since:.0f} s for the collective in {key} (with {self.peers} or ranks "
-                    f"of this replica) ..."
-                )
+                whom = self.peers if "of this replica" in self.peers else f"{self.peers} or ranks of this replica"
+                self._log(f"waiting {now - since:.0f} s for the collective in {key} (with {whom}) ...")
                 next_warn += self.warn_after_s
 
 
