@@ -449,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         return kind[1]
     finally:
         if wants_help and argv[0] in ("plan", "launch", "bench"):  # their own parsers print the options
-            print(f"\nconfig keys (--section.key=value): {CONFIG_DOC}")
+            how = {"launch": "--section.key=value", "plan": "read from the run config, not from flags"}.get(
+                argv[0], "--set --section.key=value, where a bench has --set"
+            )
+            print(f"\nconfig keys ({how}): {CONFIG_DOC}")
 
 
 if __name__ == "__main__":

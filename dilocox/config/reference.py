@@ -47,7 +47,7 @@ def reference_markdown() -> str:
             rows.append(f"| `{prefix}{name}` | `{cell(tp)}` | `{cell(default)}` | {cell(comment)} |")
         if rows:
             raw = cls.__doc__ or ""
-            doc = "" if raw.startswith(cls.__name__ + "(") else inspect.cleandoc(raw).split("\n")[0]
+            doc = "" if raw.startswith(cls.__name__ + "(") else " ".join(inspect.cleandoc(raw).split("\n\n")[0].split())
             out.extend(
                 [
                     f"## `{prefix.rstrip('.')}`",

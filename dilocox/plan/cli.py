@@ -108,7 +108,11 @@ def _finite(x):
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dilocox plan", description=DESCRIPTION)
+    ap = argparse.ArgumentParser(
+        prog="dilocox plan",
+        description=DESCRIPTION,
+        epilog="SWARM / DiLoCo-SWARM (pipeline vs stage-sync bytes): dilocox plan --swarm --help",
+    )
     ap.add_argument(
         "config",
         nargs="?",
