@@ -206,12 +206,8 @@ def check_trackers(log: LogConfig) -> None:
 
 def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shape against itself and against the tensor and pipeline split."""
-    if m.d_model % m.n_heads:
-        _fail("model.d_model", m.d_model, f"is not divisible by model.n_heads={m.n_heads}")
-    if m.n_heads % m.kv_heads:
-        _fail("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads} (GQA groups)")
-    if m.pos_emb == "rope" and m.head_dim % 2:
-        _fail("model.d_model", m.d_model, "gives an odd head_dim; RoPE needs an even head_dim")
+    for field, value, why in m.head_problems():
+        _fail(field, value, why)
     t = p.tensor
     if m.n_heads % t:
         _fail(

@@ -58,6 +58,18 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    def head_problems(self) -> list[tuple[str, object, str]]:
+        """(field, value, why) of each head-shape rule broken (config validation, and a model built in code)."""
+        rules = (
+            (self.d_model % self.n_heads, "model.d_model", self.d_model, f"is not divisible by model.n_heads="
+             f"{self.n_heads}"),
+            (self.n_heads % self.kv_heads, "model.n_kv_heads", self.n_kv_heads, f"must divide model.n_heads="
+             f"{self.n_heads} (GQA groups)"),
+            (self.pos_emb == "rope" and self.head_dim % 2, "model.d_model", self.d_model, "gives an odd head_dim; "
+             "RoPE needs an even head_dim"),
+        )  # fmt: skip
+        return [r[1:] for r in rules if r[0]]
+
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count of the model this config builds (used by plan and MFU)."""
         d, f, L, V = self.d_model, self.ffn_dim, self.n_layers, self.vocab_size

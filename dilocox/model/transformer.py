@@ -215,13 +215,8 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
             "but model.norm/activation/pos_emb are the GPT-2 defaults; set norm: rmsnorm, "
             "activation: swiglu, pos_emb: rope, bias: false, qkv_bias: true (see configs/model/qwen-tiny.yaml)",
         )
-    # the shape rules of config validation (checks.check_model_layout), for a ModelConfig built in code
-    if mcfg.d_model % mcfg.n_heads:
-        bad("model.d_model", mcfg.d_model, f"is not divisible by model.n_heads={mcfg.n_heads}")
-    if mcfg.n_heads % mcfg.kv_heads:
-        bad("model.n_kv_heads", mcfg.n_kv_heads, f"must divide model.n_heads={mcfg.n_heads} (GQA groups)")
-    if mcfg.pos_emb == "rope" and mcfg.head_dim % 2:
-        bad("model.d_model", mcfg.d_model, "gives an odd head_dim; RoPE needs an even head_dim")
+    for field, value, why in mcfg.head_problems():  # config validation's rules, for a ModelConfig built in code
+        bad(field, value, why)
     if not 0 <= stage < n_stages:
         bad("stage", stage, f"must be in [0, {n_stages})")
     if mcfg.n_layers % n_stages:
