@@ -25,7 +25,7 @@ import sys
 import time
 
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import fmt_loss, has_loss, loss_gap_pct, machine_line, write_results
+from dilocox.bench.runner import fmt_cell, has_loss, loss_gap_pct, machine_line, write_results
 
 CORPORA = {"code": "--data.source=stdlib", "prose": "--data.source=prose", "docs": "--data.source=docs"}
 
@@ -245,8 +245,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         star = " *" if r.get("on_front") else ""
         lines.append(
             f"| {r['corpus']} | {r['seed']} | {r['steps']} | {r['label']}{star} | "
-            f"{r['bytes_sent_per_replica'] / 1e6:,.3f} MB | {fmt_loss(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')}"
-            f" | {fmt_loss(r['final_val_loss'])} | {fmt_loss(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} |"
+            f"{r['bytes_sent_per_replica'] / 1e6:,.3f} MB | {fmt_cell(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')}"
+            f" | {fmt_cell(r['final_val_loss'])} | {fmt_cell(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} |"
         )
     lines += ["", "Issue 23's targets:", *_verdicts(rows)]
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import time
 
 from dilocox.bench.runner import (
     TrainingFailed,
-    fmt_loss,
+    fmt_cell,
     has_loss,
     line_plot,
     loss_gap_pct,
@@ -169,9 +169,9 @@ def markdown(rows: list[dict], steps: int, H: int, common: list[str] = (), load:
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {fmt_loss(r['final_val_loss'])} | "
-            f"{fmt_loss(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} | {r['bytes_sent_per_replica'] / 1e6:,.2f} MB | "
-            f"{fmt_loss(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')} | "
+            f"| {r['method']} | {fmt_cell(r['final_val_loss'])} | "
+            f"{fmt_cell(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} | {r['bytes_sent_per_replica'] / 1e6:,.2f} MB | "
+            f"{fmt_cell(r.get('bytes_ratio_vs_allreduce'), ',.0f', 'x')} | "
             f"{r['blocked_s']:.2f} | {r['tokens_per_s']:,.0f} |"
         )
     return "\n".join(lines)

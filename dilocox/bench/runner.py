@@ -141,10 +141,10 @@ def loss_gap_pct(r: dict | None, base: dict | None) -> float | None:
     return 100.0 * (r["final_val_loss"] / base["final_val_loss"] - 1.0)
 
 
-def fmt_loss(x, fmt: str = ".4f", unit: str = "") -> str:
+def fmt_cell(x, fmt: str = ".4f", unit: str = "", scale: float = 1.0) -> str:
     """A table cell of a value that may be missing: "-" for None (a run without a final val loss, a row without an
-    all-reduce row to compare with), never a made-up 0 % or 1x."""
-    return "-" if x is None else format(x, fmt) + unit
+    all-reduce row to compare with), never a made-up 0 % or 1x; ``scale`` divides first (bytes to MB)."""
+    return "-" if x is None else format(x / scale if scale != 1.0 else x, fmt) + unit
 
 
 def write_results(out_dir: str, rows, md: str) -> None:

@@ -36,6 +36,7 @@ import threading
 import time
 
 from dilocox.bench.runner import CONFIGS, line_plot, machine_line, write_results
+from dilocox.bench.runner import fmt_cell as _f
 from dilocox.distributed.procs import kill_group
 
 # the tiny model and short sequences: 8 peer processes share the host's cores
@@ -334,10 +335,6 @@ def part_c(root: str, steps: int, timeout_s: float) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
 
 
 PART_PARAMS = {

@@ -10,16 +10,13 @@ import json
 import math
 import os
 
+from dilocox.bench.runner import fmt_cell as _f
 from dilocox.bench.runner import loss_gap_pct, series_style
 from dilocox.plan import fmt_bandwidth
 
 
 def _cap(bps: float | None) -> str:
     return "uncapped" if bps is None else fmt_bandwidth(bps)
-
-
-def _f(x, fmt: str, unit: str = "", scale: float = 1.0) -> str:
-    return "-" if x is None else format(x / scale if scale != 1.0 else x, fmt) + unit
 
 
 def _rtt(ms: float | None) -> str:
