@@ -20,13 +20,16 @@ from dilocox.config import Config
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Inner learning rate at (0-based) step: linear warm-up, then cosine/linear/constant decay."""
+    """Inner learning rate at (0-based) step: linear warm-up to ``optim.lr`` at step ``warmup_steps - 1``, then
+    cosine/linear/constant decay from ``optim.lr`` at step ``warmup_steps`` to ``optim.lr * min_lr_ratio`` at the
+    last step, ``train.steps - 1`` (a span of ``steps - 1 - warmup_steps``; over ``steps - warmup_steps`` the last
+    step stayed above the floor). A run with at most one step after the warm-up has no decay (``optim.lr``)."""
     o, total = cfg.optim, cfg.train.steps
     if o.warmup_steps and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
     if o.schedule == "constant":
         return o.lr
-    span = max(1, total - o.warmup_steps)
+    span = max(1, total - 1 - o.warmup_steps)
     frac = min(1.0, (step - o.warmup_steps) / span)
     floor = o.lr * o.min_lr_ratio
     if o.schedule == "linear":

@@ -42,6 +42,7 @@ from dilocox.model.parallel_layers import global_grad_norm
 from dilocox.model.transformer import build_stage_model, model_flops_per_token
 from dilocox.optim import build_inner_optimizer, lr_at  # (re-exported: ``from dilocox.train import lr_at`` works)
 from dilocox.outer import build_outer
+from dilocox.outer.fragments import tail_warning
 from dilocox.train_state import TrainerState
 
 
@@ -398,18 +399,10 @@ class Trainer(TrainerState):
             f"dilocox: {self.topo.describe()} | device {self.device} | method {o.method} | "
             f"{cfg.model.arch} {cfg.model.num_params() / 1e6:.2f}M params | {tokens_per_step} tokens/step"
         )
-        if (
-            o.method == "diloco"
-            and not cfg.compress.adaptive.enabled
-            and o.streaming.fragments == 1
-            and cfg.train.steps % o.sync_every
-        ):
-            self.logger.info(
-                f"warning: train.steps={cfg.train.steps} is not a multiple of outer.sync_every="
-                f"{o.sync_every}: the last {cfg.train.steps % o.sync_every} local steps are never "
-                f"synchronised and the final model (the outer params) leaves them out; set train.steps "
-                f"to a multiple of {o.sync_every}"
-            )
+        if o.method == "diloco" and not cfg.compress.adaptive.enabled:  # (the adaptive H moves the sync points)
+            warning = tail_warning(cfg.train.steps, o.sync_every, o.streaming.fragments, o.streaming.tau)
+            if warning:
+                self.logger.info(warning)
 
     def start_clock(self, t_start: float) -> None:
         """tokens/s since the last printed record; validation (``eval_s``) out of it, in ``wall_s`` and the ETA."""
@@ -576,9 +569,10 @@ def train(cfg: Config) -> dict:
             "outer.timeout_s" if r else "parallel.timeout_s",
             o.timeout_s if r else cfg.parallel.timeout_s,
         )
-        if msg:
-            signals.exit_watchdog(signals.CommTimeoutError(msg))
-        raise
+        if not msg:
+            raise
+        signals.exit_watchdog(signals.CommTimeoutError(msg))  # its one line (no traceback); bounds the clean-up
+        raise SystemExit(1) from None
     finally:
         stall.stop()
         if not ok and trainer.device.type == "cpu":  # the records since the last log step (on a GPU, reading them
@@ -588,9 +582,8 @@ def train(cfg: Config) -> dict:
                 pass
         trainer.stop.close(drain=ok)
         if trainer.outer is not None:
-            # After an exception the comm thread is still alive (run() stops it through
-            # outer.finish() only on success); left running, the failing rank was seen to die
-            # with SIGABRT at interpreter exit. Bounded: a collective whose peer died may hang.
+            # After an exception the comm thread is still alive (run() stops it through outer.finish() only on
+            # success); left running, the rank was seen to die with SIGABRT at exit. Bounded: a dead peer may hang it
             trainer.outer.close(timeout=30.0)
         if trainer.elastic is not None:  # torchft manager: heartbeats stop, the lighthouse drops this replica
             trainer.elastic.close()

@@ -102,6 +102,12 @@ def test_a_failed_runs_cause_is_the_first_ranks_error_not_its_peers_timeout():
     assert root_cause("[rank0]: torch.distributed.DistBackendError: peer gone\n") == (
         "rank 0: torch.distributed.DistBackendError: peer gone"  # only consequences: the first of them
     )
+    gone = "[rank 1] error: the outer all-reduce with replica(s) 0 failed: peer closed (outer.timeout_s=60)\n"
+    assert (
+        root_cause(gone)
+        == "rank 1: CommTimeoutError: the outer all-reduce with replica(s) 0 failed: peer closed (outer.timeout_s=60)"
+    )
+    assert root_cause(gone + said) == "rank 1: training stopped: loss is inf at step 2 (replica 1); Lower"
     assert root_cause("config error: data.source='x' is not one of\n") == "config error: data.source='x' is not one of"
     assert root_cause("Killed\n") == ""
     bad = dict(_row("dilocox", 64, 2, float("nan"), 0), failed=root_cause(said))

@@ -180,6 +180,9 @@ def test_choice_error_suggests_and_hints_only_where_it_applies(capsys):
         (["--outer.method=cocktailsgd", "--compress.lowrank.enabled=true"], "compress.lowrank.enabled"),
         (["--outer.method=cocktailsgd", "--compress.adaptive.enabled=true"], "compress.adaptive.enabled"),
         (["--outer.method=cocktailsgd", "--compress.collective=reduce_scatter"], "compress.collective"),
+        (["--outer.method=allreduce", "--outer.overlap=delayed"], "outer.overlap"),
+        (["--outer.method=cocktailsgd", "--outer.overlap=eager"], "outer.overlap"),
+        (["--outer.method=allreduce", "--outer.streaming.fragments=2", "--outer.sync_every=4"], "outer.streaming.frag"),
     ],
 )
 def test_an_option_the_method_ignores_is_refused(override, field):

@@ -5,7 +5,8 @@
 - ``--timeout`` <= 0 or NaN and lighthouse timeouts < 1 ms are one-line errors before anything starts;
 - Ctrl-C while the elastic launcher starts its lighthouse exits 130, not 2 ("error");
 - ``dilocox train --nproc N`` exits with the failed rank's code (2 for a run dir in use), not always 1;
-- a SIGKILLed launcher's children (torchrun and its ranks; the elastic replicas and lighthouse) stop with it.
+- a SIGKILLed launcher's children (torchrun and its ranks; the elastic replicas and lighthouse) stop with it;
+- a replica whose peer replica dies says so in one line (``[rank R] error: ...``) and exits 1, with no traceback.
 """
 
 from __future__ import annotations
@@ -195,3 +196,45 @@ def test_a_sigkilled_elastic_launcher_takes_its_replicas_and_lighthouse_with_it(
         for q in [pid, *lh_pids]:
             if not _gone(q):
                 os.kill(q, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [d for c in map(int, out) for d in (c, *_descendants(c))]
+
+
+def _rank_of(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    except OSError:
+        return None
+    return env.get(b"RANK", b"").decode() or None
+
+
+@pytest.mark.slow
+def test_a_dead_peer_replica_is_one_line_and_exit_1_not_a_traceback(tmp_path):
+    log = tmp_path / "out.log"
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", os.path.join(ROOT, "configs", "tiny.yaml"), "--nproc", "2",
+           "--parallel.replicas=2", "--outer.method=diloco", "--train.steps=2000", f"--log.run_dir={tmp_path}/run",
+           f"--data.cache_dir={tmp_path}/cache", "--checkpoint.every=0"]  # fmt: skip
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while "step     25/" not in log.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        victims = [c for c in _descendants(p.pid) if _rank_of(c) == "1"]
+        assert victims, "rank 1 not found"
+        for v in victims:
+            os.kill(v, signal.SIGKILL)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    text = log.read_text()
+    assert p.returncode == 1, text[-3000:]
+    assert any(line.startswith("[rank 0] error: ") and "replica(s) 1" in line for line in text.splitlines()), text
+    assert "Traceback" not in text and "[rank 0] [rank 0]" not in text, text[-4000:]

@@ -201,6 +201,18 @@ def test_parse_bandwidth_rejects(bad):
         parse_bandwidth(bad)
 
 
+def test_latency_takes_the_launchers_suffixed_forms_and_a_bare_number_is_seconds(capsys):
+    """``dilocox launch --latency 150ms`` and ``dilocox plan --latency 150ms`` now mean the same link (plan took only a
+    bare number of seconds: 150ms was an error, and a launch's bare ms was 1000x off in plan)."""
+    model = os.path.join(ROOT, "configs", "model", "qwen1.5-107b.yaml")
+    for text in ("150ms", "0.15s", "0.15", "150000us"):
+        assert main(["--model", model, "--replicas", "2", "--bandwidth", "1gbit", "--latency", text]) == 0
+        assert "latency 150 ms/collective step" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", model, "--replicas", "2", "--bandwidth", "1gbit", "--latency", "fast"])
+    assert "'fast' is not a time" in capsys.readouterr().err
+
+
 def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     model = os.path.join(ROOT, "configs", "model", "qwen1.5-107b.yaml")

@@ -102,6 +102,12 @@ def test_store_and_rebalance_max_s_must_be_positive_and_finite(max_s):
         cli.main(["rebalance", "--config", TINY, "--store", "127.0.0.1:1", "--out", "/nonexistent", "--max-s", max_s])
 
 
+def test_more_peers_than_one_host_holds_is_refused_before_any_starts(tmp_path):
+    with pytest.raises(cli.SwarmUsageError, match="9999999999 peers on this host, at most 256"):
+        cli.main([TINY, "--peers", "9999999998,1", "--steps", "1", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("peers", ["1,,2", "2,", ",2"])
 def test_plan_peers_with_an_empty_item_is_an_error(peers, capsys):
     assert plan_main(["--stages", "2", "--peers", peers, "--model", "gpt2-small"]) == 2
@@ -164,19 +170,15 @@ def test_sigterm_to_dilocox_swarm_stops_every_peer(tmp_path):
                 pass
 
 
-def test_a_hand_started_peer_outside_the_layout_is_one_line(tmp_path):
-    from datetime import timedelta
-
-    from dilocox.swarm.services import store_master
-
-    store, port, guard = store_master("127.0.0.1", 0, None, timedelta(seconds=10))
-    try:
-        with pytest.raises(cli.SwarmUsageError, match=r"peer \(stage=5, index=0\) is outside swarm.peers_per_stage"):
-            cli.main(
-                ["peer", "--config", TINY, "--stage", "5", "--index", "0", "--store", f"127.0.0.1:{port}",
-                 "--out", str(tmp_path), "--", "--security.authenticate=false", "--security.guard_services=false"]
-            )  # fmt: skip
-    finally:
-        if guard is not None:
-            guard.close()
-        del store
+@pytest.mark.parametrize("entry", [["-m", "dilocox.cli", "swarm", "peer"], ["-m", "dilocox.swarm.peer"]])
+def test_a_hand_started_peer_outside_the_layout_or_without_its_store_is_one_line(entry, tmp_path):
+    """Both entry points (the CLI's and swarm.sbatch's ``python -m dilocox.swarm.peer``): a peer outside the layout is
+    refused before the store is dialled (exit 2), and a store that never answers is one line (exit 3), no traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, *entry, "--config", TINY, "--index", "0", "--store", "127.0.0.1:1", "--out", str(tmp_path)]
+    for stage, code, want in ((5, 2, r"peer (stage=5, index=0) is outside swarm.peers_per_stage"),
+                              (0, 3, "the SWARM address store at 127.0.0.1:1 did not")):  # fmt: skip
+        over = ["--", "--security.authenticate=false", "--swarm.startup_timeout_s=1"]
+        r = subprocess.run([*base, "--stage", str(stage), *over], capture_output=True, text=True, timeout=90, env=env)
+        assert r.returncode == code, r.stderr[-2000:]
+        assert want in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

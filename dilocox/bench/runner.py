@@ -48,6 +48,7 @@ class TrainingFailed(RuntimeError):
 _ERROR_LINE = re.compile(
     r"^(?:\[rank(\d+)\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b.*)$"
     r"|^((?:config|data|export|checkpoint) error|training stopped|elastic run stopped)(?: \(rank (\d+)\))?: (.*)$"
+    r"|^\[rank (\d+)\] error: (.*)$"  # a failed collective (signals.exit_watchdog): a consequence
 )
 # errors that follow from another rank's failure (its peer closed the connection), not causes
 _CONSEQUENCE = ("CommTimeoutError", "DistBackendError", "ChildFailedError", "SignalException")
@@ -58,7 +59,10 @@ def root_cause(stderr: str) -> str:
     rank's exit (a collective whose peer went away) are passed over while a cause is there. '' when none is."""
     found = []
     for m in filter(None, map(_ERROR_LINE.match, stderr.splitlines())):
-        rank, text = (m.group(1), m.group(2)) if m.group(2) else (m.group(4), f"{m.group(3)}: {m.group(5)}")
+        if m.group(7) is not None:
+            rank, text = m.group(6), f"CommTimeoutError: {m.group(7)}"
+        else:
+            rank, text = (m.group(1), m.group(2)) if m.group(2) else (m.group(4), f"{m.group(3)}: {m.group(5)}")
         found.append((rank, text.strip()[:500]))
     causes = [f for f in found if not f[1].split(":")[0].endswith(_CONSEQUENCE)]
     if not (causes or found):

@@ -314,9 +314,9 @@ class StopFlag:
                 self._cross.start(self._replica_agreed)
             elif not agreed and self._replica_agreed and not self._told:
                 self._told = True
-                self._log(
-                    f"[rank {os.environ.get('RANK', '0')}] this replica agreed to stop: training on to the next "
-                    f"outer sync, where every replica learns it and all stop together"
+                self._log(  # (self._log prefixes the rank)
+                    "this replica agreed to stop: training on to the next outer sync, where every replica learns it "
+                    "and all stop together"
                 )
         if agreed:
             self.agreed_signum = agreed

@@ -6,9 +6,10 @@ namespaces failed to elect its store host on the dev machine), ``GLOO_SOCKET_IFN
 namespace's veth. Replica r is node r: global ranks r*N .. r*N+N-1, the contiguous block that
 ``dilocox.distributed.topology`` assigns to a replica.
 
-Without root or ``ip netns`` it falls back to ONE local torchrun of R*N ranks and exports the
-cap as ``DILOCOX_EMULATED_BANDWIDTH_BPS`` (bits/s) for the outer comm layer's token bucket
-(``AsyncComm(bandwidth=bytes/s)``), printing ``emulation: token-bucket`` and why.
+Without root or ``ip netns`` (or where the kernel lacks veth or tbf) it falls back to ONE local torchrun of R*N
+ranks and exports the cap as ``DILOCOX_EMULATED_BANDWIDTH_BPS`` (bits/s per rank: the cap / N, a replica's N ranks
+sharing its link) for the outer comm layer's token bucket (``AsyncComm(bandwidth=bytes/s)``), printing
+``emulation: token-bucket`` and why.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def launch(
             f"{why or 'emulation=token-bucket was requested'}"
         )
     if emulation == "token-bucket" or not ok:
-        return _run_token_bucket(replicas * per_replica_nproc, rate_bps, entry, env, stop_timeout_s, why, log)
+        return _run_token_bucket(replicas, per_replica_nproc, rate_bps, entry, env, stop_timeout_s, why, log)
     log(
         f"emulation: netns ({replicas} namespaces, tbf {fmt_bandwidth(rate_bps) if rate_bps else 'uncapped'} "
         f"each way per replica, addresses {SUBNET}.1-{replicas}"
@@ -138,7 +139,8 @@ def _check_config(config: str, overrides: list[str], per_replica_nproc: int, sto
 
 
 def _run_token_bucket(
-    nproc: int,
+    replicas: int,
+    per_replica_nproc: int,
     rate_bps: float | None,
     entry: Sequence[str],
     env: dict[str, str],
@@ -146,16 +148,24 @@ def _run_token_bucket(
     why: str,
     log,
 ) -> list[int]:
-    """The fallback without namespaces: ONE local torchrun of ``nproc`` ranks, the cap exported for the outer comm
-    layer's token bucket; returns its exit code (in a list)."""
-    reason = why or "requested"
-    cap = f"{BANDWIDTH_ENV}={rate_bps:.0f} (bits/s) for the outer comm layer's token bucket" if rate_bps else "no cap"
+    """The fallback without namespaces: ONE local torchrun of ``replicas * per_replica_nproc`` ranks, the cap exported
+    for the outer comm layer's token bucket; returns its exit code (in a list). Each rank paces its own outer traffic
+    and a replica's ranks share its one link (as under netns, one tbf per replica): each gets cap / ranks per replica,
+    as ``dilocox launch --elastic`` and ``bench wan`` give them."""
+    nproc, reason = replicas * per_replica_nproc, why or "requested"
+    per_rank = rate_bps / per_replica_nproc if rate_bps else None
+    cap = (
+        f"{BANDWIDTH_ENV}={per_rank:.0f} (bits/s per rank: {fmt_bandwidth(rate_bps)} per replica shared by its "
+        f"{per_replica_nproc} ranks) for the outer comm layer's token bucket"
+        if per_rank
+        else "no cap"
+    )
     log(
         f"emulation: token-bucket ({reason}); one local torchrun with {nproc} ranks, "
         f"{cap}; less faithful than netns: only the outer all-reduce is paced"
     )
-    if rate_bps:
-        env[BANDWIDTH_ENV] = f"{rate_bps:.0f}"
+    if per_rank:
+        env[BANDWIDTH_ENV] = f"{per_rank:.0f}"
     # one host: torchrun's stores and the ranks' pairs on loopback only (dilocox/launch/local_run.py)
     argv = local_run_argv(nproc, entry)
     return [supervise(argv, loopback_env(env), 60.0 if stop_timeout_s is None else stop_timeout_s, log=log)]

@@ -9,7 +9,8 @@ Topology (what worked on the dev machine; README "Using it" shows `dilocox launc
 
 Addresses come from 198.18.0.0/15 (RFC 2544, benchmarking) and exist only inside namespaces
 this module creates; links are created directly inside them, so nothing appears on the host's
-interfaces. Namespace names carry the pid and a counter, so concurrent runs do not clash.
+interfaces. Namespace names carry the pid and a counter, so concurrent runs do not clash (namespaces of a dead
+run that had this pid, and so our names, are deleted before ours are made).
 Traffic between ranks of ONE replica goes to a local address and stays uncapped (as inside a
 real cluster); only traffic that crosses the bridge passes the tbf caps.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import math
 import os
 import re
 import shutil
@@ -74,6 +76,7 @@ def wait_switch_ready(proc, what):
 
 
 _probe: tuple[bool, str] | None = None
+_probe_lock = threading.Lock()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -120,22 +123,60 @@ def enter_netns(name: str) -> None:
 
 
 def netns_available() -> tuple[bool, str]:
-    """(True, "") when namespaces + veth + tbf can be created here, else (False, why). Cached."""
+    """(True, "") when namespaces + veth + tbf can be created here, else (False, why). Cached; one probe per process
+    (threads that ask at once wait for it: they shared one probe name, and a loser's "File exists" was cached)."""
     global _probe
-    if _probe is None:
-        if os.name != "posix" or os.geteuid() != 0:
-            _probe = (False, "not running as root (network namespaces need CAP_NET_ADMIN)")
-        elif not shutil.which("ip") or not shutil.which("tc"):
-            _probe = (False, "iproute2's `ip`/`tc` not found")
-        else:
-            name = f"dilocox-{os.getpid()}-probe"
-            p = _ip("ip", "netns", "add", name, check=False)
-            if p.returncode == 0:
-                _ip("ip", "netns", "del", name, check=False)
-                _probe = (True, "")
-            else:
-                _probe = (False, f"`ip netns add` failed: {p.stderr.strip()}")
+    with _probe_lock:
+        if _probe is None:
+            _probe = _run_probe()
     return _probe
+
+
+def _run_probe() -> tuple[bool, str]:
+    if os.name != "posix" or os.geteuid() != 0:
+        return (False, "not running as root (network namespaces need CAP_NET_ADMIN)")
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return (False, "iproute2's `ip`/`tc` not found")
+    name = f"dilocox-{os.getpid()}-probe"
+    _ip("ip", "netns", "del", name, check=False)  # left by a dead process that had our pid (only we use the name)
+    p = _ip("ip", "netns", "add", name, check=False)
+    if p.returncode != 0:
+        return (False, f"`ip netns add` failed: {p.stderr.strip()}")
+    try:  # the links and caps a Cluster makes (a kernel or container may lack the veth or sch_tbf module)
+        for cmd in (
+            ("ip", "-n", name, "link", "add", "dxpa", "type", "veth", "peer", "name", "dxpb"),
+            ("tc", "-n", name, "qdisc", "add", "dev", "dxpa", "root", "tbf", "rate", "1mbit", "burst", "65536",
+             "latency", "100ms"),
+        ):  # fmt: skip
+            p = _ip(*cmd, check=False)
+            if p.returncode != 0:
+                return (False, f"`{' '.join(cmd[:1] + cmd[3:])}` failed: {p.stderr.strip()}")
+        return (True, "")
+    finally:
+        _ip("ip", "netns", "del", name, check=False)
+
+
+def _check_values(rate_mbit, per, burst_bytes, latency_ms, rtt_ms, jitter_ms, loss) -> None:
+    """ValueError naming the field for a cap, queue bound, delay or loss that tc / the delay switch cannot honour (a
+    negative or NaN delay or loss used to turn the delay switch off without a word; a negative tbf latency wrapped to
+    859 s, an infinite rate raised OverflowError)."""
+    for r, m in enumerate([rate_mbit, *per]):
+        what = "rate_mbit" if r == 0 else f"rates_mbit[{r - 1}]"
+        if m is not None and not (m > 0 and math.isfinite(m)):
+            raise ValueError(f"{what}={m} must be > 0 and finite (or None for no cap)")
+        if m is not None and m * 1e6 < 1.0:
+            raise ValueError(f"{what}={m} Mbit/s is below tc's smallest rate (1 bit/s); the unit is Mbit/s")
+    if burst_bytes is not None and not (isinstance(burst_bytes, int) and burst_bytes >= 0):
+        raise ValueError(f"burst_bytes={burst_bytes!r} must be an int >= 0 (None or 0: the default)")
+    if not (latency_ms > 0 and math.isfinite(latency_ms)):
+        raise ValueError(f"latency_ms={latency_ms} (tbf's queue bound) must be a finite number > 0")
+    for what, v in (("rtt_ms", rtt_ms), ("jitter_ms", jitter_ms)):
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{what}={v} must be a finite number >= 0 (milliseconds)")
+    if jitter_ms > rtt_ms:
+        raise ValueError(f"jitter_ms={jitter_ms} is larger than rtt_ms={rtt_ms}: the spread must fit in the delay")
+    if not 0 <= loss < 1:
+        raise ValueError(f"loss={loss} must be a probability in [0, 1)")
 
 
 class Cluster:
@@ -171,10 +212,7 @@ class Cluster:
         if rates_mbit is not None and len(rates_mbit) != n_replicas:
             raise ValueError(f"rates_mbit has {len(rates_mbit)} entries for {n_replicas} replicas (one each)")
         per = list(rates_mbit) if rates_mbit is not None else [None] * n_replicas
-        for r, m in enumerate([rate_mbit, *per]):
-            if m is not None and not m > 0:
-                what = "rate_mbit" if r == 0 else f"rates_mbit[{r - 1}]"
-                raise ValueError(f"{what}={m} must be > 0 (or None for no cap)")
+        _check_values(rate_mbit, per, burst_bytes, latency_ms, rtt_ms, jitter_ms, loss)
         self.n = n_replicas
         self.rate_bps = None if rate_mbit is None else float(rate_mbit) * 1e6
         # each replica's cap (bits/s, None: uncapped) and its tbf burst
@@ -229,6 +267,7 @@ class Cluster:
         ok, why = netns_available()
         if not ok:
             raise RuntimeError(f"cannot emulate clusters with network namespaces: {why}")
+        self._remove_leftovers()
         self._start_reaper()
         self._install_handlers()
         atexit.register(self.close)
@@ -292,6 +331,14 @@ class Cluster:
                 ["ip", "netns", "exec", sw, *argv_sw, *ports], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             wait_switch_ready(self._switch, sw)  # (it stops with the namespace: the teardown kills its processes)
+
+    def _remove_leftovers(self) -> None:
+        """Delete namespaces that already carry our names: a dead run's whose pid this process now has (its
+        launcher and reaper SIGKILLed together, say by a cgroup kill); ``ip netns add`` would fail on them. No live
+        run can own them: the names hold our pid and a counter value this process hands out once."""
+        listed = {line.split(" ")[0] for line in _ip("ip", "netns", "list", check=False).stdout.splitlines()}
+        if listed & set(self.namespaces()):
+            subprocess.run(["sh", "-c", self._teardown_script()], capture_output=True, timeout=120)
 
     def _teardown_script(self) -> str:
         """Shell commands that kill every process in our namespaces and delete them (idempotent)."""

@@ -13,6 +13,7 @@ port's frames keep their order); ``loss`` drops each frame that crosses the swit
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -52,10 +53,10 @@ def build() -> str:
 
 def argv(ports: list[str], rtt_ms: float, jitter_ms: float = 0.0, loss: float = 0.0, seed: int = 1) -> list[str]:
     """The switch's command line for ``ports`` (interfaces of the namespace it runs in)."""
-    if rtt_ms < 0 or jitter_ms < 0 or jitter_ms > rtt_ms or not 0 <= loss < 1:
+    if not (math.isfinite(rtt_ms) and 0 <= jitter_ms <= rtt_ms) or not 0 <= loss < 1:  # (NaN fails every test)
         raise SwitchError(
-            f"latency {rtt_ms:g} ms, jitter {jitter_ms:g} ms, loss {loss:g}: need latency >= jitter >= 0 and "
-            f"0 <= loss < 1"
+            f"latency {rtt_ms:g} ms, jitter {jitter_ms:g} ms, loss {loss:g}: need latency >= jitter >= 0, both "
+            f"finite, and 0 <= loss < 1"
         )
     return [
         build(),
@@ -78,13 +79,14 @@ def wait_ready(proc: subprocess.Popen, what: str, timeout_s: float | None = None
         if read_ready_line(proc, r"^ready\s*$", timeout_s) is not None:
             return
         why = f"printed no ready line within {timeout_s:g} s"
-    except EOFError:
+    except EOFError:  # its stdout closed: it exited (or closed it and runs on, which no "ready" follows)
         try:
-            rc = proc.wait(timeout=5)
+            rc = proc.wait(timeout=2)
         except subprocess.TimeoutExpired:
             rc = None
         err = proc.stderr.read().strip() if proc.stderr is not None and rc is not None else ""
-        why = f"exited with code {rc}" + (f": {err}" if err else "")
+        why = f"exited with code {rc}" if rc is not None else "closed its output without a ready line (still running)"
+        why += f": {err}" if err else ""
     raise SwitchError(f"the delay switch in {what} did not start: {why}")
 
 

@@ -39,8 +39,12 @@ streaming there is one fragment holding every parameter and sync points n = H, 2
 (delayed: θ ← OuterOpt(θ, Δ̄^T); eager: the step Δ̃ = Δ̄^T − Δ_m^T/R, i.e. §3 with no new
 local progress; none/streaming: the pending fragment's outer step), then sets every
 parameter to the outer params θ. So the final model is the global model with every
-communicated update applied; local progress since a fragment's last sync point that was
-never communicated is dropped (choose train.steps as a multiple of H to lose nothing).
+communicated update applied; local progress that no all-reduce carried is dropped: each fragment's
+inner steps after its last launch (``fragments.uncommunicated_tail``; the trainer warns at start-up).
+With one fragment and tau = 0 that is nothing when train.steps is a multiple of H; with tau > 0 it
+is at least the last tau steps, and with K > 1 fragments all but one fragment always lose the steps
+since their last launch. A finished run resumed with more train.steps: the averages ``finish()``
+applied are not applied again (their sync points pass with no outer step).
 With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
 1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
 outer step (``dp_shard.py``): same parameters, 1/D of the slow-link bytes.
@@ -77,7 +81,7 @@ from torch import Tensor, nn
 from dilocox.compress.adaptive import AdaptiveController
 from dilocox.compress.codec import rank_of
 from dilocox.compress.compressor import build_compressor
-from dilocox.config import CompressConfig, OuterConfig, check_outer_schedule
+from dilocox.config import CompressConfig, ConfigError, OuterConfig, check_outer_schedule
 from dilocox.distributed.comm import CommHandle, DoneHandle
 from dilocox.optim import build_outer_optimizer
 from dilocox.outer.base import OuterBase
@@ -122,6 +126,11 @@ class DiLoCoOuter(OuterBase):
         self.alpha = s.alpha if (streaming and self.overlap == "none") else 0.0  # θ_m ← α θ_m + (1 − α) θ
         # merge=replay (tau > 0): the mix from the params at launch (θ − own Δ, kept in own_prev), the tau steps since
         self.replay = s.merge == "replay" and self.overlap == "none" and self.tau > 0
+        if s.merge == "replay" and self.overlap != "none":  # (delayed/eager start every phase from θ: nothing to merge)
+            raise ConfigError(
+                f"outer.streaming.merge='replay' has no effect with outer.overlap={self.overlap!r} (it is the mix of "
+                "a streaming sync, overlap none); set merge: mix or overlap: none"
+            )
         if self.group.heals and self.K > 1 and self.overlap != "none":
             raise ValueError(
                 f"outer.streaming.fragments={self.K} with outer.overlap={self.overlap!r} is not elastic: a joiner "
@@ -247,9 +256,12 @@ class DiLoCoOuter(OuterBase):
             own = self.own_prev[p] if self.own_prev[p] is not None else torch.zeros_like(delta_flat)
             grad = prev + (delta_flat - own) / self._c_prev
             self.own_prev[p] = delta_flat
-        else:
-            grad = prev
-        st.outer_step(p, grad)
+            st.outer_step(p, grad)
+        elif h is not None:  # delayed: θ^t ← OuterOpt(θ^{t−1}, Δ̄^{t−1})
+            st.outer_step(p, prev)
+        # (delayed with nothing in flight: the first phase, Δ̄^0 = 0, or a finished run resumed with more train.steps,
+        # whose finish() applied the last average already: no outer step; a zero gradient would still move θ by the
+        # momentum, −η μ² v)
         st.load_params(p, 0.0, self.shift)
         self.outer_step += 1
         self.schedule.advance(p, self.H)

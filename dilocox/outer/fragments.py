@@ -62,6 +62,39 @@ def assign_fragments(
     return frags
 
 
+def uncommunicated_tail(steps: int, h: int, k: int, tau: int) -> list[int]:
+    """Per fragment, the last inner steps of a ``steps``-step run that no all-reduce carries: those after the
+    fragment's last launch (``tau`` steps before each of its sync points; at the sync point with overlap delayed or
+    eager, tau = 0), which the final model (``DiLoCoOuter.finish``: the outer params) leaves out. All ``steps`` of a
+    fragment that never launched. A fixed ``h`` (not the adaptive controller's)."""
+    check_outer_schedule(h, k, tau)
+    out = []
+    for p in range(k):
+        first = (p * h // k if p > 0 else h) - tau
+        last = first + (steps - first) // h * h if steps >= first else 0
+        out.append(steps - last)
+    return out
+
+
+def tail_warning(steps: int, h: int, k: int, tau: int) -> str | None:
+    """The start-up warning of a run whose final model leaves out local steps (``uncommunicated_tail``), or None."""
+    lost = uncommunicated_tail(steps, h, k, tau)
+    if k == 1 and tau == 0 and lost[0]:
+        return (
+            f"warning: train.steps={steps} is not a multiple of outer.sync_every={h}: the last {lost[0]} local steps "
+            f"are never synchronised and the final model (the outer params) leaves them out; set train.steps to a "
+            f"multiple of {h}"
+        )
+    if any(lost):
+        return (  # (with K > 1 fragments inherent to streaming: a note, not a warning)
+            f"{'note' if k > 1 else 'warning'}: with outer.streaming.fragments={k}, tau={tau} the final model (the "
+            f"outer params) leaves out the last {' / '.join(map(str, lost))} local steps of train.steps={steps} (per "
+            "fragment): they come after the fragment's last all-reduce launch and are never synchronised"
+            + (f"; set train.steps to a multiple of {h} minus {tau} to lose none" if k == 1 else "")
+        )
+    return None
+
+
 class SyncSchedule:
     """Next sync step of every fragment, and the launch step ``tau`` before it."""
 

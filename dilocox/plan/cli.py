@@ -26,7 +26,7 @@ from dilocox.plan.predict import (
     plan,
     plan_all,
 )
-from dilocox.plan.units import fmt_bandwidth, fmt_seconds, parse_bandwidth
+from dilocox.plan.units import fmt_bandwidth, fmt_seconds, parse_bandwidth, parse_seconds
 
 DESCRIPTION = "The planner: predict bytes, communication time and compute utilization before renting GPUs."
 
@@ -153,10 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--latency",
-        type=float,
+        type=_seconds,
         default=DEFAULT_LATENCY_S,
-        help="seconds per collective step; over gloo a step costs one round trip: pass the link's RTT "
-        "(measured: docs/BENCHMARKS.md section 5)",
+        help="time per collective step, e.g. 150ms or 0.15 (a bare number is seconds); over gloo a step costs one "
+        "round trip: pass the link's RTT (measured: docs/BENCHMARKS.md section 5)",
     )
     ap.add_argument(
         "--pipeline", type=int, default=None, help="pipeline stages per replica (each syncs its own layers; default 1)"
@@ -274,6 +274,13 @@ def _plan_rows(args: argparse.Namespace) -> tuple[float, list[dict]]:
         r["bytes_per_step"] = r["wire_bytes_per_replica"] / r["H"]
         r["vs_allreduce_per_step"] = ar_step / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
     return bw, rows
+
+
+def _seconds(text: str) -> float:
+    try:
+        return parse_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

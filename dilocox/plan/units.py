@@ -42,6 +42,20 @@ def parse_bandwidth(text: str | float | int) -> float:
     return value
 
 
+def parse_seconds(text: str | float) -> float:
+    """``"150ms"``, ``"0.15s"``, ``"50us"`` or a bare number of seconds -> seconds (``dilocox plan --latency``; the
+    launchers' ``--latency`` takes the same suffixed forms, but there a bare number is milliseconds)."""
+    t, scale = str(text).strip().lower(), 1.0
+    for suffix, k in (("ms", 1e-3), ("us", 1e-6), ("s", 1.0)):
+        if t.endswith(suffix):
+            t, scale = t[: -len(suffix)], k
+            break
+    try:
+        return float(t) * scale
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time; write e.g. 150ms, 0.15s (a bare number is seconds)") from None
+
+
 def fmt_bandwidth(bps: float) -> str:
     if math.isinf(bps):
         return "unreachable"

@@ -33,6 +33,9 @@ class SwarmUsageError(ValueError):
     """A malformed ``dilocox swarm`` command line (one line, exit 2)."""
 
 
+MAX_LOCAL_PEERS = 256  # peers one `dilocox swarm` starts on its host
+
+
 def parse_peers(text: str) -> list[int]:
     """``"2,2"`` / ``"[4, 4]"`` -> ``[2, 2]``; anything else is a one-line error naming --peers and the fix."""
     parts = [p.strip() for p in text.strip().strip("[]").split(",")]
@@ -240,6 +243,9 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     validate_swarm_layout(cfg)
     refuse_unsupported(cfg)
     pps = list(cfg.swarm.peers_per_stage)
+    if sum(pps) > MAX_LOCAL_PEERS:  # (each is a Python process with torch: ~0.3 GB before its model)
+        raise SwarmUsageError(f"{sum(pps)} peers on this host, at most {MAX_LOCAL_PEERS}; a larger job spreads over "
+                              "nodes: launcher/slurm/swarm.sbatch")  # fmt: skip
     if a.netns and sum(pps) > 250:
         raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
     per_peer = (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates))

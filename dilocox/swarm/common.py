@@ -16,6 +16,13 @@ def peer_name(stage: int, index: int) -> str:
     return f"s{stage}p{index}"
 
 
+def check_place(pps: list[int], stage: int, index: int, join: bool = False) -> None:
+    """Refuse a peer outside the layout. A joiner moved here by rebalancing gets a new index in its stage: below the
+    job's peer count (torchft ranks)."""
+    if not 0 <= stage < len(pps) or not 0 <= index < (sum(pps) if join else pps[stage]):
+        raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={list(pps)}")
+
+
 def store_key(stage: int, index: int) -> str:
     return f"swarm/stage{stage}/peer{index}"
 

@@ -68,7 +68,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.config import Config, load_config, validate_swarm_layout
+from dilocox.config import Config, ConfigError, load_config, validate_swarm_layout
 from dilocox.elastic import ElasticError
 from dilocox.fsutil import atomic_path
 from dilocox.inner_step import InnerStep
@@ -80,7 +80,7 @@ from dilocox.optim import build_inner_optimizer
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm import checkpoint as peer_ckpt
 from dilocox.swarm import membership, peer_sync
-from dilocox.swarm.common import DIGEST_ENV, SwarmError, make_router, peer_name, rpc_security, store_key
+from dilocox.swarm.common import DIGEST_ENV, SwarmError, check_place, make_router, peer_name, rpc_security, store_key
 from dilocox.swarm.faults import Faults
 from dilocox.swarm.hops import MicrobatchHops
 from dilocox.swarm.membership import LoadMeter
@@ -116,9 +116,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.cfg, self.s = cfg, cfg.swarm
         self.pps = list(self.s.peers_per_stage)
         self.n = len(self.pps)
-        # a joiner moved here by rebalancing gets a new index in its stage: below the job's peer count (torchft ranks)
-        if not 0 <= stage < self.n or not 0 <= index < (sum(self.pps) if join else self.pps[stage]):
-            raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={self.pps}")
+        check_place(self.pps, stage, index, join)
         self.stage, self.index, self.m, self.name = stage, index, self.pps[stage], peer_name(stage, index)
         self.first, self.last, self.steps = stage == 0, stage == self.n - 1, cfg.train.steps if steps is None else steps
         self.out_dir, self.dump_grads = out_dir, set(dump_grads)
@@ -555,17 +553,18 @@ def main(argv: list[str] | None = None) -> int:
     fmt = f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, force=True)  # (force: a moved peer logs under its new name)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    cfg = load_config(a.config, a.overrides)
-    validate_swarm_layout(cfg)
-    try:
-        use_secret(*rpc_security(cfg))  # every RPC this peer serves or makes: authenticated, bounded
-    except SecretError as e:
-        log.error("%s", e)
-        return 2
     from dilocox.swarm.services import release, service_secret, store_client
 
-    host, _, port = a.store.rpartition(":")
-    store = store_client(host, int(port), service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
+    try:  # one line before the peer is built: bad input (exit 2, as `dilocox swarm peer`), no store (exit 3)
+        cfg = load_config(a.config, a.overrides)
+        validate_swarm_layout(cfg)
+        check_place(list(cfg.swarm.peers_per_stage), a.stage, a.index, a.join)
+        use_secret(*rpc_security(cfg))  # every RPC this peer serves or makes: authenticated, bounded
+        host, _, port = a.store.rpartition(":")
+        store = store_client(host, int(port), service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
+    except (ConfigError, SwarmError, SecretError, TimeoutError) as e:
+        log.error("%s", e)
+        return 3 if isinstance(e, TimeoutError) else 2
     dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
     peer = SwarmPeer(
         cfg,

@@ -59,7 +59,13 @@ def store_client(host: str, port: int, secret: bytes | None, timeout: timedelta)
     from torch.distributed import TCPStore
 
     if secret is None:
-        return TCPStore(host, port, is_master=False, timeout=timeout)
+        try:
+            return TCPStore(host, port, is_master=False, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - torch's DistNetworkError/DistStoreError: one line for the caller
+            raise TimeoutError(
+                f"the SWARM address store at {host}:{port} did not answer within "
+                f"{timeout.total_seconds():.0f}s (not up yet, or another address): {e}"
+            ) from e
     from dilocox.net.relay import LighthouseRelay
 
     wait_s = max(1.0, min(5.0, timeout.total_seconds()))
