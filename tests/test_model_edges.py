@@ -58,3 +58,34 @@ def test_plan_choice_line_skips_a_preset_whose_fragments_do_not_fit(tmp_path, ca
     out = capsys.readouterr().out
     assert "| diloco |" in out and "preset for this link: methods/dilocox-far.yaml" in out
     assert "`dilocox` does not fit this model and layout: outer.streaming.fragments=2" in out
+
+
+def _out_of_vocab(rank, world):
+    import torch
+
+    from dilocox.model.parallel_layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    group, V, errors = torch.distributed.group.WORLD, 8, []
+    emb = VocabParallelEmbedding(V, 4, group, rank, world)
+    logits = torch.randn(2, 3, V // world)
+    for name, call in (
+        ("ids", lambda: emb(torch.tensor([[1, V]]))),
+        ("negative ids", lambda: emb(torch.tensor([[-1, 2]]))),
+        ("labels", lambda: vocab_parallel_cross_entropy(logits, torch.tensor([[0, 1, V], [2, 3, 4]]), group)),
+    ):
+        try:
+            call()
+            errors.append(f"{name}: accepted")
+        except RuntimeError as e:
+            errors.append(f"{name}: {e}")
+    ok = vocab_parallel_cross_entropy(logits, torch.tensor([[0, 1, -100], [2, 3, 7]]), group)  # ignore_index: fine
+    return errors, bool(torch.isfinite(ok))
+
+
+def test_ids_and_labels_past_the_vocabulary_fail_under_tensor_parallel_as_on_one_process():
+    """TP = 2: an id or label no rank owns was a zero embedding / zero target logit and a plausible loss (one process:
+    F.embedding raises). Now the same error on every rank, with no host sync (``torch._assert_async``)."""
+    from tests.spawn import run_ranks
+
+    for errors, finite in run_ranks(2, _out_of_vocab):
+        assert finite and all("outside [0, model.vocab_size=8)" in e for e in errors), errors

@@ -258,6 +258,13 @@ class RowParallelLinear(_TensorParallelModule):
         )
 
 
+def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
+    """Ids in [0, vocab), as one process's F.embedding / cross-entropy demand: sharded, an id no rank owns would be a
+    zero embedding or a zero target logit with a plausible loss. ``_assert_async``: no host sync (on a GPU a failure
+    is a device-side assert, as F.embedding's own)."""
+    torch._assert_async(((ids >= 0) & (ids < vocab)).all(), f"a {what} is outside [0, model.vocab_size={vocab})")
+
+
 class VocabParallelEmbedding(_TensorParallelModule):
     """Token embedding with the vocabulary split in T contiguous ranges (weight ``[V/T, d]``).
 
@@ -282,6 +289,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return F.embedding(ids, self.weight)
+        _check_ids(ids, self.vocab_size, "token id")  # (each rank masks the ids outside its range: one past V is 0)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -308,6 +316,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = group_rank(group) * v_local
         x = x - _all_reduce(x.max(dim=-1).values, group, dist.ReduceOp.MAX).unsqueeze(-1)
         valid = labels != ignore_index
+        _check_ids(labels.masked_fill(~valid, 0), v_local * group_world(group), "label")
         in_range = valid & (labels >= start) & (labels < start + v_local)
         local_labels = (labels - start).masked_fill(~in_range, 0)
         target = x.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
