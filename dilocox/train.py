@@ -481,7 +481,7 @@ class Trainer(TrainerState):
         # the save agrees over every rank of every replica: with several replicas it waits for a boundary where
         # an outer sync used the slow links anyway (the first at or after the due step), never between two
         crossed = self.outer is None or self.topo.R == 1 or self.outer.crossed_replicas
-        if ckpt_due and crossed and self.step < cfg.train.steps:
+        if ckpt_due and crossed and not self._last_step():  # (the last step: the final save, after outer.finish)
             ckpt_due = False
             self.save()
         return ckpt_due

@@ -100,6 +100,19 @@ def _resume_path_problem(r: str) -> str | None:
     return f"{what}{gone}; give RUN_DIR/checkpoints/step_XXXXXXXX or auto"
 
 
+def _readable_meta(ckpt_dir: str, newest: str) -> str:
+    """The newest complete step directory at or before ``newest`` whose COMPLETE.json reads (``newest`` itself when
+    none does: reading it then raises the error naming the file)."""
+    cands = [d for d in ckpt.complete_steps(ckpt_dir) if os.path.basename(d) <= os.path.basename(newest)]
+    for d in reversed(cands):
+        try:
+            ckpt.read_meta(d)
+            return d
+        except ckpt.CorruptCheckpointError:
+            continue
+    return newest
+
+
 class TrainerState:
     """State dict, checkpoints, resume and run-dir checks of :class:`dilocox.train.Trainer`."""
 
@@ -225,8 +238,10 @@ class TrainerState:
         if path is None:
             self._check_fresh_start()
             return
-        meta = ckpt.read_meta(path)
-        self._check_resume_config(path, meta)
+        # (auto with fallback: a damaged COMPLETE.json is load_latest's to pass over, like a damaged shard; the config
+        # is compared with the newest readable one's)
+        checked = _readable_meta(self.ckpt_dir, path) if r == "auto" and self.cfg.checkpoint.fallback else path
+        self._check_resume_config(checked, ckpt.read_meta(checked))
         expect = {k: v for k, v in self._layout().items() if k != "layout"}  # another layout: DCP reshards
         reader = _Reader(self)
         if r == "auto":  # verifies the files' hashes; on a damaged one falls back (all ranks alike) or stops

@@ -39,11 +39,13 @@ def load_keys(where: str, keep: Callable[[str], bool] = lambda k: True) -> dict[
     return want
 
 
-def full_tensors(step_dir: str, prefix: str) -> dict[str, torch.Tensor]:
-    """Every saved key under ``prefix/`` as a full tensor, by the rest of its key."""
+def full_tensors(step_dir: str, prefix: str, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every saved key under ``prefix/`` as a full tensor, by the rest of its key (``verify``: every file's hash
+    first; False only where the caller has just verified them)."""
     meta = read_meta(step_dir)
     check_meta(step_dir, meta, None)
-    verify_files(step_dir, meta)  # every file's hash (the index is then read by ``reader``)
+    if verify:
+        verify_files(step_dir, meta)  # every file's hash (the index is then read by ``reader``)
     for where in dcp_dirs(step_dir):
         md = reader(where).read_metadata().state_dict_metadata
         if any(k.startswith(prefix + "/") for k in md):
@@ -72,9 +74,10 @@ def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) ->
     model = full_tensors(step_dir, names.key("replica0", "model"))
     if not model:
         raise CheckpointError(f"{step_dir} holds no model state of replica 0")
-    outer = rank_rest(step_dir, 0).get("outer") or {}
+    rest = rank_rest(step_dir, 0)
+    outer = rest.get("outer") or {}
     method = outer.get("method", meta.get("method"))
-    if outer and not allow_replica_params and not meta.get("final", False) and not _is_final(step_dir):
+    if outer and not allow_replica_params and not meta.get("final", False) and not _is_final(step_dir, model, rest):
         raise CheckpointError(
             f"{step_dir} is a mid-run checkpoint of outer.method={method!r}: its model state is replica 0's "
             "local params, not the outer params θ (the final model). Export the final checkpoint of the run, or pass "
@@ -83,13 +86,31 @@ def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) ->
     return model
 
 
-def _is_final(step_dir: str) -> bool:
-    """Whether this step is the run's last (``train.steps`` of the run's config.yaml)."""
+def _is_final(step_dir: str, model: dict[str, torch.Tensor], rest: dict) -> bool:
+    """Whether this step is the run's last: at ``train.steps`` of the run's config.yaml, or at its
+    ``train.max_tokens`` (saved tokens_seen) with the params set to θ by ``outer.finish()`` (a save of
+    ``checkpoint.every`` at that step, before the finish, holds replica-local params)."""
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
     step = int(read_meta(step_dir).get("step", -1))
     cfg_path = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(cfg_path):
-        from dilocox.config import load_config
+    if not os.path.exists(cfg_path):
+        return False
+    from dilocox.config import load_config
 
-        return step >= load_config(cfg_path).train.steps
-    return False
+    train = load_config(cfg_path).train
+    if step >= train.steps:
+        return True
+    ended = bool(train.max_tokens) and int(rest.get("tokens_seen", 0)) >= train.max_tokens
+    return ended and _params_are_theta(step_dir, model, rest.get("outer") or {})
+
+
+def _params_are_theta(step_dir: str, model: dict[str, torch.Tensor], outer: dict) -> bool:
+    """Whether the saved model IS the outer params θ, with no all-reduce in flight (replica-local params, the steps
+    since the last sync, differ from θ)."""
+    if any(outer.get("pending") or []):
+        return False
+    theta = full_tensors(step_dir, names.key("replica0", "outer", "theta"), verify=False)  # (final_model verified)
+    return bool(theta) and all(
+        n in model and model[n].shape == t.shape and torch.equal(model[n], t.to(model[n].dtype))
+        for n, t in theta.items()
+    )

@@ -128,13 +128,18 @@ def complete_steps(ckpt_dir: str) -> list[str]:
 
 
 def find_latest(ckpt_dir: str) -> str | None:
-    """The step directory named by ``latest`` if it is complete, else the newest complete one."""
+    """The step directory named by ``latest`` if it is a complete ``step_XXXXXXXX``, else the newest complete one.
+    (A name edited by hand, ``step_00000006/`` or a set-aside ``step_00000006.superseded``, is ignored: a resume
+    reads the step from the directory's name.)"""
     latest = os.path.join(ckpt_dir, "latest")
-    if os.path.exists(latest):
-        with open(latest) as f:
-            name = f.read().strip()
+    if os.path.isfile(latest):
+        try:
+            with open(latest, errors="replace") as f:
+                name = f.read(256).strip().rstrip("/")
+        except OSError:
+            name = ""
         cand = os.path.join(ckpt_dir, name)
-        if os.path.exists(os.path.join(cand, "COMPLETE.json")):
+        if _STEP_RE.match(name) and os.path.exists(os.path.join(cand, "COMPLETE.json")):
             return cand
     steps = complete_steps(ckpt_dir)
     return steps[-1] if steps else None
@@ -152,6 +157,13 @@ def _step_of(step_dir: str) -> int:
 def read_meta(step_dir: str) -> dict:
     path = os.path.join(step_dir, "COMPLETE.json")
     if not os.path.exists(path):
+        if not os.path.isdir(step_dir):
+            raise CheckpointError(f"{step_dir} does not exist (or is not a directory); give a step_XXXXXXXX directory")
+        if steps := complete_steps(step_dir):
+            raise CheckpointError(
+                f"{step_dir} is a directory of checkpoints, not one checkpoint; give one of its step directories, "
+                f"e.g. {steps[-1]}"
+            )
         raise CheckpointError(
             f"{step_dir} is not a complete checkpoint (no COMPLETE.json): it was interrupted while "
             "saving; resume from an earlier step directory"
@@ -180,8 +192,16 @@ def verify_files(step_dir: str, meta: dict, rank: int = 0, world_size: int = 1) 
     rest = sorted(n for n in files if n not in index)
     for name in index + rest[rank::world_size]:
         rec, path = files[name], os.path.join(step_dir, name)
+        norm = os.path.normpath(name)
+        if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):  # (/dev/zero: hashed forever)
+            raise CorruptCheckpointError(
+                f"{os.path.join(step_dir, 'COMPLETE.json')} lists {name[:200]!r}, not a file of the checkpoint's own "
+                "directory: it was not written by dilocox (or is damaged); resume from an earlier step directory"
+            )
         if not os.path.exists(path):
             raise CorruptCheckpointError(f"checkpoint file {path} is missing (COMPLETE.json lists it)")
+        if not os.path.isfile(path):
+            raise CorruptCheckpointError(f"checkpoint file {path} is not a regular file (COMPLETE.json lists it)")
         size = os.path.getsize(path)
         if size != rec["bytes"]:
             raise CorruptCheckpointError(

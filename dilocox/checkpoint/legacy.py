@@ -150,11 +150,34 @@ def _replica_of(key: str, per_replica: int) -> int:
     return int(head[len("replica") :]) if head.startswith("replica") else int(head[len("rank") :]) // per_replica
 
 
+def finish_interrupted(path: str) -> list[str]:
+    """Complete the swap of a conversion that was killed between moving the old step directory aside
+    (``<step dir>.pre-dcp``) and moving the converted one in (``<step dir>.dcp-tmp``, complete): until then the step
+    has no directory, and neither a resume nor ``convert`` sees it. ``path``: a checkpoint dir or one step dir.
+    Returns the step directories moved into place."""
+    norm = os.path.normpath(path)
+    one = os.path.basename(norm).startswith("step_") and not os.path.isdir(norm)  # (a step dir, gone meanwhile)
+    parent, name = (os.path.dirname(norm), os.path.basename(norm)) if one else (norm, None)
+    done = []
+    for n in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        step = n[: -len(".dcp-tmp")]
+        if not n.endswith(".dcp-tmp") or (name is not None and step != name):
+            continue
+        staged, step_dir = os.path.join(parent, n), os.path.join(parent, step)
+        complete = os.path.exists(os.path.join(staged, "COMPLETE.json"))
+        if complete and not os.path.exists(step_dir) and os.path.isdir(step_dir + ".pre-dcp"):
+            os.rename(staged, step_dir)
+            done.append(step_dir)
+    return done
+
+
 def convert(path: str) -> list[str]:
-    """Convert every earlier-format step directory under ``path`` (a checkpoint dir, or one step dir)."""
+    """Convert every earlier-format step directory under ``path`` (a checkpoint dir, or one step dir); a conversion
+    interrupted in its final swap is completed first (and counted as converted)."""
     from dilocox.checkpoint.layout import complete_steps
 
+    resumed = finish_interrupted(path)
     steps = [path] if os.path.exists(os.path.join(path, "COMPLETE.json")) else complete_steps(path)
     if not steps:
         raise CheckpointError(f"{path}: no complete checkpoint (a step_XXXXXXXX dir with COMPLETE.json) to convert")
-    return [convert_step(s) for s in steps if is_legacy(s)]
+    return resumed + [convert_step(s) for s in steps if is_legacy(s)]

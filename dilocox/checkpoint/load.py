@@ -275,8 +275,9 @@ def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = 
     ``latest``. ``latest`` names ``step_dir`` when it is in ``ckpt_dir``. Returns the new names."""
     step = int(read_meta(step_dir).get("step", -1))
     later = [d for d in complete_steps(ckpt_dir) if _step_of(d) > step]
-    if later and os.path.dirname(os.path.abspath(step_dir)) == os.path.abspath(ckpt_dir):  # first: a crash between
-        _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(step_dir) + "\n")  # leaves it right
+    here = os.path.abspath(step_dir)  # (a path given with a trailing "/": latest names the directory, not "")
+    if later and os.path.dirname(here) == os.path.abspath(ckpt_dir):  # first: a crash between leaves it right
+        _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(here) + "\n")
     moved = []
     for d in later:
         dest = d + ".superseded"
