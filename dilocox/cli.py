@@ -443,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dilocox {argv[0]}: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return 2
     except Exception as e:
+        if type(e).__name__ == "ReportedCommError":  # (a failed collective: its one line is logged already)
+            return 1
         if (kind := _error_kind(e)) is None:
             raise
         print(f"{kind[0]}{where}: {e}", file=sys.stderr)

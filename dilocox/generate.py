@@ -61,14 +61,30 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
 
 
 def run_tokenizer(cfg):
-    """The tokenizer a run trained with (byte, or its BPE from the prepared data directory)."""
-    if cfg.data.tokenizer == "byte":
-        from dilocox.data.tokenizer import ByteTokenizer
+    """The tokenizer a run trained with: bytes; a model's own (``data.tokenizer=hf:PATH``: read from PATH, no corpus
+    needed); or the BPE of the run's prepared data under ``data.cache_dir``. Where that is missing (another current
+    directory than the run's with a relative cache_dir, a deleted cache, a corpus changed since) the corpus is
+    prepared again, with a note on stderr: a corpus that changed gives another BPE than the one the model learned."""
+    from dilocox.data.tokenizer import PRETRAINED, BPETokenizer, ByteTokenizer, pretrained_path
 
+    data = cfg.data
+    if data.tokenizer == "byte":
         return ByteTokenizer()
+    if data.tokenizer.startswith(PRETRAINED):
+        return BPETokenizer.from_file(pretrained_path(data.tokenizer))
     from dilocox.data import prepare
+    from dilocox.data.prepare import default_out_dir
 
-    return prepare(cfg.data).tokenizer()
+    if data.source != "memmap" and not os.path.exists(os.path.join(out := default_out_dir(data), "meta.json")):
+        print(
+            f"note: the run's tokenized data is not at {out} (data.cache_dir={data.cache_dir!r}, read from the "
+            f"current directory when relative, and data.path={data.path!r} as it is now): preparing it again to "
+            "rebuild the run's BPE tokenizer; if the corpus changed since the run, that BPE is not the one the model "
+            "was trained with",
+            file=sys.stderr,
+            flush=True,
+        )
+    return prepare(data).tokenizer()
 
 
 class _HFTokenizer:
@@ -81,7 +97,8 @@ class _HFTokenizer:
 
         self.tok = Tokenizer.from_file(path)
         self.kind = "bpe"
-        self.vocab_size = self.tok.get_vocab_size()
+        # the largest id + 1 (as BPETokenizer): the ids below it are the ones :func:`sample` may draw
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eot_id = eot_id_of(self.tok)
 
     def encode(self, text: str) -> list[int]:
@@ -124,8 +141,12 @@ def sample(
     top_k: int = 0,
     seed: int = 0,
     stop_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """Continue ``ids`` by up to ``max_new_tokens`` tokens, stopping after ``stop_id`` (see the module docstring)."""
+    """Continue ``ids`` by up to ``max_new_tokens`` tokens, stopping after ``stop_id`` (see the module docstring).
+
+    ``vocab_size``: the tokenizer's; ids at or above it (a model vocabulary padded past the tokenizer's, e.g.
+    ``--model.vocab_size=512`` with the 256 bytes) have no text and are never drawn."""
     check_sampling(max_new_tokens, temperature, top_k)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
@@ -136,6 +157,8 @@ def sample(
     for _ in range(max_new_tokens):
         x = torch.tensor([out[-ctx:]], dtype=torch.long, device=device)
         logits = model(x)[0, -1].float()
+        if vocab_size is not None and 0 < vocab_size < logits.numel():
+            logits = logits[:vocab_size]
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -168,9 +191,26 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--device {a.device}: CUDA is not available on this machine; use --device cpu")
         model, tok, _ = load_model(a.path, a.device, a.replica_params)
         stop = None if a.no_stop else getattr(tok, "eot_id", None)
-        new = sample(model, tok.encode(a.prompt), a.max_new_tokens, a.temperature, a.top_k, a.seed, stop)
+        ids = prompt_ids(tok, a.prompt)
+        vocab = getattr(tok, "vocab_size", None)
+        new = sample(model, ids, a.max_new_tokens, a.temperature, a.top_k, a.seed, stop, vocab)
+        # a byte model's text is its bytes: decoded whole, a character cut between the prompt and the rest is kept
+        text = tok.decode(ids + new) if tok.kind == "byte" else a.prompt + tok.decode(new)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(a.prompt + tok.decode(new) + "\n")
+    sys.stdout.write(text + "\n")
     return 0
+
+
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """The token ids of ``--prompt``. Command-line bytes that are not UTF-8 reach Python as surrogates (PEP 383): a
+    byte-level model takes those bytes as they are (all 256 are in its vocabulary); another tokenizer needs text."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(prompt)
+        if tok.kind == "byte":
+            return list(raw)
+        raise ValueError(f"--prompt {raw!r} is not UTF-8 text, which this model's tokenizer needs") from None
+    return tok.encode(prompt)

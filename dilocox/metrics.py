@@ -7,7 +7,9 @@ stdout as one line::
 
     step 120/400 | loss 2.3141 | lr 3.9e-04 | gnorm 0.412 | 5,321 tok/s | mfu - | outer 3 H 40 sent 1.2 MB ...
 
-On a TTY the line is redrawn in place (a progress bar) between full log lines.
+On a TTY a progress bar is redrawn in place between full log lines. It moves when records arrive: the trainer
+hands them over every ``log.every`` steps (the losses are read there, with no host sync in between), so the bar
+jumps by ``log.every`` steps at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from typing import Any
 
 import torch
 
-from dilocox.trackers import WandbTracker
+from dilocox.config import ConfigError
+from dilocox.trackers import TrackerError, WandbTracker
+
+
+class WandbStartError(ConfigError, TrackerError):
+    """W&B could not start for ``log.wandb=true``: the command prints the one line (``config error: ...``, exit 2)."""
+
 
 # Dense bf16 peak of the accelerators we report MFU against (vendor datasheets).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -114,8 +122,11 @@ class MetricsLogger:
         self.purge_step: int | None = None
 
     def resume_at(self, step: int) -> None:
-        """Records after ``step`` from an earlier run are being dropped: TensorBoard purges its events past it too."""
-        self.purge_step = step
+        """Records after ``step`` from an earlier run are being dropped: TensorBoard purges its events past it too.
+
+        (TensorBoard's ``purge_step`` hides the events AT that step and later, so it is ``step + 1``: the resumed
+        step's own events, written before its checkpoint, stay and are not written again.)"""
+        self.purge_step = step + 1
 
     def prepare(self) -> None:
         """Do the slow part of opening now, writing no record: import TensorBoard's writer (about a second) and start
@@ -134,7 +145,10 @@ class MetricsLogger:
         """The W&B run, once (``prepare`` or the first record): named after the run dir (and a SWARM peer's name)."""
         run_dir, _, _, wandb_project, config = self._sinks
         if wandb_project is not None and self.wandb is None:
-            self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
+            try:
+                self.wandb = WandbTracker(run_dir, wandb_project, config, None if self.name == "metrics" else self.name)
+            except TrackerError as e:
+                raise WandbStartError(str(e)) from e
 
     def _open(self) -> None:
         self._opened = True

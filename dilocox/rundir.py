@@ -29,6 +29,7 @@ import fcntl
 import json
 import os
 import secrets
+import shlex
 import socket
 import time
 from collections.abc import Callable
@@ -251,8 +252,8 @@ def finished_message(step: int, tokens_seen: int, cfg: Config, source: str, skip
         rd = cfg.log.run_dir
         return (
             f"already finished: see {rd} (its checkpoint {source} is already at {what}; nothing was trained); "
-            f"plots: `dilocox report {rd}`. To train further raise --train.steps (now {cfg.train.steps}); to start "
-            f"over use a new --log.run_dir"
+            f"plots: `dilocox report {shlex.quote(rd)}`. To train further raise --train.steps (now {cfg.train.steps}); "
+            f"to start over use a new --log.run_dir"
         )
     return (
         f"the checkpoint resumed from ({source}) is already at {what}: this run is finished and nothing was "

@@ -18,6 +18,11 @@ WANDB_MISSING = (
 )
 
 
+class TrackerError(RuntimeError):
+    """``log.wandb=true`` but W&B cannot start (not importable, not logged in, no network); the message names the
+    fix. :class:`dilocox.metrics.MetricsLogger` raises it as a ``ConfigError`` (one line, exit 2, no traceback)."""
+
+
 def _scalars(record: dict, skip: tuple[str, ...] = ()) -> dict[str, float]:
     return {
         k: v
@@ -36,17 +41,30 @@ class WandbTracker:
         try:
             import wandb  # lazy on purpose: an optional dependency, imported only when log.wandb is true
         except ImportError as e:
-            raise RuntimeError(WANDB_MISSING) from e
+            raise TrackerError(WANDB_MISSING) from e
+        except Exception as e:  # noqa: BLE001 - installed but broken (e.g. a protobuf it cannot use)
+            raise TrackerError(
+                f"log.wandb=true, but the installed wandb package fails to import ({type(e).__name__}: {e}); "
+                "reinstall it (pip install -U wandb) or set --log.wandb=false"
+            ) from e
         os.makedirs(run_dir, exist_ok=True)
         name = os.path.basename(os.path.normpath(os.path.abspath(run_dir))) + (f"-{part}" if part else "")
         # init_timeout: the wait for wandb's service process is bounded (seconds)
-        self.run = wandb.init(
-            project=project,
-            name=name,
-            dir=run_dir,
-            config=config or {},
-            settings=wandb.Settings(init_timeout=120, console="off"),
-        )
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                dir=run_dir,
+                config=config or {},
+                settings=wandb.Settings(init_timeout=120, console="off"),
+            )
+        except Exception as e:  # noqa: BLE001 - wandb's own errors (no API key, no network, a bad project name)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise TrackerError(
+                f"log.wandb=true, but the W&B run did not start ({type(e).__name__}: {first}): run `wandb login`, "
+                "or set WANDB_MODE=offline to record without a network (`wandb sync` uploads later), or set "
+                "--log.wandb=false"
+            ) from e
 
     def log(self, record: dict) -> None:
         if "step" in record:

@@ -451,6 +451,7 @@ class Trainer(TrainerState):
             rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * self.topo.world_size)
         if self.outer is not None:
             rec.update(self.outer.stats)
+        rec["time"], rec["wall"] = round(now - self.logger.t0, 3), round(now, 3)  # the step ran (written in batches)
         printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.steps
         self.history.append(rec)
         self._unlogged.append((rec, printed))
@@ -572,7 +573,7 @@ def train(cfg: Config) -> dict:
         if not msg:
             raise
         signals.exit_watchdog(signals.CommTimeoutError(msg))  # its one line (no traceback); bounds the clean-up
-        raise SystemExit(1) from None
+        raise signals.ReportedCommError(msg) from None
     finally:
         stall.stop()
         if not ok and trainer.device.type == "cpu":  # the records since the last log step (on a GPU, reading them

@@ -30,6 +30,7 @@ from dilocox.config.checks import (
     check_trackers,
     check_train,
 )
+from dilocox.config.combos import check_combos, check_swarm_outer
 from dilocox.config.sections import (
     CheckpointConfig,
     CompressConfig,
@@ -71,7 +72,8 @@ def validate(cfg: Config) -> None:
 
     Order: each field's own value, trackers, the model against the parallel layout, batching,
     data, the outer loop, compression, the inner optimizer, the eval schedule, the elastic
-    section (when enabled), the swarm section."""
+    section (when enabled), the swarm section, security, then the combinations that would
+    silently ignore a key (``combos.check_combos``)."""
     check_field_values(cfg)
     check_trackers(cfg.log)
     check_model_layout(cfg.model, cfg.parallel)
@@ -92,6 +94,7 @@ def validate(cfg: Config) -> None:
     check_swarm(cfg.swarm, cfg.outer)
     check_swarm_activations(cfg.swarm, cfg.model)
     check_security(cfg.security)
+    check_combos(cfg)  # keys a combination would silently ignore (combos.py)
 
 
 def validate_swarm_layout(cfg: Config) -> None:
@@ -106,3 +109,4 @@ def validate_swarm_layout(cfg: Config) -> None:
         _fail("swarm.microbatch_size", s.microbatch_size, f"must divide train.batch_size={cfg.train.batch_size}")
     if cfg.outer.norm_check:
         _fail("outer.norm_check", cfg.outer.norm_check, "is not supported by SWARM's stage sync yet; set it to 0")
+    check_swarm_outer(cfg)

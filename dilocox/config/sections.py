@@ -137,10 +137,10 @@ class DataConfig:
 class OptimConfig:
     """Inner optimizer (AdamW) and its schedule."""
 
-    lr: float = 4e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant | linear
+    lr: float = 4e-4  # the peak: reached at the end of the warm-up
+    min_lr_ratio: float = 0.1  # the floor, lr * min_lr_ratio: reached at the last step (train.steps - 1)
+    warmup_steps: int = 20  # linear from lr / warmup_steps at step 0 to lr at step warmup_steps - 1
+    schedule: str = "cosine"  # cosine | constant | linear: the decay from the warm-up's end to the floor
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -215,7 +215,8 @@ class OuterConfig:
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
     shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the
     # slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs
-    # all (D x the bytes)
+    # all (D x the bytes). The DiLoCo family only: allreduce and cocktailsgd average every step's gradients from
+    # every DP rank either way
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     timeout_s: float = 600.0  # bound on every wait across replicas (outer all-reduce, world-wide agreements); then
     # every rank exits non-zero

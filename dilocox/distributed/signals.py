@@ -49,6 +49,11 @@ class CommTimeoutError(RuntimeError):
     """A wait on another rank or replica passed its configured timeout (or its collective failed)."""
 
 
+class ReportedCommError(CommTimeoutError):
+    """A failed collective whose one line this rank already logged (:func:`exit_watchdog`): ``dilocox`` exits 1 on it
+    without a second line or a traceback."""
+
+
 class Interrupted(Exception):
     """Raised by the trainer after it stopped (and saved) at a step boundary because of a signal."""
 
