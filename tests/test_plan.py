@@ -195,7 +195,7 @@ def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == pytest.approx(bps)
 
 
-@pytest.mark.parametrize("bad", ["fast", "10 parsecs", "-1mbit", "0gbit", ""])
+@pytest.mark.parametrize("bad", ["fast", "10 parsecs", "-1mbit", "0gbit", "", "100", "0.5"])
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError, match="bandwidth"):
         parse_bandwidth(bad)

@@ -120,7 +120,9 @@ def _parse_delay(latency: str | None, jitter: str | None, loss: str | None) -> t
     except SwitchError as e:
         raise LaunchError(str(e)) from None
     if jitter_ms > rtt_ms:
-        raise LaunchError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+        raise LaunchError(
+            f"--jitter {jitter} is larger than --latency {latency or 0}: the spread must fit in the delay"
+        )
     return rtt_ms, jitter_ms, loss_p
 
 

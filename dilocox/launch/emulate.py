@@ -79,7 +79,7 @@ def launch(
     loss_p = parse_loss(loss)
     delayed = rtt_ms > 0 or jitter_ms > 0 or loss_p > 0
     if jitter_ms > rtt_ms:
-        raise ValueError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+        raise ValueError(f"--jitter {jitter} is larger than --latency {latency or 0}: the spread must fit in the delay")
     if replicas < 1 or per_replica_nproc < 1:
         raise ValueError(f"replicas={replicas} and per_replica_nproc={per_replica_nproc} must be >= 1")
     if emulation not in ("auto", "netns", "token-bucket"):

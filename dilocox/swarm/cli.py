@@ -117,7 +117,9 @@ def parse_delay(netns: bool, latency: str | None, jitter: str | None, loss: str 
     if any(out) and not netns:
         raise SwarmUsageError("--latency/--jitter/--loss need --netns (the delay switch runs in the hub namespace)")
     if out[1] > out[0]:
-        raise SwarmUsageError(f"--jitter {jitter} is larger than --latency {latency}: the spread must fit in the delay")
+        raise SwarmUsageError(
+            f"--jitter {jitter} is larger than --latency {latency or 0}: the spread must fit in the delay"
+        )
     return out
 
 
