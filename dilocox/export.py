@@ -53,7 +53,7 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
         full = final_model(step_dir, cfg.model, allow_replica_params)
     # a subspace-constrained model (model.subspace_rank) exports as the dense model with the same function
     full, mcfg = dense_state_dict(cfg.model, full), dataclasses.replace(cfg.model, subspace_rank=0)
-    hf.save_hf_dir(out_dir, mcfg, full, run_tokenizer(cfg))
+    hf.save_hf_dir(out_dir, mcfg, full, run_tokenizer(cfg, run_dir))
     return step_dir
 
 

@@ -47,7 +47,7 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
                 raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt_dir}; train first")
             full = final_model(step_dir, cfg.model, allow_replica_params)
         mcfg = cfg.model
-        tokenizer = run_tokenizer(cfg)
+        tokenizer = run_tokenizer(cfg, path)
     else:
         hf_dir = hf.resolve_hf_dir(path)
         mcfg = ModelConfig(**hf.model_fields_from_hf(hf.read_hf_config(hf_dir)))
@@ -60,16 +60,20 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
     return model, tokenizer, mcfg
 
 
-def run_tokenizer(cfg):
-    """The tokenizer a run trained with: bytes; a model's own (``data.tokenizer=hf:PATH``: read from PATH, no corpus
-    needed); or the BPE of the run's prepared data under ``data.cache_dir``. Where that is missing (another current
-    directory than the run's with a relative cache_dir, a deleted cache, a corpus changed since) the corpus is
-    prepared again, with a note on stderr: a corpus that changed gives another BPE than the one the model learned."""
+def run_tokenizer(cfg, run_dir: str | None = None):
+    """The tokenizer a run trained with: bytes; the copy the trainer kept in ``run_dir`` (``rundir.keep_tokenizer``);
+    a model's own (``data.tokenizer=hf:PATH``: read from PATH, no corpus needed); or the BPE of the run's prepared
+    data under ``data.cache_dir``. Where that is missing too (a run from before the kept copy, with another current
+    directory than the run's and a relative cache_dir, a deleted cache, a corpus changed since) the corpus is prepared
+    again, with a note on stderr: a corpus that changed gives another BPE than the one the model learned."""
     from dilocox.data.tokenizer import PRETRAINED, BPETokenizer, ByteTokenizer, pretrained_path
+    from dilocox.rundir import TOKENIZER
 
     data = cfg.data
     if data.tokenizer == "byte":
         return ByteTokenizer()
+    if run_dir and os.path.isfile(kept := os.path.join(run_dir, TOKENIZER)):
+        return BPETokenizer.from_file(kept)
     if data.tokenizer.startswith(PRETRAINED):
         return BPETokenizer.from_file(pretrained_path(data.tokenizer))
     from dilocox.data import prepare

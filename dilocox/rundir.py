@@ -1,7 +1,7 @@
 """The run directory's bookkeeping: one run at a time, resume policy, config history, metrics.
 
-A run dir (``log.run_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``rank_*.json`` and, by
-default, ``checkpoints/``. What this module guarantees:
+A run dir (``log.run_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``rank_*.json``, ``tokenizer.json``
+(BPE and hf:PATH runs) and, by default, ``checkpoints/``. What this module guarantees:
 
 - **One run per dir.** Rank 0 holds an exclusive ``flock`` on ``<run_dir>/run.lock`` for the
   whole run (the kernel drops it when the process dies, so a crash never leaves a stale lock).
@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -524,3 +525,16 @@ def _finish_move(path: str, discarded_path: str, staged: str, step: int, mark: b
 def write_rank_summary(run_dir: str, rank: int, coord: str, summary: dict) -> None:
     text = json.dumps({"rank": rank, "coord": coord, **summary})
     atomic_write_text(os.path.join(run_dir, f"rank_{rank:05d}.json"), text)
+
+
+TOKENIZER = "tokenizer.json"  # RUN_DIR/tokenizer.json: the run's BPE (bpe and hf:PATH runs), as it trained
+
+
+def keep_tokenizer(run_dir: str, prepared) -> None:
+    """Copy the prepared data's ``tokenizer.json`` (a BPE run's, or hf:PATH's) into the run dir, atomically, so that
+    `dilocox export`/`generate` read what the model learned, not a BPE rebuilt from a corpus that may have changed."""
+    name = prepared.meta.get("tokenizer_file")
+    if not name:  # (bytes: nothing to keep)
+        return
+    with atomic_path(os.path.join(run_dir, TOKENIZER)) as tmp:
+        shutil.copyfile(os.path.join(prepared.dir, name), tmp)

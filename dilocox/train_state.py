@@ -319,6 +319,7 @@ class TrainerState:
         if self.topo.rank == 0:
             hist = rundir.write_config_history(cfg.log.run_dir, to_yaml(cfg), self.step)
             self.logger.info(f"config saved to {hist} and config.yaml")
+            rundir.keep_tokenizer(cfg.log.run_dir, self.prepared)  # export/generate read the BPE the model learned
             if getattr(self, "_fresh_note", None):  # an earlier run's records, set aside: each step logged once
                 rundir.set_aside_metrics(cfg.log.run_dir)
                 self.logger.info(self._fresh_note)

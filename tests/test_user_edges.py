@@ -155,6 +155,36 @@ def test_run_tokenizer_says_when_it_prepares_the_corpus_again(tmp_path, capsys):
     assert "preparing it again" not in capsys.readouterr().err
 
 
+def test_export_takes_the_bpe_the_run_trained_with_after_its_corpus_changed(tmp_path):
+    """The trainer keeps RUN_DIR/tokenizer.json; export read the BPE of the corpus as it is now (prepared again when
+    the cache was gone or the corpus had changed: another tokenizer than the model's, without a word)."""
+    import shutil
+
+    from dilocox.export import export_run
+    from dilocox.train import Trainer
+    from tests.small_run import small_cfg
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 5)
+    run = tmp_path / "run"
+    bpe = ["--data.source=text", f"--data.path={corpus}", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300"]
+    t = Trainer(small_cfg(str(run), *bpe, "--data.max_bytes=null", "--model.vocab_size=512", steps=2))
+    try:
+        t.run()
+    finally:
+        if t.run_lock:
+            t.run_lock.release()
+    kept = (run / "tokenizer.json").read_bytes()
+    assert kept == open(os.path.join(t.prepared.dir, "tokenizer.json"), "rb").read()
+    shutil.rmtree(t.prepared.dir)  # the cache gone and the corpus changed: a rebuilt BPE would differ
+    for i in range(40):
+        (corpus / f"new{i:02d}.txt").write_text(f"class K{i}:\n    value = '{i * 7}'\n" * 9)
+    export_run(str(run), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == kept
+
+
 def test_finished_message_quotes_a_run_dir_with_spaces():
     """The command the "already finished" line suggests works when pasted: a run dir with a space is quoted."""
     from dilocox.rundir import finished_message

@@ -73,8 +73,13 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
+def _rank() -> str:
+    """This process's global rank for its log lines: torchrun's RANK, else SLURM's (plain ``srun``), else 0."""
+    return os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+
+
 def _rank_log(msg: str) -> None:
-    _log(f"[rank {os.environ.get('RANK', '0')}] {msg}")
+    _log(f"[rank {_rank()}] {msg}")
 
 
 # ---------------------------------------------------------------------------------------------- bounded waits
@@ -127,7 +132,7 @@ def exit_watchdog(err: BaseException, after_s: float = 15.0, code: int = 1) -> t
     e.g. in a collective or ``destroy_process_group`` with a dead peer), end it with ``os._exit``.
 
     The caller re-raises ``err`` and cleans up normally; the daemon thread only bounds that."""
-    rank = os.environ.get("RANK", "0")
+    rank = _rank()
     _log(f"[rank {rank}] error: {err}")
 
     def _fire() -> None:
@@ -267,11 +272,11 @@ class StopFlag:
     def _on_signal(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:  # second signal: the user does not want to wait for the save
-            _log(f"[rank {os.environ.get('RANK', '0')}] second signal ({name}): exiting now without a checkpoint")
+            _log(f"[rank {_rank()}] second signal ({name}): exiting now without a checkpoint")
             os._exit(128 + signum)
         self.signum = signum
         _log(
-            f"[rank {os.environ.get('RANK', '0')}] received {name}: stopping at the next step boundary agreed with "
+            f"[rank {_rank()}] received {name}: stopping at the next step boundary agreed with "
             f"every rank (the next outer sync's when there are several replicas) and saving a checkpoint (a second "
             f"signal exits at once)"
         )

@@ -7,7 +7,10 @@ dilocox_secret_file() {
   if [[ ! -e $path ]]; then
     key=$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \n')
     if [[ ${#key} -ne 64 ]]; then echo "could not read 32 random bytes for $path" >&2; return 2; fi
-    ( umask 077 && set -o noclobber && printf '%s\n' "$key" > "$path" ) 2>/dev/null || [[ -s $path ]] || return 2
+    if ! ( umask 077 && set -o noclobber && printf '%s\n' "$key" > "$path" ) 2>/dev/null && [[ ! -s $path ]]; then
+      echo "could not write the run secret $path (its directory must exist and be writable)" >&2
+      return 2
+    fi
   fi
   echo "$(cd "$(dirname "$path")" && pwd)/$(basename "$path")"
 }

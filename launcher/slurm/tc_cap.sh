@@ -8,7 +8,8 @@
 #   tc_cap.sh IFACE --show                 print the qdiscs and filters on IFACE
 #
 # RATE: 100mbit, 1gbit, 10Gbit/s or 1Gbps (all bits per second; note tc itself reads "mbps" as
-# megaBYTES, so the rate is converted to plain bit/s here). Needs root (CAP_NET_ADMIN).
+# megaBYTES, so the rate is converted to plain bit/s here); a bare number is bit/s, and refused below 1000.
+# Applying a cap again replaces the one there. Needs root (CAP_NET_ADMIN).
 # tc shapes kernel TCP/IP traffic only: InfiniBand/RoCE RDMA (NCCL over IB) bypasses it.
 set -euo pipefail
 
@@ -40,6 +41,7 @@ BITS=$(echo "$ACTION" | awk '{
   mult["kbit"] = 1e3; mult["kbps"] = 1e3; mult["mbit"] = 1e6; mult["mbps"] = 1e6
   mult["gbit"] = 1e9; mult["gbps"] = 1e9; mult["tbit"] = 1e12; mult["tbps"] = 1e12
   if (!(unit in mult) || num + 0 <= 0) exit 1
+  if (unit == "" && num + 0 < 1000) exit 1   # "100" would be 100 bit/s: a unit is wanted (as dilocox --bandwidth)
   printf "%.0f\n", num * mult[unit] }') || die "rate '$ACTION' is not like 100mbit, 1gbit, 10Gbit/s"
 # burst: at least 64 KiB (a GSO segment), else 2 ms at the rate; queue bounded at 100 ms
 BURST=$(awk -v b="$BITS" 'BEGIN { x = b / 8 * 0.002; if (x < 65536) x = 65536; printf "%.0f\n", x }')
@@ -49,8 +51,10 @@ if [[ $# -eq 0 ]]; then
   tc qdisc replace dev "$IFACE" root "${TBF[@]}"
   echo "tc_cap.sh: $IFACE egress capped at $BITS bit/s (all traffic)"
 else
-  # htb: traffic the filters do not match is "direct" (default 0: unshaped); matches go to 1:10
-  tc qdisc replace dev "$IFACE" root handle 1: htb default 0
+  # htb: traffic the filters do not match is "direct" (default 0: unshaped); matches go to 1:10. A root htb left by
+  # an earlier cap (a job killed hard) cannot be "replaced" by another (class and filters exist): remove it first.
+  tc qdisc del dev "$IFACE" root 2>/dev/null || true
+  tc qdisc add dev "$IFACE" root handle 1: htb default 0
   tc class add dev "$IFACE" parent 1: classid 1:10 htb rate "${BITS}bit" ceil "${BITS}bit" burst "$BURST" quantum 60000
   for dest in "$@"; do
     tc filter add dev "$IFACE" parent 1: protocol ip prio 1 u32 match ip dst "$dest" flowid 1:10
