@@ -10,8 +10,8 @@ import torch
 from dilocox import checkpoint as ckpt
 from dilocox.checkpoint import names
 from dilocox.checkpoint.full import final_model
-from dilocox.train import Trainer
 from tests.small_run import small_cfg
+from tests.test_resume_edges import _run
 
 
 def _save(d: str, step: int) -> str:
@@ -48,17 +48,6 @@ def test_a_rewind_given_with_a_trailing_slash_points_latest_at_it(tmp_path):
     ckpt.set_aside_later(d, os.path.join(d, "step_00000002") + "/", warn=lambda m: None)
     with open(os.path.join(d, "latest")) as f:
         assert f.read().strip() == "step_00000002"  # (it was "": the basename of ".../step_00000002/")
-
-
-def _run(cfg) -> Trainer:
-    t = Trainer(cfg)
-    try:
-        t.run()
-    finally:
-        if t.run_lock:
-            t.run_lock.release()
-        t.logger.close()
-    return t
 
 
 def test_a_damaged_complete_json_of_the_newest_checkpoint_falls_back(tmp_path):

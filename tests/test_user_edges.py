@@ -161,8 +161,8 @@ def test_export_takes_the_bpe_the_run_trained_with_after_its_corpus_changed(tmp_
     import shutil
 
     from dilocox.export import export_run
-    from dilocox.train import Trainer
     from tests.small_run import small_cfg
+    from tests.test_resume_edges import _run
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -170,12 +170,7 @@ def test_export_takes_the_bpe_the_run_trained_with_after_its_corpus_changed(tmp_
         (corpus / f"{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + 1\n" * 5)
     run = tmp_path / "run"
     bpe = ["--data.source=text", f"--data.path={corpus}", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300"]
-    t = Trainer(small_cfg(str(run), *bpe, "--data.max_bytes=null", "--model.vocab_size=512", steps=2))
-    try:
-        t.run()
-    finally:
-        if t.run_lock:
-            t.run_lock.release()
+    t = _run(small_cfg(str(run), *bpe, "--data.max_bytes=null", "--model.vocab_size=512", steps=2))
     kept = (run / "tokenizer.json").read_bytes()
     assert kept == open(os.path.join(t.prepared.dir, "tokenizer.json"), "rb").read()
     shutil.rmtree(t.prepared.dir)  # the cache gone and the corpus changed: a rebuilt BPE would differ
@@ -201,16 +196,11 @@ def test_a_records_time_is_when_its_step_ran_not_when_its_batch_was_written(tmp_
     import json
     import time
 
-    from dilocox.train import Trainer
     from tests.small_run import small_cfg
+    from tests.test_resume_edges import _run
 
-    t = Trainer(small_cfg(str(tmp_path / "run"), "--log.every=10", steps=10))
     t0 = time.time()
-    try:
-        t.run()
-    finally:
-        if t.run_lock:
-            t.run_lock.release()
+    _run(small_cfg(str(tmp_path / "run"), "--log.every=10", steps=10))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         recs = [r for r in map(json.loads, f) if "loss" in r and "step" in r]
     times = [r["time"] for r in recs]
