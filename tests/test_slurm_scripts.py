@@ -240,6 +240,18 @@ def test_swarm_sbatch_prints_the_whole_restart_command(tmp_path):
         assert peer == ["fakepython", *orig[:cut], "--join", *orig[cut:]], (peer, orig)  # the same, as a joiner
 
 
+def test_swarm_sbatch_stops_at_once_when_its_store_exits(tmp_path):
+    """The store's step died at start-up: swarm.sbatch waited its whole DILOCOX_WAIT_S (60 s by default) for a port
+    nothing would open; it now stops when the step ends, as elastic.sbatch does for its lighthouse."""
+    stubs = {"scontrol": SCONTROL, "srun": SRUN_ONE_NODE, "fakepython": "exit 1"}
+    env = dict(FAKE_HOSTS="127.0.0.1", SLURM_JOB_NODELIST="fake", DILOCOX_RUN_DIR=str(tmp_path / "run"),
+               DILOCOX_SWARM_PEERS="1,1", DILOCOX_WAIT_S="60", DILOCOX_STORE_PORT="1", PYTHON="fakepython")  # fmt: skip
+    t0 = time.monotonic()
+    p, _ = run_fake_sbatch(tmp_path, SWARM, stubs, ["configs/x.yaml"], env, timeout=50)
+    assert p.returncode == 1 and "the service for 127.0.0.1:1 exited" in p.stderr, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
+
+
 # --------------------------------------------------------------------------- tc_cap.sh
 
 
