@@ -41,6 +41,7 @@ def test_config_yaml_written_by_slurm_rank0_only(tmp_path, monkeypatch):
         t = T.Trainer.__new__(T.Trainer)  # only what _begin_run reads: no process group needed
         t.cfg, t.step, t.tokens_seen, t.resumed_from = small_cfg(run_dir), 0, 0, None
         t.topo = types.SimpleNamespace(rank=env_rank_world()[0])
+        t.prepared = types.SimpleNamespace(meta={}, dir=None)  # (byte data: no tokenizer.json to keep)
         t.logger = MetricsLogger(str(run_dir), enabled=False, total_steps=1)
         assert t._begin_run() is None
         assert (run_dir / "config.yaml").exists() == written, procid
