@@ -358,9 +358,6 @@ def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: Ada
             "does not combine with outer.overlap=eager (a replica left out has already applied its own pseudo-gradient "
             "locally); use overlap none or delayed, or set it to 0",
         )
-    if o.method in ("allreduce", "cocktailsgd") and (o.overlap != "none" or s.fragments > 1):  # (DiLoCo's syncs)
-        key, val = ("outer.overlap", o.overlap) if o.overlap != "none" else ("outer.streaming.fragments", s.fragments)
-        _fail(key, val, f"has no effect with outer.method={o.method!r} (DiLoCo family only); remove it or set diloco")
 
 
 def check_compress(c: CompressConfig) -> None:

@@ -26,6 +26,8 @@ def check_combos(cfg: Any) -> None:
         check_streaming_mix(cfg.outer)
     if cfg.outer.method in ("diloco", "allreduce"):
         check_collective(cfg.compress)
+    if cfg.outer.method in _PER_STEP:
+        check_per_step_schedule(cfg.outer)
     check_without_outer_method(cfg.outer)
     check_data_path(cfg.data)
 
@@ -53,6 +55,15 @@ def check_streaming_mix(o: OuterConfig) -> None:
             "sync); stream (fragments > 1 or tau >= 1) or remove it"
         )
         _fail("outer.streaming.alpha", s.alpha, f"has no effect with {why}")
+
+
+def check_per_step_schedule(o: OuterConfig) -> None:
+    """``outer.overlap`` and ``outer.streaming.fragments`` shape the DiLoCo family's syncs; allreduce and cocktailsgd
+    average every step's gradients (outer/gradsync.py)."""
+    s = o.streaming
+    if o.overlap != "none" or s.fragments > 1:
+        key, val = ("outer.overlap", o.overlap) if o.overlap != "none" else ("outer.streaming.fragments", s.fragments)
+        _fail(key, val, f"has no effect with outer.method={o.method!r} (DiLoCo family only); remove it or set diloco")
 
 
 def check_collective(c: CompressConfig) -> None:
