@@ -107,10 +107,16 @@ import json, sys
 name, path = sys.argv[1], sys.argv[2]
 recs = [json.loads(line) for line in open(path)]
 steps = [r for r in recs if "step" in r and "tokens_per_s" in r]
-tail = steps[len(steps) // 2:]  # the steady half (the first steps pay the allocator and cuBLAS warm-up)
-tps = sum(r["tokens_per_s"] for r in tail) / len(tail)
-mfu = [r["mfu"] for r in tail if r.get("mfu") is not None]
-print(f"{name}: steady tokens/s {tps:,.0f}; MFU {sum(mfu) / len(mfu):.3f}" if mfu else f"{name}: tokens/s {tps:,.0f}",
+# the steady half (the first steps pay the allocator and cuBLAS warm-up), timed between two log steps: only there
+# does the trainer wait for the GPU (it reads the loss every log.every = 10 steps), so a step in between is timed
+# when it was queued, and the mean of per-step rates would overstate the speed
+synced = [r for r in steps if r["step"] % 10 == 0]
+a, b = synced[len(synced) // 2 - 1], synced[-1]
+tps = (b["step"] - a["step"]) * 16 * 1024 / (b["time"] - a["time"])  # GPT2S: 16 x 1,024 tokens a step
+tail = [r for r in steps if a["step"] < r["step"] <= b["step"]]
+mfu = [r["mfu"] / r["tokens_per_s"] * tps for r in tail if r.get("mfu") is not None]  # (MFU is linear in tokens/s)
+print(f"{name}: steady tokens/s {tps:,.0f} (steps {a['step'] + 1}-{b['step']}); MFU {sum(mfu) / len(mfu):.3f}"
+      if mfu else f"{name}: tokens/s {tps:,.0f}",
       f"; loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}; outer steps {steps[-1].get('outer_step')}")
 EOF
 }

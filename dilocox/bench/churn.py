@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -191,7 +192,7 @@ def markdown(res: dict) -> str:
         f"{len(u.get('outer_steps_differing', []))} | {c.get('outer_steps_compared', '—')} / "
         f"{len(c.get('outer_steps_differing', []))} |",
         f"| rejoin: event → first outer step, median (max) over {len(med)} | — | "
-        f"{_f(med[len(med) // 2] if med else None, '.1f')} s ({_f(med[-1] if med else None, '.1f')} s) |",
+        f"{_f(statistics.median(med) if med else None, '.1f')} s ({_f(med[-1] if med else None, '.1f')} s) |",
         f"| final val loss | {_f(u.get('final_val_loss'), '.4f')} | {_f(c.get('final_val_loss'), '.4f')} "
         f"({_f(res.get('loss_vs_equal_tokens_pct'), '+.2f')} % vs undisturbed at equal tokens; target within 1 %) |",
         "",

@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -165,8 +166,8 @@ def analyze(run: dict, tokens_per_step: int, victim: int) -> dict:
         before = [t for t in ups if t <= tk]
         gaps = sorted(b - a for a, b in zip(before, before[1:]))
         if gaps and nxt is not None:
-            medians.append(gaps[len(gaps) // 2])
-            extras.append(nxt - before[-1] - gaps[len(gaps) // 2])
+            medians.append(statistics.median(gaps))
+            extras.append(nxt - before[-1] - medians[-1])
     out["kill_t"] = tk - first_start
     out["kill_to_next_outer_s"] = None if None in nexts else max(nexts) - tk
     out["outer_interval_s"] = max(medians) if medians else None  # median outer-step interval before the kill

@@ -26,7 +26,7 @@ import time
 
 from dilocox.bench.frontier import CORPORA, LEVERS, POINTS
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import has_loss, machine_line, write_results
+from dilocox.bench.runner import has_loss, loss_gap_pct, machine_line, write_results
 
 DEFAULT_POINTS = "allreduce,streaming H=20 K=2 fp32,dilocox"
 H_BASE = 20
@@ -138,8 +138,9 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """Gap to all-reduce against replicas: one line per (width, point), the point as the marker."""
+def plot(rows: list[dict], path: str) -> list[str]:
+    """Gap to all-reduce against replicas: one line per (width, point), the point as the marker (markers and line
+    styles repeat past 5 points and 4 widths: every line is drawn). Returns the lines' labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,13 +149,15 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     labels = [lb for lb in dict.fromkeys(r["label"] for r in rows) if lb != "allreduce"]
     widths = sorted({r["width"] for r in rows})
-    for label, marker in zip(labels, "osD^v"):
-        for width, ls in zip(widths, ("-", "--", ":", "-.")):
+    drawn = []
+    for i, label in enumerate(labels):
+        for j, width in enumerate(widths):
             pts = sorted((r for r in rows if r["label"] == label and r["width"] == width
                           and "loss_vs_allreduce_pct" in r), key=lambda r: r["replicas"])  # fmt: skip
             if pts:
-                ax.plot([r["replicas"] for r in pts], [r["loss_vs_allreduce_pct"] for r in pts], marker=marker,
-                        linestyle=ls, label=f"{label}, d={width}")  # fmt: skip
+                drawn.append(f"{label}, d={width}")
+                ax.plot([r["replicas"] for r in pts], [r["loss_vs_allreduce_pct"] for r in pts], marker="osD^v"[i % 5],
+                        linestyle=("-", "--", ":", "-.")[j % 4], label=drawn[-1])  # fmt: skip
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("replicas (equal global batch and tokens)")
@@ -165,6 +168,27 @@ def plot(rows: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return drawn
+
+
+def regap(rows: list[dict]) -> list[dict]:
+    """Each row's gap and byte ratio against the all-reduce row of its own cell (width, replicas), as
+    ``methods.run`` computes them within one sweep: after ``--merge`` a cell may hold rows of two sweeps, and a row
+    kept from one must not carry its gap to an all-reduce row the other sweep replaced."""
+    for r in rows:
+        if "failed" in r:
+            continue
+        base = next((b for b in rows if (b["width"], b["replicas"]) == (r["width"], r["replicas"])
+                     and b["label"] == "allreduce" and "failed" not in b), None)  # fmt: skip
+        r.pop("loss_vs_allreduce_pct", None)
+        r.pop("bytes_ratio_vs_allreduce", None)
+        if base is None:
+            continue
+        gap = loss_gap_pct(r, base)
+        if gap is not None:
+            r["loss_vs_allreduce_pct"] = gap
+        r["bytes_ratio_vs_allreduce"] = base["bytes_sent_per_replica"] / max(1, r["bytes_sent_per_replica"])
+    return rows
 
 
 def _read(out: str) -> tuple[dict, list[dict]]:
@@ -215,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r for r in rows if (r["width"], r["replicas"], r["label"]) not in keys] + more
             meta["wall_min"] = meta.get("wall_min", 0.0) + more_meta.get("wall_min", 0.0)
         rows.sort(key=lambda r: (r["width"], r["replicas"]))
+        if a.merge:
+            regap(rows)  # (a merged cell: every gap against the all-reduce row it shows)
         write_results(a.out, {"meta": meta, "rows": rows}, markdown(rows, meta))
         plot(rows, os.path.join(a.out, "gap.png"))
         return 0

@@ -244,13 +244,14 @@ def _checked(p: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[dict[st
 
 def _append(p: argparse.ArgumentParser, a: argparse.Namespace, res: dict, peers: list[int]) -> None:
     """``--append``: keep the rows of ``--out``'s results.json that this run did not measure, and its command and
-    date next to this run's (a results.json of other --steps/--peers/--set exits 2)."""
+    date next to this run's (a results.json of other --steps/--H/--peers/--set exits 2: its rows' gaps would be
+    against another run's fp32 row, and the table names one H)."""
     prev = os.path.join(a.out, "results.json")
     if a.append and os.path.exists(prev):
         with open(prev) as f:
             old = json.load(f)
-        if (old.get("steps"), old.get("peers"), old.get("set")) != (a.steps, peers, list(a.set)):
-            p.error(f"--append: {prev} was measured with other --steps/--peers/--set; use another --out")
+        if (old.get("steps"), old.get("H"), old.get("peers"), old.get("set")) != (a.steps, a.H, peers, list(a.set)):
+            p.error(f"--append: {prev} was measured with other --steps/--H/--peers/--set; use another --out")
         done = {(r["corpus"], r["sync"], r["point"]) for r in res["rows"]}
         res["rows"] = [r for r in old["rows"] if (r["corpus"], r["sync"], r["point"]) not in done] + res["rows"]
         res["command"] = "; ".join([old["command"], res["command"]])
