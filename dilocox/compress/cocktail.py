@@ -43,7 +43,7 @@ import torch
 
 from dilocox.compress.codec import Wire, gather, solo_or
 from dilocox.compress.collectives import CommStats, nbytes
-from dilocox.compress.quant import Packed, dequantize, quantize
+from dilocox.compress.quant import Packed, dequantize, payload_nbytes, quantize
 from dilocox.seeding import mix_seed
 
 
@@ -213,6 +213,10 @@ class CocktailCodec:
 
     def __init__(self, cfg, sizes: int | Sequence[int], seed: int, device: torch.device | None = None) -> None:
         self.cfg, self.seed = cfg, seed
+        try:  # at start-up, not on the comm thread at the first step (int4 needs an even group_size)
+            payload_nbytes(cfg.quant, 1, cfg.group_size)
+        except ValueError as e:
+            raise ValueError(f"compress.quant={cfg.quant!r} with compress.group_size={cfg.group_size!r}: {e}") from None
         self.sizes = [int(sizes)] if isinstance(sizes, int) else [int(x) for x in sizes]
         self.error = torch.zeros(sum(self.sizes), dtype=torch.float32, device=device or torch.device("cpu"))
 

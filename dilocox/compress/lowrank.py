@@ -14,8 +14,8 @@ replica); the first Q is an orthonormalised Gaussian from a generator seeded by
 
 Choices where the algorithm is silent:
 
-- Only tensors with ≥ 2 dims whose ``(n + m)·r·2 < n·m / min_compression`` are factored
-  (n = dim 0, m = the product of the other dims). Eligibility is re-evaluated when the
+- Only tensors with ≥ 2 dims whose ``(n + m)·r·2 < n·m / min_compression`` and ``r < min(n, m)``
+  are factored (n = dim 0, m = the product of the other dims). Eligibility is re-evaluated when the
   rank changes; the rest go to plain quantization (the caller's job).
 - Wire layout: Pᵀ (r×n) and Q_mᵀ (r×m) flattened, i.e. each *column* of P and Q is
   contiguous, so a quantization group never mixes columns of different magnitude σ_j
@@ -62,7 +62,8 @@ def factorable(shape: torch.Size, rank: int, min_compression: float = 1.0) -> bo
     if len(shape) < 2 or rank < 1:
         return False
     n, m = as_matrix_shape(shape)
-    return (n + m) * rank * 2 < n * m / min_compression
+    # rank < min(n, m): a larger rank factors nothing (P̂ would be n×min(n, r)); min_compression < 0.5 allows it
+    return rank < min(n, m) and (n + m) * rank * 2 < n * m / min_compression
 
 
 def orthonormal_random(m: int, r: int, seed: int, basis: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,6 +96,8 @@ class PowerSGD:
         tensor draws the same Q and sketches whichever subset of tensors this instance holds."""
         if rank < 1:
             raise ValueError(f"compress.lowrank.rank={rank} must be >= 1")
+        if not (0.0 < float(min_compression) < math.inf):
+            raise ValueError(f"compress.lowrank.min_compression={min_compression} must be a finite number > 0")
         self.shapes = [torch.Size(s) for s in shapes]
         self.seed = int(seed)
         self.ids = list(ids) if ids is not None else list(range(len(self.shapes)))
@@ -125,7 +128,9 @@ class PowerSGD:
             if len(s) < 2:
                 continue
             n, m = as_matrix_shape(s)
-            r = max(0, int(n * m / self.min_compression / (2 * (n + m))) + 1)
+            if n * m == 0:  # an empty matrix is never factored (and n + m may be 0)
+                continue
+            r = min(min(n, m) - 1, int(n * m / self.min_compression / (2 * (n + m))) + 1)
             while r > 0 and not factorable(s, r, self.min_compression):
                 r -= 1
             best = max(best, r)

@@ -369,6 +369,13 @@ def check_compress(c: CompressConfig) -> None:
         _fail("compress.adaptive.h_min", a.h_min, f"exceeds compress.adaptive.h_max={a.h_max}")
     if not 0.0 < a.energy_eps < 1.0:
         _fail("compress.adaptive.energy_eps", a.energy_eps, "must be in (0, 1)")
+    for name in ("rank_min", "h_min"):
+        if getattr(a, name) < 1:
+            _fail(f"compress.adaptive.{name}", getattr(a, name), "must be >= 1")
+    if not 0.0 < c.lowrank.min_compression < math.inf:
+        _fail("compress.lowrank.min_compression", c.lowrank.min_compression, "must be a finite number > 0, e.g. 1")
+    if c.quant == "int4" and c.group_size % 2:
+        _fail("compress.group_size", c.group_size, "must be even with compress.quant=int4 (two values a byte)")
     for name in ("random_fraction", "topk_fraction"):
         v = getattr(c, name)
         if not 0.0 < v <= 1.0:
