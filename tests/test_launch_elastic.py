@@ -373,7 +373,8 @@ def test_elastic_sbatch_one_step_per_replica_lighthouse_on_first_node(tmp_path):
 
     def replica(r: int, node: str, first: str) -> str:
         return (
-            f"{node} torchrun --nnodes 2 --nproc_per_node 8 --max-restarts 0 --rdzv_backend c10d --rdzv_endpoint "
+            f"{node} python -m dilocox.launch.local_run --multi-host --nnodes 2 --nproc_per_node 8 --max-restarts 0 "
+            f"--rdzv_backend c10d --rdzv_endpoint "
             f"{first}:29500 --rdzv_id 42-r{r} -m dilocox.cli train configs/x.yaml --train.steps=3 "
             f"--parallel.replicas=1 --outer.elastic.enabled=true --outer.elastic.lighthouse={lh} "
             f"--outer.elastic.replica_rank={r} --outer.elastic.min_replicas=1 --outer.elastic.initial_replicas=2 "

@@ -106,7 +106,7 @@ def test_train_nproc_keeps_torchrun_for_an_elastic_replica_and_loopback_otherwis
     assert cli._launch_local(2, ["train", "configs/tiny-dilocox.yaml", *elastic]) == 0
     assert cli._launch_local(2, ["train", "configs/tiny.yaml"]) == 0
     (argv_e, env_e), (argv_l, env_l) = seen
-    assert "torch.distributed.run" in argv_e and not any(a.startswith("--local-addr") for a in argv_e)
+    assert "--multi-host" in argv_e and not any(a.startswith("--local-addr") for a in argv_e)  # torchrun's stores
     assert "GLOO_SOCKET_IFNAME" not in env_e
     assert "dilocox.launch.local_run" in argv_l and "--local-addr=127.0.0.1" in argv_l
     assert env_l["GLOO_SOCKET_IFNAME"] == loopback_ifname()

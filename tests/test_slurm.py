@@ -97,7 +97,7 @@ STUBS = {
     # srun: drop its options, run the task once per node with that node's SLURM_NODEID
     "srun": "while [[ $1 == --* ]]; do shift; done\n"
     'for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done',
-    "torchrun": 'echo "node$SLURM_NODEID torchrun $*" >> "$LOG"',
+    "fakepython": 'echo "node$SLURM_NODEID python $*" >> "$LOG"',  # torchrun: python -m dilocox.launch.local_run
     "getent": 'n=${2//[!0-9]/}; echo "10.0.0.$((10#$n)) STREAM $2"',
     "fake_tc_cap.sh": 'echo "node$SLURM_NODEID tc_cap $*" >> "$LOG"',
 }
@@ -109,6 +109,7 @@ def run_sbatch(tmp_path, **extra) -> list[str]:
         SLURM_JOB_NODELIST="gpu[03-04,07-08]",
         SLURM_NNODES="4",
         DILOCOX_TC_CAP_SCRIPT=str(tmp_path / "bin" / "fake_tc_cap.sh"),
+        PYTHON="fakepython",
         **extra,
     )
     p, lines = run_fake_sbatch(tmp_path, SBATCH, STUBS, ["configs/x.yaml", "--train.steps=3"], env)
@@ -119,7 +120,8 @@ def run_sbatch(tmp_path, **extra) -> list[str]:
 def test_sbatch_builds_c10d_torchrun(tmp_path):
     lines = run_sbatch(tmp_path)
     want = (
-        "torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint gpu03:29500 --rdzv_id 42 "
+        "python -m dilocox.launch.local_run --multi-host --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d "
+        "--rdzv_endpoint gpu03:29500 --rdzv_id 42 "
         "-m dilocox.cli train configs/x.yaml --train.steps=3"
     )
     assert lines == [f"node{i} {want}" for i in range(4)]
@@ -132,7 +134,8 @@ def test_sbatch_caps_only_other_replicas_and_goes_static(tmp_path):
         for i, d in enumerate(["10.0.0.7/32 10.0.0.8/32"] * 2 + ["10.0.0.3/32 10.0.0.4/32"] * 2)
     ]
     runs = [
-        f"node{i} torchrun --nnodes 4 --node_rank {i} --nproc_per_node 8 --master_addr gpu03 --master_port 29500 "
+        f"node{i} python -m dilocox.launch.local_run --multi-host --nnodes 4 --node_rank {i} --nproc_per_node 8 "
+        f"--master_addr gpu03 --master_port 29500 "
         f"-m dilocox.cli train configs/x.yaml --train.steps=3"
         for i in range(4)
     ]

@@ -50,7 +50,7 @@ def _dilocox_cap(tmp_path, hosts: str, tc_cap_body: str, **env):
     stubs = {
         "scontrol": SCONTROL,
         "srun": SRUN_ALL_NODES,
-        "torchrun": 'echo "node$SLURM_NODEID torchrun" >> "$LOG"',
+        "fakepython": 'echo "node$SLURM_NODEID torchrun" >> "$LOG"',  # (python -m dilocox.launch.local_run)
         "getent": '[[ $2 == bad* ]] && exit 2; n=${2//[!0-9]/}; echo "10.0.0.$((10#$n)) STREAM $2"',
         "fake_tc_cap.sh": tc_cap_body,
     }
@@ -61,6 +61,7 @@ def _dilocox_cap(tmp_path, hosts: str, tc_cap_body: str, **env):
         DILOCOX_TC_CAP_SCRIPT=str(tmp_path / "bin" / "fake_tc_cap.sh"),
         DILOCOX_TC_IFACE="eth9",
         DILOCOX_TC_RATE="1gbit",
+        PYTHON="fakepython",
         **env,
     )
     return run_fake_sbatch(tmp_path, DILOCOX, stubs, ["configs/x.yaml"], env, timeout=30)
@@ -179,7 +180,8 @@ ELASTIC_STUBS = {"scontrol": SCONTROL, "srun": SRUN_ONE_NODE, "fakepython": "exi
 def test_elastic_sbatch_says_how_to_resume(tmp_path):
     """The default run dir is runs/elastic-$SLURM_JOB_ID, new in every job: resubmitting as is starts over (while
     each rank says "run the same command again to resume"), so the job says which DILOCOX_RUN_DIR to give."""
-    stubs = dict(ELASTIC_STUBS, torchrun="exit 3")  # a replica fails (or is stopped by SIGTERM after its save)
+    # a replica fails (or is stopped by SIGTERM after its save); the lighthouse exits 0
+    stubs = dict(ELASTIC_STUBS, fakepython='[[ " $* " == *" train "* ]] && exit 3; exit 0')
     run = tmp_path / "run"
     env = dict(
         FAKE_HOSTS="gpu03 gpu04",
@@ -203,7 +205,7 @@ def test_run_secret_that_cannot_be_written_is_named(tmp_path):
         DILOCOX_LIGHTHOUSE_WAIT_S="0",
         PYTHON="fakepython",
     )
-    p, lines = run_fake_sbatch(tmp_path, ELASTIC, dict(ELASTIC_STUBS, torchrun="exit 0"), ["c.yaml"], env, timeout=30)
+    p, lines = run_fake_sbatch(tmp_path, ELASTIC, ELASTIC_STUBS, ["c.yaml"], env, timeout=30)
     assert p.returncode == 2 and not lines
     assert str(secret) in p.stderr, p.stderr  # was: exit 2, nothing said
 

@@ -449,7 +449,17 @@ def supervise(cmd: list[str], env: dict, stop_timeout_s: float = 60.0, log: Call
     if got:
         log(f"dilocox: stopped by {signal.Signals(got[0]).name} (torchrun exit code {code})")
         return 128 + got[0]
+    if code < 0:  # torchrun itself killed by a signal (Popen's -N): the shell's 128+N, not sys.exit(-9)'s 247
+        log(f"dilocox: torchrun was killed by {_signame(-code)}")
+        return 128 - code
     return code
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _forward(proc: subprocess.Popen, signum: int) -> None:

@@ -149,13 +149,33 @@ class Topology:
 
 
 def env_rank_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun or plain SLURM variables; (0, 1, 0) if none."""
+    """(rank, world_size, local_rank) from torchrun or plain SLURM variables; (0, 1, 0) if none.
+
+    A value that is not a whole number, a world size below 1 or a rank outside [0, world size) is a ConfigError
+    naming the variable (it was a ValueError traceback, or an init that waited for ranks that do not exist)."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    for rank_key, world_key, local_key in (
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ):
+        if rank_key in env and world_key in env:
+            rank, world, local = (_env_int(k, d) for k, d in ((rank_key, None), (world_key, None), (local_key, "0")))
+            if world < 1 or not 0 <= rank < world or local < 0:
+                raise ConfigError(
+                    f"{rank_key}={rank} {world_key}={world} {local_key}={local} from the environment: want "
+                    f"{world_key} >= 1 and 0 <= {rank_key} < {world_key} (launch the ranks with `dilocox train CONFIG "
+                    f"--nproc N`, torchrun or srun, or unset {rank_key} and {world_key} for one process)"
+                )
+            return rank, world, local
     return 0, 1, 0
+
+
+def _env_int(key: str, default: str | None) -> int:
+    raw = os.environ.get(key, default)
+    try:
+        return int(raw or "")
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} in the environment is not a whole number (a rank or world size)") from None
 
 
 def slurm_master_addr(nodelist: str) -> str:

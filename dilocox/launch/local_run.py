@@ -15,17 +15,26 @@ host, so ``python -m dilocox.launch.local_run`` is torchrun with:
 - ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the loopback interface (unless the user set them), so the
   pairs listen on loopback too.
 
-Every torchrun option still works (``local_run_argv`` adds ``--standalone``); several hosts keep torchrun itself
-(their ranks must reach each other: put them on a private network or a tunnel).
+Every torchrun option still works (``local_run_argv`` adds ``--standalone``); several hosts keep torchrun's own
+stores (their ranks must reach each other: put them on a private network or a tunnel): ``--multi-host`` as the first
+argument (``launcher/slurm/*.sbatch``, an elastic replica) is torchrun itself with only the exit below.
+
+A stop signal (SIGTERM from SLURM's ``--signal`` or ``scancel``, SIGINT): torchrun forwards it to the ranks, which
+save and exit 128 + signal, waits for them, then raised ``SignalException`` out of its main and exited 1 with a
+traceback. Here it exits 128 + signal with one line when every rank stopped that way, or with the code of a rank that
+did not (an error while saving, killed after torchrun's 30 s); a rank still running then (torchrun forwards a second
+signal and waits again, a third one cuts its clean-up short) is SIGKILLed rather than left behind.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import sys
 from collections.abc import Sequence
 
 LOOPBACK = "127.0.0.1"
+MULTI_HOST = "--multi-host"  # (first argument only) torchrun's own stores: the ranks of several hosts meet there
 
 
 def loopback_ifname() -> str | None:
@@ -52,10 +61,18 @@ def loopback_env(env: dict[str, str]) -> dict[str, str]:
 
 def local_run_argv(nproc: int, entry: Sequence[str], loopback: bool = True) -> list[str]:
     """The command that runs ``entry`` (``-m module args`` or ``script args``) on ``nproc`` ranks of this host.
-    ``loopback=False``: plain torchrun, for an elastic replica (its ranks learn the replica's address from torchrun's
-    ``MASTER_ADDR``, which the other replicas must be able to reach: ``train.build_elastic_group``)."""
-    if not loopback:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry]
+    ``loopback=False``: torchrun's own stores and pairs, for an elastic replica (its ranks learn the replica's address
+    from torchrun's ``MASTER_ADDR``, which the other replicas must be able to reach: ``train.build_elastic_group``)."""
+    if not loopback:  # (torchrun's own stores, dilocox's exit: MULTI_HOST)
+        return [
+            sys.executable,
+            "-m",
+            "dilocox.launch.local_run",
+            MULTI_HOST,
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *entry,
+        ]
     return [
         sys.executable,
         "-m",
@@ -96,19 +113,70 @@ def failed_exit_code(first: int, codes: Sequence[int]) -> int:
     return next((c for c in (first, *codes) if c > 0), 1)
 
 
+def stopped_exit_code(signum: int, codes: dict[int, int | None]) -> tuple[int, str]:
+    """After a stop signal: the exit code and its one line, from each local rank's exit code (None: still running).
+    A rank that exited 0, 128 + signal (it saved and stopped) or died of that very signal (before its handler was
+    set: nothing to save) stopped as asked; any other outcome is the launch's code."""
+    name = signal.Signals(signum).name
+    odd = {r: c for r, c in sorted(codes.items()) if c not in (0, 128 + signum, -signum)}
+    if not codes:
+        return 128 + signum, f"torchrun: stopped by {name} before its ranks started"
+    if not odd:
+        return 128 + signum, f"torchrun: stopped by {name}: every local rank ({len(codes)}) stopped"
+    said = ", ".join(
+        f"local rank {r} " + ("still running: killed" if c is None else f"exited {c}") for r, c in odd.items()
+    )
+    positive = [c for c in odd.values() if c is not None and c > 0]  # a rank's own error code
+    killed = [-c if c is not None else signal.SIGKILL for c in odd.values()]  # else a rank killed (or killed here)
+    return positive[0] if positive else 128 + int(killed[0]), f"torchrun: stopped by {name}; {said}"
+
+
+def _watch_workers() -> dict:
+    """The handlers of torchrun's worker processes (``local rank -> handler``), kept from its last shutdown."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    seen: dict = {}
+    shutdown = getattr(LocalElasticAgent, "_shutdown", None)
+    if shutdown is None:  # (a torch without it: the exit code still comes from the signal, no rank is watched)
+        return seen
+
+    def keeping(self, *args, **kwargs):
+        seen.clear()
+        seen.update(getattr(self._pcontext, "subprocess_handlers", None) or {})
+        return shutdown(self, *args, **kwargs)
+
+    LocalElasticAgent._shutdown = keeping
+    return seen
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    patch_torchrun_stores()
+    from dilocox.distributed.procs import kill_group
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [MULTI_HOST]:
+        argv = argv[1:]
+    else:
+        patch_torchrun_stores()
+    workers = _watch_workers()
     try:
-        run.main(sys.argv[1:] if argv is None else argv)
+        run.main(argv)
     except ChildFailedError as e:  # which rank failed and why, without torchrun's Python traceback around it
         print(e, file=sys.stderr)
         return failed_exit_code(e.get_first_failure()[1].exitcode, [f.exitcode for f in e.failures.values()])
-    except SignalException:  # SIGINT/SIGTERM forwarded by dilocox: the ranks stopped and saved; supervise reports it
-        return 1
+    except SignalException as e:  # torchrun forwarded it to the ranks and waited for them (module docstring)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (torch's handler would raise in here)
+            signal.signal(sig, signal.SIG_IGN)
+        codes = {r: h.proc.poll() for r, h in workers.items()}
+        for r, c in codes.items():
+            if c is None:  # a third signal cut torchrun's clean-up short: nothing of the run outlives it
+                kill_group(workers[r].proc.pid)
+        code, line = stopped_exit_code(int(e.sigval), codes)
+        print(line, file=sys.stderr, flush=True)
+        return code
     return 0
 
 
