@@ -13,6 +13,7 @@ under ``dilocox launch --elastic``, twice with the same steps:
                         [--lighthouse-kill 0] [--method dilocox|streaming] [--seed 0] [--netns | --no-netns]
                         [--bandwidth 100mbit] [--latency 50ms]
                         [--out docs/bench/churn]
+    dilocox bench churn --render [--out docs/bench/churn]    re-write OUT/results.md from OUT/results.json
 
 Measured from the launcher's ``events.jsonl`` and every job's ``metrics.jsonl`` (``analyze``, pure):
 
@@ -196,16 +197,47 @@ def markdown(res: dict) -> str:
         f"| final val loss | {_f(u.get('final_val_loss'), '.4f')} | {_f(c.get('final_val_loss'), '.4f')} "
         f"({_f(res.get('loss_vs_equal_tokens_pct'), '+.2f')} % vs undisturbed at equal tokens; target within 1 %) |",
         "",
-        "| event | t (s) | job | → first step (s) | → first outer step (s) | a restart's start-up (s): process, "
-        "groups, data, model, outer, join |",
-        "|---|---|---|---|---|---|",
+        *_rejoin_table(c.get("rejoins", [])),
     ]
-    for r in c.get("rejoins", []):
-        su = r.get("startup") or {}
-        parts = ", ".join(_f(su.get(k), ".1f") for k in STARTUP) if su else "—"
-        times = f"{_f(r.get('first_step_s'), '.1f')} | {_f(r.get('first_outer_step_s'), '.1f')}"
-        lines.append(f"| {r['event']} replica {r['replica']} | {r['t']:.1f} | {r['job']} | {times} | {parts} |")
     return "\n".join(lines)
+
+
+def _rejoin_table(rejoins: list[dict]) -> list[str]:
+    """One row per rejoin; the start-up column only when some row has a ``startup`` record (results measured before
+    the record existed have none: the column is left out rather than filled with dashes)."""
+    with_startup = any("startup" in r for r in rejoins)
+    head = "| event | t (s) | job | → first step (s) | → first outer step (s) |"
+    if with_startup:
+        head += " a restart's start-up (s): process, groups, data, model, outer, join |"
+    lines = [head, "|---" * (6 if with_startup else 5) + "|"]
+    for r in rejoins:
+        times = f"{_f(r.get('first_step_s'), '.1f')} | {_f(r.get('first_outer_step_s'), '.1f')}"
+        row = f"| {r['event']} replica {r['replica']} | {r['t']:.1f} | {r['job']} | {times} |"
+        if with_startup:
+            su = r.get("startup") or {}
+            row += f" {', '.join(_f(su.get(k), '.1f') for k in STARTUP) if su else '—'} |"
+        lines.append(row)
+    return lines
+
+
+def render(out: str) -> int:
+    """``--render``: re-write OUT/results.md from OUT/results.json as the current ``markdown`` draws it (nothing runs;
+    the bench draws no plot). A missing or unreadable results.json is one line and exit status 2."""
+    import json
+
+    path = os.path.join(out, "results.json")
+    try:
+        with open(path) as f:
+            md = markdown(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"{type(e).__name__}: {e}"
+        print(f"dilocox bench churn --render: cannot read {path} ({why}); run the bench first (without --render) "
+              "or give --out the directory that holds its results.json", file=sys.stderr)  # fmt: skip
+        return 2
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
 
 
 def _launch(cfg_path: str, run_dir: str, replicas: int, overrides: list, netns, **kw) -> dict:
@@ -285,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-netns", dest="netns", action="store_false")
     p.add_argument("--out", default="docs/bench/churn")
     p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument("--render", action="store_true", help="only re-write OUT/results.md from OUT/results.json")
     a = p.parse_args(argv)
+    if a.render:
+        return render(a.out)
     if a.replicas < 2:
         p.error("--replicas must be >= 2")
     if not 0 < a.down < a.period:
