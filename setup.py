@@ -3,7 +3,7 @@
     pip install --no-build-isolation -e .        # needs torch already installed
 
 Compiled extensions (optional - the package falls back to pure-torch references):
-  * dilocox._C       CPU compression kernels (csrc/bindings.cpp + quant_cpu.cpp + sparse_cpu.cpp),
+  * dilocox._C       CPU compression kernels (csrc/bindings.cpp + quant_cpu.cpp + sparse_cpu.cpp + rice_cpu.cpp),
                      built wherever a C++ compiler exists;
   * dilocox._C_cuda  CUDA kernels (csrc/bindings_cuda.cpp + csrc/quant_cuda.cu), built only
                      when torch is a CUDA build and nvcc is found. Architectures come from
@@ -51,7 +51,7 @@ def _extensions_and_cmdclass():
     exts = [
         cpp_extension.CppExtension(
             "dilocox._C",
-            [os.path.join(CSRC, f) for f in ("bindings.cpp", "quant_cpu.cpp", "sparse_cpu.cpp")],
+            [os.path.join(CSRC, f) for f in ("bindings.cpp", "quant_cpu.cpp", "sparse_cpu.cpp", "rice_cpu.cpp")],
             include_dirs=[os.path.join(HERE, CSRC)],
             extra_compile_args=CXX_FLAGS,
             libraries=["gomp"],

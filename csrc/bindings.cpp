@@ -11,6 +11,8 @@
 //       out: contiguous fp32 with n elements; out = deq(payload) or out += deq(payload).
 //   torch.ops.dilocox.sparse_encode(e, payload, chunk, k, bits) -> ()
 //       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only).
+//   torch.ops.dilocox.rice_pack(idx, out, c, b) -> () / rice_unpack(raw, idx, c, b) -> ()
+//       compress.sparse's Rice-coded index block of chunks of c, parameter b (csrc/rice_cpu.cpp; CPU only).
 //   torch.ops.dilocox.select_cpu_isa(isa) -> int
 //       -1: the best the CPU has (default); 0/1/2: force baseline/AVX2/AVX-512 (capped at what the CPU has) for
 //       every CPU kernel above. Returns the ISA now in use. -2 / -3 only ask: the best ISA / the one in use.
@@ -109,6 +111,8 @@ void dequantize_into_cpu(const at::Tensor& payload, const at::Tensor& out, int64
 }  // namespace
 
 void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits);
+void rice_pack_cpu(const at::Tensor& idx, const at::Tensor& out, int64_t c, int64_t b);
+void rice_unpack_cpu(const at::Tensor& raw, const at::Tensor& idx, int64_t c, int64_t b);
 
 int64_t select_cpu_isa_op(int64_t isa) {
   if (isa == -2) return best_cpu_isa();     // queries: change nothing
@@ -124,6 +128,8 @@ TORCH_LIBRARY(dilocox, m) {
       "bool stochastic=False, int seed=0, int step=0) -> Tensor");
   m.def("dequantize_into(Tensor payload, Tensor(a!) out, int group_size, int bits, bool accumulate) -> ()");
   m.def("sparse_encode(Tensor e, Tensor(a!) payload, int chunk, int k, int bits) -> ()");
+  m.def("rice_pack(Tensor idx, Tensor(a!) out, int c, int b) -> ()");
+  m.def("rice_unpack(Tensor raw, Tensor(a!) idx, int c, int b) -> ()");
   m.def("select_cpu_isa(int isa) -> int", &dilocox::select_cpu_isa_op);  // no tensor: one kernel for all keys
 }
 
@@ -131,6 +137,8 @@ TORCH_LIBRARY_IMPL(dilocox, CPU, m) {
   m.impl("ef_quantize_pack", &dilocox::ef_quantize_pack_cpu);
   m.impl("dequantize_into", &dilocox::dequantize_into_cpu);
   m.impl("sparse_encode", &dilocox::sparse_encode_cpu);
+  m.impl("rice_pack", &dilocox::rice_pack_cpu);
+  m.impl("rice_unpack", &dilocox::rice_unpack_cpu);
 }
 
 // Minimal Python module so that `import dilocox._C` loads the library (and thereby runs

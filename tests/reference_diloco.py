@@ -207,7 +207,7 @@ def run_reference(
     ef: list[dict[str, torch.Tensor]] = [{} for _ in range(R)]  # sparse: the error buffer per replica and tensor
 
     def sparse_mean(ds: list[list[torch.Tensor]], p: int) -> list[torch.Tensor]:
-        from dilocox.compress.sparse import reference_decode, reference_encode
+        from dilocox.compress.sparse_ref import reference_decode, reference_encode
 
         assert members is None, "the sparse oracle is for a fixed membership"
         sp = sparse

@@ -15,10 +15,9 @@ from dilocox.compress.sparse import (
     decode_accumulate,
     encode,
     layout,
-    reference_decode,
-    reference_encode,
     tensor_payload_bytes,
 )
+from dilocox.compress.sparse_ref import reference_decode, reference_encode
 from dilocox.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,16 +35,17 @@ def _inputs():
     yield "matrix", torch.randn(24, 40, generator=g) * 1e-3, 128, 0.02, 2
 
 
+@pytest.mark.parametrize("indices", ["rice", "fixed"])
 @pytest.mark.parametrize("case", list(_inputs()), ids=lambda c: c[0])
-def test_encode_and_decode_equal_the_reference(case):
+def test_encode_and_decode_equal_the_reference(case, indices):
     _, e, chunk, density, bits = case
-    got = encode(e, chunk, density, bits)
-    assert torch.equal(got, reference_encode(e, chunk, density, bits))
-    assert torch.equal(encode(e, chunk, density, bits, use_kernel=False), got)  # torch ops == kernel (if built)
-    assert got.numel() == tensor_payload_bytes(e.numel(), chunk, density, bits)
+    got = encode(e, chunk, density, bits, indices=indices)
+    assert torch.equal(got, reference_encode(e, chunk, density, bits, indices))
+    assert torch.equal(encode(e, chunk, density, bits, False, indices), got)  # torch ops == kernel (if built)
+    assert got.numel() == tensor_payload_bytes(e.numel(), chunk, density, bits, indices)
     out = torch.zeros(e.numel())
-    decode_accumulate(got, out, chunk, density, bits)
-    assert torch.equal(out, reference_decode(got, e.numel(), chunk, density, bits))
+    decode_accumulate(got, out, chunk, density, bits, indices)
+    assert torch.equal(out, reference_decode(got, e.numel(), chunk, density, bits, indices))
     c, k, n_c = layout(e.numel(), chunk, density)
     assert int((out != 0).sum()) <= k * n_c
     if e.abs().sum() == 0:
@@ -155,8 +155,9 @@ def test_the_batched_compressor_equals_the_rule_tensor_by_tensor(use_kernel):
 
 def test_payload_is_far_below_fp32_at_the_preset():
     n = 4096 * 256
-    assert tensor_payload_bytes(n, 4096, 1 / 64, 2) == 256 * (96 + 16 + 2)  # 12-bit indices, 2-bit codes, bf16
-    assert 4 * n / tensor_payload_bytes(n, 4096, 1 / 64, 2) > 140
+    assert tensor_payload_bytes(n, 4096, 1 / 64, 2, "fixed") == 256 * (96 + 16 + 2)  # 12-bit indices, 2-bit codes
+    assert tensor_payload_bytes(n, 4096, 1 / 64, 2) == 256 * (64 + 16 + 2)  # Rice: 64 codes of b = 5 in <= 510 bits
+    assert 4 * n / tensor_payload_bytes(n, 4096, 1 / 64, 2) > 199
 
 
 @pytest.mark.parametrize(

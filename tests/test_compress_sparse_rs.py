@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from dilocox.compress.collectives import CommStats
 from dilocox.compress.compressor import build_compressor
-from dilocox.compress.sparse import SparseCompressor, reference_reduce_scatter
+from dilocox.compress.sparse import SparseCompressor
+from dilocox.compress.sparse_ref import reference_reduce_scatter
 from dilocox.config import load_config
 from dilocox.distributed.wire import wire_of
 from tests.spawn import run_ranks
@@ -108,12 +109,15 @@ def test_the_bytes_on_the_wire_stay_flat_in_R_where_the_all_gathers_grow():
             assert stats == counted == res[r][2], (w, r)
     for r in range(4):
         assert ag[r][0][0][2] == ag[r][0][0][3] == 3 * payload
-    # this layout: rows per group 10 (C = 64, 10 bytes a row) and 1 (C = 10, 4 bytes); R = 4: ranges of 2-3 rows
-    assert rs[4][0][2] == 2 * 3 * (3 * 10 + 4)  # the largest range (3 rows + the short tensor's row) padded
+    # this layout: rows per group 10 (C = 64, 9 bytes a row: 8 Rice-coded indices of b = 2 in <= 38 bits, 16 code
+    # bits, a bf16 scale) and 1 (C = 10, 4 bytes: its 2 indices stay fixed-width, Rice would not be smaller); R = 4:
+    # ranges of 2-3 rows
+    assert rs[4][0][2] == 2 * 3 * (3 * 9 + 4)  # the largest range (3 rows + the short tensor's row) padded
     assert rs[4][0][2] < 0.75 * ag[0][0][0][2]
-    # owner_keep = 2: the all-gather phase's rows carry 16 entries (18 bytes a row; the short tensor's 5)
+    # owner_keep = 2: the all-gather phase's rows carry 16 entries (13 bytes a row: b = 1, <= 56 bits; the short
+    # tensor's 5)
     two = SparseCompressor(SHAPES, CHUNK, DENSITY, BITS, BETA, "reduce_scatter", 2)
-    assert two.wire_bytes(4) == 3 * ((3 * 10 + 4) + (3 * 18 + 5))
+    assert two.wire_bytes(4) == 3 * ((3 * 9 + 4) + (3 * 13 + 5))
     keep2 = run_ranks(4, _syncs, 2, "reduce_scatter", 2)
     assert all(keep2[r][0][0][2] == keep2[r][0][0][3] == two.wire_bytes(4) for r in range(4))
     n = 4096 * 64  # a preset-sized shard: the padding is noise, the bytes per member flat in R

@@ -75,6 +75,8 @@ LEVERS = [
     ("dilocox merge=replay", "dilocox", "dilocox", ["--outer.streaming.merge=replay"]),
     ("dilocox 1/64 (2x bytes)", "dilocox", "dilocox", ["--compress.sparse.density=0.015625"]),
     ("dilocox outer momentum 0.9", "dilocox", "dilocox", ["--outer.momentum=0.9"]),
+    # the index block of the fixed-width format the tables before 2026-11-30 ran (compress/rice.py: lossless)
+    ("dilocox fixed indices", "dilocox", "dilocox", ["--compress.sparse.indices=fixed"]),
     # item 4's far-link preset (configs/methods/dilocox-far.yaml) and the candidates it was chosen from: more steps
     # to hide a fragment's all-gather behind, the same bytes per step
     ("dilocox-far", "dilocox-far", "dilocox-far", []),

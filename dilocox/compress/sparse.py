@@ -18,16 +18,17 @@ decayed error buffer plays its part) and steps θ with the plain mean (outer lr 
 ``configs/methods/sparseloco.yaml`` sets ``outer.momentum: 0``; any outer optimizer can still be used.
 
 Wire format of one rank's payload (uint8, the same size on every rank: k is fixed per tensor), per tensor, three
-blocks for its n_c chunks: the k indices of each chunk, each in ceil(log2 C) bits, packed LSB-first into
-ceil(k·ib/8) bytes per chunk; the k codes of each chunk in b bits, packed the same way into ceil(k·b/8) bytes;
-the n_c scales as little-endian bf16. ``payload_bytes`` counts exactly those bytes; a sync sends (R − 1) ×
-payload (all-gather), which ``CommStats`` records. At density 1/64, b = 2, C = 4096: 114 bytes per 4096
-elements, 144x fewer than fp32 per sync.
+blocks for its n_c chunks: the k ascending indices of each chunk (``indices``: ``rice``, Rice-coded gaps in a
+block of fixed size, or ``fixed``, each in ceil(log2 C) bits packed LSB-first into ceil(k·ib/8) bytes;
+``compress/rice.py``); the k codes of each chunk in b bits, packed LSB-first into ceil(k·b/8) bytes; the n_c
+scales as little-endian bf16. ``payload_bytes`` counts exactly those bytes; a sync sends (R − 1) × payload
+(all-gather), which ``CommStats`` records. At density 1/64, b = 2, C = 4096: 82 bytes per 4096 elements with
+``rice`` (114 with ``fixed``), 200x (144x) fewer than fp32 per sync.
 
 ``encode`` runs the compiled CPU kernel ``torch.ops.dilocox.sparse_encode`` (csrc/sparse_cpu.cpp) when the
 extension is built, else the vectorised torch ops (any device: top-k per chunk, ties to the lower index; packing
-with tensor ops); ``decode_accumulate`` is torch ops. ``reference_encode``/``reference_decode`` beside them are
-plain per-chunk Python loops of the same rule; the tests compare all three byte for byte. ``SparseCompressor`` runs
+with tensor ops); ``decode_accumulate`` is torch ops. ``reference_encode``/``reference_decode`` (``sparse_ref.py``)
+are plain per-chunk Python loops of the same rule; the tests compare all three byte for byte. ``SparseCompressor`` runs
 the same rule on all its tensors at once (``_Groups``: one matrix of chunks per chunk size; on a GPU a per-tensor
 loop was thousands of kernel launches per sync), tested bit for bit against ``encode``/``decode_accumulate`` tensor
 by tensor.
@@ -40,7 +41,7 @@ import time
 
 import torch
 
-from dilocox.compress import kernels, sparse_rs
+from dilocox.compress import kernels, rice, sparse_rs
 from dilocox.compress.codec import Wire, gather, register, solo_or
 from dilocox.compress.collectives import CommStats
 
@@ -59,16 +60,15 @@ def layout(numel: int, chunk: int, density: float) -> tuple[int, int, int]:
     return c, k, -(-int(numel) // c)
 
 
-def index_bits(c: int) -> int:
-    return max(1, (c - 1).bit_length())
+index_bits = rice.index_bits
 
 
-def tensor_payload_bytes(numel: int, chunk: int, density: float, bits: int) -> int:
+def tensor_payload_bytes(numel: int, chunk: int, density: float, bits: int, indices: str = "rice") -> int:
     """Bytes one tensor puts on the wire (module docstring)."""
     if numel == 0:
         return 0
     c, k, n_c = layout(numel, chunk, density)
-    return n_c * (-(-k * index_bits(c) // 8) + -(-k * bits // 8) + 2)
+    return n_c * (rice.row_bytes(c, k, indices) + -(-k * bits // 8) + 2)
 
 
 def _pack_bits(vals: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -110,8 +110,19 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.nonzero()[:, 1].view(mag.shape[0], k)
 
 
-def _encode_rows(rows: torch.Tensor, k: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch encoder of chunks: ``rows`` (n_rows, C) fp32 -> index bytes (n_rows, ceil(k·ib/8)), code bytes
+def _pack_indices(idx: torch.Tensor, c: int, indices: str) -> torch.Tensor:
+    """(rows, k) ascending indices of chunks of ``c`` -> their index blocks (``compress/rice.py``)."""
+    return rice.pack(idx, c) if rice.use_rice(c, idx.shape[1], indices) else _pack_bits(idx, index_bits(c))
+
+
+def _unpack_indices(raw: torch.Tensor, k: int, c: int, indices: str) -> torch.Tensor:
+    return rice.unpack(raw, k, c) if rice.use_rice(c, k, indices) else _unpack_bits(raw, k, index_bits(c))
+
+
+def _encode_rows(
+    rows: torch.Tensor, k: int, bits: int, indices: str = "rice"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch encoder of chunks: ``rows`` (n_rows, C) fp32 -> index bytes (n_rows, ``rice.row_bytes``), code bytes
     (n_rows, ceil(k·b/8)) and bf16 scale bytes (n_rows, 2), uint8. Rows are independent, so the chunks of many
     tensors can go through it together (``_Groups``)."""
     idx = _topk_indices(rows.abs(), k)
@@ -125,14 +136,14 @@ def _encode_rows(rows: torch.Tensor, k: int, bits: int) -> tuple[torch.Tensor, t
     codes = torch.clamp(torch.floor(vals / safe.unsqueeze(1) + off), 0, 2**bits - 1)
     codes = torch.where((s > 0).unsqueeze(1), codes, torch.full_like(codes, off))  # s = 0: any code decodes to 0
     scale_bytes = scale.view(torch.uint8).view(-1, 2) if scale.numel() else scale.view(torch.uint8).view(0, 2)
-    return _pack_bits(idx, index_bits(rows.shape[1])), _pack_bits(codes.to(torch.int64), bits), scale_bytes
+    return _pack_indices(idx, rows.shape[1], indices), _pack_bits(codes.to(torch.int64), bits), scale_bytes
 
 
-def _decode_rows(ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, k: int, c: int, bits: int):
+def _decode_rows(ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, k: int, c: int, bits: int, indices="rice"):
     """Inverse of ``_encode_rows``: index, code and scale bytes of n_rows chunks -> (indices, values), each
     (n_rows, k): the kept entries of each chunk (``sb`` must be contiguous and 2-byte aligned). The values are
     never -0 (a half-integer times s > 0, or times s = 0: +0), so adding them or scattering them is the same."""
-    idx = _unpack_bits(ib, k, index_bits(c))
+    idx = _unpack_indices(ib, k, c, indices)
     codes = _unpack_bits(cb, k, bits)
     s = sb.view(torch.bfloat16).float().view(-1)
     _, off = _levels(bits)
@@ -144,16 +155,23 @@ def _kernel_here(device: torch.device) -> bool:
     return device.type == "cpu" and kernels.have_extension("cpu") and _has_op()
 
 
-def _kernel_encode(flat: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tensor:
-    """``encode`` of a non-empty flat fp32 CPU tensor by the compiled kernel (``_kernel_here``)."""
+def _kernel_encode(flat: torch.Tensor, chunk: int, density: float, bits: int, indices: str = "rice") -> torch.Tensor:
+    """``encode`` of a non-empty flat fp32 CPU tensor by the compiled kernel (``_kernel_here``). The kernel writes
+    fixed-width indices; Rice-coded ones are re-packed from them (``compress/rice.py``)."""
     n = flat.numel()
-    c, k, _ = layout(n, chunk, density)
-    out = torch.empty(tensor_payload_bytes(n, chunk, density, bits), dtype=torch.uint8)
+    c, k, n_c = layout(n, chunk, density)
+    out = torch.empty(tensor_payload_bytes(n, chunk, density, bits, "fixed"), dtype=torch.uint8)
     torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits)
-    return out
+    if not rice.use_rice(c, k, indices):
+        return out
+    a = n_c * rice.row_bytes(c, k, "fixed")
+    idx = _unpack_bits(out[:a].view(n_c, -1), k, index_bits(c))
+    return torch.cat([rice.pack(idx, c).reshape(-1), out[a:]])
 
 
-def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: bool = True) -> torch.Tensor:
+def encode(
+    e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: bool = True, indices: str = "rice"
+) -> torch.Tensor:
     """One tensor's payload (uint8) from its error-fed values ``e`` (any shape, fp32): the compiled CPU kernel
     (csrc/sparse_cpu.cpp) when the extension is built, else the vectorised torch ops (any device)."""
     flat = e.reshape(-1).float()
@@ -162,159 +180,27 @@ def encode(e: torch.Tensor, chunk: int, density: float, bits: int, use_kernel: b
         return torch.zeros(0, dtype=torch.uint8, device=e.device)
     c, k, n_c = layout(n, chunk, density)
     if use_kernel and _kernel_here(flat.device):
-        return _kernel_encode(flat, chunk, density, bits)
+        return _kernel_encode(flat, chunk, density, bits, indices)
     padded = torch.zeros(n_c * c, dtype=torch.float32, device=e.device)
     padded[:n] = flat
-    return torch.cat([t.reshape(-1) for t in _encode_rows(padded.view(n_c, c), k, bits)])
+    return torch.cat([t.reshape(-1) for t in _encode_rows(padded.view(n_c, c), k, bits, indices)])
 
 
-def decode_accumulate(payload: torch.Tensor, out: torch.Tensor, chunk: int, density: float, bits: int) -> None:
+def decode_accumulate(
+    payload: torch.Tensor, out: torch.Tensor, chunk: int, density: float, bits: int, indices: str = "rice"
+) -> None:
     """``out += decode(payload)`` for one tensor (``out`` flat fp32 of the tensor's numel)."""
     n = out.numel()
     if n == 0:
         return
     c, k, n_c = layout(n, chunk, density)
-    ib_bytes, cb_bytes = -(-k * index_bits(c) // 8), -(-k * bits // 8)
+    ib_bytes, cb_bytes = rice.row_bytes(c, k, indices), -(-k * bits // 8)
     a, b = n_c * ib_bytes, n_c * (ib_bytes + cb_bytes)
     sb = payload[b : b + 2 * n_c].clone().view(n_c, 2)  # (clone: the slice may be unaligned)
-    idx, vals = _decode_rows(payload[:a].view(n_c, ib_bytes), payload[a:b].view(n_c, cb_bytes), sb, k, c, bits)
+    ib, cb = payload[:a].view(n_c, ib_bytes), payload[a:b].view(n_c, cb_bytes)
+    idx, vals = _decode_rows(ib, cb, sb, k, c, bits, indices)
     dense = torch.zeros(n_c, c, dtype=torch.float32, device=out.device).scatter_(1, idx, vals)
     out.add_(dense.view(-1)[:n])
-
-
-# --------------------------------------------------------------------------- the plain reference
-
-
-def reference_encode(e: torch.Tensor, chunk: int, density: float, bits: int) -> torch.Tensor:
-    """``encode`` as plain loops over chunks, entries and bits (the test's oracle)."""
-    flat = [float(x) for x in e.reshape(-1).float().tolist()]
-    n = len(flat)
-    if n == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    c, k, n_c = layout(n, chunk, density)
-    h, off = _levels(bits)
-    ib = index_bits(c)
-    idx_bytes, code_bytes, scales = [], [], []
-
-    def pack(values: list[int], nbits: int) -> list[int]:
-        out = [0] * (-(-len(values) * nbits // 8))
-        for j, v in enumerate(values):
-            for t in range(nbits):
-                if (v >> t) & 1:
-                    pos = j * nbits + t
-                    out[pos // 8] |= 1 << (pos % 8)
-        return out
-
-    for r in range(n_c):
-        row = [flat[r * c + j] if r * c + j < n else 0.0 for j in range(c)]
-        order = sorted(range(c), key=lambda j: (-abs(row[j]), j))[:k]
-        kept = sorted(order)
-        vals = [row[j] for j in kept]
-        f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - every op rounded to fp32 as in encode
-        s_bf16 = (f32(max(abs(v) for v in vals)) / f32(h)).to(torch.bfloat16)
-        s = s_bf16.float()
-        codes = [min(2**bits - 1, max(0, math.floor(float(f32(v) / s + f32(off))))) if s > 0
-                 else int(off) for v in vals]  # fmt: skip
-        idx_bytes += pack(kept, ib)
-        code_bytes += pack(codes, bits)
-        scales.append(s_bf16)
-    sc = torch.stack(scales).view(torch.uint8).reshape(-1).tolist()
-    return torch.tensor(idx_bytes + code_bytes + sc, dtype=torch.uint8)
-
-
-def reference_decode(payload: torch.Tensor, numel: int, chunk: int, density: float, bits: int) -> torch.Tensor:
-    """``decode_accumulate`` into zeros, as plain loops."""
-    out = [0.0] * numel
-    if numel == 0:
-        return torch.zeros(0)
-    c, k, n_c = layout(numel, chunk, density)
-    ib = index_bits(c)
-    ib_bytes, cb_bytes = -(-k * ib // 8), -(-k * bits // 8)
-    raw = payload.tolist()
-    _, off = _levels(bits)
-
-    def unpack(data: list[int], count: int, nbits: int) -> list[int]:
-        return [sum(((data[(j * nbits + t) // 8] >> ((j * nbits + t) % 8)) & 1) << t for t in range(nbits))
-                for j in range(count)]  # fmt: skip
-
-    base_codes, base_scales = n_c * ib_bytes, n_c * (ib_bytes + cb_bytes)
-    for r in range(n_c):
-        idx = unpack(raw[r * ib_bytes : (r + 1) * ib_bytes], k, ib)
-        codes = unpack(raw[base_codes + r * cb_bytes : base_codes + (r + 1) * cb_bytes], k, bits)
-        s = float(payload[base_scales + 2 * r : base_scales + 2 * r + 2].clone().view(torch.bfloat16).float())
-        for j, q in zip(idx, codes):
-            v = float(torch.tensor((q + 0.5 - off), dtype=torch.float32) * torch.tensor(s, dtype=torch.float32))
-            if r * c + j < numel:
-                out[r * c + j] += v
-    return torch.tensor(out, dtype=torch.float32)
-
-
-# --------------------------------------------------------------------------- the compressor
-
-
-def reference_reduce_scatter(
-    deltas: list[list[torch.Tensor]],
-    errors: list[list[torch.Tensor]],
-    residual: dict,
-    chunk: int,
-    density: float,
-    bits: int,
-    beta: float,
-    owner_keep: int = 1,
-) -> list[torch.Tensor]:
-    """One sync of every member at once, as plain per-chunk Python: ``deltas[r]``/``errors[r]`` are member r's
-    tensors (``errors`` updated in place), ``residual`` maps (tensor, chunk) to the owner's residual chunk (updated).
-    Chunks are owned as in ``sparse_rs.sync``: per chunk size, the tensors' chunks in tensor order are one list of
-    rows split into R contiguous ranges. Returns the mean every member applies (one list of tensors)."""
-    world = len(deltas)
-    shapes = [t.shape for t in deltas[0]]
-    rows_of: dict[int, list[tuple[int, int]]] = {}  # chunk size -> its rows (tensor, chunk) in order
-    for i, s in enumerate(shapes):
-        if s.numel():
-            c, _, n_c = layout(s.numel(), chunk, density)
-            rows_of.setdefault(c, []).extend((i, j) for j in range(n_c))
-
-    def chunk_of(t: torch.Tensor, c: int, j: int) -> torch.Tensor:
-        flat = t.reshape(-1)
-        piece = torch.zeros(c)
-        part = flat[j * c : (j + 1) * c]
-        piece[: part.numel()] = part
-        return piece
-
-    sent = []  # sent[r][(i, j)] = member r's decoded chunk
-    for r in range(world):
-        mine = {}
-        for i, s in enumerate(shapes):
-            e = errors[r][i]
-            e.mul_(beta).add_(deltas[r][i].float())
-            if not s.numel():
-                continue
-            c, _, n_c = layout(s.numel(), chunk, density)
-            flat = e.reshape(-1)
-            for j in range(n_c):
-                x = chunk_of(e, c, j)
-                d = reference_decode(reference_encode(x, c, density, bits), c, c, density, bits)
-                mine[(i, j)] = d
-                n = min(c, s.numel() - j * c)
-                flat[j * c : j * c + n] -= d[:n]
-        sent.append(mine)
-    out = [torch.zeros(s) for s in shapes]
-    for c, rows in rows_of.items():
-        for i, j in rows:
-            n = min(c, shapes[i].numel() - j * c)
-            m = torch.zeros(c)
-            for r in range(world):
-                m += sent[r][(i, j)]
-            m /= world
-            m[n:] = 0.0
-            res = residual.setdefault((i, j), torch.zeros(c))
-            res.mul_(beta).add_(m)
-            k2 = min(c, owner_keep * layout(c, chunk, density)[1])  # the owner keeps owner_keep x k
-            d = reference_decode(reference_encode(res, c, k2 / c, bits), c, c, k2 / c, bits)
-            res -= d
-            res[n:] = 0.0
-            out[i].reshape(-1)[j * c : j * c + n] = d[:n]
-    return out
 
 
 def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor] | None:
@@ -351,13 +237,13 @@ class _Groups:
     §13). Rows are independent in the wire format, so the bytes are those of ``encode`` tensor by tensor (tested).
     Row blocks of at most ``block_elems`` elements bound the encoder's temporaries (~6 x a block's fp32 bytes)."""
 
-    def __init__(self, shapes: list[torch.Size], chunk: int, density: float, bits: int) -> None:
+    def __init__(self, shapes: list[torch.Size], chunk: int, density: float, bits: int, indices="rice") -> None:
         numels = [s.numel() for s in shapes]
         by_c: dict[int, list[int]] = {}
         for i, n in enumerate(numels):
             if n:
                 by_c.setdefault(layout(n, chunk, density)[0], []).append(i)
-        self.shapes, self.numels, self.bits = shapes, numels, bits
+        self.shapes, self.numels, self.bits, self.indices = shapes, numels, bits, indices
         self.groups: list[tuple[int, int, int]] = []  # (C, k, rows)
         self.place: dict[int, tuple[int, int, int]] = {}  # tensor -> (group, first row, chunks)
         for g, (c, members) in enumerate(by_c.items()):
@@ -367,10 +253,10 @@ class _Groups:
                 self.place[i] = (g, row, n_c)
                 row += n_c
             self.groups.append((c, layout(c, chunk, density)[1], row))
-        self.widths = [(-(-k * index_bits(c) // 8), -(-k * bits // 8)) for c, k, _ in self.groups]
+        self.widths = [(rice.row_bytes(c, k, indices), -(-k * bits // 8)) for c, k, _ in self.groups]
         self.offsets = [0]  # each tensor's payload offset (wire order: tensor by tensor)
         for n in numels:
-            self.offsets.append(self.offsets[-1] + tensor_payload_bytes(n, chunk, density, bits))
+            self.offsets.append(self.offsets[-1] + tensor_payload_bytes(n, chunk, density, bits, indices))
 
     def buffers(self, device) -> list[torch.Tensor]:
         return [torch.zeros(rows, c, dtype=torch.float32, device=device) for c, _, rows in self.groups]
@@ -391,15 +277,15 @@ class _Groups:
     def row_widths(self, g: int, keep: int = 1) -> tuple[int, int]:
         """(index bytes, code bytes) of one encoded row (chunk) of group ``g`` at ``keep`` x its k (+ 2 scale bytes)."""
         k = self.kept(g, keep)
-        return -(-k * index_bits(self.groups[g][0]) // 8), -(-k * self.bits // 8)
+        return rice.row_bytes(self.groups[g][0], k, self.indices), -(-k * self.bits // 8)
 
     def encode_rows(self, g: int, rows: torch.Tensor, keep: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_encode_rows`` of rows of group ``g``'s matrix, keeping ``keep`` x its k per row."""
-        return _encode_rows(rows, self.kept(g, keep), self.bits)
+        return _encode_rows(rows, self.kept(g, keep), self.bits, self.indices)
 
     def decode_rows(self, g: int, ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, keep: int = 1):
         """``_decode_rows`` of rows of group ``g`` (encoded at ``keep`` x its k): (indices, values)."""
-        return _decode_rows(ib, cb, sb, self.kept(g, keep), self.groups[g][0], self.bits)
+        return _decode_rows(ib, cb, sb, self.kept(g, keep), self.groups[g][0], self.bits, self.indices)
 
     def pads(self, bufs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The zero padding of each tensor's last chunk inside ``bufs`` (views; empty list when none is padded)."""
@@ -419,7 +305,7 @@ class _Groups:
         """The payload of the matrices ``bufs`` (the torch encoder, any device), tensor by tensor on the wire."""
         parts = []
         for g, (c, k, _) in enumerate(self.groups):
-            blk = [_encode_rows(bufs[g][a:b], k, self.bits) for a, b in self.blocks(g, block_elems)]
+            blk = [_encode_rows(bufs[g][a:b], k, self.bits, self.indices) for a, b in self.blocks(g, block_elems)]
             parts.append([torch.cat(x) if len(x) > 1 else x[0] for x in zip(*blk)])
         pieces = []
         for i in sorted(self.place):
@@ -442,7 +328,7 @@ class _Groups:
             sb.append(payload[o + n_c * (wi + wc) : o + n_c * (wi + wc + 2)])
         ib, cb, sb = (torch.cat(x).view(rows, -1) for x in (ib, cb, sb))  # (cat: fresh, so sb is aligned)
         for a, b in self.blocks(g, block_elems):
-            yield (a, b), _decode_rows(ib[a:b], cb[a:b], sb[a:b], k, c, self.bits)
+            yield (a, b), _decode_rows(ib[a:b], cb[a:b], sb[a:b], k, c, self.bits, self.indices)
 
 
 class SparseCompressor:
@@ -459,7 +345,10 @@ class SparseCompressor:
         ef_decay: float,
         collective: str = "allgather",
         owner_keep: int = 1,
+        indices: str = "rice",
     ) -> None:
+        if indices not in rice.INDEX_CODES:
+            raise ValueError(f"compress.sparse.indices={indices!r} is not one of {list(rice.INDEX_CODES)}")
         if collective not in COLLECTIVES:
             raise ValueError(
                 f"compress.collective={collective!r} with compress.sparse is not one of {list(COLLECTIVES)}"
@@ -483,8 +372,11 @@ class SparseCompressor:
         self.errors: list[torch.Tensor] | None = None
         self._err: list[torch.Tensor] = []
         self._views: list[torch.Tensor] | None = None
-        self._groups = _Groups(self.shapes, self.chunk, self.density, self.bits)
-        self._sizes = [tensor_payload_bytes(s.numel(), self.chunk, self.density, self.bits) for s in self.shapes]
+        self.indices = indices  # rice | fixed: the index block (compress/rice.py)
+        self._groups = _Groups(self.shapes, self.chunk, self.density, self.bits, indices)
+        self._sizes = [
+            tensor_payload_bytes(s.numel(), self.chunk, self.density, self.bits, indices) for s in self.shapes
+        ]
         self.use_kernel = True  # the compiled CPU encoder on CPU tensors (False: the batched torch ops everywhere)
         self.block_elems = 1 << 25
 
@@ -529,7 +421,11 @@ class SparseCompressor:
             return [gr.view(out, i).to(t.dtype) for i, t in enumerate(tensors)]
         if self.use_kernel and _kernel_here(device):  # (asked once per call, not once per tensor)
             mine = torch.cat(
-                [_kernel_encode(e.reshape(-1), self.chunk, self.density, self.bits) for e in self.errors if e.numel()]
+                [
+                    _kernel_encode(e.reshape(-1), self.chunk, self.density, self.bits, self.indices)
+                    for e in self.errors
+                    if e.numel()
+                ]
                 or [torch.zeros(0, dtype=torch.uint8)]
             )
         else:
@@ -587,4 +483,4 @@ def _build(ccfg, shapes, seed, ids) -> SparseCompressor:
     sp = ccfg.sparse
     # auto stays the all-gather: at R = 2 the reduce-scatter sends the same bytes and adds the owner's second top-k
     collective = "reduce_scatter" if ccfg.collective == "reduce_scatter" else "allgather"
-    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay, collective, sp.owner_keep)
+    return SparseCompressor(shapes, sp.chunk, sp.density, sp.bits, sp.ef_decay, collective, sp.owner_keep, sp.indices)

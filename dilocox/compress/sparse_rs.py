@@ -19,8 +19,8 @@ largest entries of the mean per chunk (the union of R members' picks has up to R
 residual for the next sync, as a member's error buffer does. The residual belongs to a (member count, rank) pair:
 when the membership changes (an elastic replica leaves or joins) it starts from zero, and a checkpoint keeps it
 only for the same pair. At R = 2 the bytes equal the all-gather's, and the second top-k only adds error: the
-collective is for R >= 4. ``sparse.reference_reduce_scatter`` is the same rule as plain per-chunk Python over
-``sparse.reference_encode``/``reference_decode``; the tests compare them bit for bit on real gloo ranks.
+collective is for R >= 4. ``sparse_ref.reference_reduce_scatter`` is the same rule as plain per-chunk Python over
+``sparse_ref.reference_encode``/``reference_decode``; the tests compare them bit for bit on real gloo ranks.
 """
 
 from __future__ import annotations

@@ -244,6 +244,9 @@ class SparseConfig:
     density: float = 0.015625  # fraction kept per chunk (1/64: 64 of 4096)
     chunk: int = 4096  # top-k is taken within chunks of this many consecutive elements of a tensor
     bits: int = 2  # 2 | 4 | 8: bits per kept value (one bf16 scale per chunk)
+    indices: str = "rice"  # rice | fixed: the kept indices of a chunk as Rice-coded gaps in a fixed-size block (9
+    # bits an index at 1/128 of 4096 against 12; lossless, so training is bit-identical; compress/rice.py) or as
+    # ceil(log2 chunk)-bit integers (the format of the tables in docs/BENCHMARKS.md dated before 2026-11-30)
     ef_decay: float = 0.95  # beta of the error buffer e = beta e + delta (SparseLoCo's replacement for outer momentum)
     owner_keep: int = 1  # compress.collective=reduce_scatter: each chunk's owner sends owner_keep x k entries of the
     # mean (of the up to R x k the replicas picked; the rest waits in its residual). 1: ~2 payloads sent per sync
@@ -258,6 +261,7 @@ class SparseConfig:
                 ("density", self.density, "must be in (0, 1]") if not 0.0 < self.density <= 1.0 else None,
                 ("chunk", self.chunk, "must be >= 2") if self.chunk < 2 else None,
                 ("bits", self.bits, "must be 2, 4 or 8") if self.bits not in (2, 4, 8) else None,
+                ("indices", self.indices, "must be rice or fixed") if self.indices not in ("rice", "fixed") else None,
                 ("ef_decay", self.ef_decay, "must be in [0, 1]") if not 0.0 <= self.ef_decay <= 1.0 else None,
                 ("owner_keep", self.owner_keep, "must be an integer >= 1") if self.owner_keep < 1 else None,
             )
