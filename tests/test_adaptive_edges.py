@@ -78,3 +78,13 @@ def test_the_config_refuses_what_would_fail_or_do_nothing_later(override, field)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(os.path.join(root, "configs", "tiny-dilocox-paper.yaml"), [override])
+
+
+def test_cocktail_refuses_an_error_buffer_of_another_shape():
+    """A checkpoint's error buffer of the wrong size is refused, not broadcast into the codec's."""
+    cfg = SimpleNamespace(quant="int4", group_size=128, random_fraction=0.1, topk_fraction=0.1)
+    codec = CocktailCodec(cfg, [64, 32], seed=0)
+    with pytest.raises(ValueError, match="error buffer has shape"):
+        codec.load_state_dict({"error": torch.ones(1)})
+    codec.load_state_dict({"error": torch.ones(96)})
+    assert torch.equal(codec.error, torch.ones(96))

@@ -238,4 +238,9 @@ class CocktailCodec:
         return {"error": self.error.detach().cpu().clone()}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.error.copy_(sd["error"])
+        err = sd["error"]
+        if tuple(err.shape) != tuple(self.error.shape):  # (copy_ would broadcast a 1-element buffer silently)
+            raise ValueError(
+                f"CocktailSGD error buffer has shape {tuple(err.shape)}, expected {tuple(self.error.shape)}"
+            )
+        self.error.copy_(err)
