@@ -380,9 +380,11 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
     from dilocox.data.sources import DataError
     from dilocox.elastic.group import ElasticError  # torchft itself is imported lazily, not here
     from dilocox.hf import ExportError
+    from dilocox.net.secure import SecretError  # a secret file too open, too short, another user's: one line
 
     for cls, label, code in (
         (ConfigError, "config error", 2),
+        (SecretError, "config error", 2),
         (DataError, "data error", 2),
         (ExportError, "export error", 2),
         (CheckpointError, "checkpoint error", 1),

@@ -16,6 +16,7 @@ from tests.spawn import free_port, processes_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launcher", "slurm", "swarm.sbatch")
+CFG = os.path.join(ROOT, "configs", "tiny.yaml")  # (the script passes a relative CONFIG on as an absolute path)
 TINY = [
     "--model.n_layers=2",
     "--model.d_model=64",
@@ -202,7 +203,7 @@ def test_swarm_sbatch_one_step_per_peer_store_and_lighthouses_on_first_node(tmp_
         node = ["gpu03", "gpu04", "gpu07"][n % 3]
         lh = {0: " --lighthouse http://gpu03:29530", 2: " --lighthouse http://gpu03:29532"}.get(j, "")
         want.append(
-            f"{node} python -m dilocox.swarm.peer --config configs/tiny.yaml --stage {j} --index {k} "
+            f"{node} python -m dilocox.swarm.peer --config {CFG} --stage {j} --index {k} "
             f"--store gpu03:29520 --out {run}{lh} -- --train.steps=3 --swarm.peers_per_stage=[3,1,2] "
             f"--security.secret_file={run}/secret --security.guard_services=true --swarm.host={node}"
         )
@@ -232,7 +233,7 @@ def test_swarm_sbatch_with_rebalancing_starts_the_rebalancer_and_every_lighthous
             f"gpu03 python -m dilocox.cli swarm store --port 29520 --secret-file {run}/secret",
             f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29530 {lh}",
             f"gpu03 python -m dilocox.cli lighthouse --min-replicas 1 --bind 0.0.0.0:29531 {lh}",  # one-peer stage too
-            f"gpu03 python -m dilocox.cli swarm rebalance --config configs/tiny.yaml --store gpu03:29520 --out {run} "
+            f"gpu03 python -m dilocox.cli swarm rebalance --config {CFG} --store gpu03:29520 --out {run} "
             f"--lighthouse 0=http://gpu03:29530 --lighthouse 1=http://gpu03:29531 -- {ovr}",
         ]
     ), services
