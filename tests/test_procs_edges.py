@@ -26,6 +26,7 @@ import pytest
 from dilocox.config import ConfigError
 from dilocox.distributed.topology import env_rank_world
 from tests.fake_slurm import run_fake_sbatch
+from tests.test_launch_elastic import _alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM = os.path.join(ROOT, "launcher", "slurm")
@@ -107,14 +108,6 @@ RANK = textwrap.dedent("""
     (out / f"up{rank}").write_text(str(os.getpid()))
     time.sleep(60)
 """)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _stop_torchrun(tmp_path, mode: str, multi_host: bool, signals: int = 1):
