@@ -101,10 +101,11 @@ def load_secret(path: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # (a FIFO does not block the open)
     except OSError as e:
         raise SecretError(f"security.secret_file={path!r}: {e.strerror}; create it with `dilocox secret {path}`") from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (before fdopen, which raises IsADirectoryError on a directory)
+        os.close(fd)
+        raise SecretError(f"security.secret_file={path!r} is not a regular file; create one with `dilocox secret`")
     with os.fdopen(fd, "rb") as f:  # (checked on the open file: nothing can swap it between the check and the read)
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretError(f"security.secret_file={path!r} is not a regular file; create one with `dilocox secret`")
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise SecretError(
                 f"security.secret_file={path!r} is owned by uid {st.st_uid}, not this user (uid {os.getuid()}): "
