@@ -68,13 +68,13 @@ def _bytes_of(bitmat: torch.Tensor) -> torch.Tensor:
     """(rows, 8·n) 0/1 uint8 -> (rows, n) uint8, LSB-first."""
     rows = bitmat.shape[0]
     weights = (1 << torch.arange(8, device=bitmat.device, dtype=torch.int32)).to(torch.uint8)
-    return (bitmat.view(rows, -1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return (bitmat.view(rows, bitmat.shape[1] // 8, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
 
 
 def _bits_of(raw: torch.Tensor) -> torch.Tensor:
     """(rows, n) uint8 -> (rows, 8·n) int64 0/1, LSB-first."""
     shifts = torch.arange(8, device=raw.device, dtype=torch.int32)
-    return ((raw.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(raw.shape[0], -1).to(torch.int64)
+    return ((raw.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(raw.shape[0], 8 * raw.shape[1]).to(torch.int64)
 
 
 def pack_torch(idx: torch.Tensor, c: int) -> torch.Tensor:

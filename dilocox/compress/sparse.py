@@ -80,17 +80,14 @@ def _pack_bits(vals: torch.Tensor, nbits: int) -> torch.Tensor:
     pad = nbytes * 8 - k * nbits
     if pad:
         bitmat = torch.cat([bitmat, bitmat.new_zeros(rows, pad)], dim=1)
-    weights = (1 << torch.arange(8, device=vals.device, dtype=torch.int32)).to(torch.uint8)
-    return (bitmat.view(rows, nbytes, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return rice._bytes_of(bitmat)
 
 
 def _unpack_bits(raw: torch.Tensor, k: int, nbits: int) -> torch.Tensor:
     """Inverse of ``_pack_bits``: (rows, nbytes) uint8 -> (rows, k) int64."""
-    rows = raw.shape[0]
-    shifts = torch.arange(8, device=raw.device, dtype=torch.int32)
-    bitmat = ((raw.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(rows, -1)[:, : k * nbits]
+    bitmat = rice._bits_of(raw)[:, : k * nbits]
     weights = 1 << torch.arange(nbits, device=raw.device, dtype=torch.int64)
-    return (bitmat.view(rows, k, nbits).to(torch.int64) * weights).sum(-1)
+    return (bitmat.view(raw.shape[0], k, nbits) * weights).sum(-1)
 
 
 def _levels(bits: int) -> tuple[float, float]:
