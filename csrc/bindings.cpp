@@ -9,8 +9,8 @@
 //       contained NaN/inf (those groups are not written); the caller raises on != 0.
 //   torch.ops.dilocox.dequantize_into(payload, out, group_size, bits, accumulate) -> ()
 //       out: contiguous fp32 with n elements; out = deq(payload) or out += deq(payload).
-//   torch.ops.dilocox.sparse_encode(e, payload, chunk, k, bits) -> ()
-//       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only).
+//   torch.ops.dilocox.sparse_encode(e, payload, chunk, k, bits, rice_b=-1) -> ()
+//       compress.sparse's chunked top-k encoder (csrc/sparse_cpu.cpp; CPU only); rice_b >= 0: Rice-coded indices.
 //   torch.ops.dilocox.rice_pack(idx, out, c, b) -> () / rice_unpack(raw, idx, c, b) -> ()
 //       compress.sparse's Rice-coded index block of chunks of c, parameter b (csrc/rice_cpu.cpp; CPU only).
 //   torch.ops.dilocox.select_cpu_isa(isa) -> int
@@ -110,7 +110,8 @@ void dequantize_into_cpu(const at::Tensor& payload, const at::Tensor& out, int64
 
 }  // namespace
 
-void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits);
+void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits,
+                       int64_t rice_b);
 void rice_pack_cpu(const at::Tensor& idx, const at::Tensor& out, int64_t c, int64_t b);
 void rice_unpack_cpu(const at::Tensor& raw, const at::Tensor& idx, int64_t c, int64_t b);
 
@@ -127,7 +128,7 @@ TORCH_LIBRARY(dilocox, m) {
       "ef_quantize_pack(Tensor x, Tensor(a!)? error, Tensor(b!) payload, int group_size, int bits, "
       "bool stochastic=False, int seed=0, int step=0) -> Tensor");
   m.def("dequantize_into(Tensor payload, Tensor(a!) out, int group_size, int bits, bool accumulate) -> ()");
-  m.def("sparse_encode(Tensor e, Tensor(a!) payload, int chunk, int k, int bits) -> ()");
+  m.def("sparse_encode(Tensor e, Tensor(a!) payload, int chunk, int k, int bits, int rice_b=-1) -> ()");
   m.def("rice_pack(Tensor idx, Tensor(a!) out, int c, int b) -> ()");
   m.def("rice_unpack(Tensor raw, Tensor(a!) idx, int c, int b) -> ()");
   m.def("select_cpu_isa(int isa) -> int", &dilocox::select_cpu_isa_op);  // no tensor: one kernel for all keys

@@ -8,7 +8,8 @@
 // it (candidate_floor); nth_element finds the k-th largest |e| exactly among those candidates; an ascending scan of
 // the candidates keeps every entry above it and the lowest-index entries equal to it); s = bf16(max|kept| / h),
 // h = (2^b - 1)/2, rounded to nearest even; code = clamp(floor(v / s + 2^(b-1)), 0, 2^b - 1) in fp32 (s = 0:
-// code 2^(b-1)); indices (ceil(log2 c) bits) and codes (b bits) packed LSB-first, one byte-aligned row per
+// code 2^(b-1)); indices (ceil(log2 c) bits each, or with rice_b >= 0 the Rice codes of their gaps with that
+// parameter, as csrc/rice_cpu.cpp writes them) and codes (b bits) packed LSB-first, one byte-aligned row per
 // chunk; the scales as little-endian bf16 after both blocks. Chunks run in parallel (at::parallel_for); the body is
 // compiled for the baseline ISA, AVX2 and AVX-512 and picked at run time like the quantizer's (quant_cpu.cpp).
 #include <ATen/Parallel.h>
@@ -49,10 +50,20 @@ inline void put_bits(uint8_t* row, int64_t j, int nbits, uint32_t v) {
   for (uint8_t* b = row + (pos >> 3); w != 0; ++b, w >>= 8) *b |= static_cast<uint8_t>(w & 0xffu);
 }
 
+// the Rice code of gap d with parameter b at bit ``pos`` of row (zeroed): d >> b one-bits, a zero, the b low bits
+// of d most significant first (compress/rice.py); returns the bit after it
+inline int64_t put_rice(uint8_t* row, int64_t pos, int64_t d, int b) {
+  for (int64_t q = d >> b; q > 0; --q, ++pos) row[pos >> 3] |= static_cast<uint8_t>(1u << (pos & 7));
+  ++pos;  // the zero
+  for (int t = b - 1; t >= 0; --t, ++pos)
+    if ((d >> t) & 1) row[pos >> 3] |= static_cast<uint8_t>(1u << (pos & 7));
+  return pos;
+}
+
 struct Layout {
   const float* x;
   int64_t n, c, k;
-  int bits, ib;
+  int bits, ib, rice_b;  // rice_b < 0: fixed-width indices of ib bits
   int64_t ib_bytes, cb_bytes;
   uint8_t *p, *codes_base, *scales;
 };
@@ -147,7 +158,7 @@ DILOCOX_SPARSE_INLINE void encode_rows(const Layout& L, int64_t begin, int64_t e
     const float s = bf16_bits_to_f32(sb);
     uint8_t* irow = L.p + r * L.ib_bytes;
     uint8_t* crow = L.codes_base + r * L.cb_bytes;
-    int64_t taken = 0, eq = 0;
+    int64_t taken = 0, eq = 0, pos = 0, prev = -1;  // (kept in ascending index order: the Rice gaps are >= 0)
     for (int64_t i = 0; i < m && taken < k; ++i) {
       if (ckey[i] < T || (ckey[i] == T && eq++ >= remaining)) continue;
       const int64_t j = cidx[i];
@@ -157,7 +168,10 @@ DILOCOX_SPARSE_INLINE void encode_rows(const Layout& L, int64_t begin, int64_t e
         const float q = std::floor(v / s + off);
         code = q <= 0.0f ? 0u : (q >= static_cast<float>(top) ? top : static_cast<uint32_t>(q));
       }
-      put_bits(irow, taken, L.ib, static_cast<uint32_t>(j));
+      if (L.rice_b >= 0)
+        pos = put_rice(irow, pos, j - prev - 1, L.rice_b), prev = j;
+      else
+        put_bits(irow, taken, L.ib, static_cast<uint32_t>(j));
       put_bits(crow, taken, L.bits, code);
       ++taken;
     }
@@ -177,7 +191,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void encode_rows_a
 
 }  // namespace
 
-void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits) {
+void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t bits,
+                       int64_t rice_b) {
   TORCH_CHECK(e.scalar_type() == at::kFloat && e.is_contiguous(), "dilocox::sparse_encode: e must be contiguous fp32");
   TORCH_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous(),
               "dilocox::sparse_encode: payload must be contiguous uint8");
@@ -190,7 +205,12 @@ void sparse_encode_cpu(const at::Tensor& e, const at::Tensor& payload, int64_t c
   L.x = e.data_ptr<float>(), L.n = n, L.c = chunk, L.k = k, L.bits = static_cast<int>(bits);
   const int64_t n_c = (n + chunk - 1) / chunk;
   L.ib = index_bits(chunk);
-  L.ib_bytes = (k * L.ib + 7) / 8, L.cb_bytes = (k * bits + 7) / 8;
+  TORCH_CHECK(rice_b >= -1 && rice_b <= L.ib, "dilocox::sparse_encode: rice_b must be -1 (fixed) or in [0, ", L.ib,
+              "], got ", rice_b);
+  L.rice_b = static_cast<int>(rice_b);
+  // a Rice row holds any k ascending indices: k (b + 1) + floor((c - k) / 2^b) bits (compress/rice.py)
+  const int64_t ibits = rice_b >= 0 ? k * (rice_b + 1) + ((chunk - k) >> rice_b) : k * L.ib;
+  L.ib_bytes = (ibits + 7) / 8, L.cb_bytes = (k * bits + 7) / 8;
   TORCH_CHECK(payload.numel() == n_c * (L.ib_bytes + L.cb_bytes + 2), "dilocox::sparse_encode: payload has ",
               payload.numel(), " bytes, expected ", n_c * (L.ib_bytes + L.cb_bytes + 2));
   L.p = payload.data_ptr<uint8_t>();

@@ -88,3 +88,21 @@ def test_cocktail_refuses_an_error_buffer_of_another_shape():
         codec.load_state_dict({"error": torch.ones(1)})
     codec.load_state_dict({"error": torch.ones(96)})
     assert torch.equal(codec.error, torch.ones(96))
+
+
+def test_h_is_predicted_again_at_the_rank_the_tp_ranks_agreed_on():
+    """Under TP > 1 the replica's TP ranks take the max of their ranks, but H had been predicted from this rank's own
+    (smaller) rank's payload: fewer bytes, so a smaller H than the sync that follows needs. Fix:
+    ``agree_rank`` predicts H again at the agreed rank, as ``update`` would have at that rank."""
+
+    def payload(r: int) -> int:
+        return 1000 * r
+
+    flat = [torch.tensor([1.0, 0.0, 0.0, 0.0])]  # one direction holds all the energy: rank 1 of its own
+    ctl = AdaptiveController(energy_eps=0.05, rank_min=1, rank_max=8, h_min=1, h_max=100)
+    rank, h = ctl.update(flat, 0.4, payload(4), payload, 0.01)
+    assert rank == 1 and h == 10  # 0.4 s for 4 kB -> 1e-4 s/B; 1 kB at rank 1 -> 0.1 s / 0.01 s a step
+    h8 = ctl.agree_rank(8, payload)  # a TP peer chose rank 8: its payload is 8 kB
+    assert (ctl.rank, h8, ctl.h) == (8, 80, 80)
+    twin = AdaptiveController(energy_eps=0.05, rank_min=8, rank_max=8, h_min=1, h_max=100)
+    assert twin.update(flat, 0.4, payload(4), payload, 0.01) == (8, h8)  # what update predicts at rank 8

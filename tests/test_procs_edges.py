@@ -52,6 +52,9 @@ def _env() -> dict[str, str]:
         ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
         ({"SLURM_PROCID": "4", "SLURM_NTASKS": "4"}, "SLURM_PROCID=4"),
+        ({"RANK": "3"}, "RANK=3 is set in the environment but WORLD_SIZE is not"),  # was: ran as rank 0 of 1
+        ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set in the environment but RANK is not"),
+        ({"RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "WORLD_SIZE is not"),
     ],
 )
 def test_malformed_rank_variables_are_a_config_error(monkeypatch, env, named):

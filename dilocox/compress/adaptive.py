@@ -185,9 +185,18 @@ class AdaptiveController:
             self.sec_per_byte = self._ema(self.sec_per_byte, t_comm_measured / payload_bytes_now)
         if t_step > 0:
             self.t_step = self._ema(self.t_step, t_step)
+        return self.rank, self._predict_h(payload_fn)
+
+    def _predict_h(self, payload_fn: Callable[[int], int]) -> int:
         t_comm = (self.sec_per_byte or 0.0) * payload_fn(self.rank)
         self.h = self.h_for(t_comm, self.t_step or 0.0) if self.t_step else self.h_max
-        return self.rank, self.h
+        return self.h
+
+    def agree_rank(self, rank: int, payload_fn: Callable[[int], int]) -> int:
+        """The rank the replica's TP ranks agreed on (their max) replaces this rank's own choice, and H is
+        predicted again from that rank's payload (``update`` predicted it from the rank before the max)."""
+        self.rank = int(rank)
+        return self._predict_h(payload_fn)
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -49,8 +49,9 @@ SPARSE_BITS = (2, 4, 8)
 COLLECTIVES = ("allgather", "reduce_scatter")
 
 
-def _has_op() -> bool:  # (an extension built before the op existed lacks it)
-    return hasattr(torch.ops.dilocox, "sparse_encode")
+def _has_op() -> bool:  # (an extension built before the op existed, or before it wrote Rice codes, lacks it)
+    op = getattr(torch.ops.dilocox, "sparse_encode", None)
+    return op is not None and any(a.name == "rice_b" for a in op.default._schema.arguments)
 
 
 def layout(numel: int, chunk: int, density: float) -> tuple[int, int, int]:
@@ -153,17 +154,14 @@ def _kernel_here(device: torch.device) -> bool:
 
 
 def _kernel_encode(flat: torch.Tensor, chunk: int, density: float, bits: int, indices: str = "rice") -> torch.Tensor:
-    """``encode`` of a non-empty flat fp32 CPU tensor by the compiled kernel (``_kernel_here``). The kernel writes
-    fixed-width indices; Rice-coded ones are re-packed from them (``compress/rice.py``)."""
+    """``encode`` of a non-empty flat fp32 CPU tensor by the compiled kernel (``_kernel_here``); with Rice-coded
+    indices it writes their codes itself (``rice_b``, ``compress/rice.py``)."""
     n = flat.numel()
-    c, k, n_c = layout(n, chunk, density)
-    out = torch.empty(tensor_payload_bytes(n, chunk, density, bits, "fixed"), dtype=torch.uint8)
-    torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits)
-    if not rice.use_rice(c, k, indices):
-        return out
-    a = n_c * rice.row_bytes(c, k, "fixed")
-    idx = _unpack_bits(out[:a].view(n_c, -1), k, index_bits(c))
-    return torch.cat([rice.pack(idx, c).reshape(-1), out[a:]])
+    c, k, _ = layout(n, chunk, density)
+    out = torch.empty(tensor_payload_bytes(n, chunk, density, bits, indices), dtype=torch.uint8)
+    b = rice.param(c, k) if rice.use_rice(c, k, indices) else -1
+    torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits, b)
+    return out
 
 
 def encode(

@@ -152,8 +152,15 @@ def env_rank_world() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from torchrun or plain SLURM variables; (0, 1, 0) if none.
 
     A value that is not a whole number, a world size below 1 or a rank outside [0, world size) is a ConfigError
-    naming the variable (it was a ValueError traceback, or an init that waited for ranks that do not exist)."""
+    naming the variable (it was a ValueError traceback, or an init that waited for ranks that do not exist), and so
+    is RANK without WORLD_SIZE or the reverse (a leftover RANK=3 ran as the single rank 0)."""
     env = os.environ
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        have, lack = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise ConfigError(
+            f"{have}={env[have]} is set in the environment but {lack} is not (torchrun and srun set both): launch the "
+            f"ranks with `dilocox train CONFIG --nproc N` or torchrun, or unset {have} for one process"
+        )
     for rank_key, world_key, local_key in (
         ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
         ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),

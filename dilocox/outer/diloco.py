@@ -288,7 +288,9 @@ class DiLoCoOuter(OuterBase):
             # compressed at the same rank on every TP rank, or its copies drift apart: take the max
             t = torch.tensor([rank], dtype=torch.int64, device=self.params[0].device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
-            rank = int(t.item())
+            if int(t.item()) != rank:  # H was predicted from this rank's own choice: predict it at the agreed one
+                rank = int(t.item())
+                H = self.controller.agree_rank(rank, comp.payload_bytes)
         if comp.rank > 0 and rank != comp.rank:  # σ's are bit-identical across the outer group: so is rank
             comp.set_rank(rank)
         self.H = max(self.membership.agree_max(int(H), self.H, self.params[0].device), self.tau + 1)
