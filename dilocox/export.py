@@ -30,7 +30,7 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
     from dilocox import hf
     from dilocox.checkpoint.full import final_model
     from dilocox.config import load_config
-    from dilocox.generate import run_tokenizer
+    from dilocox.generate import run_checkpoint_dir, run_tokenizer
     from dilocox.model.subspace import dense_state_dict
 
     cfg_path = os.path.join(run_dir, "config.yaml")
@@ -44,9 +44,7 @@ def export_run(run_dir: str, out_dir: str, step_dir: str | None = None, allow_re
         full, step_dir = swarm_final.final_model(run_dir, cfg, allow_replica_params, step_dir)
     else:
         if step_dir is None:
-            ckpt_dir = cfg.checkpoint.dir
-            if not (ckpt_dir and os.path.isdir(ckpt_dir)):
-                ckpt_dir = os.path.join(run_dir, "checkpoints")
+            ckpt_dir = run_checkpoint_dir(run_dir, cfg)
             step_dir = ckpt.find_latest(ckpt_dir)
             if step_dir is None:
                 raise FileNotFoundError(f"{run_dir}: no complete checkpoint under {ckpt_dir}; nothing to export")

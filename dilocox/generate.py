@@ -39,9 +39,7 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
         if swarm_final.is_swarm_run(path):  # a `dilocox swarm --out` directory
             full, _ = swarm_final.final_model(path, cfg, allow_replica_params)
         else:
-            ckpt_dir = cfg.checkpoint.dir or os.path.join(path, "checkpoints")
-            if not os.path.isabs(ckpt_dir) and not os.path.isdir(ckpt_dir):
-                ckpt_dir = os.path.join(path, "checkpoints")
+            ckpt_dir = run_checkpoint_dir(path, cfg)
             step_dir = ckpt.find_latest(ckpt_dir)
             if step_dir is None:
                 raise FileNotFoundError(f"{path}: no complete checkpoint under {ckpt_dir}; train first")
@@ -58,6 +56,13 @@ def load_model(path: str, device: str = "cpu", allow_replica_params: bool = Fals
     model.load_full_state_dict(full)
     model.eval()
     return model, tokenizer, mcfg
+
+
+def run_checkpoint_dir(run_dir: str, cfg) -> str:
+    """Where a run's checkpoints are: ``checkpoint.dir`` where that directory exists, else ``RUN_DIR/checkpoints`` (a
+    run dir copied or moved away from the absolute ``checkpoint.dir`` it trained with, its checkpoints inside it)."""
+    ckpt_dir = cfg.checkpoint.dir
+    return ckpt_dir if ckpt_dir and os.path.isdir(ckpt_dir) else os.path.join(run_dir, "checkpoints")
 
 
 def run_tokenizer(cfg, run_dir: str | None = None):
@@ -165,8 +170,8 @@ def sample(
             logits = logits[:vocab_size]
         if temperature == 0:
             nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
+        else:  # max subtracted, fp64 (a tiny T is no 0 in fp32): a tiny T gives -inf, not inf - inf = nan: greedy
+            logits = (logits - logits.max()).double() / temperature
             if 0 < top_k < logits.numel():
                 kth = torch.topk(logits, top_k).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         check_sampling(a.max_new_tokens, a.temperature, a.top_k)  # before the (slow) model load
+        if not -(2**63) <= a.seed < 2**64:  # (torch.Generator.manual_seed's range)
+            raise ValueError(f"--seed={a.seed} is out of range: give a whole number in [-2**63, 2**64)")
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {a.device}: CUDA is not available on this machine; use --device cpu")
         model, tok, _ = load_model(a.path, a.device, a.replica_params)

@@ -206,7 +206,7 @@ class Trainer(TrainerState):
         self.logger = MetricsLogger(
             lg.run_dir,
             enabled=self.topo.rank == 0,
-            total_steps=cfg.train.steps,
+            total_steps=cfg.train.last_step,  # (train.max_tokens may end it first)
             jsonl=lg.jsonl,
             tensorboard=lg.tensorboard,
             progress=lg.progress,
@@ -314,7 +314,7 @@ class Trainer(TrainerState):
             value = float(loss.item())  # checked now: before an outer step's communication, nothing bad leaves
             if not math.isfinite(value):
                 self._flush_logs()
-                raise self._nonfinite_error(value, step)
+                raise self._nonfinite_error(value, step + 1)  # (records count from 1)
             if not self.defer_sync:
                 loss = value
         if self.outer is not None:
@@ -427,7 +427,7 @@ class Trainer(TrainerState):
                 r[k] = v
         for r, printed in recs:
             if not math.isfinite(r["loss"]):
-                raise self._nonfinite_error(r["loss"], r["step"] - 1, self.step)
+                raise self._nonfinite_error(r["loss"], r["step"], self.step)
             self.logger.log(r, printed=printed)
 
     def _log_step(self, loss: float | torch.Tensor, start_step: int, t_start: float) -> None:
@@ -446,13 +446,13 @@ class Trainer(TrainerState):
         rate = (self.step - start_step) / max(1e-9, now - t_start)
         train_s = now - t_last - (self.eval_s - eval_last)
         rec["tokens_per_s"] = tokens_per_step * (self.step - step_last) / max(1e-9, train_s)
-        rec["eta_s"] = (cfg.train.steps - self.step) / max(rate, 1e-9)
+        rec["eta_s"] = (cfg.train.last_step - self.step) / max(rate, 1e-9)
         if self.peak:
             rec["mfu"] = rec["tokens_per_s"] * self.flops_per_token / (self.peak * self.topo.world_size)
         if self.outer is not None:
             rec.update(self.outer.stats)
         rec["time"], rec["wall"] = round(now - self.logger.t0, 3), round(now, 3)  # the step ran (written in batches)
-        printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.steps
+        printed = self.step % cfg.log.every == 0 or do_eval or self.step == cfg.train.last_step
         self.history.append(rec)
         self._unlogged.append((rec, printed))
         if printed:

@@ -322,6 +322,7 @@ class TrainerState:
             rundir.keep_tokenizer(cfg.log.run_dir, self.prepared)  # export/generate read the BPE the model learned
             if getattr(self, "_fresh_note", None):  # an earlier run's records, set aside: each step logged once
                 rundir.set_aside_metrics(cfg.log.run_dir)
+                self.logger.resume_at(0)  # TensorBoard hides the set-aside run's events too (steps from 1 on)
                 self.logger.info(self._fresh_note)
             if self.resumed_from is not None:
                 dropped = rundir.truncate_metrics(cfg.log.run_dir, self.step)

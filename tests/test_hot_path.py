@@ -125,7 +125,8 @@ def test_a_non_finite_loss_stops_the_run_at_the_next_log_step_and_is_never_saved
 
     tr.engine.forward_backward_async = bad
     try:
-        with pytest.raises(FloatingPointError, match="loss is nan at step 5 .*training stopped at step 8"):
+        # (the 6th step's loss: metrics.jsonl numbers it 6; the message said 5, the 0-based index)
+        with pytest.raises(FloatingPointError, match="loss is nan at step 6 .*training stopped at step 8"):
             tr.run()
     finally:
         _close(tr)

@@ -6,6 +6,7 @@ checkpoint of any R x D x P x T layout gives the whole model without a process g
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Callable
@@ -71,6 +72,7 @@ def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) ->
     final checkpoint's model state IS θ. A mid-run checkpoint's model state is replica 0's local params (θ plus
     the local steps since the last sync), which is not θ: refused unless ``allow_replica_params``."""
     meta = read_meta(step_dir)
+    check_model_config(step_dir, meta, mcfg)
     model = full_tensors(step_dir, names.key("replica0", "model"))
     if not model:
         raise CheckpointError(f"{step_dir} holds no model state of replica 0")
@@ -84,6 +86,30 @@ def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) ->
             "--replica-params to export replica 0's local params anyway"
         )
     return model
+
+
+# model keys that do not change what the saved weights are (how they were made, or which kernels run them)
+_NOT_THE_WEIGHTS = frozenset({"init_from", "init_std", "dropout", "attn_backend", "linear_backend"})
+
+
+def check_model_config(step_dir: str, meta: dict, mcfg) -> None:
+    """CheckpointError when the checkpoint was trained with another model than ``mcfg`` (e.g. ``--checkpoint``
+    naming another run's step directory): read with ``mcfg`` its weights would fail by name or be exported as
+    another architecture."""
+    saved = (meta.get("config") or {}).get("model")
+    if mcfg is None or not isinstance(saved, dict):
+        return
+    diff = []
+    for f in dataclasses.fields(mcfg):
+        have = getattr(mcfg, f.name)
+        have = list(have) if isinstance(have, tuple) else have
+        if f.name not in _NOT_THE_WEIGHTS and f.name in saved and saved[f.name] != have:
+            diff.append(f"model.{f.name} {saved[f.name]!r} there, {have!r} here")
+    if diff:
+        raise CheckpointError(
+            f"{step_dir} was trained with another model than the run's config.yaml ({'; '.join(diff)}): give a step "
+            "directory of this run, or the run directory it belongs to"
+        )
 
 
 def _is_final(step_dir: str, model: dict[str, torch.Tensor], rest: dict) -> bool:

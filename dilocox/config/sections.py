@@ -329,6 +329,13 @@ class TrainConfig:
     stop_timeout_s: float = 60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not
     # saved and exited by then
 
+    @property
+    def last_step(self) -> int:
+        """The step the run ends at: ``steps``, or the first step at which ``max_tokens`` per replica are reached."""
+        if not self.max_tokens:
+            return self.steps
+        return min(self.steps, -(-self.max_tokens // (self.batch_size * self.seq_len)))
+
 
 @dataclass
 class CheckpointConfig:

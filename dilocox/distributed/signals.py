@@ -363,7 +363,8 @@ class _Agreement:
 
         self._timeout_s, self._warn_after_s, self._timeout_key = timeout_s, warn, key
         for ranks in groups:  # new_group is collective over the world: every rank creates every group
-            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            # gloo whatever the default backend: the agreement all-reduces a CPU int64 (NCCL has no CPU backend)
+            g = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             if rank in ranks and len(ranks) > 1:
                 self.group = g
 
