@@ -15,13 +15,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "rice_core.h"
+
 namespace dilocox {
 
 void rice_pack_cpu(const at::Tensor& idx, const at::Tensor& out, int64_t c, int64_t b) {
   TORCH_CHECK(idx.device().is_cpu() && out.device().is_cpu(), "rice_pack: CPU tensors");
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 2 && idx.is_contiguous(), "rice_pack: idx (rows, k) int64");
   TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 2 && out.is_contiguous(), "rice_pack: out (rows, n) uint8");
-  TORCH_CHECK(out.size(0) == idx.size(0) && b >= 0 && b < 63, "rice_pack: shapes or b");
+  TORCH_CHECK(out.size(0) == idx.size(0) && b >= 0 && b < 32, "rice_pack: shapes or b");
   const int64_t rows = idx.size(0), k = idx.size(1), nbytes = out.size(1), width = 8 * nbytes;
   const int64_t* in = idx.data_ptr<int64_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -38,10 +40,7 @@ void rice_pack_cpu(const at::Tensor& idx, const at::Tensor& out, int64_t c, int6
           bad.store(true, std::memory_order_relaxed);
           break;
         }
-        for (int64_t q = d >> b; q > 0; --q, ++pos) row[pos >> 3] |= uint8_t(1u << (pos & 7));
-        ++pos;  // the zero
-        for (int64_t t = b - 1; t >= 0; --t, ++pos)
-          if ((d >> t) & 1) row[pos >> 3] |= uint8_t(1u << (pos & 7));
+        pos = put_rice(row, pos, d, static_cast<int>(b));
       }
     }
   });

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "quant_core.h"
+#include "rice_core.h"
 
 namespace dilocox {
 
@@ -42,23 +43,8 @@ int index_bits(int64_t c) {
   return std::max(1, b);
 }
 
-// v (< 2^nbits, nbits <= 32) as bits [j * nbits, (j + 1) * nbits) of row, LSB-first, a byte at a time (never past
-// the value's last byte: the next row may belong to another thread)
-inline void put_bits(uint8_t* row, int64_t j, int nbits, uint32_t v) {
-  const int64_t pos = j * nbits;
-  uint64_t w = static_cast<uint64_t>(v) << (pos & 7);
-  for (uint8_t* b = row + (pos >> 3); w != 0; ++b, w >>= 8) *b |= static_cast<uint8_t>(w & 0xffu);
-}
-
-// the Rice code of gap d with parameter b at bit ``pos`` of row (zeroed): d >> b one-bits, a zero, the b low bits
-// of d most significant first (compress/rice.py); returns the bit after it
-inline int64_t put_rice(uint8_t* row, int64_t pos, int64_t d, int b) {
-  for (int64_t q = d >> b; q > 0; --q, ++pos) row[pos >> 3] |= static_cast<uint8_t>(1u << (pos & 7));
-  ++pos;  // the zero
-  for (int t = b - 1; t >= 0; --t, ++pos)
-    if ((d >> t) & 1) row[pos >> 3] |= static_cast<uint8_t>(1u << (pos & 7));
-  return pos;
-}
+// v (< 2^nbits, nbits <= 32) as bits [j * nbits, (j + 1) * nbits) of row
+inline void put_bits(uint8_t* row, int64_t j, int nbits, uint32_t v) { or_bits(row, j * nbits, v); }
 
 struct Layout {
   const float* x;
