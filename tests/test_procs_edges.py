@@ -212,3 +212,31 @@ def test_sbatch_finds_a_relative_config_where_it_was_typed(tmp_path, monkeypatch
     assert p.returncode == 0, p.stderr
     runs = [ln for ln in lines if " train " in ln or "--config" in ln]
     assert runs and all(f" {want} " in f"{ln} " for ln in runs), (str(want), lines)
+
+
+def test_kill_and_reap_kills_what_an_exited_child_left_in_its_group(tmp_path):
+    """A ``spawn``ed child that exited (not reaped yet) but left a process in its group: ``kill_and_reap`` saw
+    ``poll()`` return its exit code and skipped the group kill, so the grandchild ran on, orphaned."""
+    from dilocox.distributed.procs import kill_and_reap, spawn
+
+    pidfile = tmp_path / "grandchild.pid"
+    code = f"import subprocess; p = subprocess.Popen(['sleep', '120']); open({str(pidfile)!r}, 'w').write(str(p.pid))"
+    child = spawn([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    while time.monotonic() < deadline:  # the child exits (a zombie until reaped): wait without reaping it
+        if os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+            break
+        time.sleep(0.05)
+    try:
+        assert kill_and_reap(child, timeout_s=10) == 0
+        for _ in range(100):
+            if not _alive(grandchild):
+                break
+            time.sleep(0.05)
+        assert not _alive(grandchild), "the grandchild outlived kill_and_reap"
+    finally:
+        if _alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)

@@ -85,9 +85,11 @@ def kill_group(pid: int | subprocess.Popen, sig: int = signal.SIGKILL) -> None:
 
 
 def kill_and_reap(proc: subprocess.Popen, timeout_s: float = 10.0, what: str = "process") -> int | None:
-    """SIGKILL a ``spawn``ed child's group if it still runs, then wait for it at most ``timeout_s``; returns its
-    exit code (None, logged, if it did not exit in time)."""
-    if proc.poll() is None:
+    """SIGKILL a ``spawn``ed child's group, then wait for the child at most ``timeout_s``; returns its exit code
+    (None, logged, if it did not exit in time). The group is killed whenever the child was not reaped yet, even if
+    it exited (a zombie): what it started may still run (it was skipped then, leaving them orphaned); its pid, the
+    group's id, cannot have been reused before the reap. A child reaped earlier is left alone (its id may be reused)."""
+    if proc.returncode is None:
         kill_group(proc.pid, signal.SIGKILL)
     try:
         return proc.wait(timeout=timeout_s)
