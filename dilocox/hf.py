@@ -568,6 +568,6 @@ def load_hf_full_state_dict(hf_dir: str, m: ModelConfig, init=None) -> dict[str,
             if k not in init_sd:  # another pipeline stage's tensor: keep the HF rows, padded with zeros
                 full[k] = torch.cat([full[k], full[k].new_zeros(m.vocab_size - hm.vocab_size, full[k].shape[1])])
                 continue
-            pad = init_sd[k][hm.vocab_size :].to(full[k].dtype)
+            pad = init_sd[k][hm.vocab_size :].to(full[k].device, full[k].dtype)  # (init: the model's device)
             full[k] = torch.cat([full[k], pad])
     return full

@@ -10,7 +10,7 @@
 # script goes on after a failed step, so one call returns everything it could measure. It writes, under $OUT:
 #   machine.txt      GPU, driver, torch, nvcc
 #   build.log        the extension build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=9.0)
-#   test_gpu.txt     pytest -m cuda (tests/test_gpu.py, the CUDA kernel tests of tests/test_kernels.py)
+#   test_gpu.txt     pytest -m cuda (tests/test_gpu.py, the CUDA kernel tests of tests/test_kernels.py, test_gpu_paths.py)
 #   cpu_kernels.txt  the CPU kernel tests on the GPU machine's host CPU (every ISA it has)
 #   kernels.json     dilocox bench kernels --device cuda (and results.md beside it)
 #   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, and the DiLoCoX
@@ -73,7 +73,7 @@ python3 -c "from dilocox.compress import kernels as k; print('extension: cpu', k
 
 step tests
 DILOCOX_TEST_GPU=1 timeout 360 python3 -m pytest -q -m cuda -rs -n 4 -p no:cacheprovider \
-    tests/test_gpu.py tests/test_kernels.py >"$OUT/test_gpu.txt" 2>&1
+    tests/test_gpu.py tests/test_kernels.py tests/test_gpu_paths.py >"$OUT/test_gpu.txt" 2>&1
 echo "tests rc $?"
 tail -30 "$OUT/test_gpu.txt"
 

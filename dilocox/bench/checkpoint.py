@@ -69,7 +69,8 @@ def _worker(rank: int, world: int, store: str, model: str, root: str, layout: li
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # LOCAL_RANK: the GPU of this rank (pick_device); without it every rank takes cuda:0 and NCCL refuses the group
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if world > 1:  # the ranks meet through a file (no port to race another process for); the Trainer reuses the group
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import torch
+
 from dilocox.distributed.signals import CommTimeoutError, bounded_wait
 
 # The token bucket's cap, set by ``dilocox launch`` (and ``dilocox launch --elastic``) for every rank when it cannot
@@ -137,6 +139,9 @@ class AsyncComm:
         sent_bytes: zero-argument callable returning the cumulative bytes sent so far
             (e.g. ``lambda: stats.bytes_sent``); read before and after each task.
         name: thread name (shows up in stack dumps).
+        device: the CUDA device of the tensors it moves (None or a CPU device: nothing to set). The current CUDA device
+            is per thread and a new thread starts on cuda:0: the thread selects ``device`` first, so what it runs that
+            reads the current device (torchft's quorum and streams, ``torch.cuda`` calls) uses this rank's GPU.
 
     The thread starts on the first ``submit`` and stops in ``shutdown()`` (after draining
     the queue); a later ``submit`` starts it again.
@@ -148,6 +153,7 @@ class AsyncComm:
         bandwidth: float | None = None,
         sent_bytes: Callable[[], int] | None = None,
         name: str = "outer-comm",
+        device=None,
     ) -> None:
         if delay_s < 0:
             raise ValueError(f"AsyncComm delay_s={delay_s} must be >= 0")
@@ -159,6 +165,7 @@ class AsyncComm:
         self.bandwidth = bandwidth
         self._sent_bytes = sent_bytes
         self.name = name
+        self.device = device
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._link_free_at = 0.0
@@ -208,6 +215,7 @@ class AsyncComm:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
+        cuda = getattr(self.device, "type", None) == "cuda"
         while True:
             item = self._queue.get()
             if item is None:
@@ -218,6 +226,8 @@ class AsyncComm:
             before = self._sent_bytes() if self._sent_bytes is not None else 0
             result, error = None, None
             try:
+                if cuda:  # (in the try: a failure is the task's, handed to its waiter, not a dead thread)
+                    torch.cuda.set_device(self.device)
                 result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 error = e

@@ -97,7 +97,7 @@ class QuorumGroup:
                 if check:
                     side[mr + el.cfg.replica_rank] = torch.linalg.vector_norm(flat, dtype=torch.float64).float()
                 elif not io["lossy"]:
-                    io["buf"] = torch.cat([flat, side])
+                    io["buf"] = torch.cat([flat, side.to(flat.device)])  # (side: host slots; flat: the device's)
             return io
 
         saved: list[dict] = []

@@ -72,6 +72,7 @@ class OuterBase:
             bandwidth=comm_bandwidth,
             sent_bytes=lambda: self.comm_stats.bytes_sent,
             name=f"outer-comm-{topo.rank if topo else 0}",
+            device=self.params[0].device if self.params else None,  # (the thread selects this rank's GPU)
         )
 
     # ------------------------------------------------------------------ hooks (no-ops unless overridden)

@@ -408,10 +408,14 @@ class DiLoCoOuter(OuterBase):
         m = self.membership
         m.reset_join()
 
+        # the live replicas send pseudo-gradients on the params' device (OuterState.pseudo_gradient): the joiner's zeros
+        # go there too, so its codec runs on the device theirs does (not on the host of outer.state_device=host)
+        dev = self.params[0].device if self.params else self.state.device
+
         def layout():  # comm thread, after the heal (if any): the round's fragment, its zeros and its compressor
             p = m.received_frag()
             shapes = self.state.shapes(p)
-            return [torch.zeros(s, dtype=torch.float32, device=self.state.device) for s in shapes], self.compressors[p]
+            return [torch.zeros(s, dtype=torch.float32, device=dev) for s in shapes], self.compressors[p]
 
         h = self.comm.submit(self.group.join, 0, layout)
         res = self._wait(h)
