@@ -102,3 +102,12 @@ def test_elastic_outer_interval_is_the_median_of_the_intervals_before_the_kill()
     out = analyze({"events": ev, "replicas": reps}, 100, victim=2)
     assert out["outer_interval_s"] == pytest.approx(2.0) and out["kill_extra_s"] == pytest.approx(2.0)
     assert out["kill_to_next_outer_s"] == pytest.approx(3.5)
+
+
+def test_wan_header_names_the_batch_an_override_set():
+    """`bench wan --set=--train.batch_size=2` wrote "8 x 128 tokens per replica per step" in its header."""
+    from dilocox.bench.wan_report import _batch
+
+    assert _batch([]) == "8 x 128"
+    assert _batch(["--model.d_model=256", "--train.batch_size=2"]) == "2 x 128"
+    assert _batch(["--train.seq_len=64", "--train.batch_size=4"]) == "4 x 64"

@@ -102,6 +102,16 @@ def _steps_cell(r: dict) -> str:
     return str(r["steps"])
 
 
+
+def _batch(overrides: list[str]) -> str:
+    """"B x S" of the runs: the bench's 8 x 128, or what ``--set=--train.batch_size/seq_len`` made it."""
+    got = {"batch_size": "8", "seq_len": "128"}
+    for o in overrides:
+        key, _, val = o.removeprefix("--train.").partition("=")
+        if o.startswith("--train.") and key in got:
+            got[key] = val
+    return f"{got['batch_size']} x {got['seq_len']}"
+
 def _md_header(m: dict) -> list[str]:
     """The lines above the tables: machine, emulation and run lengths, then what the plan columns mean."""
     merged = (
@@ -125,7 +135,7 @@ def _md_header(m: dict) -> list[str]:
         )
         + ".",
         f"Tiny GPT-2, {m['replicas']} replicas x {m['ranks_per_replica']} pipeline stages (4 CPU ranks, gloo), "
-        f"8 x 128 tokens "
+        f"{_batch(m.get('overrides') or [])} tokens "
         f"per replica per step, H={m['H']} for the local-step methods but the `dilocox` preset (its own H = 4; "
         "settings of `bench methods`"
         + (f"; overrides for every run: `{' '.join(m['overrides'])}`" if m.get("overrides") else "")
