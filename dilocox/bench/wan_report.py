@@ -102,15 +102,15 @@ def _steps_cell(r: dict) -> str:
     return str(r["steps"])
 
 
-
 def _batch(overrides: list[str]) -> str:
-    """"B x S" of the runs: the bench's 8 x 128, or what ``--set=--train.batch_size/seq_len`` made it."""
+    """The "B x S" of the runs: the bench's 8 x 128, or what ``--set=--train.batch_size/seq_len`` made it."""
     got = {"batch_size": "8", "seq_len": "128"}
     for o in overrides:
         key, _, val = o.removeprefix("--train.").partition("=")
         if o.startswith("--train.") and key in got:
             got[key] = val
     return f"{got['batch_size']} x {got['seq_len']}"
+
 
 def _md_header(m: dict) -> list[str]:
     """The lines above the tables: machine, emulation and run lengths, then what the plan columns mean."""
