@@ -209,11 +209,21 @@ def _stop_signals() -> dict:
     return {sig: signal.signal(sig, _on_stop_signal) for sig in sigs}
 
 
+def _out_dir(out: str) -> str:
+    """``out``, made; one line naming --out when it cannot be (a file there, or a parent that cannot be made: it was
+    a traceback from the launcher)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise SwarmUsageError(f"--out {out}: cannot be the job's output directory ({e.strerror or e})") from None
+    return out
+
+
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
-    from dilocox.config import load_config, validate_swarm_layout
+    from dilocox.config import load_config
     from dilocox.swarm import checkpoint as peer_ckpt
-    from dilocox.swarm.common import SwarmError
+    from dilocox.swarm.common import SwarmError, validate_layout
     from dilocox.swarm.netns import HubStartError, netns_launcher
     from dilocox.swarm.runtime import launch, summarize
 
@@ -242,7 +252,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     if a.rebalance_s is not None:
         overrides.append(f"--swarm.rebalance_period_s={a.rebalance_s}")
     cfg = load_config(a.config, overrides)  # a ConfigError names the key, the value and the fix (exit 2)
-    validate_swarm_layout(cfg)
+    validate_layout(cfg)
     refuse_unsupported(cfg)
     pps = list(cfg.swarm.peers_per_stage)
     if sum(pps) > MAX_LOCAL_PEERS:  # (each is a Python process with torch: ~0.3 GB before its model)
@@ -256,7 +266,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
             raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    out = a.out or os.path.join(cfg.log.run_dir, "swarm")
+    out = _out_dir(a.out or os.path.join(cfg.log.run_dir, "swarm"))
     previous = _stop_signals()
     try:
         res = launch(
@@ -353,7 +363,10 @@ def store_main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     from dilocox.swarm.services import store_master
 
-    _, port, _guard = store_master(a.bind, a.port, secret, timedelta(seconds=60))
+    try:  # (a port in use, an address not of this host: they were tracebacks)
+        _, port, _guard = store_master(a.bind, a.port, secret, timedelta(seconds=60))
+    except (OSError, RuntimeError) as e:
+        raise SwarmUsageError(f"--bind {a.bind} --port {a.port}: the store cannot listen there ({e})") from None
     print(f"swarm store listening on {a.bind}:{port}" + (" (behind a guard)" if secret else ""), flush=True)
     stop.wait(timeout=a.max_s)
     print("swarm store: stopping", flush=True)
@@ -363,7 +376,8 @@ def store_main(argv: list[str]) -> int:
 def rebalance_main(argv: list[str]) -> int:
     """``dilocox swarm rebalance``: the rebalancing thread of a job whose peers another launcher started (SLURM:
     ``launcher/slurm/swarm.sbatch`` with DILOCOX_SWARM_REBALANCE_S), until SIGTERM/SIGINT or --max-s."""
-    from dilocox.config import load_config, validate_swarm_layout
+    from dilocox.config import load_config
+    from dilocox.swarm.common import SwarmError, parse_store, validate_layout
     from dilocox.swarm.mover import Mover, RemoteControl
 
     ap = _Parser(
@@ -381,6 +395,10 @@ def rebalance_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, after --, as the peers get them")
     a = ap.parse_args(argv)
     _check_max_s(a.max_s)
+    try:  # (a malformed one was a traceback in the mover's thread, then nothing moved until --max-s, exit 0)
+        parse_store(a.store)
+    except SwarmError as e:
+        raise SwarmUsageError(str(e)) from None
     lighthouses = {}
     for it in a.lighthouse:
         j, _, url = it.partition("=")
@@ -392,7 +410,7 @@ def rebalance_main(argv: list[str]) -> int:
     from dilocox.net.secure import SecretError
     from dilocox.swarm.common import rpc_security
 
-    validate_swarm_layout(cfg)
+    validate_layout(cfg)
     n = len(cfg.swarm.peers_per_stage)
     if not cfg.swarm.rebalance_period_s > 0:
         raise SwarmUsageError("swarm.rebalance_period_s is 0: nothing to do (e.g. -- --swarm.rebalance_period_s=300)")

@@ -23,6 +23,29 @@ def check_place(pps: list[int], stage: int, index: int, join: bool = False) -> N
         raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={list(pps)}")
 
 
+def validate_layout(cfg) -> None:
+    """``config.validate_swarm_layout``, and: every stage holds model.n_layers / stages layers (``build_stage_model``),
+    so a stage count that does not divide the layer count is a config error naming both (it was a traceback in every
+    peer once they had all started)."""
+    from dilocox.config import ConfigError, validate_swarm_layout
+
+    validate_swarm_layout(cfg)
+    pps, layers = list(cfg.swarm.peers_per_stage), cfg.model.n_layers
+    if layers % len(pps):
+        raise ConfigError(
+            f"swarm.peers_per_stage={pps} has {len(pps)} stages, which do not divide model.n_layers={layers}: every "
+            "stage holds the same number of layers; use a stage count that divides it"
+        )
+
+
+def parse_store(text: str, flag: str = "--store") -> tuple[str, int]:
+    """``HOST:PORT`` of the job's address store -> (host, port); a one-line ``SwarmError`` naming ``flag`` else."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SwarmError(f"{flag} {text!r} must be HOST:PORT of the job's address store, PORT in 1..65535")
+    return host, int(port)
+
+
 def store_key(stage: int, index: int) -> str:
     return f"swarm/stage{stage}/peer{index}"
 

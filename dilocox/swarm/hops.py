@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dilocox.net.client import call
-from dilocox.net.rpc import PeerUnavailable, run_secret
+from dilocox.net.rpc import PeerUnavailable, RemoteError, run_secret
 from dilocox.net.secure import open_value
 from dilocox.swarm import activations as act_codec
 from dilocox.swarm.common import SwarmError, split_peer_name, store_key
@@ -132,11 +132,12 @@ class MicrobatchHops:
             except PeerUnavailable as e:
                 if self._refresh_addr(peer):
                     continue  # it was restarted at a new address: try it there
-                with self.router_lock:
-                    self.router.failed(peer)
-                self.bans.append({"step": step, "mb": mb, "peer": peer, "reason": e.reason, "t": time.time()})
-                msg = "%s: banned %s for %.0fs (%s); re-sending microbatch %s"
-                log.warning(msg, self.name, peer, self.s.ban_s, e.reason, mb)
+                self._ban(step, mb, peer, e.reason)
+                continue
+            except RemoteError as e:  # (it dropped the microbatch, e.g. at its deadline: as a timeout, not the end)
+                if mode == "replay":  # (its caller counts it lost: the stage's peers may be in their sync already)
+                    raise
+                self._ban(step, mb, peer, str(e))
                 continue
             now = time.monotonic()
             with self.router_lock:
@@ -155,6 +156,14 @@ class MicrobatchHops:
                     entry = (mb, self.addrs[peer], payload, ameta.to_dict(), ids)
                     self.completed.setdefault(step, {}).setdefault(peer, []).append(entry)
             return gy, meta, peer
+
+    def _ban(self, step: int, mb: str, peer: str, reason: str) -> None:
+        """The hop to ``peer`` failed (no reply in time, or its handler dropped the microbatch): ban it (the caller
+        re-sends to another live peer of its stage)."""
+        with self.router_lock:
+            self.router.failed(peer)
+        self.bans.append({"step": step, "mb": mb, "peer": peer, "reason": reason, "t": time.time()})
+        log.warning("%s: banned %s for %.0fs (%s); re-sending microbatch %s", self.name, peer, self.s.ban_s, reason, mb)
 
     def _check_deadline(self, deadline: float | None, step: int, mb: str) -> None:
         if deadline is not None and time.monotonic() > deadline:

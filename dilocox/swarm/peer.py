@@ -68,7 +68,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from dilocox.config import Config, ConfigError, load_config, validate_swarm_layout
+from dilocox.config import Config, ConfigError, load_config
 from dilocox.elastic import ElasticError
 from dilocox.fsutil import atomic_path
 from dilocox.inner_step import InnerStep
@@ -553,15 +553,16 @@ def main(argv: list[str] | None = None) -> int:
     fmt = f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, force=True)  # (force: a moved peer logs under its new name)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from dilocox.swarm.common import parse_store, validate_layout
     from dilocox.swarm.services import release, service_secret, store_client
 
     try:  # one line before the peer is built: bad input (exit 2, as `dilocox swarm peer`), no store (exit 3)
         cfg = load_config(a.config, a.overrides)
-        validate_swarm_layout(cfg)
+        validate_layout(cfg)  # (the stage count must divide model.n_layers)
         check_place(list(cfg.swarm.peers_per_stage), a.stage, a.index, a.join)
+        host, port = parse_store(a.store)
         use_secret(*rpc_security(cfg))  # every RPC this peer serves or makes: authenticated, bounded
-        host, _, port = a.store.rpartition(":")
-        store = store_client(host, int(port), service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
+        store = store_client(host, port, service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
     except (ConfigError, SwarmError, SecretError, TimeoutError) as e:
         log.error("%s", e)
         return 3 if isinstance(e, TimeoutError) else 2

@@ -177,8 +177,12 @@ class IWRRRouter(_BanList):
         self.gone.add(peer)
 
     def _expire_hook(self) -> None:
-        for p in self._expire():
-            self.priority[p] = self._min_live_priority(exclude=p)
+        back = self._expire()
+        if back:  # all at the minimum of the peers live before (not each at another's stale one: they would flood)
+            others = [self.priority[p] for p, t in self.until.items() if t == -math.inf and p not in back]
+            base = min(others) if others else 0.0
+            for p in back:
+                self.priority[p] = base
 
     def unban(self, peer: Hashable) -> None:
         """Readmit ``peer`` now, at the current minimum priority (its EMA is kept)."""

@@ -308,15 +308,16 @@ def summarize(res: SwarmResult) -> str:
     lines = [f"swarm job: {len(res.returncodes)} peers, {res.seconds:.1f}s, out {res.out_dir}"]
     for name, rc in sorted(res.returncodes.items()):
         recs = res.records.get(name, [])
-        line = f"  {name}: exit {rc}, {len(recs)} steps"
+        syncs = [r["sync_s"] for r in recs if "sync_s" in r]  # (a `left` or `joined` record has none)
+        line = f"  {name}: exit {rc}, {len([r for r in recs if not r.get('left')])} steps"
         losses = [r["loss"] for r in recs if "loss" in r]
         if losses:
             line += f", loss {losses[0]:.4f} -> {losses[-1]:.4f}"
         sent = [sum(v[0] + v[1] for v in r.get("link_bytes", {}).values()) for r in recs]
         if any(sent):
             line += f", {sum(sent) / len(sent) / 1e6:.3f} MB/step on its links"
-        if recs:
-            line += f", sync {sum(r['sync_s'] for r in recs) / len(recs) * 1e3:.1f} ms/step"
+        if syncs:
+            line += f", sync {sum(syncs) / len(syncs) * 1e3:.1f} ms/step"
         if name in res.net_bytes:  # --netns: what the kernel counted on its veth vs what it counted on its links
             tx, rx = res.net_bytes[name]
             lk = [sum(v[i] for r in recs for v in r.get("link_bytes", {}).values()) for i in (0, 1)]
