@@ -155,9 +155,17 @@ def main() -> None:
             opt = make_inner_opt(model)
             step = jump - 1
         step += 1
-        time.sleep(a.step_sleep)
-        if a.hold_file and step >= a.hold_at and not os.path.exists(a.hold_file) and time.monotonic() < hold_until:
-            time.sleep(1.5)  # slow steps (syncs go on) while a test waits for a restarted replica's start-up
+        joined = a.hold_file is not None and os.path.exists(a.hold_file)
+        # --step-sleep paces the run until the restarted replica has joined (so that it joins mid-run); from then on
+        # the membership is settled (every later sync over all three) and the rest of the run goes at the pace of
+        # the fault-free tests (0.05 s a step), not --step-sleep
+        time.sleep(min(a.step_sleep, 0.05) if joined else a.step_sleep)
+        if a.hold_file and step >= a.hold_at and not joined and time.monotonic() < hold_until:
+            # slow steps (syncs go on) while a test waits for a restarted replica's start-up: up to 1.5 s a step,
+            # cut short once the joiner has written the file
+            slow_until = time.monotonic() + 1.5
+            while time.monotonic() < slow_until and not os.path.exists(a.hold_file):
+                time.sleep(0.05)
     outer.finish()
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, a.out + ".pt")
     rec(event="done", step=step, contributors=outer.contributors)
