@@ -47,8 +47,9 @@ from dilocox.data.tokenizer import (
     pretrained_path,
 )
 
-FORMAT = 3  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
-# 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES)
+FORMAT = 4  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
+# 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES; 4: data.max_bytes
+# cutting inside a character made an empty document)
 
 
 @dataclass
@@ -159,12 +160,21 @@ def load_prepared(path: str, field: str = "data.path") -> PreparedData:
         raise FileNotFoundError(
             f"{field}={path!r} has no meta.json; it is not a directory written by `dilocox data prepare`"
         )
-    with open(meta_path) as f:
-        meta = json.load(f)
-    p = PreparedData(os.path.abspath(path), meta)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        p = PreparedData(os.path.abspath(path), meta)
+        sizes = {s: int(meta[f"{s}_tokens"]) * p.dtype.itemsize for s in ("train", "val")}
+        p.vocab_size, meta["tokenizer"]  # noqa: B018 - what check_data and train read next
+    except (ValueError, KeyError, TypeError) as e:  # (json.JSONDecodeError is a ValueError)
+        why = f"lacks {e.args[0]!r}" if isinstance(e, KeyError) else f"is not valid ({e})"
+        raise ValueError(
+            f"{field}={path!r}: its meta.json {why}; it is not a directory written by `dilocox data prepare`: "
+            "re-run `dilocox data prepare`"
+        ) from None
     for split in ("train", "val"):
         fpath = os.path.join(path, f"{split}.bin")
-        want = int(meta[f"{split}_tokens"]) * p.dtype.itemsize
+        want = sizes[split]
         have = os.path.getsize(fpath) if os.path.exists(fpath) else -1
         if have != want:
             raise ValueError(
@@ -381,6 +391,19 @@ def _publish(tmp: str, out_dir: str, key: str) -> None:
             raise
 
 
+def _check_out_dir(out_dir: str) -> None:
+    """Refuse, before any work, an ``out_dir`` that holds something else: a file, or a directory with files but no
+    meta.json (``_publish`` would refuse it only after the build, with a traceback)."""
+    if os.path.exists(out_dir) and (
+        not os.path.isdir(out_dir) or os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json"))
+    ):
+        kind = "a directory that is not a prepared data directory" if os.path.isdir(out_dir) else "not a directory"
+        raise DataError(
+            f"out_dir {out_dir!r} exists and is {kind}; refusing to replace it: give --out a new or empty directory "
+            "(or one written by `dilocox data prepare`)"
+        )
+
+
 def _tmp_prefix() -> str:
     return f".tmp-{socket.gethostname().replace('/', '_')}-"
 
@@ -416,6 +439,7 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
     out_dir = os.path.abspath(out_dir or default_out_dir(cfg, key))
     parent = os.path.dirname(out_dir)
     if (p := _try_cached(out_dir, key)) is None:
+        _check_out_dir(out_dir)
         os.makedirs(parent, exist_ok=True)
         with _file_lock(out_dir + ".lock"):
             if (p := _try_cached(out_dir, key)) is None:
@@ -445,6 +469,11 @@ def prepare_or_error(cfg: DataConfig, out_dir: str | None = None) -> PreparedDat
     except (FileNotFoundError, ValueError, KeyError, ImportError, RuntimeError, OverflowError) as e:
         msg = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)
         raise DataError(msg) from e
+    except OSError as e:  # a cache_dir or --out that is a file, not writable, a full disk: one line, not a traceback
+        raise DataError(
+            f"{e.strerror or e}: {e.filename!r}; data.path must be readable, data.cache_dir (and --out) directories "
+            "this user can write"
+        ) from e
 
 
 # --------------------------------------------------------------------------- CLI
@@ -515,6 +544,8 @@ def _data_only_config(path: str | None, overrides: list[str]):
     data = _read_yaml(path) if path else {}
     if overrides:
         data = _deep_merge(data, parse_overrides(overrides))
+    if not all(isinstance(data.get(k) or {}, dict) for k in ("data", "model", "parallel")):
+        return from_dict(data)  # a ConfigError naming the section that is not a mapping
     d, m = data.get("data") or {}, data.get("model") or {}
     bpe = d.get("bpe_vocab_size", DataConfig.bpe_vocab_size)
     mv = m.get("vocab_size", 0)

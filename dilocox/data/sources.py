@@ -223,24 +223,33 @@ class _Capped:
 
     @property
     def full(self) -> bool:
-        return self.max_bytes is not None and self.total >= self.max_bytes
+        return self.cut or self.max_bytes is not None and self.total >= self.max_bytes
 
     def take(self, raw: bytes) -> str | None:
-        """The document ``raw`` as kept (decoded; cut at the cap), or None when nothing of it is kept."""
-        cut = self.max_bytes is not None and self.total + len(raw) > self.max_bytes
-        if cut:
-            raw = raw[: self.max_bytes - self.total]
+        """The document ``raw`` as kept (decoded; cut at the cap, before a character the cap would split), or None
+        when nothing of it is kept."""
+        if self.max_bytes is not None and self.total + len(raw) > self.max_bytes:
+            raw = _whole_chars(raw[: self.max_bytes - self.total])
             self.cut = True
         if not raw:
             return None
         self.total += len(raw)
-        return raw.decode("utf-8", errors="ignore" if cut else "replace")
+        return raw.decode("utf-8", errors="replace")
 
     def report(self, source_bytes: int | None) -> dict | None:
         """``Corpus.cut`` / ``DocStream.cut``: what the cap cut, else None."""
         if not self.cut:
             return None
         return {"max_bytes": self.max_bytes, "source_bytes": source_bytes, "kept_bytes": self.total}
+
+
+def _whole_chars(raw: bytes) -> bytes:
+    """``raw`` less a UTF-8 character its end cuts (b"" when that is all it holds)."""
+    for k in range(1, min(4, len(raw)) + 1):
+        b = raw[-k]
+        if b & 0xC0 != 0x80:  # the last lead (or ASCII) byte: does its character end within raw?
+            return raw[:-k] if (4 if b >= 0xF0 else 3 if b >= 0xE0 else 2 if b >= 0xC0 else 1) > k else raw
+    return raw
 
 
 def _docstring_raws(files: list[str]):

@@ -86,7 +86,14 @@ class BPETokenizer:
     def from_file(cls, path: str) -> BPETokenizer:
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(path), path)
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(
+                f"{path} is not a tokenizer file that the tokenizers package loads ({' '.join(str(e).split())[:200]}); "
+                "data.tokenizer=hf:PATH needs a Hugging Face tokenizer.json (or the model directory holding one)"
+            ) from None
+        return cls(tok, path)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
