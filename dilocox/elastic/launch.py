@@ -195,6 +195,16 @@ def _run_secret(cfg, run_dir: str) -> str:
     return path
 
 
+def _make_run_dir(run_dir: str) -> None:
+    """RUN, created if missing; an empty or uncreatable one is a one-line LaunchError, not an OSError traceback."""
+    if not run_dir:
+        raise LaunchError("log.run_dir is empty: give the run's directory, e.g. --log.run_dir=runs/elastic (RUN)")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(f"log.run_dir={run_dir!r} cannot be created: {e.strerror or e}") from None
+
+
 def _check_counts(n: int, min_replicas: int | None, timeout_s: float, at: str, standby_replicas: int) -> int:
     """The numeric options of ``launch --elastic`` (one-line LaunchErrors); returns min_replicas (default N-1)."""
     min_replicas = max(1, n - 1) if min_replicas is None else min_replicas
@@ -251,7 +261,7 @@ def launch_elastic(
     use_netns, why = _use_netns(netns, delayed)
     rate_bps = None if bandwidth is None else parse_bandwidth(bandwidth)
     env = _replica_env()
-    os.makedirs(run_dir, exist_ok=True)
+    _make_run_dir(run_dir)
     overrides, lighthouse_opts = _security_args(cfg, run_dir, overrides, lighthouse_opts, auth_lighthouse)
 
     def argv(r: int, addr: str, standby: int | None = None) -> list[str]:  # (standby s: its replica_rank comes later)

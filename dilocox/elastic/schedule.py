@@ -5,11 +5,15 @@ Also ``LaunchError``, the one-line error of bad elastic-launch input (shared by 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+from dilocox.elastic.standby import ACTIVATE_NAME
 
 
 class LaunchError(Exception):
@@ -121,6 +125,20 @@ def last_error(log_path: str, nbytes: int = 65536) -> str | None:
 
 
 def step_clock(run_dir: str, n: int) -> Callable[[], float]:
-    """A schedule clock in training steps: the highest step any replica logged in RUN/replica<r>/metrics.jsonl."""
+    """A schedule clock in training steps: the highest step any replica logged in RUN/replica<r>/metrics.jsonl, or
+    a warm standby activated in this run (its ``activate.json`` newer than the clock) in RUN/standby<s>/: one that
+    took a slot trains as that replica there."""
     paths = [os.path.join(run_dir, f"replica{r}", "metrics.jsonl") for r in range(n)]
-    return lambda: float(max(last_step(p) for p in paths))
+    since = time.time() - 1.0  # (an earlier run's activation is older; 1 s: coarse file times)
+
+    def active_standbys() -> list[str]:
+        out = []
+        for d in glob.glob(os.path.join(glob.escape(run_dir), "standby*")):
+            try:
+                if os.stat(os.path.join(d, ACTIVATE_NAME)).st_mtime >= since:
+                    out.append(os.path.join(d, "metrics.jsonl"))
+            except OSError:
+                continue
+        return out
+
+    return lambda: float(max(last_step(p) for p in paths + active_standbys()))

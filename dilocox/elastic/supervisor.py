@@ -302,7 +302,7 @@ class ElasticLaunch:
                 self._stop_replicas(signal.SIGTERM)
                 return 124
             self._note_exits()
-            while pending and pending[0].at_s <= at:
+            while pending and pending[0].at_s <= at and not self._signals:  # (a stop: next turn, SIGTERM first)
                 self._apply(pending.pop(0), now, at)
             if not [rep for rep in self.slots if rep.code is None]:
                 break
@@ -383,7 +383,12 @@ class ElasticLaunch:
         bind = primary.split("://", 1)[-1].rstrip("/")
         if self.cluster is None and bind.startswith(("localhost", socket.gethostname())):
             bind = "127.0.0.1:" + bind.rsplit(":", 1)[1]  # (torchft prints the host's name; it was bound on loopback)
-        _, addr = self._start_one_lighthouse(bind, "lighthouse")
+        try:
+            _, addr = self._start_one_lighthouse(bind, "lighthouse")
+        except LaunchError:
+            if not self._signals:
+                raise
+            return  # (a stop signal while it started: the loop stops the replicas as for any signal, SIGTERM first)
         self.event("lighthouse_restart", address=addr, pid=self.lighthouse.pid, at=at)
         self.log(f"dilocox launch: restarted the lighthouse at {now:.1f} s{self._where(at)} ({addr})")
 

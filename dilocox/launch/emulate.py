@@ -82,6 +82,10 @@ def launch(
         raise ValueError(f"--jitter {jitter} is larger than --latency {latency or 0}: the spread must fit in the delay")
     if replicas < 1 or per_replica_nproc < 1:
         raise ValueError(f"replicas={replicas} and per_replica_nproc={per_replica_nproc} must be >= 1")
+    if not 0 <= grace_s < float("inf"):  # (nan would never end the wait for the nodes after a failure)
+        raise ValueError(f"--grace {grace_s:g} must be a finite number of seconds >= 0")
+    if not 1 <= master_port <= 65535:  # (else each node's torchrun fails with a traceback of its own)
+        raise ValueError(f"--master-port {master_port} must be a TCP port in [1, 65535]")
     if emulation not in ("auto", "netns", "token-bucket"):
         raise ValueError(f"emulation={emulation!r} is not one of auto, netns, token-bucket")
     overrides = [*overrides, f"--parallel.replicas={replicas}"]
