@@ -82,20 +82,23 @@ def test_the_step_clock_follows_a_standby_that_took_a_slot(tmp_path):
     assert [(e["replica"], e["standby"]) for e in ev if e["event"] == "activate"] == [(0, 0)]
 
 
+def _assert_one_line(tmp_path, flags: list[str], message: str) -> None:
+    """``dilocox launch --replicas 2 --nproc-per-replica 2 FLAGS`` exits 2 with ``message`` as its one line."""
+    p = subprocess.run(
+        [sys.executable, "-m", "dilocox.cli", "launch", "--replicas", "2", "--nproc-per-replica", "2", *flags,
+         os.path.join(ROOT, "configs", "tiny-dilocox.yaml"), f"--log.run_dir={tmp_path}"],
+        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines() == [f"dilocox launch: error: {message}"], p.stderr
+
+
 def test_launch_grace_nan_is_one_line_not_an_endless_wait(tmp_path):
     """Bug: ``dilocox launch --replicas R ... --grace nan`` was taken as the grace after a failed node: ``elapsed >
     nan`` is never true, so the nodes still running (stuck in a collective) were never killed and the launch waited
     for them without a bound. Now a --grace that is not a finite number >= 0 is one line (exit 2) before anything
     starts, without a traceback."""
-    p = subprocess.run(
-        [sys.executable, "-m", "dilocox.cli", "launch", "--replicas", "2", "--nproc-per-replica", "2", "--grace", "nan",
-         os.path.join(ROOT, "configs", "tiny-dilocox.yaml"), f"--log.run_dir={tmp_path}"],
-        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert p.stderr.strip().splitlines() == [
-        "dilocox launch: error: --grace nan must be a finite number of seconds >= 0"
-    ], p.stderr
+    _assert_one_line(tmp_path, ["--grace", "nan"], "--grace nan must be a finite number of seconds >= 0")
     assert not (tmp_path / "replica0").exists()
     from dilocox.launch.emulate import launch
 
@@ -175,15 +178,7 @@ def test_launch_master_port_out_of_range_is_one_line(tmp_path):
     with a ValueError traceback of its own ("The port number of the rendezvous endpoint ... must be an integer
     between 0 and 65536"), exit 1. Now a port outside [1, 65535] is one line naming the flag (exit 2), nothing
     started."""
-    p = subprocess.run(
-        [sys.executable, "-m", "dilocox.cli", "launch", "--replicas", "2", "--nproc-per-replica", "2",
-         "--master-port", "99999", os.path.join(ROOT, "configs", "tiny-dilocox.yaml"), f"--log.run_dir={tmp_path}"],
-        env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert p.stderr.strip().splitlines() == [
-        "dilocox launch: error: --master-port 99999 must be a TCP port in [1, 65535]"
-    ], p.stderr
+    _assert_one_line(tmp_path, ["--master-port", "99999"], "--master-port 99999 must be a TCP port in [1, 65535]")
     from dilocox.launch.emulate import launch
 
     with pytest.raises(ValueError, match="--master-port 0 "):
