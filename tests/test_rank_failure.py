@@ -61,6 +61,11 @@ def test_failing_rank_stops_the_outer_comm_thread(tmp_path):
 def _one_rank_killed(rank, world):
     import signal
 
+    import torch.distributed as dist
+
+    # both ranks past init first: else rank 0 could finish init, return and close the mesh while rank 1 was still
+    # connecting under load, and rank 1 failed in init ("Connection closed by peer") before it could be killed
+    dist.barrier()
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return rank
