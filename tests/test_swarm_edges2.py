@@ -17,7 +17,7 @@ from dilocox.config import ConfigError
 from dilocox.net.rpc import RemoteError
 from dilocox.swarm import cli, hops
 from dilocox.swarm.activations import ActCodec, pack_ids
-from dilocox.swarm.hops import MicrobatchHops
+from dilocox.swarm.hops import MicrobatchHops, SwarmError
 from dilocox.swarm.routing import IWRRRouter
 from dilocox.swarm.runtime import SwarmResult, summarize
 
@@ -136,6 +136,26 @@ def test_a_hop_that_drops_a_microbatch_at_its_deadline_is_banned_and_the_microba
     hop.router.unban("s2p0")
     with pytest.raises(RemoteError):  # a replay: not re-sent here
         hop._send(0, "m", None, ids, mode="replay", enc=ActCodec("none", 8).encode(y))
+
+
+def test_an_error_that_never_clears_is_given_up_after_two_tries_per_peer(monkeypatch):
+    """Bug: a next stage whose every peer fails a microbatch (a RemoteError or a timeout) more slowly than
+    ``swarm.ban_s`` was re-sent without end: each ban had run out by the next choice. Now it is sent at most twice per peer of the stage, then
+    a SwarmError names the microbatch and the last reason."""
+    sent = []
+
+    def call(addr, method, meta, tensors, timeout_s):
+        sent.append(addr)
+        assert len(sent) < 50, "re-sent without end"
+        raise RemoteError(addr, "RuntimeError: the handler fails every time")
+
+    monkeypatch.setattr(hops, "call", call)
+    hop = _Hop()
+    hop.router = IWRRRouter(["s2p0", "s2p1"], ban_s=1e-9)  # every ban has run out by the next choice
+    ids = pack_ids(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), 256)
+    with pytest.raises(SwarmError, match="microbatch m failed 4 times.*fails every time"):
+        hop._send(0, "m", torch.randn(1, 2, 8), ids)
+    assert len(sent) == 4  # (which peers: the router's choice after each ban ran out)
 
 
 def test_summary_of_a_job_in_which_a_peer_moved():

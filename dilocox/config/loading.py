@@ -24,11 +24,6 @@ import yaml
 from dilocox.config.checks import ConfigError
 from dilocox.config.root import Config, validate
 
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 _UNIONS = (typing.Union, getattr(__import__("types"), "UnionType", None))
 
 
@@ -105,6 +100,8 @@ def _coerce(name: str, value: Any, tp: Any, default: Any = None) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # `--model.bias=0`: YAML has made the text "0" an int
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{name}={value!r} must be a boolean (true/false)")
@@ -120,6 +117,12 @@ def _coerce(name: str, value: Any, tp: Any, default: Any = None) -> Any:
                 return int(value)
             except ValueError:
                 pass
+            try:  # `--train.max_tokens=1e9`: YAML 1.1 reads an exponent without a dot as text
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if math.isfinite(number) and number.is_integer():
+                return int(number)
         raise ConfigError(f"{name}={value!r} must be an integer")
     if tp is float:
         if isinstance(value, bool):

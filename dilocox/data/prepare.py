@@ -205,13 +205,6 @@ def _file_lock(path: str):
 # --------------------------------------------------------------------------- building
 
 
-def _write(tmp: str, name: str, arr: np.ndarray) -> None:
-    with open(os.path.join(tmp, name), "wb") as f:
-        arr.tofile(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 PROGRESS_EVERY_S = 10.0  # a pass over the corpus that takes longer prints a progress line this often
 # documents are tokenized and written in batches of about this many bytes: a BPE holds ~70 bytes per input byte
 # while it encodes (tokenizers' Encoding objects), so 1 MB keeps that near 70 MB (8 MB: 560 MB measured)

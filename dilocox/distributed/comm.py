@@ -60,7 +60,6 @@ class CommHandle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        self.submitted_at = time.perf_counter()
         self.comm_s = 0.0  # seconds the task occupied the comm thread (incl. emulated delay/cap)
         self.blocked_s = 0.0  # seconds the caller spent inside wait()
         self.policy: WaitPolicy | None = None  # set by AsyncComm.submit when configured

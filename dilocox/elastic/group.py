@@ -425,10 +425,6 @@ class ElasticOuterGroup:
             self.failover.peers_saw_up = bool(buf[-1].item() > 0)
         return buf[:n_el], buf[n_el : n_el + c.max_replicas]
 
-    def count_contributors(self, contribute: bool) -> Tensor:
-        """The one-hot contributor counts alone (a ``max_replicas``-float all-reduce); for the compressed path."""
-        return self.flat_sum(torch.zeros(0), contribute)[1]
-
     def _run_body(
         self, body: Callable[[bool], tuple[Tensor | None, Tensor]], contribute: bool
     ) -> tuple[Tensor | None, Tensor | None, float]:
