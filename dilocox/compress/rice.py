@@ -17,7 +17,7 @@ The coding is lossless: the decoded indices, hence the training, are bit-identic
 is not smaller than the fixed width (tiny chunks, k close to C), ``rice`` keeps the fixed layout (``use_rice``),
 so it never costs more.
 
-Bits are packed LSB-first into bytes, as the fixed layout's (``sparse._pack_bits``). ``pack``/``unpack`` run the
+Bits are packed LSB-first into bytes, as the fixed layout's (``pack_bits``). ``pack``/``unpack`` run the
 compiled CPU kernels ``torch.ops.dilocox.rice_pack``/``rice_unpack`` (csrc/rice_cpu.cpp: one sequential scan per
 row, rows in parallel) on CPU tensors when the extension is built, else ``pack_torch``/``unpack_torch``, the
 vectorised torch ops (rows of chunks at once, any device; the decoder walks the k codes of every row together: k
@@ -28,6 +28,8 @@ for byte, on valid rows and on damaged ones (bits past a row's end read as zeros
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dilocox.compress import kernels
@@ -35,11 +37,13 @@ from dilocox.compress import kernels
 INDEX_CODES = ("rice", "fixed")
 
 
+@functools.cache  # (pure functions of a few ints, called per tensor per sync)
 def index_bits(c: int) -> int:
     """Bits of one fixed-width index of a chunk of ``c`` entries."""
     return max(1, (c - 1).bit_length())
 
 
+@functools.cache  # (pure functions of a few ints, called per tensor per sync)
 def param(c: int, k: int) -> int:
     """The Rice parameter b of a chunk of ``c`` entries keeping ``k``: the b in [0, index_bits(c)] (the smallest
     on a tie) with the smallest bound k·(b + 1) + ⌊(c − k) / 2^b⌋."""
@@ -52,6 +56,7 @@ def rice_row_bits(c: int, k: int) -> int:
     return k * (b + 1) + ((c - k) >> b)
 
 
+@functools.cache  # (pure functions of a few ints, called per tensor per sync)
 def use_rice(c: int, k: int, indices: str) -> bool:
     """Is a chunk of ``c`` keeping ``k`` Rice-coded under ``compress.sparse.indices=indices``?"""
     if indices not in INDEX_CODES:
@@ -59,9 +64,52 @@ def use_rice(c: int, k: int, indices: str) -> bool:
     return indices == "rice" and -(-rice_row_bits(c, k) // 8) < -(-k * index_bits(c) // 8)
 
 
+@functools.cache  # (pure functions of a few ints, called per tensor per sync)
 def row_bytes(c: int, k: int, indices: str) -> int:
     """Bytes of one chunk's index block."""
     return -(-(rice_row_bits(c, k) if use_rice(c, k, indices) else k * index_bits(c)) // 8)
+
+
+@functools.cache
+def kernel_param(c: int, k: int, indices: str) -> int:
+    """The compiled encoder's ``rice_b`` argument: b for a Rice-coded chunk, -1 for fixed-width indices."""
+    return param(c, k) if use_rice(c, k, indices) else -1
+
+
+def pack_indices(idx: torch.Tensor, c: int, indices: str) -> torch.Tensor:
+    """(rows, k) ascending indices of chunks of ``c`` -> their index blocks, (rows, ``row_bytes``) uint8."""
+    return pack(idx, c) if use_rice(c, idx.shape[1], indices) else pack_bits(idx, index_bits(c))
+
+
+def unpack_indices(raw: torch.Tensor, k: int, c: int, indices: str) -> torch.Tensor:
+    """Inverse of ``pack_indices``: (rows, ``row_bytes``) uint8 -> (rows, k) int64."""
+    return unpack(raw, k, c) if use_rice(c, k, indices) else unpack_bits(raw, k, index_bits(c))
+
+
+def unpack_rows(ib: torch.Tensor, cb: torch.Tensor, k: int, c: int, bits: int, indices: str):
+    """The integers of encoded rows of chunks of ``c``: their index blocks ``ib`` and ``bits``-bit code blocks
+    ``cb`` -> (indices, codes), each (rows, k) int64."""
+    return unpack_indices(ib, k, c, indices), unpack_bits(cb, k, bits)
+
+
+def pack_bits(vals: torch.Tensor, nbits: int) -> torch.Tensor:
+    """(rows, k) non-negative ints < 2^nbits -> (rows, ceil(k·nbits/8)) uint8, LSB-first bit order (fixed-width
+    indices, and the sparse codec's value codes)."""
+    rows, k = vals.shape
+    shifts = torch.arange(nbits, device=vals.device, dtype=torch.int32)
+    bitmat = ((vals.to(torch.int32).unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(rows, k * nbits)
+    nbytes = -(-k * nbits // 8)
+    pad = nbytes * 8 - k * nbits
+    if pad:
+        bitmat = torch.cat([bitmat, bitmat.new_zeros(rows, pad)], dim=1)
+    return _bytes_of(bitmat)
+
+
+def unpack_bits(raw: torch.Tensor, k: int, nbits: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: (rows, nbytes) uint8 -> (rows, k) int64."""
+    bitmat = _bits_of(raw)[:, : k * nbits]
+    weights = 1 << torch.arange(nbits, device=raw.device, dtype=torch.int64)
+    return (bitmat.view(raw.shape[0], k, nbits) * weights).sum(-1)
 
 
 def _bytes_of(bitmat: torch.Tensor) -> torch.Tensor:

@@ -72,25 +72,6 @@ def tensor_payload_bytes(numel: int, chunk: int, density: float, bits: int, indi
     return n_c * (rice.row_bytes(c, k, indices) + -(-k * bits // 8) + 2)
 
 
-def _pack_bits(vals: torch.Tensor, nbits: int) -> torch.Tensor:
-    """(rows, k) non-negative ints < 2^nbits -> (rows, ceil(k·nbits/8)) uint8, LSB-first bit order."""
-    rows, k = vals.shape
-    shifts = torch.arange(nbits, device=vals.device, dtype=torch.int32)
-    bitmat = ((vals.to(torch.int32).unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(rows, k * nbits)
-    nbytes = -(-k * nbits // 8)
-    pad = nbytes * 8 - k * nbits
-    if pad:
-        bitmat = torch.cat([bitmat, bitmat.new_zeros(rows, pad)], dim=1)
-    return rice._bytes_of(bitmat)
-
-
-def _unpack_bits(raw: torch.Tensor, k: int, nbits: int) -> torch.Tensor:
-    """Inverse of ``_pack_bits``: (rows, nbytes) uint8 -> (rows, k) int64."""
-    bitmat = rice._bits_of(raw)[:, : k * nbits]
-    weights = 1 << torch.arange(nbits, device=raw.device, dtype=torch.int64)
-    return (bitmat.view(raw.shape[0], k, nbits) * weights).sum(-1)
-
-
 def _levels(bits: int) -> tuple[float, float]:
     """(h, offset): s = absmax / h; code = floor(v / s + offset); value = (code + 0.5 − offset) · s."""
     return (2**bits - 1) / 2.0, float(2 ** (bits - 1))
@@ -106,15 +87,6 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     room = k - above.sum(1, keepdim=True)
     chosen = above | (equal & (torch.cumsum(equal.to(torch.int32), 1) <= room))
     return chosen.nonzero()[:, 1].view(mag.shape[0], k)
-
-
-def _pack_indices(idx: torch.Tensor, c: int, indices: str) -> torch.Tensor:
-    """(rows, k) ascending indices of chunks of ``c`` -> their index blocks (``compress/rice.py``)."""
-    return rice.pack(idx, c) if rice.use_rice(c, idx.shape[1], indices) else _pack_bits(idx, index_bits(c))
-
-
-def _unpack_indices(raw: torch.Tensor, k: int, c: int, indices: str) -> torch.Tensor:
-    return rice.unpack(raw, k, c) if rice.use_rice(c, k, indices) else _unpack_bits(raw, k, index_bits(c))
 
 
 def _encode_rows(
@@ -134,15 +106,14 @@ def _encode_rows(
     codes = torch.clamp(torch.floor(vals / safe.unsqueeze(1) + off), 0, 2**bits - 1)
     codes = torch.where((s > 0).unsqueeze(1), codes, torch.full_like(codes, off))  # s = 0: any code decodes to 0
     scale_bytes = scale.view(torch.uint8).view(-1, 2) if scale.numel() else scale.view(torch.uint8).view(0, 2)
-    return _pack_indices(idx, rows.shape[1], indices), _pack_bits(codes.to(torch.int64), bits), scale_bytes
+    return rice.pack_indices(idx, rows.shape[1], indices), rice.pack_bits(codes.to(torch.int64), bits), scale_bytes
 
 
 def _decode_rows(ib: torch.Tensor, cb: torch.Tensor, sb: torch.Tensor, k: int, c: int, bits: int, indices="rice"):
     """Inverse of ``_encode_rows``: index, code and scale bytes of n_rows chunks -> (indices, values), each
     (n_rows, k): the kept entries of each chunk (``sb`` must be contiguous and 2-byte aligned). The values are
     never -0 (a half-integer times s > 0, or times s = 0: +0), so adding them or scattering them is the same."""
-    idx = _unpack_indices(ib, k, c, indices)
-    codes = _unpack_bits(cb, k, bits)
+    idx, codes = rice.unpack_rows(ib, cb, k, c, bits, indices)
     s = sb.view(torch.bfloat16).float().view(-1)
     _, off = _levels(bits)
     return idx, (codes.float() + (0.5 - off)) * s.unsqueeze(1)
@@ -159,8 +130,7 @@ def _kernel_encode(flat: torch.Tensor, chunk: int, density: float, bits: int, in
     n = flat.numel()
     c, k, _ = layout(n, chunk, density)
     out = torch.empty(tensor_payload_bytes(n, chunk, density, bits, indices), dtype=torch.uint8)
-    b = rice.param(c, k) if rice.use_rice(c, k, indices) else -1
-    torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits, b)
+    torch.ops.dilocox.sparse_encode(flat.contiguous(), out, c, k, bits, rice.kernel_param(c, k, indices))
     return out
 
 
