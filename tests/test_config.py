@@ -17,11 +17,11 @@ def _err(overrides, tmp_path=None, text=None):
 
 def test_defaults_and_overrides():
     cfg = load_config(
-        None, ["--train.steps=7", "--optim.betas=[0.8, 0.9]", "--model.arch", "qwen", "--outer.streaming.alpha=0.25"]
+        None, ["--train.steps=7", "--optim.betas=[0.8, 0.9]", "--model.arch", "opt", "--outer.streaming.alpha=0.25"]
     )
     assert isinstance(cfg, Config)
     assert cfg.train.steps == 7 and cfg.optim.betas == (0.8, 0.9)
-    assert cfg.model.arch == "qwen" and cfg.outer.streaming.alpha == 0.25
+    assert cfg.model.arch == "opt" and cfg.outer.streaming.alpha == 0.25
 
 
 def test_yaml_include_and_roundtrip(tmp_path):

@@ -209,26 +209,17 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
     for field, value, why in m.head_problems():
         _fail(field, value, why)
     t = p.tensor
-    if m.n_heads % t:
-        _fail(
-            "model.n_heads",
-            m.n_heads,
-            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole attention heads)",
-        )
-    if m.kv_heads % t:
-        _fail(
-            "model.n_kv_heads",
-            m.kv_heads,
-            f"is not divisible by parallel.tensor={t} (each tensor-parallel rank must own whole key/value heads)",
-        )
-    if m.ffn_dim % t:
-        _fail("model.d_ff", m.ffn_dim, f"is not divisible by parallel.tensor={t}")
-    if m.vocab_size % t:
-        _fail(
-            "model.vocab_size",
-            m.vocab_size,
-            f"is not divisible by parallel.tensor={t} (vocab-parallel embedding and cross-entropy); pad the vocabulary",
-        )
+    for name, n, why in (
+        ("model.n_heads", m.n_heads, " (each tensor-parallel rank must own whole attention heads)"),
+        ("model.n_kv_heads", m.kv_heads, " (each tensor-parallel rank must own whole key/value heads)"),
+        ("model.d_ff", m.ffn_dim, ""),
+        ("model.vocab_size", m.vocab_size, " (vocab-parallel embedding and cross-entropy); pad the vocabulary"),
+    ):
+        if n % t:
+            _fail(name, n, f"is not divisible by parallel.tensor={t}{why}")
+    if m.dropout > 0 and t > 1:  # (the model refuses it when built; here before any rank starts)
+        _fail("model.dropout", m.dropout, f"must be 0 with parallel.tensor={t} > 1 (no TP-synchronised RNG: the TP "
+              "ranks would drop different units of the activations they share); set model.dropout=0")  # fmt: skip
     if m.n_layers % p.pipeline:
         _fail(
             "model.n_layers",

@@ -170,7 +170,9 @@ def _suggest(key: Any, known: dict, prefix: str) -> str:
 
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        name = prefix.rstrip(".")
+        hint = f"; it is a section: give its keys (`key: value` lines below `{name}:`, or --{name}.KEY=VALUE)"
+        raise ConfigError(f"{name or 'config'} must be a mapping, got {data!r}" + (hint if name else ""))
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
@@ -180,7 +182,7 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             raise ConfigError(f"unknown config key {prefix}{key} (known keys of {where}: {sorted(known)}){hint}")
         tp = hints[key]
         if is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+            kwargs[key] = _build(tp, {} if value is None else value, f"{prefix}{key}.")  # (`model:` alone: empty)
         elif isinstance(value, dict):
             raise ConfigError(
                 f"{prefix}{key} is a value, not a section (it was given the keys {list(value)}); set it to one "
@@ -256,7 +258,7 @@ def _override_value(key: str, raw: str) -> Any:
 
 
 def parse_overrides(args: list[str]) -> dict:
-    """``["--train.steps=10", "--model.arch", "qwen"]`` -> nested dict (values parsed as YAML, but a string field
+    """``["--train.steps=10", "--model.arch", "opt"]`` -> nested dict (values parsed as YAML, but a string field
     keeps its text: ``_override_value``)."""
     out: dict = {}
     i = 0

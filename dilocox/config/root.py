@@ -72,8 +72,8 @@ def validate(cfg: Config) -> None:
 
     Order: each field's own value, trackers, the model against the parallel layout, batching,
     data, the outer loop, compression, the inner optimizer, the eval schedule, the elastic
-    section (when enabled), the swarm section, security, then the combinations that would
-    silently ignore a key (``combos.check_combos``)."""
+    section (when enabled), the swarm section, the attention kernel against the device and dtype,
+    security, then the combinations that would silently ignore a key (``combos.check_combos``)."""
     check_field_values(cfg)
     check_trackers(cfg.log)
     check_model_layout(cfg.model, cfg.parallel)
@@ -93,8 +93,23 @@ def validate(cfg: Config) -> None:
         check_lighthouse_auth(cfg.outer, cfg.security)
     check_swarm(cfg.swarm, cfg.outer)
     check_swarm_activations(cfg.swarm, cfg.model)
+    check_attn_backend(cfg)
     check_security(cfg.security)
     check_combos(cfg)  # keys a combination would silently ignore (combos.py)
+
+
+def check_attn_backend(cfg: Config) -> None:
+    """model.attn_backend=flash_attn runs on fp16/bf16 CUDA tensors only (model/attention.py): on a CPU or in fp32
+    every rank would fail at its first forward, after the run had started."""
+    t = cfg.train
+    if cfg.model.attn_backend == "flash_attn" and (t.device == "cpu" or t.dtype == "fp32"):
+        key, value = ("train.device", t.device) if t.device == "cpu" else ("train.dtype", t.dtype)
+        _fail(
+            "model.attn_backend",
+            "flash_attn",
+            f"needs fp16/bf16 CUDA tensors, not {key}={value!r}; set model.attn_backend=sdpa, or train.device=cuda "
+            "(or auto on a GPU) with train.dtype=bf16 (or auto)",
+        )
 
 
 def validate_swarm_layout(cfg: Config) -> None:

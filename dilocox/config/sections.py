@@ -59,7 +59,9 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def head_problems(self) -> list[tuple[str, object, str]]:
-        """(field, value, why) of each head-shape rule broken (config validation, and a model built in code)."""
+        """(field, value, why) of each rule of the model's own fields broken: head shapes, RoPE's base, an arch
+        label left with another family's blocks (config validation, and a model built in code)."""
+        gpt2_blocks = (self.norm, self.activation, self.pos_emb) == ("layernorm", "gelu", "learned")
         rules = (
             (self.d_model % self.n_heads, "model.d_model", self.d_model, f"is not divisible by model.n_heads="
              f"{self.n_heads}"),
@@ -67,6 +69,11 @@ class ModelConfig:
              f"{self.n_heads} (GQA groups)"),
             (self.pos_emb == "rope" and self.head_dim % 2, "model.d_model", self.d_model, "gives an odd head_dim; "
              "RoPE needs an even head_dim"),
+            (not self.rope_theta > 0, "model.rope_theta", self.rope_theta, "must be > 0 (RoPE's base; a base <= 0 "
+             "makes the rotation table NaN), e.g. 10000.0 or Qwen1.5's 1000000.0"),
+            (self.arch == "qwen" and gpt2_blocks, "model.arch", self.arch, "but model.norm/activation/pos_emb are "
+             "the GPT-2 defaults; set norm: rmsnorm, activation: swiglu, pos_emb: rope, bias: false, qkv_bias: true "
+             "(see configs/model/qwen-tiny.yaml)"),
         )  # fmt: skip
         return [r[1:] for r in rules if r[0]]
 

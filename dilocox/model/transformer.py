@@ -208,13 +208,6 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
     def bad(name, value, rule):
         raise ConfigError(f"{name}={value!r} {rule}")
 
-    if mcfg.arch == "qwen" and (mcfg.norm, mcfg.activation, mcfg.pos_emb) == ("layernorm", "gelu", "learned"):
-        bad(
-            "model.arch",
-            "qwen",
-            "but model.norm/activation/pos_emb are the GPT-2 defaults; set norm: rmsnorm, "
-            "activation: swiglu, pos_emb: rope, bias: false, qkv_bias: true (see configs/model/qwen-tiny.yaml)",
-        )
     for field, value, why in mcfg.head_problems():  # config validation's rules, for a ModelConfig built in code
         bad(field, value, why)
     if not 0 <= stage < n_stages:
