@@ -243,7 +243,8 @@ def model_fields_from_hf(cfg: dict) -> dict:
     """dilocox ``model.*`` values equivalent to an HF ``config.json`` (ExportError for unsupported features)."""
     mt = cfg.get("model_type")
     src = f"config.json (model_type={mt!r})"
-    tie = bool(cfg.get("tie_word_embeddings", True))
+    # (absent: the default of the model type's HF config class, as transformers reads it: Qwen2Config unties)
+    tie = bool(cfg.get("tie_word_embeddings", mt != "qwen2"))
     if mt == "gpt2":
         return _gpt2_fields(cfg, src, tie)
     if mt == "opt":

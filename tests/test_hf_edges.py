@@ -168,3 +168,29 @@ def test_generate_bad_flags_are_one_line_errors(tmp_path, capsys, monkeypatch, f
     assert cap.out == "" and len(err.splitlines()) == 1 and err.startswith("generate: ")
     for name in names:
         assert name in err
+
+
+def test_qwen2_config_without_the_tie_key_is_untied_as_transformers_reads_it(tmp_path):
+    """Bug: a qwen2 config.json without ``tie_word_embeddings`` was imported tied (the key's default of GPT-2 and
+    OPT), so the checkpoint's own ``lm_head.weight`` was dropped for the embedding; transformers' Qwen2Config
+    defaults to untied, and its logits are the reference."""
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = t.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    base = t.Qwen2ForCausalLM(cfg)
+    _randomize(base)
+    d = str(tmp_path / "q")
+    base.save_pretrained(d)
+    with open(f"{d}/config.json") as f:
+        conf = json.load(f)
+    conf.pop("tie_word_embeddings", None)
+    with open(f"{d}/config.json", "w") as f:
+        json.dump(conf, f)
+    ref = t.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    x = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    mcfg = ModelConfig(**hf.model_fields_from_hf(hf.read_hf_config(d)))
+    assert not mcfg.tie_embeddings
+    ours = _dilocox(mcfg, hf.from_hf_state_dict(mcfg, hf.load_hf_tensors(d), src=d))
+    with torch.no_grad():
+        assert (ours(x) - ref(x).logits).abs().max().item() < 1e-5
