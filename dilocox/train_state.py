@@ -250,9 +250,16 @@ class TrainerState:
             )
         else:
             sd = ckpt.load_step(path, self.topo.rank, self.topo.world_size, reader, expect)
-            if self.topo.rank == 0:  # a rewind: the later checkpoints of this run dir would block its own saves
+        # a rewind (an explicit step, or a `latest` edited back by hand): the later checkpoints of this dir would
+        # block its own saves (a save at a complete step is skipped; so was the final one, and latest stayed behind)
+        err = None
+        try:
+            if self.topo.rank == 0:
                 ckpt.set_aside_later(self.ckpt_dir, path, self.logger.info)
-            ckpt.all_ranks_agree(True)  # no rank saves before they are set aside
+        except OSError as e:  # (a read-only checkpoint.dir: every rank stops, none waits for rank 0)
+            err = ckpt.CheckpointError(f"cannot set aside the checkpoints after {path} in {self.ckpt_dir}: {e}")
+        if not ckpt.all_ranks_agree(err is None):  # no rank saves before they are set aside
+            raise err or ckpt.CheckpointError(f"rank 0 could not set aside the checkpoints after {path} (see its log)")
         saved = ckpt.read_meta(path).get("layout", self._layout()["layout"])
         if saved != self._layout()["layout"]:
             self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")

@@ -140,8 +140,8 @@ def test_a_hop_that_drops_a_microbatch_at_its_deadline_is_banned_and_the_microba
 
 def test_an_error_that_never_clears_is_given_up_after_two_tries_per_peer(monkeypatch):
     """Bug: a next stage whose every peer fails a microbatch (a RemoteError or a timeout) more slowly than
-    ``swarm.ban_s`` was re-sent without end: each ban had run out by the next choice. Now it is sent at most twice per peer of the stage, then
-    a SwarmError names the microbatch and the last reason."""
+    ``swarm.ban_s`` was re-sent without end: each ban had run out by the next choice. Now it is sent at most twice
+    per peer of the stage, then a SwarmError names the microbatch and the last reason."""
     sent = []
 
     def call(addr, method, meta, tensors, timeout_s):

@@ -113,20 +113,27 @@ def check_model_config(step_dir: str, meta: dict, mcfg) -> None:
 
 
 def _is_final(step_dir: str, model: dict[str, torch.Tensor], rest: dict) -> bool:
-    """Whether this step is the run's last: at ``train.steps`` of the run's config.yaml, or at its
+    """Whether this step is the run's last: at ``train.steps`` of the config it was saved with, or at its
     ``train.max_tokens`` (saved tokens_seen) with the params set to θ by ``outer.finish()`` (a save of
     ``checkpoint.every`` at that step, before the finish, holds replica-local params)."""
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(step_dir)))
-    step = int(read_meta(step_dir).get("step", -1))
-    cfg_path = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(cfg_path):
-        return False
-    from dilocox.config import load_config
+    meta = read_meta(step_dir)
+    step = int(meta.get("step", -1))
+    # the config this save was made under (COMPLETE.json): a checkpoint.dir outside the run dir has no config.yaml
+    # two levels up, and a later resume with more steps rewrites config.yaml while this save stays final
+    saved = (meta.get("config") or {}).get("train")
+    if isinstance(saved, dict) and isinstance(saved.get("steps"), int):
+        steps, max_tokens = saved["steps"], saved.get("max_tokens") or 0
+    else:  # (older checkpoints: the run dir's config.yaml)
+        cfg_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(step_dir))), "config.yaml")
+        if not os.path.exists(cfg_path):
+            return False
+        from dilocox.config import load_config
 
-    train = load_config(cfg_path).train
-    if step >= train.steps:
+        train = load_config(cfg_path).train
+        steps, max_tokens = train.steps, train.max_tokens
+    if step >= steps:
         return True
-    ended = bool(train.max_tokens) and int(rest.get("tokens_seen", 0)) >= train.max_tokens
+    ended = bool(max_tokens) and int(rest.get("tokens_seen", 0)) >= max_tokens
     return ended and _params_are_theta(step_dir, model, rest.get("outer") or {})
 
 

@@ -140,9 +140,22 @@ def find_latest(ckpt_dir: str) -> str | None:
             name = ""
         cand = os.path.join(ckpt_dir, name)
         if _STEP_RE.match(name) and os.path.exists(os.path.join(cand, "COMPLETE.json")):
-            return cand
+            return _newer_than_latest(ckpt_dir, cand, latest) or cand
     steps = complete_steps(ckpt_dir)
     return steps[-1] if steps else None
+
+
+def _newer_than_latest(ckpt_dir: str, named: str, latest: str) -> str | None:
+    """The newest complete checkpoint after ``named`` that was completed after ``latest`` was written: a save that
+    ended between its ``COMPLETE.json`` and ``latest`` (a crash there). A ``latest`` written later than every newer
+    checkpoint (edited back by hand, a rewind) is kept."""
+    try:
+        written = os.stat(latest).st_mtime_ns
+        later = [d for d in complete_steps(ckpt_dir) if _step_of(d) > _step_of(named)]
+        return next((d for d in reversed(later) if os.stat(os.path.join(d, "COMPLETE.json")).st_mtime_ns > written),
+                    None)  # fmt: skip
+    except OSError:  # (a directory removed meanwhile: keep what latest names)
+        return None
 
 
 def _sum_path(step_dir: str, rank: int) -> str:
@@ -174,6 +187,11 @@ def read_meta(step_dir: str) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(
             f"{path} is corrupt ({type(e).__name__}: {e}); resume from an earlier step directory"
+        ) from None
+    except OSError as e:  # (not readable by this user, or not a file: no fallback renames it away)
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {e.strerror or e}); make it readable, or move its step "
+            "directory away to resume from an earlier one"
         ) from None
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(

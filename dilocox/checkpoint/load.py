@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from dilocox.checkpoint.layout import (
+    _STEP_RE,
     CheckpointError,
     CorruptCheckpointError,
     _atomic_write_text,
@@ -273,7 +274,9 @@ def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = 
     learning rate): rename every complete checkpoint of ``ckpt_dir`` after its step to ``<step dir>.superseded``.
     A save at a step whose directory is complete is skipped, so they would stand in for this run's own saves and
     ``latest``. ``latest`` names ``step_dir`` when it is in ``ckpt_dir``. Returns the new names."""
-    step = int(read_meta(step_dir).get("step", -1))
+    step = read_meta(step_dir).get("step")
+    if not isinstance(step, int):  # (a COMPLETE.json edited by hand: the step its directory is named after)
+        step = _step_of(step_dir.rstrip("/")) if _STEP_RE.match(os.path.basename(step_dir.rstrip("/"))) else 1 << 62
     later = [d for d in complete_steps(ckpt_dir) if _step_of(d) > step]
     here = os.path.abspath(step_dir)  # (a path given with a trailing "/": latest names the directory, not "")
     if later and os.path.dirname(here) == os.path.abspath(ckpt_dir):  # first: a crash between leaves it right
