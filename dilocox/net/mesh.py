@@ -54,7 +54,7 @@ from dilocox.net.rpc import (
     encode,
     read_message,
 )
-from dilocox.net.secure import AcceptGate, dial, handshake_s, server_handshake
+from dilocox.net.secure import AcceptGate, dial, handshake_s, listen_socket, server_handshake
 
 log = logging.getLogger("dilocox.net.mesh")
 
@@ -103,7 +103,7 @@ class PairServer:
     ) -> None:
         self.secret, self.encrypt, self.handshake_s = secret, encrypt, handshake_s
         self.max_pending, self.max_handshakes = max_pending, max_handshakes
-        self._sock = socket.create_server((host, 0), backlog=128)
+        self._sock = listen_socket(host, 0)  # (an IPv6 address too)
         self._sock.settimeout(0.2)
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
         self._cv = threading.Condition()

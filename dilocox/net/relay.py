@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import select
 import socket
 import threading
 import time
@@ -107,13 +108,13 @@ class LighthouseRelay:
             if self.secret is None:
                 try:
                     s = socket.create_connection((h, p), timeout=self.connect_timeout_s)
-                except OSError:
+                except (OSError, UnicodeError):  # (UnicodeError: a name IDNA cannot encode, e.g. a label > 63)
                     continue
                 return i, s, None
             try:  # both sides prove the run secret (for this service) before a byte of torchft's traffic is relayed
                 deadline = time.monotonic() + max(DIAL_TIMEOUT_S, handshake_s() + 1.0)
                 s, key, _ = dial((h, p), self.secret, self.service, deadline, connect_timeout=self.connect_timeout_s)
-            except (ConnectionRefusedError, socket.gaierror, socket.timeout, TimeoutError) as e:
+            except (ConnectionRefusedError, socket.gaierror, UnicodeError, socket.timeout, TimeoutError) as e:
                 log.debug("lighthouse relay %s: %s:%d: %s", self.address, h, p, e)
                 continue  # (nothing listens there, or it does not answer: the next endpoint)
             except (OSError, AuthError) as e:
@@ -128,8 +129,12 @@ class LighthouseRelay:
                 client, _ = self._srv.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self.closed:
+                    return
+                log.warning("lighthouse relay %s: accept failed (%s); going on", self.address, e)  # (EMFILE: this
+                time.sleep(0.05)  # connection, not the relay: it waits in the backlog and is served once fds free up)
+                continue
             if self.secret is not None and not same_user(client):  # (issue 42: the relay proves the run's secret
                 uid = peer_uid(client)  # for whoever it serves: only this user's processes, not the host's others)
                 if uid not in self._refused_uids:
@@ -241,6 +246,7 @@ class FramedPipe:
     Authentication only: gRPC's bytes are not encrypted. One thread per direction (each has its own counter)."""
 
     MAX_FRAME = 65536
+    FRAME_S = 60.0  # a frame's bytes after its first must arrive within this (a peer stalled mid-frame is closed)
 
     def __init__(self, key: bytes, role: str) -> None:
         self.sealer = Sealer(key, role)
@@ -255,11 +261,14 @@ class FramedPipe:
                     h.update(data)
                     dst.sendall(len(data).to_bytes(4, "big") + data + h.digest())
                 return
-            while head := _recv_exact(src, 4):
-                n = int.from_bytes(head, "big")
+            while first := _recv_exact(src, 1):  # (between frames a pair may idle: gRPC's channel, a store's client)
+                head = _recv_exact(src, 3, self.FRAME_S)  # a frame that started must be whole within FRAME_S
+                if head is None:
+                    return
+                n = int.from_bytes(first + head, "big")
                 if not 0 < n <= self.MAX_FRAME:
                     raise AuthError(f"a relayed frame claims {n} bytes (at most {self.MAX_FRAME})")
-                body = _recv_exact(src, n + MAC_BYTES)
+                body = _recv_exact(src, n + MAC_BYTES, self.FRAME_S)
                 if body is None:
                     return
                 h = self.sealer.checker()
@@ -272,10 +281,18 @@ class FramedPipe:
             return
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """Exactly ``n`` bytes, or None at EOF (before or inside them)."""
-    buf = bytearray()
+def _recv_exact(sock: socket.socket, n: int, within: float | None = None) -> bytes | None:
+    """Exactly ``n`` bytes, or None at EOF (before or inside them); ``within``: seconds they must all arrive in, else
+    socket.timeout (polled: the socket's own timeout is left alone, the other direction's thread sends on it)."""
+    buf, deadline = bytearray(), None if within is None else time.monotonic() + within
     while len(buf) < n:
+        if deadline is not None:
+            poll, fd = select.poll(), sock.fileno()
+            if fd < 0:  # (the other direction closed the pair meanwhile)
+                raise ConnectionAbortedError("the relayed pair was closed")
+            poll.register(fd, select.POLLIN)
+            if not poll.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                raise socket.timeout("a relayed frame did not arrive whole in time")
         chunk = sock.recv(n - len(buf))
         if not chunk:
             return None

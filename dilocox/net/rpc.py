@@ -60,6 +60,7 @@ from dilocox.net.secure import (
     Crypter,
     Sealer,
     handshake_s,
+    listen_socket,
     server_handshake,
     turn_away,
 )
@@ -377,10 +378,7 @@ class RpcServer:
         self.secret = _state["secret"] if secret is _DEFAULT else secret
         self.encrypt = _state["encrypt"] if encrypt is _DEFAULT else encrypt
         self.limits = limits or _state["limits"]
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(128)
+        self._sock = listen_socket(host, port)  # (an IPv6 address too; closed if the bind fails)
         self._sock.settimeout(0.2)  # the accept loop polls the stop flag
         self.addr = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()

@@ -472,6 +472,16 @@ def same_user(conn: socket.socket) -> bool:
     return uid is not None and uid in (os.getuid(), 0)
 
 
+def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``host:port``: IPv6 for an IPv6 literal (``::`` takes IPv4 as well where the system
+    can), IPv4 for an IPv4 literal or a name (the RpcServer's and the mesh's PairServer's)."""
+    host = host.strip("[]")
+    v6 = ":" in host
+    dual = host == "::" and socket.has_dualstack_ipv6()
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=backlog, dualstack_ipv6=dual)
+
+
 def turn_away(conn: socket.socket) -> None:
     """Close a connection over its address's cap at once: ``BUSY`` (so a key holder knows to retry), then close."""
     try:

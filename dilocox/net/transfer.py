@@ -34,6 +34,7 @@ from torch import Tensor
 
 from dilocox.net.client import call
 from dilocox.net.rpc import WIRE_DTYPES, Limits, NotServing, ProtocolError, RpcServer
+from dilocox.net.secure import listen_socket
 
 log = logging.getLogger("dilocox.net.transfer")
 
@@ -138,8 +139,7 @@ def _bind_address(host: str) -> tuple[str, str]:
     on another node of a multi-node replica, given the replica's MASTER_ADDR) every interface, advertising this
     machine's host name, as torchft's own transport does."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
+        listen_socket(host, 0).close()  # (an IPv6 address too, as the RpcServer binds it)
         return host, host
     except OSError:
         return "0.0.0.0", socket.gethostname()
