@@ -89,3 +89,19 @@ def test_a_save_that_ended_between_complete_json_and_latest_is_resumed_from(tmp_
     t = _run(cfg)
     assert t.resumed_from == str(ck / "step_00000004") and not list(ck.glob("*.superseded"))
     assert (ck / "latest").read_text().strip() == "step_00000006"
+
+
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint_marked_complete(tmp_path, monkeypatch):
+    """Pruning removed an old checkpoint with one ``rmtree``, its COMPLETE.json possibly last: a kill inside it left a
+    directory with missing shard files still marked complete. The mark goes first now."""
+    import torch
+
+    from dilocox.checkpoint import names, save
+
+    d = str(tmp_path)
+    _save(d, 2)
+    monkeypatch.setattr(save.shutil, "rmtree", lambda *a, **k: None)  # killed before it removed anything
+    data, tensors = names.encode({"step": 4}, "rank0/rest")
+    state = {"replica0/model/w": torch.full((4,), 4.0), "rank0/rest": data, **tensors}
+    ckpt.save_checkpoint(d, 4, 0, 1, state, meta={"step": 4}, keep=1, part=("replica0", None, 1))
+    assert [os.path.basename(p) for p in ckpt.complete_steps(d)] == ["step_00000004"]

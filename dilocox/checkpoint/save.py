@@ -288,6 +288,10 @@ def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, met
     # (non-finite states are never written), so keeping the newest `keep` keeps `keep` good ones.
     for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
         if os.path.abspath(old) != os.path.abspath(step_dir):
+            try:  # the mark first: a kill inside the rmtree leaves a directory no resume takes for complete
+                os.remove(os.path.join(old, "COMPLETE.json"))
+            except OSError:
+                pass
             shutil.rmtree(old, ignore_errors=True)
     return ""
 
