@@ -44,7 +44,8 @@ inner steps after its last launch (``fragments.uncommunicated_tail``; the traine
 With one fragment and tau = 0 that is nothing when train.steps is a multiple of H; with tau > 0 it
 is at least the last tau steps, and with K > 1 fragments all but one fragment always lose the steps
 since their last launch. A finished run resumed with more train.steps: the averages ``finish()``
-applied are not applied again (their sync points pass with no outer step).
+applied are not applied again (their sync points pass with no outer step), and a phase that started from θ (nothing
+in flight: the first one, or the first after ``finish()``) takes its pseudo-gradient from θ (no look-ahead shift).
 With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
 1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
 outer step (``dp_shard.py``): same parameters, 1/D of the slow-link bytes.
@@ -198,7 +199,7 @@ class DiLoCoOuter(OuterBase):
     def after_inner_step(self, step: int) -> None:
         """Phase ends: launch and/or finish outer steps (module docstring)."""
         now = time.perf_counter()
-        if self._t_end is not None:
+        if self._t_end is not None and self.controller is not None:  # (only §7 reads them; _adapt empties the list)
             self._step_times.append(now - self._t_end)  # the inner step itself, outer work excluded
         n = step + 1
         self._blocked_now = 0.0
@@ -243,7 +244,9 @@ class DiLoCoOuter(OuterBase):
             self.outer_step += 1
             self.schedule.advance(p, self.H)
             return
-        delta = st.pseudo_gradient(p, self.shift)
+        # the phase started from θ − shift·v only after an outer step that launched an average: with nothing in flight
+        # (the first phase, v = 0, or the first phase after finish() set the params to θ) it started from θ
+        delta = st.pseudo_gradient(p, self.shift if self.pending[p] is not None else 0.0)
         delta_flat = st.flatten(delta)  # a copy: the compressor may work in place on `delta`
         h, self.pending[p] = self.pending[p], None
         prev = st.flatten(self._wait(h)) if h is not None else torch.zeros_like(delta_flat)
@@ -426,6 +429,8 @@ class DiLoCoOuter(OuterBase):
         for q in range(self.K):
             st.load_params(q, 0.0)
         if self.overlap == "none" and self.tau == 0:  # the source launched at its sync point: finish it as it will
+            if self.lr_factor is not None:  # at that step's outer lr (outer.lr_schedule=inner), as the source does
+                st.set_lr_factor(self.lr_factor(n - 1))
             st.outer_step(p, st.flatten(res))
             self._adapt(p, h)  # (the same σ's, rank window and agreed H as the source: the same rank and H)
             self.outer_step += 1

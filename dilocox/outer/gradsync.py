@@ -40,6 +40,7 @@ class GradientSync(OuterBase):
         if ocfg.method not in METHODS:
             raise ValueError(f"GradientSync handles outer.method in {list(METHODS)}, not {ocfg.method!r}")
         super().__init__(named_params, topo, ocfg, ccfg, seed, comm_delay_s, comm_bandwidth, group)
+        self.H = 1  # every inner step's gradients are averaged (outer.sync_every is the DiLoCo family's)
         self.cocktail: CocktailCodec | None = None
         if self.method == "allreduce":
             self.compressors = [build_compressor(ccfg, [p.shape for p in self.params], seed)]
@@ -63,6 +64,7 @@ class GradientSync(OuterBase):
         h = self._submit(self.group.allreduce_mean, [g.float() for g in grads], step, self.codec)
         for g, a in zip(grads, self._wait(h)):
             g.copy_(a)
+        self.outer_step += 1  # (one average per inner step: what the logs and stats count as outer steps)
         self._counters["blocked_s"] = self._blocked_now
 
     def _method_state_dict(self) -> dict:
@@ -70,5 +72,6 @@ class GradientSync(OuterBase):
         return {"cocktail_error": self.cocktail.state_dict()["error"] if self.cocktail is not None else None}
 
     def _load_method_state(self, sd: dict) -> None:
+        self.H = 1  # (checkpoints before it was reported wrote outer.sync_every here)
         if self.cocktail is not None:
             self.cocktail.load_state_dict({"error": sd["cocktail_error"]})
