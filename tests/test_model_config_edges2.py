@@ -136,3 +136,11 @@ def test_flash_attn_loads_where_it_can_run():
     for overrides in ([], ["--train.device=cuda", "--train.dtype=bf16"], ["--train.dtype=bf16"]):
         assert load_config(None, ["--model.attn_backend=flash_attn", *overrides]).model.attn_backend == "flash_attn"
     assert load_config(None, ["--train.device=cpu", "--train.dtype=fp32"]).model.attn_backend == "sdpa"
+
+
+@pytest.mark.parametrize("method", ["allreduce", "cocktailsgd"])
+def test_streaming_tau_with_a_per_step_method_is_refused(method):
+    """``outer.streaming.tau`` loaded with the per-step methods and did nothing (they average every step's gradients;
+    fragments and overlap were refused already)."""
+    with pytest.raises(ConfigError, match=r"outer.streaming.tau=1 has no effect with outer.method="):
+        load_config(None, ["--parallel.replicas=2", f"--outer.method={method}", "--outer.streaming.tau=1"])

@@ -58,11 +58,17 @@ def check_streaming_mix(o: OuterConfig) -> None:
 
 
 def check_per_step_schedule(o: OuterConfig) -> None:
-    """``outer.overlap`` and ``outer.streaming.fragments`` shape the DiLoCo family's syncs; allreduce and cocktailsgd
-    average every step's gradients (outer/gradsync.py)."""
+    """``outer.overlap``, ``outer.streaming.fragments`` and ``tau`` shape the DiLoCo family's syncs; allreduce and
+    cocktailsgd average every step's gradients (outer/gradsync.py)."""
     s = o.streaming
-    if o.overlap != "none" or s.fragments > 1:
-        key, val = ("outer.overlap", o.overlap) if o.overlap != "none" else ("outer.streaming.fragments", s.fragments)
+    if o.overlap != "none" or s.fragments > 1 or s.tau > 0:
+        key, val = (
+            ("outer.overlap", o.overlap)
+            if o.overlap != "none"
+            else ("outer.streaming.fragments", s.fragments)
+            if s.fragments > 1
+            else ("outer.streaming.tau", s.tau)
+        )
         _fail(key, val, f"has no effect with outer.method={o.method!r} (DiLoCo family only); remove it or set diloco")
 
 
