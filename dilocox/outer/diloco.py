@@ -48,7 +48,8 @@ applied are not applied again (their sync points pass with no outer step), and a
 in flight: the first one, or the first after ``finish()``) takes its pseudo-gradient from θ (no look-ahead shift).
 With inner data parallelism (D > 1) and ``outer.shard_over_data`` (default), each DP rank owns
 1/D of the tensors for all of the above and broadcasts them to the other DP ranks after every
-outer step (``dp_shard.py``): same parameters, 1/D of the slow-link bytes.
+outer step (``dp_shard.py``; after a heal, which reloads every fragment from θ, every fragment's): same parameters,
+1/D of the slow-link bytes.
 The replicas are an ``OuterGroup`` (group.py), the only way out of the replica: the fixed ``outer`` process
 group (``FixedGroup``; with a single replica nothing is sent and the "all-reduce" is the compressor's local round
 trip, the identity for quant none: one replica sees the same compression error as many), or a torchft quorum of
@@ -177,6 +178,7 @@ class DiLoCoOuter(OuterBase):
         self.membership.register(self._snapshot, self._restore, self._on_receive, 4 * st_bytes + (64 << 20))
         self._c_prev = max(1, len(self.membership.contributors))  # eager's 1/R
         self._digest: tuple[int, str] = (-1, "")  # (outer step, digest of θ then): DIGEST_ENV
+        self._healed_now = False  # this after_inner_step's syncs healed the replica (_after_wait)
 
     def _outer_optimizer(self, order: list[int], thetas: list[Tensor], vs: list[Tensor]) -> torch.optim.Optimizer:
         """``outer.optimizer`` over each parameter's θ (by global name: Muon's split needs them)."""
@@ -207,6 +209,7 @@ class DiLoCoOuter(OuterBase):
             self.state.set_lr_factor(self.lr_factor(step))
         launching, syncing = self.schedule.at(n)
         self.crossed_replicas = bool(syncing or launching)
+        self._healed_now = False  # (set by _after_wait: a heal reloads every fragment from θ)
         if self.overlap == "none":
             for p in launching:
                 delta = self.state.pseudo_gradient(p)
@@ -215,7 +218,9 @@ class DiLoCoOuter(OuterBase):
                 self._launch(p, delta, n)
         for p in syncing:
             self._sync(p, n)
-        self._dp_broadcast(syncing)
+        # a heal (replica-wide: one torchft quorum and commit vote per replica, so every DP rank takes this path) set
+        # every fragment's owned tensors to θ: all of them go out from their owners, as in join()
+        self._dp_broadcast(range(self.K) if self._healed_now else syncing)
         if syncing:
             self._counters["blocked_s"] = self._blocked_now
         self._t_end = time.perf_counter()
@@ -382,6 +387,7 @@ class DiLoCoOuter(OuterBase):
         replica was healed."""
         healed = self.membership.settle()
         self._c_prev = max(1, len(self.membership.contributors))
+        self._healed_now = self._healed_now or healed
         return healed
 
     def _resume_healed(self, p: int, avg: Tensor) -> None:
