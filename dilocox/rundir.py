@@ -67,6 +67,9 @@ SCHEDULE_KEYS = frozenset(
         "outer.state_device",
         "data.cache_dir",
         "model.init_from",  # only the start of a fresh run; a resume loads the checkpoint instead
+        "model.init_std",  # (likewise)
+        "train.compile",  # how a step's kernels run, not what it computes (as train.device)
+        "model.attn_backend",  # (likewise: SDPA, flash-attn or TE attention of the same function)
         # elastic membership settings: where the lighthouse is and how long to wait, not what a step computes
         # (replica_rank and max_replicas pick the data shard: they are not here)
         "outer.elastic.lighthouse",

@@ -105,3 +105,18 @@ def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint_marked_complete(
     state = {"replica0/model/w": torch.full((4,), 4.0), "rank0/rest": data, **tensors}
     ckpt.save_checkpoint(d, 4, 0, 1, state, meta={"step": 4}, keep=1, part=("replica0", None, 1))
     assert [os.path.basename(p) for p in ckpt.complete_steps(d)] == ["step_00000004"]
+
+
+def test_compile_attention_backend_and_init_std_may_change_on_resume():
+    """A resume with ``--train.compile=true`` (to speed a run up), another attention backend or another ``init_std``
+    (read at a fresh start only) was refused as a change of what a step computes; each is how the same step runs, as
+    ``train.device`` (allowed) is. A change of the function itself is still refused."""
+    from dilocox import rundir
+    from dilocox.config import load_config
+
+    base = load_config(None, []).to_dict()
+    new = load_config(None, ["--train.compile=true", "--model.init_std=0.01", "--model.attn_backend=te"]).to_dict()
+    math_, sched = rundir.config_changes(base, new)
+    assert math_ == [] and sorted(k for k, _, _ in sched) == ["model.attn_backend", "model.init_std", "train.compile"]
+    math_, _ = rundir.config_changes(base, load_config(None, ["--model.dropout=0.1"]).to_dict())
+    assert [k for k, _, _ in math_] == ["model.dropout"]
