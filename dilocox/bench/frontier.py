@@ -106,6 +106,7 @@ LEVERS = [
      ["--outer.sync_every=8", "--compress.sparse.density=0.00390625"]),
     # the scale sweep's learning rates, each method at its own best (R = 4: all-reduce gains from 6e-3 too)
     ("allreduce lr 1.2e-2", "allreduce-tuned", "allreduce", ["--optim.lr=1.2e-2"]),
+    ("allreduce lr 1.5e-3", "allreduce-tuned", "allreduce", ["--optim.lr=1.5e-3"]),  # (width 256: 3e-3 is too high)
     ("dilocox inner lr 2.4e-2", "dilocox", "dilocox", ["--optim.lr=2.4e-2"]),
     ("dilocox inner lr 1.2e-2 outer lr 1.0", "dilocox", "dilocox", ["--optim.lr=1.2e-2", "--outer.lr=1.0"]),
     ("dilocox outer lr 1.0", "dilocox", "dilocox", ["--outer.lr=1.0"]),
@@ -115,6 +116,7 @@ LEVERS = [
     ("dilocox inner lr 6e-3 outer lr 1.7", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=1.7"]),
     ("dilocox inner lr 6e-3 outer lr 2.0", "dilocox", "dilocox", ["--optim.lr=6e-3", "--outer.lr=2.0"]),
     ("dilocox inner lr 3e-3 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=3e-3", "--outer.lr=1.4"]),
+    ("dilocox inner lr 1.5e-3 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=1.5e-3", "--outer.lr=1.4"]),
     # R = 8 (two sequences a replica): its own pair
     ("dilocox inner lr 2.4e-2 outer lr 1.0", "dilocox", "dilocox", ["--optim.lr=2.4e-2", "--outer.lr=1.0"]),
     ("dilocox inner lr 2.4e-2 outer lr 1.4", "dilocox", "dilocox", ["--optim.lr=2.4e-2", "--outer.lr=1.4"]),
