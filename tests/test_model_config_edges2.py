@@ -16,16 +16,10 @@ import torch
 
 from dilocox.config import ConfigError, ModelConfig, load_config
 from dilocox.model.transformer import build_model, rope_cos_sin
+from tests.test_train import QWEN_ARGS
 
 ROPE = ["--model.pos_emb=rope"]
-QWEN = [
-    "--model.arch=qwen",
-    "--model.norm=rmsnorm",
-    "--model.activation=swiglu",
-    "--model.pos_emb=rope",
-    "--model.bias=false",
-    "--model.qkv_bias=true",
-]
+QWEN = list(QWEN_ARGS[:-1])  # (the Qwen2 blocks, without the GQA kv heads)
 
 
 def _err(overrides) -> str:

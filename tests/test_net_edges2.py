@@ -16,18 +16,7 @@ import time
 import pytest
 
 from dilocox.net import client
-from dilocox.net.client import Pool
-
-SECRET = bytes(range(32))
-
-
-@pytest.fixture(autouse=True)
-def fresh_pool(monkeypatch):
-    pool = Pool()
-    monkeypatch.setattr(client, "POOL", pool)
-    yield pool
-    pool.close_all()
-
+from tests.test_net_edges import SECRET, fresh_pool  # noqa: F401 - (the fixture: a fresh client pool per test)
 
 _RELAY_EMFILE = textwrap.dedent(
     """
