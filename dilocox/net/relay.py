@@ -284,13 +284,14 @@ class FramedPipe:
 def _recv_exact(sock: socket.socket, n: int, within: float | None = None) -> bytes | None:
     """Exactly ``n`` bytes, or None at EOF (before or inside them); ``within``: seconds they must all arrive in, else
     socket.timeout (polled: the socket's own timeout is left alone, the other direction's thread sends on it)."""
-    buf, deadline = bytearray(), None if within is None else time.monotonic() + within
+    buf, deadline, poll = bytearray(), None if within is None else time.monotonic() + within, None
     while len(buf) < n:
         if deadline is not None:
-            poll, fd = select.poll(), sock.fileno()
-            if fd < 0:  # (the other direction closed the pair meanwhile)
+            if sock.fileno() < 0:  # (the other direction closed the pair meanwhile)
                 raise ConnectionAbortedError("the relayed pair was closed")
-            poll.register(fd, select.POLLIN)
+            if poll is None:
+                poll = select.poll()
+                poll.register(sock.fileno(), select.POLLIN)
             if not poll.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 raise socket.timeout("a relayed frame did not arrive whole in time")
         chunk = sock.recv(n - len(buf))

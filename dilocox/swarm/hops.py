@@ -108,7 +108,7 @@ class MicrobatchHops:
         """``mode``: "" | "replay" | "grad_only" (a flag of the request, module doc); ``enc``: (payload, ActMeta)
         already encoded (a replay re-sends what it sent before)."""
         payload, ameta = enc if enc is not None else self.codec.encode_act(y, ids)
-        failures = 0
+        failures, why = 0, ""
         while True:
             with self.router_lock:
                 try:
@@ -120,7 +120,7 @@ class MicrobatchHops:
                 if failures >= 2 * (len(self.router.live()) + len(self.router.banned())):
                     raise SwarmError(
                         f"{self.name}: microbatch {mb} failed {failures} times on the next stage's peers "
-                        f"(last: {self.bans[-1]['reason'] if self.bans else '?'}); giving it up"
+                        f"(last: {why}); giving it up"
                     )
             timeout = self.hop_timeout()
             if deadline is not None:
@@ -141,13 +141,13 @@ class MicrobatchHops:
                 if self._refresh_addr(peer):
                     continue  # it was restarted at a new address: try it there
                 self._ban(step, mb, peer, e.reason)
-                failures += 1
+                failures, why = failures + 1, e.reason
                 continue
             except RemoteError as e:  # (it dropped the microbatch, e.g. at its deadline: as a timeout, not the end)
                 if mode == "replay":  # (its caller counts it lost: the stage's peers may be in their sync already)
                     raise
                 self._ban(step, mb, peer, str(e))
-                failures += 1
+                failures, why = failures + 1, str(e)
                 continue
             now = time.monotonic()
             with self.router_lock:
