@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from dilocox.compress.codec import Wire, gather, solo_or
+from dilocox.compress.codec import Wire, exchange
 from dilocox.compress.collectives import CommStats, nbytes
 from dilocox.compress.quant import Packed, dequantize, payload_nbytes, quantize
 from dilocox.seeding import mix_seed
@@ -170,7 +170,6 @@ def cocktail_allreduce(
     t0 = time.perf_counter()
     n, kind, G = grad.numel(), cfg.quant, cfg.group_size
     sizes = _segment_sizes(n, sizes)
-    world = solo_or(wire).size()
     v = grad + error if error is not None else grad
     mask = shared_mask(n, cfg.random_fraction, seed, step, grad.device, sizes)
     Ks, ks = _counts(sizes, cfg.random_fraction, cfg.topk_fraction)
@@ -190,7 +189,8 @@ def cocktail_allreduce(
         error.copy_(v)
         error[mask[pos]] -= _unpack_values(vals_raw, ks, kind, G)
 
-    bufs = gather(wire, payload)
+    bufs, _ = exchange(wire, payload)
+    world = len(bufs)
     out = torch.zeros(n, dtype=torch.float32, device=grad.device)
     for b in bufs:  # rank order: bit-identical on every rank
         p = _decode_positions(b[:idx_bytes], K, enc)  # sorted: tensor by tensor, like the values

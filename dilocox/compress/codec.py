@@ -86,14 +86,17 @@ def solo_or(wire: Wire | None) -> Wire:
     return SOLO if wire is None else wire
 
 
-def gather(wire: Wire | None, t: Tensor) -> list[Tensor]:
-    """Every member's ``t`` in member order (``[t]`` alone on a one-member wire)."""
-    w = solo_or(wire)
-    if w.size() == 1:
-        return [t]
-    out = [torch.empty_like(t) for _ in range(w.size())]
-    w.all_gather(out, t)
-    return out
+def exchange(wire: Wire | None, t: Tensor) -> tuple[list[Tensor], int]:
+    """Every member's ``t`` in member order, and this member's place in it: ``([t], 0)`` alone on a one-member wire
+    (None). The group size is the list's length: a codec that gathers needs nothing else of the wire."""
+    if wire is None:
+        return [t], 0
+    world = wire.size()
+    if world == 1:
+        return [t], 0
+    out = [torch.empty_like(t) for _ in range(world)]
+    wire.all_gather(out, t)
+    return out, wire.rank()
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dilocox.compress.codec import Wire, gather, register, solo_or
+from dilocox.compress.codec import Wire, exchange, register
 from dilocox.compress.collectives import CommStats
 from dilocox.compress.sparse import load_error_buffers
 
@@ -119,7 +119,7 @@ class SignCodec:
             raise ValueError(f"allreduce_mean got shapes {[tuple(t.shape) for t in tensors]}, built for {self.shapes}")
         if not tensors:
             return []
-        t0, wire = time.perf_counter(), solo_or(wire)
+        t0 = time.perf_counter()
         dev = tensors[0].device
         if self.errors is None:
             self.errors = [torch.zeros(s, device=dev) for s in self.shapes]
@@ -131,13 +131,14 @@ class SignCodec:
         sizes = [message_bytes(m.numel(), self.block) for m in ms]
         mine = torch.cat([encode(m, self.block) for m in ms])
         outs = [torch.zeros_like(m) for m in ms]
-        for r, payload in enumerate(gather(wire, mine)):  # member order: the same bits on every member
+        payloads, me = exchange(wire, mine)
+        for r, payload in enumerate(payloads):  # member order: the same bits on every member
             for i, part in enumerate(payload.split(sizes)):
                 vals = decode(part, ms[i].numel(), self.block)
                 outs[i].add_(vals)
-                if r == wire.rank():
+                if r == me:
                     self.errors[i] = (ms[i] - vals).view(self.shapes[i])
-        world = wire.size()
+        world = len(payloads)
         if stats is not None:
             b = self.wire_bytes(world)
             stats.add(b, b, time.perf_counter() - t0)

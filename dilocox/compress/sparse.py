@@ -42,7 +42,7 @@ import time
 import torch
 
 from dilocox.compress import kernels, rice, sparse_rs
-from dilocox.compress.codec import Wire, gather, register, solo_or
+from dilocox.compress.codec import Wire, exchange, register
 from dilocox.compress.collectives import CommStats
 
 SPARSE_BITS = (2, 4, 8)
@@ -343,6 +343,7 @@ class SparseCompressor:
             tensor_payload_bytes(s.numel(), self.chunk, self.density, self.bits, indices) for s in self.shapes
         ]
         self.use_kernel = True  # the compiled CPU encoder on CPU tensors (False: the batched torch ops everywhere)
+        self._kernel_on: dict[str, bool] = {}  # device type -> is the compiled encoder there (_kernel_here)
         self.block_elems = 1 << 25
 
     def payload_bytes(self, rank: int | None = None) -> int:
@@ -376,15 +377,15 @@ class SparseCompressor:
         del vs
         if not _all_finite(self._err):
             raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
-        wire = solo_or(wire)
-        world = wire.size()
-        if self.collective == "reduce_scatter" and world > 1:
+        if self.collective == "reduce_scatter" and wire is not None and (world := wire.size()) > 1:
             out = sparse_rs.sync(gr, self._err, wire, self._owner, self.ef_decay, self.block_elems, self.owner_keep)
             if stats is not None:
                 b = self.wire_bytes(world)
                 stats.add(b, b, time.perf_counter() - t0)
             return [gr.view(out, i).to(t.dtype) for i, t in enumerate(tensors)]
-        if self.use_kernel and _kernel_here(device):  # (asked once per call, not once per tensor)
+        if device.type not in self._kernel_on:  # (asked once per device, not once per call or tensor)
+            self._kernel_on[device.type] = _kernel_here(device)
+        if self.use_kernel and self._kernel_on[device.type]:
             mine = torch.cat(
                 [
                     _kernel_encode(e.reshape(-1), self.chunk, self.density, self.bits, self.indices)
@@ -395,8 +396,8 @@ class SparseCompressor:
             )
         else:
             mine = gr.encode(self._err, self.block_elems)
-        me = wire.rank()
-        bufs = gather(wire, mine)
+        bufs, me = exchange(wire, mine)
+        world = len(bufs)
         acc = [torch.empty_like(e) for e in self._err]
         for r, b in enumerate(bufs):  # decoded and summed in rank order: the same bits on every rank
             for g in range(len(gr.groups)):
