@@ -140,6 +140,7 @@ class ElasticConfig:
             a.strip().startswith(("http://", "https://")) for a in self.lighthouse_addr.split(",")
         ):
             raise bad("lighthouse_addr", "give the lighthouse address as http://host:port (standbys after commas)")
+        lighthouse_endpoints(self.lighthouse_addr)  # (a port too: nothing is started for a bad one)
         if not (isinstance(self.max_replicas, int) and self.max_replicas >= 1):
             raise bad("max_replicas", "use an integer >= 1")
         if not (isinstance(self.replica_rank, int) and 0 <= self.replica_rank < self.max_replicas):
@@ -225,36 +226,24 @@ class ElasticOuterGroup:
                 cfg.host, guarded, timedelta(seconds=cfg.timeout_s)
             )
         self.group_rank, self.group_world = group_rank, group_world
-        self._pg = quorum_pg(ProcessGroupGloo, guarded, cfg.timeout_s, cfg.collectives, cfg.host, cfg.encrypt)
         self._state_fn: Callable[[], dict] | None = None
         self._load_fn: Callable[[dict], None] | None = None
         self._healed = False
-        self.transport = StateTransport(
-            cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
-        )
-        # a primary and its standbys (http://a:p,http://b:q): the Manager talks to a local relay that forwards to the
-        # first one that listens (dilocox/net/relay.py; docs/ELASTIC.md "A standby lighthouse")
-        endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
-        auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
-        if auth is not None:  # a replica that authenticates refuses a plain lighthouse, in one line (issue 42)
-            why = unguarded(endpoints, auth)
-            if why is not None:
-                self.transport.shutdown()
-                raise ElasticError(
-                    f"outer.elastic.lighthouse {why}; this replica authenticates (outer.elastic.lighthouse_auth "
-                    "follows security.authenticate): start the lighthouse with `dilocox lighthouse --secret-file "
-                    "RUN_SECRET`, or set outer.elastic.lighthouse_auth=false on every replica (a closed network only)"
-                )
-        self.relay = (
-            LighthouseRelay(endpoints, secret=auth, service="lighthouse") if len(endpoints) > 1 or auth else None
-        )
-        self.manager_guard = None
-        try:  # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
+        self._pg = self.transport = self.relay = self.manager_guard = None
+        try:  # every server started here is closed again when a later part fails (its port would stay bound)
+            self._pg = quorum_pg(ProcessGroupGloo, guarded, cfg.timeout_s, cfg.collectives, cfg.host, cfg.encrypt)
+            self.transport = StateTransport(
+                cfg.host, cfg.timeout_s, cfg.secret, name=f"heal-r{cfg.replica_rank}", encrypt=cfg.encrypt
+            )
+            self.relay = self._lighthouse_relay()
+            # (rank 0 runs the ManagerServer: behind a guard with lighthouse_auth)
             self._manager = self._guarded_manager(Manager, store, guarded, advertise if group_rank == 0 else None)
             self.failover = self._new_failover(TCPStore, store)
         except BaseException:
-            self.transport.shutdown()  # (its server would outlive the failed construction)
+            if self.transport is not None:
+                self.transport.shutdown()
             self._close_guards()
+            self._own_store = None  # (its listening socket goes with it)
             raise
         # the codecs' collectives on the quorum's group (distributed/wire.py): bounded by timeout_s, a failed peer
         # raises ElasticStepError (the caller retries the outer step); the rank is the reconfigured group's
@@ -264,6 +253,23 @@ class ElasticOuterGroup:
         self.closed = False
         # called with the number of live replicas once a quorum is formed, before the all-reduce (tests, logging)
         self.on_quorum: Callable[[int], None] | None = None
+
+    def _lighthouse_relay(self) -> LighthouseRelay | None:
+        """The local relay the Manager talks to the lighthouse through: for a primary and its standbys
+        (http://a:p,http://b:q, it forwards to the first one that listens: dilocox/net/relay.py; docs/ELASTIC.md "A
+        standby lighthouse") or for a guarded lighthouse (it proves the secret); None for one plain lighthouse."""
+        cfg = self.cfg
+        endpoints = lighthouse_endpoints(cfg.lighthouse_addr)
+        auth = cfg.secret if cfg.lighthouse_auth else None  # the lighthouse(s) behind a guard: prove the secret
+        if auth is not None:  # a replica that authenticates refuses a plain lighthouse, in one line (issue 42)
+            why = unguarded(endpoints, auth)
+            if why is not None:
+                raise ElasticError(
+                    f"outer.elastic.lighthouse {why}; this replica authenticates (outer.elastic.lighthouse_auth "
+                    "follows security.authenticate): start the lighthouse with `dilocox lighthouse --secret-file "
+                    "RUN_SECRET`, or set outer.elastic.lighthouse_auth=false on every replica (a closed network only)"
+                )
+        return LighthouseRelay(endpoints, secret=auth, service="lighthouse") if len(endpoints) > 1 or auth else None
 
     def _guarded_manager(self, manager_cls, store: tuple[str, int], guarded: bytes | None, advertise):
         """The Manager, its server behind a ``ManagerGuard`` with ``guarded`` (rank 0 serves). The guard found the

@@ -27,6 +27,7 @@ from dilocox.distributed.procs import (
 )
 from dilocox.elastic.schedule import LIGHTHOUSE, Action, LaunchError, last_error, last_summary
 from dilocox.elastic.standby import ACTIVATE_NAME, activate
+from dilocox.launch.local_run import launch_exit_code
 from dilocox.launch.netns import HUB_ADDR, Cluster
 
 LIGHTHOUSE_PORT = 29510  # inside the switch namespace (fresh, so a fixed port is free)
@@ -171,11 +172,13 @@ class ElasticLaunch:
             self.standby_lighthouse = proc
         try:
             m = read_ready_line(proc, _ADDR_RE, LIGHTHOUSE_START_S, abort=lambda: bool(self._signals))
-        except EOFError:
-            code = proc.wait(timeout=10)
+        except EOFError:  # its stdout closed: it exited, or closed it and runs on (no address follows)
+            try:
+                what = f"exited ({proc.wait(timeout=10)})"
+            except subprocess.TimeoutExpired:  # (stopped by _shutdown, as any lighthouse)
+                what = "closed its output (still running)"
             raise LaunchError(
-                f"the {name.replace('-', ' ')} exited ({code}) before printing its address; see {self.run_dir}/"
-                f"{name}.log"
+                f"the {name.replace('-', ' ')} {what} before printing its address; see {self.run_dir}/{name}.log"
             ) from None
         if m is None:
             raise LaunchError(
@@ -312,7 +315,7 @@ class ElasticLaunch:
         self._stop_idle_spares()
         self._report_losses()
         codes = [rep.code for rep in self.slots if not rep.killed]  # (a failed replica a standby replaced: not here)
-        return next((c for c in codes if c), 0)
+        return launch_exit_code(codes)  # (a replica killed by a signal: 128 + N, as a shell says it)
 
     def _note_exits(self) -> None:
         """Record every process that exited by itself; a slot's process that failed is replaced by a standby."""

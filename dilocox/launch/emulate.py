@@ -24,7 +24,7 @@ from dilocox.config import ConfigError, load_config
 from dilocox.distributed.comm import BANDWIDTH_ENV
 from dilocox.distributed.procs import child_env
 from dilocox.distributed.signals import supervise
-from dilocox.launch.local_run import local_run_argv, loopback_env
+from dilocox.launch.local_run import launch_exit_code, local_run_argv, loopback_env
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.launch.switch import parse_latency, parse_loss
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
@@ -290,7 +290,7 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # the namespaces are gone already (Cluster's handler saved, then tore down)
         print("dilocox launch: interrupted (SIGINT); the ranks were asked to save a checkpoint", file=sys.stderr)
         return 130
-    return next((c for c in codes if c != 0), 0)
+    return launch_exit_code(codes)  # (a failed node's own code, not that of one killed after it)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,16 @@ def failed_exit_code(first: int, codes: Sequence[int]) -> int:
     return next((c for c in (first, *codes) if c > 0), 1)
 
 
+def launch_exit_code(codes: Sequence[int]) -> int:
+    """A launcher's exit code from its jobs' (``Popen.returncode``: -N when killed by signal N): 0 when every job
+    exited 0; else the first job's own error code (> 0: what failed; a job the launcher killed after it is -N);
+    else 128 + N of the first killed one, as a shell says it (``sys.exit(-9)`` would exit 247)."""
+    failed = [c for c in codes if c]
+    if not failed:
+        return 0
+    return next((c for c in failed if c > 0), 128 - failed[0])
+
+
 def stopped_exit_code(signum: int, codes: dict[int, int | None]) -> tuple[int, str]:
     """After a stop signal: the exit code and its one line, from each local rank's exit code (None: still running).
     A rank that exited 0, 128 + signal (it saved and stopped) or died of that very signal (before its handler was
