@@ -23,6 +23,20 @@ def check_place(pps: list[int], stage: int, index: int, join: bool = False) -> N
         raise SwarmError(f"peer (stage={stage}, index={index}) is outside swarm.peers_per_stage={list(pps)}")
 
 
+def check_lighthouse(cfg, stage: int, lighthouse: str | None) -> None:
+    """A peer whose stage syncs over a torchft group (more than one peer, or rebalancing on) needs that stage's
+    lighthouse: refused before it publishes its address (it failed only after waiting for every other peer)."""
+    s = cfg.swarm
+    if not lighthouse and (s.peers_per_stage[stage] > 1 or s.rebalance_period_s > 0):
+        why = f"its {s.peers_per_stage[stage]} peers sync through it"
+        if s.rebalance_period_s > 0:
+            why = "swarm.rebalance_period_s > 0: every stage syncs through one, a peer may move in"
+        raise SwarmError(
+            f"stage {stage} needs its torchft lighthouse ({why}); pass --lighthouse http://HOST:PORT (the stage's "
+            "`dilocox lighthouse`; `dilocox swarm` starts one for each such stage)"
+        )
+
+
 def validate_layout(cfg) -> None:
     """``config.validate_swarm_layout``, and: every stage holds model.n_layers / stages layers (``build_stage_model``),
     so a stage count that does not divide the layer count is a config error naming both (it was a traceback in every
@@ -66,11 +80,14 @@ class FixedRouter(RandomRouter):
 
 
 def make_router(kind: str, peers: list[str], name: str, ban_s: float, seed: int, offset: int = 0):
+    """The router of the sender with index ``offset`` in its stage (``seed``: the run's seed for that stage)."""
     if kind == "fixed":
         r = FixedRouter(peers, name=name, ban_s=ban_s)
         r.offset = offset
         return r
-    return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed)
+    # random: a stream of each sender's own (the senders of a stage seeded alike sent their i-th microbatches to the
+    # same peer, every one of them: wiring as correlated as it gets, not the paper's independent uniform choices)
+    return build_router(kind, peers, name=name, ban_s=ban_s, seed=seed * 1_000_003 + offset)
 
 
 def split_peer_name(name: str) -> tuple[int, int]:

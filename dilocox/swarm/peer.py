@@ -525,6 +525,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
     def close(self) -> None:
         self.server.close()
+        self.__dict__.pop("_norm_store", None)  # (global_norm's second store client: its connection goes with it)
         self.metrics.close()
         if self.outer is not None:
             self.outer.close(timeout=5.0)
@@ -533,6 +534,17 @@ class SwarmPeer(MicrobatchHops, StepEnd):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one peer; one moved by rebalancing serves its new stage in this process, its old stage's peer freed first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    while True:
+        rc, move_to = _serve(argv)
+        if move_to is None:
+            return rc
+        argv = membership.moved_argv(argv, move_to)
+
+
+def _serve(argv: list[str]) -> tuple[int, dict | None]:
+    """One peer's life (``main``): its exit code, and where rebalancing moved it (None: it did not move)."""
     ap = argparse.ArgumentParser(prog="python -m dilocox.swarm.peer", description="one SWARM peer (stage, index)")
     ap.add_argument("--config", required=True)
     ap.add_argument("--stage", type=int, required=True)
@@ -553,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = f"%(asctime)s s{a.stage}p{a.index} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, force=True)  # (force: a moved peer logs under its new name)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from dilocox.swarm.common import parse_store, validate_layout
+    from dilocox.swarm.common import check_lighthouse, parse_store, validate_layout
     from dilocox.swarm.services import release, service_secret, store_client
 
     try:  # one line before the peer is built: bad input (exit 2, as `dilocox swarm peer`), no store (exit 3)
@@ -563,37 +575,25 @@ def main(argv: list[str] | None = None) -> int:
         host, port = parse_store(a.store)
         use_secret(*rpc_security(cfg))  # every RPC this peer serves or makes: authenticated, bounded
         store = store_client(host, port, service_secret(cfg), timedelta(seconds=cfg.swarm.startup_timeout_s))
+        check_lighthouse(cfg, a.stage, a.lighthouse)  # (before it publishes its address; the process ends on it)
     except (ConfigError, SwarmError, SecretError, TimeoutError) as e:
         log.error("%s", e)
-        return 3 if isinstance(e, TimeoutError) else 2
+        return (3 if isinstance(e, TimeoutError) else 2), None
     dump = tuple(int(s) for s in a.dump_grads.split(",") if s.strip())
-    peer = SwarmPeer(
-        cfg,
-        a.stage,
-        a.index,
-        store,
-        a.lighthouse,
-        a.out,
-        a.steps,
-        dump,
-        a.join,
-        a.resume,
-        Faults(a.delay_s, a.delay_serial, a.pace_s, a.die_mid_step),
-    )
+    faults = Faults(a.delay_s, a.delay_serial, a.pace_s, a.die_mid_step)
+    peer = SwarmPeer(cfg, a.stage, a.index, store, a.lighthouse, a.out, a.steps, dump, a.join, a.resume, faults)
     try:
         peer.start()
         peer.run()
         peer.save()
     except (SwarmError, NoLivePeer, RemoteError, ElasticError) as e:
         log.error("%s; %s", e, peer_ckpt.describe_newest(cfg, a.out, len(cfg.swarm.peers_per_stage)))
-        return 3
+        return 3, None
     finally:
         peer.close()
         release(store)  # (a peer moved by rebalancing opens a new client for its new stage)
     log.info("done: %d steps", peer.steps)
-    if peer.move_to is not None:  # rebalancing moved it: the same process serves its new stage now (no start-up)
-        return main(membership.moved_argv(sys.argv[1:] if argv is None else argv, peer.move_to))
-    return 0
+    return 0, peer.move_to  # (moved: main runs the new stage once this frame, and so this peer, is gone)
 
 
 if __name__ == "__main__":
