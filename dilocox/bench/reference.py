@@ -51,7 +51,6 @@ from dilocox.bench.wan_report import _json_safe  # results.json: NaN/inf as null
 
 # --------------------------------------------------------------------------- the cases
 # model shapes; seq/batch per device (small on CPU so that a test runs them in seconds)
-GPT2_SMALL = dict(arch="gpt2", n_layers=12, n_heads=12, d_model=768, vocab_size=50304, max_seq_len=1024)
 CASES: dict[str, dict] = {
     "tiny": dict(model="configs/model/gpt2-tiny.yaml", shape={}, cpu=(8, 128), cuda=(16, 256)),
     "qwen-tiny": dict(model="configs/model/qwen-tiny.yaml", shape={}, cpu=(8, 128), cuda=(16, 256)),

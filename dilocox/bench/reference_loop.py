@@ -302,16 +302,6 @@ def _kernel_launches(device: torch.device, fn, steps: int) -> float | None:
     return n / steps
 
 
-def _graph_breaks() -> dict:
-    from torch._dynamo.utils import counters
-
-    return {
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-        "graphs": int(counters["stats"].get("unique_graphs", 0)),
-        "break_reasons": sorted(counters["graph_break"])[:5],
-    }
-
-
 def _reset_dynamo() -> None:
     from torch._dynamo.utils import counters
 

@@ -177,9 +177,8 @@ def line_plot(
     ylabel: str,
     title: str,
     figsize: tuple[float, float] = (6.4, 3.8),
-    xlog: bool = False,
 ) -> dict:
-    """One PNG of ``(label, xs, ys, matplotlib format)`` lines (matplotlib imported only here); ``xlog``: a log x axis.
+    """One PNG of ``(label, xs, ys, matplotlib format)`` lines (matplotlib imported only here).
 
     A format of None gets ``series_style(i)``. The legend goes to the right of the axes, outside
     the curves. Returns what was drawn: ``{"title", "styles": [(label, marker, linestyle)], "legend_outside"}``.
@@ -198,8 +197,6 @@ def line_plot(
         else:
             (line,) = ax.plot(xs, ys, fmt, ms=3, label=label, alpha=0.85)
         styles.append((label, line.get_marker(), line.get_linestyle()))
-    if xlog:
-        ax.set_xscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -227,7 +227,6 @@ class ElasticOuterGroup:
             )
         self.group_rank, self.group_world = group_rank, group_world
         self._state_fn: Callable[[], dict] | None = None
-        self._load_fn: Callable[[dict], None] | None = None
         self._healed = False
         self._pg = self.transport = self.relay = self.manager_guard = None
         try:  # every server started here is closed again when a later part fails (its port would stay bound)
@@ -343,7 +342,7 @@ class ElasticOuterGroup:
         joiner takes it (``load_fn``). Every replica of a run must set them (torchft heals only then).
         ``max_state_bytes``: the most tensor bytes a received state may carry (from the caller's model; checked
         before anything is allocated for it)."""
-        self._state_fn, self._load_fn = state_fn, load_fn
+        self._state_fn = state_fn
         if max_state_bytes is not None:
             self.transport.set_max_state_bytes(max_state_bytes)
 

@@ -218,7 +218,6 @@ class Cluster:
         # each replica's cap (bits/s, None: uncapped) and its tbf burst
         self.rates_bps = [self.rate_bps if m is None else float(m) * 1e6 for m in per]
         self.bursts = [burst_bytes or (max(65536, int(b / 8 * 0.002)) if b else 0) for b in self.rates_bps]
-        self.burst = burst_bytes or (max(65536, int(self.rate_bps / 8 * 0.002)) if self.rate_bps else 0)
         self.latency_ms = latency_ms  # tbf's queue bound (not a delay)
         # the delay switch (dilocox/launch/switch.py) in place of the bridge: round trip added between any two sites
         self.rtt_ms, self.jitter_ms, self.loss = float(rtt_ms), float(jitter_ms), float(loss)

@@ -138,10 +138,6 @@ class SwarmLauncher:
         """Start one peer's command in its own session (netns.NetnsSwarmLauncher: inside its namespace)."""
         return spawn(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
 
-    def restart_peer(self, stage: int, index: int, steps: int | None = None, extra: list[str] | None = None):
-        """Start peer (stage, index) again after it died: it joins the running job (``--join``)."""
-        return self.start_peer(stage, index, steps=steps, extra=[*(extra or []), "--join"])
-
     def wait(self, deadline: float) -> bool:
         """Wait until every peer exited or the deadline (monotonic) passed; True when all exited."""
         while time.monotonic() < deadline:
