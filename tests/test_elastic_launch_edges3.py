@@ -173,3 +173,16 @@ def test_a_lighthouse_that_closes_its_output_is_a_launch_error_and_is_stopped(tm
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ERR the lighthouse closed its output (still running) before printing its address" in r.stdout, r.stdout
     assert "LIGHTHOUSE True" in r.stdout
+
+
+@pytest.mark.parametrize("addr", ["http://127.0.0.1", "http://127.0.0.1:x", "http://:29510", "http://a:1,http://b"])
+def test_the_config_refuses_a_lighthouse_address_without_host_and_port(addr):
+    """The config check took any http:// prefix: a port-less address loaded and failed only when the group was
+    built (after the store and its guard had started)."""
+    from dilocox.config import ConfigError, load_config
+
+    over = ["--outer.method=diloco", "--outer.elastic.enabled=true", f"--outer.elastic.lighthouse={addr}"]
+    with pytest.raises(ConfigError, match=r"outer\.elastic\.lighthouse"):
+        load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
+    ok = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*over[:2], "--outer.elastic.lighthouse=http://h:1"])
+    assert ok.outer.elastic.lighthouse == "http://h:1"

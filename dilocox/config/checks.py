@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from dilocox.config.sections import (
     AdaptiveConfig,
@@ -487,7 +488,7 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
             "outer.streaming.tau) or one fragment",
         )
     lh = e.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
-    if not lh or not all(a.strip().startswith(("http://", "https://")) for a in str(lh).split(",")):
+    if not lh or not all(_http_host_port(a) for a in str(lh).split(",")):
         _fail(
             "outer.elastic.lighthouse",
             e.lighthouse,
@@ -515,6 +516,17 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
         _fail("outer.elastic.max_attempts", e.max_attempts, "must be >= 1")
     if e.heartbeat_ms < 1:
         _fail("outer.elastic.heartbeat_ms", e.heartbeat_ms, "must be >= 1 (milliseconds)")
+
+
+def _http_host_port(addr: str) -> bool:
+    """Is ``addr`` http(s)://host:port (a port given: without one the replica failed only after its servers
+    started)?"""
+    u = urlsplit(addr.strip())
+    try:
+        port = u.port
+    except ValueError:  # (a port out of range or not a number)
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and port is not None
 
 
 def check_lighthouse_auth(o: OuterConfig, sec: Any) -> None:
