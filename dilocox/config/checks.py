@@ -519,14 +519,12 @@ def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:
 
 
 def _http_host_port(addr: str) -> bool:
-    """Is ``addr`` http(s)://host:port (a port given: without one the replica failed only after its servers
-    started)?"""
+    """Is ``addr`` http(s)://host:port (a port out of range or not a number: no)?"""
     u = urlsplit(addr.strip())
     try:
-        port = u.port
-    except ValueError:  # (a port out of range or not a number)
+        return u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
+    except ValueError:
         return False
-    return u.scheme in ("http", "https") and bool(u.hostname) and port is not None
 
 
 def check_lighthouse_auth(o: OuterConfig, sec: Any) -> None:
