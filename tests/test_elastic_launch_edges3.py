@@ -186,3 +186,36 @@ def test_the_config_refuses_a_lighthouse_address_without_host_and_port(addr):
         load_config(os.path.join(ROOT, "configs", "tiny.yaml"), over)
     ok = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*over[:2], "--outer.elastic.lighthouse=http://h:1"])
     assert ok.outer.elastic.lighthouse == "http://h:1"
+
+
+def test_a_run_that_ends_on_an_error_asks_its_replicas_to_save_before_killing_them(tmp_path):
+    """A scheduled lighthouse restart that fails ends the run with a LaunchError; the replicas still running were
+    SIGKILLed at once (no SIGTERM: no checkpoint saved). Now they get SIGTERM and ``stop_timeout_s`` first."""
+    r = _run(
+        f"""
+        import os, sys
+        from dilocox.elastic.schedule import LIGHTHOUSE, Action, LaunchError
+        from dilocox.elastic.supervisor import ElasticLaunch
+        calls = []
+        def lh(bind):  # the first prints its address; the restarted one exits without it
+            calls.append(bind)
+            if len(calls) == 1:
+                return [sys.executable, "-c", "import time; print('x: http://127.0.0.1:1', flush=True); time.sleep(60)"]
+            return [sys.executable, "-c", "pass"]
+        saved = {str(tmp_path / "saved")!r}
+        REP = ("import signal, sys, time\\n"
+               "def bye(*a):\\n    open(sys.argv[1] + sys.argv[2], 'w').close(); sys.exit(143)\\n"
+               "signal.signal(signal.SIGTERM, bye)\\nprint('up', flush=True)\\ntime.sleep(60)\\n")
+        la = ElasticLaunch(2, lambda r, a: [sys.executable, "-c", REP, saved, str(r)], {str(tmp_path / "run")!r},
+                           lighthouse_argv=lh, timeout_s=30, stop_timeout_s=10, log=lambda m: None,
+                           schedule=[Action("kill", LIGHTHOUSE, 1.0), Action("restart", LIGHTHOUSE, 1.5)])
+        try:
+            la.run()
+        except LaunchError as e:
+            print("ERR", e)
+        print("SAVED", sorted(os.path.exists(saved + str(r)) for r in range(2)))
+        """
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ERR the lighthouse exited" in r.stdout, r.stdout
+    assert "SAVED [True, True]" in r.stdout, r.stdout

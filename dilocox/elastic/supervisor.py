@@ -444,6 +444,9 @@ class ElasticLaunch:
                 self.log(f"dilocox launch: {rep.name} did not stop within {self.stop_timeout_s:g} s: SIGKILL")
 
     def _shutdown(self) -> None:
+        # replicas still running here: the run ended on an error (a failed lighthouse restart, say); they are asked
+        # first, as on a stop signal, so each saves its checkpoint, then SIGKILLed after stop_timeout_s
+        self._stop_replicas(signal.SIGTERM)
         for rep in self.replicas + self.spares:
             if rep.proc is not None:
                 self._kill_replica(rep, signal.SIGKILL)
