@@ -119,7 +119,7 @@ class TrainerState:
     def _check_checkpoint_space(self) -> None:
         space = ckpt.preflight(
             self.ckpt_dir,
-            ckpt.estimate_bytes(self.state_dict(), self.optimizer),
+            self._checkpoint_share(),
             self.topo.world_size,
             self.cfg.checkpoint.keep,
             self.topo.rank,
@@ -128,6 +128,18 @@ class TrainerState:
         )
         if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
             self.logger.info(space)
+
+    def _checkpoint_share(self) -> int:
+        """This rank's share of one checkpoint's bytes (``estimate_bytes``): the model, inner optimizer and a DiLoCo
+        outer state are alike on the replica's D data-parallel ranks (DCP writes them once); the rest is this rank's
+        own, and so is the outer state with ``outer.shard_over_data`` (each DP rank holds 1/D of the tensors) or of a
+        per-step method (kept in the rank's rest)."""
+        sd, layout, own = self.state_dict(), self._outer_layout(), ["step", "tokens_seen", "sampler", "rng"]
+        if layout is not None and sd["outer"] and "state" in sd["outer"]:  # per parameter, as DCP writes it (views)
+            sd["outer"] = names.outer_by_name(sd["outer"], *layout)
+        if layout is None or getattr(self.outer, "dp_shard", None) is not None:
+            own.append("outer")
+        return ckpt.estimate_bytes(sd, self.optimizer, self.topo.D, own)
 
     def state_dict(self) -> dict:
         return {

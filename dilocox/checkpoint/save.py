@@ -322,9 +322,10 @@ def preflight(
 ) -> str:
     """Start-up check of ``checkpoint.dir``: writable on every rank, and room for a checkpoint.
 
-    ``shard_bytes`` is this rank's shard estimate (:func:`estimate_bytes`); a checkpoint is taken
-    as ``world_size`` such shards. Raises :class:`CheckpointError` on every rank when the dir is
-    not writable or has no room for even one checkpoint; returns a warning (else '') when it has
+    ``shard_bytes`` is this rank's share of a checkpoint (:func:`estimate_bytes`: with data parallelism, 1/D of
+    what the D DP ranks hold alike, which DCP writes once); a checkpoint is taken as ``world_size`` such shares
+    (every rank checks with its own, so the largest share decides). Raises :class:`CheckpointError` on every rank
+    when the dir is not writable or has no room for even one checkpoint; returns a warning (else '') when it has
     room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest)."""
     agree = agree or (lambda flag: flag)
     err = ""

@@ -221,7 +221,7 @@ class DiLoCoOuter(OuterBase):
         # a heal (replica-wide: one torchft quorum and commit vote per replica, so every DP rank takes this path) set
         # every fragment's owned tensors to θ: all of them go out from their owners, as in join()
         self._dp_broadcast(range(self.K) if self._healed_now else syncing)
-        if syncing:
+        if syncing or launching:  # (a launch blocks too: blocking, or tau > 0 where it is its own step)
             self._counters["blocked_s"] = self._blocked_now
         self._t_end = time.perf_counter()
 

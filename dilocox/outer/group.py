@@ -9,7 +9,8 @@ comm thread. The protocol:
   for the plain fp32 mean. ``step`` seeds the codec's shared draws (the same on every replica). ``propose``: a
   positive integer (the adaptive controller's next H, ALGORITHMS §7); ``agreed`` is then the max of the values the
   contributors of this call proposed, the same on all of them.
-- ``stats``: a ``CommStats`` the group counts every call's bytes in (the codec's or the plain mean's); None: none.
+- ``stats``: a ``CommStats`` the group counts every call's bytes in (the codec's or the plain mean's, and the small
+  collectives beside it: the proposals' MAX, ``norm_check``'s all-gather); None: none.
 - ``contributors``, ``agreed``: of the last call (read after waiting for it; ``agreed`` None when nothing was
   proposed).
 - Membership (a group that ``heals``: replicas join a live run). ``set_state_fns(state_fn, load_fn,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Callable, Protocol
 
 import torch
@@ -38,6 +40,11 @@ from dilocox.compress.collectives import CommStats, wire_bytes
 from dilocox.distributed.wire import wire_of
 
 log = logging.getLogger("dilocox.outer")
+
+
+def _ring_bytes(b: int, world: int) -> int:
+    """Bytes one member sends in a ring all-reduce of ``b`` bytes (``compress/collectives.py``'s convention)."""
+    return -(-2 * (world - 1) * b // world) if world > 1 else 0
 
 
 def _median(xs: list[float]) -> float:
@@ -123,8 +130,10 @@ class FixedGroup:
         if propose is not None:  # a tiny MAX before the mean (latency only: it is not waited for on the main thread)
             dev = tensors[0].device if tensors else torch.device("cpu")  # (NCCL groups take device tensors only)
             t = torch.tensor([int(propose)], dtype=torch.int64, device=dev)
+            t0 = time.perf_counter()
             self.wire.all_reduce(t, op="max")
             self.agreed = int(t.item())
+            self._count_side(_ring_bytes(t.numel() * t.element_size(), self.size), t0)
         scale = 1.0
         if self.norm_check and self.pg is not None:
             tensors, scale = self._check_norms(tensors, step)
@@ -146,6 +155,12 @@ class FixedGroup:
             out = [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in out]), out)]
         return out
 
+    def _count_side(self, sent: int, t0: float) -> None:
+        """Count one of the small collectives beside the mean (the H proposals' MAX, norm_check's all-gather) in
+        ``stats``, by the byte convention of ``compress/collectives.py`` (bytes per member, sent = received)."""
+        if self.stats is not None and self.size > 1:
+            self.stats.add(sent, sent, time.perf_counter() - t0)
+
     def _check_norms(self, tensors: list[Tensor], step: int) -> tuple[list[Tensor], float]:
         """``norm_check``: all-gather the members' norms; (this member's inputs, or zeros if it is left out; the
         factor that turns the mean over all members into the mean over the accepted ones)."""
@@ -153,7 +168,9 @@ class FixedGroup:
         sq = sum((t.detach().double().pow(2).sum() for t in tensors), torch.zeros((), dtype=torch.float64, device=dev))
         mine = sq.sqrt().reshape(1).to(dev)
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
+        t0 = time.perf_counter()
         self.wire.all_gather(gathered, mine)
+        self._count_side((self.size - 1) * mine.numel() * mine.element_size(), t0)
         self.norms = [float(g.item()) for g in gathered]
         self.rejected = outliers(self.norms, self.norm_check)
         if self.rejected:
