@@ -213,7 +213,10 @@ def _read_yaml(path: str, seen: tuple[str, ...] = ()) -> dict:
     if path in seen:
         raise ConfigError(f"include cycle: {' -> '.join(seen + (path,))}")
     if not os.path.exists(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+        hint = ""
+        if not seen and not path.endswith((".yaml", ".yml")):  # (`--train.steps 5 CONFIG`: the 5 taken as the file)
+            hint = "; the CONFIG file comes first and an override is one word: CONFIG --section.key=value"
+        raise ConfigError(f"config file {path!r} does not exist{hint}")
     if os.path.isdir(path):
         ymls = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
         raise ConfigError(

@@ -243,13 +243,13 @@ def launch_main(argv: Sequence[str] | None = None) -> int:
     i = 0
     while i < len(args):
         a = args[i]
-        key, _, val = a.partition("=")
+        key, sep, val = a.partition("=")
         if key in ("-h", "--help"):
             print(usage)
             return 0
         if key in _FLAGS:
             if not val:
-                if i + 1 >= len(args):
+                if sep or i + 1 >= len(args):  # (`--bandwidth=` with nothing: not the next word as its value)
                     print(f"dilocox launch: {key} needs a value\n{usage}", file=sys.stderr)
                     return 2
                 i += 1
