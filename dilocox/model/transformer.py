@@ -38,7 +38,7 @@ from dilocox.config.checks import check_subspace
 from dilocox.distributed.topology import group_rank, group_world
 from dilocox.model import subspace
 from dilocox.model.attention import make_attention
-from dilocox.model.fp8 import select_linear_fn
+from dilocox.model.fp8 import select_linear_fn, tell_if_emulated
 from dilocox.model.parallel_layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -281,6 +281,8 @@ class StageModel(nn.Module):
             )  # head stays in high precision
             if mcfg.tie_embeddings:
                 self.head.weight = self.embed.weight
+        if mcfg.linear_backend == "fp8":  # where it will emulate the fp8 GEMMs: said once (fp8.py)
+            tell_if_emulated(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B, S]`` (first stage) or hidden ``[B, S, d]`` -> hidden, or logits shard ``[B, S, V/T]``

@@ -52,6 +52,7 @@ from dilocox.net.rpc import (
     read_message,
 )
 from dilocox.net.secure import MAC_BYTES, AuthError, check_server_proof, dial
+from dilocox.net.tcp import keep_alive
 
 POOL_IDLE_S = 60.0  # a kept connection unused for longer is closed, not reused (well inside the server's 300 s)
 POOL_PER_KEY = 8
@@ -261,5 +262,5 @@ def _dial(host: str, port: int, secret, service: str, deadline: float, timeout_s
         sock, key, expect = dial((host, port), secret, service, deadline, full=False)  # before its reply is read
         return _Conn(sock, channel(key, "client", encrypt), expect)
     sock = socket.create_connection((host, port), timeout=max(0.01, timeout_s))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    keep_alive(sock).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return _Conn(sock, None, None)

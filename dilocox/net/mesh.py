@@ -55,6 +55,7 @@ from dilocox.net.rpc import (
     read_message,
 )
 from dilocox.net.secure import AcceptGate, dial, handshake_s, listen_socket, server_handshake
+from dilocox.net.tcp import keep_alive
 
 log = logging.getLogger("dilocox.net.mesh")
 
@@ -134,7 +135,7 @@ class PairServer:
             bound = self.handshake_s or handshake_s()
             deadline = time.monotonic() + bound
             conn.settimeout(bound)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(conn).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 key = server_handshake(conn, self.secret, deadline, SERVICE)
             except BaseException:

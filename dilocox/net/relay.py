@@ -23,7 +23,10 @@ form two quorums. Two quorums of ``min_replicas`` each cannot exist when ``min_r
 so where a partition is possible (docs/ELASTIC.md "A standby lighthouse").
 
 Every wait is bounded: a connect by ``connect_timeout_s``, the accept loop and the monitor by the relay's own
-close; a relayed pair ends when either side closes (the gRPC channel's keepalive and heartbeats keep it busy).
+close; a relayed pair ends when either side closes (the gRPC channel's keepalive and heartbeats keep it busy), and
+both its sockets have TCP keepalive (``tcp.keep_alive``): a peer that vanished without a FIN or an RST ends the pair
+within about 2 minutes instead of holding it for good. With no thread to be had for a connection (``RuntimeError`` of
+``Thread.start``) that connection is closed, whatever it held given back, and the accept loop goes on.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from dilocox.net.secure import (
     same_user,
     server_handshake,
 )
+from dilocox.net.tcp import keep_alive
 
 # a guard's handshake with a connection ends within ``secure.handshake_s()`` (security.handshake_s, 2 s by default)
 DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried while the guard turns it away busy), or
@@ -148,8 +152,8 @@ class LighthouseRelay:
                 client.close()  # no lighthouse listens: torchft sees its request fail, and retries (bounded)
                 continue
             i, upstream, key = up
-            upstream.settimeout(None)
-            client.settimeout(None)
+            keep_alive(upstream).settimeout(None)  # (an idle pair: a peer that vanished silently ends it, tcp.py)
+            keep_alive(client).settimeout(None)
             with self._lock:
                 if self.closed:
                     client.close()
@@ -164,8 +168,12 @@ class LighthouseRelay:
                 self._last_index = i
             # to a guard: every relayed chunk is framed and MACed under the handshake's session key (FramedPipe)
             pipe = FramedPipe(key, "client") if key is not None else None
-            for a, b, how in ((client, upstream, "seal"), (upstream, client, "open")):
-                threading.Thread(target=self._pump, args=(a, b, pipe, how), daemon=True).start()
+            try:
+                for a, b, how in ((client, upstream, "seal"), (upstream, client, "open")):
+                    threading.Thread(target=self._pump, args=(a, b, pipe, how), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: this pair ends (a pump that did start ends as its
+                log.warning("lighthouse relay %s: no thread for a connection (%s); closed it", self.address, e)
+                self._drop(client, upstream)  # sockets close), not the relay's accept loop
 
     def _pump(self, src: socket.socket, dst: socket.socket, pipe: FramedPipe | None, how: str) -> None:
         if pipe is None:
@@ -406,13 +414,17 @@ class LighthouseGuard:
                 _close(conn, up)
                 return
             self._piped |= {conn, up}
-        conn.settimeout(None)
-        up.settimeout(None)
+        keep_alive(conn).settimeout(None)  # (an idle pair: a relay that vanished silently ends it, tcp.py)
+        keep_alive(up).settimeout(None)
         pipe = FramedPipe(key, "server")  # the relay frames and MACs every chunk; so does this side
         t = threading.Thread(target=lambda: (pipe.copy(up, conn, "seal", "lighthouse guard"), _close(up, conn)))
         t.daemon = True
-        t.start()
-        pipe.copy(conn, up, "open", "lighthouse guard")
+        try:
+            t.start()
+        except RuntimeError as e:  # (no thread to be had: this pair is closed, not left open and unread)
+            log.warning("%s guard: no thread for a connection (%s); closed it", self.service, e)
+        else:
+            pipe.copy(conn, up, "open", "lighthouse guard")
         _close(conn, up)
         with self._count_lock:
             self._piped -= {conn, up}

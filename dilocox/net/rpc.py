@@ -64,6 +64,7 @@ from dilocox.net.secure import (
     server_handshake,
     turn_away,
 )
+from dilocox.net.tcp import keep_alive
 
 log = logging.getLogger("dilocox.net.rpc")
 
@@ -487,7 +488,7 @@ class RpcServer:
     def _serve(self, conn: socket.socket, peer: str = "?", slot=None) -> None:
         seal = None
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(conn).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.secret is not None:
                 proven = False
                 try:

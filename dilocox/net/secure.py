@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 
+from dilocox.net.tcp import keep_alive
+
 MAGIC = b"DXA1"
 CHALLENGE_BYTES = 32
 MAC_BYTES = 32  # SHA-256
@@ -278,7 +280,7 @@ def dial(
             raise socket.timeout(f"no handshake with {addr[0]}:{addr[1]} ({service}) within the deadline")
         sock = socket.create_connection(addr, timeout=max(0.01, min(left, connect_timeout or left)))
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(sock).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # (tcp.py: a long-lived pair)
             key, expect = client_hello(sock, secret, deadline, service)
             if full:
                 check_server_proof(recv_by(sock, MAC_BYTES, deadline), expect)
