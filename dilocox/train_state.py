@@ -129,17 +129,18 @@ class TrainerState:
         if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
             self.logger.info(space)
 
-    def _checkpoint_share(self) -> int:
+    def _checkpoint_share(self, planned: bool = True) -> int:
         """This rank's share of one checkpoint's bytes (``estimate_bytes``): the model, inner optimizer and a DiLoCo
         outer state are alike on the replica's D data-parallel ranks (DCP writes them once); the rest is this rank's
         own, and so is the outer state with ``outer.shard_over_data`` (each DP rank holds 1/D of the tensors) or of a
-        per-step method (kept in the rank's rest)."""
+        per-step method (kept in the rank's rest). ``planned`` (start-up): with the moments an optimizer that has not
+        stepped yet will hold; False (a save): what the state holds now, what is written."""
         sd, layout, own = self.state_dict(), self._outer_layout(), ["step", "tokens_seen", "sampler", "rng"]
         if layout is not None and sd["outer"] and "state" in sd["outer"]:  # per parameter, as DCP writes it (views)
             sd["outer"] = names.outer_by_name(sd["outer"], *layout)
         if layout is None or getattr(self.outer, "dp_shard", None) is not None:
             own.append("outer")
-        return ckpt.estimate_bytes(sd, self.optimizer, self.topo.D, own)
+        return ckpt.estimate_bytes(sd, self.optimizer if planned else None, self.topo.D, own)
 
     def state_dict(self) -> dict:
         return {
@@ -318,6 +319,7 @@ class TrainerState:
             agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,
             part=self._dcp_part(),
+            share=self._checkpoint_share(planned=False),  # (the free-space check: as preflight's, with the D copies)
         )
         if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
             self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})

@@ -43,9 +43,17 @@ def disk_free(path: str) -> int:
     return shutil.disk_usage(p).free
 
 
-def _no_space(path: str, need: int, where: str) -> str:
+def checkpoint_bytes(share: int, world_size: int) -> int:
+    """One checkpoint's bytes in ``checkpoint.dir`` (one directory shared by all ranks), from this rank's share of it
+    (:func:`estimate_bytes`: with data parallelism 1/D of what the D DP ranks hold alike, which DCP writes once):
+    ``world_size`` such shares. Every rank checks with its own and the ranks agree, so the largest share decides
+    (``preflight`` at start-up and ``save_checkpoint`` before each save alike)."""
+    return share * world_size
+
+
+def _no_space(path: str, need: int, where: str, what: str = "") -> str:
     return (
-        f"no space left on device while writing {path} (needs ~{need / _MB:.1f} MB, free "
+        f"no space left on device while writing {path} (needs ~{need / _MB:.1f} MB{what}, free "
         f"{disk_free(where) / _MB:.1f} MB)"
     )
 
@@ -60,6 +68,7 @@ def save_checkpoint(
     agree: Callable[[bool], bool] | None = None,
     keep: int = 2,
     part: tuple[str, object, int] | None = None,
+    share: int | None = None,
 ) -> str:
     """Collective: save ``state`` (this rank's part of one DCP state dict, ``dilocox.checkpoint.names``) with
     ``torch.distributed.checkpoint``; rank 0 marks the step complete and moves ``latest``.
@@ -75,7 +84,9 @@ def save_checkpoint(
     ``checkpoint.dir`` on node-local disks, where rank 0 cannot see the other nodes' shards).
 
     Refused on every rank, with nothing written: a state holding NaN/Inf
-    (:class:`NonFiniteStateError`) and a disk without room for this rank's shard. A write that
+    (:class:`NonFiniteStateError`) and a disk without room for the whole checkpoint, all ranks' files
+    (:func:`checkpoint_bytes`: ``world_size`` shares of ``share``, this rank's share as :func:`estimate_bytes` gives
+    it, the Trainer's ``_checkpoint_share``; default: ``state`` whole, no key shared with another rank). A write that
     fails (e.g. the disk fills up meanwhile) removes the partial step directory. Older
     checkpoints are pruned to ``keep`` only after the new one is complete. Returns the step directory.
     """
@@ -87,8 +98,10 @@ def save_checkpoint(
     if not agree(not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
         return step_dir
     _refuse_nonfinite(ckpt_dir, step, rank, state, agree)
-    need = estimate_bytes(state)
-    _refuse_no_room(ckpt_dir, step, rank, step_dir, need, agree)
+    share = estimate_bytes(state) if share is None else share
+    need = checkpoint_bytes(share, world_size)  # (the older ones are pruned only after: room for a whole new one)
+    what = f" for the checkpoint: {world_size} ranks' shares of ~{share / _MB:.1f} MB" if world_size > 1 else ""
+    _refuse_no_room(ckpt_dir, step, rank, step_dir, need, agree, what)
     if rank == 0 and os.path.isdir(step_dir):  # an interrupted save's files: never mixed into this one
         shutil.rmtree(step_dir, ignore_errors=True)
     agree(True)
@@ -100,7 +113,7 @@ def save_checkpoint(
         err = f"rank {rank} cannot create {step_dir}: {e}"
     if not agree(not err):  # (before DCP's collectives: every rank enters them, or none)
         raise CheckpointError(_save_failed(err or f"another rank cannot create {step_dir}", step, ckpt_dir, rank))
-    err = _write_dcp(ckpt_dir, step_dir, rank, part, state, need)
+    err = _write_dcp(ckpt_dir, step_dir, rank, part, state, (share, need))
     if not agree(not err):
         _remove_partial(step_dir, rank, agree)
         raise CheckpointError(
@@ -158,14 +171,16 @@ def _refuse_nonfinite(ckpt_dir: str, step: int, rank: int, state: dict, agree: C
         )
 
 
-def _refuse_no_room(ckpt_dir: str, step: int, rank: int, path: str, need: int, agree: Callable[[bool], bool]) -> None:
+def _refuse_no_room(
+    ckpt_dir: str, step: int, rank: int, path: str, need: int, agree: Callable[[bool], bool], what: str = ""
+) -> None:
     """Raise :class:`CheckpointError` on every rank, before anything is created, when any rank cannot use
-    ``checkpoint.dir`` or lacks room for its shard."""
+    ``checkpoint.dir`` or finds less room there than ``need``, the whole checkpoint (:func:`checkpoint_bytes`)."""
     err = ""
     try:
         os.makedirs(ckpt_dir, exist_ok=True)
         if disk_free(ckpt_dir) < need:  # fail before creating anything
-            err = f"rank {rank}: " + _no_space(path, need, ckpt_dir)
+            err = f"rank {rank}: " + _no_space(path, need, ckpt_dir, what)
     except OSError as e:
         err = f"rank {rank} cannot use checkpoint.dir {ckpt_dir}: {type(e).__name__}: {e}"
     if not agree(not err):
@@ -182,10 +197,11 @@ def _dcp_rank(group, size: int) -> tuple[int, bool]:
     return dist.get_rank(group), False
 
 
-def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict, need: int) -> str:
+def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict, room: tuple[int, int]) -> str:
     """Collective over the part's group: ``dcp.save`` of ``state`` into ``step_dir/subdir``, then this rank's files'
     sizes and hashes (and the group coordinator's ``.metadata``) into its sidecar. Returns an error or '' (DCP
-    gathers every rank's failure, so all ranks of the part fail alike; the caller's agreement spans all parts)."""
+    gathers every rank's failure, so all ranks of the part fail alike; the caller's agreement spans all parts).
+    ``room``: (this rank's share, the whole checkpoint) in bytes, to tell a full disk from another failure."""
     import torch.distributed.checkpoint as dcp
 
     subdir, group, size = part
@@ -206,9 +222,10 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
         first = dcp_failures(e)
         # (torch.save inside DCP's writer turns ENOSPC into RuntimeError "unexpected pos": the disk decides,
-        # measured while the partial files still hold their space)
+        # measured while the partial files still hold their space: full when not even this rank's share fits)
+        share, need = room
         if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in first.values()) or disk_free(ckpt_dir) < max(
-            need, _MB
+            share, _MB
         ):
             return f"rank {rank}: " + _no_space(step_dir, need, ckpt_dir)
         return f"could not write {step_dir}: " + "; ".join(
@@ -324,9 +341,9 @@ def preflight(
 
     ``shard_bytes`` is this rank's share of a checkpoint (:func:`estimate_bytes`: with data parallelism, 1/D of
     what the D DP ranks hold alike, which DCP writes once); a checkpoint is taken as ``world_size`` such shares
-    (every rank checks with its own, so the largest share decides). Raises :class:`CheckpointError` on every rank
-    when the dir is not writable or has no room for even one checkpoint; returns a warning (else '') when it has
-    room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest)."""
+    (:func:`checkpoint_bytes`, as ``save_checkpoint`` takes it before each save). Raises :class:`CheckpointError` on
+    every rank when the dir is not writable or has no room for even one checkpoint; returns a warning (else '') when
+    it has room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest)."""
     agree = agree or (lambda flag: flag)
     err = ""
     probe = os.path.join(ckpt_dir, f".write_test.{socket.gethostname()}.{os.getpid()}")
@@ -344,7 +361,7 @@ def preflight(
         raise CheckpointError(err or f"checkpoint.dir {ckpt_dir} is not writable on another rank (see its log)")
     if not check_space:
         return ""
-    one, free = shard_bytes * world_size, disk_free(ckpt_dir)
+    one, free = checkpoint_bytes(shard_bytes, world_size), disk_free(ckpt_dir)
     if free < one:
         err = (
             f"checkpoint.dir {ckpt_dir} has {free / _MB:.1f} MB free but one checkpoint needs ~{one / _MB:.1f} MB "

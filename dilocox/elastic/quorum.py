@@ -20,6 +20,9 @@
   plain path then takes the count first: one more tiny all-reduce); a contributor whose norm is not finite or above
   c x the median of the contributors' finite norms sends zeros instead, and the sum is divided by the accepted
   ones only. Every replica computes the same ``rejected`` from the same sums, per attempt (the quorum may change).
+- ``stats``: bytes by FixedGroup's convention (outer/group.py ``count_side``: per member, sent = received): the
+  plain path's one all-reduce (of the committed attempt), the codec's collectives and the count's all-reduce beside
+  them (of every attempt).
 
 ``DILOCOX_ELASTIC_TRACE=DIR`` records every committed step (contributors, what this replica sent, the mean) as
 ``DIR/r{replica}_g{rank}_s{step:05d}.pt`` for the tests' oracle.
@@ -28,6 +31,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 import torch
@@ -36,7 +40,7 @@ from torch import Tensor
 from dilocox.compress.codec import rank_of
 from dilocox.compress.collectives import wire_bytes
 from dilocox.elastic.group import ElasticOuterGroup
-from dilocox.outer.group import outliers, report_outliers
+from dilocox.outer.group import count_side, outliers, report_outliers, ring_bytes
 
 TRACE_ENV = "DILOCOX_ELASTIC_TRACE"  # a directory: every elastic outer step is recorded there (tests)
 
@@ -140,9 +144,9 @@ class QuorumGroup:
         accepted = self._accepted(res.contributors, chk, step)
         n_c = len(accepted)
         mean = res.mean.div_(n_c) if n_c else torch.zeros_like(flat_in)
-        if not x["lossy"] and stats is not None:  # the codec counts its own bytes
-            # [flat | proposals | one-hot | lighthouse seen]; norm_check: the count [proposals | norms | ...] first
-            b = wire_bytes(n + 4 * mr + 2 if check else n + 2 * mr + 1, max(res.world, 1), "none")
+        if not x["lossy"] and stats is not None:  # the codec counts its own bytes; the count (_count) its own
+            # [flat | proposals | one-hot | lighthouse seen]; norm_check: [flat | one-hot | seen], after the count
+            b = wire_bytes(n + mr + 1 if check else n + 2 * mr + 1, max(res.world, 1), "none")
             stats.add(b, b, res.allreduce_s)
         self.contributors, self.healed = accepted, res.healed
         if self._trace:
@@ -152,9 +156,14 @@ class QuorumGroup:
 
     def _count(self, side: Tensor, c: bool, sides: list, chk: dict) -> tuple[Tensor, bool]:
         """The count (with the proposals and, norm_check, the norms) alone: (the one-hot counts, whether this replica
-        is left out). The rejected ones are those of this attempt's contributors (``chk``)."""
+        is left out). The rejected ones are those of this attempt's contributors (``chk``). Counted in ``stats`` (each
+        attempt, as the codec counts its collectives: what is sent) as FixedGroup counts its side collectives."""
         el = self.elastic
+        t0 = time.perf_counter()
         sides[0], onehot = el.flat_sum(side, c)
+        world = el.group.size()  # (the quorum's process group, the codec's too)
+        # fp32 [proposals | norms (norm_check) | one-hot | lighthouse seen] (ElasticOuterGroup.flat_sum's buffer)
+        count_side(self.stats, ring_bytes(4 * (side.numel() + el.cfg.max_replicas + 1), world), world, t0)
         if self.norm_check:
             members = [int(i) for i in torch.nonzero(onehot).flatten().tolist()]
             norms = {i: float(sides[0][el.cfg.max_replicas + i]) for i in members}

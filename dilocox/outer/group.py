@@ -42,9 +42,18 @@ from dilocox.distributed.wire import wire_of
 log = logging.getLogger("dilocox.outer")
 
 
-def _ring_bytes(b: int, world: int) -> int:
+def ring_bytes(b: int, world: int) -> int:
     """Bytes one member sends in a ring all-reduce of ``b`` bytes (``compress/collectives.py``'s convention)."""
     return -(-2 * (world - 1) * b // world) if world > 1 else 0
+
+
+def count_side(stats: CommStats | None, sent: int, world: int, t0: float) -> None:
+    """Count one of the small collectives an outer group runs beside the mean (the H proposals, ``norm_check``'s
+    norms, an elastic quorum's count of contributors) in ``stats``, by the byte convention of
+    ``compress/collectives.py``: ``sent`` bytes per member (:func:`ring_bytes` for an all-reduce, (R-1) x b for an
+    all-gather), sent = received; nothing in a group of one. ``t0``: its ``time.perf_counter()`` start."""
+    if stats is not None and world > 1:
+        stats.add(sent, sent, time.perf_counter() - t0)
 
 
 def _median(xs: list[float]) -> float:
@@ -133,7 +142,7 @@ class FixedGroup:
             t0 = time.perf_counter()
             self.wire.all_reduce(t, op="max")
             self.agreed = int(t.item())
-            self._count_side(_ring_bytes(t.numel() * t.element_size(), self.size), t0)
+            count_side(self.stats, ring_bytes(t.numel() * t.element_size(), self.size), self.size, t0)
         scale = 1.0
         if self.norm_check and self.pg is not None:
             tensors, scale = self._check_norms(tensors, step)
@@ -155,12 +164,6 @@ class FixedGroup:
             out = [c.view(t.shape) for c, t in zip(flat.split([t.numel() for t in out]), out)]
         return out
 
-    def _count_side(self, sent: int, t0: float) -> None:
-        """Count one of the small collectives beside the mean (the H proposals' MAX, norm_check's all-gather) in
-        ``stats``, by the byte convention of ``compress/collectives.py`` (bytes per member, sent = received)."""
-        if self.stats is not None and self.size > 1:
-            self.stats.add(sent, sent, time.perf_counter() - t0)
-
     def _check_norms(self, tensors: list[Tensor], step: int) -> tuple[list[Tensor], float]:
         """``norm_check``: all-gather the members' norms; (this member's inputs, or zeros if it is left out; the
         factor that turns the mean over all members into the mean over the accepted ones)."""
@@ -170,7 +173,7 @@ class FixedGroup:
         gathered = [torch.empty_like(mine) for _ in range(self.size)]
         t0 = time.perf_counter()
         self.wire.all_gather(gathered, mine)
-        self._count_side((self.size - 1) * mine.numel() * mine.element_size(), t0)
+        count_side(self.stats, (self.size - 1) * mine.numel() * mine.element_size(), self.size, t0)
         self.norms = [float(g.item()) for g in gathered]
         self.rejected = outliers(self.norms, self.norm_check)
         if self.rejected:
