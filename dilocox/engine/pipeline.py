@@ -66,6 +66,23 @@ class StageRunner(nn.Module):
         return (y.float() if self.model.is_last else y.to(self.boundary_dtype)).contiguous()
 
 
+def _check_stage_model(model: nn.Module, topo: Topology) -> None:
+    """The stage model is the one this rank's coordinates call for: its stage of ``topo.P`` stages and its TP slice.
+    Only first/last was compared: a model cut for another number of stages (stage 0 of 4 and stage 3 of 4 on a
+    2-stage grid) or a middle stage swapped with another trained a model with layers missing, without a word."""
+    want = {"stage": topo.stage, "n_stages": topo.P, "tp_rank": topo.tp_rank, "tp_size": topo.T}
+    got = {k: getattr(model, k, v) for k, v in want.items()}  # (a duck-typed stage without them: not checked)
+    got.update(is_first=model.is_first, is_last=model.is_last)
+    want.update(is_first=topo.is_first_stage, is_last=topo.is_last_stage)
+    if got != want:
+        bad = ", ".join(f"{k}={got[k]} (this rank: {want[k]})" for k in want if got[k] != want[k])
+        raise ValueError(
+            f"the stage model does not match this rank's place in the grid: {bad}; build it with "
+            f"build_stage_model(..., stage=topo.stage, n_stages={topo.P}, tp_rank=topo.tp_rank, tp_size={topo.T}, "
+            "tp_group=topo.group('tp'))"
+        )
+
+
 class PipelineEngine:
     """Runs forward/backward of one stage of one replica under the configured schedule."""
 
@@ -91,12 +108,10 @@ class PipelineEngine:
                     f"parallel.{name}={want} does not match the topology's {got}; "
                     f"build the topology from the same ParallelConfig"
                 )
-        if (model.is_first, model.is_last) != (topo.is_first_stage, topo.is_last_stage):
-            raise ValueError(
-                f"the stage model (is_first={model.is_first}, is_last={model.is_last}) does not match this rank's "
-                f"stage {topo.stage} of {topo.P}; "
-                f"build it with build_stage_model(..., stage=topo.stage, n_stages={topo.P})"
-            )
+        _check_stage_model(model, topo)
+        if mcfg.pos_emb == "learned" and seq_len > mcfg.max_seq_len:  # the first stage alone would fail, at its
+            # first forward, while the other stages wait for its activations until the group's timeout
+            raise ConfigError(f"train.seq_len={seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
         if pcfg.pipeline > 1 and pcfg.schedule != "reference" and pcfg.microbatches < pcfg.pipeline:
             raise ConfigError(
                 f"parallel.microbatches={pcfg.microbatches} must be >= parallel.pipeline={pcfg.pipeline} "
