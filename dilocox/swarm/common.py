@@ -50,6 +50,36 @@ def validate_layout(cfg) -> None:
             f"swarm.peers_per_stage={pps} has {len(pps)} stages, which do not divide model.n_layers={layers}: every "
             "stage holds the same number of layers; use a stage count that divides it"
         )
+    check_stage_streaming(cfg)
+
+
+def check_stage_streaming(cfg) -> None:
+    """DiLoCo-SWARM streams its stage sync (``outer.streaming``: ``_build_outer`` passes it to ``build_outer``), so:
+    every fragment needs a layer of the stage (not of ``parallel.pipeline``'s stage, which the config load checks: a
+    peer died with a traceback in ``assign_fragments``), and rebalancing cannot move a peer without dropping local
+    steps. A peer leaves after the outer step of fragment 0 (``(k + 1) % H == 0``); with K > 1 fragments the others
+    synced last H/K.. H - H/K steps before, and with tau > 0 the last tau steps reach no all-reduce: no step boundary
+    has every fragment's local steps in the stage's outer step, so they would be thrown away."""
+    from dilocox.config import ConfigError
+
+    s, st = cfg.swarm, cfg.outer.streaming
+    if s.sync != "diloco":
+        return
+    per_stage = cfg.model.n_layers // len(s.peers_per_stage)
+    if st.fragments > per_stage:
+        raise ConfigError(
+            f"outer.streaming.fragments={st.fragments} exceeds the {per_stage} layers of a stage "
+            f"(model.n_layers={cfg.model.n_layers} over swarm.peers_per_stage={list(s.peers_per_stage)}): every "
+            f"fragment of DiLoCo-SWARM's stage sync needs a layer of its stage; use at most {per_stage} fragments"
+        )
+    if s.rebalance_period_s > 0 and (st.fragments > 1 or st.tau > 0):
+        raise ConfigError(
+            f"swarm.rebalance_period_s={s.rebalance_period_s:g} with swarm.sync=diloco needs "
+            f"outer.streaming.fragments=1 and outer.streaming.tau=0 (got fragments={st.fragments}, tau={st.tau}): "
+            "a moving peer leaves after an outer step, and a streamed sync has none that carries every fragment's "
+            "local steps, so some would be thrown away; set outer.streaming.fragments=1 and "
+            "outer.streaming.tau=0, or swarm.rebalance_period_s=0"
+        )
 
 
 def parse_store(text: str, flag: str = "--store") -> tuple[str, int]:

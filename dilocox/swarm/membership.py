@@ -286,6 +286,5 @@ def leave(peer, step: int) -> None:
     rec = {"step": step, "peer": peer.name, "left": True, "seconds": time.monotonic() - t0}
     if peer.move_to is not None:
         rec["moved_to"] = f"s{peer.move_to['stage']}p{peer.move_to['index']}"
-    peer.records.append(rec)
-    peer.metrics.write(rec)
+    peer._record(rec)
     log.info("%s: left stage %d after step %d", peer.name, peer.stage, step)

@@ -50,7 +50,8 @@ The protocol (docs: the SWARM section of README; issue 11):
 - ``optim.grad_clip``: swarm: the global norm over the stages' averaged gradients (exchanged through the store);
   diloco: each peer's stage-local norm (``peer_sync``, docs/SWARM.md "Gradient clipping").
 
-Results: ``OUT/s{j}p{k}.jsonl`` (a record per step), ``OUT/s{j}p{k}.pt`` (final params, visits, dumped grads).
+Results: ``OUT/s{j}p{k}.jsonl`` (a record per step), ``OUT/s{j}p{k}.pt`` (final params, dumped grads, the visits,
+routes, bans of the last ``step_end.TRACE_STEPS`` steps and the newest records: memory stays bounded on long runs).
 """
 
 from __future__ import annotations
@@ -309,13 +310,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         if method in membership.METHODS:  # stats / leave / hello / bye (rebalancing)
             return membership.handle(self, method, meta)
         if method == "end_step":
-            with self.cv:
-                sender = str(meta["sender"])
-                if self.stage and sender.startswith(f"s{self.stage - 1}p") and sender not in self.expected_up:
-                    self.expected_up.append(sender)  # a restarted upstream peer is back
-                    log.info("%s: upstream %s is back", self.name, sender)
-                self.markers.setdefault(int(meta["step"]), {})[meta["sender"]] = int(meta["n"])
-                self.cv.notify_all()
+            self._on_marker(meta)  # (step_end.py)
             return {}, {}
         if method == "ping":
             if self.faults.dies_at(int(meta.get("step", -1)), int(meta.get("held") or 0)):
@@ -392,7 +387,8 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         start = peer_sync.join_swarm(self) if self.join else self.step  # (--resume: the checkpoint's step)
         if self.join:  # tell the neighbouring stages (a peer moved here by rebalancing is new to them)
             membership.announce(self, start, self.members)
-        for k in range(start, self.steps):
+        k = start
+        while k < self.steps:
             t0 = time.monotonic()
             rec: dict = {"step": k, "peer": self.name}
             if self.first:
@@ -413,15 +409,16 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             if leaving:
                 self.serving = False
             rec.update(self._sync(k))
+            k = self.step - 1  # (a peer healed in a later round of its stage's sync took that round's step)
             rec["seconds"] = time.monotonic() - t0
-            self.records.append(rec)
-            self.metrics.write(rec)
+            self._record(rec)  # (step_end.py: the .jsonl; in memory the newest records and steps only)
             if peer_ckpt.due(self.cfg, k + 1):  # (a leaving peer too: it may be its stage's writer)
                 peer_ckpt.save(self, k + 1)
             self.saved_through = k + 1  # (--die-mid-step waits for it: the fault lands after this step's save)
             if leaving:
                 membership.leave(self, k)
                 break
+            k += 1
         else:  # the end of the run (before outer.finish: a longer run's next step starts from what is pending)
             if self.cfg.checkpoint.every > 0:
                 peer_ckpt.save(self, self.step)
@@ -432,8 +429,9 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                 log.warning("%s: %d request(s) still running at the end", self.name, self.active)
 
     def _may_leave_after(self, k: int) -> bool:
-        """A peer asked to leave does so after step ``k``'s sync: any step with sync=swarm; with sync=diloco only
-        a step that ends an outer phase (its H local steps enter the stage's outer step, none is thrown away)."""
+        """A peer asked to leave does so after step ``k``'s sync: any step with sync=swarm; with sync=diloco only a
+        step that ends an outer phase (its H local steps enter the stage's outer step: none is thrown away; a streamed
+        sync has no such step, so rebalancing refuses it: ``common.check_stage_streaming``)."""
         return self.s.sync == "swarm" or (k + 1) % self.cfg.outer.sync_every == 0
 
     def _drive(self, k: int) -> dict:
@@ -488,6 +486,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
             if self.group is not None:
                 [flat] = self.group.allreduce_mean([flat], k)
                 rec["contributors"] = list(self.group.contributors)
+                k = peer_sync.healed_round(self, k, rec)  # left out of the quorum of step k: healed in a later one
             rec.update(peer_sync.swarm_step(self, k, flat))  # optim.grad_clip: the global norm over the stages
         else:
             rec.update(peer_sync.local_step(self, k, grad_sum, count))  # optim.grad_clip: this peer's own norm

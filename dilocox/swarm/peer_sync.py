@@ -12,9 +12,11 @@ coefficient in float64):
   global norm over the whole model is sqrt(Σ_j ||g_j||²), as in one pipeline. Each peer writes ||g_j||² of step k
   under ``swarm/norm/{k}/stage{j}`` in the launcher's TCPStore (every peer of a stage writes the same value), waits
   (bounded by ``swarm.sync_timeout_s``) for every stage's value and sums them in stage order: the same norm on every
-  peer. Once a peer has read step k's values it deletes its stage's key of step k-1: every live peer has read that
-  one by then (the stage all-reduce of step k needs all the stage's live peers past their sync of step k-1, and
-  step k's values of every stage need the same of every stage).
+  peer. Once a peer has read step k's values it deletes its stage's key of step k - NORM_KEYS_KEPT: a live peer
+  can be behind the others (left out of its stage's quorum of a step, late to it past the lighthouse's join
+  timeout: the quorum went on without it), and one step behind it still found the key of step k-1 deleted (the
+  next key was enough for the others) and timed out. Such a peer's all-reduce meets the stage's next round, where
+  torchft heals it: it takes THAT round's step (``healed_round``), with that step's norms.
 - ``swarm.sync=diloco``: each peer steps on its own gradient, which no peer of another stage shares; the norm is
   this peer's stage-local one (over its own stage's parameters), with no communication. With one stage it is the
   global clip; with n stages it clips less than the global norm would (a stage's norm is at most the model's).
@@ -52,6 +54,9 @@ from dilocox.net.secure import open_value, sign_value
 from dilocox.swarm.common import SwarmError
 
 log = logging.getLogger("dilocox.swarm.peer")
+
+
+NORM_KEYS_KEPT = 4  # steps whose stage-norm keys stay in the store after a peer read the current step's (above)
 
 
 def norm_key(step: int, stage: int) -> str:
@@ -92,9 +97,29 @@ def global_norm(peer, k: int, g: Tensor | None) -> float:
         ) from None
     with peer.store_lock:
         sqs = [float.fromhex(open_value(run_secret(), key, peer.store.get(key).decode())) for key in keys]
-        if k > 0:
-            peer.store.delete_key(norm_key(k - 1, peer.stage))
+        if k >= NORM_KEYS_KEPT:
+            peer.store.delete_key(norm_key(k - NORM_KEYS_KEPT, peer.stage))
     return math.sqrt(sum(sqs))
+
+
+def healed_round(peer, k: int, rec: dict) -> int:
+    """``swarm.sync=swarm``: the step whose sync a live peer's all-reduce of step ``k`` was. Left out of its stage's
+    quorum of step k (late to it past the lighthouse's join timeout), it met the stage's next round, where torchft
+    healed it (``load_from_peer``: a live peer's params and AdamW state as they enter that round's step h): it takes
+    step h (its lr, clip norm and records), bit-identical to the others, and goes on from h + 1. Its gradients of
+    step k went with the heal (the others' round of step k was over). It sends its end-of-step markers of the steps it
+    skipped, so that the next stage does not wait for them."""
+    h, peer._healed_step = peer._healed_step, None
+    if not peer.group.healed or h is None or h <= k:
+        return k
+    log.warning(
+        "%s: left out of stage %d's sync of step %d, healed in the round of step %d", peer.name, peer.stage, k, h
+    )
+    rec["healed_to"] = h
+    if not peer.last:
+        for s in range(k + 1, h + 1):
+            peer._send_markers(s)
+    return h
 
 
 def _inner_step(peer, k: int, g: Tensor | None, norm_fn) -> dict:
@@ -227,8 +252,7 @@ def join_diloco(peer) -> int:
         rec["digest"] = state_digest(peer)
     peer.enter_step(n, serving=True)
     rec["seconds"] = time.monotonic() - t0
-    peer.records.append(rec)
-    peer.metrics.write(rec)
+    peer._record(rec)
     log.info(
         "%s: joined stage %d's outer step at step %d (pinged %s; θ, momentum and AdamW state from a live peer), "
         "serving from step %d",
@@ -282,7 +306,6 @@ def join_swarm(peer) -> int:
         rec["digest"] = state_digest(peer)
     peer.enter_step(k + 1, serving=True)
     rec["seconds"] = time.monotonic() - t0
-    peer.records.append(rec)
-    peer.metrics.write(rec)
+    peer._record(rec)
     log.info("%s: joined at step %d (state from the stage's live peers), serving from step %d", peer.name, k, k + 1)
     return k + 1

@@ -223,11 +223,11 @@ def swarm_plan(
 
 def plan_config(cfg: Config, name: str = "config") -> dict:
     """The plan of a run's config: ``swarm`` (peers_per_stage, microbatch_size, activations),
-    ``train.batch_size``/``seq_len``, and for DiLoCo-SWARM ``outer.sync_every`` and ``compress`` (one
-    fragment: the runtime's stage sync does not stream)."""
+    ``train.batch_size``/``seq_len``, and for DiLoCo-SWARM ``outer.sync_every``, ``compress`` and
+    ``outer.streaming`` (the runtime's stage sync streams its fragments: ``SwarmPeer._build_outer``; a fragment
+    count the stages' layers cannot hold is the same ``ConfigError`` as a peer's)."""
     s = cfg.swarm
-    one_fragment = dataclasses.replace(cfg.outer.streaming, fragments=1)
-    outer = dataclasses.replace(cfg.outer, method="diloco", streaming=one_fragment)
+    outer = dataclasses.replace(cfg.outer, method="diloco")
     return swarm_plan(
         cfg.model,
         stages=len(s.peers_per_stage),

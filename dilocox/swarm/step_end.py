@@ -19,9 +19,66 @@ from dilocox.swarm.common import SwarmError
 
 log = logging.getLogger("dilocox.swarm.peer")
 
+# What a peer keeps in memory of its past (the rest is in OUT/s{j}p{i}.jsonl): the per-microbatch trail (visits,
+# routes, bans, replays, dropped upstream peers) of its last TRACE_STEPS steps, and its newest RECORDS_KEPT records
+# (the final .pt's "records": final.py reads their steps). Kept whole, they grew with every step of the run.
+TRACE_STEPS = 256
+RECORDS_KEPT = 8
+
+
+def _drop_before(events: list, cut: int, step_of) -> None:
+    """Delete the leading entries of ``events`` (appended in step order, give or take a late one) of steps < cut."""
+    i = 0
+    while i < len(events) and step_of(events[i]) < cut:
+        i += 1
+    del events[:i]
+
 
 class StepEnd:
     """End-of-step markers, replay of a dead peer's microbatches, pings (module docstring)."""
+
+    def _on_marker(self, meta: dict) -> None:
+        """``end_step`` from an upstream peer: a restarted one is expected again; the marker is kept for the wait of
+        its step, unless that wait is over (a re-send after a replay, a late or healed sender's: kept, nothing would
+        read or drop it)."""
+        with self.cv:
+            sender, step = str(meta["sender"]), int(meta["step"])
+            if self.stage and sender.startswith(f"s{self.stage - 1}p") and sender not in self.expected_up:
+                self.expected_up.append(sender)  # a restarted upstream peer is back
+                log.info("%s: upstream %s is back", self.name, sender)
+            if step >= self._marker_step:
+                self.markers.setdefault(step, {})[sender] = int(meta["n"])
+            self.cv.notify_all()
+
+    def _record(self, rec: dict) -> None:
+        """Write ``rec`` (OUT/s{j}p{i}.jsonl), keep the newest records only, and forget what the steps up to the
+        current one's sync left behind (``_trim``)."""
+        self.metrics.write(rec)
+        self.records.append(rec)
+        del self.records[:-RECORDS_KEPT]
+        self._trim(self.step - 1)
+
+    def _trim(self, k: int) -> None:
+        """After step k's sync: the markers of steps <= k (a joiner's of the steps before it joined, late ones), their
+        counted microbatch ids, and the trail of the steps before the last TRACE_STEPS."""
+        cut = k + 1 - TRACE_STEPS
+        with self.cv:
+            self._marker_step = max(self._marker_step, k + 1)
+            for s in [s for s in self.markers if s <= k]:
+                del self.markers[s]
+        with self.lock:
+            for s in [s for s in self.counted if s <= k]:
+                del self.counted[s]
+            _drop_before(self.visits, cut, lambda v: v[0])
+        old = []
+        for mb in self.routes:  # (stage 0: added in step order, ids "s0p{i}:{step}:{n}")
+            if int(mb.rsplit(":", 2)[1]) >= cut:
+                break
+            old.append(mb)
+        for mb in old:
+            del self.routes[mb]
+        for events in (self.bans, self.replays, self.dropped_up):
+            _drop_before(events, cut, lambda e: e["step"])
 
     def _end_of_step(self, k: int) -> None:
         """Wait for every expected upstream marker (bounded), then tell every downstream peer."""
@@ -50,6 +107,7 @@ class StepEnd:
                         continue
                     self.cv.wait(timeout=min(left, 1.0))
                 self.markers.pop(k, None)
+                self._marker_step = k + 1  # (its wait is over: a marker of step k from now on is not kept)
         if not self.last:
             self._send_markers(k)
 
