@@ -45,7 +45,13 @@ def table(rows: list[dict]) -> dict:
     for r in rows:
         g = out.setdefault((r["corpus"], r["seed"]), {"steps": set(), "points": {}})
         g["steps"].add(r["steps"])
-        g["points"].setdefault(r["label"], {})[r["steps"]] = r
+        prev = g["points"].setdefault(r["label"], {}).get(r["steps"])
+        if prev is not None:  # (the later row would hide the first, and gaps taken against either all-reduce mix)
+            raise SystemExit(
+                f"dilocox bench lengths: {r['label']!r} at {r['steps']} steps ({r['corpus']}, seed {r['seed']}) is "
+                f"in both {prev.get('source')} and {r.get('source')}: give each (corpus, seed, point, steps) once"
+            )
+        g["points"][r["label"]][r["steps"]] = r
     for g in out.values():
         g["steps"] = sorted(g["steps"])
         base = g["points"].get("allreduce", {})

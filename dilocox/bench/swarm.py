@@ -433,11 +433,13 @@ def markdown(res: dict) -> str:
     if "a" in res:
         lines += _md_part_a(res)
     if "d" in res:
-        d = res["d"]
-        sw = next((r for k, r in res.get("a", {}).items() if k.startswith("SWARM")), None)
+        d, pa, pd = res["d"], _params(res, "a"), _params(res, "d")
+        key = lambda p: (p.get("steps"), sorted(x for x in p.get("set") or [] if not x.startswith("--outer.")))  # noqa: E731
+        same = key(pa) == key(pd)  # (a) of another run (batch, length) is no baseline; SWARM has no outer step
+        sw = next((r for k, r in res.get("a", {}).items() if k.startswith("SWARM")), None) if same else None
         lines += [
-            f"**(d) H ablation** (DiLoCo-SWARM 4x2, {_params(res, 'd')['steps']} steps each, same data and seed"
-            + (f", every run with {' '.join(_params(res, 'd')['set'])}" if _params(res, "d").get("set") else "")
+            f"**(d) H ablation** (DiLoCo-SWARM 4x2, {pd['steps']} steps each, same data and seed"
+            + (f", every run with {' '.join(pd['set'])}" if pd.get("set") else "")
             + "; the paper's loss rises monotonically with H).",
             "",
             "| H | stage syncs | final val loss | vs SWARM 4x2 | train loss (last 3) | sync MB |",

@@ -1,0 +1,52 @@
+"""Edge cases of the bench reports found by the numbers audit: a derived column must use the right baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from dilocox.bench import lengths
+from dilocox.bench import swarm as bs
+
+
+def _run(val_loss: float, **kw) -> dict:
+    return {"peers": [4, 4], "val_loss": val_loss, "train_loss_last": val_loss, "losses": [5.0, 4.0], "tokens": 1000,
+            "stage_syncs": 8, "pipeline_bytes": 1e6, "pipeline_bytes_planned": 1e6, "sync_bytes": 1e6,
+            "tokens_s": 100.0, **kw}  # fmt: skip
+
+
+def _swarm_res(a_set: list[str], d_set: list[str], a_steps: int = 400) -> dict:
+    """(d) run now with ``d_set``; (a) carried over from an earlier run of ``a_set`` and ``a_steps``."""
+    return {"date": "NEW", "machine": "m", "load_before": "1", "load_after": "2", "command": "dilocox bench swarm",
+            "steps": 400, "H": 50, "set": d_set, "ablation_H": [10],
+            "d": {bs.diloco_label(10): _run(2.2, H=10, stage_syncs=40)},
+            "a": {"SWARM 4x2": _run(2.0, stage_syncs=400), bs.diloco_label(50): _run(2.4)},
+            "earlier": {"a": {"date": "OLD", "load_before": "3", "load_after": "4", "command": "dilocox x",
+                              "steps": a_steps, "H": 50, "set": a_set}}}  # fmt: skip
+
+
+def test_swarm_part_d_gap_only_against_a_part_a_of_the_same_settings():
+    """``--parts d`` into an --out whose (a) was measured with another --set (batch, outer lr) or length: (d)'s
+    "vs SWARM 4x2" must not be a gap to that other run's SWARM (it was: +10.0 % against a SWARM of batch 16)."""
+    same = bs.markdown(_swarm_res(["--train.batch_size=64"], ["--train.batch_size=64"]))
+    assert "| 10 | 40 | 2.2000 | +10.0 % |" in same
+    other = bs.markdown(_swarm_res(["--train.batch_size=16"], ["--train.batch_size=64"]))
+    assert "| 10 | 40 | 2.2000 | - |" in other and "+10.0 %" not in other
+    longer = bs.markdown(_swarm_res([], [], a_steps=2000))
+    assert "| 10 | 40 | 2.2000 | - |" in longer
+    outer = bs.markdown(_swarm_res([], ["--outer.lr=0.5"]))  # SWARM has no outer step: its row stays the baseline
+    assert "| 10 | 40 | 2.2000 | +10.0 % |" in outer
+
+
+def _row(label: str, loss: float, source: str, gap: float | None = None) -> dict:
+    r = {"corpus": "docs", "seed": 0, "steps": 1000, "label": label, "final_val_loss": loss, "source": source}
+    return r if gap is None else dict(r, loss_vs_allreduce_pct=gap)
+
+
+def test_lengths_refuses_a_point_given_twice_for_one_corpus_seed_and_length():
+    """Two DIRs holding the same (corpus, seed, point, steps): the table showed the later row only, while the other
+    points kept their gaps to the earlier DIR's all-reduce, i.e. a gap not to the all-reduce row printed beside it."""
+    rows = [_row("allreduce", 2.0, "A", 0.0), _row("dilocox", 2.1, "A", 5.0), _row("allreduce", 1.9, "B", 0.0)]
+    with pytest.raises(SystemExit, match=r"'allreduce' at 1000 steps \(docs, seed 0\) is in both A and B"):
+        lengths.table(rows)
+    ok = lengths.table([_row("allreduce", 2.0, "A", 0.0), _row("dilocox", 2.1, "B")])  # one each: gap across DIRs
+    assert ok[("docs", 0)]["points"]["dilocox"][1000]["loss_vs_allreduce_pct"] == pytest.approx(5.0)
