@@ -20,22 +20,13 @@ from dilocox.engine import PipelineEngine
 from dilocox.model.parallel_layers import global_grad_norm, is_tensor_parallel, shard_tensor
 from dilocox.model.transformer import build_stage_model
 from tests.spawn import run_ranks
+from tests.test_model import QWEN
 
 SMALL = dict(n_layers=4, n_heads=4, d_model=32, vocab_size=64, max_seq_len=32)
 MODELS = {
     "gpt2": ModelConfig(**SMALL),
     "tied": ModelConfig(tie_embeddings=True, **SMALL),
-    "qwen": ModelConfig(
-        arch="qwen",
-        norm="rmsnorm",
-        activation="swiglu",
-        pos_emb="rope",
-        bias=False,
-        qkv_bias=True,
-        n_kv_heads=2,
-        d_ff=88,
-        **SMALL,
-    ),
+    "qwen": ModelConfig(n_kv_heads=2, d_ff=88, **QWEN, **SMALL),
 }
 SEQ, SEED = 8, 5
 
