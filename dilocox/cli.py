@@ -166,9 +166,11 @@ def _train(argv: list[str]) -> int:
         )
     if nproc is not None and "RANK" not in os.environ:
         if nproc != world:
+            p = cfg.parallel
             print(
-                f"config error: --nproc {nproc} does not match the parallel layout "
-                f"replicas*data*pipeline*tensor = {world}",
+                f"config error: --nproc {nproc} does not match the parallel layout replicas*data*pipeline*tensor = "
+                f"{p.replicas}*{p.data}*{p.pipeline}*{p.tensor} = {world}; run it with --nproc {world}, or set the "
+                f"layout to {nproc} ranks (e.g. --parallel.replicas, --parallel.data, --parallel.pipeline)",
                 file=sys.stderr,
             )
             return 2
@@ -184,12 +186,15 @@ def _train(argv: list[str]) -> int:
 
 def _check_data(cfg, note: bool = True) -> None:
     from dilocox.data import check_data
-    from dilocox.data.sources import cap_note
+    from dilocox.data.sources import cap_note, skipped_note
 
     p = check_data(cfg)
-    # an opt-in data.max_bytes that cut the corpus is said once per run (rank 0; not by a launching parent)
-    if note and os.environ.get("RANK", "0") == "0" and (line := cap_note(p.meta.get("cut"))):
-        print(line, flush=True)
+    # an opt-in data.max_bytes that cut the corpus, and the files left out as not UTF-8, are said once per run
+    # (rank 0; not by a launching parent)
+    if note and os.environ.get("RANK", "0") == "0":
+        for line in (cap_note(p.meta.get("cut")), skipped_note(p.meta.get("skipped"), p.meta.get("skipped_count"))):
+            if line:
+                print(line, flush=True)
 
 
 def _launch_local(nproc: int, args: list[str]) -> int:

@@ -494,7 +494,8 @@ def resolve_hf_dir(name: str) -> str:
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth, ...
         raise ExportError(
             f"{name!r} is not a local directory and could not be fetched from the hub "
-            f"({type(e).__name__}: {e}); pass a local directory with config.json and *.safetensors"
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); pass a local "
+            "directory with config.json and *.safetensors"
         ) from None
 
 

@@ -359,7 +359,8 @@ class Trainer(TrainerState):
             + (
                 "no validation (train.eval_batches=0)"
                 if final_val is None
-                else f"final val loss {final_val:.4f} (ppl {summary['final_val_ppl']:.2f})"
+                else f"final val loss {final_val:.4f} (ppl {summary['final_val_ppl']:.2f}"
+                + (", of the outer params θ: what export writes)" if cfg.outer.method == "diloco" else ")")
             )
             + f", {summary['tokens_per_s']:,.0f} tok/s, wall {wall:.1f}s"
         )

@@ -280,7 +280,7 @@ def check_data(d: DataConfig, m: ModelConfig) -> None:
     if d.tokenizer == "byte" and d.source != "memmap" and m.vocab_size < 256:
         _fail("model.vocab_size", m.vocab_size, "is smaller than 256, the byte tokenizer's vocabulary")
     if d.tokenizer == "bpe" and d.bpe_vocab_size > m.vocab_size:
-        _fail("data.bpe_vocab_size", d.bpe_vocab_size, f"exceeds model.vocab_size={m.vocab_size}")
+        _fail("model.vocab_size", m.vocab_size, f"< data.bpe_vocab_size={d.bpe_vocab_size}: set it to that or more")
     if not 0.0 < d.val_fraction < 0.5:
         _fail("data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     if d.source in ("text", "memmap") and not d.path:

@@ -156,9 +156,14 @@ def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return out
 
 
+DOC_NAMES = {"H": "outer.sync_every", "K": "outer.streaming.fragments"}
+
+
 def _suggest(key: Any, known: dict, prefix: str) -> str:
     """``"; did you mean 'seq_len'?"``: the closest key of the section by edit distance, else the closest dotted key
     of any section (``--train.lr`` -> ``optim.lr``, ``--seq_len`` -> ``train.seq_len``), else ``""``."""
+    if str(key) in DOC_NAMES:  # a symbol of README's method table or docs/ALGORITHMS.md, not a key's name
+        return f"; did you mean {DOC_NAMES[str(key)]} (the docs' {key})?"
     close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
     if close:
         return f"; did you mean {prefix}{close[0]}?"

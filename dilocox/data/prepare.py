@@ -37,7 +37,15 @@ import numpy as np
 
 from dilocox.config import DataConfig
 from dilocox.data.sampler import val_batches as _val_batches
-from dilocox.data.sources import DataError, DocStream, cap_note, cut_document, fingerprint, split_plan
+from dilocox.data.sources import (
+    DataError,
+    DocStream,
+    cap_note,
+    cut_document,
+    fingerprint,
+    skipped_note,
+    split_plan,
+)
 from dilocox.data.tokenizer import (
     PRETRAINED,
     BPETokenizer,
@@ -356,6 +364,8 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         "bytes": stream.nbytes,
         "source": stream.description,
         "cut": stream.cut,  # data.max_bytes cut the source (sizes), else None
+        "skipped": [list(x) for x in stream.skipped[:5]],  # text files left out as not UTF-8 (the first 5)
+        "skipped_count": len(stream.skipped),
         "content_sha256": content.hexdigest(),
         "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
         "bpe_sample_stride": getattr(tok, "sample_stride", None),  # trained on every k-th training document
@@ -501,6 +511,8 @@ def prepare_main(argv: list[str] | None = None) -> int:
     print(f"source     {m['source']}")
     if note := cap_note(m.get("cut")):
         print(f"cap        {note}")
+    if note := skipped_note(m.get("skipped"), m.get("skipped_count")):
+        print(f"skipped    {note.removeprefix('note: ')}")
     k = m.get("bpe_sample_stride") or 1
     sample = f"  (trained on every {k}th training document: data.bpe_train_bytes)" if k > 1 else ""
     print(f"tokenizer  {m['tokenizer']}  vocab {m['vocab_size']}  dtype {m['dtype']}{sample}")

@@ -134,8 +134,10 @@ class TokenSampler:
             mine = self.state_dict()[k]
             if k in state and state[k] != mine:
                 raise ValueError(
-                    f"sampler state has {k}={state[k]!r} but this sampler has {k}={mine!r}: "
-                    "the checkpoint was trained on different data or seed"
+                    f"the checkpoint was trained on different data or seed (its sampler has {k}={state[k]!r}, this "
+                    f"run's {k}={mine!r}): the corpus (data.path's files) or a data.* key changed since it was saved. "
+                    "Resume on the data it was trained on, or train on the new data in a new --log.run_dir "
+                    "(to start from these weights: dilocox export RUN_DIR --to hf OUT, then --model.init_from=OUT)"
                 )
         self.step = int(state["step"])
 

@@ -12,9 +12,9 @@ Six sources (``data.source``):
               the frontier's layout): ``prose``'s topics, then per stdlib module (the ``stdlib`` files, in
               their order) its module, class and function docstrings (``ast.get_docstring``), one module =
               one document; about 2.1 MB (4.6x prose) on CPython 3.11.
-- ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden and
-              binary files skipped) or a glob; one file = one document (a file over 1 MB: one per MB, cut at a line
-              end, ``TEXT_PIECE_BYTES``).
+- ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden files skipped,
+              binary and non-UTF-8 ones left out and named: ``skipped_note``) or a glob; one file = one
+              document (a file over 1 MB: one per MB, cut at a line end, ``TEXT_PIECE_BYTES``).
 - ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension), a
               ``save_to_disk`` directory or a local copy of a hub dataset (both offline), or a
               hub dataset name (needs a network); ``data.hf_config`` names the dataset's config
@@ -123,10 +123,6 @@ def binary_reason(path: str) -> str | None:
     return None
 
 
-def _is_binary(path: str) -> bool:
-    return binary_reason(path) is not None
-
-
 def _walk(root: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -135,8 +131,11 @@ def _walk(root: str) -> list[str]:
     return out
 
 
-def local_files(path: str | None, source: str, skip_binary: bool = True) -> list[str]:
-    """Resolve ``data.path`` (file, directory or glob) to a sorted list of files, or raise."""
+def local_files(
+    path: str | None, source: str, skip_binary: bool = True, skipped: list[tuple[str, str]] | None = None
+) -> list[str]:
+    """Resolve ``data.path`` (file, directory or glob) to a sorted list of files, or raise. ``skipped`` collects
+    (path, why) of each binary or non-UTF-8 file a directory or glob held (they are left out, and said so)."""
     if not path:
         raise FileNotFoundError(f"data.path is not set; data.source={source!r} needs a file, a directory or a glob")
     expanded = os.path.expanduser(path)
@@ -162,14 +161,33 @@ def local_files(path: str | None, source: str, skip_binary: bool = True) -> list
                 f"data.path={path!r} does not exist (resolved to {os.path.abspath(expanded)!r}, "
                 f"no file, directory or glob match); data.source={source!r} needs a file, a directory or a glob"
             )
-    found = files
-    files = [os.path.abspath(f) for f in files if not (skip_binary and _is_binary(f))]
+    found, files = files, []
+    for f in found:
+        why = binary_reason(f) if skip_binary else None
+        if why is None:
+            files.append(os.path.abspath(f))
+        elif skipped is not None:
+            skipped.append((os.path.abspath(f), why))
     if not files:
         raise DataError(
             f"data.path={path!r} matched no text files ({len(found)} binary file(s) skipped, e.g. "
             f"{found[0]!r}); data.source={source!r} reads UTF-8 text"
         )
     return files
+
+
+def skipped_note(skipped: list | None, n: int | None = None) -> str | None:
+    """The one line that says which files of a text directory or glob were left out as binary or not UTF-8, or
+    None. ``skipped``: [path, why] pairs (the first few), ``n``: how many in all."""
+    if not skipped:
+        return None
+    n = n or len(skipped)
+    path, why = skipped[0]
+    more = f" and {n - 1} more" if n > 1 else ""
+    return (
+        f"note: data.path: {n} file(s) left out as binary or not UTF-8: {path} {why}{more}; to train on a text "
+        "file, convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )
 
 
 def _stat_digest(files: list[str]) -> str:
@@ -203,8 +221,8 @@ def fingerprint(cfg: DataConfig) -> str:
 
         extra = stdlib_files() if cfg.source == "docs" else []
         return _stat_digest([t.__file__, *extra]) + f"|python {sys.version}"
-    if cfg.source == "text":
-        return _stat_digest(local_files(cfg.path, "text"))
+    if cfg.source == "text":  # every file, the binary ones left out too: converting or removing one re-prepares
+        return _stat_digest(local_files(cfg.path, "text", skip_binary=False))
     if cfg.source == "hf":
         files = _hf_local(cfg.path)
         where = _stat_digest(files) if files else f"hub:{cfg.path}"
@@ -375,6 +393,7 @@ class DocStream:
             raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
         self.cfg = cfg
         self.n_docs, self.nbytes, self.cut, self.description = 0, 0, None, ""
+        self.skipped: list[tuple[str, str]] = []  # text: files left out as binary / not UTF-8 (local_files)
 
     def _raws(self):
         """(raw documents as bytes, a function giving the source's size once the cap cut it, a description)."""
@@ -399,7 +418,8 @@ class DocStream:
 
             return raws, size, f"docs: pydoc_data.topics + stdlib docstrings (Python {sys.version.split()[0]})"
         if cfg.source == "text":
-            files = local_files(cfg.path, "text")
+            self.skipped = []
+            files = local_files(cfg.path, "text", skipped=self.skipped)
             size = lambda: sum(os.path.getsize(f) for f in files)  # noqa: E731
             return _file_raws(files, TEXT_PIECE_BYTES), size, f"text {cfg.path}"
         ds, where = _hf_rows(cfg)

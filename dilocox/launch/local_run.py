@@ -113,6 +113,24 @@ def failed_exit_code(first: int, codes: Sequence[int]) -> int:
     return next((c for c in (first, *codes) if c > 0), 1)
 
 
+def said_by_ranks(first: int, codes: Sequence[int]) -> bool:
+    """Whether the ranks already said why they failed in one line each: the first failed rank exited 2 (a config,
+    data or run-dir error every rank agreed on) and the others 2 too or killed by torchrun after it."""
+    return first == 2 and all(c == 2 or c < 0 for c in codes)
+
+
+def _quiet_config_failures() -> None:
+    """Drop torchrun's own ERROR line about a rank that exited 2 (the rank printed the one line that matters)."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            msg, args = record.msg, record.args
+            return not (isinstance(msg, str) and msg.startswith("failed (exitcode: %s)") and args and args[0] == 2)
+
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Drop())
+
+
 def launch_exit_code(codes: Sequence[int]) -> int:
     """A launcher's exit code from its jobs' (``Popen.returncode``: -N when killed by signal N): 0 when every job
     exited 0; else the first job's own error code (> 0: what failed; a job the launcher killed after it is -N);
@@ -172,11 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         patch_torchrun_stores()
     workers = _watch_workers()
+    _quiet_config_failures()
     try:
         run.main(argv)
     except ChildFailedError as e:  # which rank failed and why, without torchrun's Python traceback around it
-        print(e, file=sys.stderr)
-        return failed_exit_code(e.get_first_failure()[1].exitcode, [f.exitcode for f in e.failures.values()])
+        first, codes = e.get_first_failure()[1].exitcode, [f.exitcode for f in e.failures.values()]
+        if not said_by_ranks(first, codes):  # (a config error: each rank's one line is all there is to say)
+            print(e, file=sys.stderr)
+        return failed_exit_code(first, codes)
     except SignalException as e:  # torchrun forwarded it to the ranks and waited for them (module docstring)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (torch's handler would raise in here)
             signal.signal(sig, signal.SIG_IGN)
