@@ -147,3 +147,23 @@ def test_the_docs_H_names_its_key():
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["--outer.H=4"])
     assert "did you mean outer.sync_every" in str(e.value), e.value
+
+
+def test_a_resume_on_a_grown_corpus_is_a_config_error_exit_2(tmp_path):
+    """A file added to data.path between a run and its resume: the sampler refused the checkpoint, but as
+    "checkpoint error: restoring ...: ValueError" with exit 1 (as if the checkpoint were damaged); it is this run's
+    input that differs: a config error naming the fix, exit 2, as at start-up."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, "--data.source=text", f"--data.path={corpus}",
+           f"--data.cache_dir={tmp_path / 'cache'}", f"--log.run_dir={tmp_path / 'run'}", "--train.seq_len=32",
+           "--train.batch_size=2", "--train.eval_batches=1", "--log.progress=false", "--log.tensorboard=false",
+           "--checkpoint.every=2"]  # fmt: skip
+    r = subprocess.run([*cmd, "--train.steps=2"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (corpus / "b.txt").write_text("a second document, added after the run\n" * 100)
+    r = subprocess.run([*cmd, "--train.steps=4"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "config error" in r.stderr and "trained on different data" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

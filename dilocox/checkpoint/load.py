@@ -180,13 +180,17 @@ def load_step(
     err = _read(step_dir, targets, getattr(reader, "part", None) or ("", None, world_size))
     if not agree(not err):
         raise CorruptCheckpointError(err or f"another rank could not read {step_dir} (see its log)")
-    sd, err = None, ""
+    from dilocox.config import ConfigError
+
+    sd, err, kind = None, "", CheckpointError
     try:  # (what a rank refuses here, e.g. a tensor moved to another fragment, may differ between ranks)
         sd = reader.finish(step_dir, read_meta(step_dir), targets)
+    except ConfigError as e:  # this run's input differs (e.g. the data since the save): a config error as at
+        err, kind = str(e), ConfigError  # start-up (exit 2), not a fault of the checkpoint
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
         err = str(e) if isinstance(e, CheckpointError) else f"restoring {step_dir}: {type(e).__name__}: {e}"
     if not agree(not err):
-        raise CheckpointError(err or f"another rank could not restore {step_dir} (see its log)")
+        raise kind(err or f"another rank could not restore {step_dir} (see its log)")
     return sd
 
 

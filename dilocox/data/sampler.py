@@ -24,6 +24,7 @@ import math
 import numpy as np
 import torch
 
+from dilocox.config import ConfigError
 from dilocox.seeding import text_seed
 
 MODES = ("random", "epoch")
@@ -133,7 +134,7 @@ class TokenSampler:
         for k in ("seed", "n_tokens", "mode"):
             mine = self.state_dict()[k]
             if k in state and state[k] != mine:
-                raise ValueError(
+                raise ConfigError(  # (an input error: exit 2, the checkpoint itself is fine)
                     f"the checkpoint was trained on different data or seed (its sampler has {k}={state[k]!r}, this "
                     f"run's {k}={mine!r}): the corpus (data.path's files) or a data.* key changed since it was saved. "
                     "Resume on the data it was trained on, or train on the new data in a new --log.run_dir "
