@@ -278,11 +278,21 @@ def test_a_damaged_index_falls_back_on_every_rank(tmp_path):
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN); skipped with the reason otherwise."""
+    yield from _tmpfs(tmp_path, "2M")
+
+
+@pytest.fixture
+def tmpfs4(tmp_path):
+    """A 4 MiB tmpfs: room for one of the tiny model's checkpoints as preflight estimates it (~2.0 MB)."""
+    yield from _tmpfs(tmp_path, "4M")
+
+
+def _tmpfs(tmp_path, size: str):
     mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
     try:
         r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(mnt)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -340,11 +350,12 @@ def test_preflight_writability_and_room(tmpfs, tmp_path):
 
 
 @pytest.mark.slow  # two `dilocox train` subprocesses: ~45-60 s on the loaded 2-core machine
-def test_training_refuses_a_full_checkpoint_dir_at_start_up(tmpfs, tmp_path):
-    """Fails before the first step, not at the first save (the tiny model's shard is ~1.3 MB with AdamW)."""
+def test_training_refuses_a_full_checkpoint_dir_at_start_up(tmpfs4, tmp_path):
+    """Fails before the first step, not at the first save (the tiny model's checkpoint is ~2 MB with AdamW)."""
+    tmpfs = tmpfs4
     filler = os.path.join(tmpfs, "filler")
     with open(filler, "wb") as f:
-        f.write(b"\0" * (1024 * 1024))
+        f.write(b"\0" * (3 * 1024 * 1024))
     run = str(tmp_path / "run")
     r = _cli([*_small(run), "--train.steps=50", f"--checkpoint.dir={tmpfs}/ckpt"])
     assert r.returncode != 0
