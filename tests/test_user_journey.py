@@ -119,7 +119,8 @@ def test_local_launch_config_error_is_the_ranks_line_only(tmp_path, code):
         local_run_argv(2, [str(script)]), env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == code, r.stderr
-    assert r.stderr.count("config error (rank") == 2
+    # (rank 0 at least: under load torchrun may stop rank 1 once rank 0 exited, before rank 1 printed)
+    assert r.stderr.count("config error (rank") >= 1, r.stderr
     if code == 2:
         assert "FAILED" not in r.stderr and "exitcode: 2" not in r.stderr, r.stderr
     else:
