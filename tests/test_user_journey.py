@@ -28,6 +28,18 @@ def _env() -> dict:
     return env
 
 
+def _tiny_text_run(tmp_path):
+    """A one-file text corpus and the `dilocox train` command of a tiny run on it (seq 32, batch 2)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, "--data.source=text", f"--data.path={corpus}",
+           f"--data.cache_dir={tmp_path / 'cache'}", f"--log.run_dir={tmp_path / 'run'}", "--train.seq_len=32",
+           "--train.batch_size=2", "--train.eval_batches=1", "--log.progress=false",
+           "--log.tensorboard=false"]  # fmt: skip
+    return corpus, cmd
+
+
 def _mixed_corpus(tmp_path):
     d = tmp_path / "corpus"
     d.mkdir()
@@ -130,13 +142,8 @@ def test_local_launch_config_error_is_the_ranks_line_only(tmp_path, code):
 def test_diloco_final_val_says_it_is_the_outer_params(tmp_path):
     """A DiLoCo run's last step logged one val loss and the `done:` line another for the same step, unexplained:
     the done line's is the outer params θ (what `dilocox export` writes); now it says so."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
-    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, "--data.source=text", f"--data.path={corpus}",
-           f"--data.cache_dir={tmp_path / 'cache'}", f"--log.run_dir={tmp_path / 'run'}", "--outer.method=diloco",
-           "--outer.sync_every=2", "--train.steps=4", "--train.seq_len=32", "--train.batch_size=2",
-           "--train.eval_batches=1", "--log.progress=false", "--log.tensorboard=false"]  # fmt: skip
+    corpus, cmd = _tiny_text_run(tmp_path)
+    cmd += ["--outer.method=diloco", "--outer.sync_every=2", "--train.steps=4"]
     r = subprocess.run(cmd, env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     done = [line for line in r.stdout.splitlines() if line.startswith("done:")]
@@ -154,13 +161,8 @@ def test_a_resume_on_a_grown_corpus_is_a_config_error_exit_2(tmp_path):
     """A file added to data.path between a run and its resume: the sampler refused the checkpoint, but as
     "checkpoint error: restoring ...: ValueError" with exit 1 (as if the checkpoint were damaged); it is this run's
     input that differs: a config error naming the fix, exit 2, as at start-up."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 300)
-    cmd = [sys.executable, "-m", "dilocox.cli", "train", TINY, "--data.source=text", f"--data.path={corpus}",
-           f"--data.cache_dir={tmp_path / 'cache'}", f"--log.run_dir={tmp_path / 'run'}", "--train.seq_len=32",
-           "--train.batch_size=2", "--train.eval_batches=1", "--log.progress=false", "--log.tensorboard=false",
-           "--checkpoint.every=2"]  # fmt: skip
+    corpus, cmd = _tiny_text_run(tmp_path)
+    cmd += ["--checkpoint.every=2"]
     r = subprocess.run([*cmd, "--train.steps=2"], env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     (corpus / "b.txt").write_text("a second document, added after the run\n" * 100)
