@@ -116,7 +116,8 @@ class Trainer(TrainerState):
         self.device = pick_device(cfg, local)
         # One run per run dir: rank 0 holds the lock until the run ends or dies; every rank learns the outcome.
         self.run_lock = rundir.lock_run_dir(cfg.log.run_dir, rank == 0, ckpt.all_ranks_agree)
-        torch.manual_seed(cfg.train.seed)
+        # the global generator draws dropout masks only: each stage its own stream (Megatron: + 100 x pp rank)
+        torch.manual_seed(cfg.train.seed + 100 * self.topo.stage)
 
     def _init_data(self) -> None:
         cfg = self.cfg
@@ -140,7 +141,8 @@ class Trainer(TrainerState):
 
     def _new_sampler(self, replica: int, n_replicas: int) -> None:
         t = self.cfg.train
-        self.sampler = TokenSampler(self.prepared.train_tokens(), t.seq_len, t.batch_size, t.seed, replica, n_replicas)
+        tokens, content = self.prepared.train_tokens(), self.prepared.meta.get("content_sha256")
+        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica, n_replicas, content=content)
 
     def _init_model(self) -> None:
         cfg, t = self.cfg, self.topo

@@ -30,7 +30,7 @@ class ModelConfig:
     bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
     qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
     tie_embeddings: bool = False
-    dropout: float = 0.0
+    dropout: float = 0.0  # residual + attention dropout; masks drawn from train.seed + 100 x pipeline stage
     init_std: float = 0.02
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)

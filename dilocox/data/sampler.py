@@ -51,6 +51,7 @@ class TokenSampler:
         dp_rank: int = 0,
         dp_size: int = 1,
         mode: str = "random",
+        content: str | None = None,
     ):
         n = len(tokens)
         if n < seq_len + 2:
@@ -75,6 +76,7 @@ class TokenSampler:
             dp_size,
             mode,
         )
+        self.content = content  # the corpus's content hash (prepare's meta), checked on resume when both have one
         self.step = 0
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, window order) cache
         if mode == "epoch":
@@ -127,15 +129,19 @@ class TokenSampler:
             "n_tokens": len(self.tokens),
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
+            **({"content_sha256": self.content} if self.content else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state['step']``. Refuses a state taken over different data or seed."""
-        for k in ("seed", "n_tokens", "mode"):
-            mine = self.state_dict()[k]
-            if k in state and state[k] != mine:
+        mine_all = self.state_dict()
+        for k in ("seed", "n_tokens", "mode", "content_sha256"):  # (the content: an edit that kept the token count)
+            mine, theirs = mine_all.get(k), state.get(k)
+            if k in state and k in mine_all and theirs != mine:
+                if k == "content_sha256":
+                    theirs, mine = f"{str(theirs)[:12]}...", f"{str(mine)[:12]}..."
                 raise ConfigError(  # (an input error: exit 2, the checkpoint itself is fine)
-                    f"the checkpoint was trained on different data or seed (its sampler has {k}={state[k]!r}, this "
+                    f"the checkpoint was trained on different data or seed (its sampler has {k}={theirs!r}, this "
                     f"run's {k}={mine!r}): the corpus (data.path's files) or a data.* key changed since it was saved. "
                     "Resume on the data it was trained on, or train on the new data in a new --log.run_dir "
                     "(to start from these weights: dilocox export RUN_DIR --to hf OUT, then --model.init_from=OUT)"
