@@ -50,3 +50,20 @@ def test_lengths_refuses_a_point_given_twice_for_one_corpus_seed_and_length():
         lengths.table(rows)
     ok = lengths.table([_row("allreduce", 2.0, "A", 0.0), _row("dilocox", 2.1, "B")])  # one each: gap across DIRs
     assert ok[("docs", 0)]["points"]["dilocox"][1000]["loss_vs_allreduce_pct"] == pytest.approx(5.0)
+
+
+def test_methods_table_and_plot_take_a_failed_row(tmp_path):
+    """`dilocox bench methods --keep-going` keeps a failed run as a row without blocked time, tokens/s or a curve:
+    the table raised KeyError on it (and the plot unpacked its empty curve), losing the rows that had run."""
+    from dilocox.bench import methods
+
+    ok = {"method": "allreduce", "final_val_loss": 3.5, "bytes_sent_per_replica": 2e6, "blocked_s": 0.5,
+          "tokens_per_s": 1000.0, "val_curve": [(10, 4.0), (20, 3.5)]}  # fmt: skip
+    bad = {"method": "diloco lr=9", "preset": "diloco", "overrides": [], "failed": "non-finite loss | at step 7\nmore",
+           "final_val_loss": float("nan"), "bytes_sent_per_replica": 0, "val_curve": []}  # fmt: skip
+    md = methods.markdown([ok, bad], steps=20, H=10)
+    row = [line for line in md.splitlines() if line.startswith("| diloco lr=9")]
+    assert row == ["| diloco lr=9 | failed: non-finite loss / at step 7 | - | - | - | - | - |"], md
+    assert "| allreduce | 3.5000 |" in md
+    drawn = methods.plot([ok, bad], str(tmp_path / "val_loss.png"))
+    assert [s[0] for s in drawn["styles"]] == ["allreduce"] and (tmp_path / "val_loss.png").exists()

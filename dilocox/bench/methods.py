@@ -168,6 +168,10 @@ def markdown(rows: list[dict], steps: int, H: int, common: list[str] = (), load:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "failed" in r:  # a row of --keep-going: its error instead of numbers it does not have
+            why = str(r["failed"]).splitlines()[0][:120].replace("|", "/")
+            lines.append(f"| {r['method']} | failed: {why} | - | - | - | - | - |")
+            continue
         lines.append(
             f"| {r['method']} | {fmt_cell(r['final_val_loss'])} | "
             f"{fmt_cell(r.get('loss_vs_allreduce_pct'), '+.1f', ' %')} | {r['bytes_sent_per_replica'] / 1e6:,.2f} MB | "
@@ -187,7 +191,7 @@ def plot(rows: list[dict], path: str, ablation: bool = False) -> dict:
     """val_loss.png: one curve per row, each with its own marker and line style (see ``series_style``)."""
     return line_plot(
         path,
-        [(r["method"], *zip(*r["val_curve"]), None) for r in rows],
+        [(r["method"], *zip(*r["val_curve"]), None) for r in rows if r["val_curve"]],  # (a failed row: none)
         "step (equal tokens per replica)",
         "validation loss",
         TITLES[ablation],
