@@ -51,6 +51,7 @@ BENCHES = {
     ),
     "switch": ("dilocox.bench.switch", "the delay switch's ceiling (TCP Gbit/s, 1500-B frames/s) next to the bridge"),
     "rpc": ("dilocox.bench.rpc", "what authentication and encryption add to a SWARM RPC call and hop"),
+    "memory": ("dilocox.bench.memory", "activation memory and step time of train.recompute none | full | selective"),
     "checkpoint": ("dilocox.bench.checkpoint", "save / load / reshard seconds on DCP next to a per-rank torch.save"),
 }
 

@@ -5,8 +5,9 @@ the torchft reference), so a config trains the same way whichever runs it.
 biases and norms (the Megatron / nanoGPT convention), or ``optim.name=muon``: ``torch.optim.Muon`` on the
 hidden matrices of the transformer blocks and AdamW on the rest (embeddings, head, biases, norms), the split of
 Muon's authors and of MuLoCo (Thérien et al. 2025: Muon as DiLoCo's inner optimizer); ``lr_at``: linear
-warm-up, then cosine / linear / constant decay to ``optim.min_lr_ratio``; ``set_lr`` applies it to every
-parameter group. ``param_order`` is the index order of the optimizer's state (checkpoints, resharding).
+warm-up, then cosine / linear / constant decay to ``optim.min_lr_ratio``, or warmup-stable-decay (``wsd``,
+``wsd-sqrt``); ``set_lr`` applies it to every parameter group. ``param_order`` is the index order of the
+optimizer's state (checkpoints, resharding).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def lr_at(step: int, cfg: Config) -> float:
     floor = o.lr * o.min_lr_ratio
     if o.schedule == "linear":
         return floor + (o.lr - floor) * (1.0 - frac)
+    if o.schedule.startswith("wsd"):  # held at lr, then the last decay_fraction of the span cools down to the floor
+        frac = max(0.0, 1.0 - (1.0 - frac) / o.decay_fraction)
+        return floor + (o.lr - floor) * (1.0 - (math.sqrt(frac) if o.schedule == "wsd-sqrt" else frac))
     return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * frac))
 
 

@@ -1,15 +1,14 @@
 """The training loop: ``dilocox train CONFIG``.
 
 Per rank, top to bottom:
-
 1. process groups of the rank grid (replicas x inner-DP x stages x TP),
 2. data (tokenized once by rank 0, memory-mapped by all), the replica's sampler,
 3. this rank's shard of the model, the pipeline engine, inner AdamW,
 4. the outer loop of the chosen method (DiLoCo family; absent for a single replica),
 5. resume from the latest complete checkpoint, if any (state, checkpoints, resume: dilocox/train_state.py),
-6. per step: forward/backward over the pipeline, outer hook on the gradients (per-step
-   methods), global-norm clipping, inner step, outer bookkeeping (pseudo-gradients,
-   overlapped all-reduce, outer Nesterov), logs, validation, checkpoints.
+6. per step: forward/backward over the pipeline, outer hook on the gradients (per-step methods), global-norm
+   clipping, inner step, outer bookkeeping (pseudo-gradients, overlapped all-reduce, outer Nesterov), logs,
+   validation, checkpoints, a profile of a few steps (``log.profile_start``).
 """
 
 from __future__ import annotations
@@ -43,13 +42,13 @@ from dilocox.model.transformer import build_stage_model, model_flops_per_token
 from dilocox.optim import build_inner_optimizer, lr_at  # (re-exported: ``from dilocox.train import lr_at`` works)
 from dilocox.outer import build_outer
 from dilocox.outer.fragments import tail_warning
+from dilocox.profiling import StepProfiler
 from dilocox.train_state import TrainerState
 
 
 def pick_device(cfg: Config, local_rank: int) -> torch.device:
     want = cfg.train.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
+    want = ("cuda" if torch.cuda.is_available() else "cpu") if want == "auto" else want
     if want == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but no CUDA device is available; set --train.device=cpu")
@@ -156,6 +155,7 @@ class Trainer(TrainerState):
                 raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
             hf_sd = load_hf_full_state_dict(hf_dir, cfg.model, self.model.gather_full_state_dict)
             self.model.load_full_state_dict(hf_sd)
+        self.model.recompute = cfg.train.recompute
         whole = t.P == 1 and t.T == 1  # one stage, no TP: forward + loss compile as one graph (engine.compile_whole)
         if cfg.train.compile and not whole:  # per block, in place (torchtitan's way): names, checkpoints, layout kept
             for block in self.model.layers.values():
@@ -215,6 +215,7 @@ class Trainer(TrainerState):
             wandb_project=lg.wandb_project if lg.wandb else None,
             config=cfg.to_dict(),
         )
+        self.profiler = StepProfiler(lg.profile_start, lg.profile_steps, lg.run_dir, self.topo.rank, self.device)
         self.peak = peak_flops(self.device)
         self.flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
         self.history: list[dict] = []
@@ -387,6 +388,7 @@ class Trainer(TrainerState):
             if cfg.train.max_tokens and self.tokens_seen >= cfg.train.max_tokens:
                 break
             ckpt_due = self.loop_step(start_step, t_start, ckpt_due)
+        self.profiler.finish(self.step)  # (a run that ended inside the window)
         self._flush_logs()
         if self.outer is not None:
             self.outer.finish()
@@ -414,7 +416,8 @@ class Trainer(TrainerState):
     def loop_step(self, start_step: int, t_start: float, ckpt_due: bool) -> bool:
         """The body of :meth:`run`'s loop (also what ``dilocox bench train --reference`` times): a step, its record,
         then the stop and checkpoint decisions at the step boundary. Returns ``ckpt_due``."""
-        loss = self.train_step()
+        with self.profiler.around(self.step + 1):  # (log.profile_start: a trace of a few steps)
+            loss = self.train_step()
         self._log_step(loss, start_step, t_start)
         return self._at_boundary(ckpt_due)
 

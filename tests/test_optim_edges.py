@@ -39,6 +39,42 @@ def test_lr_schedule_matches_the_hand_computation(sched, steps, warm):
         assert got[warm] == 0.5 and all(a >= b for a, b in zip(got[warm:], got[warm + 1 :]))
 
 
+def _hand_wsd(step: int, lr: float, warm: int, total: int, ratio: float, share: float, sqrt: bool) -> float:
+    """Warmup-stable-decay: held at lr over the first 1 - share of the steps after the warm-up, then the progress
+    p through the last share goes 0 -> 1 and lr falls as 1 - p (or 1 - sqrt p) to lr * ratio."""
+    if step < warm:
+        return lr * (step + 1) / warm
+    frac = min(1.0, (step - warm) / max(1, total - 1 - warm))
+    if frac <= 1 - share:
+        return lr
+    p = (frac - (1 - share)) / share
+    return lr * ratio + (lr - lr * ratio) * (1 - (math.sqrt(p) if sqrt else p))
+
+
+@pytest.mark.parametrize("sched", ["wsd", "wsd-sqrt"])
+@pytest.mark.parametrize("steps,warm,share", [(100, 10, 0.2), (21, 1, 0.5), (10, 0, 1.0), (7, 2, 0.1), (3, 0, 0.3)])
+def test_warmup_stable_decay_matches_the_hand_computation(sched, steps, warm, share):
+    cfg = load_config(None, [f"--train.steps={steps}", f"--optim.warmup_steps={warm}", f"--optim.schedule={sched}",
+                             "--optim.lr=0.5", "--optim.min_lr_ratio=0.2",
+                             f"--optim.decay_fraction={share}"])  # fmt: skip
+    got = [lr_at(s, cfg) for s in range(steps)]
+    want = [_hand_wsd(s, 0.5, warm, steps, 0.2, share, sched == "wsd-sqrt") for s in range(steps)]
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert got[-1] == pytest.approx(0.1, rel=1e-12) and all(a >= b for a, b in zip(got[warm:], got[warm + 1 :]))
+    held = sum(1 for g in got[warm:] if g == 0.5)  # the stable part: exactly the peak
+    assert held == sum(1 for s in range(warm, steps) if (s - warm) / max(1, steps - 1 - warm) <= 1 - share)
+    if steps == 100:  # 89 steps after the warm-up, the last 20 % cool down: steps 10..81 hold the peak
+        assert held == 72
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.1"])
+def test_decay_fraction_out_of_range_is_named(bad):
+    from dilocox.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"optim.decay_fraction=.* must be in \(0, 1\]"):
+        load_config(None, ["--optim.schedule=wsd", f"--optim.decay_fraction={bad}"])
+
+
 def test_trainer_steps_equal_a_plain_pytorch_loop(tmp_path):
     """Decay (no weight decay on biases and norms), lr per step, global-norm clipping, microbatches summing to the
     batch's mean loss: the trainer's parameters after 4 steps equal a plain loop's."""

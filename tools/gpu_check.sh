@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension, run every CUDA check against its CPU reference, measure.
 #
-#   bash tools/gpu_check.sh [quick|train|reference]   # results under $OUT (default /tmp/gpu-check); quick: build +
+#   bash tools/gpu_check.sh [quick|train|reference|memory]   # results under $OUT (default /tmp/gpu-check); quick: build +
 #                                           # tests only, train: the training throughput only, reference: issue 39's
 #                                           # side-by-side table only (dilocox train vs a plain PyTorch loop, <= 8 min)
 #
@@ -22,6 +22,9 @@
 #                    host syncs and kernel launches per step, graph breaks. gpu-train/results.json and
 #                    gpu-train-reference/results.md beside it: copy them to docs/bench/ (the CPU rows are kept in them)
 #                    and run `python -m dilocox.bench.report`.
+#   memory/          (memory mode) `dilocox bench memory --device cuda --compiled`: train.recompute none | full |
+#                    selective on GPT-2 small and ~400M, peak step bytes, CUDA max allocated, step time (<= 5 min);
+#                    copy it to docs/bench/memory-gpu/ and add its bench block to docs/BENCHMARKS.md section 17
 #   REF_DEVICE=cpu REF_ROWS="tiny:eager:120" bash tools/gpu_check.sh reference   # the same script, dry run on a CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,16 @@ if [ "$MODE" = reference ]; then
         echo "$case / $mode rc ${PIPESTATUS[0]}" | tee -a "$OUT/reference.txt"
     done
     cat "$OUT/gpu-train-reference/results.md" 2>/dev/null
+    step done
+    exit 0
+fi
+
+if [ "$MODE" = memory ]; then
+    # train.recompute none | full | selective: peak bytes of a step and step time, GPT-2 small and ~400M, compiled
+    step "bench memory"
+    timeout 300 python3 -m dilocox.cli bench memory --device cuda --cases gpt2-small 400m --compiled \
+        --out "$OUT/memory" 2>&1 | grep -v Warning | tail -12
+    echo "memory rc ${PIPESTATUS[0]}"
     step done
     exit 0
 fi

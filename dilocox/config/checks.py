@@ -1,11 +1,11 @@
 """The rules a configuration must satisfy, one checker per concern, each raising ``ConfigError``.
 
-``ConfigError`` and the shared vocabulary live here: ``QUANT_KINDS`` (the one list of quantization
-kinds every module imports), the allowed values of every choice field, and ``check_outer_schedule``
-(the DiLoCo sync-schedule rules, also called by the outer loop on sections that never went through
-validation). The ``check_*`` functions each look at the sections they name; ``dilocox.config.root.validate``
-calls them in a fixed order, so the first rule broken is the one reported. Every message names the
-field, its value and the constraint, e.g. ``model.n_heads=6 is not divisible by parallel.tensor=4``.
+``ConfigError`` and the shared vocabulary live here: ``QUANT_KINDS`` (the one list of quantization kinds every
+module imports), the allowed values of every choice field, and ``check_outer_schedule`` (the DiLoCo sync-schedule
+rules, also called by the outer loop on sections that never went through validation). The ``check_*`` functions
+each look at the sections they name; ``dilocox.config.root.validate`` calls them in a fixed order, so the first rule
+broken is the one reported. Every message names the field, its value and the constraint, e.g. ``model.n_heads=6 is
+not divisible by parallel.tensor=4``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class ConfigError(ValueError):
 
 QUANT_KINDS = ("none", "fp16", "int8", "int4")  # compress.quant; the one list every module imports
 
+QSUFFIX = ("", "-int8", "-int4")  # swarm.activations: each basis alone or with its quantizer
 _CHOICES = {
     "model.arch": ("gpt2", "opt", "qwen"),
     "model.norm": ("layernorm", "rmsnorm"),
@@ -49,7 +50,7 @@ _CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
-    "optim.schedule": ("cosine", "constant", "linear"),
+    "optim.schedule": ("cosine", "constant", "linear", "wsd", "wsd-sqrt"),
     "optim.name": ("adamw", "muon", "sgd"),
     "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
     "outer.overlap": ("none", "delayed", "eager"),
@@ -61,22 +62,12 @@ _CHOICES = {
     "compress.collective": ("auto", "allgather", "reduce_scatter"),
     "train.device": ("auto", "cpu", "cuda"),
     "train.dtype": ("auto", "fp32", "bf16"),
+    "train.recompute": ("none", "full", "selective"),  # == dilocox.model.recompute.MODES (tests/test_recompute.py)
     "checkpoint.resume_finished": ("error", "skip"),
     "swarm.sync": ("swarm", "diloco"),
     "swarm.routing": ("iwrr", "random", "fixed"),
     # == dilocox.swarm.activations.CODECS (a test keeps them equal; config does not import the swarm package)
-    "swarm.activations": (
-        "none",
-        "fp16",
-        "int8",
-        "int4",
-        "subspace",
-        "subspace-int8",
-        "subspace-int4",
-        "colk",
-        "colk-int8",
-        "colk-int4",
-    ),
+    "swarm.activations": ("none", "fp16", "int8", "int4", *(f"{b}{q}" for b in ("subspace", "colk") for q in QSUFFIX)),
 }
 
 _POSITIVE = (  # checked in this order; None (an unset optional) passes
@@ -108,9 +99,10 @@ _POSITIVE = (  # checked in this order; None (an unset optional) passes
     "train.stop_timeout_s",
     "data.max_bytes",
     "data.bpe_train_bytes",
+    "log.profile_steps",
 )
 
-_NON_NEGATIVE = ("train.eval_batches", "checkpoint.every", "checkpoint.keep")
+_NON_NEGATIVE = ("train.eval_batches", "checkpoint.every", "checkpoint.keep", "log.profile_start")
 
 _RANGES = (  # (field, holds, the allowed range); a NaN fails every one (the loader already refuses non-finite floats)
     ("model.dropout", lambda v: 0 <= v < 1, "must be in [0, 1), e.g. 0.1 (0 = off)"),
@@ -120,6 +112,11 @@ _RANGES = (  # (field, holds, the allowed range); a NaN fails every one (the loa
     ("optim.eps", lambda v: v > 0, "must be > 0, e.g. 1e-8"),
     ("optim.weight_decay", lambda v: v >= 0, "must be >= 0 (0 = off), e.g. 0.1"),
     ("optim.grad_clip", lambda v: v >= 0, "must be >= 0 (0 = off), e.g. 1.0"),
+    (
+        "optim.decay_fraction",
+        lambda v: 0 < v <= 1,
+        "must be in (0, 1]: the share of the steps after the warm-up that decay",
+    ),
 )
 
 

@@ -147,7 +147,10 @@ class OptimConfig:
     lr: float = 4e-4  # the peak: reached at the end of the warm-up
     min_lr_ratio: float = 0.1  # the floor, lr * min_lr_ratio: reached at the last step (train.steps - 1)
     warmup_steps: int = 20  # linear from lr / warmup_steps at step 0 to lr at step warmup_steps - 1
-    schedule: str = "cosine"  # cosine | constant | linear: the decay from the warm-up's end to the floor
+    schedule: str = "cosine"  # cosine | constant | linear: the decay from the warm-up's end to the floor | wsd |
+    # wsd-sqrt: warmup-stable-decay, lr held until the last decay_fraction of the steps after the warm-up, then a
+    # linear (wsd) or 1 - sqrt (wsd-sqrt; Hägele et al. 2024) cool-down to the floor
+    decay_fraction: float = 0.2  # wsd / wsd-sqrt: the share of the steps after the warm-up that cool down
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
@@ -330,6 +333,8 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     compile: bool = False  # torch.compile: at P = T = 1 forward + loss as one graph, else each transformer block
     # (as torchtitan); parameter names unchanged; pays a compile at start-up. docs/BENCHMARKS.md "GPU", 13c
+    recompute: str = "none"  # activation recomputation: none | full (each block keeps its input only and runs its
+    # forward again in the backward) | selective (keeps GEMM and attention outputs, recomputes the rest); same results
     eval_every: int = 50
     eval_batches: int = 4  # 0: no validation (final_val_loss is null in metrics.jsonl and rank_*.json)
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
@@ -370,6 +375,9 @@ class LogConfig:
     progress: bool = True  # progress bar on a TTY
     wandb: bool = False  # also log to Weights & Biases (rank 0, config attached; WANDB_MODE=offline: no network)
     wandb_project: str = "dilocox"  # W&B project; the W&B run is named after log.run_dir and writes to RUN_DIR/wandb
+    profile_start: int = 0  # > 0: a torch.profiler trace of steps profile_start .. + profile_steps - 1 per rank, in
+    # RUN_DIR/profile/ (Chrome trace + the ops by self time; dilocox/profiling.py); 0 = off
+    profile_steps: int = 3
 
 
 @dataclass

@@ -51,6 +51,7 @@ from dilocox.model.parallel_layers import (
     shard_tensor,
     vocab_parallel_cross_entropy,
 )
+from dilocox.model.recompute import run_block
 from dilocox.seeding import text_seed
 
 NORM_NAMES = ("ln_1", "ln_2", "norm_f")  # module names of norms (weights init to 1)
@@ -260,6 +261,7 @@ class StageModel(nn.Module):
         self.mcfg, self.stage, self.n_stages = mcfg, stage, n_stages
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.recompute = "none"  # train.recompute: none | full | selective (model/recompute.py), set by the trainer
         per = mcfg.n_layers // n_stages
         self.layer_ids = list(range(stage * per, (stage + 1) * per))
         linear_fn = select_linear_fn(mcfg.linear_backend)
@@ -310,7 +312,7 @@ class StageModel(nn.Module):
         if self.mcfg.pos_emb == "rope":
             rope = rope_cos_sin(h.shape[1], self.mcfg.head_dim, self.mcfg.rope_theta, h.device)
         for block in self.layers.values():
-            h = block(h, rope)
+            h = run_block(block, self.recompute, h, rope)
         if self.is_last:
             return self.head(self.norm_f(h))
         return h

@@ -181,6 +181,7 @@ def refuse_unsupported(cfg) -> None:
         ("train.device", t.device, t.device == "cuda", "SWARM peers run on the CPU; set it to auto or cpu"),
         ("train.dtype", t.dtype, t.dtype == "bf16", "SWARM peers compute in fp32; set it to auto or fp32"),
         ("train.compile", t.compile, bool(t.compile), "SWARM peers run eagerly; set it to false"),
+        ("log.profile_start", cfg.log.profile_start, cfg.log.profile_start > 0, "SWARM peers are not profiled; set 0"),
     ]
     for key, value, unsupported, fix in bad:
         if unsupported:

@@ -136,6 +136,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         self.digests = bool(os.environ.get(DIGEST_ENV))  # tests: a hash of params + AdamW state after each sync
         torch.manual_seed(cfg.train.seed)
         self.model = build_stage_model(cfg.model, stage=stage, n_stages=self.n, seed=cfg.train.seed)
+        self.model.recompute = cfg.train.recompute
         self.codec = act_codec.ActCodec.from_config(cfg)  # of the activations and gradients at stage boundaries
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # the inner optimizer of `dilocox train` (dilocox.optim): optim.name, no weight decay on biases and norms
