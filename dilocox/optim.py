@@ -36,8 +36,11 @@ def lr_at(step: int, cfg: Config) -> float:
     if o.schedule == "linear":
         return floor + (o.lr - floor) * (1.0 - frac)
     if o.schedule.startswith("wsd"):  # held at lr, then the last decay_fraction of the span cools down to the floor
-        frac = max(0.0, 1.0 - (1.0 - frac) / o.decay_fraction)
-        return floor + (o.lr - floor) * (1.0 - (math.sqrt(frac) if o.schedule == "wsd-sqrt" else frac))
+        stable = 1.0 - o.decay_fraction
+        if frac <= stable:  # (compared, not clamped: 1 - (1 - frac) / share rounds to ~1e-16 at the boundary,
+            return o.lr  # and wsd-sqrt's sqrt made that a ~1e-8 dip below the peak on the stable phase's last step)
+        p = 1.0 if frac >= 1.0 else min(1.0, (frac - stable) / o.decay_fraction)  # the floor exactly at the end
+        return floor + (o.lr - floor) * (1.0 - (math.sqrt(p) if o.schedule == "wsd-sqrt" else p))
     return floor + 0.5 * (o.lr - floor) * (1.0 + math.cos(math.pi * frac))
 
 

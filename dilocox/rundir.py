@@ -59,6 +59,7 @@ SCHEDULE_KEYS = frozenset(
         "optim.min_lr_ratio",
         "optim.warmup_steps",
         "optim.schedule",
+        "optim.decay_fraction",  # (the schedule's shape, as optim.warmup_steps)
         "parallel.data",
         "parallel.pipeline",
         "parallel.tensor",
@@ -69,6 +70,7 @@ SCHEDULE_KEYS = frozenset(
         "model.init_from",  # only the start of a fresh run; a resume loads the checkpoint instead
         "model.init_std",  # (likewise)
         "train.compile",  # how a step's kernels run, not what it computes (as train.device)
+        "train.recompute",  # (likewise: the same results, bit for bit, for less activation memory)
         "model.attn_backend",  # (likewise: SDPA, flash-attn or TE attention of the same function)
         # elastic membership settings: where the lighthouse is and how long to wait, not what a step computes
         # (replica_rank and max_replicas pick the data shard: they are not here)

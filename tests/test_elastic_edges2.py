@@ -39,7 +39,10 @@ STEPPER = textwrap.dedent(
     for s in range(start, end):
         with open(os.path.join(d, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": s}) + "\\n")
-        open(live, "w").write(str(s))
+        tmp = f"{live}.{os.getpid()}"  # (atomic: a reader racing a truncating write read "": int("") exit 1)
+        with open(tmp, "w") as f:
+            f.write(str(s))
+        os.replace(tmp, live)
         time.sleep(0.05)
     """
 )

@@ -42,26 +42,37 @@ class ActivationMeter(TorchDispatchMode):
     """Counts the bytes of the storages that the ops run inside it create, while they live: ``current`` now,
     ``peak`` the most at once. A storage is counted once (views and in-place results share it) and uncounted when it
     is freed (a weakref finalizer), so what autograd keeps for the backward stays counted until the backward drops
-    it. Storages made before the meter was entered (weights, optimizer state) are not counted, nor views of them."""
+    it. Storages made before the meter was entered (weights, optimizer state) are not counted, nor views of them.
+
+    Storages are told apart by their ``StorageImpl`` (``_cdata``), not by ``data_ptr()``: an op that grows a
+    storage in place (an ``out=`` or ``resize_`` output) moves its data and frees its old block while the storage
+    lives on, and a new storage may then get that address; keyed by address, the new one was not counted and the
+    old one's finalizer later dropped the new one's entry. A storage counted here that an op resized is recounted
+    at its new size."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, int] = {}  # StorageImpl (``UntypedStorage._cdata``) -> bytes counted for it
         self.current = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # a view or an in-place result shares an input's storage: not new memory (a weight's transpose is the weight)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 st = t.untyped_storage()
-                key, n = st.data_ptr(), st.nbytes()
-                if n and key not in self.live and key not in inputs:
+                key, n = st._cdata, st.nbytes()
+                if key in self.live:  # one of ours, maybe resized in place (out=, resize_)
+                    self.current += n - self.live[key]
+                    self.live[key] = n
+                elif key not in inputs:  # new (zero bytes too: an out= op may grow it later)
                     self.live[key] = n
                     self.current += n
-                    self.peak = max(self.peak, self.current)
                     weakref.finalize(st, self._freed, key)
+                else:
+                    continue
+                self.peak = max(self.peak, self.current)
         return out
 
     def _freed(self, key: int) -> None:
