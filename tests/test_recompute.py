@@ -36,9 +36,12 @@ def _step(cfg, mode: str, x, y):
     return loss.item(), {n: p.grad for n, p in m.named_parameters()}, held, meter.peak
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen", "gpt2-fp8"])
 def test_every_mode_gives_the_same_loss_and_gradients_bit_for_bit(arch):
-    cfg = load_config(TINY, [*(QWEN if arch == "qwen" else ()), "--model.dropout=0.1"])
+    """(``gpt2-fp8``: model.linear_backend=fp8, emulated on the CPU: its per-tensor scales are recomputed from the
+    same inputs, so the recomputed forward quantizes the same way)"""
+    fp8 = ["--model.linear_backend=fp8"] if arch.endswith("fp8") else []
+    cfg = load_config(TINY, [*(QWEN if arch == "qwen" else ()), *fp8, "--model.dropout=0.1"])
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.model.vocab_size, (4, 64), generator=g) for _ in range(2))
     runs = {mode: _step(cfg, mode, x, y) for mode in MODES}
@@ -51,7 +54,7 @@ def test_every_mode_gives_the_same_loss_and_gradients_bit_for_bit(arch):
     assert runs["full"][2] < runs["selective"][2] < held, (runs["full"][2], runs["selective"][2], held)
     assert runs["full"][3] < 0.6 * peak and runs["selective"][3] < peak, (runs["full"][3], runs["selective"][3], peak)
     # dropout drew masks (a mode that lost the RNG state would have differed): the loss is not the eval loss
-    cfg0 = load_config(TINY, [*(QWEN if arch == "qwen" else ())])
+    cfg0 = load_config(TINY, [*(QWEN if arch == "qwen" else ()), *fp8])
     assert _step(cfg0, "none", x, y)[0] != loss
 
 
@@ -117,6 +120,30 @@ def test_compiled_with_recompute_has_no_graph_breaks(tmp_path, mode, monkeypatch
     assert all(math.isfinite(v) for v in losses)
     assert int(counters["stats"]["unique_graphs"]) == 1, dict(counters["stats"])
     assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_blocks_compiled_one_by_one_recompute_bit_for_bit(mode, monkeypatch):
+    """Under P > 1 or T > 1, ``train.compile`` compiles each block by itself (train.py) and the checkpoint then wraps
+    a compiled block: the recomputed forward runs the compiled graph again, and ``selective``'s policy sees the
+    graph's ops from inside it. Losses and every gradient equal the eager model's without recompute."""
+    compile_ = torch.compile  # aot_eager: the same aten ops as eager, without inductor's code generation
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    cfg = load_config(TINY, [])
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, cfg.model.vocab_size, (2, 32), generator=g) for _ in range(2))
+    loss, grads, *_ = _step(cfg, "none", x, y)
+    m = build_model(cfg.model, seed=1)
+    m.recompute = mode
+    for block in m.layers.values():
+        block.compile()
+    torch.manual_seed(5)
+    got = m.loss(m(x), y)
+    got.backward()
+    assert got.item() == loss
+    assert all(torch.equal(p.grad, grads[n]) for n, p in m.named_parameters()), mode
     torch._dynamo.reset()
 
 
