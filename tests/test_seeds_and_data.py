@@ -92,3 +92,22 @@ def test_a_sampler_state_without_a_content_hash_still_loads():
     other = TokenSampler(tokens, 16, 2, 0, content="cd" * 32)
     with pytest.raises(ConfigError, match="content_sha256='cdcd"):
         new.load_state_dict(other.state_dict())
+
+
+def test_a_byte_order_mark_is_skipped_not_trained_on(tmp_path):
+    """A text file saved with a UTF-8 BOM (Windows editors write one) reads as the same documents as without it: the
+    BOM (U+FEFF) used to stay in the first document, three tokens of a byte tokenizer trained on as text. Small
+    files and a file read in pieces (larger than data pieces) alike; a BOM inside the text is left alone."""
+    from dilocox.config import DataConfig
+    from dilocox.data import sources
+
+    body = "".join(f"line {i} \u00e9\n" for i in range(300))
+    for name, raw in (("plain.txt", body.encode()), ("bom.txt", sources.UTF8_BOM + body.encode())):
+        (tmp_path / name).write_bytes(raw)
+    (tmp_path / "mid.txt").write_bytes(b"a" + sources.UTF8_BOM + b"b")
+    read = lambda p: sources.read_corpus(DataConfig(source="text", path=str(p))).docs  # noqa: E731
+    assert read(tmp_path / "bom.txt") == read(tmp_path / "plain.txt") == [body]
+    assert read(tmp_path / "mid.txt") == ["a\ufeffb"]
+    # in pieces of 1 kB (as a file over TEXT_PIECE_BYTES is read)
+    pieces = list(sources._file_raws([str(tmp_path / "bom.txt")], piece=1000))
+    assert b"".join(pieces) == body.encode() and len(pieces) > 1

@@ -317,10 +317,16 @@ def _char_end(buf: bytes) -> int:
     return i if i > 0 and i + need > len(buf) else len(buf)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _file_raws(files: list[str], piece: int | None = None):
-    """Each file's bytes as one document, or (``piece``) a larger file as documents of at most ``piece`` bytes."""
+    """Each file's bytes as one document, or (``piece``) a larger file as documents of at most ``piece`` bytes. A
+    leading UTF-8 byte order mark (Windows editors write one) is not text: it is skipped, not trained on."""
     for f in files:
         with open(f, "rb") as fh:
+            if fh.read(len(UTF8_BOM)) != UTF8_BOM:
+                fh.seek(0)
             if piece is None or os.fstat(fh.fileno()).st_size <= piece:
                 yield fh.read()
             else:
