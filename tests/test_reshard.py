@@ -380,5 +380,9 @@ def test_per_step_sync_resumes_exactly_and_refuses_another_layout(tmp_path, meth
     full = run_ranks(2, _full_and_save, str(tmp_path), extra)
     for r, losses in enumerate(run_ranks(2, _resume, str(tmp_path / "part"), extra)):
         assert losses == pytest.approx(full[r][STOP:], rel=2e-5, abs=2e-5), (r, losses, full[r][STOP:])
+    if method == "allreduce":
+        # the refusal is one branch for both methods (train_state._Reader.prepare: an outer without per-parameter
+        # state, names.outer_layout None), checked by the [cocktailsgd] case below: 4 more ranks spared here
+        return
     with pytest.raises(RuntimeError, match="resume it on its saved layout R2xD1xP1xT1"):
         run_ranks(4, _resume, str(tmp_path / "part"), extra + ["--parallel.tensor=2"])

@@ -375,12 +375,13 @@ def _wait_for_step(run_dir, step, proc, timeout):
     raise AssertionError(f"the run did not reach step {step} within {timeout} s")
 
 
-@pytest.mark.slow  # two or three subprocess runs of dilocox train each: 20-60 s on 2 loaded cores
-@pytest.mark.parametrize("kill_at", [30, 130])
-def test_kill_9_then_a_plain_rerun_resumes_with_each_step_logged_once(tmp_path, kill_at):
+@pytest.mark.slow  # four subprocess runs of dilocox train: 30-80 s on 2 loaded cores
+def test_kill_9_then_a_plain_rerun_resumes_with_each_step_logged_once(tmp_path):
     """Default checkpoint settings (checkpoint.every=100): kill -9 before the first checkpoint (step 30: the rerun
-    starts over, nothing was saved) and after it (step 130: the rerun resumes from step 100); either way the finished
-    metrics.jsonl holds steps 1..160 once each, and a third run of the same command says 'already finished'."""
+    starts over, nothing was saved), then that rerun killed after it (step 130: the next rerun resumes from step 100);
+    the finished metrics.jsonl holds steps 1..160 once each (neither the first run's steps 1-30 nor the second's
+    101-130 twice), and one more run of the same command says 'already finished'. (One sequence, not one run per
+    kill: the start-over rerun is the run killed at 130.)"""
     run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
     args = [
         f"--log.run_dir={run_dir}",
@@ -402,15 +403,16 @@ def test_kill_9_then_a_plain_rerun_resumes_with_each_step_logged_once(tmp_path, 
             cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
 
-    victim = popen()
-    try:
-        _wait_for_step(run_dir, kill_at, victim, timeout=240)
-    finally:
-        _kill(victim)  # SIGKILL to the process group: no handler runs
-    assert victim.returncode == -signal.SIGKILL
     ckdir = os.path.join(run_dir, "checkpoints")
-    saved = ckpt.find_latest(ckdir)
-    assert (saved is None) if kill_at < 100 else saved.endswith("step_00000100"), saved
+    for kill_at in (30, 130):
+        victim = popen()
+        try:
+            _wait_for_step(run_dir, kill_at, victim, timeout=240)
+        finally:
+            _kill(victim)  # SIGKILL to the process group: no handler runs
+        assert victim.returncode == -signal.SIGKILL
+        saved = ckpt.find_latest(ckdir)
+        assert (saved is None) if kill_at < 100 else saved.endswith("step_00000100"), (kill_at, saved)
     for attempt in ("rerun", "third"):
         p = popen()
         try:
