@@ -377,7 +377,7 @@ class LogConfig:
     wandb_project: str = "dilocox"  # W&B project; the W&B run is named after log.run_dir and writes to RUN_DIR/wandb
     profile_start: int = 0  # > 0: a torch.profiler trace of steps profile_start .. + profile_steps - 1 per rank, in
     # RUN_DIR/profile/ (Chrome trace + the ops by self time; dilocox/profiling.py); 0 = off
-    profile_steps: int = 3
+    profile_steps: int = 3  # how many steps log.profile_start traces (>= 1)
 
 
 @dataclass
