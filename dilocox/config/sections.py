@@ -15,23 +15,23 @@ from dataclasses import dataclass, field
 @dataclass
 class ModelConfig:
     arch: str = "gpt2"  # gpt2 | opt | qwen (qwen also covers llama-style blocks)
-    n_layers: int = 4
-    n_heads: int = 4
+    n_layers: int = 4  # transformer blocks (split over parallel.pipeline stages)
+    n_heads: int = 4  # attention heads (d_model / n_heads per head; a multiple of parallel.tensor)
     n_kv_heads: int | None = None  # None = n_heads (no GQA)
-    d_model: int = 128
+    d_model: int = 128  # the residual stream's width
     d_ff: int | None = None  # None = 4 * d_model
-    vocab_size: int = 256
-    max_seq_len: int = 256
+    vocab_size: int = 256  # embedding rows; must cover the tokenizer (256 for data.tokenizer=byte)
+    max_seq_len: int = 256  # longest sequence (learned position table; RoPE: the bound train.seq_len is checked at)
     norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # epsilon of layernorm / rmsnorm
     activation: str = "gelu"  # gelu | relu | swiglu
     pos_emb: str = "learned"  # learned | rope
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # pos_emb=rope: RoPE's base (Qwen2: 1e6)
     bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
     qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
-    tie_embeddings: bool = False
+    tie_embeddings: bool = False  # the output head shares the token embedding's weight (GPT-2, Qwen2-0.5B: true)
     dropout: float = 0.0  # residual + attention dropout; masks drawn from train.seed + 100 x pipeline stage
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal init of weights (residual output projections: / sqrt(2 n_layers))
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
     init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
@@ -109,7 +109,7 @@ class ParallelConfig:
     pipeline: int = 1  # P: pipeline stages
     tensor: int = 1  # T: tensor-parallel ranks
     schedule: str = "1f1b"  # gpipe | 1f1b | reference (the small hand-written oracle)
-    microbatches: int = 1
+    microbatches: int = 1  # a step's train.batch_size is split into this many microbatches (the pipeline's fill)
     timeout_s: float = 600.0  # bound on every collective inside a replica (process groups' timeout); a stuck rank
     # ends the run
 
@@ -131,11 +131,11 @@ class DataConfig:
     hf_text_field: str = "text"  # hf: the column holding the text
     tokenizer: str = "byte"  # byte | bpe (trained on the corpus) | hf:PATH (a model's own tokenizer.json, or the
     # Hugging Face model directory holding it: GPT-2's, Qwen's; model.vocab_size must cover its vocabulary)
-    bpe_vocab_size: int = 4096
+    bpe_vocab_size: int = 4096  # tokenizer=bpe: the vocabulary it trains (set model.vocab_size to at least this)
     bpe_train_bytes: int | None = 100_000_000  # the BPE trains on about this many bytes of the training documents
     # (every k-th document, k from their sizes): its memory and time stay bounded on a large corpus; None = all
     cache_dir: str = ".cache/dilocox"  # tokenizers and prepared token files
-    val_fraction: float = 0.02
+    val_fraction: float = 0.02  # share of the corpus's bytes held out for validation: its last documents (or a tail)
     max_bytes: int | None = None  # opt-in cap on the raw corpus read: its first N UTF-8 bytes (a run says when it
     # cuts, with the source's size); None = all of it
 
@@ -151,9 +151,9 @@ class OptimConfig:
     # wsd-sqrt: warmup-stable-decay, lr held until the last decay_fraction of the steps after the warm-up, then a
     # linear (wsd) or 1 - sqrt (wsd-sqrt; Hägele et al. 2024) cool-down to the floor
     decay_fraction: float = 0.2  # wsd / wsd-sqrt: the share of the steps after the warm-up that cool down
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (beta1, beta2) of the inner optimizer
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.1  # decoupled weight decay of the tensors of >= 2 dims (biases and norms: none)
     grad_clip: float = 1.0  # global-norm clipping across TP and PP ranks; 0 = off
     name: str = "adamw"  # adamw | muon (torch.optim.Muon on the blocks' hidden matrices, AdamW on the rest) | sgd
     # (sgd only for equivalence tests)
@@ -209,8 +209,8 @@ class OuterConfig:
     sync_every: int = 100  # H inner steps per outer step
     lr: float = 0.7  # with more replicas, raise it together with optim.lr (4 replicas of the tiny model: inner
     # 4x, outer 1.0 at width 64; inner 2x, outer 1.4 at width 128, where 1.7 blows up; docs/BENCHMARKS.md 4h)
-    momentum: float = 0.9
-    nesterov: bool = True
+    momentum: float = 0.9  # the outer SGD's momentum (DiLoCo: 0.9)
+    nesterov: bool = True  # Nesterov momentum for the outer SGD (DiLoCo's outer optimizer)
     optimizer: str = "sgd"  # the outer optimizer (a torch.optim.Optimizer over the shard's θ, dilocox/optim.py):
     # sgd (the papers' outer Nesterov: lr, momentum, nesterov above) | muon (torch.optim.Muon on the blocks' hidden
     # matrices with lr and momentum above, sgd on the rest; TP = 1, no look-ahead; a live join and a resume on
@@ -241,8 +241,8 @@ class OuterConfig:
 
 @dataclass
 class LowRankConfig:
-    enabled: bool = False
-    rank: int = 16
+    enabled: bool = False  # PowerSGD low rank of the pseudo-gradient's matrices (DiLoCoX; compress/lowrank.py)
+    rank: int = 16  # r: the rank (the start rank when compress.adaptive is on)
     min_compression: float = 1.0  # only factor a matrix when (n+m)*r*2 < n*m / min_compression
 
 
@@ -295,47 +295,47 @@ class SignConfig:
 
 @dataclass
 class AdaptiveConfig:
-    enabled: bool = False
-    energy_eps: float = 0.05
-    window: int = 5
-    rank_min: int = 2
-    rank_max: int = 64
-    h_min: int = 10
-    h_max: int = 1000
+    enabled: bool = False  # DiLoCoX's adaptive rank and H after every outer step (compress/adaptive.py; needs lowrank)
+    energy_eps: float = 0.05  # the rank keeps 1 - energy_eps of the averaged pseudo-gradient's energy
+    window: int = 5  # the next rank is the mean of the last `window` effective ranks
+    rank_min: int = 2  # bounds of the rank
+    rank_max: int = 64  # (the rank stays in [rank_min, rank_max])
+    h_min: int = 10  # bounds of H (outer.sync_every), chosen so the sync's time fits under H steps
+    h_max: int = 1000  # (H stays in [h_min, h_max])
 
 
 @dataclass
 class CompressConfig:
     quant: str = "none"  # none | fp16 | int8 | int4
-    group_size: int = 128
+    group_size: int = 128  # int4 / int8: values per bf16 scale
     collective: str = "auto"  # auto | allgather | reduce_scatter. quant: auto all-gathers up to 4 replicas. With
     # compress.sparse auto is the all-gather ((R-1) payloads sent per sync); reduce_scatter has each chunk's owner
     # average, re-sparsify and all-gather the mean (~2 payloads whatever R: 1,001x fewer bytes than all-reduce at
     # R = 8 where the all-gather is 273x, for +0.8..1.2 % loss; +14.5 % at R = 4, width 128: BENCHMARKS 4h;
     # compress/sparse_rs.py). Other codecs: all-gather
-    error_feedback: bool = True
+    error_feedback: bool = True  # keep what a lossy codec did not send and add it to the next sync's input
     lowrank: LowRankConfig = field(default_factory=LowRankConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     sign: SignConfig = field(default_factory=SignConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     # CocktailSGD (ALGORITHMS §8)
-    random_fraction: float = 0.1
-    topk_fraction: float = 0.08
+    random_fraction: float = 0.1  # cocktailsgd: the shared random subset of each tensor's entries
+    topk_fraction: float = 0.08  # cocktailsgd: the top-k by magnitude kept of that subset
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps of the run (the schedule's length)
     batch_size: int = 8  # sequences per replica per step (split into microbatches)
-    seq_len: int = 128
-    seed: int = 1234
+    seq_len: int = 128  # tokens per sequence
+    seed: int = 1234  # the model's init, the data order and the dropout masks
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
     compile: bool = False  # torch.compile: at P = T = 1 forward + loss as one graph, else each transformer block
     # (as torchtitan); parameter names unchanged; pays a compile at start-up. docs/BENCHMARKS.md "GPU", 13c
     recompute: str = "none"  # activation recomputation: none | full (each block keeps its input only and runs its
     # forward again in the backward) | selective (keeps GEMM and attention outputs, recomputes the rest); same results
-    eval_every: int = 50
+    eval_every: int = 50  # validation loss every N steps (and at the end)
     eval_batches: int = 4  # 0: no validation (final_val_loss is null in metrics.jsonl and rank_*.json)
     max_tokens: int | None = None  # stop once this many tokens per replica were trained
     stop_timeout_s: float = 60.0  # after SIGINT/SIGTERM, `dilocox train --nproc N` kills the ranks that have not
@@ -368,9 +368,9 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    run_dir: str = "runs/default"
-    every: int = 10
-    jsonl: bool = True
+    run_dir: str = "runs/default"  # config, metrics.jsonl, checkpoints/, the run lock (one run per directory)
+    every: int = 10  # a log line and a metrics record every N steps (the loss is read off the device only then)
+    jsonl: bool = True  # RUN_DIR/metrics.jsonl (one JSON record per logged step)
     tensorboard: bool = True  # when the tensorboard package is installed
     progress: bool = True  # progress bar on a TTY
     wandb: bool = False  # also log to Weights & Biases (rank 0, config attached; WANDB_MODE=offline: no network)
