@@ -1,5 +1,5 @@
 """The ``dilocox`` command: train | data | bench | plan | launch | lighthouse | swarm | export | import | generate |
-report | secret | checkpoint.
+eval | report | secret | checkpoint.
 
     dilocox train CONFIG [--nproc N] [--section.key=value ...]
     dilocox data prepare CONFIG [--section.key=value ...]
@@ -13,6 +13,7 @@ report | secret | checkpoint.
     dilocox swarm CONFIG [--peers 2,2] [--steps N] [...]   (SWARM: several peers per stage; also launch --swarm)
     dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S] [--no-stop]
+    dilocox eval RUN_DIR|HF_DIR [--text PATH] [--seq-len S]   (held-out loss, perplexity, bits per byte)
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)
     dilocox secret PATH                       (a new run secret, mode 0600: --security.secret_file=PATH)
     dilocox checkpoint convert CKPT_DIR       (checkpoints of the earlier format onto torch.distributed.checkpoint)
@@ -369,6 +370,12 @@ def _generate(argv: list[str]) -> int:
     return main(argv) or 0
 
 
+def _eval(argv: list[str]) -> int:
+    from dilocox.evaluate import main
+
+    return main(argv) or 0
+
+
 def _report(argv: list[str]) -> int:
     from dilocox.runplots import main
 
@@ -403,7 +410,7 @@ def _error_kind(e: BaseException) -> tuple[str, int] | None:
 
 
 # commands whose OSError on a path (an --out that is a file, a directory that cannot be made) is the user's input
-FILE_COMMANDS = ("export", "import", "report", "plan", "generate", "checkpoint")
+FILE_COMMANDS = ("export", "import", "report", "plan", "generate", "eval", "checkpoint")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -419,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": _export,
         "import": _import,
         "generate": _generate,
+        "eval": _eval,
         "report": _report,
         "secret": _secret,
         "checkpoint": _checkpoint,

@@ -1,0 +1,125 @@
+"""``dilocox eval``: every token but the first predicted once; the loss equals transformers' on the same windows of an
+exported model; a zeroed head gives exactly ln(vocab); a run's validation split by default; bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dilocox import hf
+from dilocox.config import load_config
+from dilocox.data.tokenizer import ByteTokenizer
+from dilocox.evaluate import evaluate, main, token_nll, windows
+from dilocox.model.transformer import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(40)) + "caf\u00e9 \u00fcber\n"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    cfg = load_config(os.path.join(ROOT, "configs", "model", "qwen-tiny.yaml"), ["--model.n_layers=2"])
+    out = str(tmp_path_factory.mktemp("eval") / "hf")
+    hf.save_hf_dir(out, cfg.model, build_model(cfg.model, seed=3).gather_full_state_dict(), ByteTokenizer())
+    (tmp_path_factory.getbasetemp() / "eval.txt").write_text(TEXT)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 17, 64, 65, 66, 200])
+@pytest.mark.parametrize("s", [1, 16, 64])
+def test_windows_predict_every_token_but_the_first_once(n, s):
+    spans = windows(n, s)
+    predicted = [i for a, b in spans for i in range(a + 1, b)]
+    assert predicted == list(range(1, n))
+    assert all(2 <= b - a <= s + 1 for a, b in spans)
+
+
+def test_the_loss_equals_transformers_on_the_same_windows(hf_dir, tmp_path_factory):
+    """The exported model read back by transformers (an independent implementation), each window's mean loss (its
+    ``labels``) times its predicted tokens, summed: the same nats as ``dilocox eval --text`` over the same stream."""
+    transformers = pytest.importorskip("transformers")
+    text = str(tmp_path_factory.getbasetemp() / "eval.txt")
+    r = evaluate(hf_dir, text=text, seq_len=48, batch_size=3)
+    ids = list(TEXT.encode()) + [0]  # the byte tokenizer's document, then its end-of-document token
+    assert (r["tokens"], r["predicted"], r["bytes"]) == (len(ids), len(ids) - 1, len(TEXT.encode()))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    nll = 0.0
+    with torch.no_grad():
+        for a, b in windows(len(ids), 48):
+            w = torch.tensor([ids[a:b]])
+            nll += float(ref(input_ids=w, labels=w).loss) * (b - a - 1)
+    assert r["loss"] == pytest.approx(nll / (len(ids) - 1), rel=1e-5)
+    assert r["bits_per_byte"] == pytest.approx(nll / math.log(2) / len(TEXT.encode()), rel=1e-5)
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+
+
+def test_the_batch_size_does_not_change_the_sum():
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["--model.n_layers=1"])
+    model = build_model(cfg.model, seed=0).eval()
+    tokens = np.random.default_rng(0).integers(0, 256, 1000)
+    one = token_nll(model, tokens, 64, batch_size=1)
+    assert one[1] == 999
+    for bs in (2, 5, 100):
+        got = token_nll(model, tokens, 64, batch_size=bs)
+        assert got[1] == 999 and got[0] == pytest.approx(one[0], rel=1e-6)
+
+
+def test_a_zeroed_head_scores_exactly_ln_vocab(tmp_path, monkeypatch):
+    """Uniform logits: the loss is ln(V) for every token, whatever the text (a known answer, no reference model)."""
+    import dilocox.generate as gen
+
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["--model.n_layers=1"])
+    model = build_model(cfg.model, seed=0).eval()
+    head = [p for n, p in model.named_parameters() if n.startswith("lm_head") or n.startswith("head")]
+    assert head, [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        for p in head:
+            p.zero_()
+    monkeypatch.setattr(gen, "load_model", lambda *a, **k: (model, ByteTokenizer(), cfg.model))
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = evaluate("any", text=str(tmp_path / "t.txt"), seq_len=100)
+    v = cfg.model.vocab_size
+    assert r["loss"] == pytest.approx(math.log(v), rel=1e-6)
+    assert r["bits_per_byte"] == pytest.approx(r["predicted"] * math.log2(v) / len(TEXT.encode()), rel=1e-6)
+
+
+def test_a_run_is_evaluated_on_its_validation_split(tmp_path, capsys, monkeypatch):
+    from dilocox.data import prepare
+    from dilocox.train import train
+    from tests.small_run import small_cfg
+
+    cfg = small_cfg(str(tmp_path / "run"), "--train.seq_len=64", steps=4)
+    train(cfg)
+    monkeypatch.chdir(tmp_path)  # (the run's data.cache_dir is absolute: the eval finds it from anywhere)
+    run_dir = cfg.log.run_dir
+    capsys.readouterr()
+    assert main([run_dir, "--json", "--seq-len", "32"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    val = prepare(cfg.data).val_tokens()
+    assert r["source"] == "the run's validation split" and r["tokens"] == len(val) and r["predicted"] == len(val) - 1
+    assert r["bytes"] == int(np.count_nonzero(np.asarray(val) != 0))  # bytes: the non-separator byte tokens
+    assert 0 < r["loss"] < math.log(cfg.model.vocab_size) + 0.5
+    assert main([run_dir, "--max-tokens", "100"]) == 0
+    assert "99 tokens predicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--seq-len", "0"], "--seq-len=0 must be in [1, model.max_seq_len="),
+        (["--seq-len", "100000"], "--seq-len=100000 must be in [1, model.max_seq_len="),
+        (["--max-tokens", "1"], "--max-tokens=1 must be >= 2"),
+        (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+        ([], "is a Hugging Face directory: give the text to evaluate on with --text PATH"),
+        (["--text", "/nonexistent/x.txt"], "eval: "),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(hf_dir, args, msg, capsys):
+    assert main([hf_dir, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("eval: ") and msg in err and len(err.strip().splitlines()) == 1, err
