@@ -52,7 +52,11 @@ def _hand_wsd(step: int, lr: float, warm: int, total: int, ratio: float, share: 
 
 
 @pytest.mark.parametrize("sched", ["wsd", "wsd-sqrt"])
-@pytest.mark.parametrize("steps,warm,share", [(100, 10, 0.2), (21, 1, 0.5), (10, 0, 1.0), (7, 2, 0.1), (3, 0, 0.3)])
+@pytest.mark.parametrize(
+    "steps,warm,share",  # (11, 0, 0.2) ...: the last stable step sits exactly on 1 - share (it once dipped 1e-8 below)
+    [(100, 10, 0.2), (21, 1, 0.5), (10, 0, 1.0), (7, 2, 0.1), (3, 0, 0.3), (11, 0, 0.2), (11, 0, 0.1), (12, 1, 0.2),
+     (6, 0, 0.2), (31, 5, 0.4)],
+)  # fmt: skip
 def test_warmup_stable_decay_matches_the_hand_computation(sched, steps, warm, share):
     cfg = load_config(None, [f"--train.steps={steps}", f"--optim.warmup_steps={warm}", f"--optim.schedule={sched}",
                              "--optim.lr=0.5", "--optim.min_lr_ratio=0.2",
@@ -60,11 +64,18 @@ def test_warmup_stable_decay_matches_the_hand_computation(sched, steps, warm, sh
     got = [lr_at(s, cfg) for s in range(steps)]
     want = [_hand_wsd(s, 0.5, warm, steps, 0.2, share, sched == "wsd-sqrt") for s in range(steps)]
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
-    assert got[-1] == pytest.approx(0.1, rel=1e-12) and all(a >= b for a, b in zip(got[warm:], got[warm + 1 :]))
+    assert got[-1] == 0.5 * 0.2 and all(a >= b for a, b in zip(got[warm:], got[warm + 1 :]))  # the floor exactly
     held = sum(1 for g in got[warm:] if g == 0.5)  # the stable part: exactly the peak
     assert held == sum(1 for s in range(warm, steps) if (s - warm) / max(1, steps - 1 - warm) <= 1 - share)
     if steps == 100:  # 89 steps after the warm-up, the last 20 % cool down: steps 10..81 hold the peak
         assert held == 72
+
+
+def test_wsd_with_decay_fraction_one_is_the_linear_schedule():
+    base = ["--train.steps=37", "--optim.warmup_steps=4", "--optim.lr=0.3", "--optim.min_lr_ratio=0.1"]
+    wsd = load_config(None, [*base, "--optim.schedule=wsd", "--optim.decay_fraction=1"])
+    lin = load_config(None, [*base, "--optim.schedule=linear"])
+    assert [lr_at(s, wsd) for s in range(37)] == pytest.approx([lr_at(s, lin) for s in range(37)], rel=1e-15)
 
 
 @pytest.mark.parametrize("bad", ["0", "1.5", "-0.1"])

@@ -5,21 +5,17 @@
   old storage's finalizer dropped the entry the new one shared (and the growth itself was never counted).
 * ``wsd-sqrt``: the last step of the stable phase (``frac == 1 - decay_fraction``) fell ~1e-8 below the peak
   (``1 - (1 - frac) / share`` rounds to ~1e-16 there, and ``sqrt`` lifts it to ~1e-8), with the default
-  ``decay_fraction=0.2`` at e.g. ``train.steps=11``.
+  ``decay_fraction=0.2`` at e.g. ``train.steps=11`` (those cases are in tests/test_optim_edges.py).
 * a resume refused ``train.recompute`` (same results, as
   ``train.compile``) and ``optim.decay_fraction`` (the schedule, as ``optim.warmup_steps``) as math changes.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from dilocox.bench.memory import ActivationMeter
-from dilocox.config import load_config
-from dilocox.optim import lr_at
 
 
 def test_meter_counts_storages_resized_in_place_and_the_one_that_reuses_their_old_block():
@@ -46,28 +42,6 @@ def test_meter_counts_a_storage_grown_from_zero_bytes_by_an_out_op():
         assert meter.current == 4000, meter.current
         del o
         assert meter.current == 0, meter.current
-
-
-@pytest.mark.parametrize("sched", ["wsd", "wsd-sqrt"])
-@pytest.mark.parametrize("steps,warm,share", [(11, 0, 0.2), (11, 0, 0.1), (12, 1, 0.2), (6, 0, 0.2), (31, 5, 0.4)])
-def test_wsd_holds_exactly_the_peak_up_to_the_last_stable_step(sched, steps, warm, share):
-    cfg = load_config(None, [f"--train.steps={steps}", f"--optim.warmup_steps={warm}", f"--optim.schedule={sched}",
-                             "--optim.lr=0.5", "--optim.min_lr_ratio=0.2",
-                             f"--optim.decay_fraction={share}"])  # fmt: skip
-    span = max(1, steps - 1 - warm)
-    got = [lr_at(s, cfg) for s in range(steps)]
-    stable = [s for s in range(warm, steps) if (s - warm) / span <= 1 - share]
-    assert [got[s] for s in stable] == [0.5] * len(stable), [got[s] for s in stable]
-    assert got[-1] == 0.5 * 0.2  # the floor exactly at the last step
-    assert all(a >= b for a, b in zip(got[warm:], got[warm + 1 :]))
-    assert all(math.isfinite(v) for v in got)
-
-
-def test_wsd_with_decay_fraction_one_is_the_linear_schedule():
-    base = ["--train.steps=37", "--optim.warmup_steps=4", "--optim.lr=0.3", "--optim.min_lr_ratio=0.1"]
-    wsd = load_config(None, [*base, "--optim.schedule=wsd", "--optim.decay_fraction=1"])
-    lin = load_config(None, [*base, "--optim.schedule=linear"])
-    assert [lr_at(s, wsd) for s in range(37)] == pytest.approx([lr_at(s, lin) for s in range(37)], rel=1e-15)
 
 
 @pytest.mark.parametrize("key", ["train.recompute", "optim.decay_fraction"])
