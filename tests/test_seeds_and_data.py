@@ -10,6 +10,7 @@ import torch
 
 from dilocox.config import ConfigError, load_config
 from dilocox.data.sampler import TokenSampler
+from tests.small_run import TINY_RUN_ARGS
 from tests.spawn import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -17,22 +18,8 @@ TEXT = "the quick brown fox jumps over the lazy dog\n" * 400
 
 
 def _cfg(tmp: str, *extra: str, steps: int = 2):
-    return load_config(
-        os.path.join(ROOT, "configs", "tiny.yaml"),
-        [
-            f"--log.run_dir={tmp}/run",
-            f"--data.cache_dir={tmp}/cache",
-            "--data.max_bytes=200000",
-            f"--train.steps={steps}",
-            "--train.batch_size=2",
-            "--train.seq_len=32",
-            "--train.eval_every=0",
-            "--train.eval_batches=1",
-            "--log.tensorboard=false",
-            "--log.progress=false",
-            *extra,
-        ],
-    )
+    args = [f"--log.run_dir={tmp}/run", f"--data.cache_dir={tmp}/cache", f"--train.steps={steps}", *TINY_RUN_ARGS]
+    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*args, *extra])
 
 
 def _stage_seed(rank, world, tmp):
