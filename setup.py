@@ -28,7 +28,7 @@ CSRC = os.path.join("csrc")
 # -g0 (after Python's own -g): no debug info for torch's headers, which made each file's compile 2.6x slower (18 s
 # against 7 s for csrc/bindings.cpp on a 2-core machine) and the object 40x larger; DILOCOX_DEBUG_BUILD=1 keeps it.
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"]
-if not os.environ.get("DILOCOX_DEBUG_BUILD"):
+if os.environ.get("DILOCOX_DEBUG_BUILD", "0") in ("", "0"):
     CXX_FLAGS.append("-g0")
 NVCC_FLAGS = ["-O3"]
 

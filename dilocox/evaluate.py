@@ -3,13 +3,14 @@
 The model is loaded as ``dilocox generate`` loads it (a run's final model from its latest checkpoint of any layout, a
 SWARM run's, or a Hugging Face directory of the supported families). The tokens are either the run's own validation
 split (its prepared data under ``data.cache_dir``; the default for a run directory) or ``--text PATH``: a UTF-8 file,
-a directory or a glob, read as ``data.source=text`` reads it (one file = one document) and encoded with the model's
-tokenizer, each document followed by the end-of-document token, as training saw them.
+a directory or a glob, read as ``data.source=text`` reads it (one file = one document; a file over 1 MB, one per MB)
+and encoded with the model's tokenizer, each document followed by the end-of-document token, as training saw them.
 
-The stream is cut into consecutive windows of ``--seq-len`` + 1 tokens that overlap by one token (each window
-predicts its last ``seq-len`` tokens from the ones before them, inside the window): every token but the first is
-predicted exactly once, with at most ``seq-len`` tokens of context (the non-overlapping evaluation of GPT-2's and
-nanoGPT's reports; a sliding window with more context gives a lower loss). Reported:
+The stream is cut into consecutive windows of ``--seq-len`` + 1 tokens (default: a run's ``train.seq_len``, the
+positions it trained; for a Hugging Face directory ``model.max_seq_len``, at most 1,024) that overlap by one token
+(each window predicts its last ``seq-len`` tokens from the ones before them, inside the window): every token but the
+first is predicted exactly once, with at most ``seq-len`` tokens of context (the non-overlapping evaluation of GPT-2's
+and nanoGPT's reports; a sliding window with more context gives a lower loss). Reported:
 
 * ``loss``: the mean cross-entropy in nats per predicted token (fp32 logits, the model's whole vocabulary, as in
   training), and ``perplexity`` = exp(loss);
@@ -31,6 +32,9 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+HF_WINDOW = 1024  # an HF directory's default window: at most this (Qwen2's max_seq_len of 32,768 with fp32 logits over
+# its 152k vocabulary would be ~20 GB a window)
 
 USAGE = (
     "dilocox eval RUN_DIR|HF_DIR [--text PATH] [--seq-len S] [--batch-size B] [--max-tokens N] [--device cpu|cuda] "
@@ -80,11 +84,15 @@ def encode_docs(tok, docs: list[str]) -> np.ndarray:
 def text_tokens(tok, path: str) -> tuple[np.ndarray, int]:
     """(tokens, UTF-8 bytes) of ``--text PATH`` read as ``data.source=text``."""
     from dilocox.config import DataConfig
-    from dilocox.data.sources import read_corpus
+    from dilocox.data.sources import DataError, read_corpus
 
-    docs = read_corpus(DataConfig(source="text", path=path)).docs
-    if not docs:
-        raise ValueError(f"--text {path}: no text to evaluate (empty files only)")
+    if not path.strip():
+        raise ValueError("--text is empty: give a UTF-8 text file, a directory of them or a glob")
+    try:
+        docs = read_corpus(DataConfig(source="text", path=path)).docs
+    except (DataError, FileNotFoundError) as e:  # (their messages name data.path and data.source: say --text)
+        why = str(e).split("; ")[0].replace(f"data.path={path!r}", "").replace("data.source='text'", "").strip()
+        raise ValueError(f"--text {path}: {why}; give a UTF-8 text file, a directory of them or a glob") from None
     return encode_docs(tok, docs), sum(len(d.encode("utf-8")) for d in docs)
 
 
@@ -92,9 +100,18 @@ def val_tokens(run_dir: str, tok) -> tuple[np.ndarray, int]:
     """(tokens, UTF-8 bytes) of a run's validation split (its prepared data; prepared again where missing)."""
     from dilocox.config import load_config
     from dilocox.data import prepare
+    from dilocox.generate import note_if_prepared_again
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    tokens = np.asarray(prepare(cfg.data).val_tokens()).astype(np.int64)
+    note_if_prepared_again(cfg.data, "for its validation split")
+    prepared = prepare(cfg.data)
+    mine, theirs = (getattr(getattr(t, "tok", None), "to_str", lambda: None)() for t in (tok, prepared.tokenizer()))
+    if mine != theirs:  # (a BPE trained again on a corpus that changed since the run: other ids for the same text)
+        raise ValueError(
+            f"{run_dir}: the run's validation split (prepared at {prepared.dir}) is tokenized with another tokenizer "
+            "than the model's: the corpus changed since the run; evaluate on a text with --text PATH"
+        )
+    tokens = np.asarray(prepared.val_tokens()).astype(np.int64)
     eot = getattr(tok, "eot_id", None)
     text = tok.decode([int(t) for t in tokens if t != eot])
     return tokens, len(text.encode("utf-8"))
@@ -103,6 +120,7 @@ def val_tokens(run_dir: str, tok) -> tuple[np.ndarray, int]:
 def evaluate(path: str, text: str | None = None, seq_len: int | None = None, batch_size: int = 8,
              max_tokens: int | None = None, device: str = "cpu", replica_params: bool = False) -> dict:  # fmt: skip
     """The report of the module docstring, as a dict."""
+    from dilocox.config import load_config
     from dilocox.generate import load_model
 
     if max_tokens is not None and max_tokens < 2:  # (the flags first: before the slow model load)
@@ -110,13 +128,16 @@ def evaluate(path: str, text: str | None = None, seq_len: int | None = None, bat
     if batch_size < 1:
         raise ValueError(f"--batch-size={batch_size} must be >= 1")
     model, tok, mcfg = load_model(path, device, replica_params)
-    seq_len = mcfg.max_seq_len if seq_len is None else seq_len
+    is_run = os.path.exists(os.path.join(path, "config.yaml"))
+    if seq_len is None:  # a run: the positions it trained (a learned position table is untrained beyond them)
+        trained = load_config(os.path.join(path, "config.yaml")).train.seq_len if is_run else HF_WINDOW
+        seq_len = min(trained, mcfg.max_seq_len)
     if not 1 <= seq_len <= mcfg.max_seq_len:
         raise ValueError(f"--seq-len={seq_len} must be in [1, model.max_seq_len={mcfg.max_seq_len}]")
     if text is not None:
         tokens, n_bytes = text_tokens(tok, text)
         source = f"text {text}"
-    elif os.path.exists(os.path.join(path, "config.yaml")):
+    elif is_run:
         tokens, n_bytes = val_tokens(path, tok)
         source = "the run's validation split"
     else:
@@ -149,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox eval", usage=USAGE, description=__doc__.split("\n\n")[0])
     ap.add_argument("path", help="a run directory (its latest checkpoint) or a Hugging Face model directory")
     ap.add_argument("--text", help="a UTF-8 file, directory or glob to evaluate on (default: the run's val split)")
-    ap.add_argument("--seq-len", type=int, help="tokens of context per window (default: model.max_seq_len)")
+    ap.add_argument("--seq-len", type=int, help="tokens per window (default: a run's train.seq_len; HF: <= 1024)")
     ap.add_argument("--batch-size", type=int, default=8, help="windows per forward (default 8)")
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

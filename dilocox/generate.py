@@ -82,18 +82,24 @@ def run_tokenizer(cfg, run_dir: str | None = None):
     if data.tokenizer.startswith(PRETRAINED):
         return BPETokenizer.from_file(pretrained_path(data.tokenizer))
     from dilocox.data import prepare
+
+    note_if_prepared_again(data, "to rebuild the run's BPE tokenizer; if the corpus changed since the run, that BPE is "
+                           "not the one the model was trained with")  # fmt: skip
+    return prepare(data).tokenizer()
+
+
+def note_if_prepared_again(data, why: str) -> None:
+    """A note on stderr when ``prepare(data)`` will tokenize the corpus again: the run's prepared data is not where
+    its config says (a relative data.cache_dir read from another directory, a deleted cache, a moved corpus)."""
     from dilocox.data.prepare import default_out_dir
 
     if data.source != "memmap" and not os.path.exists(os.path.join(out := default_out_dir(data), "meta.json")):
         print(
             f"note: the run's tokenized data is not at {out} (data.cache_dir={data.cache_dir!r}, read from the "
-            f"current directory when relative, and data.path={data.path!r} as it is now): preparing it again to "
-            "rebuild the run's BPE tokenizer; if the corpus changed since the run, that BPE is not the one the model "
-            "was trained with",
+            f"current directory when relative, and data.path={data.path!r} as it is now): preparing it again {why}",
             file=sys.stderr,
             flush=True,
         )
-    return prepare(data).tokenizer()
 
 
 class _HFTokenizer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 from dilocox import hf
 from dilocox.config import load_config
 from dilocox.data.tokenizer import ByteTokenizer
-from dilocox.evaluate import evaluate, main, token_nll, windows
+from dilocox.evaluate import evaluate, main, token_nll, val_tokens, windows
 from dilocox.model.transformer import build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +106,12 @@ def test_a_run_is_evaluated_on_its_validation_split(tmp_path, capsys, monkeypatc
     assert r["bytes"] == int(np.count_nonzero(np.asarray(val) != 0))  # bytes: the non-separator byte tokens
     assert 0 < r["loss"] < math.log(cfg.model.vocab_size) + 0.5
     assert main([run_dir, "--max-tokens", "100"]) == 0
-    assert "99 tokens predicted" in capsys.readouterr().out
+    out = capsys.readouterr().out  # the default window: the run's train.seq_len (64), not model.max_seq_len
+    assert "99 tokens predicted" in out and "windows of 64)" in out and cfg.model.max_seq_len > 64, out
+    # a validation split tokenized otherwise than the model's tokenizer (a BPE trained again on an edited corpus)
+    other = SimpleNamespace(tok=SimpleNamespace(to_str=lambda: "another BPE"), eot_id=0, decode=lambda ids: "")
+    with pytest.raises(ValueError, match="tokenized with another tokenizer than the model's"):
+        val_tokens(run_dir, other)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +122,8 @@ def test_a_run_is_evaluated_on_its_validation_split(tmp_path, capsys, monkeypatc
         (["--max-tokens", "1"], "--max-tokens=1 must be >= 2"),
         (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
         ([], "is a Hugging Face directory: give the text to evaluate on with --text PATH"),
-        (["--text", "/nonexistent/x.txt"], "eval: "),
+        (["--text", "/nonexistent/x.txt"], "--text /nonexistent/x.txt: does not exist"),
+        (["--text", ""], "--text is empty"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(hf_dir, args, msg, capsys):

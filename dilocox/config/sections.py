@@ -30,7 +30,7 @@ class ModelConfig:
     bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
     qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
     tie_embeddings: bool = False  # the output head shares the token embedding's weight (GPT-2, Qwen2-0.5B: true)
-    dropout: float = 0.0  # residual + attention dropout; masks drawn from train.seed + 100 x pipeline stage
+    dropout: float = 0.0  # embedding, residual and attention dropout; masks from train.seed + 100 x pipeline stage
     init_std: float = 0.02  # std of the normal init of weights (residual output projections: / sqrt(2 n_layers))
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
@@ -295,7 +295,7 @@ class SignConfig:
 
 @dataclass
 class AdaptiveConfig:
-    enabled: bool = False  # DiLoCoX's adaptive rank and H after every outer step (compress/adaptive.py; needs lowrank)
+    enabled: bool = False  # DiLoCoX's adaptive H and (with compress.lowrank) rank after every outer step (adaptive.py)
     energy_eps: float = 0.05  # the rank keeps 1 - energy_eps of the averaged pseudo-gradient's energy
     window: int = 5  # the next rank is the mean of the last `window` effective ranks
     rank_min: int = 2  # bounds of the rank
@@ -369,8 +369,9 @@ class CheckpointConfig:
 @dataclass
 class LogConfig:
     run_dir: str = "runs/default"  # config, metrics.jsonl, checkpoints/, the run lock (one run per directory)
-    every: int = 10  # a log line and a metrics record every N steps (the loss is read off the device only then)
-    jsonl: bool = True  # RUN_DIR/metrics.jsonl (one JSON record per logged step)
+    every: int = 10  # a log line every N steps, when the records of the steps since (one per step) are read off
+    # the device and written to metrics.jsonl: no host sync in between
+    jsonl: bool = True  # RUN_DIR/metrics.jsonl (one JSON record per step, written every log.every steps)
     tensorboard: bool = True  # when the tensorboard package is installed
     progress: bool = True  # progress bar on a TTY
     wandb: bool = False  # also log to Weights & Biases (rank 0, config attached; WANDB_MODE=offline: no network)

@@ -55,9 +55,9 @@ from dilocox.data.tokenizer import (
     pretrained_path,
 )
 
-FORMAT = 4  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
+FORMAT = 5  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
 # 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES; 4: data.max_bytes
-# cutting inside a character made an empty document)
+# cutting inside a character made an empty document; 5: a text file's leading UTF-8 byte order mark is skipped)
 
 
 @dataclass
