@@ -84,7 +84,8 @@ def test_a_sampler_state_without_a_content_hash_still_loads():
 def test_a_byte_order_mark_is_skipped_not_trained_on(tmp_path):
     """A text file saved with a UTF-8 BOM (Windows editors write one) reads as the same documents as without it: the
     BOM (U+FEFF) used to stay in the first document, three tokens of a byte tokenizer trained on as text. Small
-    files and a file read in pieces (larger than data pieces) alike; a BOM inside the text is left alone."""
+    files, a file read in pieces and local .txt files read through data.source=hf alike; a BOM inside the text is
+    left alone."""
     from dilocox.config import DataConfig
     from dilocox.data import sources
 
@@ -95,6 +96,9 @@ def test_a_byte_order_mark_is_skipped_not_trained_on(tmp_path):
     read = lambda p: sources.read_corpus(DataConfig(source="text", path=str(p))).docs  # noqa: E731
     assert read(tmp_path / "bom.txt") == read(tmp_path / "plain.txt") == [body]
     assert read(tmp_path / "mid.txt") == ["a\ufeffb"]
+    # data.source=hf reads local .txt files as one row per file (datasets keeps the BOM as U+FEFF): the same
+    hf = lambda p: sources.read_corpus(DataConfig(source="hf", path=str(p))).docs  # noqa: E731
+    assert hf(tmp_path / "bom.txt") == hf(tmp_path / "plain.txt") == [body]
     # in pieces of 1 kB (as a file over TEXT_PIECE_BYTES is read)
     pieces = list(sources._file_raws([str(tmp_path / "bom.txt")], piece=1000))
     assert b"".join(pieces) == body.encode() and len(pieces) > 1

@@ -429,6 +429,7 @@ class DocStream:
             size = lambda: sum(os.path.getsize(f) for f in files)  # noqa: E731
             return _file_raws(files, TEXT_PIECE_BYTES), size, f"text {cfg.path}"
         ds, where = _hf_rows(cfg)
+        files_of_text = where.startswith("text files")  # one row per local file (sample_by=document)
 
         def rows():
             for n, row in enumerate(ds):
@@ -444,6 +445,8 @@ class DocStream:
                         f"data.hf_text_field={cfg.hf_text_field!r} of {where} holds a {type(text).__name__}, not "
                         f"text (row {n}: {str(text)[:80]!r}); name the column that holds the documents' text"
                     )
+                if files_of_text and text.startswith("\ufeff"):  # a file's UTF-8 byte order mark: not text
+                    text = text[1:]
                 yield text.encode("utf-8")
 
         return rows(), lambda: None, f"hf {where}, field {cfg.hf_text_field!r}"
