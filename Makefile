@@ -14,8 +14,8 @@ STAMP := .install-$(PY_ID).stamp
 # test workers (pytest-xdist): most multi-process tests wait on sockets and timers, so 2 cores keep 2 busy.
 # In file order (xdist's default 'load'), heavy multi-process tests mix with light ones: 25-30 min for the full
 # suite on 2 cores (2026-12-02: 1,932 tests in 1,480 s, 1,806 s beside other work; 13.4 min when smaller);
-# slow-first with --dist worksteal bunched the heavy ones together. XDIST=4 took 22.8 min in one fresh-clone run (load ~10): not
-# the default, the fault tests' time bounds were set for 2 workers
+# slow-first with --dist worksteal bunched the heavy ones together. XDIST=4 took 22.8 min in one fresh-clone run
+# (load ~10): not the default, the fault tests' time bounds were set for 2 workers
 XDIST ?= 2
 
 .PHONY: install train test test-all test-gpu bench-kernels clean
