@@ -112,9 +112,13 @@ def val_tokens(run_dir: str, tok) -> tuple[np.ndarray, int]:
             "than the model's: the corpus changed since the run; evaluate on a text with --text PATH"
         )
     tokens = np.asarray(prepared.val_tokens()).astype(np.int64)
+    return tokens, text_bytes(tok, tokens)
+
+
+def text_bytes(tok, tokens: np.ndarray) -> int:
+    """The UTF-8 bytes of the text ``tokens`` decode to (end-of-document tokens have none)."""
     eot = getattr(tok, "eot_id", None)
-    text = tok.decode([int(t) for t in tokens if t != eot])
-    return tokens, len(text.encode("utf-8"))
+    return len(tok.decode([int(t) for t in tokens if t != eot]).encode("utf-8"))
 
 
 def evaluate(path: str, text: str | None = None, seq_len: int | None = None, batch_size: int = 8,
@@ -143,10 +147,8 @@ def evaluate(path: str, text: str | None = None, seq_len: int | None = None, bat
     else:
         raise ValueError(f"{path} is a Hugging Face directory: give the text to evaluate on with --text PATH")
     if max_tokens is not None and len(tokens) > max_tokens:
-        kept = tokens[:max_tokens]
-        eot = getattr(tok, "eot_id", None)
-        n_bytes = len(tok.decode([int(t) for t in kept if t != eot]).encode("utf-8"))
-        tokens = kept
+        tokens = tokens[:max_tokens]
+        n_bytes = text_bytes(tok, tokens)
     if len(tokens) < 2:
         raise ValueError(f"{source}: {len(tokens)} token(s); at least 2 are needed to predict one")
     if int(tokens.max()) >= mcfg.vocab_size:
