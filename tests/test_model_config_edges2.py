@@ -1,8 +1,9 @@
 """Edges of the model and the config a second review found: each case failed on the code before its fix.
 
 - an impossible model setting that loaded and only failed later: ``model.rope_theta <= 0`` (a NaN rotation table,
-  trained on silently), ``model.dropout > 0`` with ``parallel.tensor > 1`` and ``model.arch=qwen`` left with GPT-2's
-  blocks (both refused only when the ranks built the model, under torchrun's failure report);
+  trained on silently) and ``model.arch=qwen`` left with GPT-2's blocks (refused only when the ranks built the model,
+  under torchrun's failure report); ``model.dropout > 0`` with ``parallel.tensor > 1``, once refused the same way, is
+  supported now (tests/test_tp_dropout.py);
 - overrides whose text YAML types differently from what the field's coercion accepts: ``--model.bias=1`` / ``=0``
   (YAML's int, refused although the coercion takes "1"/"0"), ``--train.max_tokens=1e9`` (YAML 1.1's text "1e9",
   refused while ``1.0e9`` loaded);
@@ -39,10 +40,9 @@ def test_rope_theta_must_be_positive_at_load_and_build(theta):
     assert load_config(None, [*ROPE, "--model.rope_theta=1e6"]).model.rope_theta == 1e6
 
 
-def test_dropout_with_tensor_parallel_fails_at_load():
-    """Before: loaded; every rank then failed building the model ("config error (rank 0)...", torchrun's report)."""
-    msg = _err(["--model.dropout=0.1", "--parallel.tensor=2"])
-    assert msg.startswith("model.dropout=0.1 must be 0 with parallel.tensor=2") and "model.dropout=0" in msg, msg
+def test_dropout_with_tensor_parallel_loads():
+    """Once refused (no TP-aware RNG); attention.tp_rank_dropout gives each TP rank its own attention masks now."""
+    assert load_config(None, ["--model.dropout=0.1", "--parallel.tensor=2"]).model.dropout == 0.1
     assert load_config(None, ["--model.dropout=0.1"]).model.dropout == 0.1  # one TP rank: fine
     assert load_config(None, ["--parallel.tensor=2"]).parallel.tensor == 2
 

@@ -89,9 +89,9 @@ def _losses(rank, world, tmp, extra, steps):
     "layout",
     [
         ["--parallel.pipeline=2", "--parallel.microbatches=2", "--model.dropout=0.1", "full"],
-        ["--parallel.tensor=2", "selective"],
+        ["--parallel.tensor=2", "--model.dropout=0.1", "selective"],
     ],
-    ids=["pp2-full-dropout", "tp2-selective"],
+    ids=["pp2-full-dropout", "tp2-selective-dropout"],
 )
 def test_the_trainer_with_recompute_follows_the_same_losses(tmp_path, layout):
     for out in run_ranks(2, _losses, str(tmp_path), layout, 3):

@@ -215,9 +215,6 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
     ):
         if n % t:
             _fail(name, n, f"is not divisible by parallel.tensor={t}{why}")
-    if m.dropout > 0 and t > 1:  # (the model refuses it when built; here before any rank starts)
-        _fail("model.dropout", m.dropout, f"must be 0 with parallel.tensor={t} > 1 (no TP-synchronised RNG: the TP "
-              "ranks would drop different units of the activations they share); set model.dropout=0")  # fmt: skip
     if m.n_layers % p.pipeline:
         _fail(
             "model.n_layers",

@@ -30,7 +30,7 @@ class ModelConfig:
     bias: bool = True  # biases in linear layers (GPT-2/OPT: true; Qwen: false)
     qkv_bias: bool | None = None  # None = same as bias (Qwen1.5: true with bias false)
     tie_embeddings: bool = False  # the output head shares the token embedding's weight (GPT-2, Qwen2-0.5B: true)
-    dropout: float = 0.0  # embedding, residual and attention dropout; masks from train.seed + 100 x pipeline stage
+    dropout: float = 0.0  # embedding, residual, attention dropout; seed: train.seed + 100 x stage (+ TP rank: attn)
     init_std: float = 0.02  # std of the normal init of weights (residual output projections: / sqrt(2 n_layers))
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)

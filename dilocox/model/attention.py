@@ -8,6 +8,14 @@ attention when ``Hkv < H``). Head counts are the ones local to a tensor-parallel
   flash / memory-efficient / math kernel itself). GQA via ``enable_gqa`` (torch >= 2.5).
 - ``flash_attn``: Tri Dao's ``flash_attn_func`` (CUDA, fp16/bf16 only), guarded import.
 - ``te``: Transformer Engine ``DotProductAttention``, guarded import.
+
+Attention dropout under tensor parallelism (``tp_rank_dropout``): each TP rank holds other heads, so its
+attention-probability masks must be drawn from its own stream, while the dropout of the activations the TP ranks
+share (residual, embedding) must draw the same masks on every rank (Megatron's model-parallel RNG). The kernel runs
+with the device's default generator seeded from ``(a draw of the CPU default generator, tp rank)`` and the
+generator's state put back afterwards: every TP rank consumes the shared streams identically, the checkpointed RNG
+state still resumes a run exactly, and a recomputed forward (``torch.utils.checkpoint`` restores the CPU state)
+draws the same masks again.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dilocox.config import ConfigError
+from dilocox.seeding import mix_seed
 
 BACKENDS = ("sdpa", "flash_attn", "te")
 
@@ -97,3 +106,25 @@ def make_attention(backend: str, n_heads: int, n_kv_heads: int, head_dim: int, d
     if backend == "te":
         return TEAttention(n_heads, n_kv_heads, head_dim, dropout)
     raise ConfigError(f"model.attn_backend={backend!r} is not one of {list(BACKENDS)}")
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    mod = torch.get_device_module(device.type)
+    return mod.default_generators[device.index if device.index is not None else mod.current_device()]
+
+
+def tp_rank_dropout(kernel: nn.Module, tp_rank: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``kernel(q, k, v)`` with its dropout drawn from a stream of this tensor-parallel rank's own (module doc).
+
+    Not for ``torch.compile`` to trace (it swaps the generator's state): the caller wraps it in
+    ``torch.compiler.disable`` (a graph break each side of the attention kernel)."""
+    shared = int(torch.randint(0, 2**62, (1,)).item())  # the CPU default generator: the same on every TP rank
+    gen = _default_generator(q.device)
+    saved = gen.get_state()
+    gen.manual_seed(mix_seed(shared, tp_rank))
+    try:
+        return kernel(q, k, v)
+    finally:
+        gen.set_state(saved)

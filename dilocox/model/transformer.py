@@ -37,7 +37,7 @@ from dilocox.config import ConfigError, ModelConfig
 from dilocox.config.checks import check_subspace
 from dilocox.distributed.topology import group_rank, group_world
 from dilocox.model import subspace
-from dilocox.model.attention import make_attention
+from dilocox.model.attention import make_attention, tp_rank_dropout
 from dilocox.model.fp8 import select_linear_fn, tell_if_emulated
 from dilocox.model.parallel_layers import (
     ColumnParallelLinear,
@@ -146,6 +146,9 @@ class Attention(nn.Module):
         )
         self.o_expand = make_expand(mcfg, constrained)
         self.kernel = make_attention(mcfg.attn_backend, self.n_heads, self.n_kv_heads, hd, mcfg.dropout)
+        # attention dropout on TP-split heads: masks of this rank's own (attention.tp_rank_dropout), run eagerly
+        self.dropout_rank = group_rank(tp_group) if mcfg.dropout and tp_size > 1 else None
+        self.eager_tp_dropout = torch.compiler.disable(tp_rank_dropout) if self.dropout_rank is not None else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -155,7 +158,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.kernel(q, k, v).reshape(b, s, self.n_heads * self.head_dim)
+        if self.dropout_rank is not None and self.training:
+            y = self.eager_tp_dropout(self.kernel, self.dropout_rank, q, k, v)
+        else:
+            y = self.kernel(q, k, v)
+        y = y.reshape(b, s, self.n_heads * self.head_dim)
         return self.o_expand(self.o_proj(y))
 
 
@@ -226,8 +233,6 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
     if mcfg.tie_embeddings and n_stages > 1:
         bad("model.tie_embeddings", True, f"is not supported with parallel.pipeline={n_stages} > 1")
     check_subspace(mcfg)
-    if mcfg.dropout > 0 and tp_size > 1:
-        bad("model.dropout", mcfg.dropout, f"must be 0 with parallel.tensor={tp_size} > 1 (no TP-synchronised RNG)")
     if group_world(tp_group) != tp_size:
         bad("tp_size", tp_size, f"does not match the size {group_world(tp_group)} of the tensor-parallel group passed")
     if tp_group is not None and group_rank(tp_group) != tp_rank:
