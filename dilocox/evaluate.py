@@ -15,7 +15,9 @@ and nanoGPT's reports; a sliding window with more context gives a lower loss). R
 * ``loss``: the mean cross-entropy in nats per predicted token (fp32 logits, the model's whole vocabulary, as in
   training), and ``perplexity`` = exp(loss);
 * ``bits_per_byte``: the summed cross-entropy in bits over the UTF-8 bytes of the text evaluated (end-of-document
-  tokens have no bytes, their loss counts): comparable across tokenizers, where the loss per token is not.
+  tokens have no bytes, their loss counts): comparable across tokenizers, where the loss per token is not. The bytes
+  are counted per token (``byte_count``), so a ``--max-tokens`` cut inside a character counts the bytes its tokens
+  hold; under a tokenizer without a byte-level decoder (a SentencePiece ``hf:`` one), the decoded text's bytes.
 
 Windows run in batches of ``--batch-size`` under ``torch.no_grad``; the result does not depend on the batch size
 beyond float summation order. ``--max-tokens`` evaluates only the first N tokens (a quick look at a large corpus).
@@ -116,9 +118,12 @@ def val_tokens(run_dir: str, tok) -> tuple[np.ndarray, int]:
 
 
 def text_bytes(tok, tokens: np.ndarray) -> int:
-    """The UTF-8 bytes of the text ``tokens`` decode to (end-of-document tokens have none)."""
+    """The UTF-8 bytes the ``tokens`` stand for (end-of-document tokens have none; a stream cut inside a character
+    counts the bytes its tokens hold under a byte-level tokenizer, the decoded text's under another)."""
     eot = getattr(tok, "eot_id", None)
-    return len(tok.decode([int(t) for t in tokens if t != eot]).encode("utf-8"))
+    ids = [int(t) for t in tokens if t != eot]
+    count = getattr(tok, "byte_count", None)
+    return count(ids) if count is not None else len(tok.decode(ids).encode("utf-8"))
 
 
 def evaluate(path: str, text: str | None = None, seq_len: int | None = None, batch_size: int = 8,

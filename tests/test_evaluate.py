@@ -130,3 +130,48 @@ def test_bad_input_is_one_line_exit_2(hf_dir, args, msg, capsys):
     assert main([hf_dir, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("eval: ") and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_cut_inside_a_character_counts_the_bytes_its_tokens_hold(hf_dir, tmp_path_factory):
+    """``--max-tokens`` cutting inside "é" (2 bytes): the byte tokenizer's count is the cut's length (decoding the cut
+    gave U+FFFD, 3 bytes, before)."""
+    text = str(tmp_path_factory.getbasetemp() / "eval.txt")
+    cut = TEXT.encode().index("é".encode()) + 1
+    r = evaluate(hf_dir, text=text, seq_len=48, max_tokens=cut)
+    assert (r["tokens"], r["bytes"]) == (cut, cut)
+
+
+def test_a_byte_level_bpe_counts_every_cut_exactly():
+    """For every cut of a byte-level BPE stream, the two sides' bytes add up to the text's, and a cut the decoder
+    renders whole (no U+FFFD) counts the decoded text's bytes (tokenizers' own ByteLevel decoder as the reference)."""
+    from tokenizers import pre_tokenizers
+
+    from dilocox.data.tokenizer import byte_level_alphabet, train_bpe
+
+    assert set(byte_level_alphabet()) == set(pre_tokenizers.ByteLevel.alphabet())
+    docs = ["caf\u00e9 \u00fcber \u65e5\u672c\u8a9e \u2713 " * 15, "emoji \U0001f389\U0001f389 d\u00e9j\u00e0 vu " * 12]
+    tok = train_bpe(docs, 320)
+    whole = 0
+    for d in docs:
+        ids, n = tok.encode(d), len(d.encode("utf-8"))
+        assert tok.byte_count(ids) == n
+        for k in range(len(ids) + 1):
+            head = tok.byte_count(ids[:k])
+            assert head + tok.byte_count(ids[k:]) == n, k
+            text = tok.decode(ids[:k])
+            if "\ufffd" not in text:
+                whole += 1
+                assert head == len(text.encode("utf-8")), k
+    assert whole > 20
+
+
+def test_another_decoder_counts_the_decoded_text():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dilocox.data.tokenizer import BPETokenizer
+
+    t = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "ab": 1, "\u00e9t\u00e9": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = BPETokenizer(t)
+    ids = tok.encode("ab \u00e9t\u00e9 ab")
+    assert ids == [1, 2, 1] and tok.byte_count(ids) == len(tok.decode(ids).encode("utf-8"))

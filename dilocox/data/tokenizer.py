@@ -5,8 +5,10 @@ directory holding it, e.g. GPT-2's or Qwen's), so ``model.init_from`` keeps that
 export`` writes the same tokenizer back; its end-of-document token is the first of ``EOT_CANDIDATES`` it has.
 
 Common interface: ``encode(str) -> list[int]``, ``decode(ids) -> str``, ``vocab_size``,
-``eot_id`` (the end-of-document token appended after every document) and
-``encode_docs(docs) -> np.ndarray`` (all documents, each followed by ``eot_id``).
+``eot_id`` (the end-of-document token appended after every document),
+``encode_docs(docs) -> np.ndarray`` (all documents, each followed by ``eot_id``) and
+``byte_count(ids) -> int`` (the UTF-8 bytes the tokens stand for, exact for any cut of a byte-level stream:
+``dilocox eval``'s bits per byte).
 
 The BPE is GPT-2 style (ByteLevel pre-tokenizer and decoder, so any text round-trips exactly),
 with one special token ``<|endoftext|>`` (id 0). It is trained on the training split only and
@@ -54,9 +56,26 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def byte_count(self, ids: Iterable[int]) -> int:
+        return sum(1 for _ in ids)
+
     def encode_docs(self, docs: list[str]) -> np.ndarray:
         sep = bytes([self.eot_id])
         return np.frombuffer(sep.join(d.encode("utf-8") for d in docs) + sep, dtype=np.uint8).copy()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """ByteLevel's character for each byte (GPT-2's scheme): the printable Latin-1 bytes stand for themselves, the
+    other 68 bytes, in order, for the characters from U+0100 on."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + n)] = b
+            n += 1
+    return out
 
 
 def eot_id_of(tok) -> int | None:
@@ -81,6 +100,33 @@ class BPETokenizer:
                 "separates documents with one: use a tokenizer that has one (GPT-2's, Qwen's, Llama's)"
             )
         self.eot_id = eot
+        self._byte_lengths: np.ndarray | None = None
+
+    def byte_count(self, ids: Iterable[int]) -> int:
+        """The UTF-8 bytes of ``ids``: summed per token under a ByteLevel decoder (a cut inside a character counts
+        the bytes its tokens hold), else the length of the decoded text."""
+        ids = [int(i) for i in ids]
+        if self._byte_lengths is None:
+            self._byte_lengths = self._token_byte_lengths()
+        if not len(self._byte_lengths):
+            return len(self.decode(ids).encode("utf-8"))
+        return int(self._byte_lengths[ids].sum()) if ids else 0
+
+    def _token_byte_lengths(self) -> np.ndarray:
+        """Bytes per id under a ByteLevel decoder (an added token: its text's); empty for another decoder."""
+        import json
+
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        if "ByteLevel" not in kinds or len(kinds) > 1:
+            return np.zeros(0, dtype=np.int64)
+        alphabet = byte_level_alphabet()
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
+            out[i] = sum(1 if ch in alphabet else len(ch.encode("utf-8")) for ch in token)
+        for i, added in self.tok.get_added_tokens_decoder().items():
+            out[i] = len(added.content.encode("utf-8"))
+        return out
 
     @classmethod
     def from_file(cls, path: str) -> BPETokenizer:
