@@ -180,6 +180,9 @@ def check_field_values(cfg: Any) -> None:
             "tensor-parallel layout, which this version's TP layers do not use; use model.linear_backend=fp8 for "
             "float8 GEMMs, or torch",
         )
+    if cfg.model.fused_qkv and cfg.model.linear_backend != "torch":
+        _fail("model.fused_qkv", True, f"needs model.linear_backend=torch (an {cfg.model.linear_backend} linear "
+              "scales each weight by itself); set model.fused_qkv=false or model.linear_backend=torch")  # fmt: skip
     for name, choices in _CHOICES.items():
         v, tok = _get(cfg, name), name == "data.tokenizer"
         if v not in choices and not (tok and isinstance(v, str) and v.startswith("hf:")):

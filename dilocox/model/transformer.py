@@ -146,16 +146,28 @@ class Attention(nn.Module):
         )
         self.o_expand = make_expand(mcfg, constrained)
         self.kernel = make_attention(mcfg.attn_backend, self.n_heads, self.n_kv_heads, hd, mcfg.dropout)
+        # model.fused_qkv: one GEMM over the three weights concatenated per call (Megatron's fused QKV; the parameters,
+        # checkpoints, HF names and TP shards stay q/k/v). Plain linears only: an fp8 linear scales per weight
+        self.fused_qkv = mcfg.fused_qkv and linear_fn is F.linear
         # attention dropout on TP-split heads: masks of this rank's own (attention.tp_rank_dropout), run eagerly
         self.dropout_rank = group_rank(tp_group) if mcfg.dropout and tp_size > 1 else None
         self.eager_tp_dropout = torch.compiler.disable(tp_rank_dropout) if self.dropout_rank is not None else None
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not self.fused_qkv:
+            return tuple(p(x) for p in projs)  # (the reference of the fused path)
+        w = torch.cat([p.weight for p in projs])
+        b = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        return F.linear(x, w, b).split([p.weight.shape[0] for p in projs], dim=-1)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_tp(x, self.group)  # one backward all-reduce for q, k and v together
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.dropout_rank is not None and self.training:
