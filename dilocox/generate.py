@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from dilocox.data.tokenizer import CountsBytes
+
 USAGE = (
     "dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] "
     "[--seed S] [--device cpu|cuda] [--no-stop] [--replica-params]"
@@ -102,7 +104,7 @@ def note_if_prepared_again(data, why: str) -> None:
         )
 
 
-class _HFTokenizer:
+class _HFTokenizer(CountsBytes):
     """A tokenizer.json behind dilocox's encode/decode interface."""
 
     def __init__(self, path: str):

@@ -175,3 +175,37 @@ def test_another_decoder_counts_the_decoded_text():
     tok = BPETokenizer(t)
     ids = tok.encode("ab \u00e9t\u00e9 ab")
     assert ids == [1, 2, 1] and tok.byte_count(ids) == len(tok.decode(ids).encode("utf-8"))
+
+
+def test_a_hugging_face_directory_with_a_byte_level_bpe_counts_a_cut_exactly(tmp_path):
+    from dilocox.data.tokenizer import train_bpe
+
+    text = "".join(chr(0x4E00 + 7 * i) for i in range(150)) + " caf\u00e9 " * 20  # few merges: characters split
+    tok = train_bpe([text], 270)
+    over = ["--model.n_layers=1", "--model.vocab_size=320"]
+    cfg = load_config(os.path.join(ROOT, "configs", "model", "qwen-tiny.yaml"), over)
+    out = str(tmp_path / "hf")
+    hf.save_hf_dir(out, cfg.model, build_model(cfg.model, seed=3).gather_full_state_dict(), tok)
+    (tmp_path / "t.txt").write_text(text)
+    ids = tok.encode(text)
+    cuts = [k for k in range(2, 40) if "\ufffd" in tok.decode(ids[:k])]  # cuts inside a character
+    assert cuts
+    for k in cuts[:3]:
+        r = evaluate(out, text=str(tmp_path / "t.txt"), seq_len=16, max_tokens=k)
+        assert r["bytes"] == tok.byte_count(ids[:k]) and r["bytes"] + tok.byte_count(ids[k:]) == len(text.encode())
+
+
+def test_a_token_outside_the_byte_alphabet_counts_as_the_decoder_writes_it():
+    """ByteLevel's decoder writes a token with any character outside its alphabet as that token's UTF-8 text (a
+    vocabulary extended with raw text); an added token is its text too."""
+    from tokenizers import Tokenizer, decoders, models
+
+    from dilocox.data.tokenizer import token_byte_lengths
+
+    t = Tokenizer(models.BPE({"<|endoftext|>": 0, "a": 1, "\u0120\u65e5": 2, "\u0120a\u00c3\u00a9": 3}, []))
+    t.decoder = decoders.ByteLevel()
+    t.add_tokens(["d\u00e9j\u00e0"])
+    want = [len(t.decode([i]).encode("utf-8")) for i in (1, 2, 3)]
+    assert want == [1, 5, 4]  # "a"; "\u0120\u65e5" whole as its UTF-8; "\u0120a\u00c3\u00a9" is " a\u00e9"
+    # the added token: its text's 6 bytes (tokenizers 0.23's ByteLevel decoder garbles it to "d\ufffdj\ufffd")
+    assert list(token_byte_lengths(t, 5))[1:] == [*want, 6]

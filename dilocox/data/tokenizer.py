@@ -83,7 +83,47 @@ def eot_id_of(tok) -> int | None:
     return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
 
-class BPETokenizer:
+class CountsBytes:
+    """``byte_count`` for a class holding a ``tokenizers.Tokenizer`` as ``tok``, with ``vocab_size`` and ``decode``."""
+
+    tok: object
+    vocab_size: int
+    _byte_lengths: np.ndarray | None = None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def byte_count(self, ids: Iterable[int]) -> int:
+        """The UTF-8 bytes of ``ids``: summed per token under a ByteLevel decoder (a cut inside a character counts
+        the bytes its tokens hold), else the length of the decoded text."""
+        ids = [int(i) for i in ids]
+        if self._byte_lengths is None:
+            self._byte_lengths = token_byte_lengths(self.tok, self.vocab_size)
+        if not len(self._byte_lengths):
+            return len(self.decode(ids).encode("utf-8"))
+        return int(self._byte_lengths[ids].sum()) if ids else 0
+
+
+def token_byte_lengths(tok, vocab_size: int) -> np.ndarray:
+    """Bytes per id of a ``tokenizers.Tokenizer`` whose decoder is ByteLevel, as that decoder writes them: a token
+    of the byte alphabet's characters one byte each, any other token (an added one, or one with a character outside
+    the alphabet) its text's UTF-8 bytes. Empty for another decoder."""
+    import json
+
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    if kinds != ["ByteLevel"]:
+        return np.zeros(0, dtype=np.int64)
+    alphabet = byte_level_alphabet()
+    out = np.zeros(max(vocab_size, max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1), np.int64)
+    for token, i in tok.get_vocab(with_added_tokens=False).items():
+        out[i] = len(token) if all(ch in alphabet for ch in token) else len(token.encode("utf-8"))
+    for i, added in tok.get_added_tokens_decoder().items():
+        out[i] = len(added.content.encode("utf-8"))
+    return out
+
+
+class BPETokenizer(CountsBytes):
     """A ``tokenizers.Tokenizer`` (byte-level BPE) behind the common interface."""
 
     kind = "bpe"
@@ -100,33 +140,6 @@ class BPETokenizer:
                 "separates documents with one: use a tokenizer that has one (GPT-2's, Qwen's, Llama's)"
             )
         self.eot_id = eot
-        self._byte_lengths: np.ndarray | None = None
-
-    def byte_count(self, ids: Iterable[int]) -> int:
-        """The UTF-8 bytes of ``ids``: summed per token under a ByteLevel decoder (a cut inside a character counts
-        the bytes its tokens hold), else the length of the decoded text."""
-        ids = [int(i) for i in ids]
-        if self._byte_lengths is None:
-            self._byte_lengths = self._token_byte_lengths()
-        if not len(self._byte_lengths):
-            return len(self.decode(ids).encode("utf-8"))
-        return int(self._byte_lengths[ids].sum()) if ids else 0
-
-    def _token_byte_lengths(self) -> np.ndarray:
-        """Bytes per id under a ByteLevel decoder (an added token: its text's); empty for another decoder."""
-        import json
-
-        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
-        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
-        if "ByteLevel" not in kinds or len(kinds) > 1:
-            return np.zeros(0, dtype=np.int64)
-        alphabet = byte_level_alphabet()
-        out = np.zeros(self.vocab_size, dtype=np.int64)
-        for token, i in self.tok.get_vocab(with_added_tokens=False).items():
-            out[i] = sum(1 if ch in alphabet else len(ch.encode("utf-8")) for ch in token)
-        for i, added in self.tok.get_added_tokens_decoder().items():
-            out[i] = len(added.content.encode("utf-8"))
-        return out
 
     @classmethod
     def from_file(cls, path: str) -> BPETokenizer:

@@ -125,6 +125,9 @@ def tp_rank_dropout(kernel: nn.Module, tp_rank: int, q: torch.Tensor, k: torch.T
     saved = gen.get_state()
     gen.manual_seed(mix_seed(shared, tp_rank))
     try:
+        if q.is_cuda:  # (TE draws from the current device's generator: make it q's)
+            with torch.cuda.device(q.device):
+                return kernel(q, k, v)
         return kernel(q, k, v)
     finally:
         gen.set_state(saved)
