@@ -73,6 +73,7 @@ SCHEDULE_KEYS = frozenset(
         "train.recompute",  # (likewise: the same results, bit for bit, for less activation memory)
         "model.attn_backend",  # (likewise: SDPA, flash-attn or TE attention of the same function)
         "model.fused_qkv",  # (likewise: one GEMM for q, k and v over the same parameters)
+        "model.loss_backend",  # (likewise: the same cross-entropy, another kernel)
         # elastic membership settings: where the lighthouse is and how long to wait, not what a step computes
         # (replica_rank and max_replicas pick the data shard: they are not here)
         "outer.elastic.lighthouse",

@@ -1,7 +1,7 @@
 """Issue 39, the CPU part: dilocox's training step next to a plain PyTorch loop.
 
 - ``train.compile`` at TP = PP = 1 compiles forward + loss as one graph with zero graph breaks (gpt2 and qwen, and
-  qwen with ``model.fused_qkv``);
+  qwen with ``model.fused_qkv`` and ``model.loss_backend=torch``);
 - no host sync inside a training step between two log steps (counted by ``bench.reference.SyncCounter``, which is
   shown to catch a per-step ``.item()``);
 - the reference loop of ``dilocox bench train --reference`` computes dilocox's loss from the same weights, and keeps
@@ -41,7 +41,7 @@ def _close(tr):
     tr.logger.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen", "qwen-fused-qkv"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen", "qwen-fused-qkv-torch-loss"])
 def test_train_compile_has_no_graph_breaks_at_tp_pp_1(tmp_path, arch, monkeypatch):
     from torch._dynamo.utils import counters
 
@@ -51,7 +51,7 @@ def test_train_compile_has_no_graph_breaks_at_tp_pp_1(tmp_path, arch, monkeypatc
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
     torch._dynamo.reset()
     counters.clear()
-    fused = ["--model.fused_qkv=true"] if arch.endswith("fused-qkv") else []
+    fused = ["--model.fused_qkv=true", "--model.loss_backend=torch"] if arch.endswith("torch-loss") else []
     tr = _trainer(_cfg(tmp_path, "--train.compile=true", *(QWEN if "qwen" in arch else ()), *fused, steps=3))
     try:
         losses = [tr.train_step() for _ in range(2)]

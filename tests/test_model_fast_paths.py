@@ -1,8 +1,13 @@
-"""``model.fused_qkv``: q, k and v as one GEMM over their weights concatenated per call (Megatron's fused QKV) against
+"""The opt-in fast paths of the model against the paths they replace (each off by default until a GPU measures it).
+
+``model.fused_qkv``: q, k and v as one GEMM over their weights concatenated per call (Megatron's fused QKV) against
 the three projections it replaces (``Attention.qkv`` with ``fused_qkv`` off, the reference): the same loss and
 gradients on one process (GPT-2 with biases; Qwen with grouped-query attention and q/k/v-only biases) and under tensor
 parallelism (each rank concatenates its own q/k/v shards); the parameters, their names and shapes do not change; an
-fp8 linear is refused with it."""
+fp8 linear is refused with it.
+
+``model.loss_backend=torch``: ``F.cross_entropy`` in fp32 against the vocab-parallel cross-entropy at T = 1 (ignored
+labels included): the same loss and gradients; refused with tensor parallelism."""
 
 from __future__ import annotations
 
@@ -69,3 +74,23 @@ def _losses(rank, world, tmp, steps):
 def test_tensor_parallel_ranks_fuse_their_own_shards(tmp_path):
     for out in run_ranks(2, _losses, str(tmp_path), 3):
         assert out["true"] == pytest.approx(out["false"], rel=1e-5), out
+
+
+def test_torch_cross_entropy_equals_the_vocab_parallel_one():
+    cfg = load_config(os.path.join(ROOT, "configs", "model", "gpt2-tiny.yaml"), ["--model.n_layers=1"])
+    g = torch.Generator().manual_seed(2)
+    x, y = (torch.randint(0, cfg.model.vocab_size, (3, 20), generator=g) for _ in range(2))
+    y[0, :5] = y[2, -1] = -100  # ignored labels count in neither
+    out = {}
+    for backend in ("vocab_parallel", "torch"):
+        cfg.model.loss_backend = backend
+        m = build_model(cfg.model, seed=4)
+        loss = m.loss(m(x), y)
+        loss.backward()
+        out[backend] = loss.item(), {n: p.grad for n, p in m.named_parameters()}
+    (ref, ref_grads), (got, grads) = out["vocab_parallel"], out["torch"]
+    assert got == pytest.approx(ref, rel=1e-6)
+    for n, gr in grads.items():
+        torch.testing.assert_close(gr, ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+    with pytest.raises(ConfigError, match="model.loss_backend='torch' needs parallel.tensor=1"):
+        load_config(None, ["--model.loss_backend=torch", "--parallel.tensor=2"])

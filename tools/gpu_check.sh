@@ -26,8 +26,9 @@
 #                    selective on GPT-2 small and ~400M, peak step bytes, CUDA max allocated, step time (<= 5 min);
 #                    copy it to docs/bench/memory-gpu/ and add its bench block to docs/BENCHMARKS.md section 17
 #   REF_DEVICE=cpu REF_ROWS="tiny:eager:120" bash tools/gpu_check.sh reference   # the same script, dry run on a CPU
-#   REF_ROWS="gpt2-small:eager, fused qkv:60;gpt2-small:compiled, fused qkv:150" bash tools/gpu_check.sh reference
-#                                           # model.fused_qkv (one q/k/v GEMM) against the same reference, after the table
+#   REF_ROWS="gpt2-small:compiled, fused qkv:150;gpt2-small:compiled, torch loss:150" bash tools/gpu_check.sh reference
+#                                           # the opt-in fast paths against the same reference, after the table:
+#                                           # model.fused_qkv (one q/k/v GEMM), model.loss_backend=torch (F.cross_entropy)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}

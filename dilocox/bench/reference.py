@@ -1,7 +1,8 @@
 """``dilocox bench train --reference``: ``dilocox train``'s step next to a plain PyTorch loop of the same model.
 
 In one call, on one device, for each case (a model shape) and mode (eager | compiled; a mode naming ``fused qkv``, e.g.
-``"compiled, fused qkv"``, runs dilocox with ``model.fused_qkv=true``): the loop of ``dilocox train``
+``"compiled, fused qkv"``, runs dilocox with ``model.fused_qkv=true``, one naming ``torch loss`` with
+``model.loss_backend=torch``): the loop of ``dilocox train``
 (``Trainer.loop_step``: sampler, engine, clipping, inner AdamW, records, step-boundary decisions; one process,
 TP = PP = 1) and a plain loop written from first principles (:mod:`dilocox.bench.reference_loop`), with no dilocox
 module on its hot path: a nanoGPT-shaped model (fused QKV, SDPA, F.cross_entropy inside the compiled forward), AdamW
@@ -102,6 +103,7 @@ def dilocox_config(case: str, device: str, mode: str, steps: int, run_dir: str, 
         "--data.max_bytes=1000000",
         *(PRESET_ARGS if "preset" in mode else ()),
         *(["--model.fused_qkv=true"] if "fused qkv" in mode else ()),
+        *(["--model.loss_backend=torch"] if "torch loss" in mode else ()),
         *extra,
     ]
     return load_config(base, over)

@@ -89,7 +89,9 @@ def final_model(step_dir: str, mcfg=None, allow_replica_params: bool = False) ->
 
 
 # model keys that do not change what the saved weights are (how they were made, or which kernels run them)
-_NOT_THE_WEIGHTS = frozenset({"init_from", "init_std", "dropout", "attn_backend", "linear_backend", "fused_qkv"})
+_NOT_THE_WEIGHTS = frozenset(
+    {"init_from", "init_std", "dropout", "attn_backend", "linear_backend", "fused_qkv", "loss_backend"}
+)
 
 
 def check_model_config(step_dir: str, meta: dict, mcfg) -> None:

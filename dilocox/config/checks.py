@@ -47,6 +47,7 @@ _CHOICES = {
     "model.pos_emb": ("learned", "rope"),
     "model.attn_backend": ("sdpa", "flash_attn", "te"),
     "model.linear_backend": ("torch", "fp8"),
+    "model.loss_backend": ("vocab_parallel", "torch"),
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
@@ -219,17 +220,14 @@ def check_model_layout(m: ModelConfig, p: ParallelConfig) -> None:
         if n % t:
             _fail(name, n, f"is not divisible by parallel.tensor={t}{why}")
     if m.n_layers % p.pipeline:
-        _fail(
-            "model.n_layers",
-            m.n_layers,
-            f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns the same number of layers)",
-        )
+        _fail("model.n_layers", m.n_layers, f"is not divisible by parallel.pipeline={p.pipeline} (each stage owns "
+              "the same number of layers)")  # fmt: skip
     if m.tie_embeddings and p.pipeline > 1:
-        _fail(
-            "model.tie_embeddings",
-            True,
-            f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding and head live on different stages)",
-        )
+        _fail("model.tie_embeddings", True, f"is not supported with parallel.pipeline={p.pipeline} > 1 (embedding "
+              "and head live on different stages)")  # fmt: skip
+    if m.loss_backend == "torch" and t > 1:
+        _fail("model.loss_backend", "torch", f"needs parallel.tensor=1 (the logits are split over the {t} tensor-"
+              "parallel ranks); use model.loss_backend=vocab_parallel")  # fmt: skip
     if m.init_from is not None and not str(m.init_from).strip():
         _fail("model.init_from", m.init_from, "is empty; give a Hugging Face model directory (or hub name), or null")
     check_subspace(m)

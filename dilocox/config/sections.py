@@ -34,6 +34,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of weights (residual output projections: / sqrt(2 n_layers))
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
+    loss_backend: str = "vocab_parallel"  # vocab_parallel | torch (F.cross_entropy, parallel.tensor=1 only)
     fused_qkv: bool = False  # q, k, v as one GEMM (weights concatenated per call); same parameters, results to rounding
     init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
     subspace_rank: int = 0  # k > 0: every write into the residual stream lies in one fixed k-dim subspace and the

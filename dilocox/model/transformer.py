@@ -245,6 +245,8 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
     if mcfg.tie_embeddings and n_stages > 1:
         bad("model.tie_embeddings", True, f"is not supported with parallel.pipeline={n_stages} > 1")
     check_subspace(mcfg)
+    if mcfg.loss_backend == "torch" and tp_size > 1:
+        bad("model.loss_backend", "torch", f"needs parallel.tensor=1, not {tp_size}; use vocab_parallel")
     if group_world(tp_group) != tp_size:
         bad("tp_size", tp_size, f"does not match the size {group_world(tp_group)} of the tensor-parallel group passed")
     if tp_group is not None and group_rank(tp_group) != tp_rank:
@@ -341,7 +343,11 @@ class StageModel(nn.Module):
         return out
 
     def loss(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of the vocab-parallel logits (collective over the TP group)."""
+        """Mean token cross-entropy of the vocab-parallel logits (collective over the TP group); with
+        ``model.loss_backend=torch`` (T = 1) torch's ``F.cross_entropy`` in fp32, which a compiled graph fuses."""
+        if self.mcfg.loss_backend == "torch":
+            flat = logits_shard.float().flatten(0, -2)
+            return F.cross_entropy(flat, labels.flatten(), ignore_index=-100)
         return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group)
 
     def param_layer_id(self, name: str) -> int | None:
