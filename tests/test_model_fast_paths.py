@@ -92,5 +92,11 @@ def test_torch_cross_entropy_equals_the_vocab_parallel_one():
     assert got == pytest.approx(ref, rel=1e-6)
     for n, gr in grads.items():
         torch.testing.assert_close(gr, ref_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+    for backend in ("vocab_parallel", "torch"):  # every label ignored: 0, not 0/0
+        cfg.model.loss_backend = backend
+        m = build_model(cfg.model, seed=4)
+        assert m.loss(m(x), torch.full_like(y, -100)).item() == 0.0
+        with pytest.raises(ValueError, match="disagree"):
+            m.loss(m(x), y.view(-1))
     with pytest.raises(ConfigError, match="model.loss_backend='torch' needs parallel.tensor=1"):
         load_config(None, ["--model.loss_backend=torch", "--parallel.tensor=2"])

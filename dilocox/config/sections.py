@@ -35,7 +35,8 @@ class ModelConfig:
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
     linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
     loss_backend: str = "vocab_parallel"  # vocab_parallel | torch (F.cross_entropy, parallel.tensor=1 only)
-    fused_qkv: bool = False  # q, k, v as one GEMM (weights concatenated per call); same parameters, results to rounding
+    fused_qkv: bool = False  # q, k, v as one GEMM (weights concatenated per call: a copy held for the backward in fp32,
+    # none under bf16 autocast); the same parameters, results equal to rounding
     init_from: str | None = None  # a Hugging Face model dir (or hub name) to start from; see `dilocox import`
     subspace_rank: int = 0  # k > 0: every write into the residual stream lies in one fixed k-dim subspace and the
     # embedding is a fixed part + a trained part in it, so a pipeline boundary can send k values per token instead of

@@ -245,6 +245,8 @@ def _check_layout(mcfg: ModelConfig, stage: int, n_stages: int, tp_rank: int, tp
     if mcfg.tie_embeddings and n_stages > 1:
         bad("model.tie_embeddings", True, f"is not supported with parallel.pipeline={n_stages} > 1")
     check_subspace(mcfg)
+    if mcfg.loss_backend not in ("vocab_parallel", "torch"):
+        bad("model.loss_backend", mcfg.loss_backend, "is not one of ['vocab_parallel', 'torch']")
     if mcfg.loss_backend == "torch" and tp_size > 1:
         bad("model.loss_backend", "torch", f"needs parallel.tensor=1, not {tp_size}; use vocab_parallel")
     if group_world(tp_group) != tp_size:
@@ -345,10 +347,13 @@ class StageModel(nn.Module):
     def loss(self, logits_shard: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy of the vocab-parallel logits (collective over the TP group); with
         ``model.loss_backend=torch`` (T = 1) torch's ``F.cross_entropy`` in fp32, which a compiled graph fuses."""
-        if self.mcfg.loss_backend == "torch":
-            flat = logits_shard.float().flatten(0, -2)
-            return F.cross_entropy(flat, labels.flatten(), ignore_index=-100)
-        return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group)
+        if self.mcfg.loss_backend != "torch":
+            return vocab_parallel_cross_entropy(logits_shard, labels, self.tp_group)
+        if logits_shard.shape[:-1] != labels.shape:
+            raise ValueError(f"logits {tuple(logits_shard.shape)} and labels {tuple(labels.shape)} disagree on tokens")
+        flat, labels = logits_shard.float().flatten(0, -2), labels.flatten()
+        total = F.cross_entropy(flat, labels, ignore_index=-100, reduction="sum")
+        return total / (labels != -100).sum().clamp(min=1)  # (as the vocab-parallel one: 0 when every label is ignored)
 
     def param_layer_id(self, name: str) -> int | None:
         return param_layer_id(name)
