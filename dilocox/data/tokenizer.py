@@ -90,9 +90,6 @@ class CountsBytes:
     vocab_size: int
     _byte_lengths: np.ndarray | None = None
 
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
-
     def byte_count(self, ids: Iterable[int]) -> int:
         """The UTF-8 bytes of ``ids``: summed per token under a ByteLevel decoder (a cut inside a character counts
         the bytes its tokens hold), else the length of the decoded text."""
@@ -100,7 +97,7 @@ class CountsBytes:
         if self._byte_lengths is None:
             self._byte_lengths = token_byte_lengths(self.tok, self.vocab_size)
         if not len(self._byte_lengths):
-            return len(self.decode(ids).encode("utf-8"))
+            return len(self.decode(ids).encode("utf-8"))  # type: ignore[attr-defined] (the subclass's)
         return int(self._byte_lengths[ids].sum()) if ids else 0
 
 
