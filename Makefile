@@ -11,11 +11,13 @@ $(error PYTHON=$(PYTHON) does not run; set PYTHON to a Python >= 3.10 interprete
 endif
 STAMP := .install-$(PY_ID).stamp
 
-# test workers (pytest-xdist): most multi-process tests wait on sockets and timers, so 2 cores keep 2 busy.
-# In file order (xdist's default 'load'), heavy multi-process tests mix with light ones: 25-30 min for the full
-# suite on 2 cores (2026-12-02: 1,932 tests in 1,480 s, 1,806 s beside other work; 13.4 min when smaller);
-# slow-first with --dist worksteal bunched the heavy ones together. XDIST=4 took 22.8 min in one fresh-clone run
-# (load ~10): not the default, the fault tests' time bounds were set for 2 workers
+# test workers (pytest-xdist). The suite is CPU-bound, not waiting (2026-12-02: 1,946 tests in 1,489 s with 2 workers,
+# 1,419 s with 3, 2,651 CPU-s in 1,422 s: 93 % of both cores; XDIST=4 took 22.8 min in an earlier fresh-clone run at
+# load ~10), so more workers gain ~5 % and squeeze the fault tests' time bounds, which were set for 2. Much of the CPU
+# is process start-up: the 10 heaviest files (832 s on 2 workers) start 226 processes that exit normally (more are
+# killed), 854 CPU-s, 3.8 s each, mostly import torch (1.2 s), torch._dynamo (1.2 s: torch's Optimizer.step imports it
+# on the first step) and DCP (0.6 s). In file order (xdist's default 'load') heavy tests mix with light ones;
+# slow-first with --dist worksteal bunched the heavy ones together
 XDIST ?= 2
 
 .PHONY: install train test test-all test-gpu bench-kernels clean

@@ -253,6 +253,51 @@ def test_resume_is_exact():
                 assert (full[n] == resumed[n]).all(), (key, n)
 
 
+def _per_step_bytes(rank: int, world: int, cases: dict) -> dict:
+    """Each case's ``bytes_sent`` after every inner step, twice: the comm thread drained after each step (every
+    launched all-reduce has sent all it will), and the all-reduces slowed by 0.2 s (none has sent a byte when the
+    step is logged)."""
+    import time
+
+    topo = build_topology(ParallelConfig(replicas=world))
+    out = {}
+    for name, c in cases.items():
+        for variant in ("drained", "slow"):
+            model, opt, loop = _build(topo, c)
+            if variant == "slow":
+                fast = loop.group.allreduce_mean
+                loop.group.allreduce_mean = lambda *a, _f=fast: (time.sleep(0.2), _f(*a))[1]
+            series = []
+            for step in range(c["steps"]):
+                _train(model, opt, loop, topo.replica, step, step + 1)
+                if variant == "drained":
+                    loop.comm.drain()
+                series.append(loop.stats["bytes_sent"])
+            loop.finish()
+            out[(name, variant)] = (
+                series,
+                loop.stats["bytes_sent"],
+                [comp.wire_bytes(world) for comp in loop.compressors],
+            )
+    return out
+
+
+def test_per_step_bytes_count_the_all_reduces_taken_whatever_the_comm_threads_timing():
+    """A step's record counts the bytes of the all-reduces waited for by then (delayed overlap: launched at step H,
+    taken at 2H; streaming: tau steps after the launch), not whatever the comm thread had sent when the step was
+    logged: the same run logs the same per-step bytes with a fast link and a slow one. The total is every sync's."""
+    cases = {k: CASES[k] for k in ("delayed", "streaming")}
+    res = run_ranks(2, _per_step_bytes, cases)[0]
+    for name, c in cases.items():
+        (drained, total_d, wire), (slow, total_s, _) = res[(name, "drained")], res[(name, "slow")]
+        assert drained == slow, (name, drained, slow)
+        assert total_d == total_s == sum(w * s for w, s in zip(wire, _n_syncs(c))), name
+        assert slow == sorted(slow) and slow[-1] < total_s  # (both end with an all-reduce in flight)
+    delayed = res[("delayed", "slow")][0]
+    H, per_sync = CASES["delayed"]["H"], res[("delayed", "slow")][2][0]
+    assert delayed[H - 1] == 0 and delayed[2 * H - 1] == per_sync  # launched at step H, taken at step 2H
+
+
 def test_compressed_runs_close_and_identical():
     cases = {
         # groups of G = 16 (the net's width): each tensor (and each P_i, Q_i) is quantized in whole

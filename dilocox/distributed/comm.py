@@ -188,6 +188,11 @@ class AsyncComm:
         self._queue.put((handle, fn, args, kwargs))
         return handle
 
+    @property
+    def running(self) -> bool:
+        """The thread is up (from the first ``submit`` until ``shutdown``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def drain(self) -> None:
         """Block until every submitted task has finished (results stay in their handles).
 

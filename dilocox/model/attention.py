@@ -93,6 +93,9 @@ class TEAttention(nn.Module):
         )
 
     def forward(self, q, k, v):
+        # model.fused_qkv hands q/k/v as strided views of one GEMM's output; TE's bshd kernels are documented on
+        # contiguous tensors, so they get them (a no-op for the separate projections' outputs, which are contiguous)
+        q, k, v = (t.contiguous() for t in (q, k, v))
         y = self.inner(q, k, v)  # [B, S, H * hd]
         return y.view(q.shape)
 

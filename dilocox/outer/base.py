@@ -66,6 +66,9 @@ class OuterBase:
         self._blocked_now = 0.0
         self.comm_stats = CommStats()
         self.group.stats = self.comm_stats  # (the group counts every call's bytes there)
+        # (sent, received) as they stood when the last collective waited for ended: what ``stats`` reports, so a
+        # step's record counts the bytes of the all-reduces it took, whatever the comm thread's timing (``_start``)
+        self._settled = (0, 0)
         # the thread starts on the first submit, so a constructor that raises later leaves none behind
         self.comm = AsyncComm(
             delay_s=comm_delay_s,
@@ -97,9 +100,26 @@ class OuterBase:
         return self.comm.shutdown(timeout=timeout)
 
     # ------------------------------------------------------------------ communication
+    def _start(self, fn, *args) -> CommHandle:
+        """Queue ``fn(*args)`` on the comm thread. The handle keeps the byte counters as they stood when ``fn``
+        ended; ``_wait`` settles them. Read live, the counters of a step with an all-reduce in flight (delayed
+        overlap, streaming) held whatever part of it the thread had sent by then: the same run logged different
+        per-step bytes from one try to the next (the totals were exact)."""
+        stats, ended = self.comm_stats, []
+
+        def task(*a):
+            try:
+                return fn(*a)
+            finally:  # (FIFO: a later task's counters include every earlier task's bytes)
+                ended.append((stats.bytes_sent, stats.bytes_received))
+
+        h = self.comm.submit(task, *args, name=getattr(fn, "__name__", "task"))
+        h.counters_at_end = ended
+        return h
+
     def _submit(self, fn, *args) -> CommHandle:
         self._counters["n_syncs"] += 1
-        h = self.comm.submit(fn, *args)
+        h = self._start(fn, *args)
         if self.ocfg.blocking:
             self._wait(h)  # on the critical path; a later wait() returns at once
         return h
@@ -107,6 +127,8 @@ class OuterBase:
     def _wait(self, h: CommHandle):
         before = h.blocked_s
         out = h.wait()
+        for sent, received in getattr(h, "counters_at_end", ()):  # (a DoneHandle: counted when it ran)
+            self._settled = (max(self._settled[0], sent), max(self._settled[1], received))
         blocked = h.blocked_s - before
         self._blocked_now += blocked
         self._counters["blocked_total_s"] += blocked
@@ -117,12 +139,16 @@ class OuterBase:
     @property
     def stats(self) -> dict:
         rank = rank_of(self.compressors[0]) if self.compressors else 0  # 0: no low-rank compression
+        # the bytes of the collectives waited for; all of them once the comm thread has stopped (the run's end)
+        sent, received = (
+            self._settled if self.comm.running else (self.comm_stats.bytes_sent, self.comm_stats.bytes_received)
+        )
         out = {
             "outer_step": self.outer_step,
             "H": self.H,
             "rank": int(rank),
-            "bytes_sent": int(self.comm_stats.bytes_sent),
-            "bytes_received": int(self.comm_stats.bytes_received),
+            "bytes_sent": int(sent),
+            "bytes_received": int(received),
         }
         out.update(self._counters)
         out["comm_total_s"] = self._comm_total_before + self.comm.busy_s
@@ -160,6 +186,8 @@ class OuterBase:
         self._counters.update(counters)
         for k, v in sd["comm_stats"].items():
             setattr(self.comm_stats, k, v)
+        # (a checkpoint waits for what is in flight first: every byte it counted was settled)
+        self._settled = (self.comm_stats.bytes_sent, self.comm_stats.bytes_received)
         for c, csd in zip(self.compressors, sd["compressors"]):
             c.load_state_dict(csd)
         self._load_method_state(sd)

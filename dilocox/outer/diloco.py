@@ -426,7 +426,7 @@ class DiLoCoOuter(OuterBase):
             shapes = self.state.shapes(p)
             return [torch.zeros(s, dtype=torch.float32, device=dev) for s in shapes], self.compressors[p]
 
-        h = self.comm.submit(self.group.join, 0, layout)
+        h = self._start(self.group.join, 0, layout)
         res = self._wait(h)
         if not self._after_wait():
             return None
