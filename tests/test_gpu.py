@@ -11,7 +11,8 @@ CPU generator, model/transformer.py):
 - the outer step of the compressed methods (DiLoCoX's low-rank + int4 with the CUDA kernel and the
   one-step delay, SparseLoCo's top-k 2-bit codec, Streaming DiLoCo's fragments) on the GPU follows
   the CPU run; the outer state on the device equals it on the host;
-- the fp8 forward GEMM (``torch._scaled_mm``) equals its fp32 emulation;
+- the fp8 forward GEMM (``torch._scaled_mm``) equals its fp32 emulation; so do the two backward GEMMs of
+  ``model.linear_backend=fp8_all`` (e5m2 gradient) and the forward, each within the tensor cores' accumulation;
 - the int4/int8 CUDA kernels equal the CPU reference bit for bit at a size that spans many blocks.
 """
 
@@ -121,6 +122,27 @@ def test_fp8_scaled_mm_equals_its_emulation():
             y = fp8_linear(x, w, b, emulate=False)
         assert y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_fp8_all_three_gemms_equal_their_emulation():
+    from dilocox.model.fp8 import fp8_linear_all, fp8_supported
+
+    dev = torch.device("cuda")
+    if not fp8_supported(dev):
+        pytest.skip("fp8 GEMMs need compute capability >= 8.9")
+    g = torch.Generator().manual_seed(1)
+    for m in (64, 50):
+        x, w = torch.randn(m, 256, generator=g) * 3, torch.randn(384, 256, generator=g) * 0.02
+        b = torch.randn(384, generator=g)
+        dy = (torch.randn(m, 384, generator=g) * 1e-3).to(dev)
+        out = {}
+        for emulate in (False, True):
+            xx, ww, bb = (t.to(dev).requires_grad_() for t in (x, w, b))
+            y = fp8_linear_all(xx, ww, bb, emulate=emulate)
+            y.backward(dy)
+            out[emulate] = (y.detach(), xx.grad, ww.grad)
+        for name, fast, ref in zip(("y", "dX", "dW"), out[False], out[True]):
+            assert (fast - ref).abs().max() < 1e-3 * ref.abs().max(), (name, (fast - ref).abs().max())
 
 
 def test_cuda_kernels_equal_the_cpu_reference_across_many_blocks():

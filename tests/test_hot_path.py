@@ -41,7 +41,7 @@ def _close(tr):
     tr.logger.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen", "qwen-fused-qkv-torch-loss"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen", "qwen-fused-qkv-torch-loss", "gpt2-fp8-all", "gpt2-fp8-all-fast"])
 def test_train_compile_has_no_graph_breaks_at_tp_pp_1(tmp_path, arch, monkeypatch):
     from torch._dynamo.utils import counters
 
@@ -52,6 +52,10 @@ def test_train_compile_has_no_graph_breaks_at_tp_pp_1(tmp_path, arch, monkeypatc
     torch._dynamo.reset()
     counters.clear()
     fused = ["--model.fused_qkv=true", "--model.loss_backend=torch"] if arch.endswith("torch-loss") else []
+    if "fp8" in arch:  # fp8_all: emulated on this CPU, or (-fast) through torch._scaled_mm as on a Hopper GPU
+        fused = ["--model.linear_backend=fp8_all"]
+        if arch.endswith("fast"):
+            monkeypatch.setattr("dilocox.model.fp8.emulation_reason", lambda device, shape=None: None)
     tr = _trainer(_cfg(tmp_path, "--train.compile=true", *(QWEN if "qwen" in arch else ()), *fused, steps=3))
     try:
         losses = [tr.train_step() for _ in range(2)]

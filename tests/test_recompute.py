@@ -36,11 +36,12 @@ def _step(cfg, mode: str, x, y):
     return loss.item(), {n: p.grad for n, p in m.named_parameters()}, held, meter.peak
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen", "gpt2-fp8"])
+@pytest.mark.parametrize("arch", ["gpt2", "qwen", "gpt2-fp8", "gpt2-fp8_all"])
 def test_every_mode_gives_the_same_loss_and_gradients_bit_for_bit(arch):
     """(``gpt2-fp8``: model.linear_backend=fp8, emulated on the CPU: its per-tensor scales are recomputed from the
-    same inputs, so the recomputed forward quantizes the same way)"""
-    fp8 = ["--model.linear_backend=fp8"] if arch.endswith("fp8") else []
+    same inputs, so the recomputed forward quantizes the same way; ``gpt2-fp8_all`` the same with the backward GEMMs in
+    fp8, whose saved fp8 operands are recomputed too)"""
+    fp8 = [f"--model.linear_backend={arch.split('-')[1]}"] if "fp8" in arch else []
     cfg = load_config(TINY, [*(QWEN if arch == "qwen" else ()), *fp8, "--model.dropout=0.1"])
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, cfg.model.vocab_size, (4, 64), generator=g) for _ in range(2))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension, run every CUDA check against its CPU reference, measure.
 #
-#   bash tools/gpu_check.sh [quick|train|reference|memory]   # results under $OUT (default /tmp/gpu-check); quick: build +
+#   bash tools/gpu_check.sh [quick|train|reference|fp8|memory]   # results under $OUT (default /tmp/gpu-check); quick: build +
 #                                           # tests only, train: the training throughput only, reference: issue 39's
 #                                           # side-by-side table only (dilocox train vs a plain PyTorch loop, <= 8 min)
 #
@@ -13,7 +13,7 @@
 #   test_gpu.txt     pytest -m cuda (tests/test_gpu.py, the CUDA kernel tests of tests/test_kernels.py, test_gpu_paths.py)
 #   cpu_kernels.txt  the CPU kernel tests on the GPU machine's host CPU (every ISA it has)
 #   kernels.json     dilocox bench kernels --device cuda (and results.md beside it)
-#   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, and the DiLoCoX
+#   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, all three GEMMs in fp8, the DiLoCoX
 #                    outer step (low-rank + int4, one replica) every 10 steps, the `dilocox`
 #                    preset (a sparse fragment every 2 steps)
 #   reference.txt    (reference mode) `dilocox bench train --reference --device cuda`, one row per call, each with its
@@ -25,6 +25,10 @@
 #   memory/          (memory mode) `dilocox bench memory --device cuda --compiled`: train.recompute none | full |
 #                    selective on GPT-2 small and ~400M, peak step bytes, CUDA max allocated, step time (<= 5 min);
 #                    copy it to docs/bench/memory-gpu/ and add its bench block to docs/BENCHMARKS.md section 17
+#   fp8              (fp8 mode) `dilocox bench train --reference` at ~1.4B (24 x 2048, 4 x 1,024 tokens), compiled: bf16, then
+#                    model.linear_backend=fp8_all (all three GEMMs in fp8), each against the same bf16 plain loop
+#                    (<= 8 min); issue 39's target: fp8_all's dilocox tokens/s >= 1.15x the bf16 row's. Same files as
+#                    reference mode
 #   REF_DEVICE=cpu REF_ROWS="tiny:eager:120" bash tools/gpu_check.sh reference   # the same script, dry run on a CPU
 #   REF_ROWS="gpt2-small:compiled, fused qkv:150;gpt2-small:compiled, torch loss:150" bash tools/gpu_check.sh reference
 #                                           # the opt-in fast paths against the same reference, after the table:
@@ -45,10 +49,13 @@ step machine
     nproc
 } 2>&1 | tee "$OUT/machine.txt"
 
-if [ "$MODE" = reference ]; then
+if [ "$MODE" = reference ] || [ "$MODE" = fp8 ]; then
     # Issue 39: each row its own call and time bound (a compile that hangs costs its row only); the bench merges
     # each row into gpu-train/results.json (CPU rows and the other rows kept). Compiled rows compile both sides.
     REF_DEVICE=${REF_DEVICE:-cuda}
+    if [ "$MODE" = fp8 ]; then
+        REF_ROWS=${REF_ROWS:-"1b:compiled:230;1b:compiled, fp8_all:230"}
+    fi
     REF_ROWS=${REF_ROWS:-"gpt2-small:eager:50;gpt2-small:compiled:150;gpt2-small:dilocox preset, compiled:110;400m:compiled:170"}
     # inductor's FX graph cache (on by default) is shared by the rows of this call: the preset row's plain side
     # reuses the first row's compiled graph
@@ -141,6 +148,7 @@ mkdir -p /tmp/gpu-runs
 train gpt2s-bf16 configs/tiny.yaml
 train gpt2s-bf16-compile configs/tiny.yaml --train.compile=true
 train gpt2s-fp8 configs/tiny.yaml --model.linear_backend=fp8
+train gpt2s-fp8-all configs/tiny.yaml --model.linear_backend=fp8_all
 train gpt2s-dilocox-H10 configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --parallel.pipeline=1 \
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64
 train gpt2s-dilocox-H10-devstate configs/tiny-dilocox-paper.yaml --parallel.replicas=1 --parallel.pipeline=1 \

@@ -2,7 +2,8 @@
 
 In one call, on one device, for each case (a model shape) and mode (eager | compiled; a mode naming ``fused qkv``, e.g.
 ``"compiled, fused qkv"``, runs dilocox with ``model.fused_qkv=true``, one naming ``torch loss`` with
-``model.loss_backend=torch``): the loop of ``dilocox train``
+``model.loss_backend=torch``, one naming ``fp8_all`` or ``fp8`` with that ``model.linear_backend``, against the same
+bf16 reference): the loop of ``dilocox train``
 (``Trainer.loop_step``: sampler, engine, clipping, inner AdamW, records, step-boundary decisions; one process,
 TP = PP = 1) and a plain loop written from first principles (:mod:`dilocox.bench.reference_loop`), with no dilocox
 module on its hot path: a nanoGPT-shaped model (fused QKV, SDPA, F.cross_entropy inside the compiled forward), AdamW
@@ -63,12 +64,23 @@ CASES: dict[str, dict] = {
         cpu=(1, 128),
         cuda=(16, 1024),
     ),
+    # ~1.4B (1.21B in the blocks): issue 39's fp8 target is set at >= 1B. 4 x 1,024 tokens a step: both sides hold
+    # their weights and AdamW state at once (2 x 1.4B x 16 bytes = 45 GB), which leaves an 80 GB GPU ~30 GB for one
+    # side's activations
+    "1b": dict(
+        model="configs/model/gpt2-small.yaml",
+        shape=dict(n_layers=24, n_heads=16, d_model=2048),
+        cpu=(1, 64),
+        cuda=(4, 1024),
+    ),
 }
 GPU_TABLE = [  # the rows issue 39 asks for on a GPU: (case, mode); the preset row compares dilocox with itself
     ("gpt2-small", "compiled"),
     ("gpt2-small", "eager"),
     ("400m", "compiled"),
     ("gpt2-small", "dilocox preset, compiled"),
+    ("1b", "compiled"),  # fp8 against bf16 at >= 1B: the two rows' dilocox tokens/s (tools/gpu_check.sh fp8)
+    ("1b", "compiled, fp8_all"),
 ]
 PRESET_ARGS = [  # the `dilocox` preset on one replica and one stage (tools/gpu_check.sh's gpt2s-dilocox-preset)
     "--parallel.replicas=1",
@@ -104,9 +116,18 @@ def dilocox_config(case: str, device: str, mode: str, steps: int, run_dir: str, 
         *(PRESET_ARGS if "preset" in mode else ()),
         *(["--model.fused_qkv=true"] if "fused qkv" in mode else ()),
         *(["--model.loss_backend=torch"] if "torch loss" in mode else ()),
+        *([f"--model.linear_backend={linear_backend(mode)}"] if "fp8" in mode else ()),
         *extra,
     ]
     return load_config(base, over)
+
+
+def linear_backend(mode: str) -> str:
+    """The ``model.linear_backend`` a mode names: ``fp8_all``, ``fp8`` or ``torch``."""
+    words = {w.strip() for w in mode.split(",")}
+    if "fp8" in mode and not words & {"fp8", "fp8_all"}:
+        raise ValueError(f"mode {mode!r}: name the fp8 backend as a word of its own, 'fp8' or 'fp8_all'")
+    return "fp8_all" if "fp8_all" in words else "fp8" if "fp8" in words else "torch"
 
 
 def _model_overrides(c: dict) -> list[str]:
@@ -383,8 +404,9 @@ def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
     have = {(r["model"], r["mode"]) for r in rows if not r["gpu"].startswith("none")}
     for case, mode in GPU_TABLE:
         if (case, mode) not in have:
+            call = "fp8" if case == "1b" else "reference"  # tools/gpu_check.sh's mode that measures the row
             rows.append(
-                {"gpu": "unmeasured (no GPU run yet: bash tools/gpu_check.sh reference)", "model": case, "mode": mode,
+                {"gpu": f"unmeasured (no GPU run yet: bash tools/gpu_check.sh {call})", "model": case, "mode": mode,
                  "dilocox_tokens_per_s": None, "reference_tokens_per_s": None, "ratio": None, "mfu": None}
             )  # fmt: skip
     return sorted(rows, key=lambda r: (r["gpu"].startswith("none"), r["gpu"].startswith("unmeasured")))

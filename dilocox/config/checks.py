@@ -46,7 +46,7 @@ _CHOICES = {
     "model.activation": ("gelu", "relu", "swiglu"),
     "model.pos_emb": ("learned", "rope"),
     "model.attn_backend": ("sdpa", "flash_attn", "te"),
-    "model.linear_backend": ("torch", "fp8"),
+    "model.linear_backend": ("torch", "fp8", "fp8_all"),
     "model.loss_backend": ("vocab_parallel", "torch"),
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),

@@ -33,7 +33,7 @@ class ModelConfig:
     dropout: float = 0.0  # embedding, residual, attention dropout; seed: train.seed + 100 x stage (+ TP rank: attn)
     init_std: float = 0.02  # std of the normal init of weights (residual output projections: / sqrt(2 n_layers))
     attn_backend: str = "sdpa"  # sdpa | flash_attn | te
-    linear_backend: str = "torch"  # torch | fp8 (te is rejected: not implemented for the TP layers)
+    linear_backend: str = "torch"  # torch | fp8 (forward GEMM) | fp8_all (and both backward GEMMs); te is rejected
     loss_backend: str = "vocab_parallel"  # vocab_parallel | torch (F.cross_entropy, parallel.tensor=1 only)
     fused_qkv: bool = False  # q, k, v as one GEMM (weights concatenated per call: a copy held for the backward in fp32,
     # none under bf16 autocast); the same parameters, results equal to rounding

@@ -304,7 +304,7 @@ class StageModel(nn.Module):
             )  # head stays in high precision
             if mcfg.tie_embeddings:
                 self.head.weight = self.embed.weight
-        if mcfg.linear_backend == "fp8":  # where it will emulate the fp8 GEMMs: said once (fp8.py)
+        if mcfg.linear_backend.startswith("fp8"):  # where it will emulate the fp8 GEMMs: said once (fp8.py)
             tell_if_emulated(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
