@@ -7,8 +7,9 @@ and compared with its emulation, and the emulation compared with a reference wri
   the GPU would refuse fails here, on every session, not only on a lent GPU;
 - the fast path equals the emulation (forward, dX, dW, the bias gradient; rows padded or not; bf16 autocast);
 - the emulation equals what the recipe says, computed here from torch's own float8 casts and fp64 GEMMs;
+- compiled, the ``_scaled_mm`` calls of the traced forward and backward graphs keep those layouts;
 - a model trained with it: the fast path forced on the CPU equals the emulation step for step, and its loss follows
-  the fp32 model's.
+  the fp32 model's; with tensor parallelism (T = 2) each rank's shards take the fast path and equal the emulation.
 (``fp8``, the forward GEMM alone, goes through the same checker; its straight-through backward is tested in
 test_model.py; graph breaks under ``train.compile`` in test_hot_path.py.)"""
 
@@ -20,6 +21,7 @@ import torch
 import dilocox.model.fp8 as fp8
 from dilocox.config import ModelConfig
 from dilocox.model.transformer import build_model
+from tests.spawn import run_ranks
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -107,9 +109,15 @@ def test_bf16_autocast_keeps_the_dtypes_and_the_forward_gemm_alone_obeys_the_rul
     assert len(cublaslt) == 3 + 1  # fp8_all: three GEMMs; fp8: the forward one
 
 
+def _as_on_hopper(device, shape=None):
+    """``fp8.emulation_reason`` as on a Hopper GPU, for this CPU: the fast path for every weight whose dims are
+    multiples of 16 (this CPU torch runs ``torch._scaled_mm`` too)."""
+    return "a shape" if shape is not None and (shape[0] % 16 or shape[1] % 16) else None
+
+
 def _train(backend: str, steps: int, monkeypatch=None, fast=False):
     if fast:  # the fast path on this CPU: as on a Hopper GPU, _scaled_mm runs every fp8 GEMM
-        monkeypatch.setattr(fp8, "emulation_reason", lambda device, shape=None: None)
+        monkeypatch.setattr(fp8, "emulation_reason", _as_on_hopper)
     mcfg = ModelConfig(n_layers=2, n_heads=4, d_model=64, vocab_size=96, max_seq_len=32, linear_backend=backend)
     model = build_model(mcfg, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -178,3 +186,37 @@ def test_compiled_the_fast_path_keeps_the_layouts_the_gpu_needs(autocast):
     for name, got, ref in zip(("y", "dX", "dW"), fast, emu):
         tol = 1e-2 if autocast else 1e-5
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * ref.abs().max().item(), msg=name)
+
+
+def _tp_losses(rank, world, tmp, steps):
+    import torch._dynamo  # noqa: F401  (before torch._scaled_mm is patched: see the cublaslt fixture)
+    from test_train import QWEN_ARGS
+
+    from dilocox.train import Trainer
+    from tests.small_run import small_cfg
+
+    real, real_mm, out, calls = fp8.emulation_reason, torch._scaled_mm, {}, []
+    for name, backend in (("emulated", "fp8_all"), ("fast", "fp8_all"), ("torch", "torch")):
+        if name == "fast":  # each rank's shards through torch._scaled_mm, as on a Hopper GPU
+            fp8.emulation_reason = _as_on_hopper
+            torch._scaled_mm = lambda *a, **kw: calls.append(a[0].shape) or real_mm(*a, **kw)
+        try:
+            t = Trainer(small_cfg(f"{tmp}/{name}", "--parallel.tensor=2", "--checkpoint.every=0",
+                                  f"--model.linear_backend={backend}", *QWEN_ARGS, steps=steps))  # fmt: skip
+            out[name] = [t.train_step() for _ in range(steps)]
+        finally:
+            fp8.emulation_reason, torch._scaled_mm = real, real_mm
+        if t.run_lock is not None:
+            t.run_lock.release()
+        t.logger.close()
+    out["scaled_mm_calls"] = len(calls)
+    return out
+
+
+def test_tensor_parallel_ranks_scale_their_own_shards_on_the_fast_path(tmp_path):
+    """With T = 2 each rank quantizes its own weight shards (and the row-parallel layer's partial input): the fast path
+    equals the emulation on both ranks, and training follows the unquantized run."""
+    for out in run_ranks(2, _tp_losses, str(tmp_path), 4):
+        assert out["scaled_mm_calls"] == 4 * 2 * 7 * 3  # steps x blocks x linears (q, k, v, o, gate, up, down) x GEMMs
+        assert out["fast"] == pytest.approx(out["emulated"], rel=1e-5), out
+        assert out["fast"] != out["torch"] and out["fast"] == pytest.approx(out["torch"], rel=0.02), out
