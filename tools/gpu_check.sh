@@ -33,6 +33,8 @@
 #   REF_ROWS="gpt2-small:compiled, fused qkv:150;gpt2-small:compiled, torch loss:150" bash tools/gpu_check.sh reference
 #                                           # the opt-in fast paths against the same reference, after the table:
 #                                           # model.fused_qkv (one q/k/v GEMM), model.loss_backend=torch (F.cross_entropy)
+# A lent GPU session has 15 minutes of device time, start-up included: `reference` first (the table, <= 8 min), then
+# `fp8` or the fast-path rows above with what is left (each <= 8 min); what does not fit goes to the next session.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
