@@ -141,8 +141,10 @@ def test_fp8_all_three_gemms_equal_their_emulation():
             y = fp8_linear_all(xx, ww, bb, emulate=emulate)
             y.backward(dy)
             out[emulate] = (y.detach(), xx.grad, ww.grad)
-        for name, fast, ref in zip(("y", "dX", "dW"), out[False], out[True]):
-            assert (fast - ref).abs().max() < 1e-3 * ref.abs().max(), (name, (fast - ref).abs().max())
+        # the forward GEMM accumulates fast (Hopper keeps ~14 bits of its fp8 sums: DeepSeek-V3's report, 3.3.2), as
+        # torchao's recipe does; the two gradient GEMMs promote to fp32 like the fp8 test above
+        for name, fast, ref, tol in zip(("y", "dX", "dW"), out[False], out[True], (1e-2, 1e-3, 1e-3)):
+            assert (fast - ref).abs().max() < tol * ref.abs().max(), (name, (fast - ref).abs().max())
 
 
 def test_cuda_kernels_equal_the_cpu_reference_across_many_blocks():
