@@ -154,6 +154,48 @@ def test_the_batched_compressor_equals_the_rule_tensor_by_tensor(use_kernel):
     assert torch.equal(comp._groups.encode(comp._err, 100), one_by_one)
 
 
+@pytest.mark.parametrize("indices", ["rice", "fixed"])
+def test_the_torch_encoder_has_no_data_dependent_shape(indices):
+    """The GPU path of the codec (the torch encoder and decoder of rows) must not wait for the device: every output
+    shape follows from the input's, which the meta device checks (it has no data, so an op whose output size
+    depends on the values, like ``nonzero``, cannot run there). ``nonzero`` in the top-k selection was such a host
+    sync once per row block on a GPU; ``nonzero_static`` (k per row is known) gives the same indices."""
+    from dilocox.compress.sparse import _decode_rows, _encode_rows, _topk_indices
+
+    rows, c, k = 16, 256, 4
+    ib, cb, sb = _encode_rows(torch.empty(rows, c, device="meta"), k, 2, indices)
+    idx, vals = _decode_rows(ib, cb, sb.contiguous(), k, c, 2, indices)
+    assert idx.shape == vals.shape == (rows, k) and ib.shape[0] == cb.shape[0] == sb.shape[0] == rows
+    mag = torch.rand(rows, c, generator=torch.Generator().manual_seed(0))
+    mag[3, :] = 0.5  # a row of ties: the lowest indices
+    mag[5, 10:20] = 2.0  # ties above the rest: the k lowest of them
+    want = [sorted(sorted(range(c), key=lambda j: (-float(row[j]), j))[:k]) for row in mag]
+    assert _topk_indices(mag, k).tolist() == want
+
+
+def test_one_host_sync_per_all_reduce():
+    """``allreduce_mean`` reads both of its checks (the pseudo-gradient finite, the error buffer finite) with one
+    host sync (the torch path, as on a GPU; each sync there waits for the training's queued kernels), and a NaN is
+    still refused before anything is sent."""
+    from dilocox.bench.reference_loop import SyncCounter
+
+    shapes = [torch.Size(s) for s in [(100, 70), (65,), (0,), (30,)]]
+    comp = SparseCompressor(shapes, chunk=64, density=0.1, bits=2, ef_decay=0.9)
+    comp.use_kernel = False
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        with SyncCounter() as counter:
+            comp.allreduce_mean([torch.randn(s, generator=g) for s in shapes], None, step)
+        assert counter.count == 1, counter.calls
+    bad = [torch.randn(s, generator=g) for s in shapes]
+    bad[1][7] = float("inf")
+    with pytest.raises(ValueError, match="NaN/inf entries: the inner steps diverged"):
+        comp.allreduce_mean(bad, None, 2)
+    comp.errors = [torch.full(s, 3e38) for s in shapes]  # (entries finite, their L1 norm past the fp32 limit)
+    with pytest.raises(ValueError, match="error-feedback buffer overflowed"):
+        comp.allreduce_mean([torch.randn(s, generator=g) for s in shapes], None, 3)
+
+
 def test_payload_is_far_below_fp32_at_the_preset():
     n = 4096 * 256
     assert tensor_payload_bytes(n, 4096, 1 / 64, 2, "fixed") == 256 * (96 + 16 + 2)  # 12-bit indices, 2-bit codes

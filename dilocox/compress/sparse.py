@@ -86,7 +86,9 @@ def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     equal = mag == thr
     room = k - above.sum(1, keepdim=True)
     chosen = above | (equal & (torch.cumsum(equal.to(torch.int32), 1) <= room))
-    return chosen.nonzero()[:, 1].view(mag.shape[0], k)
+    # exactly k per row, so the count is known: nonzero_static (the same indices, in the same order) needs no host
+    # sync on a GPU, where nonzero waits for the device to learn its output's size
+    return torch.nonzero_static(chosen, size=mag.shape[0] * k)[:, 1].view(mag.shape[0], k)
 
 
 def _encode_rows(
@@ -185,11 +187,18 @@ def load_error_buffers(sd: dict, shapes: list[torch.Size]) -> list[torch.Tensor]
     return out
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Every entry of every tensor finite (and their |sum| below the fp32 limit, ~3.4e38: a run that far gone has
-    diverged too), with one host sync and one read of the data (a fused kernel on a GPU): the L1 norms, which a NaN
-    or an inf makes non-finite."""
-    return bool(torch.isfinite(torch.stack(torch._foreach_norm(tensors, 1))).all()) if tensors else True
+def _l1_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors' L1 norms (None for no tensor), one read of the data (a fused kernel on a GPU) and no host sync:
+    a NaN or inf entry makes its tensor's norm non-finite, as does a |sum| past the fp32 limit (~3.4e38: a run that
+    far gone has diverged too)."""
+    return torch.stack(torch._foreach_norm(tensors, 1)) if tensors else None
+
+
+def _all_finite(*norms: torch.Tensor | None) -> list[bool]:
+    """For each vector of ``_l1_norms``, are all of them finite; one host sync for all the vectors."""
+    flags = [torch.isfinite(n).all() for n in norms if n is not None]
+    read = iter(torch.stack(flags).tolist() if flags else ())
+    return [True if n is None else next(read) for n in norms]
 
 
 class _Groups:
@@ -369,13 +378,18 @@ class SparseCompressor:
         device, gr = tensors[0].device, self._groups
         self._own_buffers(device)
         vs = [tensors[i].detach().float() for i in gr.place]
-        if not _all_finite(vs):  # (checked before any buffer changes)
-            raise ValueError("the pseudo-gradient has NaN/inf entries: the inner steps diverged")
+        v_norms = _l1_norms(vs)
         mine_e = [self.errors[i] for i in gr.place]
         torch._foreach_mul_(mine_e, self.ef_decay)
         torch._foreach_add_(mine_e, vs)
         del vs
-        if not _all_finite(self._err):
+        # both checks read with one host sync, before anything is encoded or sent (on a GPU each sync waits for the
+        # training's queued kernels). A failed check stops the run; the buffers it changed are not saved (a
+        # checkpoint refuses non-finite tensors, checkpoint/state.py)
+        v_ok, e_ok = _all_finite(v_norms, _l1_norms(self._err))
+        if not v_ok:
+            raise ValueError("the pseudo-gradient has NaN/inf entries: the inner steps diverged")
+        if not e_ok:
             raise ValueError("the error-feedback buffer overflowed (|pseudo-gradient| near the fp32 limit)")
         if self.collective == "reduce_scatter" and wire is not None and (world := wire.size()) > 1:
             out = sparse_rs.sync(gr, self._err, wire, self._owner, self.ef_decay, self.block_elems, self.owner_keep)
