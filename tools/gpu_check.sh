@@ -35,6 +35,8 @@
 #                                           # model.fused_qkv (one q/k/v GEMM), model.loss_backend=torch (F.cross_entropy)
 # A lent GPU session has 15 minutes of device time, start-up included: `reference` first (the table, <= 8 min), then
 # `fp8` or the fast-path rows above with what is left (each <= 8 min); what does not fit goes to the next session.
+# The device's torch is 2.11 (this repository pins 2.13 for CPUs): `bash tools/device_env_check.sh` runs the tests of
+# these paths and this script's reference mode (dry run) under Python 3.12 + torch 2.11 on a CPU machine beforehand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
