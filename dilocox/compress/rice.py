@@ -20,8 +20,8 @@ so it never costs more.
 Bits are packed LSB-first into bytes, as the fixed layout's (``pack_bits``). ``pack``/``unpack`` run the
 compiled CPU kernels ``torch.ops.dilocox.rice_pack``/``rice_unpack`` (csrc/rice_cpu.cpp: one sequential scan per
 row, rows in parallel) on CPU tensors when the extension is built, else ``pack_torch``/``unpack_torch``, the
-vectorised torch ops (rows of chunks at once, any device; the decoder walks the k codes of every row together: k
-passes, so on a GPU at high densities, k in the hundreds, ``fixed`` decodes with fewer kernel launches);
+vectorised torch ops (rows of chunks at once, any device; the decoder finds where each of the k codes of a row
+starts by pointer doubling over the row's bit positions, in ceil(log2 k) rounds, not k passes);
 ``reference_pack``/``reference_unpack`` are the same codes as plain Python loops. The tests compare all three byte
 for byte, on valid rows and on damaged ones (bits past a row's end read as zeros everywhere).
 """
@@ -152,31 +152,38 @@ def pack_torch(idx: torch.Tensor, c: int) -> torch.Tensor:
 def unpack_torch(raw: torch.Tensor, k: int, c: int) -> torch.Tensor:
     """Inverse of ``pack``: (rows, row bytes) uint8 -> (rows, k) int64 indices. A damaged row decodes to the
     indices ``reference_unpack`` reads (bits past the row's end read as zeros): strictly ascending, never negative,
-    possibly >= c (the caller's scatter refuses those); it never reads outside the row."""
+    possibly >= c (the caller's scatter refuses those); it never reads outside the row.
+
+    Where each code starts depends on the codes before it, so a walk code by code takes k passes (k tiny kernels
+    each: ~9k launches per row block on a GPU). Instead every bit position p of a row is decoded as if a code
+    started there: its gap d(p) (the run of ones from p, then the b bits after the zero) and the position
+    next(p) where the following code starts; positions at or past the row's end all behave as the end does (a
+    zero, gap 0), so they are one position, W. The starts of codes 0..k-1 are next^i(0), which pointer doubling
+    gives in ceil(log2 k) rounds (next^(2^j) by composing next^(2^(j-1)) with itself, each round moving the starts
+    whose i has bit j): about the same number of kernels whatever k is (~90), none of them waiting for the host."""
     rows = raw.shape[0]
     b = param(c, k)
     if rows == 0:
         return torch.zeros(0, k, dtype=torch.int64, device=raw.device)
     bits = _bits_of(raw)
-    width = bits.shape[1]
-    bits = torch.cat([bits, bits.new_zeros(rows, 1)], dim=1)  # bit ``width``: a zero, standing for every bit past it
-    pos = torch.arange(width + 1, device=raw.device).expand(rows, width + 1)
-    zero_at = torch.where(bits == 0, pos, torch.full_like(pos, width))
-    next_zero = torch.flip(torch.cummin(torch.flip(zero_at, [1]), dim=1).values, [1])  # first zero at or after i
-    shifts = (b - 1 - torch.arange(b, device=raw.device)) if b else None
-    p = torch.zeros(rows, 1, dtype=torch.int64, device=raw.device)
-    prev = torch.full((rows, 1), -1, dtype=torch.int64, device=raw.device)
-    out = []
-    for _ in range(k):
-        z = torch.maximum(next_zero.gather(1, p.clamp(max=width)), p)  # (past the end: z = p, a zero)
-        d = (z - p) << b
-        if b:
-            low = bits.gather(1, (z + 1 + torch.arange(b, device=raw.device)).clamp(max=width))
-            d = d + (low << shifts).sum(1, keepdim=True)
-        prev = prev + d + 1
-        out.append(prev)
-        p = z + 1 + b
-    return torch.cat(out, dim=1)
+    width = bits.shape[1]  # W: the row's end, standing for every position at or past it (bit W and beyond: zeros)
+    bits = torch.cat([bits, bits.new_zeros(rows, 1 + b)], dim=1)  # (b more zeros: a code's low bits past the end)
+    pos = torch.arange(width + 1, device=raw.device)
+    zero_at = torch.where(bits[:, : width + 1] == 0, pos, torch.full_like(pos, width))
+    z = torch.flip(torch.cummin(torch.flip(zero_at, [1]), dim=1).values, [1])  # first zero at or after p (<= W)
+    gap = (z - pos) << b
+    for t in range(b):  # the b low bits after the zero, most significant first (past the end: zeros)
+        gap = gap + (bits.gather(1, (z + 1 + t).clamp(max=width + b)) << (b - 1 - t))
+    nxt = (z + 1 + b).clamp(max=width)  # (from W itself: W, a gap of 0)
+    starts = torch.zeros(rows, k, dtype=torch.int64, device=raw.device)
+    i = torch.arange(k, device=raw.device)
+    j = 0
+    while (1 << j) < k:  # nxt holds next^(2^j)
+        starts = torch.where(((i >> j) & 1).bool(), nxt.gather(1, starts), starts)
+        j += 1
+        if (1 << j) < k:
+            nxt = nxt.gather(1, nxt)
+    return torch.cumsum(gap.gather(1, starts) + 1, dim=1) - 1  # i_j = i_{j-1} + d_j + 1, i_{-1} = -1
 
 
 def _kernel_here(t: torch.Tensor) -> bool:
