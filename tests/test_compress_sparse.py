@@ -171,6 +171,13 @@ def test_the_torch_encoder_has_no_data_dependent_shape(indices):
     mag[5, 10:20] = 2.0  # ties above the rest: the k lowest of them
     want = [sorted(sorted(range(c), key=lambda j: (-float(row[j]), j))[:k]) for row in mag]
     assert _topk_indices(mag, k).tolist() == want
+    mag[7, [2, 9]] = float("nan")  # counted as +inf: chosen first, and still k in-row indices per row
+    mag[8, 100] = float("inf")
+    want[7] = sorted(
+        [2, 9] + sorted((j for j in range(c) if j not in (2, 9)), key=lambda j: (-float(mag[7, j]), j))[:2]
+    )
+    want[8] = sorted([100] + sorted((j for j in range(c) if j != 100), key=lambda j: (-float(mag[8, j]), j))[:3])
+    assert _topk_indices(mag, k).tolist() == want
 
 
 def test_one_host_sync_per_all_reduce():

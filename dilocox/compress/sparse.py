@@ -80,7 +80,11 @@ def _levels(bits: int) -> tuple[float, float]:
 def _topk_indices(mag: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the indices (ascending) of the k largest entries, ties to the lower index: every entry above the
     row's k-th largest value, then the lowest-index entries equal to it (so the payload is a function of e alone,
-    whatever order ``torch.topk`` breaks ties in; 12x faster than a stable sort of the rows)."""
+    whatever order ``torch.topk`` breaks ties in; 12x faster than a stable sort of the rows). A NaN counts as +inf:
+    ``topk`` ranks it above everything, but it is neither above nor equal to a threshold, so a row holding one
+    would choose fewer than k, and the rows' indices would shift into each other (or, at the end, read index -1).
+    The callers refuse non-finite values; this keeps k per row for any input (an owner's mean of decoded payloads)."""
+    mag = mag.nan_to_num(nan=math.inf, posinf=math.inf)
     thr = torch.topk(mag, k, dim=1).values[:, -1:]
     above = mag > thr
     equal = mag == thr
