@@ -35,6 +35,7 @@ NOOPS = [
      "compress.collective", "quant='none'"),
     (["--outer.norm_check=4"], "outer.norm_check=4", "outer.method='none'"),
     (["--outer.lr_schedule=inner"], "outer.lr_schedule='inner'", "outer.method='none'"),
+    ([*K2, "--train.device=cpu", "--outer.comm_stream=true"], "outer.comm_stream=True", "train.device='cpu'"),
     (["--data.path=/tmp/corpus.txt"], "data.path='/tmp/corpus.txt'", "data.source='stdlib'"),
     (["--data.source=prose", "--data.path=corpus.txt"], "data.path", "data.source='prose'"),
     (["--data.source=docs", "--data.path=corpus.txt"], "data.path", "data.source='docs'"),

@@ -143,6 +143,101 @@ def test_outer_comm_thread_selects_the_ranks_gpu(monkeypatch):
     assert len(calls) == 1  # a CPU device: nothing selected
 
 
+class _RecordingSideStream:
+    """``SideStream``'s three meeting points (distributed/comm.py), recorded with the thread each ran on."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.log: list[tuple] = []
+        self._tid = threading.get_ident
+        self.in_task = False
+
+    def ready(self):
+        ev = object()
+        self.log.append(("ready", self._tid(), ev))
+        return ev
+
+    def begin(self, ready) -> None:
+        self.log.append(("begin", self._tid(), ready))
+        self.in_task = True
+
+    def end(self) -> None:
+        self.in_task = False
+        self.log.append(("end", self._tid(), None))
+
+    def hand_over(self, result) -> None:
+        self.log.append(("hand_over", self._tid(), result))
+
+
+def test_outer_comm_stream_orders_each_task_after_the_callers_event_and_hands_the_result_over():
+    """``outer.comm_stream``'s protocol (the GPU test below runs it on CUDA): the event is recorded on the submitting
+    thread at ``submit`` (after what the caller queued), the task runs between ``begin`` (which waits for that
+    event) and ``end`` (which waits for the side stream) on the comm thread, the handle completes after ``end``, and
+    the caller hands the result over on its own thread once, however often it waits; a task that raises still ends
+    its stream before its error reaches the caller. No side stream: none of it."""
+    import threading
+
+    from dilocox.distributed.comm import AsyncComm
+
+    side = _RecordingSideStream()
+    comm = AsyncComm(side_stream=side)
+    me = threading.get_ident()
+    seen = []
+    try:
+        h = comm.submit(lambda: seen.append(side.in_task) or [torch.ones(2)], name="a")
+        assert side.log[0][:2] == ("ready", me)  # at submit, on the caller's thread
+        out = h.wait(timeout=30)
+        h.wait(timeout=30)
+
+        def boom():
+            raise ValueError("codec failed")
+
+        h2 = comm.submit(boom, name="b")
+        with pytest.raises(RuntimeError) as e:
+            h2.wait(timeout=30)
+        assert isinstance(e.value.__cause__, ValueError)
+    finally:
+        comm.shutdown(timeout=30)
+    assert seen == [True]  # the task ran inside begin/end
+    kinds = [k for k, _, _ in side.log]
+    assert kinds == ["ready", "begin", "end", "hand_over", "ready", "begin", "end"], kinds  # once; none for an error
+    (_, _, ev1), (_, worker, got1), (_, w2, _), (_, t_hand, res) = side.log[:4]
+    assert got1 is ev1 and side.log[5][2] is side.log[4][2]  # each task waits for its own submit's event
+    assert worker != me and w2 == worker and t_hand == me
+    assert res is out and torch.equal(out[0], torch.ones(2))
+    plain = AsyncComm()
+    try:
+        h = plain.submit(lambda: 3)
+        assert h.side is None and h.wait(timeout=30) == 3
+    finally:
+        plain.shutdown(timeout=30)
+
+
+def test_outer_comm_stream_is_taken_on_a_cuda_device_only(monkeypatch):
+    """The outer loop builds a side stream for ``outer.comm_stream=true`` on a CUDA device only (a CPU run: refused at
+    load, tests/test_config_noops.py; ``train.device=auto`` on a host without a GPU: none, as without the key), and
+    hands it to its comm thread."""
+    from dilocox.config import CompressConfig, OuterConfig
+    from dilocox.outer import base
+    from dilocox.outer.diloco import DiLoCoOuter
+
+    made = []
+    monkeypatch.setattr(base, "SideStream", lambda device: made.append(device) or _RecordingSideStream())
+    on, off = OuterConfig(method="diloco", comm_stream=True), OuterConfig(method="diloco")
+    for ocfg, dev in ((on, torch.device("cpu")), (on, torch.device("meta")), (on, None), (off, torch.device("cuda"))):
+        assert base.side_stream_for(ocfg, dev) is None
+    assert made == []
+    assert isinstance(base.side_stream_for(on, torch.device("cuda", 1)), _RecordingSideStream)
+    assert made == [torch.device("cuda", 1)]
+    made.clear()
+    seen = []
+    monkeypatch.setattr(base, "side_stream_for", lambda ocfg, device: seen.append((ocfg.comm_stream, device)) or None)
+    outer = DiLoCoOuter([("w", torch.nn.Parameter(torch.randn(8, 4)))], None, on, CompressConfig(), seed=0)
+    outer.close(timeout=10)
+    assert seen == [(True, torch.device("cpu"))]  # the params' device and the key reach it
+
+
 # ------------------------------------------------------------------------------------------------ on a GPU
 
 
@@ -207,3 +302,86 @@ def test_cuda_elastic_joiner_runs_its_codec_on_the_params_device():
     finally:
         outer.close(timeout=10)
     assert g.devices and all(d.type == "cuda" for d in g.devices)
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_cuda_comm_stream_reads_what_the_caller_queued_and_waits_for_its_own_work_only():
+    """``outer.comm_stream`` on a GPU. The caller's stream is held by a spin kernel, then writes x; a task submitted
+    after the write reads x on the side stream: it must see the write (the event). A spin of ~2 s queued on the
+    caller's stream after the submit must not hold the task's host wait (``.cpu()``): without a side stream the task
+    waits for it."""
+    import threading
+    import time
+
+    from dilocox.distributed.comm import AsyncComm, SideStream
+
+    dev = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=dev)
+    torch.cuda._sleep(1000)  # (the kernel loaded before it is timed)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    cycles = int(100_000_000 * 2.0 / (time.perf_counter() - t0))  # a spin of ~2 s on this GPU
+    go = threading.Event()
+
+    def task():
+        go.wait(30)  # (after the caller queued the spin: on the shared stream the task's kernels queue behind it)
+        side = torch.cuda.current_stream(dev) != torch.cuda.default_stream(dev)
+        return side, x.sum().cpu(), x * 2
+
+    for use_side in (True, False):
+        comm = AsyncComm(device=dev, side_stream=SideStream(dev) if use_side else None)
+        try:
+            go.clear()
+            x.zero_()
+            torch.cuda._sleep(cycles // 8)  # the caller's stream busy, then the write the task must see
+            x.fill_(1.0)
+            h = comm.submit(task)
+            torch.cuda._sleep(cycles)  # queued after the submit: not the task's business
+            go.set()
+            t0 = time.perf_counter()
+            on_side, total, doubled = h.wait(timeout=60)
+            waited = time.perf_counter() - t0
+        finally:
+            comm.shutdown(timeout=60)
+        torch.cuda.synchronize()
+        assert on_side == use_side
+        assert total.item() == x.numel(), (use_side, total.item())
+        assert torch.equal(doubled, torch.full_like(x, 2.0))
+        if use_side:
+            assert waited < 1.0, waited  # the task did not wait for the ~2 s spin
+        else:
+            assert waited > 1.0, waited  # (the control: the shared stream makes it wait)
+
+
+@pytest.mark.cuda
+@no_cuda
+def test_cuda_preset_trains_the_same_with_the_comm_stream(tmp_path):
+    """The `dilocox` preset (a sparse fragment every 2 steps, tau = 1) on one GPU: the comm thread's work on a stream
+    of its own trains the same losses as on the training's stream."""
+    from dilocox.bench.runner import CONFIGS
+
+    config = tmp_path / "preset.yaml"
+    tiny, preset = os.path.join(CONFIGS, "tiny.yaml"), os.path.join(CONFIGS, "methods", "dilocox.yaml")
+    config.write_text(f"include: [{tiny}, {preset}]\n")
+    args = ["--parallel.replicas=1", "--parallel.pipeline=1", "--parallel.microbatches=1", "--train.dtype=fp32"]
+    off = _gpu_losses(tmp_path, "off", str(config), *args)
+    on = _gpu_losses(tmp_path, "on", str(config), *args, "--outer.comm_stream=true")
+    assert max(abs(a - b) / abs(a) for a, b in zip(off, on)) < 1e-5, list(zip(off, on))
+
+
+def _gpu_losses(tmp_path, name: str, config: str, *overrides: str, steps: int = 20) -> list[float]:
+    from dilocox.bench.runner import run_train
+
+    res = run_train(
+        config,
+        1,
+        str(tmp_path / name),
+        ["--train.device=cuda", f"--train.steps={steps}", "--train.eval_every=0", *overrides],
+        timeout=600,
+    )
+    losses = [r["loss"] for r in res["steps"] if "loss" in r]
+    assert len(losses) == steps, f"{name}: {len(losses)} loss records for {steps} steps"
+    return losses

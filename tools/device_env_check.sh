@@ -36,7 +36,7 @@ rc=0
 timeout 1800 python -m pytest -q -n 2 -p no:cacheprovider tests/test_hot_path.py tests/test_fp8.py \
     tests/test_recompute.py tests/test_model_fast_paths.py tests/test_gpu.py tests/test_tp_dropout.py \
     tests/test_kernels.py tests/test_compress_sparse.py tests/test_compress_sparse_rs.py tests/test_compress_rice.py \
-    tests/test_model.py tests/test_outer.py 2>&1 | tail -3
+    tests/test_model.py tests/test_outer.py tests/test_gpu_paths.py 2>&1 | tail -3
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 OUT=/tmp/dilocox-device-dryrun REF_DEVICE=cpu \
     REF_ROWS="tiny:eager:150;tiny:compiled:200;tiny:dilocox preset, compiled:200;tiny:compiled, fp8_all:250" \

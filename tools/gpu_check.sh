@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension, run every CUDA check against its CPU reference, measure.
 #
-#   bash tools/gpu_check.sh [quick|train|reference|fp8|memory]   # results under $OUT (default /tmp/gpu-check); quick: build +
+#   bash tools/gpu_check.sh [quick|train|reference|stream|fp8|memory]   # results under $OUT (default /tmp/gpu-check); quick: build +
 #                                           # tests only, train: the training throughput only, reference: issue 39's
 #                                           # side-by-side table only (dilocox train vs a plain PyTorch loop, <= 8 min)
 #
@@ -15,7 +15,7 @@
 #   kernels.json     dilocox bench kernels --device cuda (and results.md beside it)
 #   train.txt        one-GPU training throughput: GPT-2 small (163M) bf16 (eager, train.compile), fp8 forward GEMMs, all three GEMMs in fp8, the DiLoCoX
 #                    outer step (low-rank + int4, one replica) every 10 steps, the `dilocox`
-#                    preset (a sparse fragment every 2 steps)
+#                    preset (a sparse fragment every 2 steps), the preset with outer.comm_stream=true
 #   reference.txt    (reference mode) `dilocox bench train --reference --device cuda`, one row per call, each with its
 #                    own time bound (the four rows <= 8 min together): GPT-2 small compiled and eager, ~400M (24 x 1024)
 #                    compiled, the `dilocox` preset vs dilocox plain (compiled); tokens/s of both sides, ratio, MFU,
@@ -33,8 +33,13 @@
 #   REF_ROWS="gpt2-small:compiled, fused qkv:150;gpt2-small:compiled, torch loss:150" bash tools/gpu_check.sh reference
 #                                           # the opt-in fast paths against the same reference, after the table:
 #                                           # model.fused_qkv (one q/k/v GEMM), model.loss_backend=torch (F.cross_entropy)
+#   bash tools/gpu_check.sh stream          # the preset with outer.comm_stream=true (the comm thread's kernels on a
+#                                           # CUDA stream of their own) against the same dilocox plain run, the row
+#                                           # `dilocox preset, compiled, comm stream`: compare its ratio with the
+#                                           # table's `dilocox preset, compiled` row (<= 2 min; same files as reference)
 # A lent GPU session has 15 minutes of device time, start-up included: `reference` first (the table, <= 8 min), then
-# `fp8` or the fast-path rows above with what is left (each <= 8 min); what does not fit goes to the next session.
+# the comm stream row (<= 2 min), then `fp8` or the fast-path rows above with what is left (each <= 8 min); what does
+# not fit goes to the next session.
 # The device's torch is 2.11 (this repository pins 2.13 for CPUs): `bash tools/device_env_check.sh` runs the tests of
 # these paths and this script's reference mode (dry run) under Python 3.12 + torch 2.11 on a CPU machine beforehand.
 set -uo pipefail
@@ -53,12 +58,14 @@ step machine
     nproc
 } 2>&1 | tee "$OUT/machine.txt"
 
-if [ "$MODE" = reference ] || [ "$MODE" = fp8 ]; then
+if [ "$MODE" = reference ] || [ "$MODE" = fp8 ] || [ "$MODE" = stream ]; then
     # Issue 39: each row its own call and time bound (a compile that hangs costs its row only); the bench merges
     # each row into gpu-train/results.json (CPU rows and the other rows kept). Compiled rows compile both sides.
     REF_DEVICE=${REF_DEVICE:-cuda}
     if [ "$MODE" = fp8 ]; then
         REF_ROWS=${REF_ROWS:-"1b:compiled:230;1b:compiled, fp8_all:230"}
+    elif [ "$MODE" = stream ]; then
+        REF_ROWS=${REF_ROWS:-"gpt2-small:dilocox preset, compiled, comm stream:110"}
     fi
     REF_ROWS=${REF_ROWS:-"gpt2-small:eager:50;gpt2-small:compiled:150;gpt2-small:dilocox preset, compiled:110;400m:compiled:170"}
     # inductor's FX graph cache (on by default) is shared by the rows of this call: the preset row's plain side
@@ -159,4 +166,6 @@ train gpt2s-dilocox-H10-devstate configs/tiny-dilocox-paper.yaml --parallel.repl
     --outer.sync_every=10 --compress.adaptive.enabled=false --compress.lowrank.rank=64 --outer.state_device=device
 train gpt2s-dilocox-preset configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
     --parallel.microbatches=1
+train gpt2s-dilocox-preset-stream configs/tiny-dilocox.yaml --parallel.replicas=1 --parallel.pipeline=1 \
+    --parallel.microbatches=1 --outer.comm_stream=true
 step done

@@ -3,7 +3,8 @@
 In one call, on one device, for each case (a model shape) and mode (eager | compiled; a mode naming ``fused qkv``, e.g.
 ``"compiled, fused qkv"``, runs dilocox with ``model.fused_qkv=true``, one naming ``torch loss`` with
 ``model.loss_backend=torch``, one naming ``fp8_all`` or ``fp8`` with that ``model.linear_backend``, against the same
-bf16 reference): the loop of ``dilocox train``
+bf16 reference; a ``dilocox preset`` mode naming ``comm stream`` runs the preset with ``outer.comm_stream=true``): the
+loop of ``dilocox train``
 (``Trainer.loop_step``: sampler, engine, clipping, inner AdamW, records, step-boundary decisions; one process,
 TP = PP = 1) and a plain loop written from first principles (:mod:`dilocox.bench.reference_loop`), with no dilocox
 module on its hot path: a nanoGPT-shaped model (fused QKV, SDPA, F.cross_entropy inside the compiled forward), AdamW
@@ -79,6 +80,7 @@ GPU_TABLE = [  # the rows issue 39 asks for on a GPU: (case, mode); the preset r
     ("gpt2-small", "eager"),
     ("400m", "compiled"),
     ("gpt2-small", "dilocox preset, compiled"),
+    ("gpt2-small", "dilocox preset, compiled, comm stream"),  # outer.comm_stream=true (tools/gpu_check.sh stream)
     ("1b", "compiled"),  # fp8 against bf16 at >= 1B: the two rows' dilocox tokens/s (tools/gpu_check.sh fp8)
     ("1b", "compiled, fp8_all"),
 ]
@@ -116,6 +118,7 @@ def dilocox_config(case: str, device: str, mode: str, steps: int, run_dir: str, 
         *(PRESET_ARGS if "preset" in mode else ()),
         *(["--model.fused_qkv=true"] if "fused qkv" in mode else ()),
         *(["--model.loss_backend=torch"] if "torch loss" in mode else ()),
+        *(["--outer.comm_stream=true"] if "comm stream" in mode else ()),
         *([f"--model.linear_backend={linear_backend(mode)}"] if "fp8" in mode else ()),
         *extra,
     ]
@@ -404,7 +407,8 @@ def merge_rows(old: list[dict], new: list[dict], device: str) -> list[dict]:
     have = {(r["model"], r["mode"]) for r in rows if not r["gpu"].startswith("none")}
     for case, mode in GPU_TABLE:
         if (case, mode) not in have:
-            call = "fp8" if case == "1b" else "reference"  # tools/gpu_check.sh's mode that measures the row
+            # tools/gpu_check.sh's mode that measures the row
+            call = "fp8" if case == "1b" else "stream" if "comm stream" in mode else "reference"
             rows.append(
                 {"gpu": f"unmeasured (no GPU run yet: bash tools/gpu_check.sh {call})", "model": case, "mode": mode,
                  "dilocox_tokens_per_s": None, "reference_tokens_per_s": None, "ratio": None, "mfu": None}

@@ -29,6 +29,7 @@ def check_combos(cfg: Any) -> None:
     if cfg.outer.method in _PER_STEP:
         check_per_step_schedule(cfg.outer)
     check_without_outer_method(cfg.outer)
+    check_comm_stream(cfg)
     check_data_path(cfg.data)
 
 
@@ -104,6 +105,18 @@ def check_without_outer_method(o: OuterConfig) -> None:
             o.lr_schedule,
             "has no effect with outer.method='none' (no outer optimizer in this run, and SWARM's stage sync does "
             "not apply it); set outer.method=diloco or outer.lr_schedule=constant",
+        )
+
+
+def check_comm_stream(cfg: Any) -> None:
+    """``outer.comm_stream`` puts the comm thread's kernels on a CUDA stream of its own (distributed/comm.py); a CPU
+    run has no streams (train.device=auto decides on the machine it runs on: a GPU's run takes it)."""
+    if cfg.outer.comm_stream and cfg.train.device == "cpu":
+        _fail(
+            "outer.comm_stream",
+            cfg.outer.comm_stream,
+            "has no effect with train.device='cpu' (a CUDA stream of its own for the comm thread; a CPU runs each "
+            "kernel as it is called); set train.device=cuda (or auto on a GPU machine) or remove it",
         )
 
 

@@ -27,6 +27,17 @@ outer all-reduce (<task>) with replica(s) 1 ..." while it lasts and raise
 :class:`~dilocox.distributed.signals.CommTimeoutError` naming the task and the peers when the
 timeout passes or the collective failed on the comm thread (e.g. gloo's own group timeout).
 The thread is a daemon: a collective stuck forever cannot keep the process alive.
+
+A CUDA stream of its own (``outer.comm_stream``, :class:`SideStream`): by default the comm thread's kernels (the
+codec's, the copies to and from the host) go to the device's current stream, the one the training queues its kernels
+on, so each host wait of the thread (a ``.cpu()``, a ``tolist()``) waits for every training kernel queued by then, and
+the codec's kernels run between the training's. With a side stream the task runs on a stream of its own that waits,
+on the GPU, for an event recorded on the caller's stream at ``submit`` (what the task reads is written by then); its
+host waits wait for that work only. The thread synchronizes its stream before it hands the result over, and the
+caller marks the result's CUDA tensors as used on its own stream (``record_stream``), so the caching allocator does not
+give their memory to the side stream's next task while the training's kernels may still read them. torchft's
+Streaming DiLoCo runs its fragments' all-reduces on a stream of their own in the same way
+(``torchft/local_sgd.py``, ``_StreamingDiLoCoFragment._stream``).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,6 +63,60 @@ def emulated_bandwidth_bytes() -> float | None:
     return float(bps) / 8.0 if bps else None
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a task's result (lists, tuples and dicts of them, nested)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+class SideStream:
+    """The comm thread's CUDA stream (module docstring). The three points where the threads meet:
+
+    - ``ready()`` (caller thread, at ``submit``): an event on the caller's current stream;
+    - ``begin(ready)`` / ``end()`` (comm thread, around the task): the task's kernels on the side stream, after the
+      event; ``end`` waits on the host for the side stream only;
+    - ``hand_over(result)`` (caller thread, in ``wait``): the result's CUDA tensors marked as used on the caller's
+      stream.
+
+    Tests replace it with a recording double (tests/test_comm_stream.py); tests/test_gpu.py runs it on a GPU."""
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.stream: torch.cuda.Stream | None = None  # made on the comm thread's first task (its device selected)
+        self._ctx = None
+
+    def ready(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def begin(self, ready: Any) -> None:
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        self.stream.wait_event(ready)
+
+    def end(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def hand_over(self, result: Any) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        for t in _tensors(result):
+            if t.is_cuda:
+                t.record_stream(cur)
+
+
 class CommHandle:
     """The future of one submitted task. ``wait()`` may be called more than once."""
 
@@ -63,6 +128,7 @@ class CommHandle:
         self.comm_s = 0.0  # seconds the task occupied the comm thread (incl. emulated delay/cap)
         self.blocked_s = 0.0  # seconds the caller spent inside wait()
         self.policy: WaitPolicy | None = None  # set by AsyncComm.submit when configured
+        self.side: SideStream | None = None  # set by AsyncComm.submit when the task ran on a side stream
 
     def _finish(self, result: Any = None, error: BaseException | None = None, comm_s: float = 0.0) -> None:
         self._result, self._error, self.comm_s = result, error, comm_s
@@ -96,6 +162,9 @@ class CommHandle:
                     f"{pol.limit}): {self._error}"
                 ) from self._error
             raise RuntimeError(f"communication task {self.name!r} failed on the comm thread") from self._error
+        if self.side is not None:  # (once: the caller's stream is the one it waits on)
+            side, self.side = self.side, None
+            side.hand_over(self._result)
         return self._result
 
 
@@ -141,6 +210,8 @@ class AsyncComm:
         device: the CUDA device of the tensors it moves (None or a CPU device: nothing to set). The current CUDA device
             is per thread and a new thread starts on cuda:0: the thread selects ``device`` first, so what it runs that
             reads the current device (torchft's quorum and streams, ``torch.cuda`` calls) uses this rank's GPU.
+        side_stream: run every task on this :class:`SideStream` (``outer.comm_stream``; a CUDA ``device`` only), not on
+            the caller's stream (module docstring).
 
     The thread starts on the first ``submit`` and stops in ``shutdown()`` (after draining
     the queue); a later ``submit`` starts it again.
@@ -153,6 +224,7 @@ class AsyncComm:
         sent_bytes: Callable[[], int] | None = None,
         name: str = "outer-comm",
         device=None,
+        side_stream: SideStream | None = None,
     ) -> None:
         if delay_s < 0:
             raise ValueError(f"AsyncComm delay_s={delay_s} must be >= 0")
@@ -165,6 +237,7 @@ class AsyncComm:
         self._sent_bytes = sent_bytes
         self.name = name
         self.device = device
+        self.side_stream = side_stream
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._link_free_at = 0.0
@@ -184,8 +257,12 @@ class AsyncComm:
             self._thread.start()
         handle = CommHandle(name or getattr(fn, "__name__", "task"))
         handle.policy = self.policy
+        ready = None
+        if self.side_stream is not None:  # (on this thread: the event follows what the caller queued so far)
+            ready = self.side_stream.ready()
+            handle.side = self.side_stream
         self._last = handle
-        self._queue.put((handle, fn, args, kwargs))
+        self._queue.put((handle, fn, args, kwargs, ready))
         return handle
 
     @property
@@ -225,14 +302,21 @@ class AsyncComm:
             if item is None:
                 self._queue.task_done()
                 return
-            handle, fn, args, kwargs = item
+            handle, fn, args, kwargs, ready = item
             t0 = time.perf_counter()
             before = self._sent_bytes() if self._sent_bytes is not None else 0
             result, error = None, None
             try:
                 if cuda:  # (in the try: a failure is the task's, handed to its waiter, not a dead thread)
                     torch.cuda.set_device(self.device)
-                result = fn(*args, **kwargs)
+                if ready is None:
+                    result = fn(*args, **kwargs)
+                else:
+                    self.side_stream.begin(ready)
+                    try:
+                        result = fn(*args, **kwargs)
+                    finally:  # (before the args are let go: the side stream's kernels may still read them)
+                        self.side_stream.end()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 error = e
             if error is None:

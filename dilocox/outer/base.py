@@ -19,8 +19,14 @@ from torch import nn
 from dilocox.compress.codec import rank_of
 from dilocox.compress.collectives import CommStats
 from dilocox.config import CompressConfig, OuterConfig
-from dilocox.distributed.comm import AsyncComm, CommHandle
+from dilocox.distributed.comm import AsyncComm, CommHandle, SideStream
 from dilocox.outer.group import FixedGroup, OuterGroup
+
+
+def side_stream_for(ocfg: OuterConfig, device) -> SideStream | None:
+    """The comm thread's CUDA stream of its own (``outer.comm_stream``): on a CUDA device only (a CPU run refuses the
+    key at load; ``train.device=auto`` on a host without a GPU runs as without it)."""
+    return SideStream(device) if ocfg.comm_stream and getattr(device, "type", None) == "cuda" else None
 
 
 class OuterBase:
@@ -70,12 +76,14 @@ class OuterBase:
         # step's record counts the bytes of the all-reduces it took, whatever the comm thread's timing (``_start``)
         self._settled = (0, 0)
         # the thread starts on the first submit, so a constructor that raises later leaves none behind
+        device = self.params[0].device if self.params else None
         self.comm = AsyncComm(
             delay_s=comm_delay_s,
             bandwidth=comm_bandwidth,
             sent_bytes=lambda: self.comm_stats.bytes_sent,
             name=f"outer-comm-{topo.rank if topo else 0}",
-            device=self.params[0].device if self.params else None,  # (the thread selects this rank's GPU)
+            device=device,  # (the thread selects this rank's GPU)
+            side_stream=side_stream_for(ocfg, device),
         )
 
     # ------------------------------------------------------------------ hooks (no-ops unless overridden)
