@@ -226,9 +226,10 @@ class OuterConfig:
     # pseudo-gradient is taken from that start, so only the start point moves (outer/diloco.py docstring)
     state_device: str = "host"  # host | device (where the fp32 outer params + momentum live)
     comm_stream: bool = False  # CUDA: the comm thread's kernels (codec, copies) on a stream of its own, ordered after
-    # the launch by an event, as torchft's Streaming DiLoCo does: its host waits wait for its own work only, not for
-    # the training kernels queued by then (distributed/comm.py). No effect on a CPU. Off until a GPU row measures it
-    # (tools/gpu_check.sh; docs/BENCHMARKS.md 13c)
+    # the launch by an event (torchft's Streaming DiLoCo also runs its all-reduces on a stream of their own): its host
+    # waits wait for its own work only, not for the training kernels queued by then (distributed/comm.py; the
+    # codec's working set is cached apart). Refused with train.device=cpu; train.device=auto on a host without a GPU
+    # runs without it. Off until a GPU row measures it (tools/gpu_check.sh stream; docs/BENCHMARKS.md 13c)
     blocking: bool = False  # true: wait for the outer all-reduce on the critical path
     shard_over_data: bool = True  # parallel.data = D > 1: each DP rank syncs 1/D of the shard's tensors over the
     # slow link and broadcasts them to the others (slow-link bytes and outer state / D); false: every DP rank syncs

@@ -35,9 +35,11 @@ the codec's kernels run between the training's. With a side stream the task runs
 on the GPU, for an event recorded on the caller's stream at ``submit`` (what the task reads is written by then); its
 host waits wait for that work only. The thread synchronizes its stream before it hands the result over, and the
 caller marks the result's CUDA tensors as used on its own stream (``record_stream``), so the caching allocator does not
-give their memory to the side stream's next task while the training's kernels may still read them. torchft's
-Streaming DiLoCo runs its fragments' all-reduces on a stream of their own in the same way
-(``torchft/local_sgd.py``, ``_StreamingDiLoCoFragment._stream``).
+give their memory to the side stream's next task while the training's kernels may still read them; in the same way the
+thread marks the task's arguments and its codec's state as used on the side stream before the task runs. torchft's
+Streaming DiLoCo also runs its fragments' all-reduces on a stream of their own (``torchft/local_sgd.py``,
+``_StreamingDiLoCoFragment._stream``: ordered after the training's stream with ``wait_stream``, waited for with an
+event). The side stream's memory is cached apart from the training's: the codec's working set stays reserved beside it.
 """
 
 from __future__ import annotations
@@ -63,28 +65,39 @@ def emulated_bandwidth_bytes() -> float | None:
     return float(bps) / 8.0 if bps else None
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a task's result (lists, tuples and dicts of them, nested)."""
+def _tensors(obj: Any, objects: int = 0, _seen: set | None = None) -> Iterator[torch.Tensor]:
+    """The tensors in ``obj``: itself, or in its lists, tuples and dicts, nested; with ``objects`` > 0 also in the
+    attributes of dilocox's own objects (a codec's state: its error buffers, its low-rank Q), that many objects deep."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            yield from _tensors(x)
+            yield from _tensors(x, objects, seen)
     elif isinstance(obj, dict):
         for x in obj.values():
-            yield from _tensors(x)
+            yield from _tensors(x, objects, seen)
+    elif objects > 0 and type(obj).__module__.startswith("dilocox.") and hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _tensors(x, objects - 1, seen)
 
 
 class SideStream:
     """The comm thread's CUDA stream (module docstring). The three points where the threads meet:
 
     - ``ready()`` (caller thread, at ``submit``): an event on the caller's current stream;
-    - ``begin(ready)`` / ``end()`` (comm thread, around the task): the task's kernels on the side stream, after the
-      event; ``end`` waits on the host for the side stream only;
+    - ``begin(ready, uses)`` / ``end()`` (comm thread, around the task): the task's kernels on the side stream, after
+      the event; the CUDA tensors of ``uses`` (the task's arguments, and the state of the codec among them) marked as
+      used on the side stream, so that one the task frees or replaces (a codec's Q or error buffer made on the
+      caller's stream) is not given to the caller's stream while the side stream's kernels may still read it; ``end``
+      waits on the host for the side stream only;
     - ``hand_over(result)`` (caller thread, in ``wait``): the result's CUDA tensors marked as used on the caller's
       stream.
 
-    Tests replace it with a recording double (tests/test_comm_stream.py); tests/test_gpu.py runs it on a GPU."""
+    The CPU tests replace it with a recording double; the CUDA tests run it (both in tests/test_gpu_paths.py)."""
 
     def __init__(self, device) -> None:
         self.device = torch.device(device)
@@ -96,12 +109,16 @@ class SideStream:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def begin(self, ready: Any) -> None:
+    def begin(self, ready: Any, uses: Any = ()) -> None:
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
-        self._ctx = torch.cuda.stream(self.stream)
-        self._ctx.__enter__()
+        ctx = torch.cuda.stream(self.stream)
+        ctx.__enter__()
+        self._ctx = ctx  # (entered: end() leaves it, whatever fails from here)
         self.stream.wait_event(ready)
+        for t in _tensors(uses, objects=2):
+            if t.is_cuda:  # (a tensor made on the side stream: a no-op for the allocator)
+                t.record_stream(self.stream)
 
     def end(self) -> None:
         ctx, self._ctx = self._ctx, None
@@ -236,6 +253,8 @@ class AsyncComm:
         self.bandwidth = bandwidth
         self._sent_bytes = sent_bytes
         self.name = name
+        if getattr(device, "type", None) == "cuda" and device.index is None:  # (set_device needs the index)
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.side_stream = side_stream
         self._queue: queue.Queue = queue.Queue()
@@ -312,8 +331,8 @@ class AsyncComm:
                 if ready is None:
                     result = fn(*args, **kwargs)
                 else:
-                    self.side_stream.begin(ready)
                     try:
+                        self.side_stream.begin(ready, (args, kwargs))
                         result = fn(*args, **kwargs)
                     finally:  # (before the args are let go: the side stream's kernels may still read them)
                         self.side_stream.end()
