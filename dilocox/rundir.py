@@ -251,22 +251,38 @@ def finished_message(step: int, tokens_seen: int, cfg: Config, source: str, skip
     max_tok = cfg.train.max_tokens
     if step < cfg.train.steps and not (max_tok and tokens_seen >= max_tok):
         return None
+    by_steps = step >= cfg.train.steps
+    by_tokens = bool(max_tok and tokens_seen >= max_tok)
     what = (
         f"step {step}, at or past train.steps={cfg.train.steps}"
-        if step >= cfg.train.steps
+        if by_steps
         else f"{tokens_seen} tokens, at or past train.max_tokens={max_tok}"
+    )
+    raise_ = " and ".join(  # every limit the run is at: raising only one of them trains nothing
+        ([f"--train.steps (now {cfg.train.steps})"] if by_steps else [])
+        + ([f"--train.max_tokens (now {max_tok}; 0 = no limit)"] if by_tokens else [])
     )
     if skip:
         rd = cfg.log.run_dir
         return (
             f"already finished: see {rd} (its checkpoint {source} is already at {what}; nothing was trained); "
-            f"plots: `dilocox report {shlex.quote(rd)}`. To train further raise --train.steps (now {cfg.train.steps}); "
+            f"plots: `dilocox report {shlex.quote(rd)}`. To train further raise {raise_}; "
             f"to start over use a new --log.run_dir"
         )
     return (
         f"the checkpoint resumed from ({source}) is already at {what}: this run is finished and nothing was "
-        f"trained. To train further raise --train.steps (now {cfg.train.steps}); to start over use a new "
+        f"trained. To train further raise {raise_}; to start over use a new "
         f"--log.run_dir; --checkpoint.resume_finished=skip makes this case exit 0"
+    )
+
+
+def extended_note(step: int, method: str) -> str:
+    """What a finished DiLoCo-family run resumed with more steps trains from (``Trainer._begin_run``)."""
+    return (
+        f"note: continuing a finished run from step {step}: its end set every parameter to the outer params θ "
+        f"(outer.method={method}: the in-flight averages applied, the local progress no all-reduce carried dropped), "
+        f"so training goes on from θ, not from where one uninterrupted run of train.steps would be; for that, resume "
+        f"from a mid-run checkpoint before step {step} (--checkpoint.resume=PATH)"
     )
 
 
@@ -280,7 +296,7 @@ def earlier_records(run_dir: str) -> dict | None:
     path = os.path.join(run_dir, METRICS_NAME)
     if not os.path.exists(path):
         return None
-    last, ck, finished, resumed = None, None, False, False
+    last, ck, finished, resumed, ended_at = None, None, False, False, None
     with open(path) as f:
         for line in f:
             try:
@@ -291,13 +307,17 @@ def earlier_records(run_dir: str) -> dict | None:
                 continue
             if isinstance(rec.get("step"), int):
                 last = rec["step"] if last is None else max(last, rec["step"])
-            finished |= "summary" in rec
+                if "summary" not in rec:
+                    ended_at = None  # (steps logged after a finish: the run went on)
+            if "summary" in rec:
+                finished, ended_at = True, last or 0
             resumed |= rec.get("event") == "resume"
             if rec.get("event") == "checkpoint":
                 ck = rec.get("path") or "?"
     if last is None and not finished:
         return None
-    return {"last_step": last or 0, "checkpoint": ck, "finished": finished, "resumed": resumed}
+    # ended_at: the step the last record's run finished at (None: steps were logged after its summary)
+    return {"last_step": last or 0, "checkpoint": ck, "finished": finished, "resumed": resumed, "ended_at": ended_at}
 
 
 def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:

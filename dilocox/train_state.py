@@ -337,6 +337,10 @@ class TrainerState:
                 return {"steps": self.step, "skipped": True}
             if msg:
                 raise rundir.RunDirError(msg)
+            if self.topo.rank == 0 and getattr(self.outer, "params_to_theta_at_finish", False):
+                info = rundir.earlier_records(cfg.log.run_dir)  # (before truncate_metrics below: its summary)
+                if info and info["ended_at"] == self.step:
+                    self.logger.info(rundir.extended_note(self.step, cfg.outer.method))
         if self.topo.rank == 0:
             hist = rundir.write_config_history(cfg.log.run_dir, to_yaml(cfg), self.step)
             self.logger.info(f"config saved to {hist} and config.yaml")

@@ -149,3 +149,19 @@ def test_a_checkpoint_path_that_is_missing_or_the_checkpoint_dir_is_named_so(tmp
     os.makedirs(os.path.join(d, "step_00000004"))
     with pytest.raises(ckpt.CheckpointError, match="interrupted while saving"):
         ckpt.read_meta(os.path.join(d, "step_00000004"))
+
+
+def test_a_rerun_past_max_tokens_names_the_limit_it_is_at(tmp_path, capsys):
+    """A run train.max_tokens ended, rerun with a larger train.steps: nothing to train, and the message said "raise
+    --train.steps", which trains nothing either (found by review). It names train.max_tokens; a run at both limits
+    names both."""
+    run = tmp_path / "run"
+    _run(small_cfg(run, "--train.max_tokens=256", steps=6))  # (2 steps of 4 x 32 tokens)
+    capsys.readouterr()
+    t = _run(small_cfg(run, "--train.max_tokens=256", "--checkpoint.resume=auto", steps=20))
+    out = capsys.readouterr().out
+    assert t.step == 2 and "already finished" in out and "raise --train.max_tokens (now 256" in out, out
+    assert "--train.steps" not in out.split("raise")[1].split(";")[0], out
+    _run(small_cfg(run, "--train.max_tokens=256", "--checkpoint.resume=auto", steps=2))
+    out = capsys.readouterr().out
+    assert "raise --train.steps (now 2) and --train.max_tokens (now 256" in out, out

@@ -191,3 +191,15 @@ def test_an_option_the_method_ignores_is_refused(override, field):
     with pytest.raises(ConfigError, match=f"{field}.*no effect with outer.method"):
         load_config(TINY, override)
     load_config(TINY, override[:1])  # the method alone loads
+
+
+def test_an_empty_section_header_overrides_nothing(tmp_path):
+    """Bug (found by review): a section header whose keys are all commented out (YAML: ``train: null``) replaced the
+    included file's whole section with the code defaults: the tiny config then trained 200 steps at lr 4e-4 instead
+    of 300 at 3e-3, with no word said. An empty section now overrides nothing."""
+    cfg = tmp_path / "mine.yaml"
+    cfg.write_text(f"include: {TINY}\ntrain:\n#  steps: 50\noptim:\ndata: null\n")
+    c, tiny = load_config(str(cfg)), load_config(TINY)
+    assert (c.train, c.optim, c.data) == (tiny.train, tiny.optim, tiny.data)
+    cfg.write_text(f"include: {TINY}\ntrain:\n  steps: 50\n")  # (a key below it still overrides)
+    assert load_config(str(cfg)).train.steps == 50 and load_config(str(cfg)).optim == tiny.optim

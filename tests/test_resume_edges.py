@@ -61,10 +61,12 @@ def test_a_rewind_sets_the_later_checkpoints_aside_and_saves_its_own(tmp_path):
     assert saved[-2:] == [str(ck / "step_00000002"), str(ck / "step_00000004")]  # (the final save logs no event)
 
 
-def test_more_steps_after_a_finished_streaming_run_with_a_fragment_in_flight(tmp_path):
+def test_more_steps_after_a_finished_streaming_run_with_a_fragment_in_flight(tmp_path, capsys):
     """A streaming run (2 fragments, tau 1, overlap none) ends with a fragment's sync in flight: finish() applies it.
     Resumed with a larger train.steps, the run reaches that fragment's sync point with nothing pending: it goes on
-    (it died on `_wait(None)`), and the replica's params after the extension are finite and moved."""
+    (it died on `_wait(None)`), and the replica's params after the extension are finite and moved. The resume says
+    that it goes on from θ (found by review: a user took it for an exact continuation of a longer run); a resume from
+    a mid-run checkpoint, or of a run that went on after its finish, does not."""
     run = tmp_path / "run"
     method = (
         "--outer.method=diloco",
@@ -72,13 +74,20 @@ def test_more_steps_after_a_finished_streaming_run_with_a_fragment_in_flight(tmp
         "--outer.streaming.fragments=2",
         "--outer.streaming.tau=1",
     )
-    _run(small_cfg(run, *method, steps=5))
+    keep = ("--checkpoint.every=3", "--checkpoint.keep=0")
+    _run(small_cfg(run, *method, *keep, steps=5))
     first = final_model(str(run / "checkpoints" / "step_00000005"))
-    t = _run(small_cfg(run, *method, "--checkpoint.resume=auto", steps=10))
+    capsys.readouterr()
+    t = _run(small_cfg(run, *method, *keep, "--checkpoint.resume=auto", steps=10))
     assert t.step == 10
+    out = capsys.readouterr().out
+    assert "continuing a finished run from step 5" in out and "outer params θ" in out, out
     last = final_model(str(run / "checkpoints" / "step_00000010"))
     assert all(torch.isfinite(v).all() for v in last.values())
     assert any(not torch.equal(first[k], last[k]) for k in first)
+    ck = run / "checkpoints" / "step_00000003"  # a mid-run checkpoint: its params are the local ones, nothing to say
+    _run(small_cfg(run, *method, *keep, f"--checkpoint.resume={ck}", steps=11))
+    assert "continuing a finished run" not in capsys.readouterr().out
 
 
 def test_a_stop_during_the_last_step_ends_the_run_as_finished(tmp_path):

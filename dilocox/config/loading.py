@@ -206,6 +206,8 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
+        if v is None and isinstance(out.get(k), dict):  # `train:` with its keys commented out: nothing overridden
+            continue
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _deep_merge(out[k], v)
         else:

@@ -93,6 +93,10 @@ class OuterBase:
     def after_inner_step(self, step: int) -> None:
         """After the inner optimizer step (the DiLoCo family's phase ends)."""
 
+    # finish() sets the params to the outer params θ (the DiLoCo family): a finished run resumed with more steps goes on
+    # from θ, not from where an uninterrupted longer run would have been (the trainer says so at the resume)
+    params_to_theta_at_finish = False
+
     def finish(self) -> None:
         """End of training: apply what is in flight and stop the comm thread."""
         self.comm.shutdown()

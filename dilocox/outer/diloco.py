@@ -106,6 +106,8 @@ class DiLoCoOuter(OuterBase):
         group: the replicas (``OuterGroup``; default the fixed ``outer`` process group of ``topo``).
     """
 
+    params_to_theta_at_finish = True  # (finish(): every parameter set to θ)
+
     def __init__(
         self,
         named_params: list[tuple[str, nn.Parameter]],
