@@ -34,3 +34,23 @@ def test_overloaded_machine_is_flagged(monkeypatch, capsys):
     assert "warning: load average 99.00" in capsys.readouterr().err
     assert "99.00 (> cores)" in bk.format_table(rows)
     assert bk.overloaded(3.0, 2) and not bk.overloaded(1.5, 2) and not bk.overloaded(None, 2)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--sizes", "0"], "element count must be >= 1"),  # (was a ZeroDivisionError traceback)
+        (["--sizes", "-5"], "element count must be >= 1"),  # (a negative-dimension RuntimeError)
+        (["--sizes", "abc"], "is not an element count"),
+        (["--group-size", "0"], "--group-size: '0': must be >= 1"),  # (a ValueError traceback)
+        (["--group-size", "7"], "must be even"),
+        (["--repeats", "0"], "--repeats: '0': must be >= 1"),  # (accepted: a row of nothing timed)
+        (["--threads", "0"], "--threads: '0': must be >= 1"),
+        (["--device", "cuda"], "sees no CUDA GPU"),  # (an AssertionError traceback on a CPU torch)
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(args, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        bk.main([*args, "--no-reference"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err, err

@@ -48,12 +48,30 @@ DEFAULT_SIZES = [1 << 16, 1 << 20, 1 << 22, 1 << 24]
 
 
 def parse_size(text: str) -> int:
+    """An element count: 65536, 64K, 1M, 1.5G, 2^24 (> 0)."""
     t = text.strip().upper()
-    if "^" in t:
-        base, exp = t.split("^")
-        return int(base) ** int(exp)
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
+    try:
+        if "^" in t:
+            base, exp = t.split("^")
+            n = int(base) ** int(exp)
+        else:
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+            n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an element count (e.g. 65536, 64K, 1M, 2^24)") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: an element count must be >= 1")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be >= 1")
+    return n
 
 
 def _time_once(fn, device: torch.device) -> float:
@@ -238,18 +256,26 @@ def main(argv=None) -> int:
         default=DEFAULT_SIZES,
         help="element counts, e.g. 65536 1M 16M 2^24 (default: 64K 1M 4M 16M)",
     )
-    ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--ref-repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--group-size", type=_positive_int, default=128)
+    ap.add_argument("--repeats", type=_positive_int, default=10)
+    ap.add_argument("--ref-repeats", type=_positive_int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
-        "--threads", nargs="+", type=int, default=None, help="torch/OpenMP thread counts to run (default: current)"
+        "--threads",
+        nargs="+",
+        type=_positive_int,
+        default=None,
+        help="torch/OpenMP thread counts to run (default: current)",
     )
     ap.add_argument("--no-reference", action="store_true", help="skip timing the pure-torch reference")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
 
     dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")
+    if args.group_size % 2:  # (int4 packs two values a byte, and a group never shares a byte with the next)
+        ap.error(f"--group-size {args.group_size}: must be even (int4 packs two values a byte), e.g. 128")
     if not kernels.have_extension(dev):
         print(f"note: compiled kernels not available for {dev.type}; 'kernel' rows time the reference")
     rows = []
