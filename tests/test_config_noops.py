@@ -36,6 +36,7 @@ NOOPS = [
     (["--outer.norm_check=4"], "outer.norm_check=4", "outer.method='none'"),
     (["--outer.lr_schedule=inner"], "outer.lr_schedule='inner'", "outer.method='none'"),
     ([*K2, "--train.device=cpu", "--outer.comm_stream=true"], "outer.comm_stream=True", "train.device='cpu'"),
+    (["--train.steps=5", "--log.profile_start=10"], "log.profile_start=10", "train.steps=5"),
     (["--data.path=/tmp/corpus.txt"], "data.path='/tmp/corpus.txt'", "data.source='stdlib'"),
     (["--data.source=prose", "--data.path=corpus.txt"], "data.path", "data.source='prose'"),
     (["--data.source=docs", "--data.path=corpus.txt"], "data.path", "data.source='docs'"),

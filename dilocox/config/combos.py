@@ -30,6 +30,7 @@ def check_combos(cfg: Any) -> None:
         check_per_step_schedule(cfg.outer)
     check_without_outer_method(cfg.outer)
     check_comm_stream(cfg)
+    check_profile_window(cfg)
     check_data_path(cfg.data)
 
 
@@ -117,6 +118,19 @@ def check_comm_stream(cfg: Any) -> None:
             cfg.outer.comm_stream,
             "has no effect with train.device='cpu' (a CUDA stream of its own for the comm thread; a CPU runs each "
             "kernel as it is called); set train.device=cuda (or auto on a GPU machine) or remove it",
+        )
+
+
+def check_profile_window(cfg: Any) -> None:
+    """``log.profile_start`` traces steps profile_start .. + profile_steps - 1 (profiling.py): a start past
+    train.steps never opens the window (the run wrote no trace and said nothing)."""
+    start, steps = cfg.log.profile_start, cfg.train.steps
+    if start > steps:
+        _fail(
+            "log.profile_start",
+            start,
+            f"is past train.steps={steps}: the run ends before the traced steps and writes no profile; set it to a "
+            f"step <= {steps} (e.g. 10 with log.profile_steps=3) or 0 (off)",
         )
 
 
