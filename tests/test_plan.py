@@ -407,3 +407,18 @@ def test_plan_chooses_the_better_loss_preset_where_the_link_lets_it_keep_97_perc
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"preset for this link: methods/{want}.yaml" in out
+
+
+def test_the_choice_line_keeps_a_config_whose_own_method_beats_the_presets(capsys):
+    """Found by review: planning configs/opt-1.3b-dilocox.yaml at 100 Mbit/s, its own row (H = 125, low rank + int4,
+    delayed) keeps 100 % of the compute, yet the line under the table recommended methods/dilocox-far.yaml (23.8 %)
+    with no word of it. The line now says to keep the config's own method where it keeps >= 97 % and beats both."""
+    cfg = os.path.join(ROOT, "configs", "opt-1.3b-dilocox.yaml")
+    assert main([cfg, "--bandwidth", "100mbit", "--json", os.devnull]) == 0
+    out = capsys.readouterr().out
+    own = next(line for line in out.splitlines() if "(this config)" in line)
+    assert "| 100.0% |" in own, own
+    assert "this config's own method keeps 100.0% of the compute on this link" in out and "keep it" in out, out
+    cfg = os.path.join(ROOT, "configs", "tiny-dilocox.yaml")  # (its own row is the `dilocox` preset: no such line)
+    assert main([cfg, "--bandwidth", "10mbit", "--latency", "0.15", "--step-time", "0.1"]) == 0
+    assert "this config's own method" not in capsys.readouterr().out

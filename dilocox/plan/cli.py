@@ -31,6 +31,8 @@ from dilocox.plan.units import fmt_bandwidth, fmt_seconds, parse_bandwidth, pars
 DESCRIPTION = "The planner: predict bytes, communication time and compute utilization before renting GPUs."
 
 
+THIS_CONFIG = " (this config)"  # the suffix of the planned config's own row
+
 def format_table(rows: list[dict]) -> str:
     tgt = list(rows[0]["bandwidth_for"]) if rows else []
     head = [
@@ -212,7 +214,7 @@ def _from_run_config(args: argparse.Namespace, path: str) -> tuple[list, list[st
         setattr(args, key, value)
     if args.rank is not None or args.group_size is not None:
         raise ValueError(f"--rank/--group-size: {path} sets its own compress section; change it there")
-    method = Method(f"{os.path.splitext(os.path.basename(path))[0]} (this config)", cfg.outer, cfg.compress)
+    method = Method(f"{os.path.splitext(os.path.basename(path))[0]}{THIS_CONFIG}", cfg.outer, cfg.compress)
     notes = [
         f"from {path}: {cfg.model.arch} {cfg.model.n_layers} layers x d {cfg.model.d_model}, {args.replicas} replicas "
         f"of PP {args.pipeline} x TP {args.tensor}, {cfg.train.batch_size} x {cfg.train.seq_len} = {tokens:,} tokens "
@@ -301,7 +303,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value} must be {want}")
 
 
-def _choice(args: argparse.Namespace, bw: float) -> str:
+def _choice(args: argparse.Namespace, bw: float, rows: list[dict]) -> str:
     """The choice line, among the presets of the pair whose own settings fit this model and layout (streaming
     fragments need as many layers per stage: the rows above may plan a layout the pair's K does not fit)."""
     fits, why = [], []
@@ -313,7 +315,16 @@ def _choice(args: argparse.Namespace, bw: float) -> str:
             why.append(f"`{name}` does not fit this model and layout: {e}")
     if not fits:
         return "preset for this link: none; " + "; ".join(why)
-    line = choice_line(*choose_preset(args.mcfg, args.replicas, bw, pair=tuple(fits), **args.plan_kw))
+    name, preset_rows = choose_preset(args.mcfg, args.replicas, bw, pair=tuple(fits), **args.plan_kw)
+    line = choice_line(name, preset_rows)
+    own = [r for r in rows if r["method"].endswith(THIS_CONFIG)]
+    best = max(r["utilization"] for r in preset_rows)
+    if own and own[0]["utilization"] >= UTIL_TARGET and own[0]["utilization"] > best:
+        # (the presets are the advice for a config without outer settings of its own: this one does better here)
+        line = (
+            f"this config's own method keeps {own[0]['utilization']:.1%} of the compute on this link (the `dilocox` "
+            f"presets {best:.1%} at most): keep it. Otherwise, " + line
+        )
     return "; ".join([line, *why])
 
 
@@ -338,7 +349,7 @@ def _print_report(args: argparse.Namespace, bw: float, rows: list[dict]) -> None
     print(f"\ninner step: {step}\n")
     print(format_table(rows))
     if set(PRESET_PAIR) <= set(method_names()):
-        print("\n" + _choice(args, bw))
+        print("\n" + _choice(args, bw, rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(_finite(rows), f, indent=2)
