@@ -33,6 +33,7 @@ DESCRIPTION = "The planner: predict bytes, communication time and compute utiliz
 
 THIS_CONFIG = " (this config)"  # the suffix of the planned config's own row
 
+
 def format_table(rows: list[dict]) -> str:
     tgt = list(rows[0]["bandwidth_for"]) if rows else []
     head = [
