@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from dilocox.checkpoint.layout import step_dir_name
 from dilocox.config import Config, ConfigError
 from dilocox.fsutil import atomic_path, atomic_write_text, replace_durably, sync_dir
 
@@ -339,6 +340,8 @@ def check_fresh_start(run_dir: str, ckpt_dir: str, cfg: Config) -> str | None:
         why = None
         if info["checkpoint"] or info["resumed"] or info["finished"]:
             last = f" (its last recorded checkpoint: {info['checkpoint']})" if info["checkpoint"] else ""
+            if info["finished"]:  # (the final save logs no record after the summary: it is the last step's)
+                last = f" (its final checkpoint: {os.path.join(ckpt_dir, step_dir_name(n))})"
             why = f"{'a finished' if info['finished'] else 'an earlier'} run up to step {n}{last}"
         else:
             saved, _ = saved_config("", {}, run_dir)

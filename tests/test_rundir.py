@@ -455,6 +455,13 @@ def test_fresh_start_on_earlier_records_is_allowed_only_when_nothing_is_lost(tmp
         with pytest.raises(rundir.RunDirError, match="--checkpoint.resume=none") as e:
             rundir.check_fresh_start(d, ck, cfg)
         assert what in str(e.value) and "\n" not in str(e.value)
+    # a finished run's final save is not recorded (it comes after the summary): the message named the last mid-run
+    # checkpoint as the run's last (found by review); it names the final one, at the last step
+    _metrics(d, {"step": 2}, {"event": "checkpoint", "at_step": 2, "path": "/x/step_00000002"}, {"step": 3},
+             {"summary": {"steps": 3}})  # fmt: skip
+    with pytest.raises(rundir.RunDirError) as e:
+        rundir.check_fresh_start(d, ck, cfg)
+    assert f"its final checkpoint: {os.path.join(ck, 'step_00000003')}" in str(e.value), str(e.value)
     fresh = load_config(TINY, [f"--log.run_dir={d}", "--checkpoint.resume=none"])
     assert "checkpoint.resume=none: starting over" in rundir.check_fresh_start(d, ck, fresh)
     with open(os.path.join(d, "metrics.jsonl"), "a") as f:
