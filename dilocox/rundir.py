@@ -158,6 +158,12 @@ def lock_run_dir(run_dir: str, is_holder: bool, agree: Callable[[bool], bool]) -
             lock = RunDirLock(run_dir)
         except (RunDirError, OSError) as e:
             err = e if isinstance(e, RunDirError) else RunDirError(f"cannot lock log.run_dir={run_dir}: {e}")
+            if not run_dir.strip():
+                err = RunDirError("log.run_dir is empty; give the run's directory, e.g. --log.run_dir=runs/mine")
+            elif os.path.exists(run_dir) and not os.path.isdir(run_dir):
+                err = RunDirError(
+                    f"log.run_dir={run_dir} is a file, not a directory; give a directory (new or a run's)"
+                )
     if not agree(err is None):
         if lock is not None:
             lock.release()

@@ -201,6 +201,13 @@ def test_parse_bandwidth_rejects(bad):
         parse_bandwidth(bad)
 
 
+@pytest.mark.parametrize("zero", ["0", "0.0"])
+def test_a_zero_bandwidth_is_named_zero_not_a_missing_unit(zero):
+    """Found by review: ``--bandwidth 0`` said "has no unit: 0 bit/s; write e.g. 0mbit", and 0mbit was refused next."""
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        parse_bandwidth(zero)
+
+
 def test_latency_takes_the_launchers_suffixed_forms_and_a_bare_number_is_seconds(capsys):
     """``dilocox launch --latency 150ms`` and ``dilocox plan --latency 150ms`` now mean the same link (plan took only a
     bare number of seconds: 150ms was an error, and a launch's bare ms was 1000x off in plan)."""

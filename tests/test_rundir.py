@@ -615,3 +615,16 @@ def test_a_cut_short_move_keeps_what_a_later_writer_appended(tmp_path):
     assert rundir.finish_moves(path, disc) == 2
     assert open(path).read().splitlines() == [lines[0].strip(), lines[1].strip(), json.dumps({"step": 3, "new": True})]
     assert [json.loads(x)["step"] for x in open(disc).read().splitlines()[1:]] == [3, 4]
+
+
+def test_a_run_dir_that_is_empty_or_a_file_is_named_as_such(tmp_path):
+    """Found by review: ``--log.run_dir=`` said "cannot lock log.run_dir=: [Errno 2] No such file or directory: ''",
+    and a file "[Errno 17] File exists"."""
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    for d, needle in (("", "log.run_dir is empty"), (str(f), "is a file, not a directory")):
+        with pytest.raises(rundir.RunDirError, match=needle):
+            rundir.lock_run_dir(d, True, lambda ok: ok)
+    lock = rundir.lock_run_dir(str(tmp_path / "new"), True, lambda ok: ok)  # (a new directory: taken)
+    assert lock is not None and lock.held
+    lock.release()

@@ -28,7 +28,7 @@ def parse_bandwidth(text: str | float | int) -> float:
                 f"bandwidth {text!r} is not a number with a unit; write e.g. 100mbit, 1gbit, 10Gbit/s, 125MB/s"
             )
         unit = m.group(2)
-        if not unit and float(m.group(1)) < 1000:  # ("--bandwidth 100": 100 bit/s, a link no run finishes on)
+        if not unit and 0 < float(m.group(1)) < 1000:  # ("--bandwidth 100": 100 bit/s, a link no run finishes on)
             raise ValueError(f"bandwidth {text!r} has no unit: {m.group(1)} bit/s; write e.g. {m.group(1)}mbit")
         unit = unit[:-2] if unit.endswith("/s") else unit
         um = re.fullmatch(r"([kKmMgGtT]i?)?(bit|bps|b|Bps|B|byte|bytes)?", unit)
