@@ -291,9 +291,11 @@ class Trainer(TrainerState):
         outer = ""
         if getattr(self.outer, "schedule", None) is not None:  # (the DiLoCo family: an outer step over the replicas)
             outer = f", or outer.lr (now {self.cfg.outer.lr}: the outer step moves every replica)"
+        clip = self.cfg.optim.grad_clip
+        clip = f"a lower optim.grad_clip (now {clip:g})" if clip else "optim.grad_clip (now off; e.g. 1.0)"
         return FloatingPointError(
-            f"loss is {loss} at step {step} (replica {self.topo.replica}); training stopped {where}. "
-            f"Lower optim.lr (now {lr}){outer}, or set optim.grad_clip, and resume from the last good checkpoint "
+            f"loss is {loss} at step {step} (replica {self.topo.replica}); stopped {where}. "
+            f"Lower optim.lr (now {lr}){outer}, or set {clip}, and resume from the last good checkpoint "
             f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
             "non-finite states are never saved)"
         )

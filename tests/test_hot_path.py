@@ -132,8 +132,10 @@ def test_a_non_finite_loss_stops_the_run_at_the_next_log_step_and_is_never_saved
     tr.engine.forward_backward_async = bad
     try:
         # (the 6th step's loss: metrics.jsonl numbers it 6; the message said 5, the 0-based index)
-        with pytest.raises(FloatingPointError, match="loss is nan at step 6 .*training stopped at step 8"):
+        with pytest.raises(FloatingPointError, match="loss is nan at step 6 .*; stopped at step 8") as e:
             tr.run()
+        # (the clip is on by default: the advice names its value, not "set optim.grad_clip"; found by review)
+        assert "a lower optim.grad_clip (now 1)" in str(e.value), str(e.value)
     finally:
         _close(tr)
     assert glob.glob(os.path.join(str(tmp_path), "checkpoints", "step_*")) == []
