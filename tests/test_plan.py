@@ -428,4 +428,6 @@ def test_the_choice_line_keeps_a_config_whose_own_method_beats_the_presets(capsy
     assert "this config's own method keeps 100.0% of the compute on this link" in out and "keep it" in out, out
     cfg = os.path.join(ROOT, "configs", "tiny-dilocox.yaml")  # (its own row is the `dilocox` preset: no such line)
     assert main([cfg, "--bandwidth", "10mbit", "--latency", "0.15", "--step-time", "0.1"]) == 0
-    assert "this config's own method" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "this config's own method" not in out
+    assert "(H = 4, streaming K=2 tau=1)" in out  # (the header said "overlap none" beside the row's streaming)

@@ -74,6 +74,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _schedule(o, overlap: str) -> str:
+    """The header's words for the config's outer schedule, as its row names it (streaming: fragments and tau)."""
+    s = o.streaming
+    if overlap == "none" and (s.fragments > 1 or s.tau > 0):
+        return f"streaming K={s.fragments} tau={s.tau}"
+    return f"overlap {overlap}"
+
+
 def _tau_cell(r: dict) -> str:
     """The least streaming overlap that keeps 97 % (predict.smallest_tau); '-' where tau does not apply."""
     if r["outer_method"] != "diloco" or r["overlap"] != "none":
@@ -220,7 +228,7 @@ def _from_run_config(args: argparse.Namespace, path: str) -> tuple[list, list[st
         f"from {path}: {cfg.model.arch} {cfg.model.n_layers} layers x d {cfg.model.d_model}, {args.replicas} replicas "
         f"of PP {args.pipeline} x TP {args.tensor}, {cfg.train.batch_size} x {cfg.train.seq_len} = {tokens:,} tokens "
         f"per replica per step, outer.method={cfg.outer.method}"
-        + (f" (H = {cfg.outer.sync_every}, overlap {method.overlap})" if not method.per_step else ""),
+        + (f" (H = {cfg.outer.sync_every}, {_schedule(cfg.outer, method.overlap)})" if not method.per_step else ""),
         "assumed (not in the config): the GPUs (--gpus-per-replica, --gpu-tflops, --mfu or --step-time) and the "
         "link's latency (--latency)",
     ]
