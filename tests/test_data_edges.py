@@ -156,3 +156,20 @@ def test_a_killed_builds_leftovers_are_removed_and_live_ones_kept(tmp_path):
     left = set(os.listdir(parent))
     assert names["dead"] not in left and names["live"] in left and names["other host"] in left
     assert ByteTokenizer().decode(p.train_tokens()[:10])
+
+
+def test_an_exported_byte_tokenizer_given_as_hf_names_data_tokenizer_byte(tmp_path):
+    """Found by review: `dilocox export` of a byte-level run writes a tokenizer.json of 256 ids (hf.byte_tokenizer_json;
+    documents end with byte 0, no token of their own); given back as data.tokenizer=hf:DIR it failed with "has none
+    of the end-of-document tokens ... use GPT-2's". It names data.tokenizer=byte, which reads the same ids."""
+    from dilocox.data.tokenizer import BPETokenizer, ByteTokenizer
+    from dilocox.hf import byte_tokenizer_json
+
+    path = str(tmp_path / "tokenizer.json")
+    byte_tokenizer_json(path)
+    with pytest.raises(ValueError, match="use data.tokenizer=byte"):
+        BPETokenizer.from_file(path)
+    from tokenizers import Tokenizer
+
+    text = "héllo, wörld\n"
+    assert Tokenizer.from_file(path).encode(text).ids == ByteTokenizer().encode(text)  # (the advice's ids: the same)

@@ -131,6 +131,11 @@ class BPETokenizer(CountsBytes):
         # vocabulary) would otherwise pass the model.vocab_size check and index past the embedding
         self.vocab_size = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         eot = eot_id_of(tok)
+        if eot is None and self.vocab_size == ByteTokenizer.vocab_size:  # (hf.byte_tokenizer_json: an export's)
+            raise ValueError(
+                f"tokenizer {path or ''} is a byte-level tokenizer of 256 ids, as `dilocox export` writes dilocox's "
+                "byte tokenizer (its documents end with byte 0, not a token of their own): use data.tokenizer=byte"
+            )
         if eot is None:
             raise ValueError(
                 f"tokenizer {path or ''} has none of the end-of-document tokens {list(EOT_CANDIDATES)}; dilocox "
