@@ -201,6 +201,9 @@ def test_sigterm_to_dilocox_launch_saves_then_removes_namespaces(tmp_path):
         log = out.read_text()
         assert code in (-signal.SIGTERM, 128 + signal.SIGTERM), f"exit {code}:\n{log[-3000:]}"
         assert "interrupted by SIGTERM at step" in log, log[-3000:]
+        # each node's torchrun ends with one line, not a SignalException traceback per node (found by review)
+        assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
+        assert log.count("torchrun: stopped by SIGTERM: every local rank (1) stopped") == 2, log[-3000:]
         step = int(log.split("interrupted by SIGTERM at step ")[1].split(";")[0])
         assert (run / "checkpoints" / f"step_{step:08d}" / "COMPLETE.json").exists()
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

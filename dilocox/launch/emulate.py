@@ -24,7 +24,7 @@ from dilocox.config import ConfigError, load_config
 from dilocox.distributed.comm import BANDWIDTH_ENV
 from dilocox.distributed.procs import child_env
 from dilocox.distributed.signals import supervise
-from dilocox.launch.local_run import launch_exit_code, local_run_argv, loopback_env
+from dilocox.launch.local_run import MULTI_HOST, launch_exit_code, local_run_argv, loopback_env
 from dilocox.launch.netns import SUBNET, Cluster, cleanup_stale, kill_group, netns_available
 from dilocox.launch.switch import parse_latency, parse_loss
 from dilocox.plan import fmt_bandwidth, parse_bandwidth
@@ -35,11 +35,14 @@ __all__ = ["Cluster", "cleanup_stale", "launch", "launch_main", "netns_available
 def torchrun_argv(
     nnodes: int, node_rank: int, nproc: int, master_addr: str, master_port: int, entry: Sequence[str]
 ) -> list[str]:
-    """One node of a static rendezvous (c10d rendezvous failed to elect its host across namespaces)."""
+    """One node of a static rendezvous (c10d rendezvous failed to elect its host across namespaces): torchrun with its
+    own stores (the nodes meet across the namespaces' links) and ``local_run``'s exit (a stop signal: 128 + signal and
+    one line once the ranks saved, not torchrun's ``SignalException`` traceback)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "dilocox.launch.local_run",
+        MULTI_HOST,
         f"--nnodes={nnodes}",
         f"--node_rank={node_rank}",
         f"--nproc_per_node={nproc}",
