@@ -174,3 +174,35 @@ def test_whole_model_compile_trains_as_eager_and_keeps_the_parameter_names(tmp_p
     assert names_c == names and "layers.0.attn.q_proj.weight" in names  # not wrapped: checkpoints unchanged
     assert max(abs(a - b) / abs(a) for a, b in zip(eager, compiled)) < 1e-4, (eager, compiled)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--modes", "foo"], "--modes 'foo': unknown word"),  # (ran as eager, saved a row named foo, exit 0)
+        (["--modes", "eager, compiled"], "exactly one of eager or compiled"),
+        (["--modes", "compiled, comm stream"], "add 'dilocox preset'"),
+        (["--cases", "nope"], "--cases 'nope': not a case"),  # (a KeyError line, exit 0)
+        (["--steps", "0"], "steps must be >= 1"),  # (a ZeroDivisionError line, exit 0)
+    ],
+)
+def test_bench_train_reference_refuses_bad_arguments_before_running(args, needle, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        R.main(["--device", "cpu", "--out", str(tmp_path), *args])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+
+
+def test_bench_train_reference_writes_its_table_beside_its_out(tmp_path, monkeypatch):
+    """Found by review: ``--out`` elsewhere still rewrote docs/bench/gpu-train-reference/results.md (the table's
+    default) with the other file's rows. The table goes to OUT/results.md unless --out is the docs' own."""
+    row = {"gpu": "none (CPU: x)", "dilocox_tokens_per_s": 1.0, "reference_tokens_per_s": 1.0, "ratio": 1.0}
+    monkeypatch.setattr(R, "run_case", lambda case, mode, *a: {"model": case, "mode": mode, **row})
+    monkeypatch.setattr(R, "markdown", lambda rows: f"{len(rows)} rows")
+    monkeypatch.chdir(tmp_path)  # (the docs' default paths, relative, land here if written)
+    out = tmp_path / "elsewhere"
+    assert R.main(["--device", "cpu", "--cases", "tiny", "--modes", "eager", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["results.json", "results.md"]
+    assert not (tmp_path / "docs").exists()
+    assert R.main(["--device", "cpu", "--cases", "tiny", "--modes", "eager", "--out", R.DEFAULT_OUT]) == 0
+    assert (tmp_path / R.DEFAULT_MD).exists()  # (the docs' own --out: the docs' table)

@@ -125,6 +125,25 @@ def dilocox_config(case: str, device: str, mode: str, steps: int, run_dir: str, 
     return load_config(base, over)
 
 
+DEFAULT_OUT = "docs/bench/gpu-train"
+DEFAULT_MD = "docs/bench/gpu-train-reference/results.md"
+MODE_WORDS = {"eager", "compiled", "fused qkv", "torch loss", "fp8", "fp8_all", "dilocox preset", "comm stream"}
+
+
+def mode_problem(mode: str) -> str | None:
+    """What is wrong with a ``--modes`` entry (comma-separated words of ``MODE_WORDS``, one of eager | compiled), or
+    None."""
+    words = [w.strip() for w in mode.split(",")]
+    unknown = [w for w in words if w not in MODE_WORDS]
+    if unknown:
+        return f"unknown word(s) {unknown}; a mode is comma-separated words of {sorted(MODE_WORDS)}"
+    if sum(w in ("eager", "compiled") for w in words) != 1:
+        return "name exactly one of eager or compiled"
+    if "comm stream" in words and "dilocox preset" not in words:
+        return "comm stream is a setting of the dilocox preset: add 'dilocox preset'"
+    return None
+
+
 def linear_backend(mode: str) -> str:
     """The ``model.linear_backend`` a mode names: ``fp8_all``, ``fp8`` or ``torch``."""
     words = {w.strip() for w in mode.split(",")}
@@ -454,12 +473,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default="docs/bench/gpu-train", help="results.json goes here")
-    ap.add_argument("--md", default="docs/bench/gpu-train-reference/results.md", help="the table (BENCHMARKS.md)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="results.json goes here")
+    ap.add_argument(
+        "--md", default=None, help=f"the table (default: {DEFAULT_MD} with the default --out, else OUT/results.md)"
+    )
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steady on a shared machine)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="instead: torch.profiler of N steps per side")
     a = ap.parse_args(argv)
+    if a.md is None:  # (a run written elsewhere leaves the docs' table as it is)
+        a.md = (
+            DEFAULT_MD if os.path.abspath(a.out) == os.path.abspath(DEFAULT_OUT) else os.path.join(a.out, "results.md")
+        )
+    for case in a.cases or ():
+        if case not in CASES:
+            ap.error(f"--cases {case!r}: not a case; choose from {', '.join(CASES)}")
+    for mode in a.modes:
+        problem = mode_problem(mode)
+        if problem:
+            ap.error(f"--modes {mode!r}: {problem}")
+    if a.steps < 1 or a.warmup < 0:
+        ap.error(f"--steps {a.steps} --warmup {a.warmup}: steps must be >= 1 and warmup >= 0")
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
     if a.profile:
@@ -478,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         todo = [(c, m) for c in (a.cases or ["tiny", "qwen-tiny"]) for m in a.modes]
     work = tempfile.mkdtemp(prefix="dilocox-bench-ref-")
-    rows = []
+    rows, failed = [], 0
     try:
         for case, mode in todo:
             t0 = time.time()
@@ -486,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_case(case, mode, a.device, a.steps, a.warmup, work))
             except Exception as e:  # noqa: BLE001 - one failed case must not lose the others (one GPU call)
                 print(f"{case} / {mode}: failed: {type(e).__name__}: {e}", flush=True)
+                failed += 1
                 continue
             r = rows[-1]
             print(
@@ -519,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.md, "w") as f:
             f.write("\n".join(md) + "\n")
     print(markdown(rows))
-    return 0
+    return 1 if failed else 0  # (the rows that ran are written either way)
 
 
 if __name__ == "__main__":
