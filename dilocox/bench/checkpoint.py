@@ -168,10 +168,11 @@ def run(model: str, layouts: list[str], repeats: int, root: str) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], model: str, repeats: int) -> str:
+def markdown(rows: list[dict], model: str, repeats: int, layouts: str | None = None) -> str:
     med = statistics.median
+    lay = f" --layouts {layouts}" if layouts else ""
     lines = [
-        f"`dilocox bench checkpoint --model {model} --repeats {repeats}` — {machine_line()}, "
+        f"`dilocox bench checkpoint --model {model}{lay} --repeats {repeats}` — {machine_line()}, "
         f"{time.strftime('%Y-%m-%d')}; {rows[0]['params'] / 1e6:.0f}M parameters + AdamW, median of {repeats}",
         "",
         "| layout | ranks | dilocox checkpoint | dilocox save (s) | torch.save per rank (s) | save vs torch.save "
@@ -202,9 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
         ap.error(f"--layouts: {bad} not among {list(LAYOUTS)}")
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: must be >= 1 (the median of that many saves and loads)")
+    if not os.path.isfile(a.model):
+        ap.error(f"--model {a.model!r}: no such file; give a model config's path (configs/model/*.yaml)")
     root = a.workdir or tempfile.mkdtemp(prefix="dilocox-bench-ckpt-")
     rows = run(a.model, layouts, a.repeats, root)
-    md = markdown(rows, a.model, a.repeats)
+    md = markdown(rows, a.model, a.repeats, ",".join(layouts))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)

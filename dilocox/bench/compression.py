@@ -63,7 +63,8 @@ def gpt2_small_shapes() -> list[tuple[str, torch.Size]]:
 
 
 def model_config(model: str) -> ModelConfig | None:
-    path = os.path.join(ROOT, "configs", "model", f"{model}.yaml")
+    """A model config: a name of configs/model/ (gpt2-tiny) or a YAML file's path; None when there is none."""
+    path = model if model.endswith((".yaml", ".yml")) else os.path.join(ROOT, "configs", "model", f"{model}.yaml")
     if not os.path.exists(path):
         return None
     from dilocox.config import load_config
@@ -75,7 +76,9 @@ def model_shapes(model: str) -> list[tuple[str, torch.Size]]:
     mcfg = model_config(model)
     if mcfg is None:
         if model != "gpt2-small":
-            raise FileNotFoundError(f"configs/model/{model}.yaml not found (only gpt2-small has built-in shapes)")
+            raise FileNotFoundError(
+                f"no model config {model!r}: give a name of configs/model/ (e.g. gpt2-tiny) or a YAML file's path"
+            )
         return gpt2_small_shapes()
     from dilocox.model.transformer import build_model
 
@@ -122,7 +125,9 @@ def real_pseudo_gradients(
 
     mcfg = model_config(model)
     if mcfg is None:
-        raise FileNotFoundError(f"configs/model/{model}.yaml not found")
+        raise FileNotFoundError(
+            f"no model config {model!r}: give a name of configs/model/ (e.g. gpt2-tiny) or a YAML file's path"
+        )
     torch.manual_seed(seed)
     net = build_model(mcfg, seed=seed)
     theta0 = [p.detach().clone() for p in net.parameters()]
@@ -238,12 +243,18 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox bench compression", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="gpt2-small")
+    ap.add_argument("--model", default="gpt2-small", help="a name of configs/model/ or a model YAML's path")
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--no-real", action="store_true", help="skip the real tiny-model pseudo-gradients")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if min(args.ranks) < 1:
+        ap.error(f"--ranks {args.ranks}: each rank must be >= 1")
+    if model_config(args.model) is None and args.model != "gpt2-small":
+        ap.error(
+            f"--model {args.model!r}: no such model config; give a name of configs/model/ (e.g. gpt2-tiny) or a path"
+        )
     rows = run(args.model, tuple(args.ranks), real=not args.no_real, seed=args.seed)
     print(markdown(rows))
     if args.json:
