@@ -190,10 +190,14 @@ def test_train_below_min_replicas_stops_with_clear_error(tmp_path):
 @pytest.mark.slow  # ~60-90 s: two 2-replica runs
 def test_whole_job_restart_from_checkpoints_is_exact(tmp_path):
     """An elastic run restarted as a whole from its step-8 checkpoints (every replica from its own, none ahead:
-    nobody heals) ends bit-identical to the uninterrupted run."""
+    nobody heals) ends bit-identical to the uninterrupted run. With a codec that keeps state (the sparse codec's
+    error buffer) and eager overlap (its 1/R from the last outer step's contributors): the start-up's join round,
+    which nobody contributes to, reset the error buffers the checkpoint restored and left no contributor, so the
+    resumed run diverged (found by review with the `dilocox` preset)."""
+    codec = ("--outer.overlap=eager", "--compress.sparse.enabled=true")
     full = _Run(tmp_path / "full", min_replicas=2, steps=16, bandwidth="")
     try:
-        ps = [full.start(r, "--outer.elastic.initial_replicas=2", "--checkpoint.every=8") for r in range(2)]
+        ps = [full.start(r, "--outer.elastic.initial_replicas=2", "--checkpoint.every=8", *codec) for r in range(2)]
         for r, p in enumerate(ps):
             assert p.wait(timeout=300) == 0, full.err(r)
     finally:
@@ -205,6 +209,7 @@ def test_whole_job_restart_from_checkpoints_is_exact(tmp_path):
                 r,
                 "--outer.elastic.initial_replicas=2",
                 f"--checkpoint.resume={os.path.join(full.run_dir(r), 'checkpoints', 'step_00000008')}",
+                *codec,
             )
             for r in range(2)
         ]

@@ -467,6 +467,8 @@ def test_build_outer_picks_the_class_and_keeps_the_checkpoint_keys():
                 "controller",
                 "h_agreed",  # (issue 20: the H agreed one sync late; older checkpoints without it load as None)
                 "h_proposed",  # (issue 22: the proposal rides on the next all-reduce; not sent yet at a checkpoint)
+                "contributors",  # (eager's 1/R after a resume; older checkpoints without them load as before)
+                "group_contributors",
             },
         ),
     }

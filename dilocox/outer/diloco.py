@@ -414,8 +414,13 @@ class DiLoCoOuter(OuterBase):
         tau steps later, or applied now when tau = 0, as on the live replicas."""
         if not self.group.heals:
             return None
+        # nothing of this replica enters the round it joins: its codecs' state (error buffers, the reduce-scatter
+        # owner's residual, PowerSGD's Q) is reset for it. With nobody ahead (a whole-job restart from checkpoints)
+        # the replica keeps its own state: the checkpoint's, put back after the round (it was lost: not exact)
+        kept = [c.state_dict() for c in self.compressors]
+        kept_contributors = list(self.membership.contributors), list(self.group.contributors)
         for c in self.compressors:
-            c.errors = None  # nothing of this replica enters the step it joins
+            c.errors = None
         m = self.membership
         m.reset_join()
 
@@ -431,6 +436,12 @@ class DiLoCoOuter(OuterBase):
         h = self._start(self.group.join, 0, layout)
         res = self._wait(h)
         if not self._after_wait():
+            for c, sd in zip(self.compressors, kept):
+                c.load_state_dict(sd)
+            # (eager's 1/R: the last outer step's contributors, not the join round's none; the group's for a round the
+            # checkpoint stored as a result, which settles with them)
+            m.contributors, self.group.contributors = kept_contributors
+            self._c_prev = max(1, len(m.contributors))
             return None
         n, p = m.healed_at, m.heal_frag
         st = self.state
@@ -501,3 +512,4 @@ class DiLoCoOuter(OuterBase):
         if self.controller is not None and sd.get("controller") is not None:
             self.controller.load_state_dict(sd["controller"])
         self.membership.load_state_dict(sd)
+        self._c_prev = max(1, len(self.membership.contributors))

@@ -153,7 +153,15 @@ class Membership:
         return {
             "h_agreed": self.group.agreed if self._carried is not None else self._agreed,
             "h_proposed": self._proposal,
+            # eager's 1/R after a resume: the last settled outer step's contributors, and the group's (the last call's:
+            # an in-flight round the checkpoint stored as a result settles with them)
+            "contributors": list(self.contributors),
+            "group_contributors": list(self.group.contributors),
         }
 
     def load_state_dict(self, sd: dict) -> None:
         self._agreed, self._proposal, self._carried = sd.get("h_agreed"), sd.get("h_proposed"), None
+        if sd.get("contributors") is not None:  # (checkpoints before 2026-12-03 hold none: the group's own then)
+            self.contributors = [int(i) for i in sd["contributors"]]
+        if sd.get("group_contributors") is not None:
+            self.group.contributors = [int(i) for i in sd["group_contributors"]]
