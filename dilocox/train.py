@@ -287,17 +287,15 @@ class Trainer(TrainerState):
 
     def _nonfinite_error(self, loss: float, step: int, now: int | None = None) -> FloatingPointError:
         where = "before the bad update" if now is None else f"at step {now} (losses are read at the log steps)"
-        lr = self.cfg.optim.lr
-        outer = ""
+        lr, outer = self.cfg.optim.lr, ""
         if getattr(self.outer, "schedule", None) is not None:  # (the DiLoCo family: an outer step over the replicas)
             outer = f", or outer.lr (now {self.cfg.outer.lr}: the outer step moves every replica)"
-        clip = self.cfg.optim.grad_clip
-        clip = f"a lower optim.grad_clip (now {clip:g})" if clip else "optim.grad_clip (now off; e.g. 1.0)"
+        c = self.cfg.optim.grad_clip
+        clip = f"a lower optim.grad_clip (now {c:g})" if c else "optim.grad_clip (now off; e.g. 1.0)"
         return FloatingPointError(
             f"loss is {loss} at step {step} (replica {self.topo.replica}); stopped {where}. "
             f"Lower optim.lr (now {lr}){outer}, or set {clip}, and resume from the last good checkpoint "
-            f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; "
-            "non-finite states are never saved)"
+            f"({ckpt.find_latest(self.ckpt_dir) or f'none in {self.ckpt_dir} yet'}; non-finite states are never saved)"
         )
 
     def _outer_communicates(self, step: int) -> bool:

@@ -461,26 +461,8 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="dilocox bench train --reference",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--cases", nargs="+", default=None, help=f"of {list(CASES)}; default: tiny qwen-tiny on CPU, "
-                    "the GPU table on CUDA")  # fmt: skip
-    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--out", default=DEFAULT_OUT, help="results.json goes here")
-    ap.add_argument(
-        "--md", default=None, help=f"the table (default: {DEFAULT_MD} with the default --out, else OUT/results.md)"
-    )
-    ap.add_argument("--no-write", action="store_true", help="print the table only")
-    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steady on a shared machine)")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="instead: torch.profiler of N steps per side")
-    a = ap.parse_args(argv)
+def _checked(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """The arguments checked before anything runs (one line, exit 2), and the table's default path."""
     if a.md is None:  # (a run written elsewhere leaves the docs' table as it is)
         a.md = (
             DEFAULT_MD if os.path.abspath(a.out) == os.path.abspath(DEFAULT_OUT) else os.path.join(a.out, "results.md")
@@ -494,6 +476,27 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--modes {mode!r}: {problem}")
     if a.steps < 1 or a.warmup < 0:
         ap.error(f"--steps {a.steps} --warmup {a.warmup}: steps must be >= 1 and warmup >= 0")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="dilocox bench train --reference",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--cases", nargs="+", default=None, help=f"of {list(CASES)}; default: tiny qwen-tiny on CPU, "
+                    "the GPU table on CUDA")  # fmt: skip
+    ap.add_argument("--modes", nargs="+", default=["eager", "compiled"])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default=DEFAULT_OUT, help="results.json goes here")
+    ap.add_argument("--md", default=None, help="the table (default: the docs' with the default --out, else OUT's)")
+    ap.add_argument("--no-write", action="store_true", help="print the table only")
+    ap.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: steady on a shared machine)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="instead: torch.profiler of N steps per side")
+    a = _checked(ap, ap.parse_args(argv))
     if a.device == "cpu":
         torch.set_num_threads(a.threads)
     if a.profile:
