@@ -50,6 +50,8 @@ FAKE_REPLICA = textwrap.dedent(
         if ignore_term:
             return
         open(me + ".term", "w").write("term")
+        if r == 0:  # (as the trainer's logger says it; replica 1 says nothing: the launcher names its exit code)
+            print(f"[t] interrupted by SIGTERM at step 7; checkpoint ck/step_7; run the same command again", flush=True)
         child.kill()
         sys.exit(0)
     signal.signal(signal.SIGTERM, on_term)
@@ -151,6 +153,38 @@ def test_lighthouse_command_starts_serves_and_stops(sig):
             p.wait(timeout=10)
 
 
+QUIET_PROBE = textwrap.dedent(
+    """
+    import os, sys, time
+    from dilocox.elastic.lighthouse import quiet_rust_log, start_lighthouse
+    with (quiet_rust_log() if sys.argv[1] == "quiet" else open(__file__)):
+        lh = start_lighthouse(min_replicas=1, bind="127.0.0.1:0")
+    print(os.environ.get("RUST_LOG"))  # (put back after: the peers a job starts keep their own default)
+    time.sleep(0.3)  # (its first quorum tick logs too)
+    lh.shutdown()
+    """
+)
+
+
+@pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed (pip install torchft==0.2.0)")
+@pytest.mark.parametrize("how", ["default", "quiet", "quiet, RUST_LOG=info"])
+def test_a_lighthouse_in_a_jobs_own_process_keeps_its_info_lines_off_the_console(how, tmp_path):
+    """Bug: ``dilocox swarm`` (its lighthouses live in the job's process) printed torchft's INFO lines on the console,
+    several per quorum (~800 lines in 35 s of a 2 x 2 job). Under ``quiet_rust_log`` none come; a RUST_LOG the user
+    set is kept (the lines are back with info); without it they come (the control)."""
+    (tmp_path / "probe.py").write_text(QUIET_PROBE)
+    env = {k: v for k, v in ENV.items() if k != "RUST_LOG"}
+    if how.endswith("info"):
+        env["RUST_LOG"] = "info"
+    p = subprocess.run([sys.executable, str(tmp_path / "probe.py"), how.split(",")[0]], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert ("Lighthouse listening on" in p.stderr) == (how != "quiet"), p.stderr[-2000:]
+    assert p.stdout.strip() == ("info" if how.endswith("info") else "None")
+    if how == "quiet":
+        assert "[torchft::" not in p.stderr, p.stderr[-2000:]
+
+
 def test_lighthouse_command_rejects_bad_input(capsys):
     from dilocox.cli import main
 
@@ -247,11 +281,12 @@ def test_elastic_launch_forwards_sigterm(tmp_path):
         from dilocox.elastic.launch import ElasticLaunch
         argv = lambda r, a: [sys.executable, {str(script)!r}, str(r), {str(tmp_path / "out")!r}, "60", "0"]
         la = ElasticLaunch(2, argv, {str(run_dir)!r}, lighthouse_argv=lambda b: {FAKE_LIGHTHOUSE!r}, timeout_s=60,
-                           stop_timeout_s=10, log=lambda m: None)
+                           stop_timeout_s=10, log=lambda m: print(m, file=sys.stderr, flush=True))
         sys.exit(la.run())
         """
     )
-    p = subprocess.Popen([sys.executable, "-c", driver], env=ENV, start_new_session=True)
+    err = open(tmp_path / "console", "w")
+    p = subprocess.Popen([sys.executable, "-c", driver], env=ENV, start_new_session=True, stderr=err)
     try:
         deadline = time.monotonic() + 30
         while len(list((tmp_path / "out").glob("*.pids"))) < 2 and time.monotonic() < deadline:
@@ -269,6 +304,16 @@ def test_elastic_launch_forwards_sigterm(tmp_path):
         assert not _alive(pid) and not _alive(child)
     ev = _events(run_dir)
     assert any(e["event"] == "stop" and e["signal"] == "SIGTERM" for e in ev)
+    # the console says it (it said nothing: the lines were only in replicaN.log): where each replica stopped, and how
+    # to resume
+    console = (tmp_path / "console").read_text().splitlines()
+    assert (
+        "dilocox launch: replica 0: interrupted by SIGTERM at step 7; checkpoint ck/step_7; run the same command "
+        "again" in console
+    ), console
+    assert f"dilocox launch: replica 1: exit code 0; its log names no checkpoint ({run_dir}/replica1.log)" in console
+    assert console[-1].startswith("dilocox launch: interrupted (SIGTERM); the replicas were asked to save"), console
+    assert console[-1].endswith("run the same command again to resume"), console
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ torchrun and the ranks), so a /proc scan finds them, orphans included. Victims r
 session under a time bound and are SIGKILLed by tag in ``finally``.
 """
 
+import glob
 import json
 import os
 import signal
@@ -204,6 +205,11 @@ def test_sigterm_to_dilocox_launch_saves_then_removes_namespaces(tmp_path):
         # each node's torchrun ends with one line, not a SignalException traceback per node (found by review)
         assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
         assert log.count("torchrun: stopped by SIGTERM: every local rank (1) stopped") == 2, log[-3000:]
+        # nor torch's own lines around it: its stop warnings per node and rank, and c10d's failed reverse lookup per
+        # connection (a namespace has no DNS: each now has a hosts file naming every node, deleted with it)
+        for said in ("death signal", "closing signal", "hostname of the client socket cannot be retrieved"):
+            assert said not in log, log[-3000:]
+        assert not glob.glob(f"/etc/netns/dilocox-{proc.pid}-*"), "a namespace's hosts file outlived it"
         step = int(log.split("interrupted by SIGTERM at step ")[1].split(";")[0])
         assert (run / "checkpoints" / f"step_{step:08d}" / "COMPLETE.json").exists()
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -96,6 +96,13 @@ def test_fresh_run_refuses_an_earlier_runs_checkpoints_and_records_past_the_resu
     with pytest.raises(SwarmError, match=r"already holds SWARM checkpoints"):
         ck.refuse_stale(cfg, out)
     assert "checkpoint.every=0" in ck.describe_newest(cfg, out, 2)
+    cfg.checkpoint.every = 2
+    _fake(ck.checkpoint_dir(cfg, out), 4, 1, 0)  # (step 4 complete now: both stages)
+    said = ck.describe_newest(cfg, out, 2, "my.yaml")  # (a stopped job's line: the resume names the config given)
+    assert (
+        f"step_00000004 (step 4, every stage); resume from it with `dilocox swarm my.yaml --out {out} --resume`" in said
+    ), said
+    cfg.checkpoint.every = 0
     with open(os.path.join(out, "s0p0.jsonl"), "w") as f:
         f.writelines(json.dumps({"step": k, "loss": 1.0 / (k + 1)}) + "\n" for k in range(6))
     assert ck.discard_records(out, "s0p0", 4) == 2

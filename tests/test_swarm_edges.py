@@ -155,6 +155,8 @@ def test_sigterm_to_dilocox_swarm_stops_every_peer(tmp_path):
         text = launcher.communicate(timeout=60)[0].decode()
         assert launcher.returncode == 128 + signal.SIGTERM, text[-3000:]
         assert "interrupted (SIGTERM); every peer was stopped" in text
+        # and whether it can be resumed (it said nothing: a plain rerun is refused, --resume is what resumes)
+        assert f"swarm job: no complete SWARM checkpoint in {out}/checkpoints yet (checkpoint.every=" in text, text
         deadline = time.monotonic() + 10
         while _peer_pids(out) and time.monotonic() < deadline:
             time.sleep(0.2)

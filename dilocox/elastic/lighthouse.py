@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from dilocox.net.secure import HANDSHAKE_S
 
@@ -134,6 +136,22 @@ def _secret(path: str) -> bytes | None:
     from dilocox.net.secure import load_secret
 
     return load_secret(path)
+
+
+@contextlib.contextmanager
+def quiet_rust_log(level: str = "warn") -> Iterator[None]:
+    """torchft's Rust logger at ``level`` for a lighthouse started inside (unless the user set ``RUST_LOG``). That
+    logger reads ``RUST_LOG`` once per process, when the first lighthouse starts; at its default a lighthouse in a
+    job's own process (``dilocox swarm``) writes several INFO lines per quorum onto the user's console (~800 in
+    35 s of a 2 x 2 job). The variable is put back after, so the peers the job starts keep their own default."""
+    if "RUST_LOG" in os.environ:
+        yield
+        return
+    os.environ["RUST_LOG"] = level
+    try:
+        yield
+    finally:
+        os.environ.pop("RUST_LOG", None)
 
 
 def start_lighthouse(

@@ -113,15 +113,28 @@ _ERROR_LINE = re.compile(
 )
 
 
-def last_error(log_path: str, nbytes: int = 65536) -> str | None:
+# the line a replica's trainer logs when a stop signal ended it (distributed/signals.py: ``Interrupted``), after the
+# logger's own prefix
+_INTERRUPTED = re.compile(r"interrupted by SIG\w+ at step \d+; .*")
+
+
+def last_error(log_path: str, nbytes: int = 65536, pattern: re.Pattern = _ERROR_LINE) -> str | None:
     """The last one-line error of the replica's latest incarnation in its log (the part after the launcher's last
-    ``==== `` marker line), or None."""
+    ``==== `` marker line), or None; ``pattern``: another kind of line (its match, not the whole line)."""
     lines = _tail_lines(log_path, nbytes)
     if lines is None:
         return None
     start = max((i for i, line in enumerate(lines) if line.startswith("==== ")), default=-1)
-    hits = [line.strip() for line in lines[start + 1 :] if _ERROR_LINE.match(line)]
+    if pattern is _ERROR_LINE:  # (the whole line: it starts with its label)
+        hits = [line.strip() for line in lines[start + 1 :] if pattern.match(line)]
+    else:  # (the part that matched: after the logger's prefix)
+        hits = [m.group(0) for line in lines[start + 1 :] if (m := pattern.search(line))]
     return hits[-1][:400] if hits else None
+
+
+def interrupted_line(log_path: str) -> str | None:
+    """What the replica's latest incarnation said when a stop signal ended it (the step, its checkpoint), or None."""
+    return last_error(log_path, pattern=_INTERRUPTED)
 
 
 def step_clock(run_dir: str, n: int) -> Callable[[], float]:

@@ -25,7 +25,7 @@ from dilocox.distributed.procs import (
     spawn,
     tagged_pids,
 )
-from dilocox.elastic.schedule import LIGHTHOUSE, Action, LaunchError, last_error, last_summary
+from dilocox.elastic.schedule import LIGHTHOUSE, Action, LaunchError, interrupted_line, last_error, last_summary
 from dilocox.elastic.standby import ACTIVATE_NAME, activate
 from dilocox.launch.local_run import launch_exit_code
 from dilocox.launch.netns import HUB_ADDR, Cluster
@@ -297,7 +297,9 @@ class ElasticLaunch:
             if self._signals:
                 sig = self._signals[0]
                 self.event("stop", signal=signal.Signals(sig).name)
+                live = [(r, rep) for r, rep in enumerate(self.slots) if rep.proc is not None and rep.code is None]
                 self._stop_replicas(signal.SIGTERM)
+                self._report_stop(signal.Signals(sig).name, live)
                 return 128 + sig
             if now > self.timeout_s:
                 self.event("stop", reason="timeout", timeout_s=self.timeout_s)
@@ -430,6 +432,19 @@ class ElasticLaunch:
                 f"dilocox launch: replica {r}{via}: final val loss {float(summary['final_val_loss']):.4f} "
                 f"after {summary.get('steps')} steps (incarnation {rep.incarnation})"
             )
+
+    def _report_stop(self, name: str, live: list) -> None:
+        """On the console, as a plain launch says it: each replica that was running, where it stopped (the line its
+        trainer logged: step, checkpoint), and that the same command resumes."""
+        for r, rep in live:
+            log_path = os.path.join(self.run_dir, f"{rep.name}.log")
+            said = interrupted_line(log_path)
+            via = f" (standby {rep.r})" if rep.spare else ""
+            code = "none yet" if rep.proc.poll() is None else rep.proc.poll()
+            self.log(f"dilocox launch: replica {r}{via}: "
+                     f"{said or f'exit code {code}; its log names no checkpoint ({log_path})'}")  # fmt: skip
+        self.log(f"dilocox launch: interrupted ({name}); the replicas were asked to save a checkpoint; run the same "
+                 "command again to resume")  # fmt: skip
 
     def _stop_replicas(self, sig: int) -> None:
         """Ask (``sig``; torchrun forwards it: the ranks save and exit), wait ``stop_timeout_s``, then SIGKILL."""

@@ -131,6 +131,25 @@ def _quiet_config_failures() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Drop())
 
 
+def _quiet_stop_lines() -> None:
+    """Drop torchrun's own WARNING lines of a stop ("Received 15 death signal, shutting down workers", "Sending
+    process N closing signal SIGTERM", one each per node and rank): ``main`` says it in one line per node, and each
+    rank says where it saved. Its line about a rank that would not stop ("Unable to shutdown process") stays."""
+    import logging
+
+    said = {
+        "torch.distributed.elastic.agent.server.api": "Received %s death signal",
+        "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal",
+    }
+    for name, start in said.items():
+
+        class _Drop(logging.Filter):
+            def filter(self, record: logging.LogRecord, start: str = start) -> bool:
+                return not (isinstance(record.msg, str) and record.msg.startswith(start))
+
+        logging.getLogger(name).addFilter(_Drop())
+
+
 def launch_exit_code(codes: Sequence[int]) -> int:
     """A launcher's exit code from its jobs' (``Popen.returncode``: -N when killed by signal N): 0 when every job
     exited 0; else the first job's own error code (> 0: what failed; a job the launcher killed after it is -N);
@@ -191,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         patch_torchrun_stores()
     workers = _watch_workers()
     _quiet_config_failures()
+    _quiet_stop_lines()
     try:
         run.main(argv)
     except ChildFailedError as e:  # which rank failed and why, without torchrun's Python traceback around it

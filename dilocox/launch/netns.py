@@ -45,6 +45,11 @@ from dilocox.distributed.procs import kill_group, spawn
 
 SUBNET = "198.18.0"  # first /24 of 198.18.0.0/15
 HUB_ADDR = f"{SUBNET}.254"  # the bridge's own address in the switch namespace (Cluster(hub=True))
+# ``ip netns exec NS`` bind-mounts the files of ETC_NETNS/NS over /etc: a hosts file there names every node, so a
+# reverse lookup of a peer's address (c10d's TCPStore does one per client) answers inside a namespace, which has no
+# route to the host's DNS server; it failed with EAI_AGAIN, and each node printed "[c10d] The hostname of the client
+# socket cannot be retrieved. err=-3" per connection (found by review)
+ETC_NETNS = "/etc/netns"
 _counter = itertools.count()
 
 
@@ -324,12 +329,29 @@ class Cluster:
                         "latency",
                         f"{self.latency_ms:g}ms",
                     )
+        self._write_hosts()
         if self.delayed:
             ports = [f"dxs{r}" for r in range(self.n)] + (["dxhp"] if self.hub else [])
             self._switch = spawn(
                 ["ip", "netns", "exec", sw, *argv_sw, *ports], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
             wait_switch_ready(self._switch, sw)  # (it stops with the namespace: the teardown kills its processes)
+
+    def _write_hosts(self) -> None:
+        """ETC_NETNS/<ns>/hosts for each namespace: the host's own entries, then every node's address and name."""
+        try:
+            with open("/etc/hosts") as f:
+                base = f.read()
+        except OSError:
+            base = "127.0.0.1 localhost\n"
+        named = [(self.addr(r), self.ns(r)) for r in range(self.n)] + [(HUB_ADDR, self.switch)] * self.hub
+        named.append(("127.0.0.1", "localhost"))  # (its IPv4-mapped form: c10d's server sockets are dual-stack)
+        nodes = [f"{a} {name}" for a, name in named[:-1]] + [f"::ffff:{a} {name}" for a, name in named]
+        text = base.rstrip("\n") + "\n# dilocox.launch.netns: the emulated nodes\n" + "\n".join(nodes) + "\n"
+        for ns in self.namespaces():
+            os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+            with open(os.path.join(ETC_NETNS, ns, "hosts"), "w") as f:
+                f.write(text)
 
     def _remove_leftovers(self) -> None:
         """Delete namespaces that already carry our names: a dead run's whose pid this process now has (its
@@ -347,6 +369,7 @@ class Cluster:
         lines += [f"ip -n {self.switch} link del dxs{r} 2>/dev/null" for r in range(self.n)]
         lines.append(f"ip -n {self.switch} link del dxhub 2>/dev/null")
         lines += [f"ip netns del {ns} 2>/dev/null" for ns in self.namespaces()]
+        lines += [f"rm -rf {ETC_NETNS}/{ns}" for ns in self.namespaces()]
         return "\n".join(lines) + "\ntrue\n"
 
     def _start_reaper(self) -> None:
@@ -480,7 +503,10 @@ def cleanup_stale() -> list[str]:
         m = re.fullmatch(r"dilocox-(\d+)-(?:\d+-(?:r\d+|sw)|probe)", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             stale.append(name)
-    script = "".join(f"for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}\n" for ns in stale)
+    script = "".join(
+        f"for p in $(ip netns pids {ns}); do kill -9 $p; done; ip netns del {ns}; rm -rf {ETC_NETNS}/{ns}\n"
+        for ns in stale
+    )
     if script:
         subprocess.run(["sh", "-c", script], capture_output=True, timeout=120)
     return stale

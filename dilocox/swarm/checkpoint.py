@@ -170,8 +170,9 @@ def newest_complete(ckpt_dir: str, n_stages: int) -> tuple[int, str] | None:
     return steps[-1] if steps else None
 
 
-def describe_newest(cfg, out_dir: str, n_stages: int) -> str:
-    """One clause for an error line: the newest complete checkpoint and how to resume from it (or that none)."""
+def describe_newest(cfg, out_dir: str, n_stages: int, config: str = "CONFIG") -> str:
+    """One clause for an error line: the newest complete checkpoint and how to resume from it (or that none);
+    ``config``: the config path the resume command names."""
     if cfg.checkpoint.every <= 0:
         return "no SWARM checkpoints are written (checkpoint.every=0): the run cannot be resumed"
     ckpt = checkpoint_dir(cfg, out_dir)
@@ -180,7 +181,7 @@ def describe_newest(cfg, out_dir: str, n_stages: int) -> str:
         return f"no complete SWARM checkpoint in {ckpt} yet (checkpoint.every={cfg.checkpoint.every})"
     return (
         f"the newest complete checkpoint is {newest[1]} (step {newest[0]}, every stage); resume from it with "
-        f"`dilocox swarm CONFIG --out {out_dir} --resume` (SLURM: DILOCOX_SWARM_RESUME=1)"
+        f"`dilocox swarm {config} --out {out_dir} --resume` (SLURM: DILOCOX_SWARM_RESUME=1)"
     )
 
 

@@ -220,6 +220,14 @@ def _out_dir(out: str) -> str:
     return out
 
 
+def _check_peer_names(pps: list[int], per_peer) -> None:
+    """Each per-peer flag (``--delay s1p0=...``) names a peer of the layout."""
+    for flag, name in [(f, n) for f, d in per_peer for n in d]:
+        j, _, k = name[1:].partition("p")
+        if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
+            raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
+
+
 def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     """Parse, start the job, print its summary; exit 0 when every peer exited 0."""
     from dilocox.config import load_config
@@ -261,13 +269,12 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
                               "nodes: launcher/slurm/swarm.sbatch")  # fmt: skip
     if a.netns and sum(pps) > 250:
         raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
-    per_peer = (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates))
-    for flag, name in [(f, n) for f, d in per_peer for n in d]:
-        j, _, k = name[1:].partition("p")
-        if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
-            raise SwarmUsageError(f"{flag} {name}: no such peer in swarm.peers_per_stage={pps} (s<stage>p<index>)")
+    _check_peer_names(pps, (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = _out_dir(a.out or os.path.join(cfg.log.run_dir, "swarm"))
+    print(f"swarm job: {sum(pps)} peers over {len(pps)} stages {pps}{' (--resume)' if a.resume else ''}; each peer's "
+          f"log is {out}/s<stage>p<index>.log; the summary comes at the end (Ctrl-C stops every peer)",
+          file=sys.stderr, flush=True)  # fmt: skip
     previous = _stop_signals()
     try:
         res = launch(
@@ -278,6 +285,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
         signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
         name = signal.Signals(signum).name
         print(f"swarm job: interrupted ({name}); every peer was stopped; their logs are in {out}", file=sys.stderr)
+        print(f"swarm job: {peer_ckpt.describe_newest(cfg, out, len(pps), a.config)}", file=sys.stderr)
         return 128 + signum
     except HubStartError as e:  # --netns: the namespaces are deleted already
         print(f"swarm job: {e}", file=sys.stderr)
@@ -297,7 +305,7 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     failed = {n: rc for n, rc in res.returncodes.items() if rc != 0}
     if failed:
         print(f"swarm job: peers {failed} did not exit 0; their logs are in {out}", file=sys.stderr)
-        print(f"swarm job: {peer_ckpt.describe_newest(cfg, out, len(pps))}", file=sys.stderr)
+        print(f"swarm job: {peer_ckpt.describe_newest(cfg, out, len(pps), a.config)}", file=sys.stderr)
     return 0 if not failed else 1
 
 

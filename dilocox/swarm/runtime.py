@@ -88,16 +88,18 @@ class SwarmLauncher:
             return None  # (with rebalancing every stage has a group: a peer may move into a one-peer stage)
         if stage not in self.lighthouses:
             from dilocox.elastic import start_lighthouse
+            from dilocox.elastic.lighthouse import quiet_rust_log
 
             s = self.cfg.swarm
-            self.lighthouses[stage] = start_lighthouse(
-                min_replicas=1,
-                bind=f"{s.host}:0",
-                # a live but slower peer of the stage must still join the sync: wait as long as a sync may take
-                join_timeout_ms=int(s.sync_timeout_s * 1000),
-                heartbeat_timeout_ms=2000,
-                secret=service_secret(self.cfg),  # an authenticated job: only its peers (through a relay) reach it
-            )
+            with quiet_rust_log():
+                self.lighthouses[stage] = start_lighthouse(
+                    min_replicas=1,
+                    bind=f"{s.host}:0",
+                    # a live but slower peer of the stage must still join the sync: wait as long as a sync may take
+                    join_timeout_ms=int(s.sync_timeout_s * 1000),
+                    heartbeat_timeout_ms=2000,
+                    secret=service_secret(self.cfg),  # an authenticated job: only its peers (through a relay) reach it
+                )
         return self.lighthouses[stage].address()
 
     def start_peer(
