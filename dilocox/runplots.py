@@ -8,7 +8,9 @@ that lie on top of each other stay distinguishable); legends sit outside the axe
 - ``tokens_per_s.png``: throughput as logged (averaged over each printed interval);
 - ``bytes_sent.png``: cumulative bytes this rank sent to the other replicas (outer sync);
 - ``blocked.png``: cumulative seconds the training loop waited for the outer communication;
-- ``adaptive.png``: the adaptive controller's sync interval H and low-rank rank per step.
+- ``adaptive.png``: the adaptive controller's sync interval H and low-rank rank per step, for the runs whose
+  ``config.yaml`` enables it (``compress.adaptive.enabled``; every DiLoCo-family run logs H and rank, most of them
+  constant); a run without a readable config.yaml counts when its H or rank changed.
 
 A figure is skipped when no run logged its quantity (e.g. ``outer.method=none`` has no bytes).
 Not to be confused with ``dilocox.bench.report`` (benchmark tables).
@@ -210,8 +212,25 @@ def _plot_figure(spec: tuple, labels: list[str], runs: list[list[dict]], out_dir
     drawn[path] = _lines_of(ax)
 
 
-def _plot_adaptive(labels: list[str], runs: list[list[dict]], out_dir: str, drawn: dict) -> None:
-    """The adaptive controller's H and rank (one panel each, step plots); written only if some run logged them."""
+def ran_adaptive(run_dir: str, recs: list[dict]) -> bool:
+    """Whether the run's adaptive controller was on: its ``config.yaml`` says (``compress.adaptive.enabled``);
+    without a readable one, whether the H or rank it logged ever changed."""
+    import yaml
+
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            cfg = yaml.safe_load(f)
+        enabled = cfg["compress"]["adaptive"]["enabled"]
+        if isinstance(enabled, bool):
+            return enabled
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        pass
+    return any(len(set(series(recs, key)[1])) > 1 for key, _ in ADAPTIVE[2])
+
+
+def _plot_adaptive(labels: list[str], runs: list[list[dict]], out_dir: str, drawn: dict, which: list[bool]) -> None:
+    """The adaptive controller's H and rank (one panel each, step plots) of the runs ``which`` marks (``ran_adaptive``);
+    written only if one of them logged them."""
     from matplotlib.figure import Figure  # lazy: matplotlib is only needed for plots (no pyplot state)
 
     stem, title, keys = ADAPTIVE
@@ -219,7 +238,7 @@ def _plot_adaptive(labels: list[str], runs: list[list[dict]], out_dir: str, draw
     axes = fig.subplots(len(keys), 1, sharex=True)
     for ax, (key, ylabel) in zip(axes, keys):
         for i, (label, recs) in enumerate(zip(labels, runs)):
-            xs, ys = series(recs, key)
+            xs, ys = series(recs, key) if which[i] else ([], [])
             if xs:
                 st = _style(i)
                 ax.step(xs, ys, where="post", color=st["color"], linestyle=st["linestyle"], linewidth=1.4, label=label)
@@ -251,7 +270,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, labels: list[str] | None = None
     drawn: dict[str, dict[str, tuple]] = {}
     for spec in FIGURES:
         _plot_figure(spec, labels, runs, out_dir, drawn)
-    _plot_adaptive(labels, runs, out_dir, drawn)
+    _plot_adaptive(labels, runs, out_dir, drawn, [ran_adaptive(d, recs) for d, recs in zip(run_dirs, runs)])
     return drawn
 
 

@@ -117,6 +117,21 @@ def test_report_pngs_match_the_jsonl(tmp_path):
     assert adaptive["rank:dilocox"][1] == [8.0] * 8 + [4.0] * 2
 
 
+@pytest.mark.parametrize("enabled", [True, False, None])
+def test_adaptive_png_draws_the_runs_whose_controller_was_on(tmp_path, enabled):
+    """Bug: adaptive.png was drawn for every DiLoCo-family run (each logs H and rank, constant unless the controller
+    is on). A run's config.yaml decides now; without one (None here), whether its H or rank changed."""
+    recs = [{"time": 0.1 * s, "step": s, "loss": 3.0, "H": 4, "rank": 8} for s in range(1, 7)]
+    _write(tmp_path / "run", recs)
+    if enabled is not None:
+        (tmp_path / "run" / "config.yaml").write_text(f"compress:\n  adaptive:\n    enabled: {str(enabled).lower()}\n")
+    drawn = plot_runs([str(tmp_path / "run")], str(tmp_path / "out"))
+    assert (str(tmp_path / "out" / "adaptive.png") in drawn) == bool(enabled)
+    assert os.path.exists(tmp_path / "out" / "adaptive.png") == bool(enabled)
+    if enabled:  # (a controller that never moved is still drawn: flat lines say so)
+        assert drawn[str(tmp_path / "out" / "adaptive.png")]["H:run"][1] == [4.0] * 6
+
+
 def test_report_skips_what_no_run_logged(tmp_path):
     _write(tmp_path / "run", _allreduce_records())
     drawn = plot_runs([str(tmp_path / "run")], str(tmp_path / "out"))
@@ -154,14 +169,13 @@ def test_report_of_a_real_run(tmp_path):
     )
     tr.run()
     drawn = plot_runs([str(tmp_path / "run")], str(tmp_path / "out"))
-    assert {os.path.basename(p) for p in drawn} >= {
+    assert {os.path.basename(p) for p in drawn} == {
         "loss_vs_step.png",
         "loss_vs_time.png",
         "tokens_per_s.png",
         "bytes_sent.png",
         "blocked.png",
-        "adaptive.png",
-    }
+    }  # (no adaptive.png: its controller is off)
     hist = tr.history
     loss = drawn[str(tmp_path / "out" / "loss_vs_step.png")]
     assert loss["run train"] == ([float(r["step"]) for r in hist], pytest.approx([r["loss"] for r in hist]))
