@@ -288,8 +288,9 @@ def extended_note(step: int, method: str) -> str:
     return (
         f"note: continuing a finished run from step {step}: its end set every parameter to the outer params θ "
         f"(outer.method={method}: the in-flight averages applied, the local progress no all-reduce carried dropped), "
-        f"so training goes on from θ, not from where one uninterrupted run of train.steps would be; for that, resume "
-        f"from a mid-run checkpoint before step {step} (--checkpoint.resume=PATH)"
+        f"so training goes on from θ, not from where one uninterrupted run of train.steps would be (its end saved no "
+        f"continuation: checkpoint.continuation was off, or the checkpoint is older); for that, resume from a mid-run "
+        f"checkpoint before step {step} (--checkpoint.resume=PATH)"
     )
 
 

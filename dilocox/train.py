@@ -390,8 +390,7 @@ class Trainer(TrainerState):
             ckpt_due = self.loop_step(start_step, t_start, ckpt_due)
         self.profiler.finish(self.step)  # (a run that ended inside the window)
         self._flush_logs()
-        if self.outer is not None:
-            self.outer.finish()
+        self._finish_outer()  # (the state before it: checkpoint.continuation)
         summary = self._end_of_run(start_step, time.time() - t_start)
         self.save(record=False)  # (the summary record above marks the run finished)
         self.logger.close()

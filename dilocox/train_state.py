@@ -9,6 +9,8 @@ calls its ``_flush_logs`` before a save (nothing non-finite is saved).
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 
 import torch
 
@@ -17,6 +19,17 @@ from dilocox import rundir
 from dilocox.checkpoint import names
 from dilocox.checkpoint.legacy import parse_layout
 from dilocox.config import Config, ConfigError, to_yaml
+
+CONTINUE_DIR = "continue"  # <checkpoint dir>/continue/step_N: a finished run's state before outer.finish
+
+
+def _load_continuation(cont: str, tr: TrainerState, reader, expect: dict) -> dict:
+    try:
+        return ckpt.load_step(cont, tr.topo.rank, tr.topo.world_size, reader, expect)
+    except ckpt.CheckpointError as e:
+        raise ckpt.CheckpointError(
+            f"{e}; --checkpoint.continuation=false goes on from the final checkpoint's θ instead"
+        ) from None
 
 
 class _Reader:
@@ -257,7 +270,10 @@ class TrainerState:
         self._check_resume_config(checked, ckpt.read_meta(checked))
         expect = {k: v for k, v in self._layout().items() if k != "layout"}  # another layout: DCP reshards
         reader = _Reader(self)
-        if r == "auto":  # verifies the files' hashes; on a damaged one falls back (all ranks alike) or stops
+        self._continued = cont = self._continuation_of(path)
+        if cont:  # (its own hashes verified; a damaged one stops, naming the way on from θ)
+            sd = _load_continuation(cont, self, reader, expect)
+        elif r == "auto":  # verifies the files' hashes; on a damaged one falls back (all ranks alike) or stops
             path, sd = ckpt.load_latest(
                 self.ckpt_dir, self.topo.rank, self.topo.world_size, reader, expect, self.cfg.checkpoint.fallback
             )
@@ -273,6 +289,9 @@ class TrainerState:
             err = ckpt.CheckpointError(f"cannot set aside the checkpoints after {path} in {self.ckpt_dir}: {e}")
         if not ckpt.all_ranks_agree(err is None):  # no rank saves before they are set aside
             raise err or ckpt.CheckpointError(f"rank 0 could not set aside the checkpoints after {path} (see its log)")
+        if cont:
+            self.logger.info(f"continuing from {cont}: the state before the end of the run at step {self.step} set the "
+                             f"params to θ, so training goes on as one run of train.steps would")  # fmt: skip
         saved = ckpt.read_meta(path).get("layout", self._layout()["layout"])
         if saved != self._layout()["layout"]:
             self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")
@@ -280,6 +299,59 @@ class TrainerState:
                 self.logger.info(f"warning: resharding restarts {what}")
         self.resumed_from = path
         self.logger.info(f"resumed from {path} at step {self.step}")
+
+    def _continuation_of(self, path: str) -> str | None:
+        """The continuation saved beside ``path`` (``_finish_outer``) when this run goes past its step: ``path`` is a
+        finished run's final checkpoint whose COMPLETE.json names it (a token; a continuation of another trajectory,
+        left by a rewind, names another), and checkpoint.continuation is on. Every rank alike."""
+        found, path = None, os.path.normpath(path)
+        try:  # (a damaged COMPLETE.json: load_latest's to pass over or name, below)
+            meta = ckpt.read_meta(path) if self.cfg.checkpoint.continuation and os.path.isdir(path) else {}
+        except ckpt.CheckpointError:
+            meta = {}
+        token, step = meta.get("continuation"), meta.get("step")
+        cand = os.path.join(os.path.dirname(path), CONTINUE_DIR, os.path.basename(path))
+        if token and isinstance(step, int) and self.cfg.train.steps > step:
+            try:
+                if (
+                    os.path.exists(os.path.join(cand, "COMPLETE.json"))
+                    and ckpt.read_meta(cand)["continuation"] == token
+                ):
+                    found = cand
+            except (ckpt.CheckpointError, KeyError):  # (a damaged one: from θ, as without one)
+                pass
+        return found if ckpt.all_ranks_agree(found is not None) else None
+
+    def _finish_outer(self) -> None:
+        """``outer.finish()`` at the end of the run; before it (DiLoCo family, checkpoint.continuation), the state as a
+        mid-run checkpoint holds it, into <checkpoint dir>/continue/step_N (the last one only): finish() sets every
+        parameter to θ, so the final checkpoint alone cannot go on as one longer run would. Best effort: a continuation
+        that cannot be saved (no room) is a warning, and the final save follows as ever."""
+        self._continuation = None
+        if self.outer is None:
+            return
+        if self.cfg.checkpoint.continuation and getattr(self.outer, "params_to_theta_at_finish", False):
+            cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None
+            if self.topo.rank == 0 and os.path.isdir(cdir):  # (an earlier end's: this one replaces it)
+                try:
+                    shutil.rmtree(cdir)
+                except OSError as e:
+                    err = e
+            token = uuid.uuid4().hex  # (rank 0's is the one written, in both COMPLETE.json)
+            try:
+                if not ckpt.all_ranks_agree(err is None):
+                    raise ckpt.CheckpointError(f"cannot remove the earlier continuation {cdir}: {err or 'see rank 0'}")
+                self._flush_logs()
+                ckpt.save_checkpoint(
+                    cdir, self.step, self.topo.rank, self.topo.world_size, self._dcp_state(),
+                    meta={**self._layout(), "config": self.cfg.to_dict(), "continuation": token},
+                    agree=ckpt.all_ranks_agree, keep=1, part=self._dcp_part(),
+                    share=self._checkpoint_share(planned=False),
+                )  # fmt: skip
+                self._continuation = token
+            except ckpt.CheckpointError as e:  # (agreed: every rank is here)
+                self.logger.info(f"warning: no continuation saved ({e}); a resume with more train.steps goes on from θ")
+        self.outer.finish()
 
     def _check_fresh_start(self) -> None:
         """No checkpoint to resume: refuse (every rank alike) a start at step 0 on an earlier run's metrics.jsonl
@@ -315,7 +387,7 @@ class TrainerState:
             self.topo.rank,
             self.topo.world_size,
             self._dcp_state(),
-            meta={**self._layout(), "config": self.cfg.to_dict()},
+            meta={**self._layout(), "config": self.cfg.to_dict(), **self._final_meta(record)},
             agree=ckpt.all_ranks_agree,
             keep=self.cfg.checkpoint.keep,
             part=self._dcp_part(),
@@ -324,6 +396,11 @@ class TrainerState:
         if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
             self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})
         return path
+
+    def _final_meta(self, record: bool) -> dict:
+        """The final save (``record`` False) names the continuation saved before outer.finish, if any."""
+        token = getattr(self, "_continuation", None)
+        return {"continuation": token} if token and not record else {}
 
     def _begin_run(self) -> dict | None:
         """Before the first step: the finished-run guard, then (rank 0) config history and metrics.jsonl
@@ -337,7 +414,11 @@ class TrainerState:
                 return {"steps": self.step, "skipped": True}
             if msg:
                 raise rundir.RunDirError(msg)
-            if self.topo.rank == 0 and getattr(self.outer, "params_to_theta_at_finish", False):
+            if (
+                self.topo.rank == 0
+                and getattr(self.outer, "params_to_theta_at_finish", False)
+                and not getattr(self, "_continued", None)
+            ):
                 info = rundir.earlier_records(cfg.log.run_dir)  # (before truncate_metrics below: its summary)
                 if info and info["ended_at"] == self.step:
                     self.logger.info(rundir.extended_note(self.step, cfg.outer.method))

@@ -372,6 +372,9 @@ class CheckpointConfig:
     check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
     resume_finished: str = "skip"  # resumed checkpoint at/past train.steps: skip (prints "already finished: see
     # RUN_DIR", exit 0) | error (exit 2); neither writes anything
+    continuation: bool = True  # DiLoCo family: the end of a run (outer.finish) sets every parameter to θ; its state
+    # from before that is saved too, in <checkpoint.dir>/continue/, and a resume with more train.steps goes on from it,
+    # exactly as one longer run would (same schedule); false: no such save, an extension goes on from θ
 
 
 @dataclass

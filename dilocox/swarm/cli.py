@@ -220,8 +220,14 @@ def _out_dir(out: str) -> str:
     return out
 
 
-def _check_peer_names(pps: list[int], per_peer) -> None:
-    """Each per-peer flag (``--delay s1p0=...``) names a peer of the layout."""
+def _check_peers(pps: list[int], netns: bool, per_peer) -> None:
+    """The peer count fits this host (and one /24 with --netns); each per-peer flag (``--delay s1p0=...``) names a
+    peer of the layout."""
+    if sum(pps) > MAX_LOCAL_PEERS:  # (each is a Python process with torch: ~0.3 GB before its model)
+        raise SwarmUsageError(f"{sum(pps)} peers on this host, at most {MAX_LOCAL_PEERS}; a larger job spreads over "
+                              "nodes: launcher/slurm/swarm.sbatch")  # fmt: skip
+    if netns and sum(pps) > 250:
+        raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
     for flag, name in [(f, n) for f, d in per_peer for n in d]:
         j, _, k = name[1:].partition("p")
         if not (j.isdigit() and k.isdigit() and int(j) < len(pps) and int(k) < pps[int(j)]):
@@ -264,22 +270,19 @@ def run_main(argv: list[str], prog: str = "dilocox swarm") -> int:
     validate_layout(cfg)
     refuse_unsupported(cfg)
     pps = list(cfg.swarm.peers_per_stage)
-    if sum(pps) > MAX_LOCAL_PEERS:  # (each is a Python process with torch: ~0.3 GB before its model)
-        raise SwarmUsageError(f"{sum(pps)} peers on this host, at most {MAX_LOCAL_PEERS}; a larger job spreads over "
-                              "nodes: launcher/slurm/swarm.sbatch")  # fmt: skip
-    if a.netns and sum(pps) > 250:
-        raise SwarmUsageError(f"--netns: {sum(pps)} peers, at most 250 (one namespace each in one /24); use fewer")
-    _check_peer_names(pps, (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates)))
+    _check_peers(pps, a.netns, (("--delay", delays), ("--pace", paces), ("--peer-rate", peer_rates)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = _out_dir(a.out or os.path.join(cfg.log.run_dir, "swarm"))
-    print(f"swarm job: {sum(pps)} peers over {len(pps)} stages {pps}{' (--resume)' if a.resume else ''}; each peer's "
-          f"log is {out}/s<stage>p<index>.log; the summary comes at the end (Ctrl-C stops every peer)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    started = (
+        f"swarm job: {sum(pps)} peers over {len(pps)} stages {pps} started{' (--resume)' if a.resume else ''}; "
+        f"each peer's log is {out}/s<stage>p<index>.log; the summary comes at the end (Ctrl-C stops every peer)"
+    )
     previous = _stop_signals()
     try:
         res = launch(
             cfg, out, steps=a.steps, timeout_s=a.timeout_s, delays=delays, delay_serial=True, paces=paces,
             launcher=netns_launcher(rate_mbit, peer_rates, delay) if a.netns else None, resume=a.resume,
+            on_started=lambda la: print(started, file=sys.stderr, flush=True),
         )  # fmt: skip
     except KeyboardInterrupt as e:  # launch's teardown ran (peers killed; --netns: namespaces deleted first)
         signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
