@@ -290,8 +290,8 @@ class TrainerState:
         if not ckpt.all_ranks_agree(err is None):  # no rank saves before they are set aside
             raise err or ckpt.CheckpointError(f"rank 0 could not set aside the checkpoints after {path} (see its log)")
         if cont:
-            self.logger.info(f"continuing from {cont}: the state before the end of the run at step {self.step} set the "
-                             f"params to θ, so training goes on as one run of train.steps would")  # fmt: skip
+            self.logger.info(f"continuing from {cont} (the state saved before the run's end at step {self.step} set "
+                             f"the params to θ): training goes on as one run of train.steps would")  # fmt: skip
         saved = ckpt.read_meta(path).get("layout", self._layout()["layout"])
         if saved != self._layout()["layout"]:
             self.logger.info(f"resharded {path} from layout {saved} to {self._layout()['layout']}")
