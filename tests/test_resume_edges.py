@@ -143,3 +143,30 @@ def test_a_finished_run_resumed_with_more_steps_goes_on_as_one_longer_run(tmp_pa
                            steps=10))  # fmt: skip
     assert "continuing a finished run from step 5" in capsys.readouterr().out
     assert [r["loss"] for r in theta.history] != [r["loss"] for r in full.history[5:]]
+
+
+def _continuation_runs(rank, world, tmp, extra):
+    """On every rank: one 8-step run, and a 4-step run resumed to 8 (each replica's losses, and its final params)."""
+    args = ("--parallel.replicas=2", "--parallel.data=2", "--parallel.microbatches=1", "--optim.schedule=constant",
+            "--checkpoint.every=0", *extra)  # fmt: skip
+    out = {}
+    for name, plan in (("full", [(8, "none")]), ("ext", [(4, "none"), (8, "auto")])):
+        for steps, resume in plan:
+            tr = Trainer(small_cfg(f"{tmp}/{name}", *args, f"--checkpoint.resume={resume}", steps=steps))
+            tr.run()
+        out[name] = ([r["loss"] for r in tr.history], [p.detach().clone() for p in tr.model.parameters()])
+    return out
+
+
+@pytest.mark.slow  # 4 ranks, three short runs: ~15 s
+def test_the_continuation_of_a_finished_run_is_exact_over_replicas_and_sharded_outer_state(tmp_path):
+    """The same over 2 replicas x 2 data-parallel ranks (the outer state sharded over the DP ranks, eager's
+    per-replica θ, the sparse codec's error buffers): each rank's losses after the resume are those of its
+    uninterrupted run, and the final params equal."""
+    from tests.spawn import run_ranks
+
+    extra = ("--outer.method=diloco", "--outer.sync_every=3", "--outer.overlap=eager", "--compress.sparse.enabled=true",
+             "--compress.sparse.density=0.25")  # fmt: skip
+    for out in run_ranks(4, _continuation_runs, str(tmp_path), extra):
+        assert out["ext"][0] == out["full"][0][4:]
+        assert all(torch.equal(a, b) for a, b in zip(out["ext"][1], out["full"][1]))
