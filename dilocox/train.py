@@ -390,8 +390,8 @@ class Trainer(TrainerState):
             ckpt_due = self.loop_step(start_step, t_start, ckpt_due)
         self.profiler.finish(self.step)  # (a run that ended inside the window)
         self._flush_logs()
-        self._finish_outer()  # (the state before it: checkpoint.continuation)
-        summary = self._end_of_run(start_step, time.time() - t_start)
+        saving = self._finish_outer()  # (and the state before it: checkpoint.continuation; its write not in wall_s)
+        summary = self._end_of_run(start_step, time.time() - t_start - saving)
         self.save(record=False)  # (the summary record above marks the run finished)
         self.logger.close()
         return summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 
 import torch
@@ -18,6 +19,7 @@ from dilocox import checkpoint as ckpt
 from dilocox import rundir
 from dilocox.checkpoint import names
 from dilocox.checkpoint.legacy import parse_layout
+from dilocox.checkpoint.save import checkpoint_bytes
 from dilocox.config import Config, ConfigError, to_yaml
 
 CONTINUE_DIR = "continue"  # <checkpoint dir>/continue/step_N: a finished run's state before outer.finish
@@ -320,38 +322,54 @@ class TrainerState:
                     found = cand
             except (ckpt.CheckpointError, KeyError):  # (a damaged one: from θ, as without one)
                 pass
+            if found is None:  # (a later run's end replaced it: only the newest end keeps one)
+                self.logger.info(f"warning: the continuation {path} was saved with is gone ({cand}: a later end of the "
+                                 f"run replaced it); training goes on from its θ")  # fmt: skip
         return found if ckpt.all_ranks_agree(found is not None) else None
 
-    def _finish_outer(self) -> None:
+    def _finish_outer(self) -> float:
         """``outer.finish()`` at the end of the run; before it (DiLoCo family, checkpoint.continuation), the state as a
         mid-run checkpoint holds it, into <checkpoint dir>/continue/step_N (the last one only): finish() sets every
         parameter to θ, so the final checkpoint alone cannot go on as one longer run would. Best effort: a continuation
-        that cannot be saved (no room) is a warning, and the final save follows as ever."""
-        self._continuation = None
+        that cannot be saved (no room for it and the final checkpoint both, say) is a warning, and the final save
+        follows as ever. Returns the seconds its write took (not the loop's: the run's wall time leaves them out)."""
+        self._continuation, took = None, 0.0
         if self.outer is None:
-            return
+            return took
         if self.cfg.checkpoint.continuation and getattr(self.outer, "params_to_theta_at_finish", False):
-            cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None
-            if self.topo.rank == 0 and os.path.isdir(cdir):  # (an earlier end's: this one replaces it)
-                try:
-                    shutil.rmtree(cdir)
-                except OSError as e:
-                    err = e
-            token = uuid.uuid4().hex  # (rank 0's is the one written, in both COMPLETE.json)
             try:
-                if not ckpt.all_ranks_agree(err is None):
-                    raise ckpt.CheckpointError(f"cannot remove the earlier continuation {cdir}: {err or 'see rank 0'}")
-                self._flush_logs()
-                ckpt.save_checkpoint(
-                    cdir, self.step, self.topo.rank, self.topo.world_size, self._dcp_state(),
-                    meta={**self._layout(), "config": self.cfg.to_dict(), "continuation": token},
-                    agree=ckpt.all_ranks_agree, keep=1, part=self._dcp_part(),
-                    share=self._checkpoint_share(planned=False),
-                )  # fmt: skip
-                self._continuation = token
+                took = self._save_continuation()
             except ckpt.CheckpointError as e:  # (agreed: every rank is here)
                 self.logger.info(f"warning: no continuation saved ({e}); a resume with more train.steps goes on from θ")
         self.outer.finish()
+        return took
+
+    def _save_continuation(self) -> float:
+        cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None
+        if self.topo.rank == 0 and os.path.isdir(cdir):  # (an earlier end's: this one replaces it)
+            try:
+                shutil.rmtree(cdir)
+            except OSError as e:
+                err = f"cannot remove the earlier continuation {cdir}: {e}"
+        self._flush_logs()
+        state = self._dcp_state()  # (waits for the in-flight averages: outer.finish's drain, counted as its own)
+        t0, share = time.perf_counter(), self._checkpoint_share(planned=False)
+        need = 2 * checkpoint_bytes(share, self.topo.world_size)  # (this one and the final one after it)
+        try:
+            if not err and ckpt.disk_free(self.ckpt_dir) < need:
+                err = f"{need / 2**20:.1f} MB free needed in {self.ckpt_dir} for it and the final checkpoint"
+        except OSError as e:
+            err = f"checkpoint.dir {self.ckpt_dir}: {e}"
+        if not ckpt.all_ranks_agree(not err):
+            raise ckpt.CheckpointError(err or "another rank cannot save it (see its log)")
+        token = uuid.uuid4().hex  # (rank 0's is the one written, in both COMPLETE.json)
+        ckpt.save_checkpoint(
+            cdir, self.step, self.topo.rank, self.topo.world_size, state,
+            meta={**self._layout(), "config": self.cfg.to_dict(), "continuation": token},
+            agree=ckpt.all_ranks_agree, keep=1, part=self._dcp_part(), share=share,
+        )  # fmt: skip
+        self._continuation = token
+        return time.perf_counter() - t0
 
     def _check_fresh_start(self) -> None:
         """No checkpoint to resume: refuse (every rank alike) a start at step 0 on an earlier run's metrics.jsonl

@@ -143,6 +143,22 @@ def test_a_finished_run_resumed_with_more_steps_goes_on_as_one_longer_run(tmp_pa
                            steps=10))  # fmt: skip
     assert "continuing a finished run from step 5" in capsys.readouterr().out
     assert [r["loss"] for r in theta.history] != [r["loss"] for r in full.history[5:]]
+    # a rewind to step 5's final checkpoint: its continuation was replaced by step 10's; said, not taken silently
+    five = tmp_path / "ext" / "checkpoints" / "step_00000005"
+    _run(small_cfg(tmp_path / "ext", *args, f"--checkpoint.resume={five}", steps=7))
+    out = capsys.readouterr().out
+    assert f"warning: the continuation {five} was saved with is gone" in out, out
+
+
+def test_a_continuation_without_room_for_it_and_the_final_checkpoint_is_skipped(tmp_path, capsys, monkeypatch):
+    """Found by review: the continuation took the room the final checkpoint needed (start-up checks room for keep + 1
+    checkpoints), so the final save failed after training. It is saved only with room for both; else one warning,
+    and the run ends with its final checkpoint as before."""
+    monkeypatch.setattr(ckpt, "disk_free", lambda path: 0)  # (the continuation's check only: saves use their own)
+    t = _run(small_cfg(tmp_path / "run", *STREAMING, steps=5))
+    assert t.step == 5 and (tmp_path / "run" / "checkpoints" / "step_00000005" / "COMPLETE.json").exists()
+    assert not (tmp_path / "run" / "checkpoints" / "continue").exists()
+    assert "warning: no continuation saved (" in capsys.readouterr().out
 
 
 def _continuation_runs(rank, world, tmp, extra):

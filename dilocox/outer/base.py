@@ -69,7 +69,7 @@ class OuterBase:
         self.compressors: list = []
         self._counters = {"blocked_s": 0.0, "blocked_total_s": 0.0, "comm_s": 0.0, "n_syncs": 0}
         self._comm_total_before = 0.0  # comm-thread seconds of earlier runs (restored on resume)
-        self._blocked_now = 0.0
+        self._blocked_now = self._save_wait_s = 0.0  # (_save_wait_s: a state_dict's wait since the step: diloco.py)
         self.comm_stats = CommStats()
         self.group.stats = self.comm_stats  # (the group counts every call's bytes there)
         # (sent, received) as they stood when the last collective waited for ended: what ``stats`` reports, so a

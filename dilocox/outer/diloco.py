@@ -206,7 +206,7 @@ class DiLoCoOuter(OuterBase):
         if self._t_end is not None and self.controller is not None:  # (only §7 reads them; _adapt empties the list)
             self._step_times.append(now - self._t_end)  # the inner step itself, outer work excluded
         n = step + 1
-        self._blocked_now = 0.0
+        self._blocked_now = self._save_wait_s = 0.0
         if self.lr_factor is not None:  # outer.lr_schedule=inner: the outer steps of this step at the inner lr's ratio
             self.state.set_lr_factor(self.lr_factor(step))
         launching, syncing = self.schedule.at(n)
@@ -310,7 +310,7 @@ class DiLoCoOuter(OuterBase):
     def finish(self) -> None:
         """Drain every in-flight all-reduce, apply it, set params to θ, stop the comm thread."""
         st = self.state
-        self._blocked_now = 0.0
+        self._blocked_now = self._save_wait_s  # (a state_dict since the last step, the continuation's: the drain)
         for p in range(self.K):
             h, self.pending[p] = self.pending[p], None
             if h is None:
@@ -465,13 +465,14 @@ class DiLoCoOuter(OuterBase):
     # ------------------------------------------------------------------ checkpoints
     def _method_state_dict(self) -> dict:
         """The whole dual state; in-flight all-reduces are waited for and their RESULTS stored."""
-        pend, pend_s = [], []
+        pend, pend_s, blocked = [], [], self._blocked_now
         for p, h in enumerate(self.pending):
             res = self._wait(h) if h is not None else None
             if h is not None:
                 self.pending[p] = DoneHandle(res, h.comm_s)
             pend.append([t.detach().cpu().clone() for t in res] if res is not None else None)
             pend_s.append(h.comm_s if h is not None else 0.0)
+        self._save_wait_s += self._blocked_now - blocked  # (finish after it: its drain, counted in drain_s)
         return dict(
             overlap=self.overlap,
             fragments=self.K,
