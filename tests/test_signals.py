@@ -140,8 +140,13 @@ def test_supervise_forwards_waits_and_bounds(tmp_path, mode):
         assert code == 128 + signal.SIGTERM, out.read_text()
         assert not signals.tagged_pids(tag)
         if mode == "save":
-            assert "child saving" in out.read_text() and secs < 3.0, (secs, out.read_text())
-            assert "torchrun exit code 7" in out.read_text()
+            # waited for the child, which exited on its own (code 7), not killed at the bound (a wall-clock bound of
+            # 3 s failed once under CI's load: 4.1 s with the child's own exit, 2026-12-03)
+            assert "child saving" in out.read_text() and "did not stop within" not in out.read_text(), (
+                secs,
+                out.read_text(),
+            )
+            assert "torchrun exit code 7" in out.read_text() and secs < 10, (secs, out.read_text())
         else:
             assert 2.5 < secs < 10, secs
             assert "did not stop within 3 s" in out.read_text()
