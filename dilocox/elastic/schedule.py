@@ -108,8 +108,8 @@ def last_summary(metrics_path: str) -> dict | None:
 # the one-line errors `dilocox train` prints (cli.py: ``<label>[ (rank R)]: <message>``; a timed-out wait:
 # ``[rank R] error: ...``)
 _ERROR_LINE = re.compile(
-    r"^(?:(?:config|data|export|checkpoint) error|training stopped|elastic run stopped)(?: \(rank \d+\))?: "
-    r"|^\[rank \d+\] error: "
+    r"^(?:(?:config|data|export|checkpoint) error|training stopped|elastic run stopped)(?: \(rank \d+\))?: .*"
+    r"|^\[rank \d+\] error: .*"
 )
 
 
@@ -120,15 +120,13 @@ _INTERRUPTED = re.compile(r"interrupted by SIG\w+ at step \d+; .*")
 
 def last_error(log_path: str, nbytes: int = 65536, pattern: re.Pattern = _ERROR_LINE) -> str | None:
     """The last one-line error of the replica's latest incarnation in its log (the part after the launcher's last
-    ``==== `` marker line), or None; ``pattern``: another kind of line (its match, not the whole line)."""
+    ``==== `` marker line), or None; ``pattern``: another kind of line (what it matches: the part after a logger's
+    prefix)."""
     lines = _tail_lines(log_path, nbytes)
     if lines is None:
         return None
     start = max((i for i, line in enumerate(lines) if line.startswith("==== ")), default=-1)
-    if pattern is _ERROR_LINE:  # (the whole line: it starts with its label)
-        hits = [line.strip() for line in lines[start + 1 :] if pattern.match(line)]
-    else:  # (the part that matched: after the logger's prefix)
-        hits = [m.group(0) for line in lines[start + 1 :] if (m := pattern.search(line))]
+    hits = [m.group(0).strip() for line in lines[start + 1 :] if (m := pattern.search(line))]
     return hits[-1][:400] if hits else None
 
 

@@ -440,7 +440,7 @@ class ElasticLaunch:
             log_path = os.path.join(self.run_dir, f"{rep.name}.log")
             said = interrupted_line(log_path)
             via = f" (standby {rep.r})" if rep.spare else ""
-            code = "none yet" if rep.proc.poll() is None else rep.proc.poll()
+            code = "none yet" if (c := rep.proc.poll()) is None else c
             self.log(f"dilocox launch: replica {r}{via}: "
                      f"{said or f'exit code {code}; its log names no checkpoint ({log_path})'}")  # fmt: skip
         self.log(f"dilocox launch: interrupted ({name}); the replicas were asked to save a checkpoint; run the same "
