@@ -140,6 +140,7 @@ class TrainerState:
             self.topo.rank,
             ckpt.all_ranks_agree,
             self.cfg.checkpoint.check_space,
+            continuation=self._saves_continuation(),
         )
         if space:  # checkpoint dir writable, room for one checkpoint (else raised), but not for keep+1
             self.logger.info(space)
@@ -336,13 +337,16 @@ class TrainerState:
         self._continuation, took = None, 0.0
         if self.outer is None:
             return took
-        if self.cfg.checkpoint.continuation and getattr(self.outer, "params_to_theta_at_finish", False):
+        if self._saves_continuation():
             try:
                 took = self._save_continuation()
             except ckpt.CheckpointError as e:  # (agreed: every rank is here)
                 self.logger.info(f"warning: no continuation saved ({e}); a resume with more train.steps goes on from θ")
         self.outer.finish()
         return took
+
+    def _saves_continuation(self) -> bool:
+        return bool(self.cfg.checkpoint.continuation and getattr(self.outer, "params_to_theta_at_finish", False))
 
     def _save_continuation(self) -> float:
         cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None

@@ -339,6 +339,11 @@ def test_preflight_writability_and_room(tmpfs, tmp_path):
     assert ckpt.preflight(os.path.join(tmpfs, "a"), 100_000, 1, keep=2) == ""
     warn = ckpt.preflight(os.path.join(tmpfs, "b"), int(0.8 * mb), 1, keep=2)
     assert "checkpoint.keep=2" in warn and "room for 3 checkpoints" in warn and "pruned only after" in warn, warn
+    # room for keep + 1 = 3 of 0.6 MB, not for the continuation beside them at the run's end: a warning of its own
+    assert ckpt.preflight(os.path.join(tmpfs, "d"), int(0.6 * mb), 1, keep=2) == ""
+    warn = ckpt.preflight(os.path.join(tmpfs, "d"), int(0.6 * mb), 1, keep=2, continuation=True)
+    assert "not for the continuation" in warn and "checkpoint.continuation=false" in warn, warn
+    assert ckpt.preflight(os.path.join(tmpfs, "d"), int(0.45 * mb), 1, keep=2, continuation=True) == ""
     with pytest.raises(ckpt.CheckpointError, match="first save would fail"):
         ckpt.preflight(os.path.join(tmpfs, "c"), 3 * mb, 1, keep=2)
     with pytest.raises(ckpt.CheckpointError, match="first save would fail"):

@@ -155,10 +155,14 @@ def test_a_continuation_without_room_for_it_and_the_final_checkpoint_is_skipped(
     checkpoints), so the final save failed after training. It is saved only with room for both; else one warning,
     and the run ends with its final checkpoint as before."""
     monkeypatch.setattr(ckpt, "disk_free", lambda path: 0)  # (the continuation's check only: saves use their own)
+    preflight, seen = ckpt.preflight, []  # and the start-up check counts the continuation (a warning of its own)
+    monkeypatch.setattr(ckpt, "preflight", lambda *a, **k: seen.append(k["continuation"]) or preflight(*a, **k))
     t = _run(small_cfg(tmp_path / "run", *STREAMING, steps=5))
     assert t.step == 5 and (tmp_path / "run" / "checkpoints" / "step_00000005" / "COMPLETE.json").exists()
     assert not (tmp_path / "run" / "checkpoints" / "continue").exists()
     assert "warning: no continuation saved (" in capsys.readouterr().out
+    _run(small_cfg(tmp_path / "off", *STREAMING, "--checkpoint.continuation=false", steps=1))
+    assert seen == [True, False]
 
 
 def _continuation_runs(rank, world, tmp, extra):

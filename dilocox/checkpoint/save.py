@@ -336,6 +336,7 @@ def preflight(
     rank: int = 0,
     agree: Callable[[bool], bool] | None = None,
     check_space: bool = True,
+    continuation: bool = False,
 ) -> str:
     """Start-up check of ``checkpoint.dir``: writable on every rank, and room for a checkpoint.
 
@@ -343,7 +344,9 @@ def preflight(
     what the D DP ranks hold alike, which DCP writes once); a checkpoint is taken as ``world_size`` such shares
     (:func:`checkpoint_bytes`, as ``save_checkpoint`` takes it before each save). Raises :class:`CheckpointError` on
     every rank when the dir is not writable or has no room for even one checkpoint; returns a warning (else '') when
-    it has room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest)."""
+    it has room for fewer than ``keep + 1`` (a save writes the new checkpoint before pruning the oldest), or, with
+    ``continuation`` (a DiLoCo-family run saves one at its end beside the final checkpoint, best effort:
+    ``checkpoint.continuation``), for fewer than ``keep + 2``."""
     agree = agree or (lambda flag: flag)
     err = ""
     probe = os.path.join(ckpt_dir, f".write_test.{socket.gethostname()}.{os.getpid()}")
@@ -382,5 +385,13 @@ def preflight(
             f"save needs room for {keep + 1} checkpoints of ~{one / _MB:.1f} MB ({have} present + {extra} to "
             "write; the oldest is pruned only after the newest is complete), so a later save will fail with "
             f"'no space left'. Free ~{(extra * one - free) / _MB:.1f} MB or lower checkpoint.keep"
+        )
+    if continuation and free < (extra + 1) * one:
+        return (
+            f"warning: checkpoint.dir {ckpt_dir} has {free / _MB:.1f} MB free: room for checkpoint.keep={keep} "
+            f"checkpoints of ~{one / _MB:.1f} MB, but not for the continuation saved beside the final one at the "
+            "run's end (checkpoint.continuation): the run will skip it with a warning, and a resume with more "
+            f"train.steps will go on from θ. Free ~{((extra + 1) * one - free) / _MB:.1f} MB, or set "
+            "checkpoint.continuation=false"
         )
     return ""

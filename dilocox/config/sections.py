@@ -370,6 +370,7 @@ class CheckpointConfig:
     fallback: bool = True  # resume=auto: a damaged shard (size/hash mismatch) falls back to the previous complete
     # checkpoint; false: stop
     check_space: bool = True  # at start-up refuse a checkpoint dir without room for one checkpoint, warn below keep+1
+    # (keep+2 with checkpoint.continuation's save at a DiLoCo-family run's end)
     resume_finished: str = "skip"  # resumed checkpoint at/past train.steps: skip (prints "already finished: see
     # RUN_DIR", exit 0) | error (exit 2); neither writes anything
     continuation: bool = True  # DiLoCo family: the end of a run (outer.finish) sets every parameter to θ; its state
