@@ -111,7 +111,9 @@ def test_a_flood_from_one_address_does_not_lock_a_secret_holder_out(kind):
         # 1. 300 silent connections from one address; the honest holder (never seen before) is served at once
         socks = _flood("127.0.0.2", port, 300)
         took = _honest(port, SERVICE[kind])
-        assert took < 2.0, f"{kind}: a secret holder's handshake took {took:.2f} s under a flood from one address"
+        # (< 5 s: a SYN dropped from a full backlog is resent after 1 s, then a starved victim drains the queue; the
+        # lock-out this guards against took 18-22 s)
+        assert took < 5.0, f"{kind}: a secret holder's handshake took {took:.2f} s under a flood from one address"
         away = _turned_away(socks[-250:], within=0.5)  # over the cap of 4: closed at once, not queued (a few more
         assert away >= 240, f"{kind}: {away} of the last 250 flood connections closed within 0.5 s"  # get a slot
         # as the first ones' 2 s run out while the flood is opened)
@@ -121,7 +123,7 @@ def test_a_flood_from_one_address_does_not_lock_a_secret_holder_out(kind):
         # ones still serve it
         socks = [s for i in range(3, 23) for s in _flood(f"127.0.0.{i}", port, 8)]
         took = _honest(port, SERVICE[kind])
-        assert took < 2.0, f"{kind}: a proven holder's handshake took {took:.2f} s under a flood from 20 addresses"
+        assert took < 5.0, f"{kind}: a proven holder's handshake took {took:.2f} s under a flood from 20 addresses"
     finally:
         for s in socks:
             s.close()
@@ -369,4 +371,5 @@ def test_a_swarm_run_under_a_flood_from_another_address_bans_nobody_and_ends_bit
 
     print(f"SWARM step (median, s0p0): quiet {step_s(quiet):.2f} s, under the flood {step_s(loud):.2f} s; "
           f"{sent['connections']} flood connections")  # fmt: skip
-    assert step_s(loud) < 3 * step_s(quiet) + 2.0  # (a loaded 2-core VM: the issue's lock-out was 20.4 s vs 1.7 s)
+    # (the flood's own thread takes a core of a loaded 2-core VM; the issue's lock-out was 20.4 s vs 1.7 s)
+    assert step_s(loud) < 4 * step_s(quiet) + 4.0

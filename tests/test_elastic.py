@@ -133,7 +133,8 @@ def test_kill9_one_of_three_survivors_average_over_live(tmp_path, die_mode):
         assert [(x["mean"], x["theta"]) for x in st] == want, f"replica {r} differs from the oracle mean"
         after = st[die_at]
         # detection by heartbeat expiry (+ one failed all-reduce and its retry in flight mode)
-        assert after["t"] - t_kill < timeout + hb_ms / 1000 + phase_s + 3.0, after
+        # (+ 6 s of a loaded host's slack: still below quorum_timeout, what a missed detection waits)
+        assert after["t"] - t_kill < timeout + hb_ms / 1000 + phase_s + 6.0, after
         if die_mode == "inflight":
             assert after["attempts"] >= 2, "the all-reduce with the dead peer in flight must fail and be retried"
     assert [x["theta"] for x in recs[0] if x["event"] == "step"] == [

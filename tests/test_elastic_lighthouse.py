@@ -307,8 +307,8 @@ def test_lighthouse_restart_keeps_the_quorum_without_a_stall(tmp_path, monkeypat
     """Keeping the last quorum: the survivors train through the outage at phase pace, then use the new
     lighthouse's quorums again (the torch-free lighthouse listens ~1 s after its restart here)."""
     steps, kill_step, phase_s = 30, 2, 0.3
-    res, s = _scenario(
-        tmp_path, monkeypatch, replicas=2, steps=steps, kill_step=kill_step, restart_after=1.0, phase_s=phase_s,
+    res, s = _scenario(  # (an outage of 3 s: a step that waited for the lighthouse stands apart from a loaded host's)
+        tmp_path, monkeypatch, replicas=2, steps=steps, kill_step=kill_step, restart_after=3.0, phase_s=phase_s,
         timeout=5.0, quorum_timeout=60.0,
     )  # fmt: skip
     assert res["exit_codes"] == [0, 0], s
@@ -317,7 +317,7 @@ def test_lighthouse_restart_keeps_the_quorum_without_a_stall(tmp_path, monkeypat
         st = _steps(recs)
         assert [x["step"] for x in st] == list(range(steps)) and all(x["contributors"] == [0, 1] for x in st)
         gaps = [b["t"] - a["t"] for a, b in zip(st, st[1:])]
-        assert max(gaps) < phase_s + 1.0, (max(gaps), s)  # no step waited for the lighthouse
+        assert max(gaps) < phase_s + 2.0, (max(gaps), s)  # no step waited for the lighthouse (>= 3 s if one did)
         during = [x for x in st if res["t_lighthouse_kill"] < x["t"] < res["t_lighthouse_listening"]]
         assert during and during[-1]["kept_total"] >= len(during) - 1, s  # kept the quorum while it was down
         after = [x for x in st if x["t"] > res["t_lighthouse_listening"] + 1.0]
@@ -364,7 +364,7 @@ def test_lighthouse_that_stays_down_gives_the_clear_error_in_time(tmp_path, monk
         assert len(err) == 1 and err[0]["type"] == "ElasticMinReplicasError", s
         assert "elastic.quorum_timeout_s" in err[0]["msg"] and "refused connections" in err[0]["msg"], s
         since_kill = err[0]["t"] - res["t_lighthouse_kill"]
-        assert qt - 0.5 <= since_kill <= qt + phase_s + 1.5, s  # within quorum_timeout_s of the outage
+        assert qt - 0.5 <= since_kill <= qt + 3.0, s  # within quorum_timeout_s of the outage (+ a loaded host's step)
         st = _steps(recs)
         if keep:  # trained on through the outage, then stopped
             assert st[-1]["step"] > kill_step + 5 and st[-1]["kept_total"] == st[-1]["step"] - kill_step, s

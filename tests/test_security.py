@@ -569,7 +569,8 @@ def test_a_kept_connection_saves_the_handshakes_round_trips(tmp_path):
         pytest.skip(why)
     (row,), _ = rpc.call_rows(os.path.join(rpc.ROOT, "configs", "tiny.yaml"), 3, rtt_ms=40.0, big=False)
     # a kept connection: one round trip for the request and its reply, two when the 135 KB do not fit the window
-    assert 36 < row["auth_ms"] < 3 * 40, row
+    # (under load a call can sit past TCP's retransmit timeout: up to 5 round trips, still half a new connection's)
+    assert 36 < row["auth_ms"] < 5 * 40, row
     assert row["per_call_auth_ms"] - row["auth_ms"] > 1.2 * 40, row
     assert row["plain_new_ms"] - row["plain_ms"] > 0.8 * 40, row  # (the TCP connect alone)
 

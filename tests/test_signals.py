@@ -148,7 +148,7 @@ def test_supervise_forwards_waits_and_bounds(tmp_path, mode):
             )
             assert "torchrun exit code 7" in out.read_text() and secs < 10, (secs, out.read_text())
         else:
-            assert 2.5 < secs < 10, secs
+            assert 2.5 < secs < 20, secs  # (the bound of 3 s + a loaded host's start-up; no kill would be 30)
             assert "did not stop within 3 s" in out.read_text()
     finally:
         signals.kill_tagged(tag)

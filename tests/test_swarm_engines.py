@@ -77,7 +77,7 @@ def test_torchft_recovery_after_kill_within_heartbeat_bound():
     res = engines.measure_recovery(a)
     # the kill lands half a period before round 2; the survivors' round waits for the 1 s heartbeat timeout
     assert res["kill_to_next_avg_done_s"] is not None
-    assert res["kill_to_next_avg_done_s"] < 1.0 + a.period + 3.0, res
+    assert res["kill_to_next_avg_done_s"] < 1.0 + a.period + 5.0, res  # (+ a loaded host's reconfiguration)
     assert {g for _, g in res["groups_after_kill"]} == {(0, 1)}, res
     assert res["failed_after_kill"] == [], res
 
