@@ -196,11 +196,13 @@ def test_muon_outer_checkpoint_resumes_on_another_layout(tmp_path):
     assert {k.split("/")[1].split(".")[1] for k in saved} == {"0", "1"}, "each stage saved Muon's momentum"
 
 
-@pytest.mark.slow  # 2 + 2 ranks: ~12 s (quick loop: test_diloco_delayed_tp2_...)
-def test_diloco_data_sharded_checkpoint_resumes_on_tp2(tmp_path):
-    """R=1 DiLoCo (overlap none) with D=2 and outer.shard_over_data (each DP rank owns half the tensors' outer
-    state) resumed on TP=2: every tensor's θ/v is found on its owner and re-sliced."""
-    _diloco_case(tmp_path, "dp2", "tp2", DILOCO + ["--outer.overlap=none", "--outer.shard_over_data=true"])
+@pytest.mark.slow  # 2 + 2 ranks: ~12 s each (quick loop: test_diloco_delayed_tp2_...)
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_diloco_data_sharded_checkpoint_resumes_on_tp2(tmp_path, overlap):
+    """R=1 DiLoCo with D=2 and outer.shard_over_data (each DP rank owns half the tensors' outer state) resumed on
+    TP=2: every tensor's θ/v is found on its owner and re-sliced; with overlap delayed, so is the in-flight result
+    each owner stored (as the continuation of a finished run stores it: the same state_dict)."""
+    _diloco_case(tmp_path, "dp2", "tp2", DILOCO + [f"--outer.overlap={overlap}", "--outer.shard_over_data=true"])
 
 
 @pytest.mark.slow  # 2 + 1 ranks: ~11 s each (quick loop: test_diloco_delayed_tp2_...)
