@@ -30,7 +30,7 @@ from dilocox.config import Config, ConfigError
 from dilocox.data import TokenSampler, prepare
 from dilocox.distributed import signals
 from dilocox.distributed.comm import emulated_bandwidth_bytes
-from dilocox.distributed.topology import build_topology, group_ranks, init_distributed
+from dilocox.distributed.topology import all_gather_text, broadcast_text, build_topology, group_ranks, init_distributed
 from dilocox.elastic.group import ElasticError
 from dilocox.elastic.standby import ACTIVATE_NAME, StandbyNotNeeded, await_activation
 from dilocox.engine import PipelineEngine
@@ -499,7 +499,7 @@ def build_elastic_group(cfg: Config, topo):
     DILOCOX_ELASTIC_HOST, else MASTER_ADDR, else loopback."""
     from dilocox.elastic import ElasticConfig, ElasticOuterGroup  # torchft is imported only in elastic runs
     from dilocox.elastic.quorum import QuorumGroup
-    from dilocox.elastic.stores import multi_rank_replica_store
+    from dilocox.elastic.stores import multi_rank_replica_store, store_addrs, store_addrs_text
     from dilocox.net.secure import secret_for
 
     e = cfg.outer.elastic
@@ -522,17 +522,17 @@ def build_elastic_group(cfg: Config, topo):
     )
     if topo.world_size == 1:
         return QuorumGroup(ElasticOuterGroup(ecfg), cfg.outer.norm_check)
-    store, guard, addr, hosts = None, None, [None], [None] * topo.world_size
-    dist.all_gather_object(hosts, socket.gethostname())  # all ranks of the replica on one host: a loopback store
+    store, guard, addr = None, None, None
+    hosts = all_gather_text(socket.gethostname())  # all ranks of the replica on one host: a loopback store
     if topo.rank == 0:  # the replica's store; guarded: the quorum reaches it through a guard (elastic/stores.py)
         one_host = len(set(hosts)) == 1
         secret = ecfg.secret if ecfg.lighthouse_auth else None
         store, local, public, guard = multi_rank_replica_store(host, secret, one_host, timedelta(seconds=e.timeout_s))
-        addr = [(local, public)]
-    dist.broadcast_object_list(addr, src=0)
+        addr = store_addrs_text(local, public)
+    local, public = store_addrs(broadcast_text(addr))
     try:
-        group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=addr[0][0],
-                                  advertise=addr[0][1])  # fmt: skip
+        group = ElasticOuterGroup(ecfg, group_rank=topo.rank, group_world=topo.world_size, store=local,
+                                  advertise=public)  # fmt: skip
     except BaseException:
         if guard is not None:
             guard.close()

@@ -209,6 +209,8 @@ def test_no_weights_only_false_in_dilocox():
     HTTPTransport, which does, is never used by a replica: net/transfer.py's StateTransport replaces it)."""
     import re
 
+    # (torch.distributed's *_object collectives pickle what they send and unpickle what the other ranks sent)
+    pat = r"load\(.*weights_only\s*=\s*False|pickle\.loads?\(|(gather|broadcast|scatter|send|recv)_object(_list)?\("
     hits = []
     for d, _, files in os.walk(os.path.join(ROOT, "dilocox")):
         for f in files:
@@ -216,9 +218,38 @@ def test_no_weights_only_false_in_dilocox():
                 path = os.path.join(d, f)
                 with open(path) as fh:
                     for i, line in enumerate(fh, 1):
-                        if re.search(r"load\(.*weights_only\s*=\s*False|pickle\.loads?\(", line):
+                        if re.search(pat, line):
                             hits.append(f"{os.path.relpath(path, ROOT)}:{i}: {line.strip()}")
     assert hits == [], hits
+
+
+def _texts(rank, world, texts):
+    from dilocox.distributed.topology import all_gather_text, broadcast_text
+
+    got = all_gather_text(texts[rank])
+    sent = broadcast_text(texts[1] if rank == 1 else None, src=1)
+    refused = None
+    try:
+        all_gather_text("x" * 257)  # (every rank alike: nothing is sent)
+    except ValueError as e:
+        refused = str(e)
+    return got, sent, refused
+
+
+def test_the_ranks_exchange_host_names_and_store_addresses_without_pickle():
+    """The elastic replica's ranks exchange host names and rank 0's store addresses as byte tensors (what
+    all_gather_object / broadcast_object_list did, unpickling what the other ranks sent); the addresses are checked."""
+    from dilocox.elastic.stores import store_addrs, store_addrs_text
+    from tests.spawn import run_ranks
+
+    texts = ["host-a", "hôst-b.example"]
+    for got, sent, refused in run_ranks(2, _texts, texts):
+        assert got == texts and sent == texts[1] and "more than the 256" in refused
+    assert store_addrs(store_addrs_text(("127.0.0.1", 5), ("10.0.0.2", 6))) == (("127.0.0.1", 5), ("10.0.0.2", 6))
+    assert store_addrs(store_addrs_text(("h", 65535), None)) == (("h", 65535), None)
+    for bad in ('[["h", 0], null]', '[["h", "1"], null]', '[["h", 1]]', '{"a": 1}', "[[", '[["h", true], null]'):
+        with pytest.raises(ValueError, match="rank 0 sent"):
+            store_addrs(bad)
 
 
 # ------------------------------------------------------------------------------------------- authentication

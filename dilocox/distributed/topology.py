@@ -266,3 +266,42 @@ def build_topology(
                 topo.groups[kind] = g if len(ranks) > 1 else None
                 topo.ranks[kind] = ranks
     return topo
+
+
+def _text_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _encode_text(text: str, limit: int) -> torch.Tensor:
+    raw = text.encode()
+    if len(raw) > limit:
+        raise ValueError(f"{text[:40]!r}...: {len(raw)} bytes, more than the {limit} a rank may send")
+    buf = torch.zeros(limit + 4, dtype=torch.uint8)
+    buf[:4] = torch.tensor(list(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
+    buf[4 : 4 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[4:4]
+    return buf.to(_text_device())
+
+
+def _decode_text(buf: torch.Tensor, limit: int) -> str:
+    raw = bytes(buf.cpu().tolist())
+    n = int.from_bytes(raw[:4], "little")
+    if n > limit:  # (a rank of this run sends at most `limit`: anything else is not one of them)
+        raise ValueError(f"a rank sent a text of {n} bytes, more than {limit}")
+    return raw[4 : 4 + n].decode("utf-8", errors="strict")
+
+
+def all_gather_text(text: str, limit: int = 256) -> list[str]:
+    """Every rank's ``text`` (at most ``limit`` UTF-8 bytes) over the default group, as fixed-size byte tensors: what
+    ``all_gather_object`` does without pickling what the other ranks sent (nothing from the network is unpickled)."""
+    mine = _encode_text(text, limit)
+    bufs = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(bufs, mine)
+    return [_decode_text(b, limit) for b in bufs]
+
+
+def broadcast_text(text: str | None, src: int = 0, limit: int = 512) -> str:
+    """``src``'s ``text`` on every rank of the default group (the others pass None): ``broadcast_object_list``
+    without pickling."""
+    buf = _encode_text(text or "", limit)
+    dist.broadcast(buf, src=src)
+    return _decode_text(buf, limit)

@@ -28,6 +28,7 @@ entries) or call its manager. Still reached directly (docs/SECURITY.md): the glo
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 import threading
@@ -74,6 +75,27 @@ def multi_rank_replica_store(host: str, secret: bytes | None, one_host: bool, ti
     store, local, _, _ = replica_store(host, None, timeout)
     guard = LighthouseGuard((host, 0), local, secret, "store")
     return store, local, (host, guard.port), guard
+
+
+def store_addrs_text(local: tuple[str, int], public: tuple[str, int] | None) -> str:
+    """Rank 0's (local, public) store addresses as the text its other ranks receive (``store_addrs``)."""
+    return json.dumps([list(local), list(public) if public else None])
+
+
+def store_addrs(text: str) -> tuple[tuple[str, int], tuple[str, int] | None]:
+    """``store_addrs_text``'s addresses, checked: each a [host, port] with a port in 1-65535 (ValueError else)."""
+
+    def addr(x) -> tuple[str, int]:
+        ok = isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and 0 < len(x[0]) <= 255
+        if not (ok and isinstance(x[1], int) and not isinstance(x[1], bool) and 0 < x[1] < 65536):
+            raise ValueError(f"rank 0 sent a store address that is not [host, port]: {text[:200]!r}")
+        return x[0], x[1]
+
+    try:
+        local, public = json.loads(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"rank 0 sent store addresses that are not [[host, port], [host, port] | null]: {e}") from e
+    return addr(local), (addr(public) if public is not None else None)
 
 
 @contextmanager
