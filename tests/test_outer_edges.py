@@ -119,3 +119,27 @@ def test_merge_replay_is_refused_where_it_would_do_nothing(overlap):
     with pytest.raises(ConfigError, match="merge='replay' has no effect with outer.overlap"):
         _build(3, overlap, merge="replay")
     _build(4, "none", 1, 2, merge="replay")[2].close(timeout=5.0)  # where it does something: accepted
+
+
+def test_a_live_replicas_state_of_another_shape_or_range_is_refused_before_anything_is_copied():
+    """A heal takes θ and v from a live replica (``_restore``); ``copy_`` would broadcast a smaller tensor (a scalar,
+    a row) over the whole state without a word. Found by a review of what crosses the network: the shapes, dtypes
+    and H / outer_step are checked first, and nothing of this replica changes on a refusal."""
+    model, opt, loop = _build(H=2)
+    _train(model, opt, loop, 0, 2)
+    good = {k: v for k, v in loop._snapshot(2, 0).items()}
+    good["theta"], good["momentum"] = loop.state.theta.clone() + 1, loop.state.momentum.clone()
+    before = loop.state.theta.clone()
+    for key, bad, match in (
+        ("theta", torch.zeros(()), r"sent theta as \(\)"),
+        ("momentum", loop.state.momentum[:3].clone(), r"sent momentum as \(3,\)"),
+        ("theta", loop.state.theta.double(), "float64"),
+        ("theta", [1.0], "sent theta as list"),
+        ("H", 0, "H=0"),
+        ("outer_step", -1, "outer_step=-1"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            loop._restore({**good, key: bad})
+        assert torch.equal(loop.state.theta, before)
+    loop._restore(good)  # (the control: a state of this model is taken)
+    assert torch.equal(loop.state.theta, before + 1)

@@ -253,3 +253,16 @@ def test_the_run_goes_on_after_the_step_a_healed_sync_took(tmp_path):
     with open(tmp_path / "s1p0.jsonl") as f:
         steps = [json.loads(line)["step"] for line in f if line.strip()]
     assert steps == [0, 1, 2, 5, 6, 7]
+
+
+def test_a_live_peers_parameters_of_another_shape_are_refused_before_anything_is_copied(tmp_path):
+    """``load_from_peer`` copied each received tensor into a parameter: ``copy_`` broadcasts a scalar over it."""
+    p = _peer(tmp_path, _cfg(swarm={"peers_per_stage": [2, 2]}), stage=1, index=1, store=None)
+    before = [t.detach().clone() for t in p.params]
+    sent = [t.detach().clone() + 1 for t in p.params]
+    for bad in (torch.zeros(()), before[-1].double(), "x"):
+        with pytest.raises(RuntimeError, match="a live peer sent parameter"):
+            peer_sync.load_from_peer(p, {"params": sent[:-1] + [bad], "opt": p.opt.state_dict(), "step": 3})
+        assert all(torch.equal(a, b) for a, b in zip(p.params, before))
+    peer_sync.load_from_peer(p, {"params": sent, "opt": p.opt.state_dict(), "step": 3})
+    assert all(torch.equal(a, b + 1) for a, b in zip(p.params, before))

@@ -94,6 +94,7 @@ from dilocox.outer.membership import Membership
 from dilocox.outer.state import OuterState
 
 METHODS = ("diloco",)
+MAX_H = 10_000_000  # (a healing replica's H: a live replica's beyond this is refused, as a nonpositive one)
 DIGEST_ENV = "DILOCOX_THETA_DIGEST"  # set: every step record carries a digest of θ after the last outer step
 
 
@@ -363,6 +364,8 @@ class DiLoCoOuter(OuterBase):
         """Comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank."""
         for c, r in zip(self.compressors, sd.get("ranks") or []):
             if rank_of(c) > 0 and int(r) != c.rank:
+                if not 1 <= int(r) <= c.max_rank():  # (a live replica's state: checked, as everything received)
+                    raise RuntimeError(f"a live replica sent a low-rank rank of {r}, outside [1, {c.max_rank()}]")
                 c.set_rank(int(r))
 
     def _restore(self, sd: dict) -> None:
@@ -372,11 +375,19 @@ class DiLoCoOuter(OuterBase):
             raise RuntimeError(
                 f"the live replicas run outer.overlap={sd['overlap']!r}, this replica {self.overlap!r}: use one setting"
             )
+        for name in ("theta", "momentum"):  # (copy_ would broadcast a smaller tensor over the whole state)
+            got, mine = sd[name], getattr(st, name)
+            if not isinstance(got, Tensor) or got.shape != mine.shape or got.dtype != mine.dtype:
+                what = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, Tensor) else type(got).__name__
+                raise RuntimeError(f"a live replica sent {name} as {what}, this replica holds {tuple(mine.shape)} "
+                                   f"{mine.dtype}: every replica must train the same model")  # fmt: skip
+        outer_step, H = int(sd["outer_step"]), int(sd["H"])
+        if outer_step < 0 or not 1 <= H <= MAX_H:
+            raise RuntimeError(f"a live replica sent outer_step={outer_step}, H={H} (want >= 0 and 1..{MAX_H})")
         st.theta.copy_(sd["theta"].to(st.theta.device))
         st.momentum.copy_(sd["momentum"].to(st.momentum.device))
         st.load_optimizer_extra(sd.get("optimizer"))
-        self.outer_step = int(sd["outer_step"])
-        self.H = int(sd["H"])
+        self.outer_step, self.H = outer_step, H
         self.schedule.load_state_dict(sd["schedule"])
         for c in self.compressors:
             c.errors = None  # error feedback reset: its residuals belong to a trajectory this replica left

@@ -278,7 +278,11 @@ def state_for_joiner(peer) -> dict:
 
 @torch.no_grad()
 def load_from_peer(peer, sd: dict) -> None:
-    for p, t in zip(peer.params, sd["params"], strict=True):
+    for i, (p, t) in enumerate(zip(peer.params, sd["params"], strict=True)):
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:  # (copy_ would broadcast)
+            what = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RuntimeError(f"a live peer sent parameter {i} as {what}, this peer holds {tuple(p.shape)} {p.dtype}")
+    for p, t in zip(peer.params, sd["params"]):
         p.copy_(t)
     peer.opt.load_state_dict(sd["opt"])
     peer._healed_step = int(sd["step"])
