@@ -266,3 +266,35 @@ def test_a_live_peers_parameters_of_another_shape_are_refused_before_anything_is
         assert all(torch.equal(a, b) for a, b in zip(p.params, before))
     peer_sync.load_from_peer(p, {"params": sent, "opt": p.opt.state_dict(), "step": 3})
     assert all(torch.equal(a, b + 1) for a, b in zip(p.params, before))
+
+
+def test_what_an_authenticated_caller_sends_is_bounded_before_a_peer_acts_on_it(tmp_path):
+    """Found by a review of what crosses the network (every caller here holds the run secret): ``leave``'s move_to
+    became the peer's next command line as sent (``--out``, ``--config`` of the caller's choosing); a forward's
+    ``budget_s`` was waited on as sent (JSON's Infinity overflowed the wait, 1e12 pinned a server thread); end-of-step
+    markers were kept for any future step. Now: the move_to a mover sends, checked; the budget within the job's
+    longest hop timeout; markers for at most MARKER_STEPS steps at once."""
+    from dilocox.swarm.membership import checked_move_to, moved_argv
+    from dilocox.swarm.step_end import MARKER_STEPS
+
+    mover = {"stage": 1, "index": 2, "lighthouse": "http://127.0.0.1:29510", "args": ["--pace-s", "0.08"]}
+    assert checked_move_to(mover, 2) == mover and checked_move_to(None, 2) is None
+    argv = moved_argv(["--stage", "0", "--index", "1", "--out", "o"], checked_move_to(mover, 2))
+    assert argv == ["--out", "o", "--stage", "1", "--index", "2", "--join", "--lighthouse", mover["lighthouse"],
+                    "--pace-s", "0.08"]  # fmt: skip
+    bads = [{"stage": 2}, {"index": True}, {"args": ["--out", "/tmp/x"]}, {"args": ["--pace-s", "nan"]},
+            {"lighthouse": "-x:1"}, {"more": 1}]  # fmt: skip
+    for bad in [{**mover, **b} for b in bads] + [[]]:
+        with pytest.raises(ValueError, match="move_to"):
+            checked_move_to(bad, 2)
+    p = _peer(tmp_path, _cfg(swarm={"peers_per_stage": [2, 2], "rpc_timeout_s": 5}), stage=1, index=1, store=None)
+    top = 5 * 2**p.n
+    assert [p.caller_budget({"budget_s": b}) for b in (3.0, 1e12, float("inf"), float("nan"), -1.0)] == [
+        3.0, top, 0.0, 0.0, 0.0
+    ]  # fmt: skip
+    assert p.caller_budget({}) == 0.0
+    for k in range(MARKER_STEPS + 10):
+        p._on_marker({"sender": "s0p0", "step": 10**6 + k, "n": 1})
+    assert len(p.markers) == MARKER_STEPS
+    p._on_marker({"sender": "s0p1", "step": 10**6, "n": 2})  # (a step already kept takes its other senders)
+    assert p.markers[10**6] == {"s0p0": 1, "s0p1": 2}

@@ -12,6 +12,7 @@ Uses the peer's state (set in ``SwarmPeer.__init__``): ``model``, ``lock``, ``me
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -182,6 +183,12 @@ class MicrobatchHops:
         if self._sync_entered >= step:  # a replay that came too late: its gradient would miss (or corrupt) the sync
             self.visits.append((step, mb, "late"))
             raise SwarmError(f"{self.name}: microbatch {mb} arrived after that step's sync (step {step}): dropped")
+
+    def caller_budget(self, meta: dict) -> float:
+        """A call's ``budget_s`` (how long its caller waits), bounded: at most the longest hop timeout of the job,
+        0 for a negative or non-finite one (a JSON header may carry Infinity or NaN)."""
+        b = float(meta.get("budget_s", 0.0))
+        return min(b, self.s.rpc_timeout_s * 2**self.n) if math.isfinite(b) and b > 0 else 0.0
 
     def hop_timeout(self) -> float:
         """Bound on a call from this stage: the next hop's work and one re-send per stage below it."""

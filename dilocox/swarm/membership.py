@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
+import re
 import threading
 import time
 
@@ -175,6 +177,34 @@ def moved_argv(argv: list[str], move_to: dict) -> list[str]:
     return out[:cut] + place + out[cut:]
 
 
+_MOVE_ARGS = {"--pace-s"}  # (what a launcher's mover adds: the tests' per-stage pace, a float)
+_ADDR = re.compile(r"^(https?://)?[\w.\-:\[\]]{1,255}:\d{1,5}$")
+
+
+def checked_move_to(move_to, n_stages: int) -> dict | None:
+    """``leave``'s ``move_to`` as the peer will act on it (its next command line): a stage of the layout, an index,
+    a lighthouse address and only the arguments a mover sends; anything else raises ValueError (an authenticated
+    caller still may not pass flags of its choosing: ``--out``, ``--config``, ``--store``)."""
+    if move_to is None:
+        return None
+    if not isinstance(move_to, dict) or set(move_to) - {"stage", "index", "lighthouse", "args"}:
+        raise ValueError(f"move_to {move_to!r}: keys stage, index, lighthouse, args only")
+    stage, index, lh, args = (move_to.get(k) for k in ("stage", "index", "lighthouse", "args"))
+    if not all(type(x) is int for x in (stage, index)) or not (0 <= stage < n_stages and 0 <= index < 4096):
+        raise ValueError(f"move_to {move_to!r}: stage in [0, {n_stages}) and index in [0, 4096), as ints")
+    if lh is not None and not (isinstance(lh, str) and _ADDR.match(lh) and not lh.startswith("-")):
+        raise ValueError(f"move_to's lighthouse {lh!r} is not an address")
+    args = list(args or [])
+    flags, values = args[0::2], args[1::2]
+    try:
+        ok = len(flags) == len(values) and set(flags) <= _MOVE_ARGS and all(math.isfinite(float(v)) for v in values)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"move_to's args {args!r}: only {sorted(_MOVE_ARGS)} with a number each")
+    return {"stage": stage, "index": index, "lighthouse": lh, "args": [str(x) for x in args]}
+
+
 def read_members(store, pps: list[int]) -> list[list[int]]:
     """The job's current peers per stage: the launcher's ``swarm/members`` key when it set one (rebalancing), else
     every index of ``swarm.peers_per_stage``."""
@@ -195,7 +225,7 @@ def handle(peer, method: str, meta: dict):
         snap["leaving"] = peer.leave_requested
         return snap, {}
     if method == "leave":
-        peer.request_leave(meta.get("move_to"))
+        peer.request_leave(checked_move_to(meta.get("move_to"), len(peer.pps)))
         when = "its current step" if peer.s.sync == "swarm" else "its current outer phase"
         log.info("%s: asked to leave stage %d after %s (then: %s)", peer.name, peer.stage, when, peer.move_to)
         return {"step": peer.step}, {}

@@ -349,7 +349,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
                 raise SwarmError(f"{self.name}: {what} of step {step} arrived after that step's sync (now {self.step})")
 
     def _serve_forward(self, meta: dict, tensors: dict[str, Tensor]):
-        if not self.ready.wait(timeout=max(0.0, 0.9 * float(meta.get("budget_s", 0.0)))):
+        if not self.ready.wait(timeout=0.9 * self.caller_budget(meta)):
             raise NotServing(f"{self.name} is still starting (no router / sync group yet)")
         if not self.serving:
             raise NotServing(f"{self.name} is joining (waiting for its stage's state)")
@@ -366,7 +366,7 @@ class SwarmPeer(MicrobatchHops, StepEnd):
         step, mb = int(meta["step"]), str(meta["mb"])
         # the caller gives up after budget_s: past that, nothing of this microbatch may reach the gradients (the
         # caller re-sends it elsewhere); the margin covers the backward and the reply after the last check
-        budget = float(meta["budget_s"])
+        budget = self.caller_budget(meta)
         deadline = time.monotonic() + budget - min(2.0, 0.1 * budget)
         self._wait_step(step, f"microbatch {mb}", deadline)
         if not self.serving:  # it left its stage (rebalancing) while this request waited for the step

@@ -24,6 +24,8 @@ log = logging.getLogger("dilocox.swarm.peer")
 # (the final .pt's "records": final.py reads their steps). Kept whole, they grew with every step of the run.
 TRACE_STEPS = 256
 RECORDS_KEPT = 8
+MARKER_STEPS = 1024  # end-of-step markers are kept for at most this many steps at once (a peer's senders are a step
+# or two ahead at most: past that, a caller that is no peer of this job may not grow the dict without end)
 
 
 def _drop_before(events: list, cut: int, step_of) -> None:
@@ -46,7 +48,7 @@ class StepEnd:
             if self.stage and sender.startswith(f"s{self.stage - 1}p") and sender not in self.expected_up:
                 self.expected_up.append(sender)  # a restarted upstream peer is back
                 log.info("%s: upstream %s is back", self.name, sender)
-            if step >= self._marker_step:
+            if step >= self._marker_step and (step in self.markers or len(self.markers) < MARKER_STEPS):
                 self.markers.setdefault(step, {})[sender] = int(meta["n"])
             self.cv.notify_all()
 
