@@ -72,3 +72,50 @@ def test_cocktail_honours_error_feedback_off():
     on = CocktailCodec(CompressConfig(quant="int4", group_size=8, error_feedback=True), [64, 30], seed=0)
     on.allreduce_mean([torch.randn(64, generator=g), torch.randn(30, generator=g)], None, 0)
     assert float(on.error.abs().max()) > 0.0  # (the default keeps its error feedback)
+
+
+class _ForgingWire:
+    """Two members: this one, and one that sends this member's payload after ``forge`` changed it."""
+
+    def __init__(self, forge) -> None:
+        self.forge = forge
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+    def all_gather(self, out, t) -> None:
+        out[0].copy_(t)
+        out[1].copy_(self.forge(t.clone()))
+
+
+@pytest.mark.parametrize("topk", [0.01, 0.5])  # (int32 positions; a bitmap)
+def test_cocktail_refuses_a_members_positions_outside_the_survivors(topk):
+    """Found by a review of what crosses the network: another member's int32 positions were used as sent, and a
+    negative one indexed the mask from its end without a word (a wrong mean); a bitmap with another count of bits
+    set. Now both are refused; an unchanged payload from the same fake wire is the control."""
+    from dilocox.compress.cocktail import cocktail_allreduce, index_encoding, mask_count, topk_count
+
+    cfg, n = CompressConfig(quant="int8", group_size=8, random_fraction=0.5, topk_fraction=topk), 4096
+    K = mask_count(n, 0.5)
+    enc, idx_bytes = index_encoding(K, topk_count(K, topk))
+    assert enc == ("int32" if topk < 0.1 else "bitmap")
+    g = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    same = cocktail_allreduce(g, _ForgingWire(lambda t: t), None, cfg, step=0)
+    assert torch.equal(same, cocktail_allreduce(g, None, None, cfg, step=0))  # (the control: the mean of two alike)
+
+    def forged(value):
+        def forge(t):
+            if enc == "int32":
+                t[:idx_bytes].view(torch.int32)[0] = value
+            else:
+                t[0] ^= 1  # (one position more or less)
+            return t
+
+        return forge
+
+    for value in (-1, K):
+        with pytest.raises(ValueError, match="cocktail payload"):
+            cocktail_allreduce(g, _ForgingWire(forged(value)), None, cfg, step=0)

@@ -129,6 +129,16 @@ def _decode_positions(raw: torch.Tensor, survivors: int, enc: str) -> torch.Tens
     return torch.nonzero(bits, as_tuple=False).reshape(-1)
 
 
+def _check_positions(ps: list[torch.Tensor], K: int, k: int) -> None:
+    """Each member's decoded positions: k of them, each in [0, K). A payload from another member is not trusted: a
+    negative int32 position would index ``mask`` from its end without a word, a bitmap may set another count."""
+    for r, p in enumerate(ps):
+        if p.numel() != k:
+            raise ValueError(f"cocktail payload of member {r}: {p.numel()} positions where {k} were due")
+    if k and ps and bool(((torch.cat(ps) < 0) | (torch.cat(ps) >= K)).any()):
+        raise ValueError(f"cocktail payload: a position outside [0, {K}) (a member sent what no encoder writes)")
+
+
 def _pack_values(vals: torch.Tensor, ks: list[int], kind: str, group_size: int) -> torch.Tensor:
     """Each tensor's k_i values (consecutive in ``vals``) quantized on their own, back to back."""
     sizes = [nbytes(kind, k, group_size) for k in ks]
@@ -192,8 +202,9 @@ def cocktail_allreduce(
     bufs, _ = exchange(wire, payload)
     world = len(bufs)
     out = torch.zeros(n, dtype=torch.float32, device=grad.device)
-    for b in bufs:  # rank order: bit-identical on every rank
-        p = _decode_positions(b[:idx_bytes], K, enc)  # sorted: tensor by tensor, like the values
+    ps = [_decode_positions(b[:idx_bytes], K, enc) for b in bufs]  # sorted: tensor by tensor, like the values
+    _check_positions(ps, K, k)
+    for b, p in zip(bufs, ps):  # rank order: bit-identical on every rank
         out.index_add_(0, mask[p], _unpack_values(b[idx_bytes:], ks, kind, G))
     if world > 1:
         out.div_(world)
