@@ -9,7 +9,6 @@ calls its ``_flush_logs`` before a save (nothing non-finite is saved).
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 
@@ -264,6 +263,11 @@ class TrainerState:
             bad = _resume_path_problem(r)
             if not ckpt.all_ranks_agree(bad is None):
                 raise ConfigError(bad or f"checkpoint.resume={r!r}: another rank cannot read it (see rank 0)")
+        if not ckpt.all_ranks_agree(path is not None) and not ckpt.all_ranks_agree(path is None):
+            raise ckpt.CheckpointError(
+                f"checkpoint.dir {self.ckpt_dir}: some ranks find a checkpoint there and others none; every rank "
+                "must see the same directory (a shared file system), or move the checkpoints away to start fresh"
+            )
         if path is None:
             self._check_fresh_start()
             return
@@ -288,7 +292,8 @@ class TrainerState:
         try:
             if self.topo.rank == 0:
                 ckpt.set_aside_later(self.ckpt_dir, path, self.logger.info)
-        except OSError as e:  # (a read-only checkpoint.dir: every rank stops, none waits for rank 0)
+        except Exception as e:  # noqa: BLE001 - (a read-only checkpoint.dir, a COMPLETE.json changed meanwhile: every
+            # rank stops, none waits for rank 0)
             err = ckpt.CheckpointError(f"cannot set aside the checkpoints after {path} in {self.ckpt_dir}: {e}")
         if not ckpt.all_ranks_agree(err is None):  # no rank saves before they are set aside
             raise err or ckpt.CheckpointError(f"rank 0 could not set aside the checkpoints after {path} (see its log)")
@@ -350,11 +355,11 @@ class TrainerState:
 
     def _save_continuation(self) -> float:
         cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None
-        if self.topo.rank == 0 and os.path.isdir(cdir):  # (an earlier end's: this one replaces it)
-            try:
-                shutil.rmtree(cdir)
-            except OSError as e:
-                err = f"cannot remove the earlier continuation {cdir}: {e}"
+        same = os.path.join(cdir, ckpt.step_dir_name(self.step))  # (an earlier end's at this step: replaced; the
+        if self.topo.rank == 0 and os.path.isdir(same):  # others only once the final checkpoint is complete)
+            ckpt.remove_step_dir(same)
+            if os.path.exists(same):
+                err = f"cannot remove the earlier continuation {same}"
         self._flush_logs()
         state = self._dcp_state()  # (waits for the in-flight averages: outer.finish's drain, counted as its own)
         t0, share = time.perf_counter(), self._checkpoint_share(planned=False)
@@ -370,7 +375,7 @@ class TrainerState:
         ckpt.save_checkpoint(
             cdir, self.step, self.topo.rank, self.topo.world_size, state,
             meta={**self._layout(), "config": self.cfg.to_dict(), "continuation": token},
-            agree=ckpt.all_ranks_agree, keep=1, part=self._dcp_part(), share=share,
+            agree=ckpt.all_ranks_agree, keep=0, part=self._dcp_part(), share=share,
         )  # fmt: skip
         self._continuation = token
         return time.perf_counter() - t0
@@ -417,7 +422,16 @@ class TrainerState:
         )
         if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
             self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})
+        elif getattr(self, "_continuation", None) and self.topo.rank == 0:  # (the final one is complete: only now
+            self._drop_other_continuations()  # do the earlier ends' continuations go)
         return path
+
+    def _drop_other_continuations(self) -> None:
+        cdir = os.path.join(self.ckpt_dir, CONTINUE_DIR)
+        mine = os.path.join(cdir, ckpt.step_dir_name(self.step))
+        for name in os.listdir(cdir) if os.path.isdir(cdir) else []:
+            if name.startswith("step_") and name != os.path.basename(mine):
+                ckpt.remove_step_dir(os.path.join(cdir, name))
 
     def _final_meta(self, record: bool) -> dict:
         """The final save (``record`` False) names the continuation saved before outer.finish, if any."""

@@ -171,3 +171,58 @@ def test_a_rank_failing_inside_dcp_fails_every_rank(tmp_path):
     assert all("no space left on device" in r[0] and "older checkpoints are intact" in r[0] for r in res), res
     assert not res[0][1] and not res[1][1]  # no partial step dir
     assert ckpt.find_latest(str(tmp_path)).endswith(ckpt.step_dir_name(1))  # latest untouched
+
+
+def test_a_save_removes_the_partial_step_dirs_a_kill_left_before_it(tmp_path):
+    """Found by a review: a save killed mid-write, or a prune killed inside its rmtree (COMPLETE.json already gone),
+    left a directory no resume takes and no prune removed (prune looks at complete ones): a whole checkpoint's room
+    lost each time, against the keep + 1 the start-up check counts. A save now removes the incomplete step dirs
+    before its own step; a complete one, a later one and anything not named like a step dir stay."""
+    d = str(tmp_path)
+    ckpt.save_checkpoint(d, 10, 0, 1, _state(10), keep=3)
+    for name in ("step_00000005", "step_00000015", "step_00000030", "step_00000012.corrupt"):
+        os.makedirs(os.path.join(d, name, "replica0"))
+        with open(os.path.join(d, name, "replica0", "__0_0.distcp"), "wb") as f:
+            f.write(b"x" * 100)
+    ckpt.save_checkpoint(d, 20, 0, 1, _state(20), keep=3)
+    assert sorted(os.listdir(d)) == [
+        "latest", "step_00000010", "step_00000012.corrupt", "step_00000020", "step_00000030"
+    ]  # fmt: skip
+    ckpt.remove_step_dir(os.path.join(d, "step_00000010"))  # (a prune's removal: COMPLETE.json first)
+    assert not os.path.exists(os.path.join(d, "step_00000010"))
+    assert ckpt.find_latest(d).endswith("step_00000020")
+
+
+def _save_with_latest_failing_on_rank_0(rank, world, d):
+    """Rank 0 writes COMPLETE.json, then fails to write `latest`; rank 1's file system does not show COMPLETE.json
+    yet (a stale lookup on a network file system)."""
+    import dilocox.checkpoint.save as save
+
+    if rank == 0:
+        real = save._atomic_write_text
+
+        def fail_latest(path, text):
+            if os.path.basename(path) == "latest":
+                raise OSError("no latest here")
+            return real(path, text)
+
+        save._atomic_write_text = fail_latest
+    else:
+        real_exists = os.path.exists
+        os.path.exists = lambda p: False if str(p).endswith("COMPLETE.json") else real_exists(p)
+    try:
+        ckpt.save_checkpoint(d, 3, rank, world, {f"w{rank}": torch.ones(2)}, agree=ckpt.all_ranks_agree)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_agree_on_keeping_a_checkpoint_whose_latest_failed(tmp_path):
+    """Found by a review: after a failed save, whether the step dir was complete (only `latest` failed: keep it) was
+    each rank's own look at COMPLETE.json, and a rank that did not see it yet went into two more agreements that
+    rank 0 never entered (a wait for the group's timeout). Rank 0's view now decides, on every rank alike."""
+    from tests.spawn import run_ranks
+
+    out = run_ranks(2, _save_with_latest_failing_on_rank_0, str(tmp_path), timeout=120)
+    assert all("step_00000003" in m and "saved" != m for m in out), out
+    assert os.path.exists(tmp_path / "step_00000003" / "COMPLETE.json")  # (kept: a valid checkpoint)

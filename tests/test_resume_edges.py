@@ -150,6 +150,34 @@ def test_a_finished_run_resumed_with_more_steps_goes_on_as_one_longer_run(tmp_pa
     assert f"warning: the continuation {five} was saved with is gone" in out, out
 
 
+def test_an_extension_that_fails_at_its_end_leaves_the_earlier_continuation_to_resume_from(tmp_path, monkeypatch):
+    """Found by a review: an extension's end removed the earlier end's continuation before its own final checkpoint
+    was complete, so a kill (or a failed save) in that window left `latest` = the earlier final checkpoint with its
+    continuation gone: the next resume went on from θ. Now the earlier continuation goes only once the final
+    checkpoint is complete; the run resumed after the failure still trains the losses of one 10-step run."""
+    from dilocox.train_state import TrainerState
+
+    args = (*STREAMING, "--optim.schedule=constant", "--checkpoint.every=0")
+    full = _run(small_cfg(tmp_path / "full", *args, steps=10))
+    _run(small_cfg(tmp_path / "ext", *args, steps=5))
+    save = TrainerState.save
+
+    def failing_final(self, record=True):
+        if not record:
+            raise OSError("killed before the final checkpoint was complete")
+        return save(self, record)
+
+    monkeypatch.setattr(TrainerState, "save", failing_final)
+    with pytest.raises(OSError, match="killed before"):
+        _run(small_cfg(tmp_path / "ext", *args, "--checkpoint.resume=auto", steps=8))
+    monkeypatch.setattr(TrainerState, "save", save)
+    cont = tmp_path / "ext" / "checkpoints" / "continue"
+    assert (cont / "step_00000005" / "COMPLETE.json").exists() and (cont / "step_00000008").exists()
+    ext = _run(small_cfg(tmp_path / "ext", *args, "--checkpoint.resume=auto", steps=10))
+    assert [r["loss"] for r in ext.history] == [r["loss"] for r in full.history[5:]]
+    assert sorted(d for d in os.listdir(cont) if d.startswith("step_")) == ["step_00000010"]  # (the earlier: gone)
+
+
 def test_a_continuation_without_room_for_it_and_the_final_checkpoint_is_skipped(tmp_path, capsys, monkeypatch):
     """Found by review: the continuation took the room the final checkpoint needed (start-up checks room for keep + 1
     checkpoints), so the final save failed after training. It is saved only with room for both; else one warning,
@@ -190,3 +218,26 @@ def test_the_continuation_of_a_finished_run_is_exact_over_replicas_and_sharded_o
     for out in run_ranks(4, _continuation_runs, str(tmp_path), extra):
         assert out["ext"][0] == out["full"][0][4:]
         assert all(torch.equal(a, b) for a, b in zip(out["ext"][1], out["full"][1]))
+
+
+def _resume_on_node_local_dirs(rank, world, tmp):
+    """Both ranks train 2 steps into one directory; then each resumes from its own: rank 0's holds that checkpoint,
+    rank 1's nothing (node-local disks)."""
+    args = ("--parallel.data=2", "--parallel.microbatches=1", "--checkpoint.every=0")
+    Trainer(small_cfg(f"{tmp}/shared", *args, steps=2)).run()
+    mine = f"{tmp}/shared/checkpoints" if rank == 0 else f"{tmp}/node{rank}"
+    try:
+        Trainer(small_cfg(f"{tmp}/again", *args, f"--checkpoint.dir={mine}", "--checkpoint.resume=auto", steps=4))
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "started"
+
+
+def test_ranks_that_see_different_checkpoint_dirs_stop_with_one_error_not_a_hang(tmp_path):
+    """Found by a review: whether to resume was decided per rank, so a rank that found a checkpoint went into the
+    resume's collectives while one that found none went into a fresh start's, and they met in mismatched
+    collectives (a gloo error on one side, the group timeout on the other). Now it is agreed first."""
+    from tests.spawn import run_ranks
+
+    for msg in run_ranks(2, _resume_on_node_local_dirs, str(tmp_path), timeout=240):
+        assert "some ranks find a checkpoint there and others none" in msg, msg

@@ -69,7 +69,7 @@ from dilocox.checkpoint.load import (
     load_step,
     set_aside_later,
 )
-from dilocox.checkpoint.save import disk_free, preflight, save_checkpoint
+from dilocox.checkpoint.save import disk_free, preflight, remove_step_dir, save_checkpoint
 from dilocox.checkpoint.state import (
     estimate_bytes,
     iter_tensors,
@@ -100,6 +100,7 @@ __all__ = [
     "load_step",
     "nonfinite_tensors",
     "preflight",
+    "remove_step_dir",
     "read_meta",
     "rng_state",
     "save_checkpoint",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -33,6 +34,7 @@ from dilocox.checkpoint.layout import (
     step_dir_name,
 )
 from dilocox.checkpoint.state import estimate_bytes, nonfinite_tensors
+from dilocox.fsutil import sync_dir
 
 
 def disk_free(path: str) -> int:
@@ -217,6 +219,7 @@ def _write_dcp(ckpt_dir: str, step_dir: str, rank: int, part: tuple, state: dict
         with warnings.catch_warnings():  # (one process: DCP warns that it saves without a process group)
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(state, storage_writer=writer, process_group=group, no_dist=no_dist)
+        sync_dir(where)  # (DCP syncs its files, not the directory's entries: COMPLETE.json must not outlive them)
         mine = rank_files(where, grank) + ([os.path.join(where, ".metadata")] if grank == 0 else [])
         _atomic_write_text(_sum_path(step_dir, rank), json.dumps(record(mine, step_dir)))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
@@ -305,18 +308,38 @@ def _mark_complete(ckpt_dir: str, step_dir: str, step: int, world_size: int, met
     # (non-finite states are never written), so keeping the newest `keep` keeps `keep` good ones.
     for old in complete_steps(ckpt_dir)[:-keep] if keep > 0 else []:
         if os.path.abspath(old) != os.path.abspath(step_dir):
-            try:  # the mark first: a kill inside the rmtree leaves a directory no resume takes for complete
-                os.remove(os.path.join(old, "COMPLETE.json"))
-            except OSError:
-                pass
-            shutil.rmtree(old, ignore_errors=True)
+            remove_step_dir(old)
+    for old in _partial_steps(ckpt_dir, step):  # (a save killed mid-write, a prune killed mid-rmtree: no resume
+        shutil.rmtree(old, ignore_errors=True)  # takes them, and the room check counts keep + 1 whole ones only)
     return ""
+
+
+def remove_step_dir(path: str) -> None:
+    """Remove a step directory, its COMPLETE.json first: a kill inside the rmtree leaves a directory no resume takes
+    for complete (and a later save's prune removes it)."""
+    try:
+        os.remove(os.path.join(path, "COMPLETE.json"))
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _partial_steps(ckpt_dir: str, below: int) -> list[str]:
+    """The step directories of ``ckpt_dir`` before step ``below`` without COMPLETE.json (a save is collective: none
+    of them is being written)."""
+    out = []
+    for name in os.listdir(ckpt_dir):
+        m = re.fullmatch(r"step_(\d{8})", name)
+        path = os.path.join(ckpt_dir, name)
+        if m and int(m.group(1)) < below and not os.path.exists(os.path.join(path, "COMPLETE.json")):
+            out.append(path)
+    return out
 
 
 def _remove_partial(step_dir: str, rank: int, agree: Callable[[bool], bool]) -> None:
     """After a failed save (agreed by all ranks): remove this rank's files, then rank 0 the directory."""
-    if os.path.exists(os.path.join(step_dir, "COMPLETE.json")):
-        agree(True)
+    # (rank 0's view decides, on every rank alike: another's file system may not show its COMPLETE.json yet)
+    if not agree(rank != 0 or not os.path.exists(os.path.join(step_dir, "COMPLETE.json"))):
         return  # marked complete (only ``latest`` failed): a valid checkpoint, keep it
     try:
         os.remove(_sum_path(step_dir, rank))
