@@ -355,9 +355,9 @@ class TrainerState:
 
     def _save_continuation(self) -> float:
         cdir, err = os.path.join(self.ckpt_dir, CONTINUE_DIR), None
-        same = os.path.join(cdir, ckpt.step_dir_name(self.step))  # (an earlier end's at this step: replaced; the
-        if self.topo.rank == 0 and os.path.isdir(same):  # others only once the final checkpoint is complete)
-            ckpt.remove_step_dir(same)
+        same = os.path.join(cdir, ckpt.step_dir_name(self.step))  # (an earlier end's at this step: replaced)
+        if self.topo.rank == 0:  # only the one this run went on from stays until the final checkpoint is complete
+            self._drop_continuations(but=getattr(self, "_continued", None))  # (the others: no final one names them)
             if os.path.exists(same):
                 err = f"cannot remove the earlier continuation {same}"
         self._flush_logs()
@@ -422,16 +422,18 @@ class TrainerState:
         )
         if record:  # metrics.jsonl names it: a rerun that finds no checkpoint knows one existed (rundir)
             self.logger.write({"event": "checkpoint", "at_step": self.step, "path": path})
-        elif getattr(self, "_continuation", None) and self.topo.rank == 0:  # (the final one is complete: only now
-            self._drop_other_continuations()  # do the earlier ends' continuations go)
+        elif self._saves_continuation() and self.topo.rank == 0:  # (the final one is complete: only now do the
+            mine = getattr(self, "_continuation", None)  # earlier ends' continuations go, all but the one it names)
+            self._drop_continuations(but=os.path.join(self.ckpt_dir, CONTINUE_DIR, ckpt.step_dir_name(self.step))
+                                     if mine else None)  # fmt: skip
         return path
 
-    def _drop_other_continuations(self) -> None:
+    def _drop_continuations(self, but: str | None) -> None:
         cdir = os.path.join(self.ckpt_dir, CONTINUE_DIR)
-        mine = os.path.join(cdir, ckpt.step_dir_name(self.step))
         for name in os.listdir(cdir) if os.path.isdir(cdir) else []:
-            if name.startswith("step_") and name != os.path.basename(mine):
-                ckpt.remove_step_dir(os.path.join(cdir, name))
+            path = os.path.join(cdir, name)
+            if name.startswith("step_") and not (but and os.path.abspath(path) == os.path.abspath(but)):
+                ckpt.remove_step_dir(path)
 
     def _final_meta(self, record: bool) -> dict:
         """The final save (``record`` False) names the continuation saved before outer.finish, if any."""

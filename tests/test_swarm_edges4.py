@@ -273,12 +273,13 @@ def test_what_an_authenticated_caller_sends_is_bounded_before_a_peer_acts_on_it(
     became the peer's next command line as sent (``--out``, ``--config`` of the caller's choosing); a forward's
     ``budget_s`` was waited on as sent (JSON's Infinity overflowed the wait, 1e12 pinned a server thread); end-of-step
     markers were kept for any future step. Now: the move_to a mover sends, checked; the budget within the job's
-    longest hop timeout; markers for at most MARKER_STEPS steps at once."""
+    longest hop timeout; markers for at most MARKER_STEPS steps at once, the nearest ones."""
     from dilocox.swarm.membership import checked_move_to, moved_argv
     from dilocox.swarm.step_end import MARKER_STEPS
 
     mover = {"stage": 1, "index": 2, "lighthouse": "http://127.0.0.1:29510", "args": ["--pace-s", "0.08"]}
     assert checked_move_to(mover, 2) == mover and checked_move_to(None, 2) is None
+    assert checked_move_to({**mover, "lighthouse": "http://node0:29531/"}, 2)["lighthouse"] == "http://node0:29531"
     argv = moved_argv(["--stage", "0", "--index", "1", "--out", "o"], checked_move_to(mover, 2))
     assert argv == ["--out", "o", "--stage", "1", "--index", "2", "--join", "--lighthouse", mover["lighthouse"],
                     "--pace-s", "0.08"]  # fmt: skip
@@ -295,6 +296,9 @@ def test_what_an_authenticated_caller_sends_is_bounded_before_a_peer_acts_on_it(
     assert p.caller_budget({}) == 0.0
     for k in range(MARKER_STEPS + 10):
         p._on_marker({"sender": "s0p0", "step": 10**6 + k, "n": 1})
-    assert len(p.markers) == MARKER_STEPS
+    assert len(p.markers) == MARKER_STEPS and max(p.markers) == 10**6 + MARKER_STEPS - 1
     p._on_marker({"sender": "s0p1", "step": 10**6, "n": 2})  # (a step already kept takes its other senders)
     assert p.markers[10**6] == {"s0p0": 1, "s0p1": 2}
+    p._on_marker({"sender": "s0p0", "step": p.step, "n": 3})  # a real step's marker is not crowded out: the farthest
+    assert p.markers[p.step] == {"s0p0": 3} and len(p.markers) == MARKER_STEPS  # step goes for it
+    assert max(p.markers) == 10**6 + MARKER_STEPS - 2

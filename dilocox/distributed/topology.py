@@ -299,7 +299,7 @@ def all_gather_text(text: str, limit: int = 256) -> list[str]:
     return [_decode_text(b, limit) for b in bufs]
 
 
-def broadcast_text(text: str | None, src: int = 0, limit: int = 512) -> str:
+def broadcast_text(text: str | None, src: int = 0, limit: int = 2048) -> str:
     """``src``'s ``text`` on every rank of the default group (the others pass None): ``broadcast_object_list``
     without pickling."""
     buf = _encode_text(text or "", limit)

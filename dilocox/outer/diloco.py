@@ -364,8 +364,9 @@ class DiLoCoOuter(OuterBase):
         """Comm thread, inside the all-reduce, before the codec runs: compress this step at the live replicas' rank."""
         for c, r in zip(self.compressors, sd.get("ranks") or []):
             if rank_of(c) > 0 and int(r) != c.rank:
-                if not 1 <= int(r) <= c.max_rank():  # (a live replica's state: checked, as everything received)
-                    raise RuntimeError(f"a live replica sent a low-rank rank of {r}, outside [1, {c.max_rank()}]")
+                top = max(c.max_rank(), self.controller.rank_max if self.controller is not None else c.rank)
+                if not 1 <= int(r) <= top:  # (a live replica's state: checked, as everything received)
+                    raise RuntimeError(f"a live replica sent a low-rank rank of {r}, outside [1, {top}]")
                 c.set_rank(int(r))
 
     def _restore(self, sd: dict) -> None:

@@ -190,6 +190,7 @@ def checked_move_to(move_to, n_stages: int) -> dict | None:
     if not isinstance(move_to, dict) or set(move_to) - {"stage", "index", "lighthouse", "args"}:
         raise ValueError(f"move_to {move_to!r}: keys stage, index, lighthouse, args only")
     stage, index, lh, args = (move_to.get(k) for k in ("stage", "index", "lighthouse", "args"))
+    lh = lh.rstrip("/") if isinstance(lh, str) else lh  # (http://host:port/ as given to `swarm rebalance`)
     if not all(type(x) is int for x in (stage, index)) or not (0 <= stage < n_stages and 0 <= index < 4096):
         raise ValueError(f"move_to {move_to!r}: stage in [0, {n_stages}) and index in [0, 4096), as ints")
     if lh is not None and not (isinstance(lh, str) and _ADDR.match(lh) and not lh.startswith("-")):

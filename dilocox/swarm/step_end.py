@@ -24,8 +24,9 @@ log = logging.getLogger("dilocox.swarm.peer")
 # (the final .pt's "records": final.py reads their steps). Kept whole, they grew with every step of the run.
 TRACE_STEPS = 256
 RECORDS_KEPT = 8
-MARKER_STEPS = 1024  # end-of-step markers are kept for at most this many steps at once (a peer's senders are a step
-# or two ahead at most: past that, a caller that is no peer of this job may not grow the dict without end)
+MARKER_STEPS = 1024  # end-of-step markers are kept for at most this many steps at once, the nearest ones (a peer's
+# senders are a step or two ahead: a caller that is no peer of this job may neither grow the dict without end nor
+# crowd a real step's marker out)
 
 
 def _drop_before(events: list, cut: int, step_of) -> None:
@@ -48,7 +49,13 @@ class StepEnd:
             if self.stage and sender.startswith(f"s{self.stage - 1}p") and sender not in self.expected_up:
                 self.expected_up.append(sender)  # a restarted upstream peer is back
                 log.info("%s: upstream %s is back", self.name, sender)
-            if step >= self._marker_step and (step in self.markers or len(self.markers) < MARKER_STEPS):
+            keep = step >= self._marker_step
+            if keep and step not in self.markers and len(self.markers) >= MARKER_STEPS:
+                far = max(self.markers)  # (full: the farthest step goes for a nearer one; a real one is the nearest)
+                keep = step < far
+                if keep:
+                    del self.markers[far]
+            if keep:
                 self.markers.setdefault(step, {})[sender] = int(meta["n"])
             self.cv.notify_all()
 
