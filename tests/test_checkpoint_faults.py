@@ -407,3 +407,39 @@ def test_finite_check_fast_path_is_exact():
     assert ckpt.nonfinite_tensors(mixed) == ["t"]
     many = {f"n{i}": torch.tensor([float("nan")]) for i in range(6)}
     assert ckpt.nonfinite_tensors(many) == ["n0", "n1", "n2", "n3", "... 2 more"]
+
+
+def test_a_read_that_fails_for_a_reason_of_the_moment_is_not_taken_for_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """Found by a review: any failure to read the newest checkpoint counted as damage, so a stale NFS handle, a
+    time-out or no memory renamed a good checkpoint `.corrupt` and the run fell back (retraining up to
+    checkpoint.every steps). Those now stop the resume with "run again" and leave it as it is; damaged files still
+    fall back (the test above)."""
+    import errno
+
+    import dilocox.checkpoint.load as load
+    import dilocox.checkpoint.reader as rd
+
+    d = str(tmp_path)
+    for step in (10, 20):
+        ckpt.save_checkpoint(d, step, 0, 1, _pack(_state(step, n=64)), keep=3)
+    real_verify = load.verify_files
+
+    def stale(step_dir, *a, **k):
+        if step_dir.endswith("step_00000020"):
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_verify(step_dir, *a, **k)
+
+    class Slow(rd.reader(os.path.join(d, "step_00000020")).__class__):
+        def read_data(self, plan, planner):
+            raise OSError(errno.ETIMEDOUT, "Connection timed out")
+
+    for patch in (("verify_files", load, stale), ("reader", rd, lambda path: Slow(path))):
+        monkeypatch.setattr(patch[1], patch[0], patch[2])
+        with pytest.raises(ckpt.CheckpointError, match="run again") as ei:
+            _latest(d, warn=lambda m: None)
+        assert not isinstance(ei.value, ckpt.CorruptCheckpointError), ei.value
+        assert ckpt.find_latest(d).endswith("step_00000020") and sorted(os.listdir(d)) == [
+            "latest", "step_00000010", "step_00000020"
+        ]  # fmt: skip
+        monkeypatch.undo()
+    assert _latest(d)[1]["step"] == 20  # (the control: nothing was lost)

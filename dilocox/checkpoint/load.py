@@ -12,6 +12,7 @@ saving and loading use (identity without one).
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -130,12 +131,23 @@ def _prepare(step_dir: str, rank: int, world_size: int, reader: Reader, expect: 
     except CheckpointError as e:
         return None, str(e), False
     except Exception as e:  # noqa: BLE001 - an unreadable file (OSError, DCP's index): every rank must agree below
-        return None, f"checkpoint {step_dir} cannot be read: {type(e).__name__}: {e}", True
+        again = _transient(e)
+        return None, f"checkpoint {step_dir} cannot be read: {type(e).__name__}: {e}{_AGAIN * again}", not again
 
 
-def _read(step_dir: str, targets: dict, part: tuple) -> str:
-    """The collective ``dcp.load`` into ``targets`` over the part's group; returns an error or '' (every rank of the
-    part sees the same outcome; the caller's agreement spans the parts)."""
+_AGAIN = " (a failure of the moment, not of its files: it is left as it is; run again)"
+_TRANSIENT = {errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR, errno.ENOMEM}
+
+
+def _transient(e: BaseException) -> bool:
+    """A read that failed for a reason of the moment (a stale NFS handle, a time-out, no memory), not because a file
+    is damaged: no fallback, and the checkpoint is not set aside as ``.corrupt``."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in _TRANSIENT)
+
+
+def _read(step_dir: str, targets: dict, part: tuple) -> tuple[str, bool]:
+    """The collective ``dcp.load`` into ``targets`` over the part's group; returns (an error or '', damaged) (every
+    rank of the part sees the same outcome; the caller's agreement spans the parts)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # (lazy: DCP costs ~1 s at import)
 
@@ -155,9 +167,11 @@ def _read(step_dir: str, targets: dict, part: tuple) -> str:
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP gathers every rank's failure into one
         from dilocox.checkpoint.save import dcp_failures
 
-        why = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:300]}" for r, x in dcp_failures(e).items())
-        return f"checkpoint {step_dir} could not be read ({why})"
-    return ""
+        failures = dcp_failures(e)
+        why = "; ".join(f"rank {r}: {type(x).__name__}: {str(x)[:300]}" for r, x in failures.items())
+        again = all(_transient(x) for x in failures.values())
+        return f"checkpoint {step_dir} could not be read ({why}){_AGAIN * again}", not again
+    return "", False
 
 
 def load_step(
@@ -177,7 +191,9 @@ def load_step(
         raise CheckpointError(err or f"another rank cannot load {step_dir} (see its log)")
     if not agree(not err):  # a damaged file somewhere: every rank raises the same kind (load_latest falls back)
         raise CorruptCheckpointError(err or f"another rank found a damaged file in {step_dir} (see its log)")
-    err = _read(step_dir, targets, getattr(reader, "part", None) or ("", None, world_size))
+    err, corrupt = _read(step_dir, targets, getattr(reader, "part", None) or ("", None, world_size))
+    if not agree(corrupt or not err):  # (a failure of the moment somewhere: no fallback, nothing set aside)
+        raise CheckpointError(err or f"another rank could not read {step_dir} for now (see its log)")
     if not agree(not err):
         raise CorruptCheckpointError(err or f"another rank could not read {step_dir} (see its log)")
     from dilocox.config import ConfigError
