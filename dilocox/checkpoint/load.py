@@ -41,9 +41,11 @@ def all_ranks_agree(flag: bool) -> bool:
     """True iff ``flag`` is true on every rank of the default group (a MIN all-reduce; also a barrier)."""
     import torch.distributed as dist
 
+    from dilocox.distributed.topology import default_group_device
+
     if not (dist.is_available() and dist.is_initialized()):
         return bool(flag)
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = default_group_device()
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
@@ -53,9 +55,11 @@ def all_ranks_min(value: int) -> int:
     """The minimum of ``value`` over all ranks of the default group (identity without a group)."""
     import torch.distributed as dist
 
+    from dilocox.distributed.topology import default_group_device
+
     if not (dist.is_available() and dist.is_initialized()):
         return int(value)
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dev = default_group_device()
     t = torch.tensor([value], dtype=torch.int64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

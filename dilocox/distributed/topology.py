@@ -268,7 +268,8 @@ def build_topology(
     return topo
 
 
-def _text_device() -> torch.device:
+def default_group_device() -> torch.device:
+    """Where a tensor for a collective of the default group lives: this rank's GPU with NCCL, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -277,9 +278,9 @@ def _encode_text(text: str, limit: int) -> torch.Tensor:
     if len(raw) > limit:
         raise ValueError(f"{text[:40]!r}...: {len(raw)} bytes, more than the {limit} a rank may send")
     buf = torch.zeros(limit + 4, dtype=torch.uint8)
-    buf[:4] = torch.tensor(list(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
-    buf[4 : 4 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[4:4]
-    return buf.to(_text_device())
+    data = len(raw).to_bytes(4, "little") + raw  # (a length, then the bytes; the rest stays zero)
+    buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return buf.to(default_group_device())
 
 
 def _decode_text(buf: torch.Tensor, limit: int) -> str:
