@@ -227,3 +227,42 @@ def test_a_dtype_the_wire_lacks_is_refused_by_the_sender_not_taken_for_a_dead_pe
         assert srv.rejected["malformed"] == 0
     finally:
         srv.close()
+
+
+def test_a_guard_pipes_at_most_its_cap_of_pairs_for_one_address():
+    """A holder of the secret could open pairs without end: each held two threads and two descriptors of the guard's
+    host and a connection to the service behind it. Over the per-address cap a proven connection is closed before
+    the service sees it; one that ends frees its place."""
+    from dilocox.net.secure import dial
+
+    up = socket.create_server(("127.0.0.1", 0))
+    up.settimeout(5)
+    g = LighthouseGuard(("127.0.0.1", 0), up.getsockname()[:2], SECRET, "store", max_pairs_per_address=2)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            s, _, _ = dial(("127.0.0.1", g.port), SECRET, "store", time.monotonic() + 5)
+            held.append(s)
+            held.append(up.accept()[0])  # the service sees each of the first two
+        s, _, _ = dial(("127.0.0.1", g.port), SECRET, "store", time.monotonic() + 5)
+        held.append(s)
+        s.settimeout(5)
+        assert s.recv(10) == b""  # the third: closed after its handshake
+        assert g.over_cap == 1
+        up.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            up.accept()  # ... and never reached the service
+        held[0].close()  # one pair ends: its place is free again
+        deadline = time.monotonic() + 5
+        while g._pairs_of.get("127.0.0.1") != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s, _, _ = dial(("127.0.0.1", g.port), SECRET, "store", time.monotonic() + 5)
+        held.append(s)
+        up.settimeout(5)
+        held.append(up.accept()[0])
+        assert g.over_cap == 1
+    finally:
+        for x in held:
+            x.close()
+        g.close()
+        up.close()

@@ -170,7 +170,7 @@ def test_a_guard_whose_pipe_thread_cannot_start_closes_the_pair_and_serves_the_n
     up = _upstream()
     guard = LighthouseGuard(("127.0.0.1", 0), ("127.0.0.1", up.getsockname()[1]), SECRET, "store")
     relay = LighthouseRelay([("127.0.0.1", guard.port)], secret=SECRET, service="store")
-    fired = _fail_start_once(monkeypatch, lambda t: "LighthouseGuard._serve" in _target_name(t))
+    fired = _fail_start_once(monkeypatch, lambda t: "LighthouseGuard._pipe" in _target_name(t))
     try:
         c = socket.create_connection(("127.0.0.1", _port(relay)), timeout=T)
         c.sendall(b"hi")

@@ -61,6 +61,8 @@ DIAL_TIMEOUT_S = 5.0  # a relay's connect and handshake with a guard (retried wh
 # the handshake bound and a second when that is longer (a lossy link: its own handshakes take as long)
 
 MAX_LOGGED = 4096  # source addresses a guard logs a refusal of (once each); more are only counted
+MAX_PAIRS = 1024  # connections a guard pipes at a time (two threads and two descriptors each) ...
+MAX_PAIRS_PER_ADDRESS = 256  # ... and of one source address (a host's ranks: a store client and a gRPC channel each)
 
 log = logging.getLogger("dilocox.net.relay")
 
@@ -349,21 +351,33 @@ class LighthouseGuard:
     secret before (``secure.AcceptGate``: a connection over its cap is closed at once, not queued, and addresses
     that proved the secret keep reserved slots); a failed one is logged once per source address and counted in
     ``rejected``. ``service`` names what is behind it in every handshake (lighthouse, store, manager, ...). The
-    replicas' side is ``LighthouseRelay(..., secret=, service=)`` (``outer.elastic.lighthouse_auth``). Authentication
-    only: the relayed gRPC bytes are not encrypted."""
+    replicas' side is ``LighthouseRelay(..., secret=, service=)`` (``outer.elastic.lighthouse_auth``). A connection
+    that proved the secret is piped only while fewer than ``max_pairs_per_address`` of its address and ``max_pairs``
+    in all are (else it is closed, logged once per address, counted in ``over_cap``). Authentication only: the
+    relayed gRPC bytes are not encrypted."""
 
     def __init__(
-        self, bind: tuple[str, int], upstream: tuple[str, int], secret: bytes, service: str, max_pending: int = 32
+        self,
+        bind: tuple[str, int],
+        upstream: tuple[str, int],
+        secret: bytes,
+        service: str,
+        max_pending: int = 32,
+        max_pairs: int = MAX_PAIRS,
+        max_pairs_per_address: int = MAX_PAIRS_PER_ADDRESS,
     ):
         if not service:
             raise ValueError("LighthouseGuard names the service behind it (lighthouse, store, manager, ...)")
         self.upstream, self.secret, self.service = upstream, secret, service
+        self.max_pairs, self.max_pairs_per_address = max_pairs, max_pairs_per_address
+        self._pairs_of: dict[str, int] = {}  # AcceptGate.key(source address) -> its pairs being piped
         v6 = ":" in bind[0]  # "::" listens on IPv4 too, as torchft and TCPStore do
         self._srv = socket.create_server(bind, family=socket.AF_INET6 if v6 else socket.AF_INET, dualstack_ipv6=v6)
         self._srv.settimeout(0.5)
         self.port = self._srv.getsockname()[1]
         self.gate = AcceptGate(total=max_pending, reserved=max(1, max_pending // 2), per_member=max_pending)
         self.rejected, self._logged = 0, set()
+        self.over_cap, self._capped = 0, set()  # pairs refused over a cap (tests, logs); addresses logged for it
         self._piped: set[socket.socket] = set()  # both sockets of every pair being piped (closed by ``close``)
         self._count_lock = threading.Lock()  # (handshakes run on their own threads)
         self.closed = False
@@ -404,16 +418,50 @@ class LighthouseGuard:
                 return
         finally:
             self.gate.release(slot, proven)
-        try:
-            up = socket.create_connection(self.upstream, timeout=handshake_s())  # (loopback: at once)
-        except OSError:
+        who = AcceptGate.key(ip)
+        if not self._take_pair(who):
             _close(conn)
             return
-        with self._count_lock:  # (``close`` ends the pairs it piped too)
-            if self.closed:
-                _close(conn, up)
+        try:
+            try:
+                up = socket.create_connection(self.upstream, timeout=handshake_s())  # (loopback: at once)
+            except OSError:
+                _close(conn)
                 return
-            self._piped |= {conn, up}
+            with self._count_lock:  # (``close`` ends the pairs it piped too)
+                if self.closed:
+                    _close(conn, up)
+                    return
+                self._piped |= {conn, up}
+            self._pipe(conn, up, key)
+        finally:
+            with self._count_lock:
+                self._pairs_of[who] -= 1
+                if not self._pairs_of[who]:
+                    del self._pairs_of[who]
+
+    def _take_pair(self, who: str) -> bool:
+        """Count a pair of ``who`` (an ``AcceptGate.key``) that proved the secret, or refuse it (logged once per
+        address): at most ``max_pairs_per_address`` of one address and ``max_pairs`` in all are piped at a time, so
+        one holder of the secret cannot take every thread and file descriptor of the service's host."""
+        with self._count_lock:
+            mine, total = self._pairs_of.get(who, 0), sum(self._pairs_of.values())
+            ok = mine < self.max_pairs_per_address and total < self.max_pairs
+            if ok:
+                self._pairs_of[who] = mine + 1
+            else:
+                self.over_cap += 1
+                first = who not in self._capped and len(self._capped) < MAX_LOGGED
+                if first:
+                    self._capped.add(who)
+        if not ok and first:
+            log.warning(
+                "%s guard: closed a connection of %s: %d pairs of that address and %d in all are piped (at most %d "
+                "and %d)", self.service, who, mine, total, self.max_pairs_per_address, self.max_pairs,
+            )  # fmt: skip
+        return ok
+
+    def _pipe(self, conn: socket.socket, up: socket.socket, key: bytes) -> None:
         keep_alive(conn).settimeout(None)  # (an idle pair: a relay that vanished silently ends it, tcp.py)
         keep_alive(up).settimeout(None)
         pipe = FramedPipe(key, "server")  # the relay frames and MACs every chunk; so does this side
