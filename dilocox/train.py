@@ -131,8 +131,8 @@ class Trainer(TrainerState):
             )
         tr = cfg.train
         el = cfg.outer.elastic
-        # elastic: the replica's data shard is its stable identity (replica_rank of max_replicas), so a replica that
-        # comes back continues its own shard at the live step and reads nothing another replica reads
+        # elastic: the sampler's replica is its stable identity (replica_rank of max_replicas), so a replica that comes
+        # back continues its own windows at the live step (data.sampler=epoch: none another replica reads in an epoch)
         self._new_sampler(*((el.replica_rank, el.max_replicas) if el.enabled else (self.topo.replica, self.topo.R)))
         self.val_batches = (
             self.prepared.val_batches(tr.eval_batches, tr.batch_size, tr.seq_len) if tr.eval_batches else []
@@ -140,8 +140,8 @@ class Trainer(TrainerState):
 
     def _new_sampler(self, replica: int, n_replicas: int) -> None:
         t = self.cfg.train
-        tokens, content = self.prepared.train_tokens(), self.prepared.meta.get("content_sha256")
-        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica, n_replicas, content=content)
+        tokens, mode, ids = self.prepared.train_tokens(), self.cfg.data.sampler, self.prepared.identity()
+        self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica, n_replicas, mode=mode, **ids)
 
     def _init_model(self) -> None:
         cfg, t = self.cfg, self.topo
@@ -261,7 +261,7 @@ class Trainer(TrainerState):
         """Elastic: continue at the live replicas' inner step ``n`` from θ (this replica's params are θ now)."""
         skipped = n - self.step
         self.step = n
-        self.sampler.step = n  # this replica's own shard, at the live step: nothing trained twice
+        self.sampler.step = n  # this replica's own windows, at the live step (the steps skipped are not trained)
         self.tokens_seen = n * self.cfg.train.batch_size * self.cfg.train.seq_len
         self.inner.optimizer = build_inner_optimizer(self.cfg, self.model, self.device)  # from θ, a fresh AdamW
         self.logger.info(

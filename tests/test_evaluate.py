@@ -108,6 +108,8 @@ def test_a_run_is_evaluated_on_its_validation_split(tmp_path, capsys, monkeypatc
     assert main([run_dir, "--max-tokens", "100"]) == 0
     out = capsys.readouterr().out  # the default window: the run's train.seq_len (64), not model.max_seq_len
     assert "99 tokens predicted" in out and "windows of 64)" in out and cfg.model.max_seq_len > 64, out
+    head, n_bytes = val_tokens(run_dir, ByteTokenizer(), 100)  # (only those are read: not the whole split first)
+    assert head.tolist() == np.asarray(val[:100]).tolist() and n_bytes == int(np.count_nonzero(head))
     # a validation split tokenized otherwise than the model's tokenizer (a BPE trained again on an edited corpus)
     other = SimpleNamespace(tok=SimpleNamespace(to_str=lambda: "another BPE"), eot_id=0, decode=lambda ids: "")
     with pytest.raises(ValueError, match="tokenized with another tokenizer than the model's"):

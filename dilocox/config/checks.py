@@ -51,6 +51,7 @@ _CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
+    "data.sampler": ("random", "epoch"),  # == dilocox.data.sampler.MODES (tests/test_data.py)
     "optim.schedule": ("cosine", "constant", "linear", "wsd", "wsd-sqrt"),
     "optim.name": ("adamw", "muon", "sgd"),
     "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),

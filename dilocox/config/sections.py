@@ -141,6 +141,10 @@ class DataConfig:
     val_fraction: float = 0.02  # share of the corpus's bytes held out for validation: its last documents (or a tail)
     max_bytes: int | None = None  # opt-in cap on the raw corpus read: its first N UTF-8 bytes (a run says when it
     # cuts, with the source's size); None = all of it
+    sampler: str = "random"  # random: each replica's windows drawn uniformly from the whole training split, with
+    # replacement, seeded by (train.seed, replica, step): i.i.d. data per replica, which overlaps by chance | epoch:
+    # non-overlapping windows in a per-epoch shuffled order, replica r takes its own slice of each step's windows:
+    # no window read twice within an epoch, by one replica or two (Megatron's sampling without replacement)
 
 
 @dataclass
@@ -181,11 +185,11 @@ class ElasticSection:
     lighthouse: str | None = None  # http://host:port of the torchft lighthouse (`dilocox lighthouse`); null: the
     # TORCHFT_LIGHTHOUSE environment variable. A primary and its standbys: http://a:29510,http://b:29510 (the first
     # that listens is used; docs/ELASTIC.md "A standby lighthouse")
-    replica_rank: int = 0  # this replica's identity in [0, max_replicas): its data shard; keep it across restarts
+    replica_rank: int = 0  # this replica's identity in [0, max_replicas): its data stream; keep it across restarts
     min_replicas: int = 1  # fewest replicas an outer step may be averaged over; below it the survivors wait
     # (quorum_timeout_s, logged) for a join, then stop with a clear message
     initial_replicas: int | None = None  # replicas the first outer step waits for (bounded); null: min_replicas
-    max_replicas: int = 8  # upper bound on replica_rank (data shards, contributor count buffer)
+    max_replicas: int = 8  # upper bound on replica_rank (data streams, contributor count buffer)
     timeout_s: float = 60.0  # bound on one outer all-reduce / commit / state transfer
     quorum_timeout_s: float = 120.0  # bound on forming a quorum and on the wait below min_replicas
     max_attempts: int = 3  # retries of one outer step whose all-reduce failed (a replica died in flight)
@@ -200,7 +204,7 @@ class ElasticSection:
     # | auto (authenticated where lighthouse_auth is on, as under `dilocox launch --elastic`; else gloo)
     standby: bool = False  # a warm standby (issue 45): build the model, data and optimizer, then wait (bounded by
     # standby_timeout_s) until `dilocox launch --elastic --standby-replicas S` writes activate.json into log.run_dir,
-    # naming the replica_rank of a replica that died; then join the live run as it (its data shard) at once
+    # naming the replica_rank of a replica that died; then join the live run as it (its data stream) at once
     standby_timeout_s: float = 3600.0  # bound on a standby's wait; past it the job exits 0 (it was not needed)
 
 

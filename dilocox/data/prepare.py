@@ -55,9 +55,11 @@ from dilocox.data.tokenizer import (
     pretrained_path,
 )
 
-FORMAT = 5  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
+FORMAT = 6  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
 # 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES; 4: data.max_bytes
-# cutting inside a character made an empty document; 5: a text file's leading UTF-8 byte order mark is skipped)
+# cutting inside a character made an empty document; 5: a text file's leading UTF-8 byte order mark is skipped;
+# 6: a special token's text inside a document is text, not that token; a file's NUL or invalid UTF-8 past its first
+# 64 KiB leaves it out; an hf row over 1 MB is cut as a text file is; meta.json holds tokenizer_sha256)
 
 
 @dataclass
@@ -96,6 +98,16 @@ class PreparedData:
     def val_tokens(self) -> np.ndarray:
         return self._map(self.val_path, int(self.meta["val_tokens"]))
 
+    def identity(self) -> dict:
+        """What the tokens depend on beyond their count, for ``TokenSampler`` (checked on a resume): the text's
+        content hash and the tokenizer's (the SHA-256 of its file, or of ``byte``; computed here for a directory
+        prepared before meta.json held it)."""
+        tok = self.meta.get("tokenizer_sha256")
+        if tok is None:
+            path = self.meta.get("tokenizer_file")
+            tok = tokenizer_sha256(os.path.join(self.dir, path) if path else None, self.meta.get("tokenizer"))
+        return {"content": self.meta.get("content_sha256"), "tokenizer": tok}
+
     def tokenizer(self):
         path = self.meta.get("tokenizer_file")
         return load_tokenizer(self.meta["tokenizer"], os.path.join(self.dir, path) if path else None)
@@ -106,6 +118,17 @@ class PreparedData:
 
 
 # --------------------------------------------------------------------------- keys and paths
+
+
+def tokenizer_sha256(path: str | None, kind: str | None) -> str | None:
+    """The SHA-256 of a tokenizer file, of ``kind`` (``byte``) when it has none, None when the file is missing."""
+    if path is None:
+        return hashlib.sha256(str(kind).encode()).hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
 
 
 def _hash(obj) -> str:
@@ -350,6 +373,7 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         raise DataError("the corpus is too small for a train/validation split; raise data.max_bytes")
     n_tokens = counts["train"][0] + counts["val"][0]
     seconds = time.perf_counter() - t0
+    tok_file = "tokenizer.json" if tok.kind == "bpe" else None
     return {
         "format": FORMAT,
         "key": key,
@@ -367,7 +391,8 @@ def _build(cfg: DataConfig, key: str, tmp: str) -> dict:
         "skipped": [list(x) for x in stream.skipped[:5]],  # text files left out as not UTF-8 (the first 5)
         "skipped_count": len(stream.skipped),
         "content_sha256": content.hexdigest(),
-        "tokenizer_file": "tokenizer.json" if tok.kind == "bpe" else None,
+        "tokenizer_file": tok_file,
+        "tokenizer_sha256": tokenizer_sha256(tok_file and os.path.join(tmp, tok_file), tok.kind),
         "bpe_sample_stride": getattr(tok, "sample_stride", None),  # trained on every k-th training document
         "seconds": {"read": t_read - t0, "tokenizer": t_tok - t_read, "total": seconds},
         "tokens_per_sec": n_tokens / max(seconds, 1e-9),

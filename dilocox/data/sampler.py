@@ -10,11 +10,17 @@ many inner data-parallel ranks share it.
 Modes:
 
 - ``random`` (default)  window starts uniform in ``[0, N - seq_len - 1]``, drawn by a
-                        ``torch.Generator`` seeded with ``hash(seed, replica, step)``.
+                        ``torch.Generator`` seeded with ``hash(seed, replica, step)``: i.i.d.
+                        windows, with replacement; two replicas (or one, over time) read the
+                        same tokens as often as two independent draws do.
 - ``epoch``             non-overlapping windows (stride ``seq_len``) in a per-epoch random
                         order shared by all replicas; replica r takes the r-th slice of each
                         step's ``n_replicas * batch_size`` windows, so replicas never overlap
                         within an epoch; the remainder of an epoch is dropped.
+
+``data.sampler`` picks the mode. The state holds what a batch depends on (the seed, the
+corpus's content and tokenizer, the mode, and in ``epoch`` mode ``n_replicas``, ``batch_size``
+and ``seq_len``, which map steps to windows); a resume that differs in one is refused.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class TokenSampler:
         dp_size: int = 1,
         mode: str = "random",
         content: str | None = None,
+        tokenizer: str | None = None,
     ):
         n = len(tokens)
         if n < seq_len + 2:
@@ -77,15 +84,18 @@ class TokenSampler:
             mode,
         )
         self.content = content  # the corpus's content hash (prepare's meta), checked on resume when both have one
+        self.tokenizer = tokenizer  # its tokenizer's hash (PreparedData.identity): a new tokenizer file at the same
+        # path, or another tokenization, leaves the text and often the token count as they were
         self.step = 0
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, window order) cache
         if mode == "epoch":
             self.n_windows = (n - 1) // seq_len
             self.steps_per_epoch = self.n_windows // (batch_size * n_replicas)
             if self.steps_per_epoch == 0:
-                raise ValueError(
-                    f"epoch mode: {self.n_windows} windows of train.seq_len={seq_len} are fewer than one "
-                    f"step of batch_size*n_replicas={batch_size * n_replicas}"
+                raise ConfigError(
+                    f"data.sampler=epoch: the training split's {self.n_windows} windows of train.seq_len={seq_len} "
+                    f"are fewer than one step of train.batch_size x replicas = {batch_size * n_replicas}; use a "
+                    "larger corpus, a smaller train.batch_size or train.seq_len, or data.sampler=random"
                 )
 
     @property
@@ -129,17 +139,30 @@ class TokenSampler:
             "n_tokens": len(self.tokens),
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
+            "n_replicas": self.n_replicas,
             **({"content_sha256": self.content} if self.content else {}),
+            **({"tokenizer_sha256": self.tokenizer} if self.tokenizer else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state['step']``. Refuses a state taken over different data or seed."""
+        """Resume at ``state['step']``. Refuses a state taken over different data, tokens or seed, and in ``epoch``
+        mode one whose steps map to other windows (another n_replicas, batch_size or seq_len)."""
         mine_all = self.state_dict()
-        for k in ("seed", "n_tokens", "mode", "content_sha256"):  # (the content: an edit that kept the token count)
+        keys = ["seed", "n_tokens", "mode", "content_sha256", "tokenizer_sha256"]  # (the content: an edit that kept
+        if self.mode == "epoch":  # the token count; the tokenizer: the same text, other ids)
+            keys += ["n_replicas", "batch_size", "seq_len"]
+        for k in keys:
             mine, theirs = mine_all.get(k), state.get(k)
             if k in state and k in mine_all and theirs != mine:
-                if k == "content_sha256":
+                if k.endswith("_sha256"):
                     theirs, mine = f"{str(theirs)[:12]}...", f"{str(mine)[:12]}..."
+                if k in ("n_replicas", "batch_size", "seq_len"):
+                    raise ConfigError(
+                        f"the checkpoint's sampler (data.sampler=epoch) has {k}={theirs!r}, this run's {k}={mine!r}: "
+                        "its steps would read other windows than those it stands for (some twice, some never). "
+                        "Resume with the replicas (outer.elastic.max_replicas when elastic), train.batch_size and "
+                        "train.seq_len it was saved with, or start a fresh --log.run_dir"
+                    )
                 raise ConfigError(  # (an input error: exit 2, the checkpoint itself is fine)
                     f"the checkpoint was trained on different data or seed (its sampler has {k}={theirs!r}, this "
                     f"run's {k}={mine!r}): the corpus (data.path's files) or a data.* key changed since it was saved. "

@@ -57,7 +57,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def byte_count(self, ids: Iterable[int]) -> int:
-        return sum(1 for _ in ids)
+        return len(ids) if isinstance(ids, np.ndarray) else sum(1 for _ in ids)
 
     def encode_docs(self, docs: list[str]) -> np.ndarray:
         sep = bytes([self.eot_id])
@@ -93,12 +93,12 @@ class CountsBytes:
     def byte_count(self, ids: Iterable[int]) -> int:
         """The UTF-8 bytes of ``ids``: summed per token under a ByteLevel decoder (a cut inside a character counts
         the bytes its tokens hold), else the length of the decoded text."""
-        ids = [int(i) for i in ids]
+        ids = np.asarray(ids if isinstance(ids, np.ndarray) else [int(i) for i in ids], dtype=np.int64)
         if self._byte_lengths is None:
             self._byte_lengths = token_byte_lengths(self.tok, self.vocab_size)
         if not len(self._byte_lengths):
-            return len(self.decode(ids).encode("utf-8"))  # type: ignore[attr-defined] (the subclass's)
-        return int(self._byte_lengths[ids].sum()) if ids else 0
+            return len(self.decode(ids.tolist()).encode("utf-8"))  # type: ignore[attr-defined] (the subclass's)
+        return int(self._byte_lengths[ids].sum()) if len(ids) else 0
 
 
 def token_byte_lengths(tok, vocab_size: int) -> np.ndarray:
@@ -168,8 +168,14 @@ class BPETokenizer(CountsBytes):
         # encode_batch_fast (tokenizers >= 0.20): the same ids without the offsets, ~2x faster; memory is ~70 bytes
         # per input byte either way (the Encoding objects), so callers keep batches small (prepare: 1 MB)
         encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
-        for enc in encode(docs, add_special_tokens=False):
-            parts += [np.asarray(enc.ids, dtype=dtype), np.array([self.eot_id], dtype=dtype)]
+        # a special token's text inside a document ("<|endoftext|>" in code about tokenizers, Qwen's "<|im_end|>") is
+        # text: matched as the token, it cut the document in two and the model never saw the string
+        literal, self.tok.encode_special_tokens = self.tok.encode_special_tokens, True
+        try:
+            for enc in encode(docs, add_special_tokens=False):
+                parts += [np.asarray(enc.ids, dtype=dtype), np.array([self.eot_id], dtype=dtype)]
+        finally:
+            self.tok.encode_special_tokens = literal
         return np.concatenate(parts)
 
     def save(self, path: str) -> None:

@@ -182,7 +182,9 @@ def refuse_unsupported(cfg) -> None:
         ("train.dtype", t.dtype, t.dtype == "bf16", "SWARM peers compute in fp32; set it to auto or fp32"),
         ("train.compile", t.compile, bool(t.compile), "SWARM peers run eagerly; set it to false"),
         ("log.profile_start", cfg.log.profile_start, cfg.log.profile_start > 0, "SWARM peers are not profiled; set 0"),
-    ]
+        ("data.sampler", cfg.data.sampler, cfg.data.sampler != "random", "a stage-0 peer draws random windows of its "
+         "own (a peer rebalanced into stage 0 too); set it to random"),
+    ]  # fmt: skip
     for key, value, unsupported, fix in bad:
         if unsupported:
             raise SwarmUsageError(f"{key}={value!r} is not supported in SWARM mode (no peer reads it): {fix}")

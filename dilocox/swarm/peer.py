@@ -6,13 +6,13 @@ The protocol (docs: the SWARM section of README; issue 11):
   identical), serves a tensor RPC endpoint (``transport.RpcServer``) and publishes
   ``swarm/stage{j}/peer{k} -> host:port`` in the launcher's ``TCPStore``; it waits (bounded) for the
   addresses of every peer of the job.
-- Step k: a stage-0 peer draws its batch of step k from its own shard (``TokenSampler(replica=k,
-  n_replicas=m_0)``), splits it into microbatches and sends each (``max_inflight`` at a time) forward to a
-  stage-1 peer chosen by its router. A request ``forward`` carries (step, microbatch id, activation,
-  ids and targets); the receiving peer runs its stage, sends the result on to a peer of the next stage chosen by ITS
-  router, and the reply of that call is the gradient of the activation it sent: the backward pass returns
-  along the same route, and each hop keeps its input activation (the autograd graph of the call) until the
-  reply arrives. The last stage computes the loss (mean token cross-entropy of the microbatch) and
+- Step k: a stage-0 peer draws its batch of step k as random windows of its own (``TokenSampler(replica=k,
+  n_replicas=m_0)``, seeded by (seed, k, step): i.i.d., not a disjoint shard), splits it into microbatches and sends
+  each (``max_inflight`` at a time) forward to a stage-1 peer chosen by its router. A request ``forward`` carries
+  (step, microbatch id, activation, ids and targets); the receiving peer runs its stage, sends the result on to a peer
+  of the next stage chosen by ITS router, and the reply of that call is the gradient of the activation it sent: the
+  backward pass returns along the same route, and each hop keeps its input activation (the autograd graph of the call)
+  until the reply arrives. The last stage computes the loss (mean token cross-entropy of the microbatch) and
   backpropagates it. Every peer adds the gradients of all microbatches it served in a step (a sum).
 - A peer serves requests of step k only after its own sync of step k-1 (earlier requests wait, bounded).
 - End of step: a stage-0 peer, once all its microbatches returned, sends ``end_step(k)`` to every stage-1
