@@ -14,11 +14,16 @@ Six sources (``data.source``):
               one document; about 2.1 MB (4.6x prose) on CPython 3.11.
 - ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden files skipped,
               binary and non-UTF-8 ones left out and named: ``skipped_note``) or a glob; one file = one
-              document (a file over 1 MB: one per MB, cut at a line end, ``TEXT_PIECE_BYTES``).
+              document (a file over 1 MB: one per MB, cut at a line end, ``TEXT_PIECE_BYTES``). Binary or
+              not UTF-8 (``binary_reason``): a NUL byte anywhere, or over 1% of the bytes invalid UTF-8 (of the
+              first 64 KiB, or of the whole file); decided, reading the whole file in 256 KiB pieces, before any
+              of it is read into the corpus (a file is kept whole or left out whole; a data.path file, refused).
 - ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension), a
               ``save_to_disk`` directory or a local copy of a hub dataset (both offline), or a
               hub dataset name (needs a network); ``data.hf_config`` names the dataset's config
-              (wikitext-103-raw-v1). ``datasets`` is imported only here.
+              (wikitext-103-raw-v1). ``datasets`` is imported only here. Local text files: one file = one
+              row, checked and left out as ``text``'s. Any row (of any format) over 1 MB of UTF-8 is read as
+              documents of at most 1 MB, cut at a line end as ``text``'s files (``TEXT_PIECE_BYTES``).
 - ``memmap``  an already-prepared directory; handled by ``prepare.load_prepared``.
 
 No source is capped unless ``data.max_bytes`` is set (opt-in): then it keeps the first
@@ -33,6 +38,7 @@ from __future__ import annotations
 import ast
 import glob
 import hashlib
+import io
 import itertools
 import os
 import sys
@@ -104,22 +110,55 @@ class DataError(ValueError):
     """A corpus that cannot be used (empty, binary, too short): the message names the file and the fix."""
 
 
-SNIFF_BYTES = 65536  # how much of each file the binary check reads
+SNIFF_BYTES = 65536  # how much of each file the quick first check reads
 MAX_INVALID_UTF8 = 0.01  # a larger share of bytes that are not valid UTF-8 marks a file as binary
+SCAN_BYTES = 1 << 18  # the whole-file check reads a file in pieces of this many bytes (memory: ~10x that)
 
 
 def binary_reason(path: str) -> str | None:
-    """Why ``path`` is not UTF-8 text (NUL bytes, or over 1% invalid UTF-8 in its first 64 KiB), else None."""
+    """Why ``path`` is not UTF-8 text, else None: it has a NUL byte, or over 1% of its bytes are invalid UTF-8 (in its
+    first 64 KiB, the quick check, or over the whole file). The whole file is read, in pieces of ``SCAN_BYTES``."""
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
         more = bool(f.read(1))
-    if b"\0" in head:
-        return f"has NUL bytes (first at byte {head.index(0)})"
-    if more:  # do not count a multi-byte character cut by the sniff window as invalid
-        head = head[: max(len(head) - 3, 0)]
-    bad = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
-    if head and bad / len(head) > MAX_INVALID_UTF8:
-        return f"is not UTF-8 text ({bad / len(head):.0%} of its first {len(head)} bytes are invalid UTF-8)"
+        if b"\0" in head:
+            return f"has NUL bytes (first at byte {head.index(0)})"
+        if more:  # do not count a multi-byte character cut by the sniff window as invalid
+            head = head[: max(len(head) - 3, 0)]
+        bad = _invalid_utf8(head)[0]
+        if head and bad / len(head) > MAX_INVALID_UTF8:
+            return f"is not UTF-8 text ({bad / len(head):.0%} of its first {len(head)} bytes are invalid UTF-8)"
+        return _scan_reason(f) if more else None
+
+
+def _invalid_utf8(buf: bytes) -> tuple[int, int]:
+    """(how many bytes of ``buf`` are not valid UTF-8, the offset of the first of them: -1 when none)."""
+    try:
+        buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return len(buf) - len(buf.decode("utf-8", errors="ignore").encode("utf-8")), e.start
+    return 0, -1
+
+
+def _scan_reason(f) -> str | None:
+    """``binary_reason``'s rule over the whole of the open file ``f`` (from its start, ``SCAN_BYTES`` at a time; a
+    character that a piece's end cuts is checked with the next piece)."""
+    f.seek(0)
+    done, bad, first, rest = 0, 0, -1, b""  # done: bytes checked; rest: the cut character carried over
+    while True:
+        chunk = f.read(SCAN_BYTES)
+        if (k := chunk.find(0)) >= 0:
+            return f"has NUL bytes (first at byte {done + len(rest) + k})"
+        buf = rest + chunk
+        cut = _char_end(buf) if chunk else len(buf)
+        n, at = _invalid_utf8(buf[:cut])
+        if n and first < 0:
+            first = done + at
+        bad, done, rest = bad + n, done + cut, buf[cut:]
+        if not chunk:
+            break
+    if done and bad / done > MAX_INVALID_UTF8:
+        return f"is not UTF-8 text ({bad / done:.1%} of its {done} bytes are invalid UTF-8, the first at byte {first})"
     return None
 
 
@@ -161,17 +200,19 @@ def local_files(
                 f"data.path={path!r} does not exist (resolved to {os.path.abspath(expanded)!r}, "
                 f"no file, directory or glob match); data.source={source!r} needs a file, a directory or a glob"
             )
-    found, files = files, []
+    found, files, first_why = files, [], ""
     for f in found:
         why = binary_reason(f) if skip_binary else None
         if why is None:
             files.append(os.path.abspath(f))
-        elif skipped is not None:
+            continue
+        first_why = first_why or why
+        if skipped is not None:
             skipped.append((os.path.abspath(f), why))
     if not files:
         raise DataError(
             f"data.path={path!r} matched no text files ({len(found)} binary file(s) skipped, e.g. "
-            f"{found[0]!r}); data.source={source!r} reads UTF-8 text"
+            f"{found[0]!r}, which {first_why}); data.source={source!r} reads UTF-8 text"
         )
     return files
 
@@ -287,7 +328,8 @@ def _docstring_raws(files: list[str]):
 
 # data.source=text reads a file larger than this as several documents, each cut at a line end: a 1 GB file of one
 # document would otherwise be held, encoded and (for a BPE) trained on at once (~150x its size in memory). Each
-# piece ends with the end-of-document token, one per MB; the stdlib corpora (no file over 1 MB) are not cut.
+# piece ends with the end-of-document token, one per MB; the stdlib corpora (no file over 1 MB) are not cut. So is
+# a data.source=hf row larger than this (a local text file is one row).
 TEXT_PIECE_BYTES = 1 << 20
 
 
@@ -339,8 +381,10 @@ def _is_saved_dataset(path: str | None) -> bool:
     return os.path.isdir(p) and any(os.path.exists(os.path.join(p, n)) for n in ("state.json", "dataset_dict.json"))
 
 
-def _hf_rows(cfg: DataConfig):
-    """(an iterable of rows, a description) for data.source=hf; every failure is a one-line DataError."""
+def _hf_rows(cfg: DataConfig, skipped: list[tuple[str, str]] | None = None):
+    """(an iterable of rows, a description) for data.source=hf; every failure is a one-line DataError. Local text
+    files are checked as data.source=text's (``binary_reason``): a binary or non-UTF-8 one is left out (``skipped``),
+    or refused when it is data.path itself; the few invalid bytes of one kept are decoded as U+FFFD (as text's)."""
     try:
         import datasets
     except ImportError:
@@ -367,7 +411,10 @@ def _hf_rows(cfg: DataConfig):
         builders = {HF_BUILDERS.get(e) for e in exts}
         if None not in builders and len(builders) == 1:
             builder = builders.pop()
-            extra = {"sample_by": "document"} if builder == "text" else {}
+            extra = {}
+            if builder == "text":  # datasets reads a NUL as text and stops at the first invalid byte
+                files = local_files(cfg.path, "hf", skipped=skipped)
+                extra = {"sample_by": "document", "encoding_errors": "replace"}
             ds = datasets.load_dataset(
                 builder, data_files={cfg.hf_split: files}, split=cfg.hf_split, streaming=True, **extra
             )
@@ -399,7 +446,7 @@ class DocStream:
             raise ValueError(f"data.source={cfg.source!r} is not a raw corpus (use prepare() for memmap)")
         self.cfg = cfg
         self.n_docs, self.nbytes, self.cut, self.description = 0, 0, None, ""
-        self.skipped: list[tuple[str, str]] = []  # text: files left out as binary / not UTF-8 (local_files)
+        self.skipped: list[tuple[str, str]] = []  # text, hf text files: left out as binary / not UTF-8 (local_files)
 
     def _raws(self):
         """(raw documents as bytes, a function giving the source's size once the cap cut it, a description)."""
@@ -428,7 +475,8 @@ class DocStream:
             files = local_files(cfg.path, "text", skipped=self.skipped)
             size = lambda: sum(os.path.getsize(f) for f in files)  # noqa: E731
             return _file_raws(files, TEXT_PIECE_BYTES), size, f"text {cfg.path}"
-        ds, where = _hf_rows(cfg)
+        self.skipped = []
+        ds, where = _hf_rows(cfg, self.skipped)
         files_of_text = where.startswith("text files")  # one row per local file (sample_by=document)
 
         def rows():
@@ -447,7 +495,11 @@ class DocStream:
                     )
                 if files_of_text and text.startswith("\ufeff"):  # a file's UTF-8 byte order mark: not text
                     text = text[1:]
-                yield text.encode("utf-8")
+                raw = text.encode("utf-8")
+                if len(raw) <= TEXT_PIECE_BYTES:
+                    yield raw
+                else:  # a long row (a whole local text file): pieces cut at a line end, as data.source=text's
+                    yield from _pieces(io.BytesIO(raw), TEXT_PIECE_BYTES)
 
         return rows(), lambda: None, f"hf {where}, field {cfg.hf_text_field!r}"
 
