@@ -17,11 +17,12 @@ import torch
 from dilocox import checkpoint as ckpt
 from dilocox import rundir
 from dilocox.checkpoint import names
+from dilocox.checkpoint.layout import _STEP_RE
 from dilocox.checkpoint.legacy import parse_layout
 from dilocox.checkpoint.save import checkpoint_bytes
 from dilocox.config import Config, ConfigError, to_yaml
 
-CONTINUE_DIR = "continue"  # <checkpoint dir>/continue/step_N: a finished run's state before outer.finish
+CONTINUE_DIR = ckpt.CONTINUE_DIR  # <checkpoint dir>/continue/step_N: a finished run's state before outer.finish
 
 
 def _load_continuation(cont: str, tr: TrainerState, reader, expect: dict) -> dict:
@@ -432,7 +433,8 @@ class TrainerState:
         cdir = os.path.join(self.ckpt_dir, CONTINUE_DIR)
         for name in os.listdir(cdir) if os.path.isdir(cdir) else []:
             path = os.path.join(cdir, name)
-            if name.startswith("step_") and not (but and os.path.abspath(path) == os.path.abspath(but)):
+            if _STEP_RE.match(name) and not (but and os.path.abspath(path) == os.path.abspath(but)):  # (a rewind's
+                # continue/step_N.superseded stays with its checkpoint)
                 ckpt.remove_step_dir(path)
 
     def _final_meta(self, record: bool) -> dict:

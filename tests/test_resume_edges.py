@@ -241,3 +241,31 @@ def test_ranks_that_see_different_checkpoint_dirs_stop_with_one_error_not_a_hang
 
     for msg in run_ranks(2, _resume_on_node_local_dirs, str(tmp_path), timeout=240):
         assert "some ranks find a checkpoint there and others none" in msg, msg
+
+
+def test_a_rewind_sets_a_final_checkpoints_continuation_aside_with_it(tmp_path, capsys):
+    """A rewind renamed the later checkpoints to .superseded but left the final one's continuation at continue/step_N,
+    where the rewound run's first save removed it (it keeps only the continuation it went on from): renaming the
+    superseded checkpoint back then went on from θ. Now the continuation is set aside with it, the rewound run's
+    saves leave it, and renaming both back resumes the first trajectory as one longer run would."""
+    import shutil
+
+    args = (*STREAMING, "--optim.schedule=constant", "--checkpoint.every=4", "--checkpoint.keep=0")
+    full = _run(small_cfg(tmp_path / "full", *args, steps=14))
+    run = tmp_path / "run"
+    ck, cont = run / "checkpoints", run / "checkpoints" / "continue"
+    _run(small_cfg(run, *args, steps=10))
+    assert (cont / "step_00000010" / "COMPLETE.json").exists()
+    _run(small_cfg(run, *args, "--optim.lr=1e-4", f"--checkpoint.resume={ck / 'step_00000004'}", steps=10))
+    assert (cont / "step_00000010.superseded" / "COMPLETE.json").exists()  # set aside with its checkpoint, kept
+    assert (cont / "step_00000010" / "COMPLETE.json").exists()  # (the rewound run's own)
+    # undo the rewind: the rewound run's end aside, the first run's back
+    for d in (ck / "step_00000008", ck / "step_00000010", cont / "step_00000010"):
+        shutil.rmtree(d)
+    for d in (ck / "step_00000008", ck / "step_00000010", cont / "step_00000010"):
+        os.replace(f"{d}.superseded", d)
+    (ck / "latest").write_text("step_00000010\n")
+    capsys.readouterr()
+    ext = _run(small_cfg(run, *args, "--checkpoint.resume=auto", steps=14))
+    assert f"continuing from {cont / 'step_00000010'}" in capsys.readouterr().out
+    assert [r["loss"] for r in ext.history] == [r["loss"] for r in full.history[10:]]

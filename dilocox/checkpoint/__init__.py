@@ -59,6 +59,7 @@ from dilocox.checkpoint.layout import (
     verify_files,
 )
 from dilocox.checkpoint.load import (
+    CONTINUE_DIR,
     Reader,
     WholeReader,
     all_ranks_agree,
@@ -106,6 +107,7 @@ __all__ = [
     "save_checkpoint",
     "set_rng_state",
     "set_aside_later",
+    "CONTINUE_DIR",
     "rank_files",
     "state_nbytes",
     "step_dir_name",

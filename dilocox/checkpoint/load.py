@@ -293,11 +293,16 @@ def _fall_back_past(step_dir: str, err: str, rank: int, fallback: bool, warn: Ca
         )
 
 
+CONTINUE_DIR = "continue"  # <checkpoint dir>/continue/step_N: a finished run's state before outer.finish (train_state)
+
+
 def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = _warn) -> list[str]:
     """Rank 0, after a resume from ``step_dir`` (an explicit ``checkpoint.resume``, e.g. a rewind with a lower
     learning rate): rename every complete checkpoint of ``ckpt_dir`` after its step to ``<step dir>.superseded``.
     A save at a step whose directory is complete is skipped, so they would stand in for this run's own saves and
-    ``latest``. ``latest`` names ``step_dir`` when it is in ``ckpt_dir``. Returns the new names."""
+    ``latest``. ``latest`` names ``step_dir`` when it is in ``ckpt_dir``. A final checkpoint's continuation
+    (``continue/step_N``) is renamed with it, first (a later save removes only bare ``step_N`` continuations), so
+    renaming both back undoes the rewind. Returns the new names."""
     step = read_meta(step_dir).get("step")
     if not isinstance(step, int):  # (a COMPLETE.json edited by hand: the step its directory is named after)
         step = _step_of(step_dir.rstrip("/")) if _STEP_RE.match(os.path.basename(step_dir.rstrip("/"))) else 1 << 62
@@ -310,6 +315,9 @@ def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = 
         dest = d + ".superseded"
         if os.path.exists(dest):
             dest = f"{dest}.{int(time.time())}"
+        cont = os.path.join(ckpt_dir, CONTINUE_DIR, os.path.basename(d))
+        if os.path.isdir(cont):
+            os.replace(cont, os.path.join(ckpt_dir, CONTINUE_DIR, os.path.basename(dest)))
         os.replace(d, dest)
         moved.append(dest)
     if moved:
