@@ -158,6 +158,7 @@ def _train(argv: list[str]) -> int:
     path, rest = argv[0], argv[1:]
     nproc, overrides = _split_train_args(rest)
     cfg = load_config(path, overrides)
+    _check_fits(cfg)
     world = cfg.parallel.world_size
     if nproc is not None and "RANK" in os.environ and os.environ.get("WORLD_SIZE") != str(nproc):
         raise UsageError(
@@ -184,6 +185,16 @@ def _train(argv: list[str]) -> int:
 
     train(cfg)  # a ConfigError found at start-up (e.g. the layout needs more ranks than launched): main() prints it
     return 0
+
+
+def _check_fits(cfg) -> None:
+    """A model that cannot fit the machine at all (``--model.vocab_size=1e10``): one line before anything is built."""
+    import torch
+
+    from dilocox.fits import check_model_fits
+
+    device = cfg.train.device
+    check_model_fits(cfg, on_cpu=device == "cpu" or device == "auto" and not torch.cuda.is_available())
 
 
 def _check_data(cfg, note: bool = True) -> None:

@@ -140,7 +140,7 @@ class Trainer(TrainerState):
 
     def _new_sampler(self, replica: int, n_replicas: int) -> None:
         t = self.cfg.train
-        tokens, mode, ids = self.prepared.train_tokens(), self.cfg.data.sampler, self.prepared.identity()
+        tokens, mode, ids = self.prepared.train_tokens(), self.cfg.data.sampler, self.prepared.sampler_args()
         self.sampler = TokenSampler(tokens, t.seq_len, t.batch_size, t.seed, replica, n_replicas, mode=mode, **ids)
 
     def _init_model(self) -> None:

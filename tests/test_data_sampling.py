@@ -121,8 +121,9 @@ def test_the_prepared_datas_identity_names_its_tokenizer(tmp_path):
     it was recorded gets it from its tokenizer file."""
     corpus = _bpe_corpus(tmp_path, "x")
     p = prepare(_data_cfg(tmp_path, corpus))
-    ident = p.identity()
+    ident = p.sampler_args()
     assert ident["content"] == p.meta["content_sha256"] and len(ident["tokenizer"]) == 64
+    assert ident["vocab_size"] == p.vocab_size == 300
     assert ident["tokenizer"] == p.meta["tokenizer_sha256"]
     meta_path = os.path.join(p.dir, "meta.json")
     with open(meta_path) as f:
@@ -130,8 +131,8 @@ def test_the_prepared_datas_identity_names_its_tokenizer(tmp_path):
     del meta["tokenizer_sha256"]
     with open(meta_path, "w") as f:
         json.dump(meta, f)
-    assert prepare(_data_cfg(tmp_path, corpus)).identity() == ident  # (computed from tokenizer.json)
-    byte = prepare(_data_cfg(tmp_path, corpus, tokenizer="byte")).identity()
+    assert prepare(_data_cfg(tmp_path, corpus)).sampler_args() == ident  # (computed from tokenizer.json)
+    byte = prepare(_data_cfg(tmp_path, corpus, tokenizer="byte")).sampler_args()
     assert byte["tokenizer"] != ident["tokenizer"] and byte["content"] == ident["content"]
 
 

@@ -281,6 +281,8 @@ def check_data(d: DataConfig, m: ModelConfig) -> None:
         _fail("data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     if d.source in ("text", "memmap") and not d.path:
         _fail("data.path", d.path, f"must be set when data.source={d.source!r}")
+    if not str(d.cache_dir).strip():  # (it wrote prepared/ and tokenizers/ into the working directory)
+        _fail("data.cache_dir", d.cache_dir, "is empty; give a directory, e.g. .cache/dilocox (the default)")
 
 
 def check_outer(o: OuterConfig, p: ParallelConfig, m: ModelConfig, adaptive: AdaptiveConfig) -> None:
@@ -462,6 +464,8 @@ def check_security(sec: Any) -> None:
 def check_train(train: TrainConfig) -> None:
     if train.eval_every < 0:
         _fail("train.eval_every", train.eval_every, "must be >= 0 (0 = never)")
+    if not 0 <= train.seed < 1 << 62:  # (torch.manual_seed takes 64 bits; a stage adds 100 x its index)
+        _fail("train.seed", train.seed, "must be in [0, 2**62), e.g. 1234")
 
 
 def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:

@@ -203,13 +203,19 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def _deep_merge(base: dict, over: dict, prefix: str = "") -> dict:
     out = dict(base)
     for k, v in over.items():
         if v is None and isinstance(out.get(k), dict):  # `train:` with its keys commented out: nothing overridden
             continue
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = _deep_merge(out[k], v, f"{prefix}{k}.")
+        elif isinstance(v, dict) and out.get(k) is not None and is_dataclass(_field_type(f"{prefix}{k}")):
+            # (`train: 3` in the file: alone it is refused, and an override of train.steps dropped it silently)
+            raise ConfigError(
+                f"{prefix}{k} is {out[k]!r} in the config, not a section of keys; write it as {prefix}{k}: followed "
+                f"by indented key: value lines (docs/CONFIG.md)"
+            )
         else:
             out[k] = v
     return out
@@ -280,6 +286,9 @@ def parse_overrides(args: list[str]) -> dict:
         if "=" in body:
             key, raw = body.split("=", 1)
         else:
+            last = i + 1 >= len(args) or args[i + 1].startswith("--")  # (--verbose: no section.key, no value)
+            if "." not in body and _field_type(body) is None and last:
+                raise ConfigError(f"unknown option {a!r}: a config override is --section.key=VALUE (--help lists both)")
             if i + 1 >= len(args):
                 raise ConfigError(f"override {a!r} has no value; write --{body}=VALUE")
             key, raw = body, args[i + 1]

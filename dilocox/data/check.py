@@ -31,6 +31,13 @@ def check_data(cfg: Config) -> PreparedData:
             f"(train.seq_len={tr.seq_len} needs {need}); give a larger corpus, raise data.max_bytes "
             "or lower train.seq_len"
         )
+    step_tokens = tr.batch_size * (tr.seq_len + 1)
+    if step_tokens > p.meta["train_tokens"]:  # (a typo such as 1e7: the validation windows alone filled the memory)
+        raise DataError(
+            f"one step reads train.batch_size x (train.seq_len + 1) = {tr.batch_size:,} x {tr.seq_len + 1} = "
+            f"{step_tokens:,} tokens, more than the training split's {p.meta['train_tokens']:,} ({where}); lower "
+            "train.batch_size (parallel.microbatches splits a step's batch) or give a larger corpus"
+        )
     if tr.eval_batches and p.meta["val_tokens"] < need:
         raise DataError(
             f"{where} gives {p.meta['val_tokens']} validation tokens, fewer than one sequence "

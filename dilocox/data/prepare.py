@@ -53,6 +53,7 @@ from dilocox.data.tokenizer import (
     load_or_train_bpe,
     load_tokenizer,
     pretrained_path,
+    tokenizer_sha256,
 )
 
 FORMAT = 6  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
@@ -98,15 +99,15 @@ class PreparedData:
     def val_tokens(self) -> np.ndarray:
         return self._map(self.val_path, int(self.meta["val_tokens"]))
 
-    def identity(self) -> dict:
-        """What the tokens depend on beyond their count, for ``TokenSampler`` (checked on a resume): the text's
+    def sampler_args(self) -> dict:
+        """What ``TokenSampler`` checks: what the tokens depend on beyond their count (on a resume), the text's
         content hash and the tokenizer's (the SHA-256 of its file, or of ``byte``; computed here for a directory
-        prepared before meta.json held it)."""
+        prepared before meta.json held it), and the vocabulary every id must be below (a damaged file)."""
         tok = self.meta.get("tokenizer_sha256")
         if tok is None:
             path = self.meta.get("tokenizer_file")
             tok = tokenizer_sha256(os.path.join(self.dir, path) if path else None, self.meta.get("tokenizer"))
-        return {"content": self.meta.get("content_sha256"), "tokenizer": tok}
+        return {"content": self.meta.get("content_sha256"), "tokenizer": tok, "vocab_size": self.vocab_size}
 
     def tokenizer(self):
         path = self.meta.get("tokenizer_file")
@@ -114,21 +115,10 @@ class PreparedData:
 
     def val_batches(self, n_batches: int, batch_size: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1):
         """Fixed validation windows (same for every replica and call); see sampler.val_batches."""
-        return _val_batches(self.val_tokens(), n_batches, batch_size, seq_len, dp_rank, dp_size)
+        return _val_batches(self.val_tokens(), n_batches, batch_size, seq_len, dp_rank, dp_size, self.vocab_size)
 
 
 # --------------------------------------------------------------------------- keys and paths
-
-
-def tokenizer_sha256(path: str | None, kind: str | None) -> str | None:
-    """The SHA-256 of a tokenizer file, of ``kind`` (``byte``) when it has none, None when the file is missing."""
-    if path is None:
-        return hashlib.sha256(str(kind).encode()).hexdigest()
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
 
 
 def _hash(obj) -> str:
@@ -182,9 +172,15 @@ def default_out_dir(cfg: DataConfig, key: str | None = None) -> str:
 def load_prepared(path: str, field: str = "data.path") -> PreparedData:
     """Open a prepared directory (the ``memmap`` source), checking the files match meta.json."""
     meta_path = os.path.join(path, "meta.json")
-    if not os.path.isdir(path):
+    if os.path.isfile(path) and os.path.exists(os.path.join(os.path.dirname(path) or ".", "meta.json")):
         raise FileNotFoundError(
-            f"{field}={path!r} does not exist (resolved to {os.path.abspath(path)!r}); "
+            f"{field}={path!r} is a file of a prepared data directory; give the directory: "
+            f"{field}={os.path.dirname(path) or '.'}"
+        )
+    if not os.path.isdir(path):
+        what = "is not a directory" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(
+            f"{field}={path!r} {what} (resolved to {os.path.abspath(path)!r}); "
             "data.source='memmap' needs a directory written by `dilocox data prepare`"
         )
     if not os.path.exists(meta_path):
@@ -206,8 +202,9 @@ def load_prepared(path: str, field: str = "data.path") -> PreparedData:
     for split in ("train", "val"):
         fpath = os.path.join(path, f"{split}.bin")
         want = sizes[split]
-        have = os.path.getsize(fpath) if os.path.exists(fpath) else -1
-        if have != want:
+        if not os.path.exists(fpath):
+            raise ValueError(f"{fpath} is missing (meta.json says {want} bytes); re-run `dilocox data prepare`")
+        if (have := os.path.getsize(fpath)) != want:
             raise ValueError(
                 f"{fpath} has {have} bytes but meta.json says {want} "
                 f"({meta[f'{split}_tokens']} x {p.dtype}); re-run `dilocox data prepare`"
@@ -419,9 +416,24 @@ def _publish(tmp: str, out_dir: str, key: str) -> None:
             raise
 
 
-def _check_out_dir(out_dir: str) -> None:
-    """Refuse, before any work, an ``out_dir`` that holds something else: a file, or a directory with files but no
-    meta.json (``_publish`` would refuse it only after the build, with a traceback)."""
+def _check_out_dir(out_dir: str, given: bool = False, key: str = "") -> None:
+    """Refuse, before any work, an ``out_dir`` that holds something else: a file, a directory with files but no
+    meta.json (``_publish`` would refuse it after the build), or (``given``: --out) data of other settings (a run
+    trained on it could not resume; the cache's directories are named by their key: a stale one is replaced)."""
+    meta, same = os.path.join(out_dir, "meta.json"), True
+    if given and os.path.isfile(meta):
+        try:
+            with open(meta) as f:
+                old = json.load(f)
+            what = f"{old.get('source', '?')}, tokenizer {old.get('tokenizer', '?')}, {old.get('train_tokens', '?')}"
+            same = old.get("key") == key  # (the same data, damaged since: built again)
+        except (OSError, ValueError, AttributeError):
+            what, same = "its meta.json unreadable", False
+    if not same:
+        raise DataError(
+            f"--out {out_dir!r} holds data prepared with other settings ({what} training tokens); a run trained on "
+            "it could not resume on what replaced it: give --out a new directory (or delete this one first)"
+        )
     if os.path.exists(out_dir) and (
         not os.path.isdir(out_dir) or os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json"))
     ):
@@ -463,11 +475,11 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
         p = load_prepared(os.path.expanduser(cfg.path or ""))
         p.cache_hit, p.seconds = True, time.perf_counter() - t0
         return p
-    key = data_key(cfg)
+    key, given = data_key(cfg), out_dir is not None
     out_dir = os.path.abspath(out_dir or default_out_dir(cfg, key))
     parent = os.path.dirname(out_dir)
     if (p := _try_cached(out_dir, key)) is None:
-        _check_out_dir(out_dir)
+        _check_out_dir(out_dir, given, key)
         os.makedirs(parent, exist_ok=True)
         with _file_lock(out_dir + ".lock"):
             if (p := _try_cached(out_dir, key)) is None:
@@ -563,7 +575,7 @@ same data keys reuses it). Only the data section is used:
   --data.source=stdlib|prose|docs|text|hf|memmap  --data.path=FILE|DIR|GLOB  --data.tokenizer=byte|bpe
   --data.bpe_vocab_size=N  --data.max_bytes=N (opt-in cap; default: all)  --data.val_fraction=F
   --data.hf_config=NAME  --data.hf_split=SPLIT  --data.hf_text_field=FIELD  --data.cache_dir=DIR
-  --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key>
+  --out DIR   write here instead of <data.cache_dir>/prepared/<source>-<tokenizer>-<key> (other data: refused)
 Every key and its default: docs/CONFIG.md."""
 
 

@@ -36,6 +36,20 @@ from dilocox.seeding import text_seed
 MODES = ("random", "epoch")
 
 
+def _check_ids(tokens: np.ndarray, x: torch.Tensor, y: torch.Tensor, vocab_size: int | None, what: str) -> None:
+    """Refuse a batch holding an id >= ``vocab_size`` (a damaged token file: one line, not an IndexError inside the
+    embedding, nor training on another token's row when it is below model.vocab_size)."""
+    if vocab_size is None or not x.numel() or (top := max(int(x.max()), int(y[:, -1].max()))) < vocab_size:
+        return
+    from dilocox.data.sources import DataError
+
+    raise DataError(
+        f"{getattr(tokens, 'filename', None) or 'the token file'} holds token id {top} (in {what}), not below the "
+        f"tokenizer's vocabulary of {vocab_size}: the file is damaged; prepare the data again (dilocox data prepare, "
+        "into a new --out or after deleting it)"
+    )
+
+
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) LongTensors [len(starts), seq_len]; y is x shifted left by one token."""
     idx = starts.astype(np.int64)[:, None] + np.arange(seq_len + 1, dtype=np.int64)
@@ -59,6 +73,7 @@ class TokenSampler:
         mode: str = "random",
         content: str | None = None,
         tokenizer: str | None = None,
+        vocab_size: int | None = None,
     ):
         n = len(tokens)
         if n < seq_len + 2:
@@ -84,6 +99,7 @@ class TokenSampler:
             mode,
         )
         self.content = content  # the corpus's content hash (prepare's meta), checked on resume when both have one
+        self.vocab_size = vocab_size  # every id of a batch must be below it (a damaged token file: one line)
         self.tokenizer = tokenizer  # its tokenizer's hash (PreparedData.identity): a new tokenizer file at the same
         # path, or another tokenization, leaves the text and often the token count as they were
         self.step = 0
@@ -119,7 +135,9 @@ class TokenSampler:
         """This rank's rows of the batch at ``step``: x, y LongTensor [batch_size/dp_size, seq_len]."""
         b = self.batch_size // self.dp_size
         rows = self.starts(step)[self.dp_rank * b : (self.dp_rank + 1) * b]
-        return _windows(self.tokens, rows, self.seq_len)
+        x, y = _windows(self.tokens, rows, self.seq_len)
+        _check_ids(self.tokens, x, y, self.vocab_size, f"the batch of step {step}")
+        return x, y
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.batch_at(self.step)
@@ -173,7 +191,13 @@ class TokenSampler:
 
 
 def val_batches(
-    tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int, dp_rank: int = 0, dp_size: int = 1
+    tokens: np.ndarray,
+    n_batches: int,
+    batch_size: int,
+    seq_len: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    vocab_size: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n_batches`` fixed validation batches: windows evenly spaced over the whole split.
 
@@ -195,6 +219,7 @@ def val_batches(
     for i in range(n_batches):
         rows = starts[i * batch_size : (i + 1) * batch_size][dp_rank * b : (dp_rank + 1) * b]
         out.append(_windows(tokens, rows, seq_len))
+        _check_ids(tokens, *out[-1], vocab_size, f"validation batch {i}")
     return out
 
 

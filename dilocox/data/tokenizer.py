@@ -17,6 +17,7 @@ cached as JSON; ``load_or_train_bpe`` reuses the cached file when it exists.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable
 
@@ -227,3 +228,14 @@ def load_tokenizer(kind: str, path: str | None = None) -> ByteTokenizer | BPETok
             raise FileNotFoundError(f"BPE tokenizer file {path!r} is missing; re-run `dilocox data prepare`")
         return BPETokenizer.from_file(path)
     raise ValueError(f"unknown tokenizer kind {kind!r} (expected 'byte' or 'bpe')")
+
+
+def tokenizer_sha256(path: str | None, kind: str | None) -> str | None:
+    """The SHA-256 of a tokenizer file, of ``kind`` (``byte``) when it has none, None when the file is missing."""
+    if path is None:
+        return hashlib.sha256(str(kind).encode()).hexdigest()
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
