@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from dilocox.bench.runner import machine_line
+from dilocox.bench.runner import machine_line, out_dir
 
 LAYOUTS = {"one": (1, []), "tp2": (2, ["--parallel.tensor=2"]), "pp2": (2, ["--parallel.pipeline=2"])}
 
@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="configs/model/gpt2-small.yaml", help="a model config (configs/model/*.yaml)")
     ap.add_argument("--layouts", default="one,tp2,pp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--repeats", type=int, default=3, help="saves and loads per layout (the median is reported)")
-    ap.add_argument("--out", default="docs/bench/checkpoint", help="where results.md / results.json go")
-    ap.add_argument("--workdir", default=None, help="scratch directory for the checkpoints (default: a temp dir)")
+    ap.add_argument("--out", type=out_dir, default="docs/bench/checkpoint", help="where results.md / results.json go")
+    ap.add_argument(
+        "--workdir", type=out_dir, default=None, help="scratch directory for the checkpoints (default: a temp dir)"
+    )
     a = ap.parse_args(argv)
     layouts = [x for x in a.layouts.split(",") if x]
     bad = [x for x in layouts if x not in LAYOUTS]

@@ -41,7 +41,7 @@ import tempfile
 import time
 
 from dilocox.bench.elastic import read_jsonl, val_at_tokens
-from dilocox.bench.runner import machine_line, write_config, write_results
+from dilocox.bench.runner import machine_line, out_dir, write_config, write_results
 
 LAYOUT = "parallel: {replicas: 1}\n"
 # the phases of a restarted job's start-up (its ``startup`` record, ``Trainer.startup``), in order
@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency", default=None, help="round trip between the sites, e.g. 50ms (the delay switch)")
     p.add_argument("--netns", dest="netns", action="store_true", default=None)
     p.add_argument("--no-netns", dest="netns", action="store_false")
-    p.add_argument("--out", default="docs/bench/churn")
-    p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument("--out", type=out_dir, default="docs/bench/churn")
+    p.add_argument("--runs", type=out_dir, default=None, help="run dirs (default: a temporary directory)")
     p.add_argument("--render", action="store_true", help="only re-write OUT/results.md from OUT/results.json")
     a = p.parse_args(argv)
     if a.render:

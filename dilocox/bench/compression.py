@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from dilocox.bench.runner import out_file
 from dilocox.compress.compressor import Compressor
 from dilocox.config import LowRankConfig, ModelConfig
 
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--no-real", action="store_true", help="skip the real tiny-model pseudo-gradients")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--json", type=out_file, help="also write the rows to this file (its directory made if missing)")
     args = ap.parse_args(argv)
     if min(args.ranks) < 1:
         ap.error(f"--ranks {args.ranks}: each rank must be >= 1")
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.model, tuple(args.ranks), real=not args.no_real, seed=args.seed)
     print(markdown(rows))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

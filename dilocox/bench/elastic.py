@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from dilocox.bench.runner import machine_line, write_config, write_results
+from dilocox.bench.runner import machine_line, out_dir, write_config, write_results
 
 REPLICAS, STAGES = 3, 2
 LAYOUT = "parallel: {replicas: 1, pipeline: 2, microbatches: 2}\n"
@@ -432,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--victim", type=int, default=2, help="the replica killed at 1/3 and restarted at 2/3")
     p.add_argument("--netns", dest="netns", action="store_true", default=None)
     p.add_argument("--no-netns", dest="netns", action="store_false")
-    p.add_argument("--out", default="docs/bench/elastic", help="results.json, results.md and elastic.png go here")
-    p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=out_dir, default="docs/bench/elastic", help="results.json, results.md and elastic.png go here"
+    )
+    p.add_argument("--runs", type=out_dir, default=None, help="run dirs (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="keep a complete RUNS/uninterrupted from an earlier call")
     a = p.parse_args(argv)
     if a.method == "streaming" and a.H % 2:

@@ -25,7 +25,7 @@ import sys
 import time
 
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import fmt_cell, has_loss, loss_gap_pct, machine_line, write_results
+from dilocox.bench.runner import fmt_cell, has_loss, loss_gap_pct, machine_line, out_dir, write_results
 
 CORPORA = {"code": "--data.source=stdlib", "prose": "--data.source=prose", "docs": "--data.source=docs"}
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "--points", default=None, help="comma list of point labels (default: all but LEVERS, --quick: QUICK)"
     )
     ap.add_argument("--long-steps", type=int, default=0, help="re-run the first seed's front points at N steps")
-    ap.add_argument("--out", default=os.path.join("docs", "bench", "frontier"))
+    ap.add_argument("--out", type=out_dir, default=os.path.join("docs", "bench", "frontier"))
     ap.add_argument("--render", action="store_true", help="only re-draw the plot and table from OUT/results.json")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from dilocox.bench.runner import machine_line
+from dilocox.bench.runner import machine_line, out_file, out_path_problem
 from dilocox.compress import kernels
 from dilocox.compress.quant import payload_nbytes
 from dilocox.compress.sparse import encode as sparse_encode
@@ -268,9 +268,13 @@ def main(argv=None) -> int:
         help="torch/OpenMP thread counts to run (default: current)",
     )
     ap.add_argument("--no-reference", action="store_true", help="skip timing the pure-torch reference")
-    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument(
+        "--json", metavar="PATH", type=out_file, help="also write the rows as JSON (and results.md next to it)"
+    )
     args = ap.parse_args(argv)
-
+    md = os.path.join(os.path.dirname(os.path.abspath(args.json)), "results.md") if args.json else None
+    if md and out_path_problem(md, directory=False):  # (the JSON's own path: checked by out_file)
+        ap.error(f"argument --json: the table goes next to it, to {md}: a directory or not writable; give another")
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() is False); use --device cpu")
@@ -290,9 +294,9 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     if args.json:
+        os.makedirs(os.path.dirname(md), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-        md = os.path.join(os.path.dirname(os.path.abspath(args.json)), "results.md")
         with open(md, "w") as f:  # the table docs/BENCHMARKS.md pastes (python -m dilocox.bench.report)
             f.write(
                 f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {machine_line()}; "

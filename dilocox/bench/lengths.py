@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from dilocox.bench.runner import has_loss, loss_gap_pct, write_results
+from dilocox.bench.runner import has_loss, loss_gap_pct, out_dir, write_results
 
 
 def uncompressed(label: str) -> bool:
@@ -147,7 +147,7 @@ def plot(groups: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dilocox bench lengths", description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+", help="frontier result directories (each with results.json)")
-    ap.add_argument("--out", default=os.path.join("docs", "bench", "length"))
+    ap.add_argument("--out", type=out_dir, default=os.path.join("docs", "bench", "length"))
     a = ap.parse_args(argv)
     rows = collect(a.dirs)
     groups = table(rows)

@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dilocox.bench.runner import machine_line
+from dilocox.bench.runner import machine_line, out_dir
 from dilocox.model.recompute import MODES
 
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compiled", action="store_true", help="train.compile=true (the meter's step stays eager)")
     ap.add_argument("--warmup", type=int, default=2, help="steps per mode before measuring")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per mode")
-    ap.add_argument("--out", default="docs/bench/memory", help="where results.json / results.md go")
+    ap.add_argument("--out", type=out_dir, default="docs/bench/memory", help="where results.json / results.md go")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")

@@ -28,6 +28,7 @@ from dilocox.bench.runner import (
     line_plot,
     loss_gap_pct,
     machine_line,
+    out_dir,
     run_train,
     write_config,
     write_results,
@@ -217,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--ablation", action="store_true", help="dilocox-paper with its parts switched off one at a time (ABLATION)"
     )
-    ap.add_argument("--out", default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)")
+    ap.add_argument(
+        "--out", type=out_dir, default=None, help="default docs/bench/methods (docs/bench/ablation with --ablation)"
+    )
     ap.add_argument("--render", action="store_true", help="only re-draw val_loss.png from OUT/results.json")
     a = ap.parse_args(argv)
     a.out = a.out or os.path.join("docs", "bench", "ablation" if a.ablation else "methods")

@@ -51,6 +51,7 @@ from dilocox.bench.reference_loop import (  # the plain loop and the counters (r
     optimizer_step_tensors,
     ref_shape,
 )
+from dilocox.bench.runner import out_path_problem
 from dilocox.bench.wan_report import _json_safe  # results.json: NaN/inf as null
 
 # --------------------------------------------------------------------------- the cases
@@ -476,6 +477,10 @@ def _checked(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Nam
             ap.error(f"--modes {mode!r}: {problem}")
     if a.steps < 1 or a.warmup < 0:
         ap.error(f"--steps {a.steps} --warmup {a.warmup}: steps must be >= 1 and warmup >= 0")
+    outputs = [] if a.no_write else [("--out", a.out, True)] + ([] if a.profile else [("--md", a.md, False)])
+    for flag, path, directory in outputs:  # (before minutes of measuring; --profile writes no table)
+        if problem := out_path_problem(path, directory, example="results.md"):
+            ap.error(f"argument {flag}: {problem}")
     return a
 
 

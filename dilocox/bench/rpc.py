@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from dilocox.bench.runner import ROOT, machine_line
+from dilocox.bench.runner import ROOT, machine_line, out_dir
 
 
 def _median_call_s(
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", nargs="?", default=os.path.join(ROOT, "configs", "tiny.yaml"))
     ap.add_argument("--calls", type=int, default=200, help="calls per small message (a tenth for 16 MiB)")
     ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip between caller and server (root: netns)")
-    ap.add_argument("--out", default="docs/bench/rpc")
+    ap.add_argument("--out", type=out_dir, default="docs/bench/rpc")
     a = ap.parse_args(argv)
     if a.calls < 1 or a.rtt_ms < 0:
         print("dilocox bench rpc: error: --calls must be >= 1 and --rtt-ms >= 0", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -149,6 +150,50 @@ def fmt_cell(x, fmt: str = ".4f", unit: str = "", scale: float = 1.0) -> str:
     """A table cell of a value that may be missing: "-" for None (a run without a final val loss, a row without an
     all-reduce row to compare with), never a made-up 0 % or 1x; ``scale`` divides first (bytes to MB)."""
     return "-" if x is None else format(x / scale if scale != 1.0 else x, fmt) + unit
+
+
+def out_path_problem(path: str, directory: bool, example: str = "results.json") -> str | None:
+    """Why a bench could not write its output at ``path`` (a directory it makes, or a file it writes; either may be
+    missing still, its missing parent directories made when written), as a sentence that names the path and the fix
+    (a file path suggests ``example`` in a directory given); None when it can. Checked while the arguments are parsed
+    (``out_dir``/``out_file``), before minutes of work: a path that is the wrong kind of thing, lies under a regular
+    file, or in a directory without write permission. Nothing is created here."""
+    full = os.path.abspath(path)
+    if os.path.exists(full):
+        if directory and not os.path.isdir(full):
+            return f"{path} is a file, not a directory; give a directory (made if missing) or remove the file"
+        if not directory and os.path.isdir(full):
+            return f"{path} is a directory; give a file path, e.g. {os.path.join(path, example)}"
+        if not os.access(full, os.W_OK | (os.X_OK if directory else 0)):
+            return f"cannot write {path} (permission denied); give a path you can write"
+        return None
+    if not directory and path.endswith(("/", os.sep)):
+        return f"{path} names a directory; give a file path, e.g. {os.path.join(path, example)}"
+    parent = os.path.dirname(full)
+    while not os.path.exists(parent):  # the nearest existing ancestor: the missing ones are made in it
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, not a directory, so {path} cannot be made; give a path outside it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write {path}: {parent} is not writable (permission denied); give a path you can write"
+    return None
+
+
+def out_dir(path: str) -> str:
+    """argparse ``type=`` of a bench's output directory (``--out``, ``--runs``): a bad one exits 2 with one line
+    (``argument --out: ...``) before any work; the directory is made later, by the bench, as before."""
+    problem = out_path_problem(path, directory=True)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
+
+
+def out_file(path: str) -> str:
+    """argparse ``type=`` of a bench's output file (``--json``): as ``out_dir``."""
+    problem = out_path_problem(path, directory=False)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return path
 
 
 def write_results(out_dir: str, rows, md: str) -> None:

@@ -26,7 +26,7 @@ import time
 
 from dilocox.bench.frontier import CORPORA, LEVERS, POINTS
 from dilocox.bench.methods import run as run_methods
-from dilocox.bench.runner import has_loss, loss_gap_pct, machine_line, write_results
+from dilocox.bench.runner import has_loss, loss_gap_pct, machine_line, out_dir, write_results
 
 DEFAULT_POINTS = "allreduce,streaming H=20 K=2 fp32,dilocox"
 H_BASE = 20
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", default="docs", choices=sorted(CORPORA))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--points", default=DEFAULT_POINTS, help="comma list of bench frontier point labels")
-    ap.add_argument("--out", default=os.path.join("docs", "bench", "scale"))
+    ap.add_argument("--out", type=out_dir, default=os.path.join("docs", "bench", "scale"))
     ap.add_argument("--render", action="store_true", help="only re-table and re-draw OUT/results.json")
     ap.add_argument("--merge", nargs="*", default=[], metavar="DIR",
                     help="with --render: add the cells of other sweeps' DIR/results.json to OUT's")  # fmt: skip

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 
-from dilocox.bench.runner import CONFIGS, line_plot, machine_line, write_results
+from dilocox.bench.runner import CONFIGS, line_plot, machine_line, out_dir, write_results
 from dilocox.bench.runner import fmt_cell as _f
 from dilocox.distributed.procs import kill_group
 
@@ -528,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hetero-mb", type=int, default=12, help="(b) microbatches per stage-0 peer and step")
     p.add_argument("--parts", default="abcd", help="any of a, b, c, d (e.g. a,b,d); or e alone (its own options)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
-    p.add_argument("--out", default="docs/bench/swarm", help="results.json, results.md and swarm.png go here")
-    p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument("--out", type=out_dir, default="docs/bench/swarm", help="results.json/.md, swarm.png go here")
+    p.add_argument("--runs", type=out_dir, default=None, help="run dirs (default: a temporary directory)")
     p.add_argument(
         "--set", action="append", default=[], metavar="--section.key=value",
         help="a config override of every run of (a) and (d), e.g. --set=--outer.lr=0.5 (repeatable)",

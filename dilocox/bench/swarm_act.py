@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from dilocox.bench.frontier import CORPORA
-from dilocox.bench.runner import machine_line, write_results
+from dilocox.bench.runner import machine_line, out_dir, write_results
 
 # label -> config overrides (on top of dilocox.bench.swarm.BASE)
 _Q64 = "--swarm.activation_block=64"
@@ -204,8 +204,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a config override of every run, e.g. --set=--model.d_model=256 (repeatable)",
     )  # fmt: skip
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each run")
-    p.add_argument("--out", default="docs/bench/swarm-act", help="results.json, results.md and act.png go here")
-    p.add_argument("--runs", default=None, help="run dirs (default: a temporary directory)")
+    p.add_argument(
+        "--out", type=out_dir, default="docs/bench/swarm-act", help="results.json, results.md and act.png go here"
+    )
+    p.add_argument("--runs", type=out_dir, default=None, help="run dirs (default: a temporary directory)")
     p.add_argument("--render", action="store_true", help="only rewrite results.md and act.png from results.json")
     p.add_argument(
         "--append", action="store_true",

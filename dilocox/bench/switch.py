@@ -25,6 +25,8 @@ import tempfile
 import textwrap
 import time
 
+from dilocox.bench.runner import out_dir
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECV = textwrap.dedent("""
@@ -109,7 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=0.01, help="the switch's round trip (tiny: measure its cost)")
     ap.add_argument("--seconds", type=float, default=3.0, help="length of each transfer")
     ap.add_argument("--senders", type=int, default=2, help="UDP sender processes")
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "switch"), help="results.md/json go here")
+    ap.add_argument(
+        "--out", type=out_dir, default=os.path.join(ROOT, "docs", "bench", "switch"), help="results.md/json go here"
+    )
     a = ap.parse_args(argv)
     from dilocox.launch.netns import netns_available
 

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from dilocox.bench.runner import CONFIGS, line_plot, machine_line, run_train, write_results
+from dilocox.bench.runner import CONFIGS, line_plot, machine_line, out_dir, run_train, write_results
 
 LAYOUTS = [("1 rank", "tiny.yaml", 1), ("PP=2 x TP=2 (4 ranks)", "tiny-pp2-tp2.yaml", 4)]
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="dilocox bench train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--out", default="docs/bench/train")
+    ap.add_argument("--out", type=out_dir, default="docs/bench/train")
     ap.add_argument("--reference", action="store_true", help="dilocox's step next to a plain loop (--reference --help)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)

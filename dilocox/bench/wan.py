@@ -49,7 +49,7 @@ import tempfile
 import time
 
 from dilocox.bench.methods import method_body
-from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, read_run, run_train, write_config
+from dilocox.bench.runner import ROOT, clear_run_dir, machine_line, out_dir, read_run, run_train, write_config
 
 # the plan side lives in wan_plan, the tables, targets, plots and output files in wan_report (both only read a
 # finished result); re-exported here so ``wan.predict``, ``wan.markdown``, ``wan.write_outputs``, ... keep working
@@ -515,8 +515,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --render: recompute the plans of every row with the current planner (measurements unchanged)",
     )
-    ap.add_argument("--out", default="docs/bench/wan")
-    ap.add_argument("--run-root", default=os.path.join("runs", "bench-wan"))
+    ap.add_argument("--out", type=out_dir, default="docs/bench/wan")
+    ap.add_argument("--run-root", type=out_dir, default=os.path.join("runs", "bench-wan"))
     return ap
 
 
