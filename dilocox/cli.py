@@ -11,7 +11,7 @@ eval | report | secret | checkpoint.
     dilocox launch --elastic N CONFIG [--kill R@S] [--restart R@S] [--bandwidth 100mbit] [...]
     dilocox lighthouse --min-replicas M [--bind HOST:PORT]   (torchft lighthouse for elastic replicas)
     dilocox swarm CONFIG [--peers 2,2] [--steps N] [...]   (SWARM: several peers per stage; also launch --swarm)
-    dilocox export RUN_DIR --to hf OUT | dilocox import HF_DIR [--out model.yaml]
+    dilocox export RUN_DIR --to hf OUT [--force] | dilocox import HF_DIR [--out model.yaml] [--force]
     dilocox generate RUN_DIR|HF_DIR --prompt TEXT [--temperature T] [--top-k K] [--seed S] [--no-stop]
     dilocox eval RUN_DIR|HF_DIR [--text PATH] [--seq-len S]   (held-out loss, perplexity, bits per byte)
     dilocox report RUN_DIR [RUN_DIR ...] [--out DIR]     (PNG plots from metrics.jsonl)

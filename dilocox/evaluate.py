@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replica-params", action="store_true", help="allow a mid-run checkpoint of a DiLoCo run")
     a = ap.parse_args(argv)
     try:
-        if a.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {a.device}: CUDA is not available on this machine; use --device cpu")
+        from dilocox.generate import check_device
+
+        check_device(a.device)
         r = evaluate(a.path, a.text, a.seq_len, a.batch_size, a.max_tokens, a.device, a.replica_params)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"eval: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 import torch
@@ -139,6 +140,17 @@ def hf_tokenizer(hf_dir: str):
     return _HFTokenizer(path)
 
 
+def check_device(device: str) -> None:
+    """ValueError naming ``--device`` unless it is ``cpu``, ``cuda`` or ``cuda:N`` of a GPU this machine has."""
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "cpu" and m is None:
+        raise ValueError(f"--device {device!r} is not a device here; use --device cpu, cuda or cuda:N")
+    if m and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if m and m.group(1) is not None and int(m.group(1)) >= (n := torch.cuda.device_count()):
+        raise ValueError(f"--device {device}: this machine has {n} CUDA device(s); use cuda:0 .. cuda:{n - 1}")
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int) -> None:
     """ValueError naming the flag whose value :func:`sample` cannot use."""
     if max_new_tokens < 1:
@@ -206,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         check_sampling(a.max_new_tokens, a.temperature, a.top_k)  # before the (slow) model load
         if not -(2**63) <= a.seed < 2**64:  # (torch.Generator.manual_seed's range)
             raise ValueError(f"--seed={a.seed} is out of range: give a whole number in [-2**63, 2**64)")
-        if a.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {a.device}: CUDA is not available on this machine; use --device cpu")
+        check_device(a.device)
         model, tok, _ = load_model(a.path, a.device, a.replica_params)
         stop = None if a.no_stop else getattr(tok, "eot_id", None)
         ids = prompt_ids(tok, a.prompt)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
 
@@ -458,42 +459,51 @@ def save_hf_dir(out_dir: str, m: ModelConfig, full: dict[str, torch.Tensor], tok
         save_file(tensors, tmp, metadata={"format": "pt", "exported_by": "dilocox"})
     atomic_write_text(os.path.join(out_dir, "config.json"), json.dumps(cfg, indent=2))
     if tokenizer is not None:
-        tok_path = os.path.join(out_dir, "tokenizer.json")
-        if getattr(tokenizer, "kind", "byte") == "bpe":  # the run's BPE, or the pretrained tokenizer.json it used
-            tokenizer.tok.save(tok_path)
-            eos = tokenizer.tok.id_to_token(tokenizer.eot_id)
-            special = {"eos_token": eos, "bos_token": eos}
-        else:  # no eos/bos: transformers would match byte 0's stand-in "Ā" in raw text (U+0100 -> id 0)
-            byte_tokenizer_json(tok_path)  # config.json's eos_token_id 0 still stops HF generate
-            special = {}
+        with atomic_path(os.path.join(out_dir, "tokenizer.json")) as tok_path:
+            if getattr(tokenizer, "kind", "byte") == "bpe":  # the run's BPE, or the pretrained tokenizer.json it used
+                tokenizer.tok.save(tok_path)
+                eos = tokenizer.tok.id_to_token(tokenizer.eot_id)
+                special = {"eos_token": eos, "bos_token": eos}
+            else:  # no eos/bos: transformers would match byte 0's stand-in "Ā" in raw text (U+0100 -> id 0)
+                byte_tokenizer_json(tok_path)  # config.json's eos_token_id 0 still stops HF generate
+                special = {}
         meta = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False}
         meta.update(model_max_length=m.max_seq_len, dilocox_tokenizer=tokenizer.kind)
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-    with open(os.path.join(out_dir, "dilocox_model.json"), "w") as f:
-        json.dump({k: getattr(m, k) for k in m.__dataclass_fields__}, f, indent=2)
+        atomic_write_text(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(meta, indent=2))
+    fields = {k: getattr(m, k) for k in m.__dataclass_fields__}
+    atomic_write_text(os.path.join(out_dir, "dilocox_model.json"), json.dumps(fields, indent=2))
+
+
+def _is_path(name: str) -> bool:
+    """Whether ``name`` can only be a local path: a hub id is ``NAME`` or ``ORG/NAME`` of letters, digits, ``-_.``
+    (not starting with ``.``); ``runs/typo`` is a path where ``runs`` is a directory here."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+        return True
+    return "/" in name and os.path.isdir(name.split("/")[0])
 
 
 def resolve_hf_dir(name: str) -> str:
     """A local HF model directory, or (where a network exists) a hub name fetched with huggingface_hub."""
-    if os.path.isdir(name):
-        if not os.path.exists(os.path.join(name, "config.json")):
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
             raise ExportError(f"{name} has no config.json; it is not a Hugging Face model directory")
-        return name
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:  # a path (a hub name is NAME or ORG/NAME)
-        raise ExportError(f"{name} does not exist; give a local Hugging Face model directory (config.json + weights)")
+        return path
+    is_file = os.path.exists(path)
+    where = f"{name} is a file, not a directory" if is_file else f"no such directory: {name}"
+    where += f" (resolved to {os.path.abspath(path)})"
+    if _is_path(name):  # a typo in a local path: no hub request
+        what = "is a file" if is_file else "does not exist"
+        raise ExportError(f"{where}: the path {what}; give a local Hugging Face model directory")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ExportError(
-            f"{name!r} is not a local directory and huggingface_hub is not installed to fetch it; "
-            "pass a local HF model directory"
-        ) from None
+        raise ExportError(f"{where}, and huggingface_hub is not installed to fetch {name!r} from the hub") from None
     try:
         return snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, auth, ...
         raise ExportError(
-            f"{name!r} is not a local directory and could not be fetched from the hub "
+            f"{where}, and {name!r} could not be fetched from the hub as a model id "
             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}); pass a local "
             "directory with config.json and *.safetensors"
         ) from None

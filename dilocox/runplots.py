@@ -78,20 +78,25 @@ def load_metrics(run_dir: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ReportError(f"{path} not found: RUN_DIR must be a run directory written with log.jsonl=true")
-    with open(path) as f:
-        lines = f.read().split("\n")
+    with open(path, "rb") as f:  # (bytes: a line that is not UTF-8 is named like one that is not JSON)
+        lines = f.read().split(b"\n")
     by_step: dict[int, dict] = {}
     offset, last_raw, last_time, new_segment = 0.0, None, 0.0, False
     for i, line in enumerate(lines):
         if not line.strip():
             continue
+        why = None
         try:
-            rec = json.loads(line)
+            rec = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            why = f"not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})"
         except json.JSONDecodeError as e:
+            why = f"not a JSON record ({e.msg})"
+        if why is not None:
             if i == len(lines) - 1:  # a last line cut short by a killed run: the rest is still good
                 print(f"report: ignoring the incomplete last line of {path}", file=sys.stderr)
                 break
-            raise ReportError(f"{path}:{i + 1}: not a JSON record ({e.msg}); fix or delete that line") from None
+            raise ReportError(f"{path}:{i + 1}: {why}; fix or delete that line")
         if isinstance(rec, dict) and rec.get("event") == "resume":  # a resumed segment starts: its clock restarted
             new_segment = True  # (its first step may come later on that clock than the last one here: start-up)
             continue
