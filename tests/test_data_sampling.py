@@ -142,3 +142,12 @@ def test_swarm_refuses_data_sampler_epoch():
     with pytest.raises(SwarmUsageError, match="data.sampler"):
         refuse_unsupported(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), ["--data.sampler=epoch"]))
     refuse_unsupported(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), []))
+
+
+def test_the_byte_tokenizer_drops_a_nul_inside_a_document_which_would_read_as_its_end():
+    """A JSON row's "\\u0000" (data.source=hf) reached the byte tokenizer, whose end-of-document id is 0: the row was
+    cut in two. (A text file with a NUL is left out whole: tests/test_data_sources_whole.py.)"""
+    from dilocox.data import ByteTokenizer
+
+    ids = ByteTokenizer().encode_docs(["ab\x00c", "d"])
+    assert ids.tolist() == [97, 98, 99, 0, 100, 0]

@@ -59,8 +59,8 @@ from dilocox.data.tokenizer import (
 FORMAT = 6  # bump when the on-disk layout, tokenization or meta.json changes: invalidates every cache (2: "cut";
 # 3: data.source=text reads a file over 1 MB as one document per MB, sources.TEXT_PIECE_BYTES; 4: data.max_bytes
 # cutting inside a character made an empty document; 5: a text file's leading UTF-8 byte order mark is skipped;
-# 6: a special token's text inside a document is text, not that token; a file's NUL or invalid UTF-8 past its first
-# 64 KiB leaves it out; an hf row over 1 MB is cut as a text file is; meta.json holds tokenizer_sha256)
+# 6: a special token's text in a document is text, not that token; a file's NUL or invalid UTF-8 past its first 64 KiB
+# leaves it out; an hf row over 1 MB is cut as text's files; byte: a NUL in a document dropped; tokenizer_sha256)
 
 
 @dataclass

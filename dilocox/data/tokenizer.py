@@ -61,8 +61,8 @@ class ByteTokenizer:
         return len(ids) if isinstance(ids, np.ndarray) else sum(1 for _ in ids)
 
     def encode_docs(self, docs: list[str]) -> np.ndarray:
-        sep = bytes([self.eot_id])
-        return np.frombuffer(sep.join(d.encode("utf-8") for d in docs) + sep, dtype=np.uint8).copy()
+        sep = bytes([self.eot_id])  # (a NUL inside a document, e.g. a JSON "\u0000", would read as its end: dropped)
+        return np.frombuffer(sep.join(d.encode("utf-8").replace(sep, b"") for d in docs) + sep, np.uint8).copy()
 
 
 def byte_level_alphabet() -> dict[str, int]:
