@@ -122,6 +122,22 @@ class _HFTokenizer(CountsBytes):
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def encode_docs(self, docs: list[str]):
+        """As training tokenized them (``BPETokenizer.encode_docs``: a special token's text inside a document is
+        text), each followed by the end-of-document token: ``dilocox eval HF_DIR --text`` scores what ``eval RUN``
+        does."""
+        import numpy as np
+
+        from dilocox.data.tokenizer import BPETokenizer
+
+        if self.eot_id is None:  # (a tokenizer without one: no separator, as before)
+            literal, self.tok.encode_special_tokens = self.tok.encode_special_tokens, True
+            try:
+                return np.asarray([i for d in docs for i in self.tok.encode(d, add_special_tokens=False).ids])
+            finally:
+                self.tok.encode_special_tokens = literal
+        return BPETokenizer.encode_docs(self, docs)
+
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 

@@ -151,3 +151,16 @@ def test_the_byte_tokenizer_drops_a_nul_inside_a_document_which_would_read_as_it
 
     ids = ByteTokenizer().encode_docs(["ab\x00c", "d"])
     assert ids.tolist() == [97, 98, 99, 0, 100, 0]
+
+
+def test_eval_of_an_export_tokenizes_a_document_as_training_did(tmp_path):
+    """(From a review of this change: ``dilocox eval HF_DIR --text`` encoded through the export's tokenizer.json,
+    which still matched "<|endoftext|>" as the token: the same model and text scored otherwise than ``eval RUN``.)"""
+    from dilocox.evaluate import encode_docs
+    from dilocox.generate import _HFTokenizer
+
+    p = prepare(_data_cfg(tmp_path, _bpe_corpus(tmp_path, "x")))
+    docs = ["s = '<|endoftext|>'\n", "second"]
+    run = encode_docs(p.tokenizer(), docs)
+    hf = encode_docs(_HFTokenizer(os.path.join(p.dir, "tokenizer.json")), docs)
+    assert run.tolist() == hf.tolist() and int((run == p.tokenizer().eot_id).sum()) == 2

@@ -191,3 +191,33 @@ def test_hf_local_text_files_are_judged_as_the_text_source(tmp_path, monkeypatch
     ]
     with pytest.raises(DataError, match=r"c_nul.txt' has NUL bytes \(first at byte 70000\); data.source='hf'"):
         list(DocStream(_cfg(tmp_path, source="hf", path=str(d / "c_nul.txt"))))
+
+
+def test_each_file_is_scanned_once_over_the_passes_of_a_prepare(tmp_path):
+    """(From a review of this change: the whole-file scan ran again on every pass over the corpus, two with the byte
+    tokenizer, three with a BPE: a corpus larger than the page cache was read twice as often as before.)"""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(4):
+        (d / f"{i}.txt").write_bytes(_ascii(SNIFF_BYTES + 1000))
+    srcmod._verdict.cache_clear()
+    prepare(_cfg(tmp_path, source="text", path=str(d)))
+    assert srcmod._verdict.cache_info().misses == 4
+    os.utime(d / "0.txt", ns=(1, 1))  # a changed file is judged again
+    assert binary_reason(str(d / "0.txt")) is None and srcmod._verdict.cache_info().misses == 5
+
+
+def test_hf_compressed_text_files_are_read_not_judged_by_their_compressed_bytes(tmp_path, monkeypatch):
+    """(From a review of this change: the binary check read a .txt.gz's compressed bytes, so every compressed text
+    file of data.source=hf was refused as binary.)"""
+    import gzip
+
+    _hf_offline(monkeypatch)
+    d = tmp_path / "gz"
+    d.mkdir()
+    for i in range(3):
+        with gzip.open(d / f"part{i}.txt.gz", "wt") as f:
+            f.write(f"document {i}\nhello world\n")
+    for path in (str(d), str(d / "part0.txt.gz")):
+        s, docs = _stream(_cfg(tmp_path, source="hf", path=path))
+        assert docs[0].startswith("document 0\nhello world") and not s.skipped

@@ -20,8 +20,8 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 @pytest.mark.parametrize(
     "args,match",
     [
-        (["--train.seed=99999999999999999999"], "train.seed=.* must be in \\[0, 2\\*\\*62\\)"),
-        (["--train.seed=-1"], "train.seed=-1"),
+        (["--train.seed=99999999999999999999"], "train.seed=.* must be in \\[-2\\*\\*63, 2\\*\\*64 - 2\\*\\*32\\)"),
+        ([f"--train.seed={-(1 << 63) - 1}"], "train.seed=-9223372036854775809"),
         (["--data.cache_dir="], "data.cache_dir='' is empty"),
         (["--verbose"], "unknown option '--verbose'"),
     ],
@@ -55,7 +55,7 @@ def test_prepare_into_an_out_dir_of_other_data_is_refused_and_leaves_it(tmp_path
     first = prepare(_data(tmp_path), out)
     (tmp_path / "mm" / "NOTES.txt").write_text("mine")
     before = open(first.train_path, "rb").read()
-    with pytest.raises(DataError, match="holds data prepared with other settings.*give --out a new directory"):
+    with pytest.raises(DataError, match="holds other data than this build.*content_sha256, train_tokens.*give --out"):
         prepare(_data(tmp_path, 50_000), out)
     assert open(first.train_path, "rb").read() == before and (tmp_path / "mm" / "NOTES.txt").read_text() == "mine"
     assert prepare(_data(tmp_path), out).cache_hit  # the same settings: reused
@@ -115,3 +115,29 @@ def test_a_model_that_cannot_fit_the_machine_is_refused_before_it_is_built():
     check_model_fits(split, on_cpu=True, memory=need)  # (exactly what it needs: fits)
     with pytest.raises(ConfigError):
         check_model_fits(split, on_cpu=True, memory=need - 1)
+
+
+def test_seeds_torch_takes_are_kept():
+    """(The first range, [0, 2**62), refused seeds torch takes: a run trained with one could no longer be exported.)"""
+    for seed in (-1, -(1 << 63), (1 << 63) - 1):
+        assert load_config(TINY, [f"--train.seed={seed}"]).train.seed == seed
+
+
+def test_prepare_again_into_its_own_out_dir_after_a_touch_replaces_it(tmp_path):
+    """The same corpus with a new mtime (a git checkout, an rsync) changes the cache key, not the data: prepare
+    --out into the directory it wrote before builds it again and replaces it, as before the refusal of other data."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"document {i}\n" + "some text here\n" * 400)
+    cfg = load_config(TINY, ["--data.source=text", f"--data.path={corpus}", f"--data.cache_dir={tmp_path}/c"]).data
+    out = str(tmp_path / "mm")
+    first = prepare(cfg, out)
+    os.utime(corpus / "0.txt", ns=(1, 1))
+    again = prepare(cfg, out)
+    assert not again.cache_hit and again.meta["key"] != first.meta["key"]
+    assert again.meta["content_sha256"] == first.meta["content_sha256"]
+    (corpus / "0.txt").write_text("another text\n" * 400)  # other data: refused, the directory kept
+    with pytest.raises(DataError, match="holds other data than this build.*content_sha256"):
+        prepare(cfg, out)
+    assert prepare(load_config(TINY, ["--data.source=memmap", f"--data.path={out}"]).data).meta == again.meta

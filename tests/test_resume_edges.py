@@ -269,3 +269,18 @@ def test_a_rewind_sets_a_final_checkpoints_continuation_aside_with_it(tmp_path, 
     ext = _run(small_cfg(run, *args, "--checkpoint.resume=auto", steps=14))
     assert f"continuing from {cont / 'step_00000010'}" in capsys.readouterr().out
     assert [r["loss"] for r in ext.history] == [r["loss"] for r in full.history[10:]]
+
+
+def test_a_second_rewind_finds_a_free_name_beside_its_checkpoint_and_under_continue(tmp_path):
+    """(From a review: a set-aside continuation left under continue/ after its checkpoint's .superseded was deleted
+    made the next rewind's rename fail: the name was checked beside the checkpoint only.)"""
+    ck = tmp_path / "checkpoints"
+    for d in (ck / "step_00000004", ck / "step_00000010", ck / "continue" / "step_00000010"):
+        d.mkdir(parents=True)
+        (d / "COMPLETE.json").write_text(json.dumps({"step": int(d.name[5:])}))
+    (ck / "continue" / "step_00000010.superseded").mkdir()  # the first rewind's, its checkpoint's deleted
+    (ck / "continue" / "step_00000010.superseded" / "x").write_text("kept")
+    moved = ckpt.set_aside_later(str(ck), str(ck / "step_00000004"), warn=lambda m: None)
+    assert len(moved) == 1 and os.path.basename(moved[0]).startswith("step_00000010.superseded.")
+    assert (ck / "continue" / os.path.basename(moved[0]) / "COMPLETE.json").exists()
+    assert (ck / "continue" / "step_00000010.superseded" / "x").read_text() == "kept"

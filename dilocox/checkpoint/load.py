@@ -312,10 +312,11 @@ def set_aside_later(ckpt_dir: str, step_dir: str, warn: Callable[[str], None] = 
         _atomic_write_text(os.path.join(ckpt_dir, "latest"), os.path.basename(here) + "\n")
     moved = []
     for d in later:
-        dest = d + ".superseded"
-        if os.path.exists(dest):
-            dest = f"{dest}.{int(time.time())}"
         cont = os.path.join(ckpt_dir, CONTINUE_DIR, os.path.basename(d))
+        dest, n = d + ".superseded", 0
+        while os.path.exists(dest) or os.path.exists(os.path.join(ckpt_dir, CONTINUE_DIR, os.path.basename(dest))):
+            n += 1  # (free beside its checkpoint and under continue/: a set-aside one deleted from one place only)
+            dest = f"{d}.superseded.{int(time.time())}" + (f".{n}" if n > 1 else "")
         if os.path.isdir(cont):
             os.replace(cont, os.path.join(ckpt_dir, CONTINUE_DIR, os.path.basename(dest)))
         os.replace(d, dest)

@@ -51,7 +51,7 @@ _CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "reference"),
     "data.source": ("stdlib", "prose", "docs", "text", "memmap", "hf"),
     "data.tokenizer": ("byte", "bpe"),
-    "data.sampler": ("random", "epoch"),  # == dilocox.data.sampler.MODES (tests/test_data.py)
+    "data.sampler": ("random", "epoch"),  # == dilocox.data.sampler.MODES (tests/test_data_sampling.py)
     "optim.schedule": ("cosine", "constant", "linear", "wsd", "wsd-sqrt"),
     "optim.name": ("adamw", "muon", "sgd"),
     "outer.method": ("none", "allreduce", "diloco", "cocktailsgd"),
@@ -464,8 +464,8 @@ def check_security(sec: Any) -> None:
 def check_train(train: TrainConfig) -> None:
     if train.eval_every < 0:
         _fail("train.eval_every", train.eval_every, "must be >= 0 (0 = never)")
-    if not 0 <= train.seed < 1 << 62:  # (torch.manual_seed takes 64 bits; a stage adds 100 x its index)
-        _fail("train.seed", train.seed, "must be in [0, 2**62), e.g. 1234")
+    if not -(1 << 63) <= train.seed < (1 << 64) - (1 << 32):  # (torch.manual_seed's range, less room for the
+        _fail("train.seed", train.seed, "must be in [-2**63, 2**64 - 2**32), e.g. 1234")  # 100 x stage added)
 
 
 def check_elastic(o: OuterConfig, p: ParallelConfig) -> None:

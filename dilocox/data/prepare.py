@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dilocox.config import DataConfig
+from dilocox.data.outdir import check_replaces
 from dilocox.data.sampler import val_batches as _val_batches
 from dilocox.data.sources import (
     DataError,
@@ -416,24 +417,9 @@ def _publish(tmp: str, out_dir: str, key: str) -> None:
             raise
 
 
-def _check_out_dir(out_dir: str, given: bool = False, key: str = "") -> None:
-    """Refuse, before any work, an ``out_dir`` that holds something else: a file, a directory with files but no
-    meta.json (``_publish`` would refuse it after the build), or (``given``: --out) data of other settings (a run
-    trained on it could not resume; the cache's directories are named by their key: a stale one is replaced)."""
-    meta, same = os.path.join(out_dir, "meta.json"), True
-    if given and os.path.isfile(meta):
-        try:
-            with open(meta) as f:
-                old = json.load(f)
-            what = f"{old.get('source', '?')}, tokenizer {old.get('tokenizer', '?')}, {old.get('train_tokens', '?')}"
-            same = old.get("key") == key  # (the same data, damaged since: built again)
-        except (OSError, ValueError, AttributeError):
-            what, same = "its meta.json unreadable", False
-    if not same:
-        raise DataError(
-            f"--out {out_dir!r} holds data prepared with other settings ({what} training tokens); a run trained on "
-            "it could not resume on what replaced it: give --out a new directory (or delete this one first)"
-        )
+def _check_out_dir(out_dir: str) -> None:
+    """Refuse, before any work, an ``out_dir`` that holds something else: a file, or a directory with files but no
+    meta.json (``_publish`` would refuse it only after the build, with a traceback)."""
     if os.path.exists(out_dir) and (
         not os.path.isdir(out_dir) or os.listdir(out_dir) and not os.path.exists(os.path.join(out_dir, "meta.json"))
     ):
@@ -479,7 +465,7 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
     out_dir = os.path.abspath(out_dir or default_out_dir(cfg, key))
     parent = os.path.dirname(out_dir)
     if (p := _try_cached(out_dir, key)) is None:
-        _check_out_dir(out_dir, given, key)
+        _check_out_dir(out_dir)
         os.makedirs(parent, exist_ok=True)
         with _file_lock(out_dir + ".lock"):
             if (p := _try_cached(out_dir, key)) is None:
@@ -487,6 +473,12 @@ def prepare(cfg: DataConfig, out_dir: str | None = None) -> PreparedData:
                 tmp = tempfile.mkdtemp(prefix=f"{_tmp_prefix()}{os.getpid()}-", dir=parent)
                 try:
                     meta = _build(cfg, key, tmp)
+                    if given:  # (--out: what is there may be another run's data; the same data is replaced)
+                        try:
+                            old = load_prepared(out_dir, "--out")
+                        except (FileNotFoundError, ValueError, KeyError):
+                            old = None  # (nothing there, or damaged: built again)
+                        check_replaces(out_dir, old, meta)
                     with open(os.path.join(tmp, "meta.json"), "w") as f:
                         json.dump(meta, f, indent=2)
                     _publish(tmp, out_dir, key)

@@ -9,21 +9,17 @@ Six sources (``data.source``):
               ``pydoc_data.topics`` (about 465k characters, one topic = one document, sorted by name);
               the second corpus of ``dilocox bench frontier`` (no download).
 - ``docs``    more English prose from the interpreter, for long runs (prose repeats 13 times in 3,000 steps of
-              the frontier's layout): ``prose``'s topics, then per stdlib module (the ``stdlib`` files, in
-              their order) its module, class and function docstrings (``ast.get_docstring``), one module =
-              one document; about 2.1 MB (4.6x prose) on CPython 3.11.
+              the frontier's layout): ``prose``'s topics, then per stdlib module (in the ``stdlib`` order) its
+              docstrings (``ast.get_docstring``), one module = one document; about 2.1 MB (4.6x prose).
 - ``text``    ``data.path`` is a text file, a directory (sorted recursive walk, hidden files skipped,
               binary and non-UTF-8 ones left out and named: ``skipped_note``) or a glob; one file = one
-              document (a file over 1 MB: one per MB, cut at a line end, ``TEXT_PIECE_BYTES``). Binary or
-              not UTF-8 (``binary_reason``): a NUL byte anywhere, or over 1% of the bytes invalid UTF-8 (of the
-              first 64 KiB, or of the whole file); decided, reading the whole file in 256 KiB pieces, before any
-              of it is read into the corpus (a file is kept whole or left out whole; a data.path file, refused).
+              document (a file over 1 MB: one per MB, cut at a line end, ``TEXT_PIECE_BYTES``). Binary or not
+              UTF-8 (``binary_reason``, the whole file read first): a NUL, or over 1% of its bytes invalid UTF-8.
 - ``hf``      HF ``datasets``: local text/json/jsonl/parquet/csv files (by extension), a
               ``save_to_disk`` directory or a local copy of a hub dataset (both offline), or a
               hub dataset name (needs a network); ``data.hf_config`` names the dataset's config
-              (wikitext-103-raw-v1). ``datasets`` is imported only here. Local text files: one file = one
-              row, checked and left out as ``text``'s. Any row (of any format) over 1 MB of UTF-8 is read as
-              documents of at most 1 MB, cut at a line end as ``text``'s files (``TEXT_PIECE_BYTES``).
+              (wikitext-103-raw-v1). ``datasets`` is imported only here. Local text files: one row each,
+              checked as ``text``'s. A row over 1 MB: pieces of at most 1 MB, as ``text``'s files.
 - ``memmap``  an already-prepared directory; handled by ``prepare.load_prepared``.
 
 No source is capped unless ``data.max_bytes`` is set (opt-in): then it keeps the first
@@ -36,6 +32,7 @@ last documents, about ``val_fraction`` of the bytes, never a document cut in two
 from __future__ import annotations
 
 import ast
+import functools
 import glob
 import hashlib
 import io
@@ -110,14 +107,18 @@ class DataError(ValueError):
     """A corpus that cannot be used (empty, binary, too short): the message names the file and the fix."""
 
 
-SNIFF_BYTES = 65536  # how much of each file the quick first check reads
+SNIFF_BYTES, SCAN_BYTES = 65536, 1 << 18  # the quick first check's bytes; the whole-file check's pieces (memory ~10x)
 MAX_INVALID_UTF8 = 0.01  # a larger share of bytes that are not valid UTF-8 marks a file as binary
-SCAN_BYTES = 1 << 18  # the whole-file check reads a file in pieces of this many bytes (memory: ~10x that)
 
 
 def binary_reason(path: str) -> str | None:
-    """Why ``path`` is not UTF-8 text, else None: it has a NUL byte, or over 1% of its bytes are invalid UTF-8 (in its
-    first 64 KiB, the quick check, or over the whole file). The whole file is read, in pieces of ``SCAN_BYTES``."""
+    """Why ``path`` is not UTF-8 text, else None: a NUL byte, or over 1% of its bytes invalid UTF-8 (of its first 64
+    KiB, or of the whole file, read in ``SCAN_BYTES`` pieces once while its size and mtime stay)."""
+    return _verdict(os.path.abspath(path), (st := os.stat(path)).st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # (path, size, mtime): one scan per file, not one per pass over the corpus
+def _verdict(path: str, size: int, mtime_ns: int) -> str | None:
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
         more = bool(f.read(1))
@@ -178,8 +179,12 @@ def local_files(
     if not path:
         raise FileNotFoundError(f"data.path is not set; data.source={source!r} needs a file, a directory or a glob")
     expanded = os.path.expanduser(path)
+
+    def check(f: str) -> str | None:  # (hf reads a compressed file decompressed: its bytes say nothing)
+        return binary_reason(f) if skip_binary and not (source == "hf" and f.endswith(_COMPRESSED)) else None
+
     if os.path.isfile(expanded):
-        if skip_binary and (why := binary_reason(expanded)):
+        if why := check(expanded):
             raise DataError(
                 f"data.path={path!r} {why}; data.source={source!r} reads UTF-8 text: give a text file "
                 "(convert with iconv -t utf-8) or a directory written by `dilocox data prepare` "
@@ -202,7 +207,7 @@ def local_files(
             )
     found, files, first_why = files, [], ""
     for f in found:
-        why = binary_reason(f) if skip_binary else None
+        why = check(f)
         if why is None:
             files.append(os.path.abspath(f))
             continue
@@ -328,8 +333,7 @@ def _docstring_raws(files: list[str]):
 
 # data.source=text reads a file larger than this as several documents, each cut at a line end: a 1 GB file of one
 # document would otherwise be held, encoded and (for a BPE) trained on at once (~150x its size in memory). Each
-# piece ends with the end-of-document token, one per MB; the stdlib corpora (no file over 1 MB) are not cut. So is
-# a data.source=hf row larger than this (a local text file is one row).
+# piece ends with the end-of-document token, one per MB; the stdlib corpora are not cut; an hf row over it is.
 TEXT_PIECE_BYTES = 1 << 20
 
 
