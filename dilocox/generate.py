@@ -128,14 +128,11 @@ class _HFTokenizer(CountsBytes):
         does."""
         import numpy as np
 
-        from dilocox.data.tokenizer import BPETokenizer
+        from dilocox.data.tokenizer import BPETokenizer, special_tokens_as_text
 
         if self.eot_id is None:  # (a tokenizer without one: no separator, as before)
-            literal, self.tok.encode_special_tokens = self.tok.encode_special_tokens, True
-            try:
-                return np.asarray([i for d in docs for i in self.tok.encode(d, add_special_tokens=False).ids])
-            finally:
-                self.tok.encode_special_tokens = literal
+            with special_tokens_as_text(self.tok) as tok:
+                return np.asarray([i for d in docs for i in tok.encode(d, add_special_tokens=False).ids])
         return BPETokenizer.encode_docs(self, docs)
 
     def decode(self, ids) -> str:

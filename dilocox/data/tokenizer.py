@@ -17,6 +17,7 @@ cached as JSON; ``load_or_train_bpe`` reuses the cached file when it exists.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterable
@@ -121,6 +122,18 @@ def token_byte_lengths(tok, vocab_size: int) -> np.ndarray:
     return out
 
 
+@contextlib.contextmanager
+def special_tokens_as_text(tok):
+    """A ``tokenizers.Tokenizer`` that encodes a special token's text inside a document as text ("<|endoftext|>" in
+    code about tokenizers, Qwen's "<|im_end|>": matched as the token, it cut the document in two and the model never
+    saw the string); its setting is given back after."""
+    literal, tok.encode_special_tokens = tok.encode_special_tokens, True
+    try:
+        yield tok
+    finally:
+        tok.encode_special_tokens = literal
+
+
 class BPETokenizer(CountsBytes):
     """A ``tokenizers.Tokenizer`` (byte-level BPE) behind the common interface."""
 
@@ -169,14 +182,9 @@ class BPETokenizer(CountsBytes):
         # encode_batch_fast (tokenizers >= 0.20): the same ids without the offsets, ~2x faster; memory is ~70 bytes
         # per input byte either way (the Encoding objects), so callers keep batches small (prepare: 1 MB)
         encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
-        # a special token's text inside a document ("<|endoftext|>" in code about tokenizers, Qwen's "<|im_end|>") is
-        # text: matched as the token, it cut the document in two and the model never saw the string
-        literal, self.tok.encode_special_tokens = self.tok.encode_special_tokens, True
-        try:
+        with special_tokens_as_text(self.tok):
             for enc in encode(docs, add_special_tokens=False):
                 parts += [np.asarray(enc.ids, dtype=dtype), np.array([self.eot_id], dtype=dtype)]
-        finally:
-            self.tok.encode_special_tokens = literal
         return np.concatenate(parts)
 
     def save(self, path: str) -> None:
